@@ -1,0 +1,1 @@
+"""The broker role (installed as ``farm.broker``)."""

@@ -1,0 +1,438 @@
+"""The ROUTER broker: a registry of workers, jobs cut into chunks by policy objects.
+
+One ROUTER socket serves workers and clients alike.  The loop is thin: poll,
+decode, dispatch to a handler, repeat.  Payload frames are forwarded as the
+zmq frames they arrived in (a chunk is a memoryview slice of the client's
+block): the broker never copies or decodes image or output data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from farm import protocol
+from farm.policies import Assign, Chunk, ChunkDone, Policy, WorkerLost, WorkerReady, make_policy
+from farm.protocol import Command, Message, ProtocolError
+
+log = logging.getLogger("farm.broker")
+
+#: Items per DATA block the broker accepts at most (the client sends smaller ones).
+MAX_JOB_ITEMS = 1 << 31
+
+
+@dataclass
+class WorkerEntry:
+    """What the broker knows of one connected worker."""
+
+    identity: bytes
+    device: str
+    host: str
+    pid: int
+    backend: str
+    models: dict[str, Any]
+    slots: int
+    in_flight: dict[int, "ChunkRecord"] = field(default_factory=dict)
+    items_done: int = 0
+    chunks_done: int = 0
+    compute_s: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return self.identity.hex()
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.pid}/{self.device}"
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self.in_flight)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "device": self.device, "host": self.host, "pid": self.pid,
+                "backend": self.backend, "models": sorted(self.models),
+                "in_flight": len(self.in_flight), "items_done": self.items_done,
+                "chunks_done": self.chunks_done, "compute_s": self.compute_s}
+
+
+@dataclass
+class Share:
+    """One worker's part in one job."""
+
+    name: str
+    device: str
+    items: int = 0
+    chunks: int = 0
+    compute_s: float = 0.0
+
+
+@dataclass
+class Job:
+    """A client's job: its input blocks, its policy and its progress."""
+
+    id: str
+    client: bytes
+    model: str
+    dtype: str
+    item_shape: tuple[int, ...]
+    total: int
+    policy: Policy
+    submitted_at: float
+    starts: list[int] = field(default_factory=list)  # block starts, sorted
+    blocks: list[Any] = field(default_factory=list)  # zmq frames, parallel to starts
+    received: int = 0  # items of input received, contiguous from 0
+    stalled: list[Assign] = field(default_factory=list)  # assigned before their data came
+    shares: dict[str, Share] = field(default_factory=dict)
+    validated: bool = False
+
+    @property
+    def item_bytes(self) -> int:
+        return protocol.check_array_spec(self.dtype, self.item_shape)
+
+    def add_block(self, start: int, count: int, frame: Any) -> None:
+        if start != self.received:
+            raise ProtocolError(f"job {self.id}: block at {start}, expected {self.received}")
+        if start + count > self.total:
+            raise ProtocolError(f"job {self.id}: block {start}+{count} past total {self.total}")
+        if frame.buffer.nbytes != count * self.item_bytes:
+            raise ProtocolError(f"job {self.id}: block of {frame.buffer.nbytes} bytes, "
+                                f"expected {count} x {self.item_bytes}")
+        self.starts.append(start)
+        self.blocks.append(frame)
+        self.received += count
+
+    def slices(self, chunk: Chunk) -> list[memoryview] | None:
+        """Zero-copy views of the chunk's input, or None while part of it has not arrived."""
+        if chunk.stop > self.received:
+            return None
+        views, item_bytes = [], self.item_bytes
+        index = bisect.bisect_right(self.starts, chunk.start) - 1
+        position = chunk.start
+        while position < chunk.stop:
+            block_start, block = self.starts[index], self.blocks[index].buffer
+            block_stop = block_start + block.nbytes // item_bytes
+            stop = min(chunk.stop, block_stop)
+            views.append(block[(position - block_start) * item_bytes:
+                               (stop - block_start) * item_bytes])
+            position, index = stop, index + 1
+        return views
+
+    def summary(self, now: float) -> dict[str, Any]:
+        return {"items": self.total, "broker_seconds": now - self.submitted_at,
+                "policy": self.policy.name,
+                "workers": [vars(share) for share in self.shares.values()]}
+
+
+@dataclass
+class ChunkRecord:
+    """A chunk in flight: which job, which items, sent when."""
+
+    id: int
+    job: Job
+    chunk: Chunk
+    sent_at: float
+
+
+@dataclass
+class BrokerConfig:
+    bind: str = "tcp://127.0.0.1:5555"
+    algo: str = "fifo"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+class Broker:
+    """Registry + dispatcher.  ``poll_once`` is the whole loop body."""
+
+    def __init__(self, config: BrokerConfig, context: zmq.Context,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        make_policy(config.algo, 1, **config.params)  # fail fast on a bad name or parameter
+        self.config = config
+        self.clock = clock
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.socket.bind(config.bind)
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.workers: dict[bytes, WorkerEntry] = {}
+        self.jobs: dict[str, Job] = {}
+        self.known_models: dict[str, dict[str, Any]] = {}
+        self.info_waiters: list[tuple[bytes, int]] = []
+        self.next_chunk_id = 0
+        self.running = True
+        self.handlers: dict[Command, Callable[[bytes, Message], None]] = {
+            Command.READY: self.on_ready, Command.RESULT: self.on_result,
+            Command.FAILED: self.on_failed, Command.SUBMIT: self.on_submit,
+            Command.DATA: self.on_data, Command.INFO: self.on_info,
+            Command.DISCONNECT: self.on_disconnect, Command.HEARTBEAT: lambda *_: None,
+        }
+
+    # ----------------------------------------------------------------- loop
+
+    def serve(self) -> None:
+        """Run until ``stop`` is called (SIGINT/SIGTERM in the CLI)."""
+        log.info("broker listening on %s, policy %s %s", self.endpoint, self.config.algo,
+                 self.config.params)
+        while self.running:
+            self.poll_once(250)
+        self.socket.close()
+
+    def poll_once(self, timeout_ms: int) -> None:
+        """Handle every message that is waiting (or arrives within the timeout)."""
+        if not self.socket.poll(timeout_ms):
+            return
+        while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = self.socket.recv_multipart(copy=False)
+            self.handle(frames)
+
+    def stop(self, *_: Any) -> None:
+        self.running = False
+
+    def handle(self, frames: list[Any]) -> None:
+        """Decode and dispatch one message; a bad one gets an ERROR, never a crash."""
+        identity, body = frames[0].bytes, frames[1:]
+        message = None
+        try:
+            message = protocol.decode(body, allowed=frozenset(self.handlers))
+            self.handlers[message.command](identity, message)
+        except ProtocolError as exc:
+            log.warning("bad message from %s: %s", identity.hex(), exc)
+            job = message.header.get("job") if message else None
+            self.send(identity, Command.ERROR, {"error": str(exc), **({"job": job} if job else {})})
+        except Exception:  # a bug must not take the farm down; log it and keep serving
+            log.exception("error handling a message from %s", identity.hex())
+
+    def send(self, identity: bytes, command: Command, header: dict[str, Any],
+             payload: list[Any] | tuple = ()) -> None:
+        self.socket.send_multipart([identity, *protocol.encode(command, header, payload)],
+                                   copy=False)
+
+    # -------------------------------------------------------------- workers
+
+    def on_ready(self, identity: bytes, message: Message) -> None:
+        header = message.header
+        if identity in self.workers:
+            self.lose_worker(identity, "re-registered")
+        entry = WorkerEntry(identity, header["device"], header["host"], header["pid"],
+                            header["backend"], header["models"], max(1, header["slots"]))
+        self.workers[identity] = entry
+        self.known_models.update(entry.models)
+        log.info("worker %s joined (%s, models %s)", entry.name, entry.backend,
+                 ", ".join(sorted(entry.models)))
+        for job in list(self.jobs.values()):
+            self.validate_job(job)
+        self.answer_info_waiters()
+        self.fill(entry)
+
+    def on_disconnect(self, identity: bytes, message: Message) -> None:
+        self.lose_worker(identity, "disconnected")
+
+    def lose_worker(self, identity: bytes, reason: str) -> None:
+        """Forget a worker; its chunks go back to their jobs' policies."""
+        entry = self.workers.pop(identity, None)
+        if entry is None:
+            return
+        log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason,
+                 len(entry.in_flight))
+        for job in list(self.jobs.values()):
+            self.dispatch(job, job.policy.handle(WorkerLost(entry.id)))
+        self.fill_all()
+
+    def fill(self, entry: WorkerEntry) -> None:
+        """Offer the worker's free slots to the jobs, oldest job first."""
+        while entry.free_slots > 0 and entry.identity in self.workers:
+            before = len(entry.in_flight)
+            for job in list(self.jobs.values()):
+                if job.validated and job.model in entry.models:
+                    self.dispatch(job, job.policy.handle(WorkerReady(entry.id)))
+                    if len(entry.in_flight) > before:
+                        break
+            else:
+                return
+
+    def fill_all(self) -> None:
+        for entry in list(self.workers.values()):
+            self.fill(entry)
+
+    def dispatch(self, job: Job, assignments: list[Assign]) -> None:
+        """Carry out a policy's assignments: send each chunk, or park it until its data comes."""
+        for assignment in assignments:
+            entry = self.workers.get(bytes.fromhex(assignment.worker))
+            if entry is None:  # the policy has not heard the worker is gone yet
+                self.dispatch(job, job.policy.handle(WorkerLost(assignment.worker)))
+                continue
+            views = job.slices(assignment.chunk)
+            if views is None:
+                job.stalled.append(assignment)
+                continue
+            self.send_chunk(job, entry, assignment.chunk, views)
+
+    def send_chunk(self, job: Job, entry: WorkerEntry, chunk: Chunk, views: list[Any]) -> None:
+        record = ChunkRecord(self.next_chunk_id, job, chunk, self.clock())
+        self.next_chunk_id += 1
+        entry.in_flight[record.id] = record
+        self.send(entry.identity, Command.TASK, {
+            "job": job.id, "chunk": record.id, "start": chunk.start, "count": chunk.count,
+            "model": job.model, "dtype": job.dtype, "item_shape": list(job.item_shape)}, views)
+
+    def take_record(self, identity: bytes, message: Message) -> tuple[WorkerEntry, ChunkRecord] | None:
+        """The in-flight record a RESULT or FAILED answers; None for a late or unknown one."""
+        entry = self.workers.get(identity)
+        record = entry.in_flight.pop(message.header["chunk"], None) if entry else None
+        if record is None or record.job.id not in self.jobs:
+            log.info("dropped a reply for chunk %s (late, duplicate or cancelled)",
+                     message.header["chunk"])
+            return None
+        return entry, record
+
+    def on_result(self, identity: bytes, message: Message) -> None:
+        found = self.take_record(identity, message)
+        if found is None:
+            return
+        entry, record = found
+        job, chunk, header = record.job, record.chunk, message.header
+        if (header["start"], header["count"]) != (chunk.start, chunk.count):
+            raise ProtocolError(f"result for {header['start']}+{header['count']} answers "
+                                f"chunk {chunk.start}+{chunk.count}")
+        compute = float(header["timings"].get("compute", 0.0))
+        self.account(entry, job, chunk, compute)
+        self.send(job.client, Command.RESULT, {
+            **header, "job": job.id, "worker": entry.name,
+            "round_trip": self.clock() - record.sent_at}, message.payload)
+        self.dispatch(job, job.policy.handle(ChunkDone(entry.id, chunk, compute)))
+        if job.policy.finished:
+            self.finish(job)
+        self.fill(entry)
+
+    def account(self, entry: WorkerEntry, job: Job, chunk: Chunk, compute: float) -> None:
+        entry.items_done += chunk.count
+        entry.chunks_done += 1
+        entry.compute_s += compute
+        share = job.shares.setdefault(entry.id, Share(entry.name, entry.device))
+        share.items += chunk.count
+        share.chunks += 1
+        share.compute_s += compute
+
+    def on_failed(self, identity: bytes, message: Message) -> None:
+        found = self.take_record(identity, message)
+        if found is None:
+            return
+        entry, record = found
+        chunk = record.chunk
+        self.fail_job(record.job, f"items {chunk.start}..{chunk.stop - 1} failed on "
+                                  f"{entry.name}: {message.header['error']}")
+        self.fill(entry)
+
+    # ----------------------------------------------------------------- jobs
+
+    def on_submit(self, identity: bytes, message: Message) -> None:
+        header = message.header
+        job_id = header["job"]
+        if job_id in self.jobs:
+            raise ProtocolError(f"job {job_id} already exists")
+        protocol.check_array_spec(header["dtype"], header["item_shape"])
+        if not 0 < header["total"] <= MAX_JOB_ITEMS:
+            raise ProtocolError(f"job total {header['total']} out of range")
+        policy = make_policy(self.config.algo, header["total"], **self.config.params)
+        job = Job(job_id, identity, header["model"], header["dtype"],
+                  tuple(header["item_shape"]), header["total"], policy, self.clock())
+        self.jobs[job_id] = job
+        log.info("job %s: %d x %s %s for model %s", job_id, job.total, job.item_shape,
+                 job.dtype, job.model)
+        if self.validate_job(job):
+            self.fill_all()
+
+    def validate_job(self, job: Job) -> bool:
+        """Check the job's model and shape against what workers offer; fail it if wrong."""
+        if job.validated:
+            return True
+        model = self.known_models.get(job.model)
+        if model is None:
+            if self.workers:
+                self.fail_job(job, f"unknown model {job.model!r}; workers offer: "
+                                   f"{', '.join(sorted(self.known_models)) or 'none'}")
+            return False  # no worker yet: wait for one to say what it offers
+        expected = tuple(model.get("input_shape", ()))
+        if job.item_shape != expected:
+            self.fail_job(job, f"images of shape {job.item_shape} do not match model "
+                               f"{job.model!r}, which takes {expected}")
+            return False
+        job.validated = True
+        return True
+
+    def on_data(self, identity: bytes, message: Message) -> None:
+        header = message.header
+        job = self.jobs.get(header["job"])
+        if job is None or job.client != identity:
+            return  # data of a job that failed or was never accepted: drop silently
+        try:
+            if len(message.payload) != 1:
+                raise ProtocolError("DATA carries exactly one frame")
+            job.add_block(header["start"], header["count"], message.payload[0])
+        except ProtocolError as exc:
+            self.fail_job(job, str(exc))
+            return
+        stalled, job.stalled = job.stalled, []
+        self.dispatch(job, stalled)
+
+    def finish(self, job: Job) -> None:
+        del self.jobs[job.id]
+        summary = job.summary(self.clock())
+        log.info("job %s done: %d items in %.3f s", job.id, job.total, summary["broker_seconds"])
+        self.send(job.client, Command.DONE, {"job": job.id, "summary": summary})
+
+    def fail_job(self, job: Job, error: str) -> None:
+        """Tell the client why its job failed; drop its chunks everywhere."""
+        self.jobs.pop(job.id, None)
+        log.warning("job %s failed: %s", job.id, error)
+        self.send(job.client, Command.ERROR, {"error": error, "job": job.id})
+        for entry in self.workers.values():
+            for chunk_id in [i for i, r in entry.in_flight.items() if r.job is job]:
+                del entry.in_flight[chunk_id]
+        self.fill_all()
+
+    # ----------------------------------------------------------------- info
+
+    def on_info(self, identity: bytes, message: Message) -> None:
+        """A snapshot of the registry; with ``wait_workers`` it is sent once that many joined."""
+        wanted = message.header.get("wait_workers", 0)
+        if not isinstance(wanted, int) or isinstance(wanted, bool):
+            raise ProtocolError("INFO wait_workers must be an integer")
+        if len(self.workers) >= wanted:
+            self.send(identity, Command.INFO, self.snapshot())
+        else:
+            self.info_waiters.append((identity, wanted))
+
+    def answer_info_waiters(self) -> None:
+        waiting, self.info_waiters = self.info_waiters, []
+        for identity, wanted in waiting:
+            if len(self.workers) >= wanted:
+                self.send(identity, Command.INFO, self.snapshot())
+            else:
+                self.info_waiters.append((identity, wanted))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"policy": self.config.algo, "params": self.config.params,
+                "workers": [entry.describe() for entry in self.workers.values()],
+                "jobs": [{"job": job.id, "model": job.model, "total": job.total,
+                          "done": job.policy.completed} for job in self.jobs.values()]}
+
+
+def serve(config: BrokerConfig, on_bound: Callable[[str], None] | None = None) -> None:
+    """Bind, report the endpoint, and serve until SIGINT/SIGTERM."""
+    context = zmq.Context()
+    broker = Broker(config, context)
+    signal.signal(signal.SIGTERM, broker.stop)
+    signal.signal(signal.SIGINT, broker.stop)
+    if on_bound:
+        on_bound(broker.endpoint)
+    try:
+        broker.serve()
+    finally:
+        context.term()

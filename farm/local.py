@@ -1,0 +1,100 @@
+"""A farm on this machine: a broker process and one pinned worker process per core.
+
+``farm run`` and the tests use it; the processes are the real ``farm broker``
+and ``farm worker`` commands, talking over loopback TCP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from farm.client import Client, FarmError
+
+#: Seconds a process gets to exit after SIGTERM before SIGKILL.
+STOP_GRACE = 5.0
+
+
+def cores() -> list[int]:
+    """Cores this process may run on."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def farm_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "farm", *args]
+
+
+@dataclass
+class LocalFarm:
+    """Start with ``with LocalFarm(...) as local:``; ``local.endpoint`` is the broker's address."""
+
+    devices: Sequence[str] = field(default_factory=lambda: [f"cpu:{core}" for core in cores()])
+    algo: str = "fifo"
+    broker_options: Sequence[str] = ()
+    worker_options: Sequence[str] = ()
+    preload: Sequence[str] = ()
+    log_level: str = "WARNING"
+    ready_timeout: float = 60.0
+    endpoint: str = ""
+    broker: subprocess.Popen | None = None
+    workers: list[subprocess.Popen] = field(default_factory=list)
+
+    def __enter__(self) -> LocalFarm:
+        try:
+            self.start_broker()
+            for device in self.devices:
+                self.start_worker(device)
+            self.wait_for_workers(len(self.devices))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop()
+
+    def start_broker(self) -> None:
+        """Start the broker on a free loopback port; read the endpoint it bound."""
+        self.broker = subprocess.Popen(
+            farm_command("--log-level", self.log_level, "broker", "--bind", "tcp://127.0.0.1:*",
+                         "--algo", self.algo, *self.broker_options),
+            stdout=subprocess.PIPE, text=True)
+        line = self.broker.stdout.readline()
+        if not line.startswith("farm broker listening on "):
+            raise FarmError(f"broker did not start (exit code {self.broker.poll()})")
+        self.endpoint = line.rsplit(" ", 1)[1].strip()
+
+    def start_worker(self, device: str, *options: str) -> subprocess.Popen:
+        preload = [arg for name in self.preload for arg in ("--model", name)]
+        process = subprocess.Popen(farm_command(
+            "--log-level", self.log_level, "worker", "--device", device, "--broker",
+            self.endpoint, *preload, *self.worker_options, *options))
+        self.workers.append(process)
+        return process
+
+    def wait_for_workers(self, count: int) -> dict[str, Any]:
+        """Block until ``count`` workers have registered with the broker."""
+        with Client(self.endpoint, timeout=self.ready_timeout) as client:
+            return client.info(wait_workers=count)
+
+    def client(self, timeout: float | None = 60.0) -> Client:
+        return Client(self.endpoint, timeout=timeout)
+
+    def stop(self) -> None:
+        """SIGTERM every process, then SIGKILL whatever outlives the grace period."""
+        processes = [p for p in [*self.workers, self.broker] if p is not None]
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.broker is not None and self.broker.stdout:
+            self.broker.stdout.close()

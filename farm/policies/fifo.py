@@ -1,0 +1,23 @@
+"""async-FIFO (SPEC.md): every idle worker at once gets ``min(chunk, remaining)``; no barrier."""
+
+from __future__ import annotations
+
+from farm.policies.base import Policy, WorkerId
+
+
+class FifoPolicy(Policy):
+    """Fixed-size chunks handed out first come, first served.
+
+    ``chunk`` is the paper's ``c`` (tried: 500, 1000, 2000, 3000).
+    """
+
+    name = "fifo"
+
+    def __init__(self, total: int, chunk: int = 500) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1, got {chunk}")
+        super().__init__(total)
+        self.chunk = chunk
+
+    def chunk_size(self, worker: WorkerId) -> int:
+        return self.chunk

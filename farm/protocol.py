@@ -1,0 +1,195 @@
+"""The farm wire protocol: the only module that builds or parses frames.
+
+A message is a list of frames (after any ROUTER identity frame)::
+
+    [SIGNATURE, command (1 byte), header (msgpack map), *payload]
+
+``SIGNATURE`` carries the protocol version (``b"FARM01"``).  The header is a
+small msgpack map whose fields are checked against a per-command schema.  The
+payload frames are raw numpy buffers; their dtype and shape live in the header,
+never in the payload, and nothing is ever pickled.  Payloads are sent with
+``copy=False``: pyzmq copies frames below ``socket.copy_threshold`` (64 kB by
+default) anyway, because zero-copy only pays off above that size.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+SIGNATURE = b"FARM01"
+
+#: Dtypes that may cross the wire, by their numpy name.
+ALLOWED_DTYPES = frozenset({"uint8", "float32"})
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_PAYLOAD_FRAMES = 64
+MAX_DIMS = 8
+MAX_ITEMS = 1 << 31
+MAX_MESSAGE_BYTES = 1 << 30  # also set as ZMQ_MAXMSGSIZE on every socket
+
+
+class Command(bytes, enum.Enum):
+    """One-byte commands; the direction is in the comment."""
+
+    READY = b"\x01"  # worker -> broker: registration with the worker's facts
+    TASK = b"\x02"  # broker -> worker: a chunk to run
+    RESULT = b"\x03"  # worker -> broker -> client: a chunk's outputs
+    FAILED = b"\x04"  # worker -> broker: a chunk could not run
+    SUBMIT = b"\x05"  # client -> broker: a new job (no payload)
+    DATA = b"\x06"  # client -> broker: a block of a job's items
+    DONE = b"\x07"  # broker -> client: every item of a job came back
+    ERROR = b"\x08"  # broker -> client or worker: a request was refused
+    INFO = b"\x09"  # client -> broker and back: registry snapshot
+    HEARTBEAT = b"\x0a"  # any direction: liveness
+    DISCONNECT = b"\x0b"  # worker -> broker: leaving cleanly
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol."""
+
+
+#: Per-command header schema: field name -> accepted Python types.
+_SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
+    Command.READY: {"device": (str,), "host": (str,), "pid": (int,), "backend": (str,),
+                    "models": (dict,), "slots": (int,)},
+    Command.TASK: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
+                   "model": (str,), "dtype": (str,), "item_shape": (list,)},
+    Command.RESULT: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
+                     "dtype": (str,), "item_shape": (list,), "timings": (dict,)},
+    Command.FAILED: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
+                     "error": (str,)},
+    Command.SUBMIT: {"job": (str,), "model": (str,), "dtype": (str,), "item_shape": (list,),
+                     "total": (int,), "options": (dict,)},
+    Command.DATA: {"job": (str,), "start": (int,), "count": (int,)},
+    Command.DONE: {"job": (str,), "summary": (dict,)},
+    Command.ERROR: {"error": (str,)},
+    Command.INFO: {},
+    Command.HEARTBEAT: {},
+    Command.DISCONNECT: {},
+}
+
+#: Commands whose payload is an array described by dtype/item_shape/count.
+_ARRAY_COMMANDS = frozenset({Command.TASK, Command.RESULT, Command.DATA})
+
+
+@dataclass
+class Message:
+    """A decoded message: command, validated header and raw payload frames."""
+
+    command: Command
+    header: dict[str, Any]
+    payload: list[Any] = field(default_factory=list)
+
+    def array(self, dtype: str, item_shape: Sequence[int]) -> np.ndarray:
+        """The payload as one array of ``(count, *item_shape)``, zero-copy when it is one frame."""
+        buffers = [_buffer(frame) for frame in self.payload]
+        data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
+        return np.frombuffer(data, dtype=dtype).reshape(-1, *item_shape)
+
+
+def _buffer(frame: Any) -> memoryview:
+    """A memoryview of a zmq.Frame, bytes or memoryview."""
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def _frame_size(frame: Any) -> int:
+    return _buffer(frame).nbytes
+
+
+def encode(command: Command, header: dict[str, Any] | None = None,
+           payload: Sequence[Any] = ()) -> list[Any]:
+    """Frames for one message; payload frames are passed through untouched."""
+    packed = msgpack.packb(header or {}, use_bin_type=True)
+    return [SIGNATURE, command.value, packed, *payload]
+
+
+def array_frames(array: np.ndarray) -> list[Any]:
+    """Payload frames for an array: one contiguous buffer, never a pickle."""
+    return [np.ascontiguousarray(array).data]
+
+
+def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> Message:
+    """Parse and validate frames (identity already removed); raise ProtocolError."""
+    if len(frames) < 3:
+        raise ProtocolError(f"expected at least 3 frames, got {len(frames)}")
+    signature, command_frame, header_frame, *payload = frames
+    if bytes(_buffer(signature)) != SIGNATURE:
+        raise ProtocolError(f"unknown protocol signature {bytes(_buffer(signature))[:16]!r}")
+    command = _decode_command(bytes(_buffer(command_frame)))
+    if allowed is not None and command not in allowed:
+        raise ProtocolError(f"command {command.name} not accepted here")
+    header = _decode_header(_buffer(header_frame), command)
+    if len(payload) > MAX_PAYLOAD_FRAMES:
+        raise ProtocolError(f"too many payload frames: {len(payload)}")
+    message = Message(command, header, list(payload))
+    if command in _ARRAY_COMMANDS:
+        _check_array(message)
+    elif payload:
+        raise ProtocolError(f"{command.name} carries no payload, got {len(payload)} frames")
+    return message
+
+
+def _decode_command(raw: bytes) -> Command:
+    try:
+        return Command(raw)
+    except ValueError:
+        raise ProtocolError(f"unknown command {raw[:8]!r}") from None
+
+
+def _decode_header(raw: memoryview, command: Command) -> dict[str, Any]:
+    if raw.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
+    for name, types in _SCHEMAS[command].items():
+        value = header.get(name)
+        if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+            raise ProtocolError(f"{command.name} header field {name!r} missing or not "
+                                f"{'/'.join(t.__name__ for t in types)}")
+    return header
+
+
+def _check_array(message: Message) -> None:
+    """Check dtype against the allow-list and the declared shape against the byte count."""
+    header = message.header
+    count = header["count"]
+    if not 0 < count <= MAX_ITEMS:
+        raise ProtocolError(f"item count {count} out of range")
+    if header.get("start", 0) < 0:
+        raise ProtocolError("negative start")
+    if message.command is Command.DATA:
+        return  # dtype and item shape were declared by the job's SUBMIT; checked by the broker
+    item_bytes = check_array_spec(header["dtype"], header["item_shape"])
+    expected = count * item_bytes
+    actual = sum(_frame_size(frame) for frame in message.payload)
+    if actual != expected:
+        raise ProtocolError(f"payload is {actual} bytes, header declares {count} x "
+                            f"{header['item_shape']} {header['dtype']} = {expected}")
+
+
+def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:
+    """Validate a dtype name and item shape; return the bytes per item."""
+    if dtype not in ALLOWED_DTYPES:
+        raise ProtocolError(f"dtype {dtype!r} not allowed; use one of {sorted(ALLOWED_DTYPES)}")
+    if not 0 < len(item_shape) <= MAX_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_ITEMS for d in item_shape):
+        raise ProtocolError(f"invalid item shape {item_shape!r}")
+    item_bytes = np.dtype(dtype).itemsize * math.prod(item_shape)
+    if item_bytes > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"item of shape {item_shape} is larger than {MAX_MESSAGE_BYTES} bytes")
+    return item_bytes
+
+
+def payload_bytes(message: Message) -> int:
+    """Total bytes of a message's payload frames."""
+    return sum(_frame_size(frame) for frame in message.payload)

@@ -1,0 +1,66 @@
+"""A finished job's figures: throughput, each worker's share, and waste (SPEC.md).
+
+Waste = (theoretical - achieved) / theoretical, where theoretical is the sum
+of the workers' standalone speeds.  A worker's standalone speed is measured in
+the job itself: the items it ran divided by the compute seconds it reported,
+so every run measures its own waste.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerShare:
+    name: str
+    device: str
+    items: int
+    chunks: int
+    compute_s: float
+
+    @property
+    def rate(self) -> float:
+        """Standalone speed: images per second of compute."""
+        return self.items / self.compute_s if self.compute_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    items: int
+    seconds: float  # client's wall time, submit to last result
+    policy: str
+    workers: tuple[WorkerShare, ...]
+
+    @classmethod
+    def from_broker(cls, summary: dict[str, Any], seconds: float) -> JobSummary:
+        shares = tuple(WorkerShare(w["name"], w["device"], int(w["items"]), int(w["chunks"]),
+                                   float(w["compute_s"])) for w in summary.get("workers", []))
+        return cls(int(summary["items"]), seconds, str(summary.get("policy", "?")), shares)
+
+    @property
+    def rate(self) -> float:
+        """Achieved images per second."""
+        return self.items / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def theoretical_rate(self) -> float:
+        return sum(share.rate for share in self.workers)
+
+    @property
+    def waste(self) -> float:
+        theoretical = self.theoretical_rate
+        return (theoretical - self.rate) / theoretical if theoretical > 0 else 0.0
+
+    def format(self) -> str:
+        """A few aligned lines for the terminal."""
+        lines = [f"{self.items} images in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
+                 f"(policy {self.policy})",
+                 f"theoretical {self.theoretical_rate:,.0f} images/s (sum of standalone "
+                 f"worker speeds), waste {self.waste:.1%}",
+                 f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}"]
+        for share in sorted(self.workers, key=lambda s: s.name):
+            lines.append(f"  {share.name:<36} {share.items / self.items:>7.1%} {share.items:>8} "
+                         f"{share.chunks:>6} {share.rate:>9,.0f}")
+        return "\n".join(lines)

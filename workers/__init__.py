@@ -1,0 +1,1 @@
+"""The worker role (installed as ``farm.workers``)."""
