@@ -1,0 +1,40 @@
+"""Fixtures: a real local farm (broker + pinned worker processes on loopback) and references."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from farm.local import LocalFarm, cores
+from farm.repository import ModelSpec, find
+
+
+@pytest.fixture(scope="session")
+def lenet() -> ModelSpec:
+    return find("lenet")
+
+
+@pytest.fixture(scope="session")
+def digits(lenet: ModelSpec) -> np.ndarray:
+    """The bundled sample: N x H x W uint8."""
+    return np.load(lenet.sample)
+
+
+def reference_forward(spec: ModelSpec, images: np.ndarray) -> np.ndarray:
+    """OpenCV run in-process on the whole array at once: what the farm must reproduce."""
+    import cv2
+
+    net = cv2.dnn.readNetFromCaffe(str(spec.prototxt), str(spec.weights))
+    batch = images if images.ndim == 4 else images[:, None]
+    net.setInput(batch.astype(np.float32), spec.input, spec.input_scale)
+    return net.forward(spec.output).copy()
+
+
+@pytest.fixture(scope="module")
+def farm_two_workers() -> Iterator[LocalFarm]:
+    """A broker with fifo chunks of 100 and one pinned worker per core (two here)."""
+    devices = [f"cpu:{core}" for core in cores()[:2]] or ["cpu"]
+    with LocalFarm(devices, "fifo", ["--chunk", "100"], preload=["lenet"]) as local:
+        yield local

@@ -1,0 +1,181 @@
+"""Bad input gets a clear error to its sender; the broker and workers keep serving."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from typing import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from farm import protocol
+from farm.client import FarmError
+from farm.local import farm_command
+from farm.protocol import Command
+from tests.conftest import reference_forward
+
+REPLY_TIMEOUT_MS = 10_000
+
+
+@pytest.fixture
+def raw_socket(farm_two_workers) -> Iterator[zmq.Socket]:
+    """A DEALER speaking to the broker frame by frame, as a broken or hostile peer would."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(farm_two_workers.endpoint)
+    yield sock
+    sock.close()
+    context.term()
+
+
+def reply(sock: zmq.Socket) -> protocol.Message:
+    assert sock.poll(REPLY_TIMEOUT_MS), "no reply within the timeout"
+    return protocol.decode(sock.recv_multipart())
+
+
+def assert_farm_still_serves(local, lenet, digits) -> None:
+    with local.client() as client:
+        outputs = client.map(digits[:300], model="lenet")
+    np.testing.assert_allclose(outputs, reference_forward(lenet, digits[:300]), atol=1e-5)
+
+
+@pytest.mark.parametrize("images, model, reason", [
+    (np.zeros((10, 28, 28)), "lenet", "dtype 'float64' not allowed"),
+    (np.zeros((10, 28, 28), np.int32), "lenet", "dtype 'int32' not allowed"),
+    (np.zeros((10, 3, 32, 32), np.float32), "lenet", r"shape \(3, 32, 32\) do not match"),
+    (np.zeros((10, 1, 28, 29), np.uint8), "lenet", "do not match model 'lenet'"),
+    (np.zeros((10, 28, 28), np.uint8), "no-such-model", "unknown model 'no-such-model'"),
+], ids=["float64", "int32", "cifar-shape", "off-by-one", "unknown-model"])
+def test_a_bad_job_gets_a_clear_error(farm_two_workers, lenet, digits, images, model,
+                                      reason) -> None:
+    with farm_two_workers.client() as client, pytest.raises(FarmError, match=reason):
+        client.map(images, model=model)
+    assert_farm_still_serves(farm_two_workers, lenet, digits)
+
+
+GARBAGE = [
+    [b"random bytes"],
+    [b"FARM01"],
+    [b"FARM01", b"\x05"],
+    [b"FARM02", b"\x05", msgpack.packb({})],
+    [b"FARM01", b"\xff", msgpack.packb({})],
+    [b"FARM01", b"\x05", b"\x93\x01"],  # truncated msgpack
+    [b"FARM01", b"\x05", msgpack.packb({"job": 1, "model": ["x"]})],
+    [b"FARM01", b"\x05", msgpack.packb({"job": "j", "model": "lenet", "dtype": "uint8",
+                                         "item_shape": [1, 28, 28], "total": -5,
+                                         "options": {}})],
+    [b"FARM01", b"\x03", msgpack.packb({"job": "j", "chunk": 9, "start": 0, "count": 1,
+                                         "dtype": "float32", "item_shape": [10],
+                                         "timings": {}}), b"\0" * 40],  # a result nobody asked
+    [b"FARM01", b"\x02", msgpack.packb({})],  # a TASK sent to the broker
+]
+
+
+@pytest.mark.parametrize("frames", GARBAGE, ids=range(len(GARBAGE)))
+def test_garbage_frames_get_an_error_reply(farm_two_workers, raw_socket, lenet, digits,
+                                           frames) -> None:
+    raw_socket.send_multipart(frames)
+    if frames[1:2] == [b"\x03"]:  # a well-formed but unasked-for result is dropped silently
+        assert_farm_still_serves(farm_two_workers, lenet, digits)
+        return
+    message = reply(raw_socket)
+    assert message.command is Command.ERROR
+    assert message.header["error"]
+    assert_farm_still_serves(farm_two_workers, lenet, digits)
+
+
+def submit_frames(job: str, total: int) -> list:
+    return protocol.encode(Command.SUBMIT, {"job": job, "model": "lenet", "dtype": "uint8",
+                                            "item_shape": [1, 28, 28], "total": total,
+                                            "options": {}})
+
+
+def test_a_data_frame_that_lies_about_its_size_fails_only_its_job(farm_two_workers, raw_socket,
+                                                                  lenet, digits) -> None:
+    raw_socket.send_multipart(submit_frames("liar", 10))
+    raw_socket.send_multipart(protocol.encode(Command.DATA, {"job": "liar", "start": 0,
+                                                             "count": 10}, [b"\0" * 7839]))
+    message = reply(raw_socket)
+    assert message.command is Command.ERROR and message.header["job"] == "liar"
+    assert "7839 bytes" in message.header["error"]
+    assert_farm_still_serves(farm_two_workers, lenet, digits)
+
+
+def test_garbage_alongside_a_running_job_leaves_it_untouched(farm_two_workers, raw_socket,
+                                                             lenet) -> None:
+    images = np.random.default_rng(0).integers(0, 256, (6000, 28, 28), dtype=np.uint8)
+    outcome: dict = {}
+
+    def good_job() -> None:
+        with farm_two_workers.client() as client:
+            outcome["outputs"] = client.map(images, model="lenet")
+
+    thread = threading.Thread(target=good_job)
+    thread.start()
+    rng = np.random.default_rng(1)
+    for i in range(300):
+        frames = GARBAGE[i % len(GARBAGE)]
+        raw_socket.send_multipart([f[: rng.integers(0, len(f) + 1)] for f in frames] or [b""])
+    thread.join(120)
+    np.testing.assert_allclose(outcome["outputs"], reference_forward(lenet, images), atol=1e-5)
+
+
+@pytest.fixture
+def lone_worker() -> Iterator[tuple[zmq.Socket, bytes]]:
+    """A real worker process connected to a ROUTER the test drives by hand."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    process = subprocess.Popen(farm_command("--log-level", "ERROR", "worker", "--device",
+                                            f"cpu:{min(os.sched_getaffinity(0))}", "--broker",
+                                            f"tcp://127.0.0.1:{port}"))
+    try:
+        assert router.poll(30_000), "worker never said READY"
+        identity, *frames = router.recv_multipart()
+        ready = protocol.decode(frames)
+        assert ready.command is Command.READY and "lenet" in ready.header["models"]
+        yield router, identity
+    finally:
+        process.terminate()
+        process.wait(10)
+        router.close()
+        context.term()
+
+
+def task(identity: bytes, chunk: int, images: np.ndarray, model: str = "lenet",
+         shape=None) -> list:
+    header = {"job": "j", "chunk": chunk, "start": 0, "count": len(images), "model": model,
+              "dtype": str(images.dtype), "item_shape": list(shape or images.shape[1:])}
+    return [identity, *protocol.encode(Command.TASK, header, [images.tobytes()])]
+
+
+def next_reply(router: zmq.Socket) -> protocol.Message:
+    assert router.poll(REPLY_TIMEOUT_MS), "worker did not answer"
+    _, *frames = router.recv_multipart()
+    return protocol.decode(frames)
+
+
+def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digits) -> None:
+    router, identity = lone_worker
+    for frames in GARBAGE:
+        router.send_multipart([identity, *frames])
+    images = digits[:5, None]
+    router.send_multipart(task(identity, 1, images[:, :, :27, :27]))
+    failed = next_reply(router)
+    assert failed.command is Command.FAILED and failed.header["chunk"] == 1
+    assert "does not match model 'lenet'" in failed.header["error"]
+    router.send_multipart(task(identity, 2, images, model="nope"))
+    failed = next_reply(router)
+    assert failed.command is Command.FAILED and "unknown model 'nope'" in failed.header["error"]
+    router.send_multipart(task(identity, 3, images))
+    result = next_reply(router)
+    assert result.command is Command.RESULT and result.header["chunk"] == 3
+    assert set(result.header["timings"]) == {"receive", "compute", "send"}
+    np.testing.assert_allclose(result.array("float32", (10,)), reference_forward(lenet, images),
+                               atol=1e-5)

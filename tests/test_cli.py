@@ -1,0 +1,68 @@
+"""The farm command: help on every command, and the real commands run end to end."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from farm.cli import main
+from farm.local import farm_command
+from tests.conftest import reference_forward
+
+COMMANDS = [[], ["broker"], ["worker"], ["submit"], ["run"], ["models"], ["models", "list"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c) or "farm" for c in COMMANDS])
+def test_every_command_has_help(command) -> None:
+    result = CliRunner().invoke(main, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+def test_models_list_shows_lenet() -> None:
+    result = CliRunner().invoke(main, ["models", "list"])
+    assert result.exit_code == 0
+    assert "lenet" in result.output and "1x28x28" in result.output
+
+
+def test_submit_writes_outputs_in_order(farm_two_workers, lenet, digits, tmp_path) -> None:
+    images, out = tmp_path / "images.npy", tmp_path / "scores.npy"
+    np.save(images, digits[:321])
+    done = subprocess.run(farm_command("submit", str(images), "--model", "lenet", "--broker",
+                                       farm_two_workers.endpoint, "--out", str(out)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "321 images in" in done.stdout and "waste" in done.stdout
+    assert "100%" in done.stderr  # the progress bar ran to the end
+    np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits[:321]), atol=1e-5)
+
+
+def test_submit_reports_a_user_mistake_without_a_traceback(farm_two_workers, tmp_path) -> None:
+    images = tmp_path / "images.npy"
+    np.save(images, np.zeros((4, 3, 32, 32), np.float32))
+    done = subprocess.run(farm_command("submit", str(images), "--model", "lenet", "--broker",
+                                       farm_two_workers.endpoint, "--quiet"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "Error: images of shape (3, 32, 32) do not match model 'lenet'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_run_starts_a_local_farm_on_the_bundled_sample(lenet, digits, tmp_path) -> None:
+    out = tmp_path / "scores.npy"
+    done = subprocess.run(farm_command("--log-level", "WARNING", "run", "--out", str(out),
+                                       "--quiet"),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert f"{len(digits)} images in" in done.stdout
+    np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits), atol=1e-5)
+
+
+def test_broker_refuses_a_busy_address(farm_two_workers) -> None:
+    done = subprocess.run(farm_command("broker", "--bind", farm_two_workers.endpoint),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "Address already in use" in done.stderr

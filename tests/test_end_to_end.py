@@ -1,0 +1,99 @@
+"""The real farm on loopback: a broker process, pinned worker processes, real model files."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from farm.client import Client
+from farm.local import LocalFarm
+from tests.conftest import reference_forward
+
+
+def test_outputs_match_an_in_process_forward(farm_two_workers, lenet, digits) -> None:
+    with farm_two_workers.client() as client:
+        result = client.run(digits, "lenet")
+    np.testing.assert_allclose(result.outputs, reference_forward(lenet, digits), atol=1e-5)
+    summary = result.summary
+    assert summary.items == len(digits)
+    assert sum(share.items for share in summary.workers) == len(digits)
+    assert len(summary.workers) == 2, "both workers should have taken chunks"
+    assert 0 < summary.rate and summary.waste < 1
+
+
+def test_order_is_kept_for_a_size_not_a_multiple_of_the_chunk(farm_two_workers, lenet,
+                                                              digits) -> None:
+    images = digits[::-1][:357]  # 357 = 3 x 100 + 57, reversed so order errors show
+    with farm_two_workers.client() as client:
+        outputs = client.map(images, model="lenet")
+    assert outputs.shape == (357, 10)
+    np.testing.assert_allclose(outputs, reference_forward(lenet, images), atol=1e-5)
+
+
+@pytest.mark.parametrize("convert", [
+    lambda x: x,  # uint8 N x H x W
+    lambda x: x[:, None],  # uint8 N x 1 x H x W
+    lambda x: x.astype(np.float32)[:, None],  # float32 N x C x H x W
+    lambda x: x.astype(np.float32),  # float32 N x H x W
+], ids=["uint8-NHW", "uint8-NCHW", "float32-NCHW", "float32-NHW"])
+def test_uint8_and_float32_inputs(farm_two_workers, lenet, digits, convert) -> None:
+    images = convert(digits[:250])
+    with farm_two_workers.client() as client:
+        outputs = client.map(images, model="lenet")
+    np.testing.assert_allclose(outputs, reference_forward(lenet, images), atol=1e-5)
+
+
+def test_a_job_of_one_image(farm_two_workers, lenet, digits) -> None:
+    with farm_two_workers.client() as client:
+        outputs = client.map(digits[7:8], model="lenet")
+    assert outputs.shape == (1, 10)
+    np.testing.assert_allclose(outputs, reference_forward(lenet, digits[7:8]), atol=1e-5)
+
+
+def test_two_clients_at_once_each_get_their_own_results(farm_two_workers, lenet,
+                                                        digits) -> None:
+    inputs = {"a": digits[:600], "b": np.ascontiguousarray(digits[::-1][:450])}
+    results: dict[str, np.ndarray] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def submit(name: str) -> None:
+        try:
+            with farm_two_workers.client() as client:
+                start.wait()
+                results[name] = client.map(inputs[name], model="lenet")
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=submit, args=(name,)) for name in inputs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    for name, images in inputs.items():
+        np.testing.assert_allclose(results[name], reference_forward(lenet, images), atol=1e-5)
+
+
+def test_workers_are_pinned_to_their_cores(farm_two_workers) -> None:
+    for process, device in zip(farm_two_workers.workers, farm_two_workers.devices):
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        allowed = next(line.split(":")[1].strip() for line in status.splitlines()
+                       if line.startswith("Cpus_allowed_list"))
+        assert allowed == device.split(":")[1]
+
+
+def test_registry_lists_every_worker(farm_two_workers) -> None:
+    with farm_two_workers.client() as client:
+        info = client.info()
+    assert sorted(w["device"] for w in info["workers"]) == sorted(farm_two_workers.devices)
+    assert all(w["backend"] == "opencv" and "lenet" in w["models"] for w in info["workers"])
+
+
+def test_an_unpinned_worker_serves_too(lenet, digits) -> None:
+    with LocalFarm(["cpu"], "fifo", ["--chunk", "300"]) as local, local.client() as client:
+        outputs = client.map(digits, model="lenet")
+    np.testing.assert_allclose(outputs, reference_forward(lenet, digits), atol=1e-5)

@@ -1,0 +1,78 @@
+"""The wire format: round trips and the validation of every field."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from farm import protocol
+from farm.protocol import Command, ProtocolError
+
+
+def task_header(count: int = 2, shape=(1, 28, 28), dtype: str = "uint8") -> dict:
+    return {"job": "j", "chunk": 1, "start": 0, "count": count, "model": "lenet",
+            "dtype": dtype, "item_shape": list(shape)}
+
+
+def test_array_round_trip_is_zero_copy_for_one_frame() -> None:
+    images = np.arange(2 * 784, dtype=np.uint8).reshape(2, 1, 28, 28)
+    frames = [bytes(f) if isinstance(f, memoryview) else f
+              for f in protocol.encode(Command.TASK, task_header(), protocol.array_frames(images))]
+    message = protocol.decode(frames)
+    decoded = message.array("uint8", (1, 28, 28))
+    assert message.command is Command.TASK
+    np.testing.assert_array_equal(decoded, images)
+    assert not decoded.flags.owndata  # a view of the frame, not a copy
+
+
+def test_array_from_several_frames_is_joined() -> None:
+    images = np.arange(3 * 4, dtype=np.float32).reshape(3, 4)
+    frames = protocol.encode(Command.TASK, task_header(3, (4,), "float32"),
+                             [images[:1].tobytes(), images[1:].tobytes()])
+    np.testing.assert_array_equal(protocol.decode(frames).array("float32", (4,)), images)
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([b"FARM01", b"\x02"], "at least 3 frames"),
+    ([b"FARM99", b"\x02", msgpack.packb({})], "signature"),
+    ([b"FARM01", b"\x7f", msgpack.packb({})], "unknown command"),
+    ([b"FARM01", b"\x02", b"\xc1garbage"], "not valid msgpack"),
+    ([b"FARM01", b"\x02", msgpack.packb([1, 2])], "must be a map"),
+    ([b"FARM01", b"\x02", msgpack.packb({**task_header(), "count": "2"}), b"x" * 1568], "count"),
+    ([b"FARM01", b"\x02", msgpack.packb({**task_header(), "dtype": "float64"}), b"x" * 1568],
+     "not allowed"),
+    ([b"FARM01", b"\x02", msgpack.packb({**task_header(), "item_shape": [1, -28, 28]}), b"x"],
+     "invalid item shape"),
+    ([b"FARM01", b"\x02", msgpack.packb(task_header()), b"x" * 1567], "payload is 1567 bytes"),
+    ([b"FARM01", b"\x02", msgpack.packb({**task_header(), "count": 1 << 40}), b"x"],
+     "out of range"),
+    ([b"FARM01", b"\x02", msgpack.packb({**task_header(1, [1 << 20] * 4)}), b"x"], "larger than"),
+    ([b"FARM01", b"\x05", msgpack.packb({"job": "j"})], "model"),
+    ([b"FARM01", b"\x09", msgpack.packb({}), b"unexpected"], "carries no payload"),
+    ([b"FARM01", b"\x02", b"\x81" + b"\xdb\x7f\xff\xff\xff"], "not valid msgpack"),
+])
+def test_malformed_messages_are_rejected_with_a_reason(frames, reason) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.decode(frames)
+
+
+def test_commands_outside_the_allowed_set_are_rejected() -> None:
+    with pytest.raises(ProtocolError, match="not accepted"):
+        protocol.decode(protocol.encode(Command.SUBMIT, {}),
+                        allowed=frozenset({Command.TASK}))
+
+
+def test_oversized_header_is_rejected() -> None:
+    header = msgpack.packb({"pad": "x" * (protocol.MAX_HEADER_BYTES + 1)})
+    with pytest.raises(ProtocolError, match="exceeds"):
+        protocol.decode([protocol.SIGNATURE, Command.INFO.value, header])
+
+
+def test_nothing_is_pickled() -> None:
+    frames = protocol.encode(Command.RESULT, {"job": "j", "chunk": 0, "start": 0, "count": 1,
+                                              "dtype": "float32", "item_shape": [10],
+                                              "timings": {}},
+                             protocol.array_frames(np.ones((1, 10), np.float32)))
+    assert all(not bytes(f).startswith(b"\x80") for f in frames)  # pickle protocol marker
+    assert bytes(frames[3]) == np.ones((1, 10), np.float32).tobytes()
