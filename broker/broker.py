@@ -140,11 +140,20 @@ class ChunkRecord:
     sent_at: float
 
 
+def check_models(models: dict[str, Any]) -> None:
+    """A worker's advertised models must be name -> {"input_shape": [ints]}."""
+    for name, facts in models.items():
+        if not isinstance(facts, dict) or not isinstance(facts.get("input_shape"), list):
+            raise ProtocolError(f"model {name!r}: advertised without an input_shape")
+        protocol.check_array_spec("float32", facts["input_shape"])
+
+
 @dataclass
 class BrokerConfig:
     bind: str = "tcp://127.0.0.1:5555"
     algo: str = "fifo"
     params: dict[str, Any] = field(default_factory=dict)
+    heartbeat: float = 1.0  # seconds between heartbeats to clients with running jobs
 
 
 class Broker:
@@ -179,9 +188,19 @@ class Broker:
         """Run until ``stop`` is called (SIGINT/SIGTERM in the CLI)."""
         log.info("broker listening on %s, policy %s %s", self.endpoint, self.config.algo,
                  self.config.params)
+        next_heartbeat = self.clock()
         while self.running:
-            self.poll_once(250)
+            self.poll_once(int(self.config.heartbeat * 1000))
+            if self.clock() >= next_heartbeat:
+                self.heartbeat_clients()
+                next_heartbeat = self.clock() + self.config.heartbeat
         self.socket.close()
+
+    def heartbeat_clients(self) -> None:
+        """Tell each client with a running job that the broker is alive and how far it got."""
+        for job in self.jobs.values():
+            self.send(job.client, Command.HEARTBEAT, {"job": job.id,
+                                                      "done": job.policy.completed})
 
     def poll_once(self, timeout_ms: int) -> None:
         """Handle every message that is waiting (or arrives within the timeout)."""
@@ -217,6 +236,7 @@ class Broker:
 
     def on_ready(self, identity: bytes, message: Message) -> None:
         header = message.header
+        check_models(header["models"])
         if identity in self.workers:
             self.lose_worker(identity, "re-registered")
         entry = WorkerEntry(identity, header["device"], header["host"], header["pid"],

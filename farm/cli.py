@@ -45,8 +45,10 @@ def policy_options(function):
 @main.command()
 @click.option("--bind", default=DEFAULT_BROKER, show_default=True, envvar="FARM_BIND",
               help="ZeroMQ endpoint to bind; tcp://127.0.0.1:* picks a free port.")
+@click.option("--heartbeat", default=1.0, show_default=True, type=click.FloatRange(0.01),
+              help="Seconds between heartbeats to clients with running jobs.")
 @policy_options
-def broker(bind: str, algo: str, chunk: int) -> None:
+def broker(bind: str, heartbeat: float, algo: str, chunk: int) -> None:
     """Run the broker: the scheduler and router of a farm.
 
     \b
@@ -60,7 +62,7 @@ def broker(bind: str, algo: str, chunk: int) -> None:
         sys.stdout.flush()
 
     try:
-        serve(BrokerConfig(bind=bind, algo=algo, params={"chunk": chunk}), on_bound=announce)
+        serve(BrokerConfig(bind, algo, {"chunk": chunk}, heartbeat), on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
         raise click.ClickException(str(exc)) from exc
 

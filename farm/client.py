@@ -135,7 +135,11 @@ class Client:
         return JobResult(out, JobSummary.from_broker(header["summary"], elapsed))
 
     def _receive(self) -> protocol.Message:
-        """The next well-formed message from the broker; FarmTimeout if none comes."""
+        """The next well-formed message from the broker; FarmTimeout if none comes.
+
+        The broker heartbeats clients with running jobs, so the timeout measures
+        the broker's silence, not the length of a job.
+        """
         while True:
             timeout_ms = None if self.timeout is None else int(self.timeout * 1000)
             if not self.socket.poll(timeout_ms):
@@ -143,7 +147,8 @@ class Client:
             frames = self.socket.recv_multipart(copy=False)
             try:
                 return protocol.decode(frames, allowed=frozenset(
-                    {Command.RESULT, Command.DONE, Command.ERROR, Command.INFO}))
+                    {Command.RESULT, Command.DONE, Command.ERROR, Command.INFO,
+                     Command.HEARTBEAT}))
             except ProtocolError:
                 continue
 

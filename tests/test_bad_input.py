@@ -73,6 +73,8 @@ GARBAGE = [
                                          "dtype": "float32", "item_shape": [10],
                                          "timings": {}}), b"\0" * 40],  # a result nobody asked
     [b"FARM01", b"\x02", msgpack.packb({})],  # a TASK sent to the broker
+    [b"FARM01", b"\x01", msgpack.packb({"device": "cpu", "host": "h", "pid": 1, "backend": "x",
+                                         "models": {"lenet": 5}, "slots": 1})],
 ]
 
 
