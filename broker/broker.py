@@ -23,10 +23,6 @@ from farm.protocol import Command, Message, ProtocolError
 
 log = logging.getLogger("farm.broker")
 
-#: Items per DATA block the broker accepts at most (the client sends smaller ones).
-MAX_JOB_ITEMS = 1 << 31
-
-
 @dataclass
 class WorkerEntry:
     """What the broker knows of one connected worker."""
@@ -91,10 +87,10 @@ class Job:
     stalled: list[Assign] = field(default_factory=list)  # assigned before their data came
     shares: dict[str, Share] = field(default_factory=dict)
     validated: bool = False
+    item_bytes: int = 0
 
-    @property
-    def item_bytes(self) -> int:
-        return protocol.check_array_spec(self.dtype, self.item_shape)
+    def __post_init__(self) -> None:
+        self.item_bytes = protocol.check_array_spec(self.dtype, self.item_shape)
 
     def add_block(self, start: int, count: int, frame: Any) -> None:
         if start != self.received:
@@ -357,7 +353,7 @@ class Broker:
         if job_id in self.jobs:
             raise ProtocolError(f"job {job_id} already exists")
         protocol.check_array_spec(header["dtype"], header["item_shape"])
-        if not 0 < header["total"] <= MAX_JOB_ITEMS:
+        if not 0 < header["total"] <= protocol.MAX_ITEMS:
             raise ProtocolError(f"job total {header['total']} out of range")
         policy = make_policy(self.config.algo, header["total"], **self.config.params)
         job = Job(job_id, identity, header["model"], header["dtype"],

@@ -10,10 +10,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from farm.client import Client, FarmError
+from farm.client import Client, FarmError, FarmTimeout
 
 #: Seconds a process gets to exit after SIGTERM before SIGKILL.
 STOP_GRACE = 5.0
@@ -77,9 +78,18 @@ class LocalFarm:
         return process
 
     def wait_for_workers(self, count: int) -> dict[str, Any]:
-        """Block until ``count`` workers have registered with the broker."""
-        with Client(self.endpoint, timeout=self.ready_timeout) as client:
-            return client.info(wait_workers=count)
+        """Block until ``count`` workers have registered; fail early if a process died."""
+        deadline = time.monotonic() + self.ready_timeout
+        with Client(self.endpoint, timeout=1.0) as client:
+            while True:
+                try:
+                    return client.info(wait_workers=count)
+                except FarmTimeout:
+                    dead = [p.args for p in [self.broker, *self.workers] if p.poll() is not None]
+                    if dead:
+                        raise FarmError(f"a farm process exited during start: {dead[0]}")
+                    if time.monotonic() > deadline:
+                        raise
 
     def client(self, timeout: float | None = 60.0) -> Client:
         return Client(self.endpoint, timeout=timeout)

@@ -188,8 +188,3 @@ def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:
     if item_bytes > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"item of shape {item_shape} is larger than {MAX_MESSAGE_BYTES} bytes")
     return item_bytes
-
-
-def payload_bytes(message: Message) -> int:
-    """Total bytes of a message's payload frames."""
-    return sum(_frame_size(frame) for frame in message.payload)

@@ -66,3 +66,13 @@ def test_broker_refuses_a_busy_address(farm_two_workers) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "Address already in use" in done.stderr
+
+
+@pytest.mark.parametrize("device, reason", [("gpu:0", "unsupported device 'gpu:0'"),
+                                            ("cpu:4096", "core 4096 is not available"),
+                                            ("cpu:x", "bad core number")])
+def test_worker_rejects_a_device_it_cannot_use(device, reason) -> None:
+    done = subprocess.run(farm_command("worker", "--device", device), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1
+    assert reason in done.stderr and "Traceback" not in done.stderr

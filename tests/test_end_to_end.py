@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm.client import Client
+from farm.client import Client, FarmError
 from farm.local import LocalFarm
 from tests.conftest import reference_forward
 
@@ -109,3 +109,9 @@ def test_a_chunk_longer_than_the_client_timeout_still_completes(lenet, digits) -
     assert [share.chunks for share in result.summary.workers] == [1]
     np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits),
                                atol=1e-5)
+
+
+def test_a_worker_that_cannot_start_is_reported_not_waited_for() -> None:
+    with pytest.raises(FarmError, match="exited during start"):
+        with LocalFarm(["cpu:4096"]):
+            pass

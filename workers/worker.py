@@ -165,9 +165,9 @@ class Worker:
         """Run one chunk; FAILED with the reason when it cannot run."""
         header = message.header
         ids = {key: header[key] for key in ("job", "chunk", "start", "count")}
-        received = time.perf_counter()
         try:
             engine = self.engine(header["model"])
+            received = time.perf_counter()
             item_shape = tuple(header["item_shape"])
             if item_shape != engine.spec.input_shape:
                 raise ValueError(f"item shape {item_shape} does not match model "
