@@ -8,7 +8,6 @@ block): the broker never copies or decodes image or output data.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import signal
 import time
@@ -18,131 +17,15 @@ from typing import Any, Callable
 import zmq
 
 from farm import protocol
-from farm.policies import Assign, Chunk, ChunkDone, Policy, WorkerLost, WorkerReady, make_policy
+from farm.broker.jobs import ChunkRecord, Job
+from farm.broker.registry import WorkerEntry
+from farm.policies import Assign, ChunkDone, WorkerLost, WorkerReady, make_policy
 from farm.protocol import Command, Message, ProtocolError
 
 log = logging.getLogger("farm.broker")
 
-@dataclass
-class WorkerEntry:
-    """What the broker knows of one connected worker."""
-
-    identity: bytes
-    device: str
-    host: str
-    pid: int
-    backend: str
-    models: dict[str, Any]
-    slots: int
-    in_flight: dict[int, "ChunkRecord"] = field(default_factory=dict)
-    items_done: int = 0
-    chunks_done: int = 0
-    compute_s: float = 0.0
-
-    @property
-    def id(self) -> str:
-        return self.identity.hex()
-
-    @property
-    def name(self) -> str:
-        return f"{self.host}:{self.pid}/{self.device}"
-
-    @property
-    def free_slots(self) -> int:
-        return self.slots - len(self.in_flight)
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "device": self.device, "host": self.host, "pid": self.pid,
-                "backend": self.backend, "models": sorted(self.models),
-                "in_flight": len(self.in_flight), "items_done": self.items_done,
-                "chunks_done": self.chunks_done, "compute_s": self.compute_s}
-
-
-@dataclass
-class Share:
-    """One worker's part in one job."""
-
-    name: str
-    device: str
-    items: int = 0
-    chunks: int = 0
-    compute_s: float = 0.0
-
-
-@dataclass
-class Job:
-    """A client's job: its input blocks, its policy and its progress."""
-
-    id: str
-    client: bytes
-    model: str
-    dtype: str
-    item_shape: tuple[int, ...]
-    total: int
-    policy: Policy
-    submitted_at: float
-    starts: list[int] = field(default_factory=list)  # block starts, sorted
-    blocks: list[Any] = field(default_factory=list)  # zmq frames, parallel to starts
-    received: int = 0  # items of input received, contiguous from 0
-    stalled: list[Assign] = field(default_factory=list)  # assigned before their data came
-    shares: dict[str, Share] = field(default_factory=dict)
-    validated: bool = False
-    item_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        self.item_bytes = protocol.check_array_spec(self.dtype, self.item_shape)
-
-    def add_block(self, start: int, count: int, frame: Any) -> None:
-        if start != self.received:
-            raise ProtocolError(f"job {self.id}: block at {start}, expected {self.received}")
-        if start + count > self.total:
-            raise ProtocolError(f"job {self.id}: block {start}+{count} past total {self.total}")
-        if frame.buffer.nbytes != count * self.item_bytes:
-            raise ProtocolError(f"job {self.id}: block of {frame.buffer.nbytes} bytes, "
-                                f"expected {count} x {self.item_bytes}")
-        self.starts.append(start)
-        self.blocks.append(frame)
-        self.received += count
-
-    def slices(self, chunk: Chunk) -> list[memoryview] | None:
-        """Zero-copy views of the chunk's input, or None while part of it has not arrived."""
-        if chunk.stop > self.received:
-            return None
-        views, item_bytes = [], self.item_bytes
-        index = bisect.bisect_right(self.starts, chunk.start) - 1
-        position = chunk.start
-        while position < chunk.stop:
-            block_start, block = self.starts[index], self.blocks[index].buffer
-            block_stop = block_start + block.nbytes // item_bytes
-            stop = min(chunk.stop, block_stop)
-            views.append(block[(position - block_start) * item_bytes:
-                               (stop - block_start) * item_bytes])
-            position, index = stop, index + 1
-        return views
-
-    def summary(self, now: float) -> dict[str, Any]:
-        return {"items": self.total, "broker_seconds": now - self.submitted_at,
-                "policy": self.policy.name,
-                "workers": [vars(share) for share in self.shares.values()]}
-
-
-@dataclass
-class ChunkRecord:
-    """A chunk in flight: which job, which items, sent when."""
-
-    id: int
-    job: Job
-    chunk: Chunk
-    sent_at: float
-
-
-def check_models(models: dict[str, Any]) -> None:
-    """A worker's advertised models must be name -> {"input_shape": [ints]}."""
-    for name, facts in models.items():
-        if not isinstance(facts, dict) or not isinstance(facts.get("input_shape"), list):
-            raise ProtocolError(f"model {name!r}: advertised without an input_shape")
-        protocol.check_array_spec("float32", facts["input_shape"])
-
+#: Most INFO requests that may wait for workers at once.
+MAX_INFO_WAITERS = 1000
 
 @dataclass
 class BrokerConfig:
@@ -166,8 +49,8 @@ class Broker:
         self.socket.bind(config.bind)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.workers: dict[bytes, WorkerEntry] = {}
+        self.by_id: dict[str, WorkerEntry] = {}  # the same entries by policy worker id
         self.jobs: dict[str, Job] = {}
-        self.known_models: dict[str, dict[str, Any]] = {}
         self.info_waiters: list[tuple[bytes, int]] = []
         self.next_chunk_id = 0
         self.running = True
@@ -177,6 +60,7 @@ class Broker:
             Command.DATA: self.on_data, Command.INFO: self.on_info,
             Command.DISCONNECT: self.on_disconnect, Command.HEARTBEAT: lambda *_: None,
         }
+        self.accepted = frozenset(self.handlers)
 
     # ----------------------------------------------------------------- loop
 
@@ -202,8 +86,11 @@ class Broker:
         """Handle every message that is waiting (or arrives within the timeout)."""
         if not self.socket.poll(timeout_ms):
             return
-        while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = self.socket.recv_multipart(copy=False)
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             self.handle(frames)
 
     def stop(self, *_: Any) -> None:
@@ -214,7 +101,7 @@ class Broker:
         identity, body = frames[0].bytes, frames[1:]
         message = None
         try:
-            message = protocol.decode(body, allowed=frozenset(self.handlers))
+            message = protocol.decode(body, allowed=self.accepted)
             self.handlers[message.command](identity, message)
         except ProtocolError as exc:
             log.warning("bad message from %s: %s", identity.hex(), exc)
@@ -231,16 +118,12 @@ class Broker:
     # -------------------------------------------------------------- workers
 
     def on_ready(self, identity: bytes, message: Message) -> None:
-        header = message.header
-        check_models(header["models"])
+        entry = WorkerEntry.from_ready(identity, message.header)
         if identity in self.workers:
             self.lose_worker(identity, "re-registered")
-        entry = WorkerEntry(identity, header["device"], header["host"], header["pid"],
-                            header["backend"], header["models"], max(1, header["slots"]))
-        self.workers[identity] = entry
-        self.known_models.update(entry.models)
-        log.info("worker %s joined (%s, models %s)", entry.name, entry.backend,
-                 ", ".join(sorted(entry.models)))
+        self.workers[identity] = self.by_id[entry.id] = entry
+        log.info("worker %s joined (%s, %d threads, models %s)", entry.name, entry.backend,
+                 entry.threads, ", ".join(sorted(entry.models)))
         for job in list(self.jobs.values()):
             self.validate_job(job)
         self.answer_info_waiters()
@@ -254,8 +137,10 @@ class Broker:
         entry = self.workers.pop(identity, None)
         if entry is None:
             return
+        del self.by_id[entry.id]
         log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason,
                  len(entry.in_flight))
+        entry.in_flight.clear()
         for job in list(self.jobs.values()):
             self.dispatch(job, job.policy.handle(WorkerLost(entry.id)))
         self.fill_all()
@@ -266,6 +151,7 @@ class Broker:
             before = len(entry.in_flight)
             for job in list(self.jobs.values()):
                 if job.validated and job.model in entry.models:
+                    job.eligible[entry.id] = entry
                     self.dispatch(job, job.policy.handle(WorkerReady(entry.id)))
                     if len(entry.in_flight) > before:
                         break
@@ -277,47 +163,58 @@ class Broker:
             self.fill(entry)
 
     def dispatch(self, job: Job, assignments: list[Assign]) -> None:
-        """Carry out a policy's assignments: send each chunk, or park it until its data comes."""
+        """Carry out a policy's assignments: each takes a slot now, and is sent once its input is here."""
         for assignment in assignments:
-            entry = self.workers.get(bytes.fromhex(assignment.worker))
+            entry = self.by_id.get(assignment.worker)
             if entry is None:  # the policy has not heard the worker is gone yet
                 self.dispatch(job, job.policy.handle(WorkerLost(assignment.worker)))
                 continue
-            views = job.slices(assignment.chunk)
+            record = ChunkRecord(self.next_chunk_id, job, assignment.chunk, entry)
+            self.next_chunk_id += 1
+            entry.in_flight[record.id] = record
+            job.unsent.append(record)
+        self.send_ready_chunks(job)
+
+    def send_ready_chunks(self, job: Job) -> None:
+        """Send every assigned chunk of the job whose input has arrived."""
+        waiting, job.unsent = job.unsent, []
+        for record in waiting:
+            if record.id not in record.worker.in_flight:
+                continue  # its worker was lost meanwhile
+            views = job.slices(record.chunk)
             if views is None:
-                job.stalled.append(assignment)
+                job.unsent.append(record)
                 continue
-            self.send_chunk(job, entry, assignment.chunk, views)
+            record.sent_at = self.clock()
+            chunk = record.chunk
+            self.send(record.worker.identity, Command.TASK, {
+                "job": job.id, "chunk": record.id, "start": chunk.start, "count": chunk.count,
+                "model": job.model, "dtype": job.dtype, "item_shape": list(job.item_shape)},
+                views)
 
-    def send_chunk(self, job: Job, entry: WorkerEntry, chunk: Chunk, views: list[Any]) -> None:
-        record = ChunkRecord(self.next_chunk_id, job, chunk, self.clock())
-        self.next_chunk_id += 1
-        entry.in_flight[record.id] = record
-        self.send(entry.identity, Command.TASK, {
-            "job": job.id, "chunk": record.id, "start": chunk.start, "count": chunk.count,
-            "model": job.model, "dtype": job.dtype, "item_shape": list(job.item_shape)}, views)
-
-    def take_record(self, identity: bytes, message: Message) -> tuple[WorkerEntry, ChunkRecord] | None:
-        """The in-flight record a RESULT or FAILED answers; None for a late or unknown one."""
+    def answered_record(self, identity: bytes, message: Message) -> ChunkRecord | None:
+        """The sent chunk a RESULT or FAILED answers; None for a late, duplicate or unknown one."""
         entry = self.workers.get(identity)
-        record = entry.in_flight.pop(message.header["chunk"], None) if entry else None
-        if record is None or record.job.id not in self.jobs:
+        record = entry.in_flight.get(message.header["chunk"]) if entry else None
+        if record is None or record.sent_at is None or record.job.id not in self.jobs:
             log.info("dropped a reply for chunk %s (late, duplicate or cancelled)",
                      message.header["chunk"])
             return None
-        return entry, record
+        del entry.in_flight[record.id]
+        return record
 
     def on_result(self, identity: bytes, message: Message) -> None:
-        found = self.take_record(identity, message)
-        if found is None:
+        record = self.answered_record(identity, message)
+        if record is None:
             return
-        entry, record = found
-        job, chunk, header = record.job, record.chunk, message.header
-        if (header["start"], header["count"]) != (chunk.start, chunk.count):
-            raise ProtocolError(f"result for {header['start']}+{header['count']} answers "
-                                f"chunk {chunk.start}+{chunk.count}")
-        compute = float(header["timings"].get("compute", 0.0))
-        self.account(entry, job, chunk, compute)
+        job, chunk, entry, header = record.job, record.chunk, record.worker, message.header
+        problem = job.check_result(record, header)
+        if problem:
+            self.fail_job(job, f"worker {entry.name} returned a bad result for items "
+                               f"{chunk.start}..{chunk.stop - 1}: {problem}")
+            return
+        compute = float(header["timings"]["compute"])
+        job.account(entry, chunk, compute)
         self.send(job.client, Command.RESULT, {
             **header, "job": job.id, "worker": entry.name,
             "round_trip": self.clock() - record.sent_at}, message.payload)
@@ -326,24 +223,13 @@ class Broker:
             self.finish(job)
         self.fill(entry)
 
-    def account(self, entry: WorkerEntry, job: Job, chunk: Chunk, compute: float) -> None:
-        entry.items_done += chunk.count
-        entry.chunks_done += 1
-        entry.compute_s += compute
-        share = job.shares.setdefault(entry.id, Share(entry.name, entry.device))
-        share.items += chunk.count
-        share.chunks += 1
-        share.compute_s += compute
-
     def on_failed(self, identity: bytes, message: Message) -> None:
-        found = self.take_record(identity, message)
-        if found is None:
+        record = self.answered_record(identity, message)
+        if record is None:
             return
-        entry, record = found
         chunk = record.chunk
         self.fail_job(record.job, f"items {chunk.start}..{chunk.stop - 1} failed on "
-                                  f"{entry.name}: {message.header['error']}")
-        self.fill(entry)
+                                  f"{record.worker.name}: {message.header['error']}")
 
     # ----------------------------------------------------------------- jobs
 
@@ -364,17 +250,22 @@ class Broker:
         if self.validate_job(job):
             self.fill_all()
 
+    def offered_models(self) -> dict[str, dict[str, Any]]:
+        """Models the connected workers can run, by name."""
+        return {name: facts for entry in self.workers.values()
+                for name, facts in entry.models.items()}
+
     def validate_job(self, job: Job) -> bool:
         """Check the job's model and shape against what workers offer; fail it if wrong."""
         if job.validated:
             return True
-        model = self.known_models.get(job.model)
-        if model is None:
+        offered = self.offered_models()
+        if job.model not in offered:
             if self.workers:
                 self.fail_job(job, f"unknown model {job.model!r}; workers offer: "
-                                   f"{', '.join(sorted(self.known_models)) or 'none'}")
+                                   f"{', '.join(sorted(offered))}")
             return False  # no worker yet: wait for one to say what it offers
-        expected = tuple(model.get("input_shape", ()))
+        expected = tuple(offered[job.model]["input_shape"])
         if job.item_shape != expected:
             self.fail_job(job, f"images of shape {job.item_shape} do not match model "
                                f"{job.model!r}, which takes {expected}")
@@ -394,8 +285,7 @@ class Broker:
         except ProtocolError as exc:
             self.fail_job(job, str(exc))
             return
-        stalled, job.stalled = job.stalled, []
-        self.dispatch(job, stalled)
+        self.send_ready_chunks(job)
 
     def finish(self, job: Job) -> None:
         del self.jobs[job.id]
@@ -404,7 +294,7 @@ class Broker:
         self.send(job.client, Command.DONE, {"job": job.id, "summary": summary})
 
     def fail_job(self, job: Job, error: str) -> None:
-        """Tell the client why its job failed; drop its chunks everywhere."""
+        """Tell the client why its job failed; free the slots its chunks held."""
         self.jobs.pop(job.id, None)
         log.warning("job %s failed: %s", job.id, error)
         self.send(job.client, Command.ERROR, {"error": error, "job": job.id})
@@ -422,6 +312,8 @@ class Broker:
             raise ProtocolError("INFO wait_workers must be an integer")
         if len(self.workers) >= wanted:
             self.send(identity, Command.INFO, self.snapshot())
+        elif len(self.info_waiters) >= MAX_INFO_WAITERS:
+            raise ProtocolError("too many INFO requests waiting for workers")
         else:
             self.info_waiters.append((identity, wanted))
 

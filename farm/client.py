@@ -23,6 +23,10 @@ DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 #: Input is streamed in blocks of about this many bytes (at least one item each).
 BLOCK_BYTES = 4 << 20
 
+#: Commands a client accepts from the broker.
+ACCEPTED = frozenset({Command.RESULT, Command.DONE, Command.ERROR, Command.INFO,
+                      Command.HEARTBEAT})
+
 
 class FarmError(RuntimeError):
     """The broker refused or failed a job; the message says why."""
@@ -55,9 +59,10 @@ class Client:
     """A connection to a broker; one job at a time per client."""
 
     def __init__(self, broker: str = DEFAULT_BROKER, timeout: float | None = 60.0,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, block_bytes: int = BLOCK_BYTES) -> None:
         self.broker = broker
         self.timeout = timeout
+        self.block_bytes = block_bytes
         self._own_context = context is None
         self.context = context or zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
@@ -99,7 +104,7 @@ class Client:
 
     def _stream(self, job: str, batch: np.ndarray) -> None:
         """Send the input in blocks; each block is one raw frame."""
-        per_block = max(1, BLOCK_BYTES // max(1, batch[0].nbytes))
+        per_block = max(1, self.block_bytes // max(1, batch[0].nbytes))
         for start in range(0, len(batch), per_block):
             block = batch[start:start + per_block]
             self._send(Command.DATA, {"job": job, "start": start, "count": len(block)},
@@ -111,6 +116,8 @@ class Client:
         while True:
             message = self._receive()
             header = message.header
+            if message.command is Command.ERROR and "job" not in header:
+                raise FarmError(f"the broker refused a request: {header['error']}")
             if header.get("job") != job:
                 continue  # a stale reply of an earlier job
             if message.command is Command.ERROR:
@@ -119,11 +126,14 @@ class Client:
                 break
             if message.command is Command.RESULT:
                 start, count = header["start"], header["count"]
-                if seen[start:start + count].any():
-                    continue  # a duplicate: keep the first copy
+                if start + count > total or seen[start:start + count].any():
+                    continue  # out of range or a duplicate: keep the first copy
                 values = message.array(header["dtype"], header["item_shape"])
                 if out is None:
                     out = np.empty((total, *values.shape[1:]), dtype=values.dtype)
+                if values.shape[1:] != out.shape[1:]:
+                    raise FarmError(f"outputs of shape {values.shape[1:]} for items {start}+"
+                                    f"{count} do not match earlier ones {out.shape[1:]}")
                 out[start:start + count] = values
                 seen[start:start + count] = True
                 if progress:
@@ -146,9 +156,7 @@ class Client:
                 raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s")
             frames = self.socket.recv_multipart(copy=False)
             try:
-                return protocol.decode(frames, allowed=frozenset(
-                    {Command.RESULT, Command.DONE, Command.ERROR, Command.INFO,
-                     Command.HEARTBEAT}))
+                return protocol.decode(frames, allowed=ACCEPTED)
             except ProtocolError:
                 continue
 

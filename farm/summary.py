@@ -1,9 +1,10 @@
 """A finished job's figures: throughput, each worker's share, and waste (SPEC.md).
 
 Waste = (theoretical - achieved) / theoretical, where theoretical is the sum
-of the workers' standalone speeds.  A worker's standalone speed is measured in
-the job itself: the items it ran divided by the compute seconds it reported,
-so every run measures its own waste.
+of the standalone speeds of every worker the job was offered to.  A worker's
+standalone speed is measured in the job itself: the items it ran divided by
+the compute seconds it reported, so every run measures its own waste.  A worker
+that ran none of the job counts at the speed it showed on the model before.
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ class WorkerShare:
     items: int
     chunks: int
     compute_s: float
-
-    @property
-    def rate(self) -> float:
-        """Standalone speed: images per second of compute."""
-        return self.items / self.compute_s if self.compute_s > 0 else 0.0
+    rate: float  # standalone speed, images per second of compute
 
 
 @dataclass(frozen=True)
@@ -36,7 +33,8 @@ class JobSummary:
     @classmethod
     def from_broker(cls, summary: dict[str, Any], seconds: float) -> JobSummary:
         shares = tuple(WorkerShare(w["name"], w["device"], int(w["items"]), int(w["chunks"]),
-                                   float(w["compute_s"])) for w in summary.get("workers", []))
+                                   float(w["compute_s"]), float(w["standalone_rate"]))
+                       for w in summary.get("workers", []))
         return cls(int(summary["items"]), seconds, str(summary.get("policy", "?")), shares)
 
     @property

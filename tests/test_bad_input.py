@@ -181,3 +181,73 @@ def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digi
     assert set(result.header["timings"]) == {"receive", "compute", "send"}
     np.testing.assert_allclose(result.array("float32", (10,)), reference_forward(lenet, images),
                                atol=1e-5)
+
+
+@pytest.fixture
+def empty_farm() -> Iterator:
+    """A real broker with no worker processes: the test brings scripted workers."""
+    from farm.local import LocalFarm
+
+    with LocalFarm([], "fifo", ["--chunk", "4"]) as local:
+        yield local
+
+
+def test_a_result_for_the_wrong_items_fails_the_job_with_the_reason(empty_farm, digits) -> None:
+    from tests.peers import ScriptedWorker
+
+    worker = ScriptedWorker(empty_farm.endpoint)
+    outcome: dict = {}
+
+    def submit() -> None:
+        with empty_farm.client(timeout=20) as client:
+            try:
+                client.map(digits[:8], model="lenet")
+            except FarmError as exc:
+                outcome["error"] = str(exc)
+
+    thread = threading.Thread(target=submit)
+    thread.start()
+    try:
+        task_message = worker.receive()
+        assert task_message is not None and task_message.command is Command.TASK
+        header = {key: task_message.header[key] for key in ("job", "chunk", "count")}
+        worker.send(Command.RESULT, {**header, "start": 2, "dtype": "float32", "item_shape": [10],
+                                     "timings": {"compute": 0.001}},
+                    [np.zeros((header["count"], 10), np.float32).tobytes()])
+        thread.join(30)
+    finally:
+        worker.close()
+    assert "returned a bad result for items 0..3" in outcome["error"]
+    assert "answers items 2+4" in outcome["error"]
+
+
+def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_farm,
+                                                                        digits) -> None:
+    """A one-slot worker never holds two chunks, even when input arrives late."""
+    from tests.peers import ScriptedWorker
+
+    worker = ScriptedWorker(empty_farm.endpoint, slots=1)
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(empty_farm.endpoint)
+    try:
+        client.send_multipart(submit_frames("late", 12))
+        assert worker.receive(300) is None  # no input yet: nothing sent
+        images = digits[:12, None]
+        client.send_multipart(protocol.encode(Command.DATA, {"job": "late", "start": 0,
+                                                             "count": 12}, [images.tobytes()]))
+        for start in (0, 4, 8):
+            task_message = worker.receive()
+            assert task_message.header["start"] == start
+            assert worker.receive(200) is None, "a second chunk exceeded the single slot"
+            header = {key: task_message.header[key] for key in ("job", "chunk", "start", "count")}
+            worker.send(Command.RESULT, {**header, "dtype": "float32", "item_shape": [10],
+                                         "timings": {"compute": 0.001}},
+                        [np.zeros((4, 10), np.float32).tobytes()])
+        commands = [reply(client).command for _ in range(4)]
+        assert commands.count(Command.RESULT) == 3 and Command.DONE in commands
+    finally:
+        worker.close()
+        client.close()
+        context.term()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +56,10 @@ def test_a_job_of_one_image(farm_two_workers, lenet, digits) -> None:
 
 def test_two_clients_at_once_each_get_their_own_results(farm_two_workers, lenet,
                                                         digits) -> None:
-    inputs = {"a": digits[:600], "b": np.ascontiguousarray(digits[::-1][:450])}
+    inputs = {"a": np.resize(digits, (6000, 28, 28)),
+              "b": np.resize(digits[::-1], (4500, 28, 28))}
     results: dict[str, np.ndarray] = {}
+    spans: dict[str, tuple[float, float]] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(2)
 
@@ -64,7 +67,9 @@ def test_two_clients_at_once_each_get_their_own_results(farm_two_workers, lenet,
         try:
             with farm_two_workers.client() as client:
                 start.wait()
+                began = time.monotonic()
                 results[name] = client.map(inputs[name], model="lenet")
+                spans[name] = (began, time.monotonic())
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
@@ -74,6 +79,7 @@ def test_two_clients_at_once_each_get_their_own_results(farm_two_workers, lenet,
     for thread in threads:
         thread.join(120)
     assert not errors, errors
+    assert spans["a"][0] < spans["b"][1] and spans["b"][0] < spans["a"][1], "jobs did not overlap"
     for name, images in inputs.items():
         np.testing.assert_allclose(results[name], reference_forward(lenet, images), atol=1e-5)
 
@@ -115,3 +121,58 @@ def test_a_worker_that_cannot_start_is_reported_not_waited_for() -> None:
     with pytest.raises(FarmError, match="exited during start"):
         with LocalFarm(["cpu:4096"]):
             pass
+
+
+def test_input_streamed_in_many_blocks_spanning_chunks(farm_two_workers, lenet, digits) -> None:
+    """Blocks of 7 images, chunks of 100: chunks are cut from several client frames."""
+    images = digits[:500]
+    with Client(farm_two_workers.endpoint, block_bytes=7 * images[0].nbytes) as client:
+        outputs = client.map(images, model="lenet")
+    np.testing.assert_allclose(outputs, reference_forward(lenet, images), atol=1e-5)
+
+
+def test_pinned_workers_run_one_thread(farm_two_workers) -> None:
+    with farm_two_workers.client() as client:
+        workers = client.info()["workers"]
+    assert [w["threads"] for w in workers] == [1] * len(workers)
+    assert all("lenet" in w["loaded"] for w in workers)
+
+
+def test_summary_counts_a_worker_that_got_no_share(farm_two_workers, digits) -> None:
+    """Waste is against every worker offered the job, not only those that ran it."""
+    with farm_two_workers.client() as client:
+        client.run(np.resize(digits, (4000, 28, 28)), "lenet")  # both workers build a history
+        summary = client.run(digits[:50], "lenet").summary  # one chunk: one worker idles
+    assert sorted(share.items for share in summary.workers) == [0, 50]
+    assert all(share.rate > 0 for share in summary.workers)
+    assert summary.theoretical_rate == pytest.approx(sum(s.rate for s in summary.workers))
+
+
+def test_a_worker_stopped_mid_job_hands_its_chunks_on(lenet, digits) -> None:
+    """SIGTERM one of two workers mid-job: every image still comes back once, right."""
+    images = np.resize(digits, (30_000, 28, 28))
+    halfway = threading.Event()
+    received = 0
+
+    def progress(count: int) -> None:
+        nonlocal received
+        received += count
+        if received >= 3000:
+            halfway.set()
+
+    with LocalFarm(["cpu", "cpu"], "fifo", ["--chunk", "100"], preload=["lenet"]) as local:
+        outcome: dict = {}
+        thread = threading.Thread(target=lambda: outcome.update(
+            result=local.client().run(images, "lenet", progress=progress)))
+        thread.start()
+        assert halfway.wait(60)
+        local.workers[0].terminate()
+        thread.join(120)
+    result = outcome["result"]
+    np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits),
+                               atol=1e-5)
+    np.testing.assert_allclose(result.outputs[-1000:], reference_forward(lenet, digits),
+                               atol=1e-5)
+    shares = sorted(share.items for share in result.summary.workers)
+    assert sum(shares) == len(images)
+    assert shares[0] < 0.3 * len(images), "the stopped worker should have done little"

@@ -25,6 +25,9 @@ from farm.repository import ModelError, ModelSpec, available, find
 
 log = logging.getLogger("farm.worker")
 
+#: Commands a worker accepts from the broker.
+ACCEPTED = frozenset({Command.TASK, Command.ERROR, Command.HEARTBEAT})
+
 #: glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -118,12 +121,19 @@ class Worker:
         return models
 
     def ready_header(self) -> dict[str, Any]:
+        import cv2
+
         return {"device": str(self.config.device), "host": socket.gethostname(),
                 "pid": os.getpid(), "backend": OpenCVEngine.backend,
-                "models": self.advertised_models(), "slots": self.config.slots}
+                "threads": cv2.getNumThreads(), "models": self.advertised_models(),
+                "loaded": sorted(self.engines), "slots": self.config.slots}
 
     def run(self, context: zmq.Context) -> None:
         """Serve chunks until stopped by a signal or ``max_tasks``."""
+        if self.threads is not None:
+            import cv2
+
+            cv2.setNumThreads(self.threads)
         for name in self.config.preload:
             self.engine(name)
         sock = context.socket(zmq.DEALER)
@@ -136,8 +146,9 @@ class Worker:
             while self.running:
                 if not sock.poll(250):
                     continue
+                received = time.perf_counter()
                 frames = sock.recv_multipart(copy=False)
-                reply = self.handle(frames)
+                reply = self.handle(frames, received)
                 if reply:
                     sock.send_multipart(reply, copy=False)
                 if self.config.max_tasks and self.tasks_done >= self.config.max_tasks:
@@ -146,11 +157,10 @@ class Worker:
             sock.send_multipart(protocol.encode(Command.DISCONNECT))
             sock.close()
 
-    def handle(self, frames: list[Any]) -> list[Any] | None:
-        """One incoming message -> the reply frames, if any."""
+    def handle(self, frames: list[Any], received: float) -> list[Any] | None:
+        """One incoming message (``received`` when its receive began) -> the reply frames."""
         try:
-            message = protocol.decode(frames, allowed=frozenset(
-                {Command.TASK, Command.ERROR, Command.HEARTBEAT}))
+            message = protocol.decode(frames, allowed=ACCEPTED)
         except ProtocolError as exc:
             log.warning("dropped malformed message: %s", exc)
             return None
@@ -158,16 +168,24 @@ class Worker:
             log.error("broker refused us: %s", message.header["error"])
             return None
         if message.command is Command.TASK:
-            return self.run_task(message)
+            return self.run_task(message, received)
         return None
 
-    def run_task(self, message: Message) -> list[Any]:
-        """Run one chunk; FAILED with the reason when it cannot run."""
+    def run_task(self, message: Message, received: float) -> list[Any]:
+        """Run one chunk; FAILED with the reason when it cannot run.
+
+        Timings: ``receive`` from the start of the receive to the decoded input
+        (model loading excluded), ``compute`` the forward passes, ``send`` the
+        building of the reply (the socket send itself is asynchronous).
+        """
         header = message.header
         ids = {key: header[key] for key in ("job", "chunk", "start", "count")}
         try:
-            engine = self.engine(header["model"])
-            received = time.perf_counter()
+            if header["model"] not in self.engines:
+                loading = time.perf_counter()
+                self.engine(header["model"])
+                received += time.perf_counter() - loading
+            engine = self.engines[header["model"]]
             item_shape = tuple(header["item_shape"])
             if item_shape != engine.spec.input_shape:
                 raise ValueError(f"item shape {item_shape} does not match model "

@@ -1,0 +1,92 @@
+"""What the broker knows of its workers: facts they registered with, slots, history."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from farm import protocol
+from farm.protocol import ProtocolError
+
+if TYPE_CHECKING:
+    from farm.broker.jobs import ChunkRecord
+
+#: Most chunks a worker may ask to have in flight at once.
+MAX_SLOTS = 64
+
+
+@dataclass
+class ModelHistory:
+    """A worker's lifetime figures on one model: its standalone speed between jobs."""
+
+    items: int = 0
+    compute_s: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.items / self.compute_s if self.compute_s > 0 else 0.0
+
+
+@dataclass
+class WorkerEntry:
+    """One connected worker."""
+
+    identity: bytes
+    device: str
+    host: str
+    pid: int
+    backend: str
+    threads: int
+    models: dict[str, Any]  # name -> {"input_shape": [...]}: what it can run
+    loaded: set[str]  # models it has loaded
+    slots: int
+    in_flight: dict[int, ChunkRecord] = field(default_factory=dict)
+    history: dict[str, ModelHistory] = field(default_factory=dict)
+    id: str = ""  # the policies' name for it
+    name: str = ""  # host:pid/device, for people
+
+    def __post_init__(self) -> None:
+        self.id = self.identity.hex()
+        self.name = f"{self.host}:{self.pid}/{self.device}"
+
+    @classmethod
+    def from_ready(cls, identity: bytes, header: dict[str, Any]) -> WorkerEntry:
+        """Validate a READY header and build the entry; ProtocolError if it is unusable."""
+        check_models(header["models"])
+        loaded = header.get("loaded", [])
+        threads = header.get("threads", 0)
+        if not isinstance(loaded, list) or not all(name in header["models"] for name in loaded):
+            raise ProtocolError("READY 'loaded' must list advertised models")
+        if not 1 <= header["slots"] <= MAX_SLOTS:
+            raise ProtocolError(f"READY slots must be 1..{MAX_SLOTS}, got {header['slots']}")
+        if not isinstance(threads, int) or isinstance(threads, bool):
+            raise ProtocolError("READY 'threads' must be an integer")
+        return cls(identity, header["device"], header["host"], header["pid"], header["backend"],
+                   threads, header["models"], set(loaded), header["slots"])
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self.in_flight)
+
+    def record(self, model: str, items: int, compute_s: float) -> None:
+        history = self.history.setdefault(model, ModelHistory())
+        history.items += items
+        history.compute_s += compute_s
+        self.loaded.add(model)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "device": self.device, "host": self.host, "pid": self.pid,
+                "backend": self.backend, "threads": self.threads, "models": sorted(self.models),
+                "loaded": sorted(self.loaded), "in_flight": len(self.in_flight),
+                "items_done": sum(h.items for h in self.history.values()),
+                "compute_s": sum(h.compute_s for h in self.history.values())}
+
+
+def check_models(models: dict[str, Any]) -> None:
+    """Advertised models must be name -> {"input_shape": [positive ints]}."""
+    for name, facts in models.items():
+        if not isinstance(name, str):
+            raise ProtocolError("model names must be strings")
+        if not isinstance(facts, dict) or not isinstance(facts.get("input_shape"), list):
+            raise ProtocolError(f"model {name!r}: advertised without an input_shape")
+        protocol.check_array_spec("float32", facts["input_shape"])

@@ -1,0 +1,36 @@
+"""A protocol-level worker the tests drive by hand, to act as a broken or slow worker would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from farm import protocol
+from farm.protocol import Command, Message
+
+
+class ScriptedWorker:
+    """A DEALER that registers as a worker and answers only when told to."""
+
+    def __init__(self, endpoint: str, slots: int = 1, models: dict | None = None) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self.send(Command.READY, {"device": "cpu:0", "host": "scripted", "pid": 1,
+                                  "backend": "none", "threads": 1, "slots": slots,
+                                  "models": models or {"lenet": {"input_shape": [1, 28, 28]}}})
+
+    def send(self, command: Command, header: dict[str, Any], payload: list = ()) -> None:
+        self.socket.send_multipart(protocol.encode(command, header, payload))
+
+    def receive(self, timeout_ms: int = 10_000) -> Message | None:
+        """The next message, or None if none came within the timeout."""
+        if not self.socket.poll(timeout_ms):
+            return None
+        return protocol.decode(self.socket.recv_multipart())
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
