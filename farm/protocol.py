@@ -119,9 +119,10 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
     if len(frames) < 3:
         raise ProtocolError(f"expected at least 3 frames, got {len(frames)}")
     signature, command_frame, header_frame, *payload = frames
-    if bytes(_buffer(signature)) != SIGNATURE:
-        raise ProtocolError(f"unknown protocol signature {bytes(_buffer(signature))[:16]!r}")
-    command = _decode_command(bytes(_buffer(command_frame)))
+    head = _buffer(signature)[:len(SIGNATURE) + 1]  # a slice: a huge bogus frame is not copied
+    if head != SIGNATURE:
+        raise ProtocolError(f"unknown protocol signature {bytes(head)!r}")
+    command = _decode_command(bytes(_buffer(command_frame)[:2]))
     if allowed is not None and command not in allowed:
         raise ProtocolError(f"command {command.name} not accepted here")
     header = _decode_header(_buffer(header_frame), command)
