@@ -146,21 +146,31 @@ class Broker:
         self.fill_all()
 
     def fill(self, entry: WorkerEntry) -> None:
-        """Offer the worker's free slots to the jobs, oldest job first."""
-        while entry.free_slots > 0 and entry.identity in self.workers:
-            before = len(entry.in_flight)
-            for job in list(self.jobs.values()):
-                if job.validated and job.model in entry.models:
-                    job.eligible[entry.id] = entry
-                    self.dispatch(job, job.policy.handle(WorkerReady(entry.id)))
-                    if len(entry.in_flight) > before:
-                        break
-            else:
-                return
+        """Offer all of one worker's free slots to the jobs."""
+        while entry.free_slots > 0 and self.offer_slot(entry):
+            pass
 
     def fill_all(self) -> None:
-        for entry in list(self.workers.values()):
-            self.fill(entry)
+        """Offer free slots breadth-first: every worker's first slot before anyone's second."""
+        progress = True
+        while progress:
+            progress = False
+            for entry in list(self.workers.values()):
+                if entry.free_slots > 0 and self.offer_slot(entry):
+                    progress = True
+
+    def offer_slot(self, entry: WorkerEntry) -> bool:
+        """Offer one slot to the jobs, oldest first; True if one took it."""
+        if entry.identity not in self.workers:
+            return False
+        before = len(entry.in_flight)
+        for job in list(self.jobs.values()):
+            if job.validated and job.model in entry.models:
+                job.eligible[entry.id] = entry
+                self.dispatch(job, job.policy.handle(WorkerReady(entry.id)))
+                if len(entry.in_flight) > before:
+                    return True
+        return False
 
     def dispatch(self, job: Job, assignments: list[Assign]) -> None:
         """Carry out a policy's assignments: each takes a slot now, and is sent once its input is here."""

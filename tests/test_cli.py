@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from farm.cli import main
-from farm.local import farm_command
+from farm.local import cores, farm_command
 from tests.conftest import reference_forward
 
 COMMANDS = [[], ["broker"], ["worker"], ["submit"], ["run"], ["models"], ["models", "list"]]
@@ -58,6 +58,8 @@ def test_run_starts_a_local_farm_on_the_bundled_sample(lenet, digits, tmp_path) 
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert f"{len(digits)} images in" in done.stdout
+    if len(cores()) == 2:  # 1000 images, chunks of 500: one each
+        assert done.stdout.count(" 50.0% ") == 2, "the two workers should split the sample"
     np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits), atol=1e-5)
 
 

@@ -81,3 +81,21 @@ def test_every_item_assigned_exactly_once(total, chunk, workers, data) -> None:
     covered = sorted(i for c in completed for i in range(c.start, c.stop))
     assert covered == list(range(total))
     assert all(c.count == chunk or c.stop == total for c in completed)  # only the tail is short
+
+
+def test_a_second_chunk_goes_out_only_while_every_worker_can_get_one() -> None:
+    """Prefetch hides the round trip, but never starves an idle worker at the tail."""
+    policy = make_policy("fifo", 1000, chunk=300)
+    assert policy.handle(WorkerReady("a")) == [Assign("a", Chunk(0, 300))]
+    assert policy.handle(WorkerReady("b")) == [Assign("b", Chunk(300, 300))]
+    assert policy.handle(WorkerReady("a")) == []  # 400 left < 2 workers x 300: keep it
+    assert policy.handle(WorkerReady("b")) == []
+    assert policy.handle(ChunkDone("a", Chunk(0, 300), 0.03)) == [Assign("a", Chunk(600, 300))]
+    assert policy.handle(ChunkDone("b", Chunk(300, 300), 0.03)) == [Assign("b", Chunk(900, 100))]
+
+
+def test_prefetch_while_plenty_remains() -> None:
+    policy = make_policy("fifo", 10_000, chunk=500)
+    policy.handle(WorkerReady("a"))
+    policy.handle(WorkerReady("b"))
+    assert policy.handle(WorkerReady("a")) == [Assign("a", Chunk(1000, 500))]

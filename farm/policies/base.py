@@ -146,17 +146,22 @@ class Policy(ABC):
         self.on_worker_lost(worker)
 
     def _assign(self) -> list[Assign]:
-        """Offer every idle worker a chunk, in the order they became idle."""
+        """Offer waiting workers a chunk: workers with nothing in flight first.
+
+        A worker that already holds a chunk (it asked for a second, to hide the
+        round trip) gets one only while enough remains for every worker to get
+        a chunk too; near the end of a job, work goes to idle workers only.
+        """
         assignments = []
-        for worker in list(self.idle):
+        for worker in sorted(self.idle, key=lambda w: len(self.in_flight[w])):
             if not self.pool.ranges:
                 break
             size = self.chunk_size(worker)
             if size is None:
                 continue
+            if self.in_flight[worker] and self.pool.remaining < size * len(self.in_flight):
+                continue
             chunk = self.pool.take(size)
-            if chunk is None:
-                break
             self.idle.remove(worker)
             self.in_flight[worker].append(chunk)
             assignments.append(Assign(worker, chunk))
