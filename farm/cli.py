@@ -101,7 +101,7 @@ def worker(device: str, broker_address: str, preload: tuple[str, ...],
 def load_images(path: str) -> np.ndarray:
     """A .npy file, memory-mapped so that large inputs are not read at once."""
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        return np.load(path, mmap_mode="r")  # numpy refuses object arrays by default
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"cannot read {path}: {exc}") from exc
 

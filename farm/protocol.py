@@ -7,7 +7,7 @@ A message is a list of frames (after any ROUTER identity frame)::
 ``SIGNATURE`` carries the protocol version (``b"FARM01"``).  The header is a
 small msgpack map whose fields are checked against a per-command schema.  The
 payload frames are raw numpy buffers; their dtype and shape live in the header,
-never in the payload, and nothing is ever pickled.  Payloads are sent with
+never in the payload; no object serialiser is ever involved.  Payloads are sent with
 ``copy=False``: pyzmq copies frames below ``socket.copy_threshold`` (64 kB by
 default) anyway, because zero-copy only pays off above that size.
 """
@@ -110,7 +110,7 @@ def encode(command: Command, header: dict[str, Any] | None = None,
 
 
 def array_frames(array: np.ndarray) -> list[Any]:
-    """Payload frames for an array: one contiguous buffer, never a pickle."""
+    """Payload frames for an array: its one contiguous raw buffer."""
     return [np.ascontiguousarray(array).data]
 
 

@@ -68,6 +68,9 @@ def prepare_process(device: Device) -> None:
                              f"(allowed: {sorted(os.sched_getaffinity(0))})")
         os.sched_setaffinity(0, {device.index})
         limit_threads(1)
+        import cv2  # after limit_threads: OpenMP reads its variables when loaded
+
+        cv2.setNumThreads(1)
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
@@ -130,10 +133,6 @@ class Worker:
 
     def run(self, context: zmq.Context) -> None:
         """Serve chunks until stopped by a signal or ``max_tasks``."""
-        if self.threads is not None:
-            import cv2
-
-            cv2.setNumThreads(self.threads)
         for name in self.config.preload:
             self.engine(name)
         sock = context.socket(zmq.DEALER)

@@ -72,14 +72,11 @@ class ItemPool:
     """Item ranges not yet assigned, cut from the front in contiguous chunks."""
 
     ranges: deque[Chunk] = field(default_factory=deque)
+    remaining: int = 0  # items in ``ranges``, kept as they change
 
     @classmethod
     def of(cls, total: int) -> ItemPool:
-        return cls(deque([Chunk(0, total)] if total > 0 else []))
-
-    @property
-    def remaining(self) -> int:
-        return sum(chunk.count for chunk in self.ranges)
+        return cls(deque([Chunk(0, total)] if total > 0 else []), max(total, 0))
 
     def take(self, size: int) -> Chunk | None:
         """Cut up to ``size`` items (at least one) from the first range."""
@@ -89,11 +86,13 @@ class ItemPool:
         size = max(1, min(size, head.count))
         if size < head.count:
             self.ranges.appendleft(Chunk(head.start + size, head.count - size))
+        self.remaining -= size
         return Chunk(head.start, size)
 
     def give_back(self, chunk: Chunk) -> None:
         """Return a chunk (from a lost worker) to be assigned first."""
         self.ranges.appendleft(chunk)
+        self.remaining += chunk.count
 
 
 class Policy(ABC):
