@@ -79,8 +79,7 @@ class Broker:
     def heartbeat_clients(self) -> None:
         """Tell each client with a running job that the broker is alive and how far it got."""
         for job in self.jobs.values():
-            self.send(job.client, Command.HEARTBEAT, {"job": job.id,
-                                                      "done": job.policy.completed})
+            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "done": job.done})
 
     def poll_once(self, timeout_ms: int) -> None:
         """Handle every message that is waiting (or arrives within the timeout)."""
@@ -142,7 +141,8 @@ class Broker:
                  len(entry.in_flight))
         entry.in_flight.clear()
         for job in list(self.jobs.values()):
-            self.dispatch(job, job.policy.handle(WorkerLost(entry.id)))
+            if job.policy:
+                self.dispatch(job, job.policy.handle(WorkerLost(entry.id, at=self.clock())))
         self.fill_all()
 
     def fill(self, entry: WorkerEntry) -> None:
@@ -165,9 +165,9 @@ class Broker:
             return False
         before = len(entry.in_flight)
         for job in list(self.jobs.values()):
-            if job.validated and job.model in entry.models:
+            if job.policy and job.model in entry.models:
                 job.eligible[entry.id] = entry
-                self.dispatch(job, job.policy.handle(WorkerReady(entry.id)))
+                self.dispatch(job, job.policy.handle(WorkerReady(entry.id, at=self.clock())))
                 if len(entry.in_flight) > before:
                     return True
         return False
@@ -177,7 +177,8 @@ class Broker:
         for assignment in assignments:
             entry = self.by_id.get(assignment.worker)
             if entry is None:  # the policy has not heard the worker is gone yet
-                self.dispatch(job, job.policy.handle(WorkerLost(assignment.worker)))
+                self.dispatch(job, job.policy.handle(WorkerLost(assignment.worker,
+                                                                at=self.clock())))
                 continue
             record = ChunkRecord(self.next_chunk_id, job, assignment.chunk, entry)
             self.next_chunk_id += 1
@@ -228,7 +229,8 @@ class Broker:
         self.send(job.client, Command.RESULT, {
             **header, "job": job.id, "worker": entry.name,
             "round_trip": self.clock() - record.sent_at}, message.payload)
-        self.dispatch(job, job.policy.handle(ChunkDone(entry.id, chunk, compute)))
+        self.dispatch(job, job.policy.handle(ChunkDone(entry.id, chunk, compute,
+                                                       at=self.clock())))
         if job.policy.finished:
             self.finish(job)
         self.fill(entry)
@@ -251,9 +253,8 @@ class Broker:
         protocol.check_array_spec(header["dtype"], header["item_shape"])
         if not 0 < header["total"] <= protocol.MAX_ITEMS:
             raise ProtocolError(f"job total {header['total']} out of range")
-        policy = make_policy(self.config.algo, header["total"], **self.config.params)
         job = Job(job_id, identity, header["model"], header["dtype"],
-                  tuple(header["item_shape"]), header["total"], policy, self.clock())
+                  tuple(header["item_shape"]), header["total"], self.clock())
         self.jobs[job_id] = job
         log.info("job %s: %d x %s %s for model %s", job_id, job.total, job.item_shape,
                  job.dtype, job.model)
@@ -266,8 +267,12 @@ class Broker:
                 for name, facts in entry.models.items()}
 
     def validate_job(self, job: Job) -> bool:
-        """Check the job's model and shape against what workers offer; fail it if wrong."""
-        if job.validated:
+        """Check the job's model and shape against what workers offer; fail it if wrong.
+
+        A valid job gets its policy, told which workers are eligible now and
+        their speeds on this model from earlier jobs.
+        """
+        if job.policy:
             return True
         offered = self.offered_models()
         if job.model not in offered:
@@ -280,7 +285,11 @@ class Broker:
             self.fail_job(job, f"images of shape {job.item_shape} do not match model "
                                f"{job.model!r}, which takes {expected}")
             return False
-        job.validated = True
+        eligible = [entry for entry in self.workers.values() if job.model in entry.models]
+        speeds = {entry.id: entry.history[job.model].rate for entry in eligible
+                  if job.model in entry.history}
+        job.policy = make_policy(self.config.algo, job.total, [e.id for e in eligible], speeds,
+                                 **self.config.params)
         return True
 
     def on_data(self, identity: bytes, message: Message) -> None:
@@ -339,7 +348,7 @@ class Broker:
         return {"policy": self.config.algo, "params": self.config.params,
                 "workers": [entry.describe() for entry in self.workers.values()],
                 "jobs": [{"job": job.id, "model": job.model, "total": job.total,
-                          "done": job.policy.completed} for job in self.jobs.values()]}
+                          "done": job.done} for job in self.jobs.values()]}
 
 
 def serve(config: BrokerConfig, on_bound: Callable[[str], None] | None = None) -> None:

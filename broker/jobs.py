@@ -45,8 +45,8 @@ class Job:
     dtype: str
     item_shape: tuple[int, ...]
     total: int
-    policy: Policy
     submitted_at: float
+    policy: Policy | None = None  # made when the job is validated, for the workers then eligible
     item_bytes: int = 0
     starts: list[int] = field(default_factory=list)  # block starts, sorted
     blocks: list[Any] = field(default_factory=list)  # zmq frames, parallel to starts
@@ -55,10 +55,14 @@ class Job:
     shares: dict[str, Share] = field(default_factory=dict)
     eligible: dict[str, WorkerEntry] = field(default_factory=dict)  # workers offered this job
     output_shape: tuple[int, ...] | None = None
-    validated: bool = False
 
     def __post_init__(self) -> None:
         self.item_bytes = protocol.check_array_spec(self.dtype, self.item_shape)
+
+    @property
+    def done(self) -> int:
+        """Items computed so far."""
+        return self.policy.completed if self.policy else 0
 
     def add_block(self, start: int, count: int, frame: Any) -> None:
         """Keep one block of input; blocks must come in order and fit the job."""
@@ -127,4 +131,4 @@ class Job:
                     else history.rate if history else 0.0)
             workers.append({**vars(share), "standalone_rate": rate})
         return {"items": self.total, "broker_seconds": now - self.submitted_at,
-                "policy": self.policy.name, "workers": workers}
+                "policy": self.policy.name if self.policy else "?", "workers": workers}

@@ -34,12 +34,65 @@ def main(log_level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
 
 
+#: Policy parameter options: (option, parameter, type, help).
+POLICY_OPTIONS = (
+    ("--chunk", "chunk", click.IntRange(1), "fifo: items per chunk (paper: 500-3000)."),
+    ("--probe", "probe", click.IntRange(1),
+     "quick, fast-split, equal-finish: probe size per worker."),
+    ("--slice", "slice", click.IntRange(1), "sliced, hat: items per round (hat: the first)."),
+    ("--ratio", "ratio", str,
+     "fast-split: share r of what remains (0.25-0.5); static: ratios r1,r2,... by worker."),
+    ("--tolerance", "tolerance", click.FloatRange(0, 1, max_open=True),
+     "hat: finish times this close (fraction) end the doubling."),
+    ("--fraction", "fraction", click.FloatRange(0, 1, min_open=True),
+     "equal-finish: part of a worker's equal-finish share given per chunk."),
+    ("--floor", "floor", click.IntRange(1),
+     "Smallest chunk a policy cuts (except the last) [default: 100]."),
+    ("--speed-alpha", "speed_alpha", click.FloatRange(0, 1),
+     "Weight of the newest chunk in speed estimates (1: last chunk, 0: cumulative)."),
+)
+
+
 def policy_options(function):
-    """Options shared by every command that starts a broker."""
-    function = click.option("--chunk", default=500, show_default=True, type=click.IntRange(1),
-                            help="fifo: items per chunk.")(function)
-    return click.option("--algo", default="fifo", show_default=True,
-                        type=click.Choice(["fifo"]), help="Scheduling policy.")(function)
+    """``--algo`` and every policy parameter; unset parameters keep the policy's default."""
+    from farm.policies import POLICIES
+
+    for flag, name, kind, text in reversed(POLICY_OPTIONS):
+        function = click.option(flag, name, type=kind, default=None, help=text)(function)
+    return click.option("--algo", default="equal-finish", show_default=True, envvar="FARM_ALGO",
+                        type=click.Choice(list(POLICIES)),
+                        help="Scheduling policy (see README: Scheduling).")(function)
+
+
+def policy_params(algo: str, options: dict) -> dict:
+    """The policy parameters given on the command line, converted and checked against ``algo``."""
+    from farm.policies import parameters
+
+    params = {name: options[name] for _, name, _, _ in POLICY_OPTIONS
+              if options.get(name) is not None}
+    if "ratio" in params:
+        try:
+            ratios = tuple(float(r) for r in params["ratio"].split(","))
+        except ValueError:
+            raise click.BadParameter(f"not a number or list of numbers: {params['ratio']}",
+                                     param_hint="--ratio") from None
+        if algo != "static" and len(ratios) != 1:
+            raise click.BadParameter(f"{algo} takes one ratio", param_hint="--ratio")
+        params["ratio"] = ratios if algo == "static" else ratios[0]
+    unknown = sorted(set(params) - set(parameters(algo)))
+    if unknown:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unknown)
+        raise click.UsageError(f"policy {algo} does not take {flags}")
+    return params
+
+
+def policy_arguments(params: dict) -> list[str]:
+    """The same parameters as ``farm broker`` arguments (for a local farm)."""
+    arguments = []
+    for name, value in params.items():
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        arguments += ["--" + name.replace("_", "-"), text]
+    return arguments
 
 
 @main.command()
@@ -48,13 +101,17 @@ def policy_options(function):
 @click.option("--heartbeat", default=1.0, show_default=True, type=click.FloatRange(0.01),
               help="Seconds between heartbeats to clients with running jobs.")
 @policy_options
-def broker(bind: str, heartbeat: float, algo: str, chunk: int) -> None:
+def broker(bind: str, heartbeat: float, algo: str, **options: object) -> None:
     """Run the broker: the scheduler and router of a farm.
 
     \b
-    Example:
-      farm broker --algo fifo --chunk 1000 --bind tcp://127.0.0.1:5555
+    Examples:
+      farm broker --bind tcp://127.0.0.1:5555            # equal-finish, our policy
+      farm broker --algo fast-split --ratio 0.5 --probe 500
+      farm broker --algo hat --slice 1000 --tolerance 0.1
+      farm broker --algo static --ratio 1,1,1,3
     """
+    params = policy_params(algo, options)
     from farm.broker.broker import BrokerConfig, serve
 
     def announce(endpoint: str) -> None:
@@ -62,7 +119,7 @@ def broker(bind: str, heartbeat: float, algo: str, chunk: int) -> None:
         sys.stdout.flush()
 
     try:
-        serve(BrokerConfig(bind, algo, {"chunk": chunk}, heartbeat), on_bound=announce)
+        serve(BrokerConfig(bind, algo, params, heartbeat), on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
         raise click.ClickException(str(exc)) from exc
 
@@ -156,7 +213,7 @@ def submit(images: str, model: str, broker_address: str, out: str | None, timeou
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @policy_options
 def run(images: str | None, model: str, workers: int | None, out: str | None, quiet: bool,
-        algo: str, chunk: int) -> None:
+        algo: str, **options: object) -> None:
     """Start a local farm (broker + one pinned worker per core), run IMAGES, stop it.
 
     Without IMAGES, runs the model's bundled sample.
@@ -176,13 +233,14 @@ def run(images: str | None, model: str, workers: int | None, out: str | None, qu
         if sample is None:
             raise click.ClickException(f"model {model!r} has no bundled sample; give IMAGES")
         images = str(sample)
+    broker_arguments = policy_arguments(policy_params(algo, options))
     available = cores()
     devices = [f"cpu:{available[i % len(available)]}" for i in range(workers or len(available))]
     array = load_images(images)
     click.echo(f"starting a local farm: broker + {len(devices)} workers ({', '.join(devices)})",
                err=True)
     try:
-        with LocalFarm(devices, algo, ["--chunk", str(chunk)], preload=[model]) as local:
+        with LocalFarm(devices, algo, broker_arguments, preload=[model]) as local:
             run_job(local.endpoint, array, model, out, quiet, timeout=60.0)
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc

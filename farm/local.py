@@ -34,7 +34,7 @@ class LocalFarm:
     """Start with ``with LocalFarm(...) as local:``; ``local.endpoint`` is the broker's address."""
 
     devices: Sequence[str] = field(default_factory=lambda: [f"cpu:{core}" for core in cores()])
-    algo: str = "fifo"
+    algo: str = "equal-finish"
     broker_options: Sequence[str] = ()
     worker_options: Sequence[str] = ()
     preload: Sequence[str] = ()

@@ -58,9 +58,34 @@ def test_run_starts_a_local_farm_on_the_bundled_sample(lenet, digits, tmp_path) 
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert f"{len(digits)} images in" in done.stdout
+    assert "(policy equal-finish)" in done.stdout  # the default
+    np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits), atol=1e-5)
+
+
+def test_run_passes_policy_parameters_to_its_broker(lenet, digits, tmp_path) -> None:
+    out = tmp_path / "scores.npy"
+    done = subprocess.run(farm_command("--log-level", "WARNING", "run", "--out", str(out),
+                                       "--quiet", "--algo", "fifo", "--chunk", "500"),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "(policy fifo)" in done.stdout
     if len(cores()) == 2:  # 1000 images, chunks of 500: one each
         assert done.stdout.count(" 50.0% ") == 2, "the two workers should split the sample"
     np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits), atol=1e-5)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--algo", "fifo", "--probe", "3"], "policy fifo does not take --probe"),
+    (["--algo", "fast-split", "--ratio", "0.5,0.5"], "fast-split takes one ratio"),
+    (["--algo", "static", "--ratio", "1,x"], "not a number or list of numbers: 1,x"),
+    (["--algo", "fast-split", "--ratio", "1.5"], "ratio must be within (0, 1]"),
+    (["--algo", "nope"], "'nope' is not one of"),
+])
+def test_broker_refuses_bad_policy_parameters(arguments, message) -> None:
+    done = subprocess.run(farm_command("broker", "--bind", "tcp://127.0.0.1:*", *arguments),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert message in done.stderr and "Traceback" not in done.stderr
 
 
 def test_broker_refuses_a_busy_address(farm_two_workers) -> None:

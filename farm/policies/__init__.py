@@ -1,27 +1,67 @@
-"""Scheduling policies, chosen by name (``farm broker --algo NAME``)."""
+"""Scheduling policies, chosen by name (``farm broker --algo NAME``).
+
+The paper's six (SPEC.md) and ours, ``equal-finish``.  Every policy is a pure
+object: events in, chunk assignments out (see ``farm.policies.base``).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import inspect
+from typing import Any, Iterable, Mapping
 
-from farm.policies.base import (Assign, Chunk, ChunkDone, Event, Policy, WorkerLost,
-                                WorkerReady)
+from farm.policies.base import (DEFAULT_FLOOR, Assign, Chunk, ChunkDone, Event, Policy,
+                                WorkerId, WorkerLost, WorkerReady, proportional_split)
+from farm.policies.equal_finish import EqualFinishPolicy
+from farm.policies.fast_split import FastSplitPolicy
 from farm.policies.fifo import FifoPolicy
+from farm.policies.hat import HatPolicy
+from farm.policies.quick import QuickPolicy
+from farm.policies.sliced import SlicedPolicy
+from farm.policies.static import StaticPolicy
+from farm.policies.rounds import RoundPolicy
 
-#: name -> factory(total items, **parameters)
-POLICIES: dict[str, Callable[..., Policy]] = {
-    FifoPolicy.name: FifoPolicy,
+#: name -> policy class, in the paper's order, ours last.
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
+    StaticPolicy, QuickPolicy, SlicedPolicy, HatPolicy, FifoPolicy, FastSplitPolicy,
+    EqualFinishPolicy)}
+
+#: The paper's tried values of each policy's main parameter (SPEC.md).
+PAPER_PARAMETERS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "static": ("ratio", ((),)),
+    "quick": ("probe", (250, 500, 1000, 2000)),
+    "sliced": ("slice", (1000, 2000, 5000)),
+    "hat": ("slice", (500, 1000, 2000)),
+    "fifo": ("chunk", (500, 1000, 2000, 3000)),
+    "fast-split": ("ratio", (0.25, 1 / 3, 0.4, 0.5)),
 }
 
+#: Policies that wait for a round to finish before the next.
+BARRIER_POLICIES = frozenset(name for name, cls in POLICIES.items()
+                             if issubclass(cls, RoundPolicy) and name != "static")
 
-def make_policy(name: str, total: int, **params: Any) -> Policy:
+
+def parameters(name: str) -> dict[str, Any]:
+    """A policy's tunable parameters and their defaults."""
+    signature = inspect.signature(POLICIES[name].__init__)
+    return {key: p.default for key, p in signature.parameters.items()
+            if key not in ("self", "total", "workers", "speeds")}
+
+
+def make_policy(name: str, total: int, workers: Iterable[WorkerId] = (),
+                speeds: Mapping[WorkerId, float] | None = None, **params: Any) -> Policy:
     """A fresh policy instance for one job of ``total`` items."""
     try:
-        factory = POLICIES[name]
+        cls = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None
-    return factory(total, **params)
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
+    unknown = sorted(set(params) - set(parameters(name)))
+    if unknown:
+        raise ValueError(f"policy {name} takes no parameter {', '.join(unknown)}; "
+                         f"it takes {', '.join(parameters(name)) or 'none'}")
+    return cls(total, workers, speeds, **params)
 
 
-__all__ = ["Assign", "Chunk", "ChunkDone", "Event", "Policy", "POLICIES", "WorkerLost",
-           "WorkerReady", "make_policy"]
+__all__ = ["Assign", "BARRIER_POLICIES", "Chunk", "ChunkDone", "DEFAULT_FLOOR", "Event",
+           "PAPER_PARAMETERS", "POLICIES", "Policy", "WorkerLost", "WorkerReady", "make_policy",
+           "parameters", "proportional_split"]
+

@@ -13,13 +13,24 @@ Events:
   follows with ``WorkerReady`` when it wants the slot filled by this job.
 * ``WorkerLost(worker)``: the worker is gone; its chunks in flight go back
   to the pool and are handed to idle workers.
+
+Every event carries ``at``, the driver's clock (seconds, any origin): the
+broker passes its monotonic clock, the simulator its simulated time.  A
+policy reads time only from events, so the same object runs in both.
+
+A policy is built with the job's size, the ``workers`` that are eligible for
+it when it starts (the paper's devices ``1..n``; others may join later) and
+``speeds`` the driver remembers for them (items/second on this model from
+earlier jobs).  Policies that do not use them ignore them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 WorkerId = str
 
@@ -42,6 +53,7 @@ class Chunk:
 @dataclass(frozen=True)
 class WorkerReady:
     worker: WorkerId
+    at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -49,11 +61,13 @@ class ChunkDone:
     worker: WorkerId
     chunk: Chunk
     seconds: float
+    at: float = 0.0
 
 
 @dataclass(frozen=True)
 class WorkerLost:
     worker: WorkerId
+    at: float = 0.0
 
 
 Event = WorkerReady | ChunkDone | WorkerLost
@@ -95,17 +109,67 @@ class ItemPool:
         self.remaining += chunk.count
 
 
+def proportional_split(total: int, weights: Mapping[WorkerId, float],
+                       floor: int = 1) -> dict[WorkerId, int]:
+    """Cut ``total`` items into integer shares proportional to ``weights``.
+
+    Shares that would fall below ``floor`` are dropped and their items spread
+    over the rest (the smallest weights drop first), so every share is at
+    least ``floor`` unless ``total`` itself is smaller: then the heaviest
+    worker gets it all.  Rounding goes by largest remainder; ties by order.
+    """
+    if total <= 0 or not weights:
+        return {}
+    members = [w for w in weights if weights[w] > 0] or list(weights)
+    weight = {w: weights[w] if weights[w] > 0 else 1.0 for w in members}
+    while True:
+        scale = total / sum(weight[w] for w in members)
+        exact = {w: weight[w] * scale for w in members}
+        if len(members) == 1 or min(exact.values()) >= floor:
+            break
+        members.remove(min(members, key=lambda w: (exact[w], -members.index(w))))
+    shares = {w: math.floor(exact[w]) for w in members}
+    leftover = total - sum(shares.values())
+    by_remainder = sorted(members, key=lambda w: -(exact[w] - shares[w]))
+    for w in by_remainder[:leftover]:
+        shares[w] += 1
+    return {w: shares[w] for w in weights if shares.get(w)}
+
+
 class Policy(ABC):
-    """Bookkeeping shared by every policy; subclasses decide chunk sizes."""
+    """Bookkeeping shared by every policy; subclasses decide chunk sizes.
+
+    ``prefetch``: whether a worker that already holds a chunk may be given a
+    second one (to hide the round trip).  The paper's policies give work to
+    idle devices only, so only fifo and our own policy prefetch.
+    """
 
     name: str = "?"
+    prefetch: bool = False
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
+                 speeds: Mapping[WorkerId, float] | None = None) -> None:
         self.total = total
         self.pool = ItemPool.of(total)
+        self.roster: list[WorkerId] = list(dict.fromkeys(workers))  # eligible at the start
+        self.remembered: dict[WorkerId, float] = {
+            w: v for w, v in (speeds or {}).items() if v > 0}
         self.in_flight: dict[WorkerId, list[Chunk]] = {}
         self.idle: list[WorkerId] = []  # workers waiting for work, in arrival order
+        self.lost: set[WorkerId] = set()
         self.completed = 0
+        self.holding = 0  # chunks in flight, all workers
+        self.now = 0.0  # the latest event's time
+        self.events = 0  # events handled: a version number for caches of derived state
+        self._members: list[WorkerId] | None = None
+
+    @property
+    def members(self) -> list[WorkerId]:
+        """Workers this job can count on: the starting roster and any that joined, minus the lost."""
+        if self._members is None:
+            known = dict.fromkeys([*self.roster, *self.in_flight])
+            self._members = [w for w in known if w not in self.lost]
+        return self._members
 
     @property
     def finished(self) -> bool:
@@ -119,7 +183,12 @@ class Policy(ABC):
 
     def handle(self, event: Event) -> list[Assign]:
         """The one entry point: apply an event, return the assignments it causes."""
+        self.now = max(self.now, event.at)
+        self.events += 1
         if isinstance(event, WorkerReady):
+            if event.worker not in self.in_flight:
+                self._members = None
+            self.lost.discard(event.worker)
             self.in_flight.setdefault(event.worker, [])
             if event.worker not in self.idle:
                 self.idle.append(event.worker)
@@ -134,44 +203,66 @@ class Policy(ABC):
         if event.chunk not in chunks:
             raise ValueError(f"{event.worker} did not hold {event.chunk}")
         chunks.remove(event.chunk)
+        self.holding -= 1
         self.completed += event.chunk.count
         self.on_chunk_done(event)
 
     def _lose(self, worker: WorkerId) -> None:
-        for chunk in reversed(self.in_flight.pop(worker, [])):
+        returned = self.in_flight.pop(worker, [])
+        self.holding -= len(returned)
+        self._members = None
+        for chunk in reversed(returned):
             self.pool.give_back(chunk)
         if worker in self.idle:
             self.idle.remove(worker)
-        self.on_worker_lost(worker)
+        self.lost.add(worker)
+        self.on_worker_lost(worker, returned)
 
     def _assign(self) -> list[Assign]:
         """Offer waiting workers a chunk: workers with nothing in flight first.
 
         A worker that already holds a chunk (it asked for a second, to hide the
-        round trip) gets one only while enough remains for every worker to get
-        a chunk too; near the end of a job, work goes to idle workers only.
+        round trip) gets one only if the policy prefetches, and only while
+        enough remains for every worker to get a chunk too; near the end of a
+        job, work goes to idle workers only.
         """
-        assignments = []
-        for worker in sorted(self.idle, key=lambda w: len(self.in_flight[w])):
-            if not self.pool.ranges:
-                break
-            size = self.chunk_size(worker)
-            if size is None:
-                continue
-            if self.in_flight[worker] and self.pool.remaining < size * len(self.in_flight):
-                continue
-            chunk = self.pool.take(size)
-            self.idle.remove(worker)
-            self.in_flight[worker].append(chunk)
-            assignments.append(Assign(worker, chunk))
-        return assignments
+        assignments: list[Assign] = []
+        while True:  # another pass if one assignment may have changed another's answer
+            made = len(assignments)
+            for worker in sorted(self.idle, key=lambda w: len(self.in_flight[w])):
+                if not self.pool.ranges:
+                    return assignments
+                assignment = self._offer(worker)
+                if assignment:
+                    assignments.append(assignment)
+            if len(assignments) == made or not self.idle:
+                return assignments
+
+    def _offer(self, worker: WorkerId) -> Assign | None:
+        busy = bool(self.in_flight[worker])
+        if busy and not self.prefetch:
+            return None
+        size = self.chunk_size(worker)
+        if size is None or size <= 0:
+            return None
+        if busy and self.pool.remaining < size * len(self.in_flight):
+            return None
+        chunk = self.pool.take(size)
+        self.idle.remove(worker)
+        self.in_flight[worker].append(chunk)
+        self.holding += 1
+        self.on_assign(worker, chunk)
+        return Assign(worker, chunk)
 
     @abstractmethod
     def chunk_size(self, worker: WorkerId) -> int | None:
         """Items to give this idle worker now, or None to keep it waiting."""
 
+    def on_assign(self, worker: WorkerId, chunk: Chunk) -> None:
+        """Hook: a chunk was just given to a worker."""
+
     def on_chunk_done(self, event: ChunkDone) -> None:
         """Hook: a chunk finished (speeds, barriers)."""
 
-    def on_worker_lost(self, worker: WorkerId) -> None:
-        """Hook: a worker left."""
+    def on_worker_lost(self, worker: WorkerId, returned: list[Chunk]) -> None:
+        """Hook: a worker left; ``returned`` are its chunks, back in the pool."""

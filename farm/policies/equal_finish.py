@@ -1,0 +1,171 @@
+"""equal-finish (ours): size every chunk so that all workers' predicted finish times meet."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Iterable, Mapping
+
+from farm.policies.base import DEFAULT_FLOOR, Chunk, ChunkDone, Policy, WorkerId
+from farm.policies.speeds import SpeedBook
+
+#: Probe for a worker with no speed yet (none remembered from earlier jobs).
+DEFAULT_PROBE = 200
+#: Per-chunk cost the driver adds on top of compute time (SPEC.md: about 0.2 ms).
+DEFAULT_OVERHEAD = 0.0002
+#: Largest share of a chunk's time that per-chunk overhead may take.
+DEFAULT_MAX_OVERHEAD = 0.01
+#: This policy follows a changing speed faster than the paper's policies.
+DEFAULT_ALPHA = 0.7
+
+
+class EqualFinishPolicy(Policy):
+    """Asynchronous and predictive; no barrier, no fixed ratio.
+
+    The policy keeps, per worker, a speed (see ``SpeedBook``) and the time it
+    will be free (its chunks in flight at that speed).  When a worker asks,
+    it computes the time ``T`` at which the whole farm would finish if the
+    items left were shared so that every member finishes together:
+    ``sum_j v_j * (T - free_j) = remaining``.  The worker's share is
+    ``v_i * (T - free_i)``; it gets ``fraction`` of it, so later chunks can
+    correct for noise and drift, but never less than the chunk whose
+    per-chunk ``overhead`` (seconds) is at most ``max_overhead`` of its time,
+    nor less than ``floor``.  At the end of the job, when that share would be
+    under the minimum, what is left is planned in minimum-size pieces, each
+    for the worker that would finish it first (earliest finish time); the
+    asking worker takes its first piece, or waits if the plan gives it none,
+    and no piece leaves less than ``floor`` behind.
+
+    * Workers with no speed get a ``probe``; meanwhile they count at the
+      fastest known speed, which keeps early chunks of the others small.
+    * Speeds remembered from earlier jobs (``speeds``) skip the probe.
+    * Workers that already hold a chunk may get a second one (prefetch)
+      when their share after what they hold is still positive.
+    """
+
+    name = "equal-finish"
+    prefetch = True
+
+    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
+                 speeds: Mapping[WorkerId, float] | None = None, fraction: float = 0.5,
+                 probe: int = DEFAULT_PROBE, overhead: float = DEFAULT_OVERHEAD,
+                 max_overhead: float = DEFAULT_MAX_OVERHEAD, floor: int = DEFAULT_FLOOR,
+                 speed_alpha: float = DEFAULT_ALPHA) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be within (0, 1], got {fraction}")
+        if probe < 1 or floor < 1:
+            raise ValueError(f"probe and floor must be at least 1, got {probe} and {floor}")
+        if overhead < 0 or not 0 < max_overhead <= 1:
+            raise ValueError("overhead must be >= 0 and max_overhead within (0, 1]")
+        super().__init__(total, workers, speeds)
+        self.fraction, self.probe, self.floor = fraction, probe, floor
+        self.overhead, self.max_overhead = overhead, max_overhead
+        self.speeds = SpeedBook.seeded(speed_alpha, self.remembered)
+        self.free_at: dict[WorkerId, float] = {}
+        self._totals: tuple[int, float, float] | None = None  # (event, sum v, sum v * free)
+        self._plan: tuple[int, dict[WorkerId, int]] | None = None  # (event, end-game pieces)
+
+    # ------------------------------------------------------------ predictions
+
+    def rate(self, worker: WorkerId) -> float:
+        """Known speed, else the fastest known (optimistic), else 1."""
+        known = self.speeds.get(worker)
+        if known is not None:
+            return known
+        return max(self.speeds.speeds.values(), default=1.0)
+
+    def available_at(self, worker: WorkerId) -> float:
+        """When the worker will have finished what it holds (now if idle, overdue or probing)."""
+        if not self.in_flight.get(worker) or not self.speeds.knows(worker):
+            return self.now
+        return max(self.now, self.free_at.get(worker, self.now))
+
+    def busy_for(self, worker: WorkerId) -> float:
+        """Predicted seconds of the work the worker holds."""
+        chunks = self.in_flight.get(worker, [])
+        return sum(c.count for c in chunks) / self.rate(worker) + self.overhead * len(chunks)
+
+    def min_chunk(self, speed: float) -> int:
+        return max(self.floor, math.ceil(self.overhead / self.max_overhead * speed))
+
+    # ---------------------------------------------------------------- policy
+
+    def chunk_size(self, worker: WorkerId) -> int | None:
+        left = self.remaining
+        speed = self.speeds.get(worker)
+        if speed is None:
+            return min(self.probe, left)
+        rate_sum, weighted_free = self.totals()
+        finish = (left + weighted_free) / rate_sum
+        share = speed * (finish - self.available_at(worker))
+        if share <= 0:
+            return None
+        size = math.ceil(self.fraction * share)
+        if size >= self.min_chunk(speed) and size < left - self.floor:
+            return size  # a share of the work, with slack for later chunks to correct
+        return self.end_game_piece(worker)
+
+    def totals(self) -> tuple[float, float]:
+        """``sum(v_j)`` and ``sum(v_j * free_j)`` over the members, cached for one event."""
+        if self._totals is None or self._totals[0] != self.events:
+            speeds, in_flight, free_at, now = (self.speeds.speeds, self.in_flight,
+                                               self.free_at, self.now)
+            fastest = max(speeds.values(), default=1.0)
+            rate_sum = weighted_free = 0.0
+            for member in self.members:  # inlined rate() and available_at(): a hot loop
+                rate = speeds.get(member, fastest)
+                free = free_at.get(member, now) if in_flight.get(member) and member in speeds \
+                    else now
+                rate_sum += rate
+                weighted_free += rate * max(free, now)
+            self._totals = (self.events, rate_sum, weighted_free)
+        return self._totals[1], self._totals[2]
+
+    def end_game_piece(self, worker: WorkerId) -> int | None:
+        """The worker's next piece in an earliest-finish-first plan of what is left, if any.
+
+        What remains is cut into minimum-size pieces; each goes in turn to the
+        active worker that would finish it first.  The asking worker takes its
+        first piece, or waits if the plan gives it none.  The plan holds
+        until the next event.
+        """
+        if self._plan is None or self._plan[0] != self.events:
+            self._plan = (self.events, self.plan_end_game())
+        return self._plan[1].pop(worker, None)
+
+    def plan_end_game(self) -> dict[WorkerId, int]:
+        """First piece per worker in the earliest-finish-first plan of the remaining items."""
+        left = self.remaining
+        active = [m for m in self.in_flight if self.speeds.knows(m)]
+        ends = [(self.available_at(m) + self.piece(m, left) / self.rate(m), m) for m in active]
+        heapq.heapify(ends)
+        firsts: dict[WorkerId, int] = {}
+        while left > 0 and ends:
+            end, chosen = heapq.heappop(ends)
+            size = self.piece(chosen, left)
+            firsts.setdefault(chosen, size)
+            left -= size
+            if left > 0:
+                heapq.heappush(ends, (end + self.overhead + self.piece(chosen, left)
+                                      / self.rate(chosen), chosen))
+        return firsts
+
+    def piece(self, worker: WorkerId, left: int) -> int:
+        """A minimum-size chunk, or everything left if less than ``floor`` would remain."""
+        size = min(self.min_chunk(self.rate(worker)), left)
+        return left if left - size < self.floor else size
+
+    def on_assign(self, worker: WorkerId, chunk: Chunk) -> None:
+        before = self.available_at(worker) if len(self.in_flight[worker]) > 1 else self.now
+        self.free_at[worker] = before + chunk.count / self.rate(worker) + self.overhead
+        if self._totals is not None and self.speeds.knows(worker):
+            event, rate_sum, weighted_free = self._totals
+            change = self.rate(worker) * (self.available_at(worker) - before)
+            self._totals = (event, rate_sum, weighted_free + change)
+
+    def on_chunk_done(self, event: ChunkDone) -> None:
+        self.speeds.update(event.worker, event.chunk.count, event.seconds)
+        self.free_at[event.worker] = self.now + self.busy_for(event.worker)
+
+    def on_worker_lost(self, worker: WorkerId, returned: list[Chunk]) -> None:
+        self.free_at.pop(worker, None)

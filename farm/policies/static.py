@@ -1,0 +1,35 @@
+"""static (SPEC.md): at the start, worker ``i`` gets ``W * r_i / sum(r)`` items in one chunk."""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+from farm.policies.base import DEFAULT_FLOOR, WorkerId, proportional_split
+from farm.policies.rounds import RoundPolicy
+
+
+class StaticPolicy(RoundPolicy):
+    """One round, cut by fixed ratios.
+
+    ``ratio`` gives ``r_1..r_n`` for the workers in the order they are known
+    (the starting roster, then joiners); a worker beyond the list gets the
+    mean ratio, so the default (empty) splits equally.  Nothing is measured.
+    Items a lost worker leaves behind go to the next idle worker; if items
+    somehow remain after the round, the next round splits them by ratio too.
+    """
+
+    name = "static"
+
+    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
+                 speeds: Mapping[WorkerId, float] | None = None,
+                 ratio: Sequence[float] = (), floor: int = DEFAULT_FLOOR) -> None:
+        if any(r <= 0 for r in ratio):
+            raise ValueError(f"static ratios must be positive, got {list(ratio)}")
+        super().__init__(total, workers, speeds, floor)
+        self.ratio = tuple(float(r) for r in ratio)
+
+    def plan_round(self, members: list[WorkerId]) -> dict[WorkerId, int]:
+        default = sum(self.ratio) / len(self.ratio) if self.ratio else 1.0
+        weights = {w: self.ratio[i] if i < len(self.ratio) else default
+                   for i, w in enumerate(members)}
+        return proportional_split(self.remaining, weights, self.floor)
