@@ -127,7 +127,8 @@ def comparison_cases() -> list[Case]:
                  paper_scenario(dataset, latency=0.001, slots=2)),
             Case(f"{dataset}: 10 000 images", paper_scenario(dataset, total=10_000)),
         ]
-    cases += [Case(f"mnist mix: {n} devices", many_devices(n), noisy[:2] if n > 10 else noisy)
+    cases += [Case(f"mnist mix: {n} devices", many_devices(n),
+                   noisy if n <= 16 else noisy[:2] if n <= 100 else noisy[:1])
               for n in (1, 4, 16, 100, 1000)]
     cases += [Case("8 devices, speeds 10x apart", spread_devices(8), noisy),
               Case("64 devices, speeds 30x apart", spread_devices(64, 30.0, 400_000), noisy)]

@@ -2,7 +2,8 @@
 
 Devices are modelled by their per-chunk cost ``t(n) = a + n / v`` (``a`` the
 fixed cost of a chunk, ``v`` items/second), with optional noise (each
-chunk's compute time times a log-normal factor), optional drift (from time
+chunk's compute time times a mean-one log-normal factor whose spread shrinks
+with the chunk's length), optional drift (from time
 ``drift_at`` the device runs at ``drift_factor`` of its speed) and a one-way
 message latency.  The driver behaves as the broker does: each device has
 ``slots`` chunks it may hold; when a result arrives the policy hears
@@ -20,6 +21,10 @@ from dataclasses import dataclass, field
 from farm.policies import Assign, Chunk, ChunkDone, Policy, WorkerReady
 
 
+#: Seconds over which a device's speed jitters independently (see ``DeviceModel.noise_factor``).
+NOISE_WINDOW = 0.1
+
+
 @dataclass(frozen=True)
 class DeviceModel:
     """One simulated worker."""
@@ -27,9 +32,22 @@ class DeviceModel:
     name: str
     rate: float  # v, items/second
     overhead: float = 0.0  # a, seconds per chunk
-    noise: float = 0.0  # sigma of the mean-one log-normal factor on each chunk's compute time
+    noise: float = 0.0  # relative sd of the compute time of a chunk of NOISE_WINDOW seconds
     drift_at: float | None = None  # seconds into the job when the speed changes
     drift_factor: float = 1.0  # speed multiplier from drift_at on
+
+    def noise_factor(self, items: int, rng: random.Random) -> float:
+        """A mean-one log-normal factor on a chunk's compute time.
+
+        Jitter is independent from one ``NOISE_WINDOW`` to the next, so a
+        chunk of ``k`` windows has ``noise / sqrt(k)`` relative sd: long chunks
+        average it out, as real batches do.
+        """
+        if not self.noise:
+            return 1.0
+        windows = max(1.0, items / self.rate / NOISE_WINDOW)
+        sigma = self.noise / math.sqrt(windows)
+        return math.exp(rng.gauss(-sigma * sigma / 2, sigma))
 
     def finish_time(self, start: float, items: int, noise: float) -> float:
         """When a chunk of ``items`` started at ``start`` ends (``noise`` multiplies its compute time)."""
@@ -133,7 +151,7 @@ def simulate(scenario: Scenario, policy: Policy, seed: int = 0) -> SimResult:
         nonlocal order
         for assignment in assignments:
             device = devices[assignment.worker]
-            noise = math.exp(rng.gauss(-device.noise ** 2 / 2, device.noise)) if device.noise else 1.0
+            noise = device.noise_factor(assignment.chunk.count, rng)
             start = max(now + scenario.latency, free_at[device.name])
             end = device.finish_time(start, assignment.chunk.count, noise)
             free_at[device.name] = end

@@ -92,12 +92,18 @@ class ItemPool:
     def of(cls, total: int) -> ItemPool:
         return cls(deque([Chunk(0, total)] if total > 0 else []), max(total, 0))
 
-    def take(self, size: int) -> Chunk | None:
-        """Cut up to ``size`` items (at least one) from the first range."""
+    def take(self, size: int, floor: int = 1) -> Chunk | None:
+        """Cut up to ``size`` items (at least one) from the first range.
+
+        A cut that would leave fewer than ``floor`` items in that range takes
+        them too, so no sliver is left behind.
+        """
         if not self.ranges:
             return None
         head = self.ranges.popleft()
         size = max(1, min(size, head.count))
+        if head.count - size < floor:
+            size = head.count
         if size < head.count:
             self.ranges.appendleft(Chunk(head.start + size, head.count - size))
         self.remaining -= size
@@ -146,6 +152,7 @@ class Policy(ABC):
 
     name: str = "?"
     prefetch: bool = False
+    floor: int = 1  # smallest chunk the policy cuts, except the last
 
     def __init__(self, total: int, workers: Iterable[WorkerId] = (),
                  speeds: Mapping[WorkerId, float] | None = None) -> None:
@@ -247,7 +254,7 @@ class Policy(ABC):
             return None
         if busy and self.pool.remaining < size * len(self.in_flight):
             return None
-        chunk = self.pool.take(size)
+        chunk = self.pool.take(size, self.floor)
         self.idle.remove(worker)
         self.in_flight[worker].append(chunk)
         self.holding += 1

@@ -15,8 +15,10 @@ DEFAULT_PROBE = 200
 DEFAULT_OVERHEAD = 0.0002
 #: Largest share of a chunk's time that per-chunk overhead may take.
 DEFAULT_MAX_OVERHEAD = 0.01
-#: This policy follows a changing speed faster than the paper's policies.
-DEFAULT_ALPHA = 0.7
+#: Seconds of compute that weigh as much as all earlier measurements (see ``SpeedBook``).
+DEFAULT_SPEED_WINDOW = 2.0
+#: A chunk running this many times its predicted time caps its worker's speed estimate.
+OVERDUE = 1.2
 
 
 class EqualFinishPolicy(Policy):
@@ -36,6 +38,11 @@ class EqualFinishPolicy(Policy):
     asking worker takes its first piece, or waits if the plan gives it none,
     and no piece leaves less than ``floor`` behind.
 
+    * Speeds are averaged with weights by chunk length (``speed_window``
+      seconds, see ``SpeedBook``).  A worker still busy at 1.2 times its
+      chunk's predicted time is slower than believed: its speed counts as
+      at most what it could have done so far, so the others take more.
+    * A worker alone takes the whole job at once.
     * Workers with no speed get a ``probe``; meanwhile they count at the
       fastest known speed, which keeps early chunks of the others small.
     * Speeds remembered from earlier jobs (``speeds``) skip the probe.
@@ -50,7 +57,7 @@ class EqualFinishPolicy(Policy):
                  speeds: Mapping[WorkerId, float] | None = None, fraction: float = 0.5,
                  probe: int = DEFAULT_PROBE, overhead: float = DEFAULT_OVERHEAD,
                  max_overhead: float = DEFAULT_MAX_OVERHEAD, floor: int = DEFAULT_FLOOR,
-                 speed_alpha: float = DEFAULT_ALPHA) -> None:
+                 speed_window: float = DEFAULT_SPEED_WINDOW) -> None:
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be within (0, 1], got {fraction}")
         if probe < 1 or floor < 1:
@@ -60,30 +67,42 @@ class EqualFinishPolicy(Policy):
         super().__init__(total, workers, speeds)
         self.fraction, self.probe, self.floor = fraction, probe, floor
         self.overhead, self.max_overhead = overhead, max_overhead
-        self.speeds = SpeedBook.seeded(speed_alpha, self.remembered)
-        self.free_at: dict[WorkerId, float] = {}
+        if speed_window < 0:
+            raise ValueError(f"speed_window must be >= 0, got {speed_window}")
+        self.speeds = SpeedBook.seeded(1.0, self.remembered, speed_window)
+        self.started_at: dict[WorkerId, float] = {}  # when each worker began its current chunk
         self._totals: tuple[int, float, float] | None = None  # (event, sum v, sum v * free)
         self._plan: tuple[int, dict[WorkerId, int]] | None = None  # (event, end-game pieces)
 
     # ------------------------------------------------------------ predictions
 
     def rate(self, worker: WorkerId) -> float:
-        """Known speed, else the fastest known (optimistic), else 1."""
-        known = self.speeds.get(worker)
-        if known is not None:
-            return known
-        return max(self.speeds.speeds.values(), default=1.0)
+        """Known speed, else the fastest known (optimistic), else 1.
+
+        A worker still busy past its predicted end is slower than we thought:
+        its speed is capped at the items of its current chunk over the time
+        the chunk has run so far.
+        """
+        speeds = self.speeds.speeds
+        known = speeds.get(worker)
+        if known is None:
+            return max(speeds.values(), default=1.0)
+        chunks = self.in_flight.get(worker)
+        if chunks:
+            running = self.now - self.started_at.get(worker, self.now)
+            if running > 0 and chunks[0].count * OVERDUE < known * running:
+                return chunks[0].count / running
+        return known
 
     def available_at(self, worker: WorkerId) -> float:
-        """When the worker will have finished what it holds (now if idle, overdue or probing)."""
-        if not self.in_flight.get(worker) or not self.speeds.knows(worker):
+        """When the worker will have finished what it holds (now if idle or probing)."""
+        chunks = self.in_flight.get(worker)
+        if not chunks or not self.speeds.knows(worker):
             return self.now
-        return max(self.now, self.free_at.get(worker, self.now))
-
-    def busy_for(self, worker: WorkerId) -> float:
-        """Predicted seconds of the work the worker holds."""
-        chunks = self.in_flight.get(worker, [])
-        return sum(c.count for c in chunks) / self.rate(worker) + self.overhead * len(chunks)
+        rate = self.rate(worker)
+        free = (self.started_at.get(worker, self.now)
+                + sum(c.count for c in chunks) / rate + self.overhead * len(chunks))
+        return max(self.now, free)
 
     def min_chunk(self, speed: float) -> int:
         return max(self.floor, math.ceil(self.overhead / self.max_overhead * speed))
@@ -92,6 +111,8 @@ class EqualFinishPolicy(Policy):
 
     def chunk_size(self, worker: WorkerId) -> int | None:
         left = self.remaining
+        if len(self.members) == 1:
+            return left  # alone: nothing to balance
         speed = self.speeds.get(worker)
         if speed is None:
             return min(self.probe, left)
@@ -108,24 +129,16 @@ class EqualFinishPolicy(Policy):
     def totals(self) -> tuple[float, float]:
         """``sum(v_j)`` and ``sum(v_j * free_j)`` over the members, cached for one event."""
         if self._totals is None or self._totals[0] != self.events:
-            speeds, in_flight, free_at, now = (self.speeds.speeds, self.in_flight,
-                                               self.free_at, self.now)
-            fastest = max(speeds.values(), default=1.0)
-            rate_sum = weighted_free = 0.0
-            for member in self.members:  # inlined rate() and available_at(): a hot loop
-                rate = speeds.get(member, fastest)
-                free = free_at.get(member, now) if in_flight.get(member) and member in speeds \
-                    else now
-                rate_sum += rate
-                weighted_free += rate * max(free, now)
-            self._totals = (self.events, rate_sum, weighted_free)
+            rates = [(self.rate(m), self.available_at(m)) for m in self.members]
+            self._totals = (self.events, sum(r for r, _ in rates),
+                            sum(r * free for r, free in rates))
         return self._totals[1], self._totals[2]
 
     def end_game_piece(self, worker: WorkerId) -> int | None:
         """The worker's next piece in an earliest-finish-first plan of what is left, if any.
 
         What remains is cut into minimum-size pieces; each goes in turn to the
-        active worker that would finish it first.  The asking worker takes its
+        member with a known speed that would finish it first.  The asking worker takes its
         first piece, or waits if the plan gives it none.  The plan holds
         until the next event.
         """
@@ -136,8 +149,8 @@ class EqualFinishPolicy(Policy):
     def plan_end_game(self) -> dict[WorkerId, int]:
         """First piece per worker in the earliest-finish-first plan of the remaining items."""
         left = self.remaining
-        active = [m for m in self.in_flight if self.speeds.knows(m)]
-        ends = [(self.available_at(m) + self.piece(m, left) / self.rate(m), m) for m in active]
+        known = [m for m in self.members if self.speeds.knows(m)]
+        ends = [(self.available_at(m) + self.piece(m, left) / self.rate(m), m) for m in known]
         heapq.heapify(ends)
         firsts: dict[WorkerId, int] = {}
         while left > 0 and ends:
@@ -156,16 +169,13 @@ class EqualFinishPolicy(Policy):
         return left if left - size < self.floor else size
 
     def on_assign(self, worker: WorkerId, chunk: Chunk) -> None:
-        before = self.available_at(worker) if len(self.in_flight[worker]) > 1 else self.now
-        self.free_at[worker] = before + chunk.count / self.rate(worker) + self.overhead
-        if self._totals is not None and self.speeds.knows(worker):
-            event, rate_sum, weighted_free = self._totals
-            change = self.rate(worker) * (self.available_at(worker) - before)
-            self._totals = (event, rate_sum, weighted_free + change)
+        if len(self.in_flight[worker]) == 1:
+            self.started_at[worker] = self.now
+        self._totals = None  # the worker's free time moved
 
     def on_chunk_done(self, event: ChunkDone) -> None:
         self.speeds.update(event.worker, event.chunk.count, event.seconds)
-        self.free_at[event.worker] = self.now + self.busy_for(event.worker)
+        self.started_at[event.worker] = self.now  # the next chunk it holds starts now
 
     def on_worker_lost(self, worker: WorkerId, returned: list[Chunk]) -> None:
-        self.free_at.pop(worker, None)
+        self.started_at.pop(worker, None)

@@ -22,9 +22,14 @@ class SpeedBook:
     follows a device that slows down without jumping at every noisy chunk.
     Speeds remembered from earlier jobs seed the book and are refreshed the
     same way.
+
+    With ``window`` (seconds) the newest chunk's weight instead grows with how
+    long it ran, ``seconds / (seconds + window)``: a long chunk is a reliable
+    measurement of the device as it is now, a short one is mostly jitter.
     """
 
     alpha: float = DEFAULT_SPEED_ALPHA
+    window: float | None = None
     speeds: dict[WorkerId, float] = field(default_factory=dict)
     items: dict[WorkerId, int] = field(default_factory=dict)
     seconds: dict[WorkerId, float] = field(default_factory=dict)
@@ -34,8 +39,9 @@ class SpeedBook:
             raise ValueError(f"speed_alpha must be within 0..1, got {self.alpha}")
 
     @classmethod
-    def seeded(cls, alpha: float, remembered: Mapping[WorkerId, float]) -> SpeedBook:
-        return cls(alpha, dict(remembered))
+    def seeded(cls, alpha: float, remembered: Mapping[WorkerId, float],
+               window: float | None = None) -> SpeedBook:
+        return cls(alpha, window, dict(remembered))
 
     def update(self, worker: WorkerId, items: int, seconds: float) -> None:
         """Fold in a finished chunk of ``items`` that took ``seconds``."""
@@ -47,6 +53,9 @@ class SpeedBook:
         previous = self.speeds.get(worker)
         if previous is None:
             self.speeds[worker] = latest
+        elif self.window is not None:
+            weight = seconds / (seconds + self.window)
+            self.speeds[worker] = weight * latest + (1 - weight) * previous
         elif self.alpha == 0.0:
             self.speeds[worker] = self.items[worker] / self.seconds[worker]
         else:
