@@ -169,8 +169,8 @@ def plot(path: Path, paper: dict[str, list[Row]]) -> None:
         axis.axhline(ideal, color="black", linestyle="--", linewidth=1)
         axis.text(0, ideal, " sum of standalone speeds", va="bottom", fontsize=8)
         axis.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
-        axis.set_ylabel("images/s (simulated)")
-        axis.set_title(f"{dataset}: 3 CPU + 1 GPU, {rows[0].scenario} calibration")
+        axis.set_ylabel("images/s")
+        axis.set_title(f"{dataset}: 3 CPU + 1 GPU workers (simulated from Table 2)")
     width = 0.38
     names = list(POLICIES)
     for offset, dataset in ((-width / 2, "mnist"), (width / 2, "cifar10")):

@@ -150,17 +150,22 @@ class EqualFinishPolicy(Policy):
         """First piece per worker in the earliest-finish-first plan of the remaining items."""
         left = self.remaining
         known = [m for m in self.members if self.speeds.knows(m)]
-        ends = [(self.available_at(m) + self.piece(m, left) / self.rate(m), m) for m in known]
-        heapq.heapify(ends)
+        heap = [(self.available_at(m) + self.piece(m, left) / self.rate(m),
+                 self.available_at(m), m) for m in known]  # (end of its next piece, start, worker)
+        heapq.heapify(heap)
         firsts: dict[WorkerId, int] = {}
-        while left > 0 and ends:
-            end, chosen = heapq.heappop(ends)
+        while left > 0 and heap:
+            _, start, chosen = heapq.heappop(heap)
             size = self.piece(chosen, left)
+            end = start + size / self.rate(chosen)
+            if heap and end > heap[0][0]:  # the piece grew (it took a sliver): re-queue it
+                heapq.heappush(heap, (end, start, chosen))
+                continue
             firsts.setdefault(chosen, size)
             left -= size
-            if left > 0:
-                heapq.heappush(ends, (end + self.overhead + self.piece(chosen, left)
-                                      / self.rate(chosen), chosen))
+            start = end + self.overhead
+            heapq.heappush(heap, (start + self.piece(chosen, left) / self.rate(chosen), start,
+                                  chosen))
         return firsts
 
     def piece(self, worker: WorkerId, left: int) -> int:
