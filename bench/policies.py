@@ -102,7 +102,7 @@ def value_text(value: Any) -> str:
 
 
 def print_paper_table(dataset: str, rows: list[Row]) -> None:
-    print(f"\n{dataset}: 3 CPU workers + 1 GPU worker, {rows[1].chunks and 'simulated'}")
+    print(f"\n{dataset}: 3 CPU workers + 1 GPU worker, simulated")
     print(f"{'policy':<14}{'parameter':<18}{'images/s':>10}{'vs 1 core':>11}{'paper':>9}"
           f"{'waste':>8}{'chunks':>8}")
     for row in rows:
@@ -114,14 +114,13 @@ def print_paper_table(dataset: str, rows: list[Row]) -> None:
     print("mean over the paper's parameter values (the paper's Tables 4/5 average the same way):")
     for name in POLICIES:
         mine = [r for r in rows if r.policy == name and r.parameter != "speeds"]
-        paper = PAPER_RELATIVE[dataset].get(name)
-        theoretical = 3 * cpu_core_speed(dataset) + mine[0].rate / (1 + mine[0].relative) * 0
-        print(f"  {name:<13} {mean(r.relative for r in mine):+7.1%} (paper "
-              f"{paper:+.1%})" if paper is not None else
-              f"  {name:<13} {mean(r.relative for r in mine):+7.1%} (ours)", end="")
-        print(f"   waste {mean(r.waste for r in mine):5.1%}" +
-              (f" (paper {paper_waste(dataset, name):.1%})" if paper is not None else ""))
-        del theoretical
+        relative = mean(r.relative for r in mine)
+        waste = mean(r.waste for r in mine)
+        if name in PAPER_RELATIVE[dataset]:
+            print(f"  {name:<13} {relative:+7.1%} (paper {PAPER_RELATIVE[dataset][name]:+.1%})"
+                  f"   waste {waste:5.1%} (paper {paper_waste(dataset, name):.1%})")
+        else:
+            print(f"  {name:<13} {relative:+7.1%} (ours)   waste {waste:5.1%}")
 
 
 def paper_waste(dataset: str, policy: str) -> float:

@@ -115,6 +115,13 @@ class ItemPool:
         self.remaining += chunk.count
 
 
+def require_positive(**values: int) -> None:
+    """ValueError naming the first parameter below 1 (sizes: probe, slice, chunk, floor)."""
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+
+
 def proportional_split(total: int, weights: Mapping[WorkerId, float],
                        floor: int = 1) -> dict[WorkerId, int]:
     """Cut ``total`` items into integer shares proportional to ``weights``.

@@ -6,7 +6,8 @@ import heapq
 import math
 from typing import Iterable, Mapping
 
-from farm.policies.base import DEFAULT_FLOOR, Chunk, ChunkDone, Policy, WorkerId
+from farm.policies.base import (DEFAULT_FLOOR, Chunk, ChunkDone, Policy, WorkerId,
+                                require_positive)
 from farm.policies.speeds import SpeedBook
 
 #: Probe for a worker with no speed yet (none remembered from earlier jobs).
@@ -60,8 +61,7 @@ class EqualFinishPolicy(Policy):
                  speed_window: float = DEFAULT_SPEED_WINDOW) -> None:
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be within (0, 1], got {fraction}")
-        if probe < 1 or floor < 1:
-            raise ValueError(f"probe and floor must be at least 1, got {probe} and {floor}")
+        require_positive(probe=probe, floor=floor)
         if overhead < 0 or not 0 < max_overhead <= 1:
             raise ValueError("overhead must be >= 0 and max_overhead within (0, 1]")
         super().__init__(total, workers, speeds)

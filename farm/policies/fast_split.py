@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
-from farm.policies.base import DEFAULT_FLOOR, ChunkDone, Policy, WorkerId
+from farm.policies.base import (DEFAULT_FLOOR, ChunkDone, Policy, WorkerId,
+                                require_positive)
 from farm.policies.speeds import DEFAULT_SPEED_ALPHA, SpeedBook
 
 #: Probe size ``w_s`` (SPEC.md leaves it open): large enough that per-chunk
@@ -32,8 +33,7 @@ class FastSplitPolicy(Policy):
                  speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
         if not 0 < ratio <= 1:
             raise ValueError(f"fast-split ratio must be within (0, 1], got {ratio}")
-        if probe < 1 or floor < 1:
-            raise ValueError(f"probe and floor must be at least 1, got {probe} and {floor}")
+        require_positive(probe=probe, floor=floor)
         super().__init__(total, workers, speeds)
         self.ratio, self.probe, self.floor = ratio, probe, floor
         self.speeds = SpeedBook(speed_alpha)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from farm.policies.base import Policy, WorkerId
+from farm.policies.base import Policy, WorkerId, require_positive
 
 
 class FifoPolicy(Policy):
@@ -20,8 +20,7 @@ class FifoPolicy(Policy):
 
     def __init__(self, total: int, workers: Iterable[WorkerId] = (),
                  speeds: Mapping[WorkerId, float] | None = None, chunk: int = 500) -> None:
-        if chunk < 1:
-            raise ValueError(f"chunk must be at least 1, got {chunk}")
+        require_positive(chunk=chunk)
         super().__init__(total, workers, speeds)
         self.chunk = chunk
 

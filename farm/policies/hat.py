@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from farm.policies.base import DEFAULT_FLOOR, WorkerId
+from farm.policies.base import DEFAULT_FLOOR, WorkerId, require_positive
 from farm.policies.rounds import RoundPolicy
 from farm.policies.speeds import DEFAULT_SPEED_ALPHA
 
@@ -30,8 +30,7 @@ class HatPolicy(RoundPolicy):
                  speeds: Mapping[WorkerId, float] | None = None, slice: int = 1000,
                  tolerance: float = DEFAULT_TOLERANCE, floor: int = DEFAULT_FLOOR,
                  speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
-        if slice < 1:
-            raise ValueError(f"slice must be at least 1, got {slice}")
+        require_positive(slice=slice)
         if not 0 <= tolerance < 1:
             raise ValueError(f"tolerance must be within 0..1, got {tolerance}")
         super().__init__(total, workers, speeds, floor, speed_alpha)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from farm.policies.base import DEFAULT_FLOOR, WorkerId
+from farm.policies.base import DEFAULT_FLOOR, WorkerId, require_positive
 from farm.policies.rounds import RoundPolicy
 from farm.policies.speeds import DEFAULT_SPEED_ALPHA
 
@@ -23,8 +23,7 @@ class QuickPolicy(RoundPolicy):
     def __init__(self, total: int, workers: Iterable[WorkerId] = (),
                  speeds: Mapping[WorkerId, float] | None = None, probe: int = 500,
                  floor: int = DEFAULT_FLOOR, speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
-        if probe < 1:
-            raise ValueError(f"probe must be at least 1, got {probe}")
+        require_positive(probe=probe)
         super().__init__(total, workers, speeds, floor, speed_alpha)
         self.probe = probe
 

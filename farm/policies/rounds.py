@@ -6,7 +6,7 @@ from abc import abstractmethod
 from typing import Iterable, Mapping
 
 from farm.policies.base import (DEFAULT_FLOOR, Chunk, ChunkDone, Policy, WorkerId,
-                                proportional_split)
+                                proportional_split, require_positive)
 from farm.policies.speeds import DEFAULT_SPEED_ALPHA, SpeedBook
 
 
@@ -25,8 +25,7 @@ class RoundPolicy(Policy):
     def __init__(self, total: int, workers: Iterable[WorkerId] = (),
                  speeds: Mapping[WorkerId, float] | None = None, floor: int = DEFAULT_FLOOR,
                  speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
-        if floor < 1:
-            raise ValueError(f"floor must be at least 1, got {floor}")
+        require_positive(floor=floor)
         super().__init__(total, workers, speeds)
         self.floor = floor
         self.speeds = SpeedBook(speed_alpha)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from farm.policies.base import DEFAULT_FLOOR, WorkerId
+from farm.policies.base import DEFAULT_FLOOR, WorkerId, require_positive
 from farm.policies.rounds import RoundPolicy
 from farm.policies.speeds import DEFAULT_SPEED_ALPHA
 
@@ -21,8 +21,7 @@ class SlicedPolicy(RoundPolicy):
     def __init__(self, total: int, workers: Iterable[WorkerId] = (),
                  speeds: Mapping[WorkerId, float] | None = None, slice: int = 2000,
                  floor: int = DEFAULT_FLOOR, speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
-        if slice < 1:
-            raise ValueError(f"slice must be at least 1, got {slice}")
+        require_positive(slice=slice)
         super().__init__(total, workers, speeds, floor, speed_alpha)
         self.slice = slice
 
