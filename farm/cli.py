@@ -50,6 +50,8 @@ POLICY_OPTIONS = (
      "Smallest chunk a policy cuts (except the last) [default: 100]."),
     ("--speed-alpha", "speed_alpha", click.FloatRange(0, 1),
      "Weight of the newest chunk in speed estimates (1: last chunk, 0: cumulative)."),
+    ("--speed-window", "speed_window", click.FloatRange(0),
+     "equal-finish: seconds of compute that weigh as much as all earlier speed measurements."),
 )
 
 

@@ -80,6 +80,7 @@ def test_run_passes_policy_parameters_to_its_broker(lenet, digits, tmp_path) -> 
     (["--algo", "static", "--ratio", "1,x"], "not a number or list of numbers: 1,x"),
     (["--algo", "fast-split", "--ratio", "1.5"], "ratio must be within (0, 1]"),
     (["--algo", "nope"], "'nope' is not one of"),
+    (["--algo", "fifo", "--speed-window", "1"], "policy fifo does not take --speed-window"),
 ])
 def test_broker_refuses_bad_policy_parameters(arguments, message) -> None:
     done = subprocess.run(farm_command("broker", "--bind", "tcp://127.0.0.1:*", *arguments),
