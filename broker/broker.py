@@ -18,9 +18,11 @@ import zmq
 
 from farm import protocol
 from farm.broker.jobs import ChunkRecord, Job
+from farm.broker.models import ModelCatalog
 from farm.broker.registry import WorkerEntry
 from farm.policies import Assign, ChunkDone, WorkerLost, WorkerReady, make_policy
 from farm.protocol import Command, Message, ProtocolError
+from farm.repository import ModelError
 
 log = logging.getLogger("farm.broker")
 
@@ -33,6 +35,7 @@ class BrokerConfig:
     algo: str = "fifo"
     params: dict[str, Any] = field(default_factory=dict)
     heartbeat: float = 1.0  # seconds between heartbeats to clients with running jobs
+    model_dirs: tuple[str, ...] = ()  # searched before $FARM_MODELS and the bundled models
 
 
 class Broker:
@@ -51,6 +54,7 @@ class Broker:
         self.workers: dict[bytes, WorkerEntry] = {}
         self.by_id: dict[str, WorkerEntry] = {}  # the same entries by policy worker id
         self.jobs: dict[str, Job] = {}
+        self.models = ModelCatalog(config.model_dirs)
         self.info_waiters: list[tuple[bytes, int]] = []
         self.next_chunk_id = 0
         self.running = True
@@ -59,6 +63,7 @@ class Broker:
             Command.FAILED: self.on_failed, Command.SUBMIT: self.on_submit,
             Command.DATA: self.on_data, Command.INFO: self.on_info,
             Command.DISCONNECT: self.on_disconnect, Command.HEARTBEAT: lambda *_: None,
+            Command.FETCH: self.on_fetch,
         }
         self.accepted = frozenset(self.handlers)
 
@@ -165,7 +170,7 @@ class Broker:
             return False
         before = len(entry.in_flight)
         for job in list(self.jobs.values()):
-            if job.policy and job.model in entry.models:
+            if job.policy:
                 job.eligible[entry.id] = entry
                 self.dispatch(job, job.policy.handle(WorkerReady(entry.id, at=self.clock())))
                 if len(entry.in_flight) > before:
@@ -200,7 +205,8 @@ class Broker:
             chunk = record.chunk
             self.send(record.worker.identity, Command.TASK, {
                 "job": job.id, "chunk": record.id, "start": chunk.start, "count": chunk.count,
-                "model": job.model, "dtype": job.dtype, "item_shape": list(job.item_shape)},
+                "model": job.model, "digest": job.digest, "dtype": job.dtype,
+                "item_shape": list(job.item_shape)},
                 views)
 
     def answered_record(self, identity: bytes, message: Message) -> ChunkRecord | None:
@@ -261,36 +267,52 @@ class Broker:
         if self.validate_job(job):
             self.fill_all()
 
-    def offered_models(self) -> dict[str, dict[str, Any]]:
-        """Models the connected workers can run, by name."""
-        return {name: facts for entry in self.workers.values()
-                for name, facts in entry.models.items()}
-
     def validate_job(self, job: Job) -> bool:
-        """Check the job's model and shape against what workers offer; fail it if wrong.
+        """Check the job's model and shape against the broker's repository; fail it if wrong.
 
-        A valid job gets its policy, told which workers are eligible now and
+        Every worker can run every model (it fetches the files it lacks), so a
+        valid job gets its policy at once, told the workers connected now and
         their speeds on this model from earlier jobs.
         """
         if job.policy:
             return True
-        offered = self.offered_models()
-        if job.model not in offered:
-            if self.workers:
-                self.fail_job(job, f"unknown model {job.model!r}; workers offer: "
-                                   f"{', '.join(sorted(offered))}")
-            return False  # no worker yet: wait for one to say what it offers
-        expected = tuple(offered[job.model]["input_shape"])
-        if job.item_shape != expected:
-            self.fail_job(job, f"images of shape {job.item_shape} do not match model "
-                               f"{job.model!r}, which takes {expected}")
+        try:
+            spec, manifest = self.models.lookup(job.model)
+        except ModelError as exc:
+            self.fail_job(job, str(exc))
             return False
-        eligible = [entry for entry in self.workers.values() if job.model in entry.models]
+        if job.item_shape != spec.item_shape:
+            layout = " (H x W x C)" if spec.preprocess.layout == "HWC" else ""
+            self.fail_job(job, f"images of shape {job.item_shape} do not match model "
+                               f"{job.model!r}, which takes {spec.item_shape}{layout}")
+            return False
+        job.digest = manifest.digest
+        eligible = list(self.workers.values())
         speeds = {entry.id: entry.history[job.model].rate for entry in eligible
                   if job.model in entry.history}
         job.policy = make_policy(self.config.algo, job.total, [e.id for e in eligible], speeds,
                                  **self.config.params)
         return True
+
+    def on_fetch(self, identity: bytes, message: Message) -> None:
+        """Send a worker a model's files; an error reply if the model is gone or changed."""
+        entry = self.workers.get(identity)
+        name, digest = message.header["model"], message.header["digest"]
+        try:
+            spec, manifest = self.models.lookup(name)
+            if manifest.digest != digest:
+                raise ModelError(f"model {name!r} changed on the broker (now {manifest.digest[:12]}"
+                                 f", asked for {digest[:12]})")
+            contents = [spec.files()[f.name].read_bytes() for f in manifest.files]
+        except (ModelError, OSError) as exc:
+            self.send(identity, Command.MODEL, {"model": name, "digest": digest, "files": [],
+                                                "error": str(exc)})
+            return
+        if entry is not None:
+            entry.fetched[name] = entry.fetched.get(name, 0) + 1
+        log.info("sending model %s (%d bytes) to %s", name, sum(len(c) for c in contents),
+                 entry.name if entry else identity.hex())
+        self.send(identity, Command.MODEL, manifest.header(), contents)
 
     def on_data(self, identity: bytes, message: Message) -> None:
         header = message.header

@@ -47,6 +47,7 @@ class Job:
     total: int
     submitted_at: float
     policy: Policy | None = None  # made when the job is validated, for the workers then eligible
+    digest: str = ""  # the content hash of the model's files, set when the job is validated
     item_bytes: int = 0
     starts: list[int] = field(default_factory=list)  # block starts, sorted
     blocks: list[Any] = field(default_factory=list)  # zmq frames, parallel to starts

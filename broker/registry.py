@@ -42,6 +42,7 @@ class WorkerEntry:
     slots: int
     in_flight: dict[int, ChunkRecord] = field(default_factory=dict)
     history: dict[str, ModelHistory] = field(default_factory=dict)
+    fetched: dict[str, int] = field(default_factory=dict)  # model -> times its files were sent
     id: str = ""  # the policies' name for it
     name: str = ""  # host:pid/device, for people
 
@@ -77,7 +78,8 @@ class WorkerEntry:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "device": self.device, "host": self.host, "pid": self.pid,
                 "backend": self.backend, "threads": self.threads, "models": sorted(self.models),
-                "loaded": sorted(self.loaded), "in_flight": len(self.in_flight),
+                "loaded": sorted(self.loaded), "fetched": dict(self.fetched),
+                "in_flight": len(self.in_flight),
                 "items_done": sum(h.items for h in self.history.values()),
                 "compute_s": sum(h.compute_s for h in self.history.values())}
 

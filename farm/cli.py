@@ -10,7 +10,6 @@ import click
 import numpy as np
 
 from farm.client import DEFAULT_BROKER, FarmError
-from farm.engine import DEFAULT_BATCH
 
 DEFAULT_MODEL = "lenet"
 
@@ -102,8 +101,12 @@ def policy_arguments(params: dict) -> list[str]:
               help="ZeroMQ endpoint to bind; tcp://127.0.0.1:* picks a free port.")
 @click.option("--heartbeat", default=1.0, show_default=True, type=click.FloatRange(0.01),
               help="Seconds between heartbeats to clients with running jobs.")
+@click.option("--models-dir", multiple=True, type=click.Path(file_okay=False),
+              help="Model repository folder served to workers (repeatable; searched before "
+                   "$FARM_MODELS and the bundled models).")
 @policy_options
-def broker(bind: str, heartbeat: float, algo: str, **options: object) -> None:
+def broker(bind: str, heartbeat: float, models_dir: tuple[str, ...], algo: str,
+           **options: object) -> None:
     """Run the broker: the scheduler and router of a farm.
 
     \b
@@ -121,37 +124,46 @@ def broker(bind: str, heartbeat: float, algo: str, **options: object) -> None:
         sys.stdout.flush()
 
     try:
-        serve(BrokerConfig(bind, algo, params, heartbeat), on_bound=announce)
+        serve(BrokerConfig(bind, algo, params, heartbeat, models_dir), on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
         raise click.ClickException(str(exc)) from exc
 
 
 @main.command()
 @click.option("--device", default="cpu", show_default=True,
-              help="cpu (all cores, all threads) or cpu:N (pinned to core N, one thread).")
+              help="cpu (all cores, all threads), cpu:N (pinned to core N, one thread) or "
+                   "gpu:N (CUDA device N, torch backend).")
 @click.option("--broker", "broker_address", default=DEFAULT_BROKER, show_default=True,
               envvar="FARM_BROKER", help="Broker endpoint to connect to.")
+@click.option("--backend", type=click.Choice(["opencv", "torch", "caffe"]),
+              help="Inference library [default: opencv on cpu, torch on gpu].")
 @click.option("--model", "preload", multiple=True, help="Load this model at start (repeatable).")
 @click.option("--models-dir", multiple=True, type=click.Path(file_okay=False),
-              help="Extra model repository folder (repeatable; also $FARM_MODELS).")
-@click.option("--batch", default=DEFAULT_BATCH, show_default=True, type=click.IntRange(1),
-              help="Compute batch: chunks are run in batches of this many images.")
+              help="Local model folder used when its files match the job's (repeatable; also "
+                   "$FARM_MODELS); other models are fetched from the broker.")
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), envvar="FARM_CACHE_MODELS",
+              help="Where fetched models are kept [default: ~/.cache/farm/models].")
+@click.option("--batch", type=click.IntRange(1),
+              help="Compute batch: chunks run in batches of this many images "
+                   "[default: the batch size in each model's prototxt].")
 @click.option("--slots", default=2, show_default=True, type=click.IntRange(1),
               help="Chunks the broker may keep in flight to this worker.")
 @click.option("--max-tasks", type=click.IntRange(1), help="Exit after this many chunks.")
-def worker(device: str, broker_address: str, preload: tuple[str, ...],
-           models_dir: tuple[str, ...], batch: int, slots: int, max_tasks: int | None) -> None:
-    """Run one worker: one per pinned core, or one unpinned.
+def worker(device: str, broker_address: str, backend: str | None, preload: tuple[str, ...],
+           models_dir: tuple[str, ...], cache_dir: str | None, batch: int | None, slots: int,
+           max_tasks: int | None) -> None:
+    """Run one worker: one per pinned core, one per GPU.
 
     \b
-    Example:
-      farm worker --device cpu:3 --broker tcp://10.0.0.1:5555 --model lenet
+    Examples:
+      farm worker --device cpu:3 --broker tcp://10.0.0.1:5555
+      farm worker --device gpu:0 --broker tcp://10.0.0.1:5555 --batch 256
     """
     from farm.workers.worker import Device, WorkerConfig, serve
 
     try:
         config = WorkerConfig(broker_address, Device.parse(device), batch, models_dir, preload,
-                              slots, max_tasks)
+                              slots, max_tasks, backend, cache_dir)
         serve(config)
     except (ValueError, LookupError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -250,20 +262,125 @@ def run(images: str | None, model: str, workers: int | None, out: str | None, qu
 
 @main.group()
 def models() -> None:
-    """Inspect the model repository."""
+    """Inspect, check and prepare the model repository.
+
+    \b
+    Examples:
+      farm models list
+      farm models show caffenet
+      farm models check lenet
+      farm models prepare caffenet
+    """
+
+
+models_dir_option = click.option(
+    "--models-dir", multiple=True, type=click.Path(file_okay=False),
+    help="Extra model repository folder (repeatable; also $FARM_MODELS).")
+
+
+def find_model(name: str, models_dir: tuple[str, ...]):
+    from farm.repository import ModelError, find
+
+    try:
+        return find(name, models_dir)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
 
 
 @models.command("list")
-@click.option("--models-dir", multiple=True, type=click.Path(file_okay=False),
-              help="Extra model repository folder (repeatable).")
+@models_dir_option
 def list_models(models_dir: tuple[str, ...]) -> None:
-    """List the models workers can run."""
+    """List the models in the repository."""
     from farm.repository import ModelError, available, load_spec
 
+    click.echo(f"{'model':<16} {'images':<12} {'layout':<6} {'weights':<22} description")
     for name, folder in available(models_dir).items():
         try:
             spec = load_spec(Path(folder))
-            click.echo(f"{name:<16} input {'x'.join(map(str, spec.input_shape)):<10} "
-                       f"{spec.description}")
         except ModelError as exc:
             click.echo(f"{name:<16} BROKEN: {exc}")
+            continue
+        weights = (f"{spec.weights.stat().st_size / 1e6:.1f} MB" if spec.weights.is_file()
+                   else "made on first use")
+        click.echo(f"{name:<16} {shape_text(spec.item_shape):<12} "
+                   f"{spec.preprocess.layout:<6} {weights:<22} {spec.description}")
+
+
+@models.command("show")
+@click.argument("name")
+@models_dir_option
+def show_model(name: str, models_dir: tuple[str, ...]) -> None:
+    """Show a model's files, input, preprocessing and layers."""
+    from farm.network import Network
+
+    spec = find_model(name, models_dir)
+    net = Network.load(spec.prototxt)
+    p = spec.preprocess
+    click.echo(f"{spec.name}: {spec.description}")
+    click.echo(f"  folder      {spec.folder}")
+    click.echo(f"  prototxt    {spec.prototxt.name}")
+    weights = (f"{spec.weights} ({spec.weights.stat().st_size / 1e6:.1f} MB)"
+               if spec.weights.is_file() else
+               f"{spec.weights} (not made yet: farm models prepare {spec.name})")
+    click.echo(f"  weights     {weights}")
+    click.echo(f"  input       {spec.input} {shape_text(net.input_shape)} (batch {spec.batch}); "
+               f"images {shape_text(spec.item_shape)} ({p.layout})")
+    mean = (f"file {p.mean_file.name}" if p.mean_file else
+            ", ".join(map(str, p.mean)) if p.mean else "none")
+    click.echo(f"  preprocess  channel_swap {list(p.channel_swap) or 'none'}, raw_scale "
+               f"{p.raw_scale:g}, mean {mean}, input_scale {p.input_scale:g}")
+    click.echo(f"  output      {spec.output} {shape_text(net.shapes[spec.output][1:])}"
+               f"{f', {len(spec.labels)} labels' if spec.labels else ''}")
+    click.echo(f"  parameters  {net.parameter_count():,}")
+    click.echo(f"  {'layer':<14} {'type':<13} {'output':<16} weights")
+    for layer in net.layers:
+        blobs = ", ".join(shape_text(shape) for shape in layer.blob_shapes)
+        click.echo(f"  {layer.name:<14} {layer.type:<13} "
+                   f"{shape_text(net.shapes[layer.tops[0]][1:]):<16} {blobs}")
+
+
+@models.command("check")
+@click.argument("name")
+@click.option("--count", default=8, show_default=True, type=click.IntRange(1),
+              help="Images to compare (the model's sample, else seeded random images).")
+@models_dir_option
+def check_model_command(name: str, count: int, models_dir: tuple[str, ...]) -> None:
+    """Load NAME on every backend available here and compare their outputs."""
+    from farm.modelcheck import TOLERANCE, check_inputs, check_model
+
+    spec = find_model(name, models_dir)
+    inputs = check_inputs(spec, count)
+    click.echo(f"{spec.name}: {len(inputs)} images {shape_text(inputs.shape[1:])} "
+               f"{inputs.dtype}; outputs must agree within {TOLERANCE:g}")
+    checks = check_model(spec, inputs)
+    for check in checks:
+        if check.skipped:
+            click.echo(f"  {check.backend:<7} skipped: {check.problem}")
+        elif check.problem:
+            click.echo(f"  {check.backend:<7} FAILED: {check.problem}")
+        else:
+            verdict = "ok" if check.ok else "DIFFERS"
+            click.echo(f"  {check.backend:<7} {verdict:<7} max |difference| "
+                       f"{check.difference:.2e}, {len(inputs) / check.seconds:,.0f} images/s")
+    if not all(check.ok for check in checks):
+        raise click.ClickException(f"model {spec.name!r} failed its check")
+
+
+@models.command("prepare")
+@click.argument("names", nargs=-1)
+@models_dir_option
+def prepare_models(names: tuple[str, ...], models_dir: tuple[str, ...]) -> None:
+    """Make the weights of models that generate them on first use (all such models by default)."""
+    from farm.repository import ModelError, available, load_spec, prepare
+
+    for name in names or tuple(available(models_dir)):
+        spec = find_model(name, models_dir) if names else load_spec(available(models_dir)[name])
+        try:
+            path = prepare(spec)
+        except ModelError as exc:
+            raise click.ClickException(str(exc)) from exc
+        click.echo(f"{spec.name:<16} {path} ({path.stat().st_size / 1e6:.1f} MB)")

@@ -1,75 +1,152 @@
-"""Inference engines: a loaded model that turns an input array into outputs.
+"""Inference engines: one model loaded in one backend, run in compute batches.
 
-OpenCV's DNN module reads Caffe ``deploy.prototxt`` + ``.caffemodel`` files.
-It is imported lazily so that commands which never run a model start fast.
+Every backend builds from the same checked ``Network`` and is fed by the same
+``Transformer``; a backend only supplies ``forward`` (one float32 N x C x H x W
+batch in, the output blob out) and ``shrink`` (drop buffers sized for a batch
+larger than the net's resting one).  Backends are imported lazily, so commands
+that never run a model start fast and the default install needs no torch.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib
+import logging
 import os
-from dataclasses import dataclass
-from typing import Any
+import time
+from typing import ClassVar
 
 import numpy as np
 
-from farm.repository import ModelError, ModelSpec
+from farm.network import Network, NetworkError
+from farm.preprocess import Transformer
+from farm.repository import ModelError, ModelSpec, prepare
+
+log = logging.getLogger("farm.engine")
 
 #: Environment variables that cap the thread pools of OpenMP and the BLAS libraries.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                     "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
-#: Compute batch size used when a chunk is larger (fastest for LeNet on one core here).
-DEFAULT_BATCH = 64
+#: Backend name -> "module:class"; the first is the CPU default, torch runs GPUs.
+BACKENDS = {"opencv": "farm.backends.opencv:OpenCVEngine",
+            "torch": "farm.backends.pytorch:TorchEngine",
+            "caffe": "farm.backends.pycaffe:CaffeEngine"}
+DEFAULT_BACKEND = "opencv"
+GPU_BACKEND = "torch"
+
+
+class BackendUnavailable(ModelError):
+    """A backend whose library cannot be imported here; the message says how to install it."""
 
 
 def limit_threads(threads: int | None) -> None:
-    """Cap compute threads; call before OpenCV is imported. None keeps the library defaults."""
+    """Cap compute threads; call before OpenCV or torch is imported. None keeps the defaults."""
     if threads is None:
         return
     for name in THREAD_VARIABLES:
         os.environ[name] = str(threads)
 
 
-@dataclass
-class OpenCVEngine:
-    """One model loaded in OpenCV's DNN module, run in compute batches."""
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``); a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
-    spec: ModelSpec
-    net: Any
-    batch: int
-    output_shape: tuple[int, ...]
 
-    backend = "opencv"
+class Engine:
+    """A loaded model: ``run`` turns images as clients send them into the output blob."""
+
+    backend: ClassVar[str] = ""
+
+    def __init__(self, spec: ModelSpec, network: Network, batch: int | None, device: str,
+                 threads: int | None) -> None:
+        self.spec = spec
+        self.network = network
+        self.batch = max(1, batch or spec.batch)
+        self.device = device
+        self.threads = threads
+        self.transform = Transformer.for_model(spec)
+        self.output_shape: tuple[int, ...] = ()
+        self.allocated = 0  # the batch the backend's buffers were last sized for
 
     @classmethod
-    def load(cls, spec: ModelSpec, batch: int = DEFAULT_BATCH,
-             threads: int | None = None) -> OpenCVEngine:
-        """Read the Caffe files; probe the output shape with one zero image."""
-        import cv2
-
-        if threads is not None:
-            cv2.setNumThreads(threads)
+    def load(cls, spec: ModelSpec, batch: int | None = None, device: str = "cpu",
+             threads: int | None = None) -> Engine:
+        """Check the files, build the net in this backend, probe the output with one image."""
+        prepare(spec)
         try:
-            net = cv2.dnn.readNetFromCaffe(str(spec.prototxt), str(spec.weights))
-        except cv2.error as exc:
-            raise ModelError(f"OpenCV cannot load model {spec.name!r}: {exc}") from exc
-        net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
-        net.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
-        engine = cls(spec, net, max(1, batch), ())
-        probe = engine._forward(np.zeros((1, *spec.input_shape), dtype=np.float32))
+            network = Network.load(spec.prototxt, spec.weights)
+        except NetworkError as exc:
+            raise ModelError(f"model {spec.name!r}: {exc}") from None
+        started = time.perf_counter()
+        engine = cls(spec, network, batch, device, threads)
+        engine.build()
+        probe = engine.forward(engine.transform(np.zeros((1, *spec.item_shape), np.float32)))
         engine.output_shape = probe.shape[1:]
+        engine.allocated = 1
+        log.info("%s: %s built in %.3f s, output %s", cls.backend, spec.name,
+                 time.perf_counter() - started, engine.output_shape)
         return engine
 
+    def build(self) -> None:
+        """Construct the backend's net from ``self.network``."""
+        raise NotImplementedError
+
+    def forward(self, batch: np.ndarray) -> np.ndarray:
+        """The output blob for one preprocessed float32 batch."""
+        raise NotImplementedError
+
+    def shrink(self) -> None:
+        """Resize the backend's buffers to the net's resting batch."""
+
     def run(self, images: np.ndarray) -> np.ndarray:
-        """Outputs for ``images`` (N x input_shape, uint8 or float32), in batches."""
+        """Outputs for ``images`` (N x item shape, uint8 or float32), in compute batches.
+
+        A chunk that ran in batches larger than the prototxt's own batch shrinks
+        the net back afterwards, so one large input does not pin its memory.
+        """
         count = images.shape[0]
         outputs = np.empty((count, *self.output_shape), dtype=np.float32)
         for begin in range(0, count, self.batch):
             end = min(begin + self.batch, count)
-            outputs[begin:end] = self._forward(images[begin:end])
+            outputs[begin:end] = self.forward(self.transform(images[begin:end]))
+            self.allocated = end - begin
+        if count and min(count, self.batch) > self.spec.batch:
+            self.rest()
         return outputs
 
-    def _forward(self, batch: np.ndarray) -> np.ndarray:
-        blob = batch.astype(np.float32, copy=False)
-        self.net.setInput(blob, self.spec.input, self.spec.input_scale)
-        return self.net.forward(self.spec.output)
+    def rest(self) -> None:
+        """Shrink to the resting batch and return the freed memory to the OS."""
+        self.shrink()
+        self.allocated = self.spec.batch
+        release_free_memory()
+
+
+def engine_class(backend: str) -> type[Engine]:
+    """The engine class of a backend; BackendUnavailable says how to get its library."""
+    if backend not in BACKENDS:
+        raise ModelError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    module_name, class_name = BACKENDS[backend].split(":")
+    module = importlib.import_module(module_name)
+    module.require()
+    return getattr(module, class_name)
+
+
+def load_engine(spec: ModelSpec, backend: str = DEFAULT_BACKEND, batch: int | None = None,
+                device: str = "cpu", threads: int | None = None) -> Engine:
+    return engine_class(backend).load(spec, batch, device, threads)
+
+
+def available_backends() -> dict[str, str | None]:
+    """Backend -> None when usable here, else why not."""
+    problems: dict[str, str | None] = {}
+    for name in BACKENDS:
+        try:
+            engine_class(name)
+            problems[name] = None
+        except BackendUnavailable as exc:
+            problems[name] = str(exc)
+    return problems

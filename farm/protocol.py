@@ -48,6 +48,8 @@ class Command(bytes, enum.Enum):
     INFO = b"\x09"  # client -> broker and back: registry snapshot
     HEARTBEAT = b"\x0a"  # any direction: liveness
     DISCONNECT = b"\x0b"  # worker -> broker: leaving cleanly
+    FETCH = b"\x0c"  # worker -> broker: send me a model's files
+    MODEL = b"\x0d"  # broker -> worker: a model's manifest, one payload frame per file
 
 
 class ProtocolError(ValueError):
@@ -59,7 +61,7 @@ _SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
     Command.READY: {"device": (str,), "host": (str,), "pid": (int,), "backend": (str,),
                     "models": (dict,), "slots": (int,)},
     Command.TASK: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
-                   "model": (str,), "dtype": (str,), "item_shape": (list,)},
+                   "model": (str,), "digest": (str,), "dtype": (str,), "item_shape": (list,)},
     Command.RESULT: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
                      "dtype": (str,), "item_shape": (list,), "timings": (dict,)},
     Command.FAILED: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
@@ -72,10 +74,15 @@ _SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
     Command.INFO: {},
     Command.HEARTBEAT: {},
     Command.DISCONNECT: {},
+    Command.FETCH: {"model": (str,), "digest": (str,)},
+    Command.MODEL: {"model": (str,), "digest": (str,), "files": (list,)},
 }
 
 #: Commands whose payload is an array described by dtype/item_shape/count.
 _ARRAY_COMMANDS = frozenset({Command.TASK, Command.RESULT, Command.DATA})
+
+#: Commands whose payload is one frame per file listed in the header (sizes checked).
+_FILE_COMMANDS = frozenset({Command.MODEL})
 
 
 @dataclass
@@ -131,6 +138,8 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
     message = Message(command, header, list(payload))
     if command in _ARRAY_COMMANDS:
         _check_array(message)
+    elif command in _FILE_COMMANDS:
+        _check_files(message)
     elif payload:
         raise ProtocolError(f"{command.name} carries no payload, got {len(payload)} frames")
     return message
@@ -176,6 +185,18 @@ def _check_array(message: Message) -> None:
     if actual != expected:
         raise ProtocolError(f"payload is {actual} bytes, header declares {count} x "
                             f"{header['item_shape']} {header['dtype']} = {expected}")
+
+
+def _check_files(message: Message) -> None:
+    """One payload frame per listed file, each of the size the header gives."""
+    files = message.header["files"]
+    if len(files) != len(message.payload):
+        raise ProtocolError(f"{len(files)} files listed, {len(message.payload)} frames sent")
+    for entry, frame in zip(files, message.payload):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], int)
+                and entry[1] == _frame_size(frame)):
+            raise ProtocolError(f"file entry {entry!r} does not describe its frame "
+                                f"({_frame_size(frame)} bytes)")
 
 
 def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:

@@ -1,19 +1,72 @@
-"""The model repository: one folder per model with its Caffe files and a ``model.toml``."""
+"""The model repository: one folder per model with its Caffe files and a ``model.toml``.
+
+``model.toml`` says what the prototxt does not: where the weights are, how
+images are turned into the net's input (Caffe's ``Transformer``), the class
+labels, and an optional sample.  The input blob and its shape come from the
+prototxt itself.  A model whose weights are too large to ship names a seed under
+``[generate]``: its weights are made from the prototxt's fillers on first use
+and cached (``farm models prepare NAME``).
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from farm.network import Network, NetworkError
+
+log = logging.getLogger("farm.repository")
+
 #: Models bundled with the package.
 BUNDLED_DIR = Path(__file__).parent / "models"
+
+LAYOUTS = ("CHW", "HWC")
 
 
 class ModelError(LookupError):
     """A model is unknown or its files are broken."""
+
+
+def cache_root() -> Path:
+    """Where fetched models and generated weights are kept: ``$FARM_CACHE`` or ``~/.cache/farm``."""
+    return Path(os.environ.get("FARM_CACHE") or Path.home() / ".cache" / "farm")
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """Caffe ``Transformer`` settings, applied in this order to each image.
+
+    layout (HWC images are transposed to CHW), channel_swap (a permutation of
+    the channels, e.g. RGB -> BGR), raw_scale (multiply), mean (subtract: one
+    value per channel, or a whole C x H x W mean file), input_scale (multiply).
+    """
+
+    layout: str = "CHW"
+    channel_swap: tuple[int, ...] = ()
+    raw_scale: float = 1.0
+    mean: tuple[float, ...] = ()
+    mean_file: Path | None = None
+    input_scale: float = 1.0
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], folder: Path) -> Preprocess:
+        unknown = set(config) - {"layout", "channel_swap", "raw_scale", "mean", "mean_file",
+                                 "input_scale"}
+        if unknown:
+            raise ModelError(f"[preprocess] has unknown keys {sorted(unknown)}")
+        layout = config.get("layout", "CHW")
+        if layout not in LAYOUTS:
+            raise ModelError(f"[preprocess] layout must be one of {LAYOUTS}, got {layout!r}")
+        if "mean" in config and "mean_file" in config:
+            raise ModelError("[preprocess] takes mean or mean_file, not both")
+        return cls(layout, tuple(config.get("channel_swap", ())),
+                   float(config.get("raw_scale", 1.0)), tuple(config.get("mean", ())),
+                   folder / config["mean_file"] if "mean_file" in config else None,
+                   float(config.get("input_scale", 1.0)))
 
 
 @dataclass(frozen=True)
@@ -25,16 +78,38 @@ class ModelSpec:
     prototxt: Path
     weights: Path
     input: str
-    input_shape: tuple[int, ...]
+    input_shape: tuple[int, ...]  # C x H x W: the net's input without the batch axis
+    batch: int  # the prototxt's batch size: the net's resting shape
     output: str
-    input_scale: float = 1.0
+    preprocess: Preprocess = field(default_factory=Preprocess)
     description: str = ""
-    labels: tuple[str, ...] = field(default_factory=tuple)
+    labels: tuple[str, ...] = ()
     sample: Path | None = None
+    sample_labels: Path | None = None
+    generate_seed: int | None = None  # weights made from the prototxt's fillers with this seed
+
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        """The shape of one image as clients send it (H x W x C for an HWC layout)."""
+        if self.preprocess.layout == "HWC":
+            return (*self.input_shape[1:], self.input_shape[0])
+        return self.input_shape
+
+    @property
+    def input_scale(self) -> float:
+        return self.preprocess.input_scale
+
+    def files(self) -> dict[str, Path]:
+        """The files a worker needs, by their name in the model folder."""
+        files = {"model.toml": self.folder / "model.toml", self.prototxt.name: self.prototxt,
+                 self.weights.name: self.weights}
+        if self.preprocess.mean_file:
+            files[self.preprocess.mean_file.name] = self.preprocess.mean_file
+        return files
 
     def summary(self) -> dict[str, Any]:
         """What a worker advertises about the model to the broker."""
-        return {"input_shape": list(self.input_shape)}
+        return {"input_shape": list(self.item_shape)}
 
 
 def search_path(extra: Sequence[str | os.PathLike] = ()) -> list[Path]:
@@ -43,27 +118,57 @@ def search_path(extra: Sequence[str | os.PathLike] = ()) -> list[Path]:
     return [Path(p) for p in (*extra, *env)] + [BUNDLED_DIR]
 
 
+def generated_weights_path(name: str, filename: str) -> Path:
+    return cache_root() / "generated" / name / filename
+
+
 def load_spec(folder: Path) -> ModelSpec:
-    """Read ``folder/model.toml``; raise ModelError when it or a file it names is missing."""
+    """Read ``folder/model.toml`` and the prototxt; ModelError names the file and the problem."""
     config_path = folder / "model.toml"
     try:
         config = tomllib.loads(config_path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ModelError(f"cannot read {config_path}: {exc}") from exc
     try:
-        spec = ModelSpec(
-            name=folder.name, folder=folder,
-            prototxt=folder / config["prototxt"], weights=folder / config["weights"],
-            input=config["input"], input_shape=tuple(config["input_shape"]),
-            output=config["output"], input_scale=float(config.get("input_scale", 1.0)),
-            description=config.get("description", ""), labels=tuple(config.get("labels", ())),
-            sample=folder / config["sample"] if "sample" in config else None)
+        spec = _spec_from_config(folder, config)
     except KeyError as exc:
         raise ModelError(f"{config_path} lacks the key {exc}") from None
-    for path in (spec.prototxt, spec.weights):
-        if not path.is_file():
-            raise ModelError(f"model {spec.name!r}: file {path} is missing")
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"{config_path}: {exc}") from None
+    except ModelError as exc:
+        raise ModelError(f"{config_path}: {exc}") from None
+    missing = [path for path in spec.files().values()
+               if not path.is_file() and path != spec.weights]
+    if missing:
+        raise ModelError(f"model {spec.name!r}: file {missing[0]} is missing")
+    if not spec.weights.is_file() and spec.generate_seed is None:
+        raise ModelError(f"model {spec.name!r}: file {spec.weights} is missing")
     return spec
+
+
+def _spec_from_config(folder: Path, config: dict[str, Any]) -> ModelSpec:
+    prototxt = folder / config["prototxt"]
+    try:
+        net = Network.load(prototxt)
+    except NetworkError as exc:
+        raise ModelError(str(exc)) from None
+    generate = config.get("generate")
+    weights = folder / config["weights"]
+    if generate is not None and not weights.is_file():
+        weights = generated_weights_path(folder.name, config["weights"])
+    if config.get("input", net.input) != net.input:
+        raise ModelError(f"input {config['input']!r} is not the prototxt's input {net.input!r}")
+    output = config.get("output", net.output)
+    if output not in net.shapes:
+        raise ModelError(f"output {output!r} is not a blob of {prototxt}")
+    return ModelSpec(
+        name=folder.name, folder=folder, prototxt=prototxt, weights=weights, input=net.input,
+        input_shape=net.input_shape[1:], batch=net.batch, output=output,
+        preprocess=Preprocess.from_config(config.get("preprocess", {}), folder),
+        description=config.get("description", ""), labels=tuple(config.get("labels", ())),
+        sample=folder / config["sample"] if "sample" in config else None,
+        sample_labels=folder / config["sample_labels"] if "sample_labels" in config else None,
+        generate_seed=int(generate["seed"]) if generate is not None else None)
 
 
 def available(extra: Sequence[str | os.PathLike] = ()) -> dict[str, Path]:
@@ -84,3 +189,22 @@ def find(name: str, extra: Sequence[str | os.PathLike] = ()) -> ModelSpec:
     if name not in models:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(models)) or 'none'}")
     return load_spec(models[name])
+
+
+def prepare(spec: ModelSpec) -> Path:
+    """Make sure the weights file exists: generate and cache it when the model says how."""
+    if spec.weights.is_file():
+        return spec.weights
+    if spec.generate_seed is None:
+        raise ModelError(f"model {spec.name!r}: file {spec.weights} is missing")
+    from farm.caffe_proto import write_caffemodel
+    from farm.network import generated_weights
+
+    log.info("generating weights for %s (seed %d) into %s", spec.name, spec.generate_seed,
+             spec.weights)
+    net = Network.load(spec.prototxt)
+    spec.weights.parent.mkdir(parents=True, exist_ok=True)
+    partial = spec.weights.with_name(f".{spec.weights.name}.{os.getpid()}.partial")
+    write_caffemodel(partial, net.name, generated_weights(net, spec.generate_seed))
+    os.replace(partial, spec.weights)  # atomic: a concurrent reader never sees half a file
+    return spec.weights

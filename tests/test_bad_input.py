@@ -15,7 +15,9 @@ import zmq
 from farm import protocol
 from farm.client import FarmError
 from farm.local import farm_command
+from farm.modelstore import manifest_of
 from farm.protocol import Command
+from farm.repository import ModelError, find
 from tests.conftest import reference_forward
 
 REPLY_TIMEOUT_MS = 10_000
@@ -150,10 +152,19 @@ def lone_worker() -> Iterator[tuple[zmq.Socket, bytes]]:
         context.term()
 
 
+def digest_of(model: str) -> str:
+    """The content digest of a bundled model, or a made-up one for a model nobody has."""
+    try:
+        return manifest_of(find(model)).digest
+    except ModelError:
+        return "f" * 64
+
+
 def task(identity: bytes, chunk: int, images: np.ndarray, model: str = "lenet",
          shape=None) -> list:
     header = {"job": "j", "chunk": chunk, "start": 0, "count": len(images), "model": model,
-              "dtype": str(images.dtype), "item_shape": list(shape or images.shape[1:])}
+              "digest": digest_of(model), "dtype": str(images.dtype),
+              "item_shape": list(shape or images.shape[1:])}
     return [identity, *protocol.encode(Command.TASK, header, [images.tobytes()])]
 
 
@@ -173,6 +184,11 @@ def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digi
     assert failed.command is Command.FAILED and failed.header["chunk"] == 1
     assert "does not match model 'lenet'" in failed.header["error"]
     router.send_multipart(task(identity, 2, images, model="nope"))
+    fetch = next_reply(router)
+    assert fetch.command is Command.FETCH and fetch.header["model"] == "nope"
+    router.send_multipart([identity, *protocol.encode(Command.MODEL, {
+        "model": "nope", "digest": fetch.header["digest"], "files": [],
+        "error": "unknown model 'nope'"})])
     failed = next_reply(router)
     assert failed.command is Command.FAILED and "unknown model 'nope'" in failed.header["error"]
     router.send_multipart(task(identity, 3, images))

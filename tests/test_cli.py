@@ -96,9 +96,9 @@ def test_broker_refuses_a_busy_address(farm_two_workers) -> None:
     assert "Address already in use" in done.stderr
 
 
-@pytest.mark.parametrize("device, reason", [("gpu:0", "unsupported device 'gpu:0'"),
-                                            ("cpu:4096", "core 4096 is not available"),
-                                            ("cpu:x", "bad core number")])
+@pytest.mark.parametrize("device, reason", [
+    ("gpu:4096", "device gpu:4096: torch"), ("tpu:0", "unsupported device 'tpu:0'"),
+    ("cpu:4096", "core 4096 is not available"), ("cpu:x", "bad device number")])
 def test_worker_rejects_a_device_it_cannot_use(device, reason) -> None:
     done = subprocess.run(farm_command("worker", "--device", device), capture_output=True,
                           text=True, timeout=60)

@@ -11,7 +11,7 @@ from farm.protocol import Command, ProtocolError
 
 
 def task_header(count: int = 2, shape=(1, 28, 28), dtype: str = "uint8") -> dict:
-    return {"job": "j", "chunk": 1, "start": 0, "count": count, "model": "lenet",
+    return {"job": "j", "chunk": 1, "start": 0, "count": count, "model": "lenet", "digest": "0" * 64,
             "dtype": dtype, "item_shape": list(shape)}
 
 

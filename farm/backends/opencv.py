@@ -1,0 +1,44 @@
+"""The OpenCV backend: ``cv2.dnn`` reads the Caffe files itself; CPU only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from farm.engine import BackendUnavailable, Engine
+from farm.repository import ModelError
+
+
+def require() -> None:
+    try:
+        import cv2  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailable(f"the opencv backend needs OpenCV ({exc}); install "
+                                 f"'opencv-python-headless>=4.8,<5'") from exc
+
+
+class OpenCVEngine(Engine):
+    backend = "opencv"
+
+    def build(self) -> None:
+        import cv2
+
+        if self.device != "cpu":
+            raise ModelError(f"the opencv backend runs on the CPU only, not {self.device}; "
+                             f"use --backend torch for GPUs")
+        if self.threads is not None:
+            cv2.setNumThreads(self.threads)
+        try:
+            self.net = cv2.dnn.readNetFromCaffe(str(self.spec.prototxt), str(self.spec.weights))
+        except cv2.error as exc:
+            raise ModelError(f"OpenCV cannot load model {self.spec.name!r} "
+                             f"({self.spec.prototxt}, {self.spec.weights}): {exc}") from exc
+        self.net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
+        self.net.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+
+    def forward(self, batch: np.ndarray) -> np.ndarray:
+        self.net.setInput(batch, self.spec.input)
+        return self.net.forward(self.spec.output)
+
+    def shrink(self) -> None:
+        """OpenCV sizes its buffers at the next forward, so run one at the resting shape."""
+        self.forward(np.zeros((self.spec.batch, *self.spec.input_shape), np.float32))

@@ -1,0 +1,212 @@
+"""The PyTorch backend: the net built from the parsed prototxt and the caffemodel's blobs.
+
+Runs on the CPU or on CUDA (``farm worker --device gpu:0``).  ``CaffeModule`` is
+also what ``scripts/train_lenet.py`` trains, so the bundled LeNet's weights go
+straight from a torch training loop into a ``.caffemodel``.  torch fixes its
+thread pool when it is imported: a pinned worker caps the thread variables
+before the import (``prepare_process``) and calls ``torch.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from farm.engine import BackendUnavailable, Engine
+from farm.network import Layer, Network, conv_geometry, pool_geometry
+from farm.repository import ModelError
+
+INSTALL_HINT = "pip install 'farm[torch]' (CPU build: pip install torch==2.13.0)"
+
+
+def require() -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailable(f"the torch backend needs PyTorch ({exc}): {INSTALL_HINT}") \
+            from exc
+
+
+Op = Callable[[list[Any], list[Any]], Any]  # (bottom tensors, weight tensors) -> top tensor
+
+
+def _axis_view(tensor: Any, axis: int, ndim: int) -> Any:
+    """A per-axis parameter shaped to broadcast against an ``ndim`` tensor from ``axis`` on."""
+    shape = [1] * axis + list(tensor.shape) + [1] * (ndim - axis - tensor.dim())
+    return tensor.reshape(shape)
+
+
+def make_op(layer: Layer, shapes: dict[str, tuple[int, ...]]) -> Op:
+    """The function that computes one layer (its parameters read once, here)."""
+    import torch
+    import torch.nn.functional as F
+
+    p = layer.param
+    kind = layer.type
+    in_shape = shapes[layer.bottoms[0]]
+    if kind == "Convolution":
+        g = conv_geometry(p.convolution_param)
+        group = p.convolution_param.group
+        return lambda x, w: F.conv2d(x[0], w[0], w[1] if len(w) > 1 else None, g.stride, g.pad,
+                                     g.dilation, group)
+    if kind == "Pooling":
+        g = pool_geometry(p.pooling_param, *in_shape[2:])
+        if p.pooling_param.pool == 0:
+            return lambda x, w: F.max_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=True)
+        return lambda x, w: F.avg_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=True,
+                                         count_include_pad=True)
+    if kind == "InnerProduct":
+        q = p.inner_product_param
+        axis = q.axis % len(in_shape)
+        if q.transpose:
+            return lambda x, w: x[0].flatten(axis) @ w[0] + (w[1] if len(w) > 1 else 0)
+        return lambda x, w: F.linear(x[0].flatten(axis), w[0], w[1] if len(w) > 1 else None)
+    if kind == "ReLU":
+        slope = p.relu_param.negative_slope
+        return (lambda x, w: F.leaky_relu(x[0], slope)) if slope else (lambda x, w: F.relu(x[0]))
+    if kind == "Sigmoid":
+        return lambda x, w: torch.sigmoid(x[0])
+    if kind == "TanH":
+        return lambda x, w: torch.tanh(x[0])
+    if kind == "Softmax":
+        axis = p.softmax_param.axis % len(in_shape)
+        return lambda x, w: F.softmax(x[0], dim=axis)
+    if kind == "Dropout":
+        return lambda x, w: x[0]
+    if kind == "LRN":
+        return _lrn(p.lrn_param)
+    if kind == "BatchNorm":
+        eps = p.batch_norm_param.eps
+        return lambda x, w: _batch_norm(x[0], w, eps)
+    if kind == "Scale":
+        return _scale(p.scale_param, len(in_shape))
+    if kind == "Concat":
+        q = p.concat_param
+        axis = (q.axis if q.HasField("axis") or not q.HasField("concat_dim") else q.concat_dim)
+        return lambda x, w: torch.cat(x, dim=axis % len(in_shape))
+    if kind == "Eltwise":
+        return _eltwise(p.eltwise_param)
+    if kind == "Flatten":
+        q = p.flatten_param
+        start, end = q.axis % len(in_shape), q.end_axis % len(in_shape)
+        return lambda x, w: x[0].flatten(start, end)
+    raise ModelError(f"layer {layer.name!r}: type {kind!r} has no torch implementation")
+
+
+def _lrn(q: Any) -> Op:
+    import torch.nn.functional as F
+
+    size, alpha, beta, k = q.local_size, q.alpha, q.beta, q.k
+    if q.norm_region == 0:  # ACROSS_CHANNELS: Caffe and torch share the formula
+        return lambda x, w: F.local_response_norm(x[0], size, alpha, beta, k)
+    pad = (size - 1) // 2  # WITHIN_CHANNEL: Caffe's average of squares over a size x size window
+
+    def within(x: list[Any], w: list[Any]) -> Any:
+        square_mean = F.avg_pool2d(x[0] * x[0], size, 1, pad, count_include_pad=True)
+        return x[0] * (1 + alpha * square_mean).pow(-beta)
+    return within
+
+
+def _batch_norm(x: Any, w: list[Any], eps: float) -> Any:
+    """Caffe's BatchNorm at test time: stored mean and variance, divided by the scale factor."""
+    factor = 0.0 if float(w[2].reshape(-1)[0]) == 0 else 1.0 / float(w[2].reshape(-1)[0])
+    mean = _axis_view(w[0] * factor, 1, x.dim())
+    var = _axis_view(w[1] * factor, 1, x.dim())
+    return (x - mean) / (var + eps).sqrt()
+
+
+def _scale(q: Any, ndim: int) -> Op:
+    axis = q.axis % ndim
+
+    def scale(x: list[Any], w: list[Any]) -> Any:
+        factor, bias = (x[1], None) if len(x) > 1 else (w[0], w[1] if len(w) > 1 else None)
+        out = x[0] * _axis_view(factor, axis, ndim)
+        return out if bias is None else out + _axis_view(bias, axis, ndim)
+    return scale
+
+
+def _eltwise(q: Any) -> Op:
+    import torch
+
+    operation, coeffs = q.operation, list(q.coeff)
+
+    def eltwise(x: list[Any], w: list[Any]) -> Any:
+        if operation == 0:
+            out = x[0]
+            for other in x[1:]:
+                out = out * other
+            return out
+        if operation == 2:
+            return torch.stack(x).amax(dim=0)
+        factors = coeffs or [1.0] * len(x)
+        out = x[0] * factors[0]
+        for factor, other in zip(factors[1:], x[1:]):
+            out = out + factor * other
+        return out
+    return eltwise
+
+
+def build_module(network: Network, trainable: bool = False) -> Any:
+    """A ``torch.nn.Module`` computing the net; weights from the network's blobs (zeros if none)."""
+    import torch
+
+    class CaffeModule(torch.nn.Module):
+        """The Caffe net as a torch module; ``forward(x, until=blob)`` stops at a blob."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.network = network
+            self.weights = torch.nn.ParameterList()
+            self.steps: list[tuple[Layer, Op, list[int]]] = []
+            for layer in network.layers:
+                blobs = layer.blobs or [np.zeros(s, np.float32) for s in layer.blob_shapes]
+                indices = []
+                for blob in blobs:
+                    indices.append(len(self.weights))
+                    self.weights.append(torch.nn.Parameter(torch.from_numpy(blob.copy()),
+                                                           requires_grad=trainable))
+                self.steps.append((layer, make_op(layer, network.shapes), indices))
+
+        def forward(self, x: Any, until: str | None = None) -> Any:
+            blobs = {network.input: x}
+            for layer, op, indices in self.steps:
+                top = op([blobs[name] for name in layer.bottoms],
+                         [self.weights[i] for i in indices])
+                blobs[layer.tops[0]] = top
+                if until in layer.tops:
+                    return top
+            return blobs[until or network.output]
+
+        def caffe_blobs(self) -> list[tuple[str, str, list[np.ndarray]]]:
+            """(layer, type, blobs) for ``write_caffemodel``."""
+            return [(layer.name, layer.type,
+                     [self.weights[i].detach().cpu().numpy() for i in indices])
+                    for layer, _, indices in self.steps if indices]
+
+    return CaffeModule()
+
+
+class TorchEngine(Engine):
+    backend = "torch"
+
+    def build(self) -> None:
+        import torch
+
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelError(f"device {self.device} asked for, but this torch "
+                             f"({torch.__version__}) sees no CUDA device")
+        self.torch = torch
+        self.module = build_module(self.network).to(self.device).eval()
+
+    def forward(self, batch: np.ndarray) -> np.ndarray:
+        with self.torch.inference_mode():
+            out = self.module(self.torch.from_numpy(batch).to(self.device, non_blocking=True),
+                              until=self.spec.output)
+            return out.cpu().numpy()
+
+    def shrink(self) -> None:
+        if self.device.startswith("cuda"):
+            self.torch.cuda.empty_cache()

@@ -1,0 +1,140 @@
+"""Models by content hash: manifests the broker serves, and the cache where workers keep them.
+
+A model's digest is the SHA-256 of its manifest (each file's name and SHA-256),
+so two folders with the same files have the same digest wherever they are.
+A job carries its model's digest; a worker runs a model only from files whose
+hashes it has checked against that digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from farm.repository import ModelError, ModelSpec, cache_root, load_spec, prepare
+
+log = logging.getLogger("farm.modelstore")
+
+#: (path, size, mtime_ns) -> sha256 hex: files are hashed again only when they change.
+_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while block := handle.read(1 << 20):
+                digest.update(block)
+        _HASHES[key] = digest.hexdigest()
+    return _HASHES[key]
+
+
+@dataclass(frozen=True)
+class ManifestFile:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A model's files, sizes and hashes, and the digest over them."""
+
+    model: str
+    files: tuple[ManifestFile, ...]
+
+    @property
+    def digest(self) -> str:
+        lines = "".join(f"{f.name}\0{f.sha256}\n" for f in sorted(self.files, key=lambda f: f.name))
+        return hashlib.sha256(lines.encode()).hexdigest()
+
+    def header(self) -> dict[str, Any]:
+        return {"model": self.model, "digest": self.digest,
+                "files": [[f.name, f.size, f.sha256] for f in self.files]}
+
+    @classmethod
+    def from_header(cls, header: dict[str, Any]) -> Manifest:
+        """Parse a MODEL header; ModelError if a field is malformed or a name is unsafe."""
+        try:
+            files = tuple(ManifestFile(str(name), int(size), str(sha))
+                          for name, size, sha in header["files"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"malformed model manifest: {exc}") from None
+        for f in files:
+            if f.name in ("", ".", "..") or "/" in f.name or "\\" in f.name or f.size < 0:
+                raise ModelError(f"unsafe file name or size in model manifest: {f.name!r}")
+        manifest = cls(str(header.get("model", "")), files)
+        if manifest.digest != header.get("digest"):
+            raise ModelError(f"model {manifest.model!r}: the manifest's files hash to "
+                             f"{manifest.digest[:16]}, not the digest {header.get('digest')!r}")
+        return manifest
+
+
+def manifest_of(spec: ModelSpec) -> Manifest:
+    """The manifest of a model folder (its weights generated first if they must be)."""
+    prepare(spec)
+    return Manifest(spec.name, tuple(ManifestFile(name, path.stat().st_size, file_sha256(path))
+                                     for name, path in spec.files().items()))
+
+
+@dataclass
+class ModelCache:
+    """Fetched models on a worker's disk, one folder per (name, digest)."""
+
+    root: Path
+
+    @classmethod
+    def default(cls) -> ModelCache:
+        return cls(cache_root() / "models")
+
+    def folder(self, model: str, digest: str) -> Path:
+        return self.root / f"{model}-{digest[:24]}"
+
+    def lookup(self, model: str, digest: str) -> ModelSpec | None:
+        """The cached model with this digest, checked file by file; None if absent or damaged."""
+        folder = self.folder(model, digest)
+        if not (folder / "model.toml").is_file():
+            return None
+        try:
+            spec = load_spec(folder)
+            if manifest_of(spec).digest != digest:
+                raise ModelError(f"model {model!r}: cached files in {folder} do not hash to "
+                                 f"{digest[:16]}")
+            return spec
+        except ModelError as exc:
+            log.warning("discarding a damaged cache entry: %s", exc)
+            shutil.rmtree(folder, ignore_errors=True)
+            return None
+
+    def install(self, manifest: Manifest, contents: Sequence[Any]) -> ModelSpec:
+        """Check received file contents against the manifest, then store them atomically."""
+        if len(contents) != len(manifest.files):
+            raise ModelError(f"model {manifest.model!r}: {len(contents)} files received, the "
+                             f"manifest lists {len(manifest.files)}")
+        for f, content in zip(manifest.files, contents):
+            data = memoryview(content)
+            actual = hashlib.sha256(data).hexdigest()
+            if data.nbytes != f.size or actual != f.sha256:
+                raise ModelError(f"model {manifest.model!r}: file {f.name} from the broker has "
+                                 f"{data.nbytes} bytes and sha256 {actual[:16]}, the manifest "
+                                 f"says {f.size} bytes and {f.sha256[:16]}; not installed")
+        target = self.folder(manifest.model, manifest.digest)
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{manifest.model}-", dir=self.root))
+        try:
+            for f, content in zip(manifest.files, contents):
+                (staging / f.name).write_bytes(memoryview(content))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return load_spec(target)
