@@ -178,7 +178,7 @@ def load_images(path: str) -> np.ndarray:
 
 
 def run_job(endpoint: str, images: np.ndarray, model: str, out: str | None, quiet: bool,
-            timeout: float) -> None:
+            timeout: float) -> np.ndarray:
     """Submit with a progress bar, save the outputs, print the summary."""
     from tqdm import tqdm
 
@@ -196,6 +196,19 @@ def run_job(endpoint: str, images: np.ndarray, model: str, out: str | None, quie
     click.echo(result.summary.format())
     if out:
         click.echo(f"outputs {result.outputs.shape} {result.outputs.dtype} written to {out}")
+    return result.outputs
+
+
+def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[str, ...]) -> None:
+    """Top-1 accuracy of the outputs against the sample's labels, and a few predictions."""
+    labels = np.load(labels_path)
+    predicted = outputs.reshape(len(outputs), -1).argmax(axis=1)
+    correct = int((predicted == labels).sum())
+    names = class_names or tuple(map(str, range(outputs.shape[1])))
+    shown = ", ".join(names[p] for p in predicted[:10])
+    click.echo(f"first predictions: {shown} ...")
+    click.echo(f"accuracy on the bundled sample: {correct / len(labels):.2%} "
+               f"({correct} of {len(labels)} against {labels_path.name})")
 
 
 @main.command()
@@ -239,14 +252,15 @@ def run(images: str | None, model: str, workers: int | None, out: str | None, qu
     from farm.local import LocalFarm, cores
     from farm.repository import ModelError, find
 
+    try:
+        spec = find(model)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from exc
+    labels = None
     if images is None:
-        try:
-            sample = find(model).sample
-        except ModelError as exc:
-            raise click.ClickException(str(exc)) from exc
-        if sample is None:
+        if spec.sample is None:
             raise click.ClickException(f"model {model!r} has no bundled sample; give IMAGES")
-        images = str(sample)
+        images, labels = str(spec.sample), spec.sample_labels
     broker_arguments = policy_arguments(policy_params(algo, options))
     available = cores()
     devices = [f"cpu:{available[i % len(available)]}" for i in range(workers or len(available))]
@@ -255,9 +269,11 @@ def run(images: str | None, model: str, workers: int | None, out: str | None, qu
                err=True)
     try:
         with LocalFarm(devices, algo, broker_arguments, preload=[model]) as local:
-            run_job(local.endpoint, array, model, out, quiet, timeout=60.0)
+            outputs = run_job(local.endpoint, array, model, out, quiet, timeout=60.0)
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc
+    if labels is not None:
+        report_accuracy(outputs, labels, spec.labels)
 
 
 @main.group()

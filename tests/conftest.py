@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 import numpy as np
@@ -9,6 +10,12 @@ import pytest
 
 from farm.local import LocalFarm, cores
 from farm.repository import ModelSpec, find
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache(tmp_path_factory) -> None:
+    """Fetched models and generated weights go to a fresh folder, not the user's ~/.cache."""
+    os.environ["FARM_CACHE"] = str(tmp_path_factory.mktemp("farm-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -157,10 +157,12 @@ class Worker:
                 log.warning("skipping model %s: %s", name, exc)
         return specs
 
-    def load(self, spec: ModelSpec, digest: str) -> Engine:
+    def load(self, spec: ModelSpec | None, digest: str) -> Engine:
         """Load a model once per digest; a failure is remembered and reported again."""
         if digest in self.broken:
             raise ModelError(self.broken[digest])
+        if spec is None:
+            raise ModelError(f"no files for model digest {digest[:12]}")
         if digest not in self.engines:
             try:
                 self.engines[digest] = load_engine(spec, self.backend, self.config.batch,
@@ -261,7 +263,6 @@ class Worker:
         """A model's files arrived: check and cache them, then run the chunks that waited."""
         header = message.header
         parked = self.waiting.pop(header["digest"], [])
-        spec = None
         try:
             if "error" in header:
                 raise ModelError(f"the broker cannot send model {header['model']!r}: "
@@ -269,11 +270,16 @@ class Worker:
             manifest = Manifest.from_header(header)
             spec = self.cache.install(manifest, message.payload)
             self.fetched[manifest.model] = self.fetched.get(manifest.model, 0) + 1
-        except ModelError as exc:
+        except ModelError as exc:  # not remembered: the next chunk of the model fetches again
             log.error("%s", exc)
-            self.broken[header["digest"]] = str(exc)
+            return [self.failed(task, str(exc)) for task, _ in parked]
         now = time.perf_counter()
         return [self.run_task(task, now, spec) for task, _ in parked]
+
+    @staticmethod
+    def failed(message: Message, error: str) -> Reply:
+        ids = {key: message.header[key] for key in ("job", "chunk", "start", "count")}
+        return protocol.encode(Command.FAILED, {**ids, "error": error})
 
     def run_task(self, message: Message, received: float,
                  spec: ModelSpec | None = None) -> Reply:
@@ -288,8 +294,6 @@ class Worker:
         try:
             if header["digest"] not in self.engines:
                 loading = time.perf_counter()
-                if spec is None and header["digest"] not in self.broken:
-                    raise ModelError(f"model {header['model']!r} is not available")
                 self.load(spec, header["digest"])
                 received += time.perf_counter() - loading
             engine = self.engines[header["digest"]]
@@ -301,10 +305,10 @@ class Worker:
             decoded = time.perf_counter()
             outputs = engine.run(images)
         except (ModelError, ValueError, ProtocolError) as exc:
-            return protocol.encode(Command.FAILED, {**ids, "error": str(exc)})
+            return self.failed(message, str(exc))
         except Exception as exc:  # backend errors and anything unforeseen stay per-chunk
             log.exception("chunk %s failed", ids)
-            return protocol.encode(Command.FAILED, {**ids, "error": f"{type(exc).__name__}: {exc}"})
+            return self.failed(message, f"{type(exc).__name__}: {exc}")
         computed = time.perf_counter()
         self.tasks_done += 1
         frames = protocol.array_frames(outputs)

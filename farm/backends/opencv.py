@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from farm.engine import BackendUnavailable, Engine
+from farm.network import Network
 from farm.repository import ModelError
 
 
@@ -16,6 +17,15 @@ def require() -> None:
                                  f"'opencv-python-headless>=4.8,<5'") from exc
 
 
+def refuse_what_opencv_gets_wrong(network: Network) -> None:
+    """OpenCV's Caffe importer drops LRN's ``k`` (it computes with k = 1): refuse, don't mislead."""
+    for layer in network.layers:
+        if layer.type == "LRN" and layer.param.lrn_param.k != 1:
+            raise ModelError(f"{network.source}: layer {layer.name!r} is an LRN with k = "
+                             f"{layer.param.lrn_param.k:g}, which OpenCV's Caffe importer "
+                             f"ignores (it uses k = 1); run this model with --backend torch")
+
+
 class OpenCVEngine(Engine):
     backend = "opencv"
 
@@ -25,6 +35,7 @@ class OpenCVEngine(Engine):
         if self.device != "cpu":
             raise ModelError(f"the opencv backend runs on the CPU only, not {self.device}; "
                              f"use --backend torch for GPUs")
+        refuse_what_opencv_gets_wrong(self.network)
         if self.threads is not None:
             cv2.setNumThreads(self.threads)
         try:

@@ -1,0 +1,169 @@
+"""Workers get models from the broker by content hash; broken models fail alone; the demo's accuracy."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from farm import protocol
+from farm.client import FarmError
+from farm.engine import load_engine
+from farm.local import LocalFarm, cores, farm_command
+from farm.modelstore import ModelCache, manifest_of
+from farm.protocol import Command
+from farm.repository import find, load_spec
+from tests.test_bad_input import lone_worker, next_reply, task  # noqa: F401 (fixture)
+from tests.test_models import break_model, needs_torch
+
+
+def copy_model(source: str, folder: Path) -> Path:
+    """A bundled model under another name, so that no worker has it on its own disk."""
+    shutil.copytree(find(source).folder, folder)
+    return folder
+
+
+def two_cpu_devices() -> list[str]:
+    available = cores()
+    return [f"cpu:{available[i % len(available)]}" for i in range(2)]
+
+
+def run_jobs_at_once(endpoint_farm: LocalFarm, jobs: dict[str, np.ndarray]) -> dict[str, object]:
+    """Each job from its own client thread; model -> outputs, or the exception it raised."""
+    results: dict[str, object] = {}
+
+    def submit(model: str, images: np.ndarray) -> None:
+        try:
+            with endpoint_farm.client() as client:
+                results[model] = client.map(images, model=model)
+        except Exception as exc:  # reported by the assertion below
+            results[model] = exc
+
+    threads = [threading.Thread(target=submit, args=item) for item in jobs.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
+def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits) -> None:
+    repository = tmp_path / "broker-models"
+    copy_model("lenet", repository / "digits")
+    copy_model("cifar10_quick", repository / "pictures")
+    pictures = np.tile(np.load(find("cifar10_quick").sample), (20, 1, 1, 1))
+    jobs = {"digits": digits[:, None], "pictures": pictures}
+    expected = {name: load_engine(load_spec(repository / name)).run(images)
+                for name, images in jobs.items()}
+    caches = [tmp_path / "cache-a", tmp_path / "cache-b"]
+    with LocalFarm([], "fifo", ["--chunk", "100", "--models-dir", str(repository)]) as farm:
+        for device, cache in zip(two_cpu_devices(), caches):
+            farm.start_worker(device, "--cache", str(cache))
+        farm.wait_for_workers(2)
+        for _ in range(2):  # the second round must run from the loaded engines
+            results = run_jobs_at_once(farm, jobs)
+            for name, outputs in results.items():
+                assert not isinstance(outputs, Exception), outputs
+                np.testing.assert_allclose(outputs, expected[name], atol=1e-5)
+        with farm.client() as client:
+            workers = client.info()["workers"]
+    assert [w["fetched"] for w in workers] == [{"digits": 1, "pictures": 1}] * 2
+    for cache in caches:
+        assert sorted(p.name.rsplit("-", 1)[0] for p in (cache).iterdir()) == [
+            "digits", "pictures"]
+
+
+@pytest.fixture(scope="module")
+def farm_with_broken_models(tmp_path_factory):
+    repository = tmp_path_factory.mktemp("broken-models")
+    for damage in ("truncate", "unknown_layer", "mismatch"):
+        break_model(repository / f"bad-{damage.replace('_', '-')}", find("lenet").folder, damage)
+    with LocalFarm(two_cpu_devices(), "fifo", ["--chunk", "100", "--models-dir",
+                                                str(repository)]) as farm:
+        yield farm
+
+
+@pytest.mark.parametrize("model, problem", [
+    ("bad-truncate", "weights.caffemodel is not a Caffe NetParameter"),
+    ("bad-unknown-layer", "deploy.prototxt: layer 'odd' has type 'Crop', which farm does not "
+                          "support"),
+    ("bad-mismatch", "weights.caffemodel does not match the prototxt: layer 'conv1' blob 0 has "
+                     "shape (20, 1, 5, 5), the prototxt needs (30, 1, 5, 5)"),
+])
+def test_a_broken_model_fails_its_job_and_workers_keep_serving(farm_with_broken_models, lenet,
+                                                               digits, model, problem) -> None:
+    with farm_with_broken_models.client() as client:
+        with pytest.raises(FarmError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+            client.map(digits[:300, None], model=model)
+        outputs = client.map(digits[:300, None], model="lenet")
+    np.testing.assert_allclose(outputs, load_engine(lenet).run(digits[:300, None]), atol=1e-5)
+
+
+def test_a_model_whose_hash_does_not_match_is_refused(lone_worker, tmp_path, lenet,  # noqa: F811
+                                                      digits) -> None:
+    router, identity = lone_worker
+    spec = load_spec(copy_model("lenet", tmp_path / "digits"))
+    manifest = manifest_of(spec)
+    contents = [bytearray(spec.files()[f.name].read_bytes()) for f in manifest.files]
+    contents[[f.name for f in manifest.files].index("lenet.caffemodel")][1000] ^= 0xFF
+    frames = task(identity, 7, digits[:5, None], model="digits")
+    header = protocol.decode(frames[1:]).header
+    header["digest"] = manifest.digest
+    router.send_multipart([identity, *protocol.encode(Command.TASK, header, frames[4:])])
+    fetch = next_reply(router)
+    assert fetch.command is Command.FETCH and fetch.header["digest"] == manifest.digest
+    router.send_multipart([identity, *protocol.encode(Command.MODEL, manifest.header(),
+                                                      [bytes(c) for c in contents])])
+    failed = next_reply(router)
+    assert failed.command is Command.FAILED and failed.header["chunk"] == 7
+    assert "file lenet.caffemodel from the broker has" in failed.header["error"]
+    assert "sha256" in failed.header["error"] and "not installed" in failed.header["error"]
+    router.send_multipart(task(identity, 8, digits[:5, None]))  # other models still run
+    result = next_reply(router)
+    assert result.command is Command.RESULT and result.header["chunk"] == 8
+
+
+def test_a_damaged_cache_entry_is_discarded(tmp_path) -> None:
+    spec = load_spec(copy_model("lenet", tmp_path / "digits"))
+    manifest = manifest_of(spec)
+    cache = ModelCache(tmp_path / "cache")
+    contents = [spec.files()[f.name].read_bytes() for f in manifest.files]
+    installed = cache.install(manifest, contents)
+    assert cache.lookup("digits", manifest.digest).folder == installed.folder
+    with open(installed.weights, "r+b") as handle:
+        handle.seek(100)
+        handle.write(b"\0\0\0\0")
+    assert cache.lookup("digits", manifest.digest) is None
+    assert not installed.folder.exists()
+
+
+@needs_torch
+def test_opencv_and_torch_workers_share_a_job(lenet, digits) -> None:
+    with LocalFarm([], "fifo", ["--chunk", "100"]) as farm:
+        for device, backend in zip(two_cpu_devices(), ("torch", "opencv")):
+            farm.start_worker(device, "--backend", backend)
+        farm.wait_for_workers(2)
+        with farm.client() as client:
+            result = client.run(digits[:, None], model="lenet")
+            workers = client.info()["workers"]
+    np.testing.assert_allclose(result.outputs, load_engine(lenet).run(digits[:, None]),
+                               atol=1e-4)
+    assert sorted(w["backend"] for w in workers) == ["opencv", "torch"]
+    assert all(w["threads"] == 1 for w in workers)  # pinned: one thread, torch included
+    assert all(share.items > 0 for share in result.summary.workers)
+
+
+def test_demo_reports_the_measured_accuracy(lenet, digits) -> None:
+    labels = np.load(lenet.sample_labels)
+    predicted = load_engine(lenet).run(digits[:, None]).argmax(axis=1)
+    accuracy = (predicted == labels).mean()
+    assert accuracy >= 0.95, "the bundled LeNet is trained: it must read digits"
+    done = subprocess.run(farm_command("--log-level", "WARNING", "run", "--quiet"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (f"accuracy on the bundled sample: {accuracy:.2%} ({(predicted == labels).sum()} "
+            f"of {len(labels)}") in done.stdout
