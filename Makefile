@@ -3,13 +3,19 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+comma := ,
 
 .PHONY: demo test install bench clean
+
+# torch: the CPU build, pinned, unless TORCH says otherwise (TORCH= skips it; the torch
+# tests then skip). An unpinned torch pulls the newest release with GBs of CUDA packages.
+TORCH ?= torch==2.13.0
 
 $(BIN)/farm: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(if $(TORCH),$(BIN)/pip install --quiet "$(TORCH)")
+	$(BIN)/pip install --quiet -e ".[test$(if $(TORCH),$(comma)torch)]"
 	touch $@
 
 install: $(BIN)/farm
@@ -23,6 +29,7 @@ test: install
 bench: install
 	$(BIN)/python bench/table2.py
 	$(BIN)/python bench/scaling.py
+	$(BIN)/python bench/models.py
 
 clean:
 	rm -rf $(VENV) scores.npy

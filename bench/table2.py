@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from farm.engine import DEFAULT_BATCH, OpenCVEngine
+from farm.engine import load_engine
 from farm.local import LocalFarm, cores
 from farm.repository import find
 from farm.workers.worker import Device, prepare_process
@@ -35,7 +35,7 @@ def in_process_rate(images: np.ndarray, batch: int, core: int) -> float:
     saved = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {core})
     try:
-        engine = OpenCVEngine.load(find("lenet"), batch=batch, threads=1)
+        engine = load_engine(find("lenet"), "opencv", batch=batch, threads=1)
         engine.run(images[:batch])  # warm-up
         started = time.perf_counter()
         engine.run(images)
@@ -73,7 +73,7 @@ def main() -> None:
     print(f"LeNet, {args.images} images, one worker pinned to core {core}, best of "
           f"{args.repeat}", file=sys.stderr)
     print(f"{'chunk':>6} {'in-process/s':>13} {'farm/s':>9} {'farm/in-process':>16} "
-          f"{'overhead/chunk':>15} {'goal':>8}   {'farm, batch ' + str(DEFAULT_BATCH) + '/s':>16}")
+          f"{'overhead/chunk':>15} {'goal':>8}   {'farm, batch ' + str(find('lenet').batch) + '/s':>16}")
     for chunk in CHUNKS:
         farm = max(farm_rate(images, chunk, core, args.repeat, chunk))
         batched = max(farm_rate(images, chunk, core, args.repeat, None))

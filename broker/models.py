@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from farm.modelstore import Manifest, manifest_of
-from farm.repository import ModelError, ModelSpec, available, find
+from farm.repository import ModelError, ModelSpec, available, find, prepare
 
 
 @dataclass
@@ -18,6 +18,7 @@ class ModelCatalog:
         """The model's spec and manifest; ModelError names the known models or the broken file."""
         spec = find(name, self.model_dirs)
         try:
+            prepare(spec)  # generated weights are made here, once, and served from here
             return spec, manifest_of(spec)
         except OSError as exc:
             raise ModelError(f"model {name!r}: {exc}") from exc

@@ -84,10 +84,12 @@ class Engine:
         started = time.perf_counter()
         engine = cls(spec, network, batch, device, threads)
         engine.build()
+        network.drop_weights()  # the backend holds its own copy: keep one, not two
+        release_free_memory()
         probe = engine.forward(engine.transform(np.zeros((1, *spec.item_shape), np.float32)))
         engine.output_shape = probe.shape[1:]
         engine.allocated = 1
-        log.info("%s: %s built in %.3f s, output %s", cls.backend, spec.name,
+        log.debug("%s: %s built in %.3f s, output %s", cls.backend, spec.name,
                  time.perf_counter() - started, engine.output_shape)
         return engine
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from farm.repository import ModelError, ModelSpec, cache_root, load_spec, prepare
+from farm.repository import ModelError, ModelSpec, cache_root, load_spec
 
 log = logging.getLogger("farm.modelstore")
 
@@ -79,8 +79,7 @@ class Manifest:
 
 
 def manifest_of(spec: ModelSpec) -> Manifest:
-    """The manifest of a model folder (its weights generated first if they must be)."""
-    prepare(spec)
+    """The manifest of a model folder; OSError if a file is missing (see ``prepare``)."""
     return Manifest(spec.name, tuple(ManifestFile(name, path.stat().st_size, file_sha256(path))
                                      for name, path in spec.files().items()))
 
@@ -109,7 +108,7 @@ class ModelCache:
                 raise ModelError(f"model {model!r}: cached files in {folder} do not hash to "
                                  f"{digest[:16]}")
             return spec
-        except ModelError as exc:
+        except (ModelError, OSError) as exc:
             log.warning("discarding a damaged cache entry: %s", exc)
             shutil.rmtree(folder, ignore_errors=True)
             return None
@@ -126,15 +125,19 @@ class ModelCache:
                 raise ModelError(f"model {manifest.model!r}: file {f.name} from the broker has "
                                  f"{data.nbytes} bytes and sha256 {actual[:16]}, the manifest "
                                  f"says {f.size} bytes and {f.sha256[:16]}; not installed")
+        installed = self.lookup(manifest.model, manifest.digest)  # workers may share a cache
+        if installed is not None:
+            return installed
         target = self.folder(manifest.model, manifest.digest)
         self.root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{manifest.model}-", dir=self.root))
         try:
             for f, content in zip(manifest.files, contents):
                 (staging / f.name).write_bytes(memoryview(content))
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(staging, target)
+            try:
+                os.replace(staging, target)  # atomic; fails if another worker got there first
+            except OSError:
+                log.info("model %s was cached by another worker meanwhile", manifest.model)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return load_spec(target)

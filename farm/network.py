@@ -294,6 +294,11 @@ class Network:
                     f"{len(weights.get(layer.name, []))}")
         self.weights_source = path
 
+    def drop_weights(self) -> None:
+        """Forget the blobs (shapes stay): once a backend has built its net they are a copy."""
+        for layer in self.layers:
+            layer.blobs = []
+
     def weight_layers(self) -> list[Layer]:
         return [layer for layer in self.layers if layer.blob_shapes]
 

@@ -12,7 +12,8 @@ from farm.cli import main
 from farm.local import cores, farm_command
 from tests.conftest import reference_forward
 
-COMMANDS = [[], ["broker"], ["worker"], ["submit"], ["run"], ["models"], ["models", "list"]]
+COMMANDS = [[], ["broker"], ["worker"], ["submit"], ["run"], ["models"], ["models", "list"],
+            ["models", "show"], ["models", "check"], ["models", "prepare"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c) or "farm" for c in COMMANDS])
@@ -22,10 +23,45 @@ def test_every_command_has_help(command) -> None:
     assert "Usage:" in result.output
 
 
-def test_models_list_shows_lenet() -> None:
+def test_models_list_shows_every_bundled_model() -> None:
     result = CliRunner().invoke(main, ["models", "list"])
     assert result.exit_code == 0
-    assert "lenet" in result.output and "1x28x28" in result.output
+    lines = {line.split()[0]: line for line in result.output.splitlines()[1:]}
+    assert "1x28x28" in lines["lenet"] and "32x32x3" in lines["cifar10_quick"]
+    assert "227x227x3" in lines["caffenet"]
+
+
+def test_models_show_lists_layers_and_shapes() -> None:
+    result = CliRunner().invoke(main, ["models", "show", "cifar10_quick"])
+    assert result.exit_code == 0, result.output
+    assert "mean file mean.binaryproto" in result.output and "channel_swap [2, 1, 0]" in result.output
+    assert any(line.split()[:4] == ["ip1", "InnerProduct", "64", "64x1024,"]
+               for line in result.output.splitlines())
+
+
+def test_models_check_passes_lenet_and_fails_a_broken_model(tmp_path, lenet) -> None:
+    from tests.test_models import break_model
+
+    result = CliRunner().invoke(main, ["models", "check", "lenet", "--count", "16"])
+    assert result.exit_code == 0, result.output
+    assert "opencv  ok" in result.output
+    break_model(tmp_path / "bad", lenet.folder, "mismatch")
+    result = CliRunner().invoke(main, ["models", "check", "bad", "--models-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "opencv  FAILED" in result.output and "does not match the prototxt" in result.output
+    assert "model 'bad' failed its check" in result.output
+
+
+def test_worker_with_a_missing_backend_says_how_to_install_it() -> None:
+    try:
+        import caffe  # noqa: F401
+        pytest.skip("pycaffe is installed here")
+    except ImportError:
+        pass
+    done = subprocess.run(farm_command("worker", "--backend", "caffe"), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1
+    assert "pycaffe" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_submit_writes_outputs_in_order(farm_two_workers, lenet, digits, tmp_path) -> None:

@@ -26,7 +26,7 @@ from farm.engine import (DEFAULT_BACKEND, GPU_BACKEND, Engine, engine_class, lim
                          load_engine)
 from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
-from farm.repository import ModelError, ModelSpec, available, find, load_spec
+from farm.repository import ModelError, ModelSpec, available, find, load_spec, prepare
 
 log = logging.getLogger("farm.worker")
 
@@ -176,7 +176,7 @@ class Worker:
     def find_files(self, model: str, digest: str) -> ModelSpec | None:
         """A local or cached copy of the model with exactly this digest, if there is one."""
         spec = self.local_models().get(model)
-        if spec is not None:
+        if spec is not None and spec.weights.is_file():  # generated weights: fetch, not remake
             try:
                 if manifest_of(spec).digest == digest:
                     return spec
@@ -187,6 +187,7 @@ class Worker:
     def preload(self) -> None:
         for name in self.config.preload:
             spec = find(name, self.config.model_dirs)
+            prepare(spec)
             self.load(spec, manifest_of(spec).digest)
 
     def ready_header(self) -> dict[str, Any]:

@@ -1,0 +1,167 @@
+"""One worker's images/s per model and backend, at its best compute batch.
+
+For each bundled model and each backend installed here, a fresh process pinned
+to one core (one thread, as a worker) runs the model at several compute batch
+sizes; the best batch is then confirmed through the farm: one real worker
+process with ``--backend B --batch best`` behind a real broker.  A last part
+shows the net shrinking back after a large batch (resident memory of CaffeNet
+at its resting batch, at batch 64, and after the shrink).
+
+    python bench/models.py [--device gpu:0] [--models lenet,cifar10_quick] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from farm.engine import available_backends, limit_threads
+from farm.local import LocalFarm, cores
+from farm.repository import available, find, prepare
+
+#: Compute batches tried, and images per measurement, by model.
+BATCHES = {"lenet": (1, 16, 64, 256), "cifar10_quick": (1, 16, 64, 256),
+           "caffenet": (1, 4, 10, 32)}
+IMAGES = {"lenet": 6000, "cifar10_quick": 3000, "caffenet": 64}
+
+
+def images_for(model: str, count: int) -> np.ndarray:
+    spec = find(model)
+    if spec.sample is not None:
+        sample = np.load(spec.sample)
+        sample = sample[:, None] if sample.ndim == len(spec.item_shape) else sample
+        return np.resize(sample, (count, *spec.item_shape))
+    return np.random.default_rng(0).integers(0, 256, (count, *spec.item_shape), np.uint8)
+
+
+def sweep(model: str, backend: str, device: str) -> dict[int, float]:
+    """In this (pinned) process: batch -> images/s, best of two runs each."""
+    from farm.engine import load_engine
+
+    images = images_for(model, IMAGES[model])
+    rates = {}
+    for batch in BATCHES[model]:
+        engine = load_engine(find(model), backend, batch, device,
+                             threads=None if device != "cpu" else 1)
+        engine.run(images[:batch])  # warm-up
+        best = 0.0
+        for _ in range(2):
+            started = time.perf_counter()
+            engine.run(images)
+            best = max(best, len(images) / (time.perf_counter() - started))
+        rates[batch] = best
+    return rates
+
+
+def shrink_memory() -> dict[str, float]:
+    """CaffeNet on opencv, ``--batch 64``: resident MB after a chunk of its prototxt's batch (10),
+    after a chunk of 64 with the shrink switched off, and after one with it on."""
+    from farm.engine import load_engine
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+    spec = find("caffenet")
+    images = images_for("caffenet", 64)
+    engine = load_engine(spec, "opencv", batch=64, threads=1)
+    engine.run(images[:spec.batch])
+    figures = {"resting_mb": rss_mb()}
+    shrink, engine.shrink = engine.shrink, lambda: None  # first without shrinking back
+    engine.run(images)
+    figures["batch64_mb"] = rss_mb()
+    engine.shrink = shrink
+    engine.run(images)
+    figures["after_shrink_mb"] = rss_mb()
+    return figures
+
+
+def in_child(*args: str) -> dict:
+    """Run this script's ``--child`` mode in a fresh process (thread pools fixed at import)."""
+    done = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def through_farm(model: str, backend: str, device: str, batch: int) -> float:
+    """Images/s of one real worker behind a real broker, fifo chunks of 4 compute batches."""
+    images = images_for(model, IMAGES[model])
+    chunk = max(4 * batch, 20)
+    worker = ["--backend", backend, "--batch", str(batch)]
+    with LocalFarm([device], "fifo", ["--chunk", str(chunk)], worker, preload=[model]) as farm, \
+            farm.client(timeout=600) as client:
+        client.run(images[:chunk], model)  # warm-up
+        return max(client.run(images, model).summary.rate for _ in range(2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu (one pinned core) or gpu:N")
+    parser.add_argument("--models", default=",".join(sorted(available())))
+    parser.add_argument("--csv", help="also write the table here")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return print(json.dumps(child(args.child)))
+    gpu = args.device.startswith("gpu")
+    engine_device = "cuda:" + args.device.partition(":")[2] if gpu else "cpu"
+    worker_device = args.device if gpu else f"cpu:{cores()[-1]}"
+    backends = ["torch"] if gpu else [b for b, problem in available_backends().items()
+                                      if problem is None]
+    rows = []
+    skipped = [f"{b} ({problem.split(':')[0]})" for b, problem in available_backends().items()
+               if problem and not gpu]
+    print(f"one worker on {worker_device}; backends: {', '.join(backends)}"
+          + (f"; not installed: {', '.join(skipped)}" if skipped else ""))
+    print(f"{'model':<14} {'backend':<8} {'batch':>7} {'in-process/s':>13} {'worker/s':>10}   "
+          f"all batches (images/s)")
+    for model in args.models.split(","):
+        prepare(find(model))
+        for backend in backends:
+            rates = {int(k): v for k, v in in_child("sweep", model, backend, engine_device,
+                                                    worker_device).items()}
+            best = max(rates, key=rates.get)
+            farm_rate = through_farm(model, backend, worker_device, best)
+            spread = ", ".join(f"{b}: {r:,.0f}" for b, r in rates.items())
+            print(f"{model:<14} {backend:<8} {best:>7} {rates[best]:>13,.0f} {farm_rate:>10,.0f}"
+                  f"   {spread}")
+            rows.append({"model": model, "backend": backend, "device": worker_device,
+                         "best_batch": best, "in_process_rate": round(rates[best], 1),
+                         "worker_rate": round(farm_rate, 1),
+                         **{f"batch_{b}": round(r, 1) for b, r in rates.items()}})
+    if "caffenet" in args.models and not gpu:
+        memory = in_child("shrink", str(cores()[-1]))
+        print(f"caffenet on opencv, resident memory: {memory['resting_mb']:,.0f} MB at batch "
+              f"{find('caffenet').batch}, {memory['batch64_mb']:,.0f} MB after a batch of 64, "
+              f"{memory['after_shrink_mb']:,.0f} MB after shrinking back")
+    if args.csv:
+        with open(args.csv, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=sorted({k for r in rows for k in r}))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def child(args: list[str]) -> dict:
+    """Pin to the worker's core and cap threads before any backend is imported, then measure."""
+    from farm.workers.worker import Device, prepare_process
+
+    if args[0] == "shrink":
+        prepare_process(Device("cpu", int(args[1])))
+        return shrink_memory()
+    model, backend, engine_device, worker_device = args[1:]
+    if worker_device.startswith("cpu"):
+        prepare_process(Device.parse(worker_device))
+    else:
+        limit_threads(None)
+    return sweep(model, backend, engine_device)
+
+
+if __name__ == "__main__":
+    main()
