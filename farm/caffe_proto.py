@@ -54,7 +54,7 @@ def rep(kind: str, name: str, number: int, packed: bool = False) -> tuple:
 #: Enums nested in a message: message -> {enum name: [value names in number order]}.
 _ENUMS = {
     "FillerParameter": {"VarianceNorm": ["FAN_IN", "FAN_OUT", "AVERAGE"]},
-    "PoolingParameter": {"PoolMethod": ["MAX", "AVE", "STOCHASTIC"]},
+    "PoolingParameter": {"PoolMethod": ["MAX", "AVE", "STOCHASTIC"], "RoundMode": ["CEIL", "FLOOR"]},
     "LRNParameter": {"NormRegion": ["ACROSS_CHANNELS", "WITHIN_CHANNEL"]},
     "EltwiseParameter": {"EltwiseOp": ["PROD", "SUM", "MAX"]},
 }
@@ -154,6 +154,7 @@ _MESSAGES: dict[str, list[tuple]] = {
         opt("uint32", "kernel_w", 6), opt("uint32", "stride", 3, 1),
         opt("uint32", "stride_h", 7), opt("uint32", "stride_w", 8),
         opt("bool", "global_pooling", 12, False),
+        opt(".caffe.PoolingParameter.RoundMode", "round_mode", 13, "CEIL"),
     ],
     "InnerProductParameter": [
         opt("uint32", "num_output", 1), opt("bool", "bias_term", 2, True),

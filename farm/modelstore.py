@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -20,6 +21,10 @@ from typing import Any, Sequence
 from farm.repository import ModelError, ModelSpec, cache_root, load_spec
 
 log = logging.getLogger("farm.modelstore")
+
+#: What a model name and a digest may look like (they become cache folder names).
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+DIGEST = re.compile(r"[0-9a-f]{64}")
 
 #: (path, size, mtime_ns) -> sha256 hex: files are hashed again only when they change.
 _HASHES: dict[tuple[str, int, int], str] = {}
@@ -69,7 +74,7 @@ class Manifest:
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"malformed model manifest: {exc}") from None
         for f in files:
-            if f.name in ("", ".", "..") or "/" in f.name or "\\" in f.name or f.size < 0:
+            if not SAFE_NAME.fullmatch(f.name) or f.size < 0:
                 raise ModelError(f"unsafe file name or size in model manifest: {f.name!r}")
         manifest = cls(str(header.get("model", "")), files)
         if manifest.digest != header.get("digest"):
@@ -95,6 +100,10 @@ class ModelCache:
         return cls(cache_root() / "models")
 
     def folder(self, model: str, digest: str) -> Path:
+        """The cache folder of a model; ModelError for a name or digest that is not plain."""
+        if not SAFE_NAME.fullmatch(model) or not DIGEST.fullmatch(digest):
+            raise ModelError(f"refusing model name {model[:80]!r} / digest {digest[:80]!r}: "
+                             f"names are letters, digits, '.', '_' and '-', digests 64 hex")
         return self.root / f"{model}-{digest[:24]}"
 
     def lookup(self, model: str, digest: str) -> ModelSpec | None:
@@ -103,7 +112,7 @@ class ModelCache:
         if not (folder / "model.toml").is_file():
             return None
         try:
-            spec = load_spec(folder)
+            spec = load_spec(folder, model)
             if manifest_of(spec).digest != digest:
                 raise ModelError(f"model {model!r}: cached files in {folder} do not hash to "
                                  f"{digest[:16]}")
@@ -140,4 +149,4 @@ class ModelCache:
                 log.info("model %s was cached by another worker meanwhile", manifest.model)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return load_spec(target)
+        return load_spec(target, manifest.model)

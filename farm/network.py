@@ -80,9 +80,11 @@ def pool_geometry(p: Any, height: int, width: int) -> Geometry:
         _pair(p.pad, p.pad_h, p.pad_w, p.HasField("pad_h"), 0))
 
 
-def pooled_size(size: int, kernel: int, stride: int, pad: int) -> int:
-    """Caffe's pooling output size: rounded up, and the last window must start inside."""
-    out = math.ceil((size + 2 * pad - kernel) / stride) + 1
+def pooled_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = True) -> int:
+    """Caffe's pooling output size: rounded up (unless round_mode FLOOR), and the last
+    window must start inside the input or its leading padding."""
+    steps = (size + 2 * pad - kernel) / stride
+    out = (math.ceil(steps) if ceil else math.floor(steps)) + 1
     if pad and (out - 1) * stride >= size + pad:
         out -= 1
     return out
@@ -120,8 +122,9 @@ def _pooling(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[Shap
     g = pool_geometry(p, h, w)
     if min(g.stride) <= 0 or any(k > size + 2 * pad for k, size, pad in zip(g.kernel, (h, w), g.pad)):
         raise NetworkError(f"pooling window {g.kernel} does not fit input {h}x{w}")
-    out = [pooled_size(size, k, s, pad) for size, k, s, pad in zip((h, w), g.kernel, g.stride,
-                                                                     g.pad)]
+    ceil = p.round_mode == 0
+    out = [pooled_size(size, k, s, pad, ceil) for size, k, s, pad in zip((h, w), g.kernel,
+                                                                           g.stride, g.pad)]
     return [(n, c, *out)], []
 
 

@@ -122,15 +122,19 @@ def generated_weights_path(name: str, filename: str) -> Path:
     return cache_root() / "generated" / name / filename
 
 
-def load_spec(folder: Path) -> ModelSpec:
-    """Read ``folder/model.toml`` and the prototxt; ModelError names the file and the problem."""
+def load_spec(folder: Path, name: str | None = None) -> ModelSpec:
+    """Read ``folder/model.toml`` and the prototxt; ModelError names the file and the problem.
+
+    The model's name is the folder's, unless ``name`` is given (a cached copy's folder
+    also carries its digest).
+    """
     config_path = folder / "model.toml"
     try:
         config = tomllib.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ModelError(f"cannot read {config_path}: {exc}") from exc
     try:
-        spec = _spec_from_config(folder, config)
+        spec = _spec_from_config(folder, config, name or folder.name)
     except KeyError as exc:
         raise ModelError(f"{config_path} lacks the key {exc}") from None
     except (TypeError, ValueError) as exc:
@@ -146,7 +150,7 @@ def load_spec(folder: Path) -> ModelSpec:
     return spec
 
 
-def _spec_from_config(folder: Path, config: dict[str, Any]) -> ModelSpec:
+def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelSpec:
     prototxt = folder / config["prototxt"]
     try:
         net = Network.load(prototxt)
@@ -155,14 +159,14 @@ def _spec_from_config(folder: Path, config: dict[str, Any]) -> ModelSpec:
     generate = config.get("generate")
     weights = folder / config["weights"]
     if generate is not None and not weights.is_file():
-        weights = generated_weights_path(folder.name, config["weights"])
+        weights = generated_weights_path(name, config["weights"])
     if config.get("input", net.input) != net.input:
         raise ModelError(f"input {config['input']!r} is not the prototxt's input {net.input!r}")
     output = config.get("output", net.output)
     if output not in net.shapes:
         raise ModelError(f"output {output!r} is not a blob of {prototxt}")
     return ModelSpec(
-        name=folder.name, folder=folder, prototxt=prototxt, weights=weights, input=net.input,
+        name=name, folder=folder, prototxt=prototxt, weights=weights, input=net.input,
         input_shape=net.input_shape[1:], batch=net.batch, output=output,
         preprocess=Preprocess.from_config(config.get("preprocess", {}), folder),
         description=config.get("description", ""), labels=tuple(config.get("labels", ())),

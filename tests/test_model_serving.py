@@ -167,3 +167,14 @@ def test_demo_reports_the_measured_accuracy(lenet, digits) -> None:
     assert done.returncode == 0, done.stderr
     assert (f"accuracy on the bundled sample: {accuracy:.2%} ({(predicted == labels).sum()} "
             f"of {len(labels)}") in done.stdout
+
+
+def test_unsafe_model_names_never_touch_the_disk(lone_worker, digits) -> None:  # noqa: F811
+    """A task naming '../x' is refused; the worker answers and keeps serving."""
+    router, identity = lone_worker
+    frames = task(identity, 9, digits[:2, None], model="../../etc")
+    router.send_multipart(frames)
+    failed = next_reply(router)
+    assert failed.command is Command.FAILED and "refusing model name" in failed.header["error"]
+    router.send_multipart(task(identity, 10, digits[:2, None]))
+    assert next_reply(router).command is Command.RESULT

@@ -304,3 +304,21 @@ def test_missing_caffe_backend_says_how_to_install() -> None:
         pass
     with pytest.raises(BackendUnavailable, match="apt-get install python3-caffe-cpu"):
         engine_class("caffe")
+
+
+@needs_torch
+def test_pooling_round_mode_floor(tmp_path) -> None:
+    """BVLC's round_mode: FLOOR drops the partial last window that CEIL (the default) keeps."""
+    prototxt = ('layer { name: "data" type: "Input" top: "data" input_param { shape: '
+                '{ dim: 1 dim: 1 dim: 6 dim: 6 } } }\n'
+                'layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" '
+                'pooling_param { pool: MAX kernel_size: 3 stride: 2 round_mode: FLOOR } }\n')
+    spec = load_spec(write_model(tmp_path / "floor", prototxt, layers=[]))
+    assert Network.load(spec.prototxt).shapes["pool"] == (1, 1, 2, 2)
+    x = np.arange(36, dtype=np.float32).reshape(1, 1, 6, 6)
+    np.testing.assert_array_equal(load_engine(spec, "torch").run(x),
+                                  [[[[14, 16], [26, 28]]]])
+    with pytest.raises(ModelError, match="round_mode FLOOR"):
+        load_engine(spec, "opencv")
+    (tmp_path / "floor" / "deploy.prototxt").write_text(prototxt.replace(" round_mode: FLOOR", ""))
+    assert Network.load(spec.prototxt).shapes["pool"] == (1, 1, 3, 3)

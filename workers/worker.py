@@ -252,7 +252,10 @@ class Worker:
             self.waiting[digest].append((message, received))
             return []
         if digest not in self.engines and digest not in self.broken:
-            spec = self.find_files(model, digest)
+            try:
+                spec = self.find_files(model, digest)
+            except ModelError as exc:  # a name or digest that cannot be a cache folder
+                return [self.failed(message, str(exc))]
             if spec is None:
                 self.waiting[digest] = [(message, received)]
                 log.info("fetching model %s (%s) from the broker", model, digest[:12])

@@ -18,8 +18,15 @@ def require() -> None:
 
 
 def refuse_what_opencv_gets_wrong(network: Network) -> None:
-    """OpenCV's Caffe importer drops LRN's ``k`` (it computes with k = 1): refuse, don't mislead."""
+    """What OpenCV's Caffe importer gets wrong: refuse it rather than answer wrongly.
+
+    It drops LRN's ``k`` (computes with k = 1) and does not know BVLC's ``round_mode``.
+    """
     for layer in network.layers:
+        if layer.type == "Pooling" and layer.param.pooling_param.round_mode != 0:
+            raise ModelError(f"{network.source}: layer {layer.name!r} pools with round_mode "
+                             f"FLOOR, which OpenCV's Caffe importer does not read; run this "
+                             f"model with --backend torch")
         if layer.type == "LRN" and layer.param.lrn_param.k != 1:
             raise ModelError(f"{network.source}: layer {layer.name!r} is an LRN with k = "
                              f"{layer.param.lrn_param.k:g}, which OpenCV's Caffe importer "

@@ -52,9 +52,10 @@ def make_op(layer: Layer, shapes: dict[str, tuple[int, ...]]) -> Op:
                                      g.dilation, group)
     if kind == "Pooling":
         g = pool_geometry(p.pooling_param, *in_shape[2:])
+        ceil = p.pooling_param.round_mode == 0
         if p.pooling_param.pool == 0:
-            return lambda x, w: F.max_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=True)
-        return lambda x, w: F.avg_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=True,
+            return lambda x, w: F.max_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=ceil)
+        return lambda x, w: F.avg_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=ceil,
                                          count_include_pad=True)
     if kind == "InnerProduct":
         q = p.inner_product_param
