@@ -97,6 +97,13 @@ class Engine:
         """Construct the backend's net from ``self.network``."""
         raise NotImplementedError
 
+    def clean_prototxt(self, folder: str) -> str:
+        """Write ``self.network`` as a clean deploy prototxt into ``folder``; its path."""
+        path = os.path.join(folder, "deploy.prototxt")
+        with open(path, "w") as handle:
+            handle.write(self.network.deploy_text())
+        return path
+
     def forward(self, batch: np.ndarray) -> np.ndarray:
         """The output blob for one preprocessed float32 batch."""
         raise NotImplementedError

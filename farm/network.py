@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from google.protobuf import text_format
 
 from farm import caffe_proto
 from farm.caffe_proto import CaffeFormatError
@@ -296,6 +297,24 @@ class Network:
                     f"needs {len(layer.blob_shapes)} blob(s), the file has "
                     f"{len(weights.get(layer.name, []))}")
         self.weights_source = path
+
+    def deploy_text(self) -> str:
+        """The net as a clean deploy prototxt: an Input layer, then the layers farm runs.
+
+        Fields outside farm's schema, training-only layers and the V1 form are gone,
+        so backends that parse prototxts themselves (OpenCV, pycaffe) see exactly the
+        net the shape checks and the torch backend see.
+        """
+        net = caffe_proto.NetParameter(name=self.name)
+        data = net.layer.add(name=self.input, type="Input", top=[self.input])
+        data.input_param.shape.add().dim.extend(self.input_shape)
+        for layer in self.layers:
+            copy = net.layer.add()
+            copy.CopyFrom(layer.param)
+            copy.ClearField("blobs")
+            copy.ClearField("include")
+            copy.ClearField("exclude")
+        return text_format.MessageToString(net)
 
     def drop_weights(self) -> None:
         """Forget the blobs (shapes stay): once a backend has built its net they are a copy."""

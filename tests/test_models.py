@@ -322,3 +322,46 @@ def test_pooling_round_mode_floor(tmp_path) -> None:
         load_engine(spec, "opencv")
     (tmp_path / "floor" / "deploy.prototxt").write_text(prototxt.replace(" round_mode: FLOOR", ""))
     assert Network.load(spec.prototxt).shapes["pool"] == (1, 1, 3, 3)
+
+
+WILD_PROTOTXT = """
+name: "wild"
+input: "data"
+input_shape { dim: 1 dim: 1 dim: 28 dim: 28 }
+force_backward: true
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        param { lr_mult: 1 decay_mult: 1 } param { lr_mult: 2 decay_mult: 0 }
+        convolution_param { num_output: 20 kernel_size: 5 engine: CUDNN
+                            weight_filler { type: "gaussian" std: 0.01 } }
+        some_fork_only_field { with_a: "message" } }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+        convolution_param { num_output: 50 kernel_size: 5 } }
+layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
+        inner_product_param { num_output: 500 } }
+layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" relu_param { engine: CAFFE } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 10 } }
+layer { name: "accuracy" type: "Accuracy" bottom: "ip2" bottom: "label" top: "accuracy"
+        include { phase: TRAIN } }
+layer { name: "prob" type: "Softmax" bottom: "ip2" top: "prob" }
+"""
+
+
+def test_prototxts_from_the_wild_load(tmp_path, lenet, digits) -> None:
+    """Legacy input_shape, fields this subset lacks, a TRAIN-only layer: LeNet's outputs."""
+    folder = tmp_path / "wild"
+    folder.mkdir()
+    (folder / "deploy.prototxt").write_text(WILD_PROTOTXT)
+    shutil.copy(lenet.weights, folder / "weights.caffemodel")
+    (folder / "model.toml").write_text('prototxt = "deploy.prototxt"\nweights = '
+                                       '"weights.caffemodel"\n[preprocess]\n'
+                                       'input_scale = 0.00390625\n')
+    spec = load_spec(folder)
+    assert (spec.input, spec.input_shape, spec.batch, spec.output) == ("data", (1, 28, 28), 1,
+                                                                        "prob")
+    np.testing.assert_allclose(load_engine(spec, "opencv").run(digits[:20, None]),
+                               load_engine(lenet, "opencv").run(digits[:20, None]), atol=1e-6)

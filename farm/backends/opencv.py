@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 
 from farm.engine import BackendUnavailable, Engine
@@ -46,7 +48,9 @@ class OpenCVEngine(Engine):
         if self.threads is not None:
             cv2.setNumThreads(self.threads)
         try:
-            self.net = cv2.dnn.readNetFromCaffe(str(self.spec.prototxt), str(self.spec.weights))
+            with tempfile.TemporaryDirectory() as folder:  # OpenCV rejects unknown fields
+                self.net = cv2.dnn.readNetFromCaffe(self.clean_prototxt(folder),
+                                                    str(self.spec.weights))
         except cv2.error as exc:
             raise ModelError(f"OpenCV cannot load model {self.spec.name!r} "
                              f"({self.spec.prototxt}, {self.spec.weights}): {exc}") from exc

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 
 from farm.engine import BackendUnavailable, Engine
@@ -31,7 +33,8 @@ class CaffeEngine(Engine):
             caffe.set_device(int(self.device.partition(":")[2] or 0))
         else:
             caffe.set_mode_cpu()
-        self.net = caffe.Net(str(self.spec.prototxt), str(self.spec.weights), caffe.TEST)
+        with tempfile.TemporaryDirectory() as folder:
+            self.net = caffe.Net(self.clean_prototxt(folder), str(self.spec.weights), caffe.TEST)
 
     def forward(self, batch: np.ndarray) -> np.ndarray:
         blob = self.net.blobs[self.spec.input]
