@@ -9,9 +9,11 @@ block): the broker never copies or decodes image or output data.
 from __future__ import annotations
 
 import logging
+import mmap
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import zmq
@@ -278,8 +280,9 @@ class Broker:
             return True
         try:
             spec, manifest = self.models.lookup(job.model)
-        except ModelError as exc:
-            self.fail_job(job, str(exc))
+        except Exception as exc:  # ModelError, or a bug: either way the client hears why
+            self.fail_job(job, str(exc) if isinstance(exc, ModelError) else
+                          f"cannot use model {job.model!r}: {type(exc).__name__}: {exc}")
             return False
         if job.item_shape != spec.item_shape:
             layout = " (H x W x C)" if spec.preprocess.layout == "HWC" else ""
@@ -295,23 +298,31 @@ class Broker:
         return True
 
     def on_fetch(self, identity: bytes, message: Message) -> None:
-        """Send a worker a model's files; an error reply if the model is gone or changed."""
+        """Send a registered worker a model's files; an error reply if it is gone or changed.
+
+        The files go out memory-mapped: however many workers fetch a model at once, its
+        bytes are in memory once, in the page cache.
+        """
         entry = self.workers.get(identity)
         name, digest = message.header["model"], message.header["digest"]
         try:
+            if entry is None:
+                raise ModelError("models are sent to registered workers only")
             spec, manifest = self.models.lookup(name)
             if manifest.digest != digest:
                 raise ModelError(f"model {name!r} changed on the broker (now {manifest.digest[:12]}"
                                  f", asked for {digest[:12]})")
-            contents = [spec.files()[f.name].read_bytes() for f in manifest.files]
+            size = sum(f.size for f in manifest.files)
+            if size > protocol.MAX_MESSAGE_BYTES:
+                raise ModelError(f"model {name!r} is {size:,} bytes, over the "
+                                 f"{protocol.MAX_MESSAGE_BYTES:,}-byte message limit")
+            contents = [mapped(spec.files()[f.name]) for f in manifest.files]
         except (ModelError, OSError) as exc:
             self.send(identity, Command.MODEL, {"model": name, "digest": digest, "files": [],
                                                 "error": str(exc)})
             return
-        if entry is not None:
-            entry.fetched[name] = entry.fetched.get(name, 0) + 1
-        log.info("sending model %s (%d bytes) to %s", name, sum(len(c) for c in contents),
-                 entry.name if entry else identity.hex())
+        entry.fetched[name] = entry.fetched.get(name, 0) + 1
+        log.info("sending model %s (%d bytes) to %s", name, size, entry.name)
         self.send(identity, Command.MODEL, manifest.header(), contents)
 
     def on_data(self, identity: bytes, message: Message) -> None:
@@ -371,6 +382,13 @@ class Broker:
                 "workers": [entry.describe() for entry in self.workers.values()],
                 "jobs": [{"job": job.id, "model": job.model, "total": job.total,
                           "done": job.done} for job in self.jobs.values()]}
+
+
+def mapped(path: Path) -> Any:
+    """A read-only memory map of a file (b"" for an empty one): a zero-copy frame."""
+    with open(path, "rb") as handle:
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size \
+            else b""
 
 
 def serve(config: BrokerConfig, on_bound: Callable[[str], None] | None = None) -> None:

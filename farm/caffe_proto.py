@@ -18,13 +18,17 @@ so there is no tie to one protobuf runtime version.
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 from google.protobuf.message import DecodeError
+
+log = logging.getLogger("farm.caffe")
 
 _F = descriptor_pb2.FieldDescriptorProto
 _KINDS = {"int32": _F.TYPE_INT32, "int64": _F.TYPE_INT64, "uint32": _F.TYPE_UINT32,
@@ -243,6 +247,27 @@ FillerParameter = _CLASSES["FillerParameter"]
 
 # ------------------------------------------------------------------ reading
 
+#: Fields outside the schema that never change what a deploy net computes: training
+#: settings, and the parameters of the training-only layers that farm skips.
+HARMLESS_FIELDS = frozenset({
+    "engine", "param", "lr_mult", "decay_mult", "blobs_lr", "weight_decay", "loss_weight",
+    "propagate_down", "share_mode", "transform_param", "data_param", "image_data_param",
+    "memory_data_param", "hdf5_data_param", "window_data_param", "dummy_data_param",
+    "loss_param", "accuracy_param", "source", "batch_size", "backend", "mirror", "crop_size",
+    "mean_value", "mean_file", "scale", "top_k", "ignore_label", "normalize", "normalization",
+    "new_height", "new_width", "is_color", "root_folder", "shuffle", "rand_skip",
+    "force_color", "force_gray", "debug_info"})
+
+_KNOWN_FIELDS = frozenset(spec[2] for fields in _MESSAGES.values() for spec in fields)
+
+
+def unknown_fields(text: str) -> list[str]:
+    """Field names in a prototxt that the schema lacks and that may change the net's result."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"|#[^\n]*', " ", text)  # drop strings and comments
+    names = set(re.findall(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*(?::|\{)", bare))
+    return sorted(names - _KNOWN_FIELDS - HARMLESS_FIELDS)
+
+
 def parse_prototxt(path: str | Path) -> Any:
     """A ``NetParameter`` from a text prototxt, V1 ``layers`` upgraded; unknown fields skipped."""
     try:
@@ -254,6 +279,10 @@ def parse_prototxt(path: str | Path) -> Any:
         text_format.Parse(text, net, allow_unknown_field=True)
     except text_format.ParseError as exc:
         raise CaffeFormatError(f"{path} is not a valid prototxt: {exc}") from exc
+    ignored = unknown_fields(text)
+    if ignored:
+        log.warning("%s: ignoring fields farm does not know: %s (if they change what the net "
+                    "computes, farm's outputs will differ from Caffe's)", path, ", ".join(ignored))
     return upgrade_v1(net)
 
 

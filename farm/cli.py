@@ -331,6 +331,7 @@ def list_models(models_dir: tuple[str, ...]) -> None:
 @models_dir_option
 def show_model(name: str, models_dir: tuple[str, ...]) -> None:
     """Show a model's files, input, preprocessing and layers."""
+    from farm.caffe_proto import unknown_fields
     from farm.network import Network
 
     spec = find_model(name, models_dir)
@@ -352,6 +353,9 @@ def show_model(name: str, models_dir: tuple[str, ...]) -> None:
     click.echo(f"  output      {spec.output} {shape_text(net.shapes[spec.output][1:])}"
                f"{f', {len(spec.labels)} labels' if spec.labels else ''}")
     click.echo(f"  parameters  {net.parameter_count():,}")
+    ignored = unknown_fields(spec.prototxt.read_text())
+    if ignored:
+        click.echo(f"  ignored     {', '.join(ignored)} (fields farm's Caffe schema lacks)")
     click.echo(f"  {'layer':<14} {'type':<13} {'output':<16} weights")
     for layer in net.layers:
         blobs = ", ".join(shape_text(shape) for shape in layer.blob_shapes)

@@ -83,10 +83,16 @@ class Engine:
             raise ModelError(f"model {spec.name!r}: {exc}") from None
         started = time.perf_counter()
         engine = cls(spec, network, batch, device, threads)
-        engine.build()
-        network.drop_weights()  # the backend holds its own copy: keep one, not two
-        release_free_memory()
-        probe = engine.forward(engine.transform(np.zeros((1, *spec.item_shape), np.float32)))
+        try:
+            engine.build()
+            network.drop_weights()  # the backend holds its own copy: keep one, not two
+            release_free_memory()
+            probe = engine.forward(engine.transform(np.zeros((1, *spec.item_shape), np.float32)))
+        except ModelError:
+            raise
+        except Exception as exc:  # the library's own error types: cv2.error, RuntimeError, ...
+            raise ModelError(f"model {spec.name!r}: the {cls.backend} backend cannot run it: "
+                             f"{type(exc).__name__}: {exc}") from exc
         engine.output_shape = probe.shape[1:]
         engine.allocated = 1
         log.debug("%s: %s built in %.3f s, output %s", cls.backend, spec.name,

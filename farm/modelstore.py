@@ -30,16 +30,25 @@ DIGEST = re.compile(r"[0-9a-f]{64}")
 _HASHES: dict[tuple[str, int, int], str] = {}
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, fresh: bool = False) -> str:
+    """A file's SHA-256, remembered by path, size and mtime unless ``fresh`` (hash it again)."""
     stat = path.stat()
     key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _HASHES:
+    if fresh or key not in _HASHES:
         digest = hashlib.sha256()
         with open(path, "rb") as handle:
             while block := handle.read(1 << 20):
                 digest.update(block)
         _HASHES[key] = digest.hexdigest()
     return _HASHES[key]
+
+
+def check_file_name(name: str) -> str:
+    """A relative path whose parts are plain names (no '..', no absolute path); ModelError if not."""
+    if not all(SAFE_NAME.fullmatch(part) for part in name.split("/")):
+        raise ModelError(f"file name {name[:120]!r} is not allowed in a model: use letters, "
+                         f"digits, '.', '_' and '-' (and '/' between folders)")
+    return name
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,9 @@ class Manifest:
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"malformed model manifest: {exc}") from None
         for f in files:
-            if not SAFE_NAME.fullmatch(f.name) or f.size < 0:
-                raise ModelError(f"unsafe file name or size in model manifest: {f.name!r}")
+            check_file_name(f.name)
+            if f.size < 0:
+                raise ModelError(f"negative file size in model manifest: {f.name!r}")
         manifest = cls(str(header.get("model", "")), files)
         if manifest.digest != header.get("digest"):
             raise ModelError(f"model {manifest.model!r}: the manifest's files hash to "
@@ -83,10 +93,11 @@ class Manifest:
         return manifest
 
 
-def manifest_of(spec: ModelSpec) -> Manifest:
+def manifest_of(spec: ModelSpec, fresh: bool = False) -> Manifest:
     """The manifest of a model folder; OSError if a file is missing (see ``prepare``)."""
-    return Manifest(spec.name, tuple(ManifestFile(name, path.stat().st_size, file_sha256(path))
-                                     for name, path in spec.files().items()))
+    return Manifest(spec.name, tuple(
+        ManifestFile(check_file_name(name), path.stat().st_size, file_sha256(path, fresh))
+        for name, path in spec.files().items()))
 
 
 @dataclass
@@ -110,10 +121,11 @@ class ModelCache:
         """The cached model with this digest, checked file by file; None if absent or damaged."""
         folder = self.folder(model, digest)
         if not (folder / "model.toml").is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # a leftover would block the install
             return None
         try:
             spec = load_spec(folder, model)
-            if manifest_of(spec).digest != digest:
+            if spec.generate_seed is not None or manifest_of(spec, fresh=True).digest != digest:
                 raise ModelError(f"model {model!r}: cached files in {folder} do not hash to "
                                  f"{digest[:16]}")
             return spec
@@ -138,15 +150,25 @@ class ModelCache:
         if installed is not None:
             return installed
         target = self.folder(manifest.model, manifest.digest)
-        self.root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{manifest.model}-", dir=self.root))
         try:
-            for f, content in zip(manifest.files, contents):
-                (staging / f.name).write_bytes(memoryview(content))
+            self.root.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{manifest.model}-", dir=self.root))
             try:
-                os.replace(staging, target)  # atomic; fails if another worker got there first
-            except OSError:
-                log.info("model %s was cached by another worker meanwhile", manifest.model)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return load_spec(target, manifest.model)
+                for f, content in zip(manifest.files, contents):
+                    (staging / f.name).parent.mkdir(parents=True, exist_ok=True)
+                    (staging / f.name).write_bytes(memoryview(content))
+                try:
+                    os.replace(staging, target)  # atomic; fails if another worker got there first
+                except OSError:
+                    log.info("model %s was cached by another worker meanwhile", manifest.model)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        except OSError as exc:
+            raise ModelError(f"model {manifest.model!r}: cannot store it in {self.root}: "
+                             f"{exc}") from exc
+        # model.toml may only name the files that came: they must hash to the digest again
+        installed = self.lookup(manifest.model, manifest.digest)
+        if installed is None:
+            raise ModelError(f"model {manifest.model!r}: the files received do not make up "
+                             f"the model their manifest describes (see the log); not installed")
+        return installed

@@ -81,12 +81,16 @@ def pool_geometry(p: Any, height: int, width: int) -> Geometry:
         _pair(p.pad, p.pad_h, p.pad_w, p.HasField("pad_h"), 0))
 
 
-def pooled_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = True) -> int:
-    """Caffe's pooling output size: rounded up (unless round_mode FLOOR), and the last
-    window must start inside the input or its leading padding."""
+def pooled_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = True,
+                padded: bool = False) -> int:
+    """Caffe's pooling output size: rounded up (unless round_mode FLOOR); when the layer has
+    any padding (``padded``), a last window starting past the input and its padding is cut."""
     steps = (size + 2 * pad - kernel) / stride
     out = (math.ceil(steps) if ceil else math.floor(steps)) + 1
-    if pad and (out - 1) * stride >= size + pad:
+    if (out - 1) * stride >= size + pad:
+        if not padded:  # Caffe keeps an empty window here; no backend can reproduce it
+            raise NetworkError(f"the last pooling window (kernel {kernel}, stride {stride}) "
+                               f"would start past the input of size {size}")
         out -= 1
     return out
 
@@ -103,12 +107,15 @@ def _convolution(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[
     p = layer.param.convolution_param
     n, c, h, w = _four_d(layer, bottoms[0])
     g = conv_geometry(p)
+    if min(g.stride) <= 0 or min(g.kernel) <= 0 or min(g.dilation) <= 0:
+        raise NetworkError(f"kernel {g.kernel}, stride {g.stride} and dilation {g.dilation} "
+                           f"must be positive")
     if p.num_output <= 0 or p.group <= 0 or c % p.group or p.num_output % p.group:
         raise NetworkError(f"num_output {p.num_output} and {c} input channels must both "
                            f"divide by group {p.group}")
     out = [(size + 2 * pad - (dil * (k - 1) + 1)) // s + 1 for size, k, s, pad, dil in zip(
         (h, w), g.kernel, g.stride, g.pad, g.dilation)]
-    if min(out) <= 0 or min(g.stride) <= 0:
+    if min(out) <= 0:
         raise NetworkError(f"kernel {g.kernel} does not fit input {h}x{w}")
     blobs = [(p.num_output, c // p.group, *g.kernel)] + ([(p.num_output,)] if p.bias_term else [])
     return [(n, p.num_output, *out)], blobs
@@ -123,9 +130,9 @@ def _pooling(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[Shap
     g = pool_geometry(p, h, w)
     if min(g.stride) <= 0 or any(k > size + 2 * pad for k, size, pad in zip(g.kernel, (h, w), g.pad)):
         raise NetworkError(f"pooling window {g.kernel} does not fit input {h}x{w}")
-    ceil = p.round_mode == 0
-    out = [pooled_size(size, k, s, pad, ceil) for size, k, s, pad in zip((h, w), g.kernel,
-                                                                           g.stride, g.pad)]
+    ceil, padded = p.round_mode == 0, any(g.pad)
+    out = [pooled_size(size, k, s, pad, ceil, padded) for size, k, s, pad in zip(
+        (h, w), g.kernel, g.stride, g.pad)]
     return [(n, c, *out)], []
 
 
@@ -151,8 +158,8 @@ def _batch_norm(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[S
 def _scale(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[Shape]]:
     p = layer.param.scale_param
     shape = bottoms[0]
-    if len(bottoms) == 2:
-        return [shape], []
+    if len(bottoms) == 2:  # the scale is the second input; a bias, if any, is a blob of its shape
+        return [shape], [bottoms[1]] if p.bias_term else []
     axis = _axis(p.axis, len(shape))
     end = len(shape) if p.num_axes == -1 else axis + p.num_axes
     param_shape = tuple(shape[axis:end])
@@ -289,13 +296,13 @@ class Network:
         except CaffeFormatError as exc:
             raise NetworkError(str(exc)) from None
         for layer in self.layers:
-            layer.blobs = [_fit(array, expected, path, layer, index) for index, (array, expected)
-                           in enumerate(zip(weights.get(layer.name, []), layer.blob_shapes))]
-            if len(layer.blobs) < len(layer.blob_shapes):
+            found = weights.get(layer.name, [])
+            if len(found) != len(layer.blob_shapes):
                 raise NetworkError(
                     f"weights file {path} does not match {self.source}: layer {layer.name!r} "
-                    f"needs {len(layer.blob_shapes)} blob(s), the file has "
-                    f"{len(weights.get(layer.name, []))}")
+                    f"needs {len(layer.blob_shapes)} blob(s), the file has {len(found)}")
+            layer.blobs = [_fit(array, expected, path, layer, index) for index, (array, expected)
+                           in enumerate(zip(found, layer.blob_shapes))]
         self.weights_source = path
 
     def deploy_text(self) -> str:
@@ -321,6 +328,10 @@ class Network:
         for layer in self.layers:
             layer.blobs = []
 
+    def last_writer(self, blob: str) -> str:
+        """The name of the last layer that writes ``blob`` (in-place layers write their input)."""
+        return [layer.name for layer in self.layers if blob in layer.tops][-1]
+
     def weight_layers(self) -> list[Layer]:
         return [layer for layer in self.layers if layer.blob_shapes]
 
@@ -329,10 +340,10 @@ class Network:
 
 
 def _fit(array: np.ndarray, expected: Shape, path: Path, layer: Layer, index: int) -> np.ndarray:
-    """The blob in the expected shape; old 4-D (1, 1, N, K) blobs are reshaped when the count fits."""
+    """The blob in the expected shape; old 4-D blobs are the expected shape padded with 1s."""
     if array.shape == expected:
         return array
-    if array.size == math.prod(expected) and len(array.shape) == 4 and array.shape[0] == 1:
+    if len(expected) < 4 and array.shape == (1,) * (4 - len(expected)) + expected:
         return array.reshape(expected)
     raise NetworkError(f"weights file {path} does not match the prototxt: layer {layer.name!r} "
                        f"blob {index} has shape {array.shape}, the prototxt needs {expected}")

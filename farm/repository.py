@@ -65,7 +65,7 @@ class Preprocess:
             raise ModelError("[preprocess] takes mean or mean_file, not both")
         return cls(layout, tuple(config.get("channel_swap", ())),
                    float(config.get("raw_scale", 1.0)), tuple(config.get("mean", ())),
-                   folder / config["mean_file"] if "mean_file" in config else None,
+                   inside(folder, config["mean_file"]) if "mean_file" in config else None,
                    float(config.get("input_scale", 1.0)))
 
 
@@ -87,6 +87,7 @@ class ModelSpec:
     sample: Path | None = None
     sample_labels: Path | None = None
     generate_seed: int | None = None  # weights made from the prototxt's fillers with this seed
+    weights_name: str = ""  # the weights' path relative to the folder (also when generated)
 
     @property
     def item_shape(self) -> tuple[int, ...]:
@@ -100,11 +101,14 @@ class ModelSpec:
         return self.preprocess.input_scale
 
     def files(self) -> dict[str, Path]:
-        """The files a worker needs, by their name in the model folder."""
-        files = {"model.toml": self.folder / "model.toml", self.prototxt.name: self.prototxt,
-                 self.weights.name: self.weights}
+        """The files a worker needs, by their path relative to the model folder."""
+        def relative(path: Path) -> str:
+            return path.relative_to(self.folder).as_posix()
+
+        files = {"model.toml": self.folder / "model.toml", relative(self.prototxt): self.prototxt,
+                 self.weights_name or self.weights.name: self.weights}
         if self.preprocess.mean_file:
-            files[self.preprocess.mean_file.name] = self.preprocess.mean_file
+            files[relative(self.preprocess.mean_file)] = self.preprocess.mean_file
         return files
 
     def summary(self) -> dict[str, Any]:
@@ -150,14 +154,22 @@ def load_spec(folder: Path, name: str | None = None) -> ModelSpec:
     return spec
 
 
+def inside(folder: Path, relative: str) -> Path:
+    """``folder / relative``, refusing absolute paths and paths that leave the folder."""
+    path = folder / relative
+    if Path(relative).is_absolute() or not path.resolve().is_relative_to(folder.resolve()):
+        raise ModelError(f"{relative!r} is outside the model folder")
+    return path
+
+
 def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelSpec:
-    prototxt = folder / config["prototxt"]
+    prototxt = inside(folder, config["prototxt"])
     try:
         net = Network.load(prototxt)
     except NetworkError as exc:
         raise ModelError(str(exc)) from None
     generate = config.get("generate")
-    weights = folder / config["weights"]
+    weights = inside(folder, config["weights"])
     if generate is not None and not weights.is_file():
         weights = generated_weights_path(name, config["weights"])
     if config.get("input", net.input) != net.input:
@@ -169,9 +181,11 @@ def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelS
         name=name, folder=folder, prototxt=prototxt, weights=weights, input=net.input,
         input_shape=net.input_shape[1:], batch=net.batch, output=output,
         preprocess=Preprocess.from_config(config.get("preprocess", {}), folder),
+        weights_name=Path(config["weights"]).as_posix(),
         description=config.get("description", ""), labels=tuple(config.get("labels", ())),
-        sample=folder / config["sample"] if "sample" in config else None,
-        sample_labels=folder / config["sample_labels"] if "sample_labels" in config else None,
+        sample=inside(folder, config["sample"]) if "sample" in config else None,
+        sample_labels=(inside(folder, config["sample_labels"]) if "sample_labels" in config
+                       else None),
         generate_seed=int(generate["seed"]) if generate is not None else None)
 
 
@@ -206,9 +220,13 @@ def prepare(spec: ModelSpec) -> Path:
 
     log.info("generating weights for %s (seed %d) into %s", spec.name, spec.generate_seed,
              spec.weights)
-    net = Network.load(spec.prototxt)
-    spec.weights.parent.mkdir(parents=True, exist_ok=True)
-    partial = spec.weights.with_name(f".{spec.weights.name}.{os.getpid()}.partial")
-    write_caffemodel(partial, net.name, generated_weights(net, spec.generate_seed))
-    os.replace(partial, spec.weights)  # atomic: a concurrent reader never sees half a file
+    try:
+        net = Network.load(spec.prototxt)
+        layers = generated_weights(net, spec.generate_seed)
+        spec.weights.parent.mkdir(parents=True, exist_ok=True)
+        partial = spec.weights.with_name(f".{spec.weights.name}.{os.getpid()}.partial")
+        write_caffemodel(partial, net.name, layers)
+        os.replace(partial, spec.weights)  # atomic: a concurrent reader never sees half a file
+    except (NetworkError, OSError) as exc:
+        raise ModelError(f"model {spec.name!r}: cannot generate {spec.weights}: {exc}") from exc
     return spec.weights

@@ -66,6 +66,7 @@ def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits) -> No
         farm.wait_for_workers(2)
         for _ in range(2):  # the second round must run from the loaded engines
             results = run_jobs_at_once(farm, jobs)
+            assert results.keys() == jobs.keys(), "a job never finished"
             for name, outputs in results.items():
                 assert not isinstance(outputs, Exception), outputs
                 np.testing.assert_allclose(outputs, expected[name], atol=1e-5)
@@ -178,3 +179,22 @@ def test_unsafe_model_names_never_touch_the_disk(lone_worker, digits) -> None:  
     assert failed.command is Command.FAILED and "refusing model name" in failed.header["error"]
     router.send_multipart(task(identity, 10, digits[:2, None]))
     assert next_reply(router).command is Command.RESULT
+
+
+def test_models_go_to_registered_workers_only(farm_two_workers) -> None:
+    """A client (or anyone not registered as a worker) that sends FETCH gets an error, no files."""
+    import zmq
+
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(farm_two_workers.endpoint)
+    try:
+        sock.send_multipart(protocol.encode(Command.FETCH, {"model": "lenet",
+                                                            "digest": "0" * 64}))
+        assert sock.poll(10_000)
+        reply = protocol.decode(sock.recv_multipart())
+        assert reply.command is Command.MODEL and reply.payload == []
+        assert "registered workers only" in reply.header["error"]
+    finally:
+        sock.close()

@@ -249,6 +249,7 @@ def test_transformer_follows_caffe_order(tmp_path) -> None:
     ("unknown_layer", "layer 'odd' has type 'Crop', which farm does not support"),
     ("mismatch", "blob 0 has shape (20, 1, 5, 5), the prototxt needs (30, 1, 5, 5)"),
     ("missing_blobs", "layer 'ip2' needs 2 blob(s), the file has 0"),
+    ("extra_blob", "layer 'ip2' needs 1 blob(s), the file has 2"),
 ])
 def test_broken_models_fail_at_load_naming_the_file(tmp_path, lenet, damage, message) -> None:
     folder = break_model(tmp_path / "broken", lenet.folder, damage)
@@ -270,6 +271,8 @@ def break_model(folder: Path, source: Path, damage: str) -> Path:
         prototxt += 'layer { name: "odd" type: "Crop" bottom: "prob" top: "odd" }\n'
     elif damage == "mismatch":
         prototxt = prototxt.replace("num_output: 20", "num_output: 30")
+    elif damage == "extra_blob":  # Caffe refuses a bias the prototxt does not ask for
+        prototxt = prototxt.replace("num_output: 10 }", "num_output: 10 bias_term: false }")
     elif damage == "missing_blobs":
         blobs = caffe_proto.read_caffemodel(source / "lenet.caffemodel")
         del blobs["ip2"]
@@ -351,7 +354,7 @@ layer { name: "prob" type: "Softmax" bottom: "ip2" top: "prob" }
 """
 
 
-def test_prototxts_from_the_wild_load(tmp_path, lenet, digits) -> None:
+def test_prototxts_from_the_wild_load(tmp_path, lenet, digits, caplog) -> None:
     """Legacy input_shape, fields this subset lacks, a TRAIN-only layer: LeNet's outputs."""
     folder = tmp_path / "wild"
     folder.mkdir()
@@ -363,5 +366,48 @@ def test_prototxts_from_the_wild_load(tmp_path, lenet, digits) -> None:
     spec = load_spec(folder)
     assert (spec.input, spec.input_shape, spec.batch, spec.output) == ("data", (1, 28, 28), 1,
                                                                         "prob")
+    warned = [r.message for r in caplog.records if "ignoring fields" in r.getMessage()]
+    assert warned and "some_fork_only_field" in caplog.text and "lr_mult" not in caplog.text
     np.testing.assert_allclose(load_engine(spec, "opencv").run(digits[:20, None]),
                                load_engine(lenet, "opencv").run(digits[:20, None]), atol=1e-6)
+
+
+def inline_net(body: str, shape: str = "dim: 2 dim: 3") -> str:
+    return (f'layer {{ name: "data" type: "Input" top: "data" input_param {{ shape: {{ {shape} '
+            f'}} }} }}\n{body}')
+
+
+def test_the_output_blob_is_taken_after_its_last_in_place_layer(tmp_path) -> None:
+    """A net ending in fc, then ReLU in place on fc: the output is the rectified fc, as in Caffe."""
+    prototxt = inline_net('layer { name: "fc" type: "InnerProduct" bottom: "data" top: "fc" '
+                          'inner_product_param { num_output: 3 } }\n'
+                          'layer { name: "relu" type: "ReLU" bottom: "fc" top: "fc" }\n')
+    weight = np.array([[1, 0, 0], [-1, 0, 0], [0, 0, 2]], np.float32)
+    bias = np.zeros(3, np.float32)
+    spec = load_spec(write_model(tmp_path / "relu", prototxt, [("fc", "InnerProduct",
+                                                                 [weight, bias])]))
+    x = np.array([[1, 5, 1], [-2, 0, -1]], np.float32)
+    expected = np.maximum(x @ weight.T, 0)
+    for backend in ("opencv", "torch") if torch_available() else ("opencv",):
+        np.testing.assert_allclose(load_engine(spec, backend).run(x), expected, atol=1e-6)
+
+
+def test_a_pooling_window_past_the_input_is_refused(tmp_path) -> None:
+    prototxt = inline_net('layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" '
+                          'pooling_param { pool: MAX kernel_size: 1 stride: 2 } }\n',
+                          "dim: 1 dim: 1 dim: 6 dim: 6")
+    (tmp_path / "deploy.prototxt").write_text(prototxt)
+    with pytest.raises(Exception, match="would start past the input of size 6"):
+        Network.load(tmp_path / "deploy.prototxt")
+
+
+@pytest.mark.parametrize("key", ["prototxt", "weights"])
+def test_model_files_must_stay_inside_the_model_folder(tmp_path, lenet, key) -> None:
+    folder = write_model(tmp_path / "m", (lenet.folder / "deploy.prototxt").read_text(),
+                         layers=[])
+    config = (folder / "model.toml").read_text()
+    target = '"../../etc/passwd"' if key == "weights" else f'"{lenet.prototxt}"'
+    (folder / "model.toml").write_text(config.replace(
+        '"deploy.prototxt"' if key == "prototxt" else '"weights.caffemodel"', target))
+    with pytest.raises(ModelError, match="is outside the model folder"):
+        load_spec(folder)

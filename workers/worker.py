@@ -33,6 +33,9 @@ log = logging.getLogger("farm.worker")
 #: Commands a worker accepts from the broker.
 ACCEPTED = frozenset({Command.TASK, Command.MODEL, Command.ERROR, Command.HEARTBEAT})
 
+#: Seconds a chunk waits for its model's files before it is reported FAILED.
+FETCH_TIMEOUT = 120.0
+
 #: glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -133,6 +136,7 @@ class Worker:
     engines: dict[str, Engine] = field(default_factory=dict)
     broken: dict[str, str] = field(default_factory=dict)  # digest -> why it cannot load
     waiting: dict[str, list[tuple[Message, float]]] = field(default_factory=dict)
+    fetch_sent: dict[str, float] = field(default_factory=dict)  # digest -> when FETCH went out
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times fetched
     tasks_done: int = 0
     running: bool = True
@@ -218,6 +222,8 @@ class Worker:
                  self.config.broker)
         try:
             while self.running:
+                for reply in self.expire_fetches():
+                    sock.send_multipart(reply, copy=False)
                 if not sock.poll(250):
                     continue
                 received = time.perf_counter()
@@ -258,6 +264,7 @@ class Worker:
                 return [self.failed(message, str(exc))]
             if spec is None:
                 self.waiting[digest] = [(message, received)]
+                self.fetch_sent[digest] = time.monotonic()
                 log.info("fetching model %s (%s) from the broker", model, digest[:12])
                 return [protocol.encode(Command.FETCH, {"model": model, "digest": digest})]
             return [self.run_task(message, received, spec)]
@@ -267,6 +274,7 @@ class Worker:
         """A model's files arrived: check and cache them, then run the chunks that waited."""
         header = message.header
         parked = self.waiting.pop(header["digest"], [])
+        self.fetch_sent.pop(header["digest"], None)
         try:
             if "error" in header:
                 raise ModelError(f"the broker cannot send model {header['model']!r}: "
@@ -279,6 +287,16 @@ class Worker:
             return [self.failed(task, str(exc)) for task, _ in parked]
         now = time.perf_counter()
         return [self.run_task(task, now, spec) for task, _ in parked]
+
+    def expire_fetches(self) -> list[Reply]:
+        """FAILED for the chunks parked on a FETCH the broker has not answered in time."""
+        now, replies = time.monotonic(), []
+        for digest, sent in list(self.fetch_sent.items()):
+            if now - sent > FETCH_TIMEOUT:
+                del self.fetch_sent[digest]
+                error = f"no model files from the broker within {FETCH_TIMEOUT:.0f} s"
+                replies += [self.failed(task, error) for task, _ in self.waiting.pop(digest, [])]
+        return replies
 
     @staticmethod
     def failed(message: Message, error: str) -> Reply:

@@ -56,10 +56,11 @@ class OpenCVEngine(Engine):
                              f"({self.spec.prototxt}, {self.spec.weights}): {exc}") from exc
         self.net.setPreferableBackend(cv2.dnn.DNN_BACKEND_OPENCV)
         self.net.setPreferableTarget(cv2.dnn.DNN_TARGET_CPU)
+        self.output_layer = self.network.last_writer(self.spec.output)  # forward() takes a layer
 
     def forward(self, batch: np.ndarray) -> np.ndarray:
         self.net.setInput(batch, self.spec.input)
-        return self.net.forward(self.spec.output)
+        return self.net.forward(self.output_layer)
 
     def shrink(self) -> None:
         """OpenCV sizes its buffers at the next forward, so run one at the resting shape."""

@@ -121,7 +121,10 @@ def _scale(q: Any, ndim: int) -> Op:
     axis = q.axis % ndim
 
     def scale(x: list[Any], w: list[Any]) -> Any:
-        factor, bias = (x[1], None) if len(x) > 1 else (w[0], w[1] if len(w) > 1 else None)
+        if len(x) > 1:  # the scale is the second input; a bias, if any, is the one blob
+            factor, bias = x[1], (w[0] if w else None)
+        else:
+            factor, bias = w[0], (w[1] if len(w) > 1 else None)
         out = x[0] * _axis_view(factor, axis, ndim)
         return out if bias is None else out + _axis_view(bias, axis, ndim)
     return scale
@@ -170,14 +173,14 @@ def build_module(network: Network, trainable: bool = False) -> Any:
                 self.steps.append((layer, make_op(layer, network.shapes), indices))
 
         def forward(self, x: Any, until: str | None = None) -> Any:
+            """The blob ``until`` (default: the net's output) after its last writer has run."""
+            target = until or network.output
+            last = max(i for i, (layer, _, _) in enumerate(self.steps) if target in layer.tops)
             blobs = {network.input: x}
-            for layer, op, indices in self.steps:
-                top = op([blobs[name] for name in layer.bottoms],
-                         [self.weights[i] for i in indices])
-                blobs[layer.tops[0]] = top
-                if until in layer.tops:
-                    return top
-            return blobs[until or network.output]
+            for layer, op, indices in self.steps[:last + 1]:
+                blobs[layer.tops[0]] = op([blobs[name] for name in layer.bottoms],
+                                          [self.weights[i] for i in indices])
+            return blobs[target]
 
         def caffe_blobs(self) -> list[tuple[str, str, list[np.ndarray]]]:
             """(layer, type, blobs) for ``write_caffemodel``."""
