@@ -24,6 +24,7 @@ import numpy as np
 
 from farm.engine import available_backends, limit_threads
 from farm.local import LocalFarm, cores
+from farm.modelcheck import check_inputs
 from farm.repository import available, find, prepare
 
 #: Compute batches tried, and images per measurement, by model.
@@ -33,12 +34,9 @@ IMAGES = {"lenet": 6000, "cifar10_quick": 3000, "caffenet": 64}
 
 
 def images_for(model: str, count: int) -> np.ndarray:
+    """``count`` images: the model's sample repeated, or seeded random ones (as ``models check``)."""
     spec = find(model)
-    if spec.sample is not None:
-        sample = np.load(spec.sample)
-        sample = sample[:, None] if sample.ndim == len(spec.item_shape) else sample
-        return np.resize(sample, (count, *spec.item_shape))
-    return np.random.default_rng(0).integers(0, 256, (count, *spec.item_shape), np.uint8)
+    return np.resize(check_inputs(spec, count), (count, *spec.item_shape))
 
 
 def sweep(model: str, backend: str, device: str) -> dict[int, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from farm.modelstore import Manifest, manifest_of
-from farm.repository import ModelError, ModelSpec, available, find, prepare
+from farm.repository import ModelError, ModelSpec, find, prepare
 
 
 @dataclass
@@ -22,6 +22,3 @@ class ModelCatalog:
             return spec, manifest_of(spec)
         except OSError as exc:
             raise ModelError(f"model {name!r}: {exc}") from exc
-
-    def names(self) -> list[str]:
-        return sorted(available(self.model_dirs))

@@ -226,7 +226,6 @@ class Network:
     input_shape: Shape  # with the batch dimension, as the prototxt declares it
     layers: list[Layer]
     shapes: dict[str, Shape]
-    weights_source: Path | None = None
 
     @classmethod
     def load(cls, prototxt: str | Path, weights: str | Path | None = None) -> Network:
@@ -303,7 +302,6 @@ class Network:
                     f"needs {len(layer.blob_shapes)} blob(s), the file has {len(found)}")
             layer.blobs = [_fit(array, expected, path, layer, index) for index, (array, expected)
                            in enumerate(zip(found, layer.blob_shapes))]
-        self.weights_source = path
 
     def deploy_text(self) -> str:
         """The net as a clean deploy prototxt: an Input layer, then the layers farm runs.

@@ -81,6 +81,12 @@ def write_model(folder: Path, prototxt: str, layers=None, seed: int = 3,
     return folder
 
 
+def inline_net(body: str, shape: str = "dim: 2 dim: 3") -> str:
+    """A prototxt: an Input layer of ``shape``, then ``body``."""
+    return (f'layer {{ name: "data" type: "Input" top: "data" input_param {{ shape: {{ {shape} '
+            f'}} }} }}\n{body}')
+
+
 def torch_available() -> bool:
     try:
         engine_class("torch")
@@ -128,10 +134,9 @@ def caffe_lrn(x: np.ndarray, size: int, alpha: float, beta: float, k: float) -> 
 @needs_torch
 def test_lrn_k_is_honoured_by_torch_and_refused_by_opencv(tmp_path) -> None:
     """OpenCV's importer drops LRN's k; the opencv backend says so instead of answering wrong."""
-    prototxt = ('layer { name: "data" type: "Input" top: "data" input_param { shape: '
-                '{ dim: 2 dim: 8 dim: 5 dim: 5 } } }\nlayer { name: "norm" type: "LRN" '
-                'bottom: "data" top: "norm" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 '
-                'k: 2 } }\n')
+    prototxt = inline_net('layer { name: "norm" type: "LRN" bottom: "data" top: "norm" '
+                          'lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 } }\n',
+                          "dim: 2 dim: 8 dim: 5 dim: 5")
     spec = load_spec(write_model(tmp_path / "lrn", prototxt, layers=[]))
     x = np.random.default_rng(0).normal(0, 2, (2, 8, 5, 5)).astype(np.float32)
     np.testing.assert_allclose(load_engine(spec, "torch").run(x),
@@ -227,9 +232,8 @@ def test_v1_prototxt_and_caffemodel_are_upgraded(tmp_path) -> None:
 
 def test_transformer_follows_caffe_order(tmp_path) -> None:
     """HWC -> CHW, channel swap, raw scale, mean (file), input scale, in that order."""
-    prototxt = ('layer { name: "data" type: "Input" top: "data" input_param { shape: '
-                '{ dim: 1 dim: 3 dim: 2 dim: 2 } } }\nlayer { name: "flat" type: "Flatten" '
-                'bottom: "data" top: "flat" }\n')
+    prototxt = inline_net('layer { name: "flat" type: "Flatten" bottom: "data" top: "flat" }\n',
+                          "dim: 1 dim: 3 dim: 2 dim: 2")
     folder = write_model(tmp_path / "t", prototxt, layers=[], config=(
         '[preprocess]\nlayout = "HWC"\nchannel_swap = [2, 1, 0]\nraw_scale = 2.0\n'
         'mean_file = "mean.binaryproto"\ninput_scale = 0.5\n'))
@@ -312,10 +316,9 @@ def test_missing_caffe_backend_says_how_to_install() -> None:
 @needs_torch
 def test_pooling_round_mode_floor(tmp_path) -> None:
     """BVLC's round_mode: FLOOR drops the partial last window that CEIL (the default) keeps."""
-    prototxt = ('layer { name: "data" type: "Input" top: "data" input_param { shape: '
-                '{ dim: 1 dim: 1 dim: 6 dim: 6 } } }\n'
-                'layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" '
-                'pooling_param { pool: MAX kernel_size: 3 stride: 2 round_mode: FLOOR } }\n')
+    prototxt = inline_net('layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" '
+                          'pooling_param { pool: MAX kernel_size: 3 stride: 2 '
+                          'round_mode: FLOOR } }\n', "dim: 1 dim: 1 dim: 6 dim: 6")
     spec = load_spec(write_model(tmp_path / "floor", prototxt, layers=[]))
     assert Network.load(spec.prototxt).shapes["pool"] == (1, 1, 2, 2)
     x = np.arange(36, dtype=np.float32).reshape(1, 1, 6, 6)
@@ -370,11 +373,6 @@ def test_prototxts_from_the_wild_load(tmp_path, lenet, digits, caplog) -> None:
     assert warned and "some_fork_only_field" in caplog.text and "lr_mult" not in caplog.text
     np.testing.assert_allclose(load_engine(spec, "opencv").run(digits[:20, None]),
                                load_engine(lenet, "opencv").run(digits[:20, None]), atol=1e-6)
-
-
-def inline_net(body: str, shape: str = "dim: 2 dim: 3") -> str:
-    return (f'layer {{ name: "data" type: "Input" top: "data" input_param {{ shape: {{ {shape} '
-            f'}} }} }}\n{body}')
 
 
 def test_the_output_blob_is_taken_after_its_last_in_place_layer(tmp_path) -> None:

@@ -179,10 +179,12 @@ class Worker:
 
     def find_files(self, model: str, digest: str) -> ModelSpec | None:
         """A local or cached copy of the model with exactly this digest, if there is one."""
-        spec = self.local_models().get(model)
-        if spec is not None and spec.weights.is_file():  # generated weights: fetch, not remake
+        folder = available(self.config.model_dirs).get(model)
+        if folder is not None:
             try:
-                if manifest_of(spec).digest == digest:
+                spec = load_spec(folder)
+                # generated weights not made here yet: fetch them rather than remake them
+                if spec.weights.is_file() and manifest_of(spec).digest == digest:
                     return spec
             except (ModelError, OSError) as exc:
                 log.warning("local model %s unusable: %s", model, exc)
