@@ -1,9 +1,21 @@
 """The ROUTER broker: a registry of workers, jobs cut into chunks by policy objects.
 
 One ROUTER socket serves workers and clients alike.  The loop is thin: poll,
-decode, dispatch to a handler, repeat.  Payload frames are forwarded as the
-zmq frames they arrived in (a chunk is a memoryview slice of the client's
-block): the broker never copies or decodes image or output data.
+decode, dispatch to a handler, run the timers, repeat.  Liveness is the
+ZeroMQ guide's Paranoid Pirate pattern both ways: the broker heartbeats every
+worker and client it serves, and drops a worker (its chunks go back to the
+policy) or a job (its client vanished) once the peer has been silent for
+``liveness`` heartbeats.
+
+The broker holds no job input.  When a policy assigns a chunk, the broker asks
+the job's client for exactly those items (NEED), and forwards the DATA frame
+it gets back to the worker as the TASK payload, untouched.  So its memory is
+bounded by the chunks in flight (workers x slots x ``MAX_TASK_BYTES``), and
+an input far larger than RAM streams through it.  Each assignment is an
+*attempt* with its own id: a reply to an attempt that is no longer in flight
+(its worker was declared dead, or it was answered already) is dropped, so every
+item is delivered exactly once; an item range that fails ``max_attempts`` times
+is a poison chunk, reported to the client instead of retried forever.
 """
 
 from __future__ import annotations
@@ -12,7 +24,7 @@ import logging
 import mmap
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,8 +33,9 @@ import zmq
 from farm import protocol
 from farm.broker.jobs import ChunkRecord, Job
 from farm.broker.models import ModelCatalog
-from farm.broker.registry import WorkerEntry
-from farm.policies import Assign, ChunkDone, WorkerLost, WorkerReady, make_policy
+from farm.broker.registry import MAX_HEARTBEAT, MIN_HEARTBEAT, WorkerEntry
+from farm.policies import (Assign, ChunkDone, ChunkFailed, WorkerLost, WorkerReady,
+                           make_policy)
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
 
@@ -30,18 +43,38 @@ log = logging.getLogger("farm.broker")
 
 #: Most INFO requests that may wait for workers at once.
 MAX_INFO_WAITERS = 1000
+#: Most jobs the broker holds at once.
+MAX_JOBS = 1000
+#: Most messages handled in one loop pass before the timers run.
+MAX_BATCH = 1000
+
 
 @dataclass
 class BrokerConfig:
     bind: str = "tcp://127.0.0.1:5555"
     algo: str = "fifo"
     params: dict[str, Any] = field(default_factory=dict)
-    heartbeat: float = 1.0  # seconds between heartbeats to clients with running jobs
+    heartbeat: float = 1.0  # seconds between heartbeats to workers and clients
     model_dirs: tuple[str, ...] = ()  # searched before $FARM_MODELS and the bundled models
+    liveness: int = 5  # heartbeats a peer may miss before it is declared gone
+    max_attempts: int = 3  # attempts at an item range before it is given up as poison
+    curve: str | None = None  # a `farm keys` folder: CurveZMQ with its allowed keys
+
+
+@dataclass
+class BrokerStats:
+    """Counters of what went wrong and was recovered; in every INFO snapshot."""
+
+    bad_messages: int = 0
+    late_replies: int = 0  # replies to attempts no longer in flight: dropped
+    requeued_chunks: int = 0
+    abandoned_chunks: int = 0
+    workers_expired: int = 0
+    jobs_expired: int = 0
 
 
 class Broker:
-    """Registry + dispatcher.  ``poll_once`` is the whole loop body."""
+    """Registry + dispatcher.  ``poll_once`` and ``tick`` are the whole loop body."""
 
     def __init__(self, config: BrokerConfig, context: zmq.Context,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -49,8 +82,11 @@ class Broker:
         self.config = config
         self.clock = clock
         self.socket = context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        protocol.limit_socket(self.socket)
+        if config.curve:
+            from farm.keys import make_server
+
+            make_server(self.socket, config.curve)
         self.socket.bind(config.bind)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.workers: dict[bytes, WorkerEntry] = {}
@@ -58,13 +94,15 @@ class Broker:
         self.jobs: dict[str, Job] = {}
         self.models = ModelCatalog(config.model_dirs)
         self.info_waiters: list[tuple[bytes, int]] = []
+        self.stats = BrokerStats()
         self.next_chunk_id = 0
+        self.next_heartbeat = self.clock()
         self.running = True
         self.handlers: dict[Command, Callable[[bytes, Message], None]] = {
             Command.READY: self.on_ready, Command.RESULT: self.on_result,
             Command.FAILED: self.on_failed, Command.SUBMIT: self.on_submit,
             Command.DATA: self.on_data, Command.INFO: self.on_info,
-            Command.DISCONNECT: self.on_disconnect, Command.HEARTBEAT: lambda *_: None,
+            Command.DISCONNECT: self.on_disconnect, Command.HEARTBEAT: self.on_heartbeat,
             Command.FETCH: self.on_fetch,
         }
         self.accepted = frozenset(self.handlers)
@@ -75,24 +113,47 @@ class Broker:
         """Run until ``stop`` is called (SIGINT/SIGTERM in the CLI)."""
         log.info("broker listening on %s, policy %s %s", self.endpoint, self.config.algo,
                  self.config.params)
-        next_heartbeat = self.clock()
         while self.running:
-            self.poll_once(int(self.config.heartbeat * 1000))
-            if self.clock() >= next_heartbeat:
-                self.heartbeat_clients()
-                next_heartbeat = self.clock() + self.config.heartbeat
+            wait = max(0.0, self.next_heartbeat - self.clock())
+            self.poll_once(int(wait * 1000) + 1)
+            self.tick()
         self.socket.close()
 
-    def heartbeat_clients(self) -> None:
-        """Tell each client with a running job that the broker is alive and how far it got."""
+    def tick(self) -> None:
+        """The timers, run on every loop pass: heartbeats out, silent peers dropped."""
+        now = self.clock()
+        if now >= self.next_heartbeat:
+            self.heartbeat_peers()
+            self.next_heartbeat = now + self.config.heartbeat
+        for identity, entry in list(self.workers.items()):
+            silent = now - entry.last_seen
+            if silent > self.worker_expiry(entry):
+                self.stats.workers_expired += 1
+                self.lose_worker(identity, f"silent for {silent:.1f} s")
+        for job in list(self.jobs.values()):
+            silent = now - job.client_seen
+            if silent > job.client_expiry:
+                self.stats.jobs_expired += 1
+                log.warning("job %s dropped: its client was silent for %.1f s", job.id, silent)
+                self.drop_job(job)
+
+    def worker_expiry(self, entry: WorkerEntry) -> float:
+        return self.config.liveness * max(self.config.heartbeat, entry.heartbeat)
+
+    def heartbeat_peers(self) -> None:
+        """Tell every worker, and each client with a running job, that the broker is alive."""
+        interval = self.config.heartbeat
+        for identity in self.workers:
+            self.send(identity, Command.HEARTBEAT, {"interval": interval})
         for job in self.jobs.values():
-            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "done": job.done})
+            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "done": job.done,
+                                                      "interval": interval})
 
     def poll_once(self, timeout_ms: int) -> None:
-        """Handle every message that is waiting (or arrives within the timeout)."""
+        """Handle the messages waiting (or arriving within the timeout), at most ``MAX_BATCH``."""
         if not self.socket.poll(timeout_ms):
             return
-        while True:
+        for _ in range(MAX_BATCH):
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -105,11 +166,15 @@ class Broker:
     def handle(self, frames: list[Any]) -> None:
         """Decode and dispatch one message; a bad one gets an ERROR, never a crash."""
         identity, body = frames[0].bytes, frames[1:]
+        entry = self.workers.get(identity)
+        if entry is not None:
+            entry.last_seen = self.clock()
         message = None
         try:
             message = protocol.decode(body, allowed=self.accepted)
             self.handlers[message.command](identity, message)
         except ProtocolError as exc:
+            self.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
             job = message.header.get("job") if message else None
             self.send(identity, Command.ERROR, {"error": str(exc), **({"job": job} if job else {})})
@@ -121,15 +186,31 @@ class Broker:
         self.socket.send_multipart([identity, *protocol.encode(command, header, payload)],
                                    copy=False)
 
+    def on_heartbeat(self, identity: bytes, message: Message) -> None:
+        """A client's heartbeat names its job; a worker's needs no answer, unless it is unknown."""
+        job_id = message.header.get("job")
+        if job_id is None:
+            if identity not in self.workers:
+                self.send(identity, Command.DISCONNECT, {})  # a worker we dropped: re-register
+            return
+        job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+        if job is None or job.client != identity:
+            self.send(identity, Command.ERROR, {"job": str(job_id), "unknown_job": True,
+                                                "error": f"the broker has no job {job_id}"})
+            return
+        job.client_seen = self.clock()
+
     # -------------------------------------------------------------- workers
 
     def on_ready(self, identity: bytes, message: Message) -> None:
         entry = WorkerEntry.from_ready(identity, message.header)
+        entry.last_seen = self.clock()
         if identity in self.workers:
             self.lose_worker(identity, "re-registered")
         self.workers[identity] = self.by_id[entry.id] = entry
         log.info("worker %s joined (%s, %d threads, models %s)", entry.name, entry.backend,
                  entry.threads, ", ".join(sorted(entry.models)))
+        self.send(identity, Command.HEARTBEAT, {"interval": self.config.heartbeat})
         for job in list(self.jobs.values()):
             self.validate_job(job)
         self.answer_info_waiters()
@@ -139,18 +220,54 @@ class Broker:
         self.lose_worker(identity, "disconnected")
 
     def lose_worker(self, identity: bytes, reason: str) -> None:
-        """Forget a worker; its chunks go back to their jobs' policies."""
+        """Forget a worker; each of its chunks counts a failed attempt and goes back to its
+        job's policy, or is given up if that was its last attempt."""
         entry = self.workers.pop(identity, None)
         if entry is None:
             return
         del self.by_id[entry.id]
-        log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason,
-                 len(entry.in_flight))
+        records = list(entry.in_flight.values())
         entry.in_flight.clear()
+        log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason, len(records))
+        for record in records:
+            job = record.job
+            job.pending.pop(record.id, None)
+            if job.id in self.jobs and job.policy:
+                self.attempt_failed(record, f"worker {entry.name} was lost ({reason})",
+                                    requeue_with_worker=True)
         for job in list(self.jobs.values()):
             if job.policy:
                 self.dispatch(job, job.policy.handle(WorkerLost(entry.id, at=self.clock())))
         self.fill_all()
+
+    def attempt_failed(self, record: ChunkRecord, error: str,
+                       requeue_with_worker: bool = False) -> None:
+        """Retry the chunk, or give it up after ``max_attempts`` and tell the client.
+
+        ``requeue_with_worker``: the worker was lost, and the policy's ``WorkerLost``
+        returns its chunks to the pool, so only a chunk given up needs an event here.
+        """
+        job, chunk = record.job, record.chunk
+        job.note_failure(record, error)
+        if record.attempt < self.config.max_attempts:
+            self.stats.requeued_chunks += 1
+            log.info("job %s: items %d..%d failed attempt %d (%s); retrying", job.id,
+                     chunk.start, chunk.stop - 1, record.attempt, error)
+            if not requeue_with_worker:
+                self.dispatch(job, job.policy.handle(ChunkFailed(record.worker.id, chunk, True,
+                                                                 at=self.clock())))
+            return
+        self.stats.abandoned_chunks += 1
+        message = f"gave up after {record.attempt} attempts; last: {error}"
+        job.abandoned.append(job.failures[-1])
+        log.warning("job %s: items %d..%d %s", job.id, chunk.start, chunk.stop - 1, message)
+        self.send(job.client, Command.FAILED, {"job": job.id, "chunk": record.id,
+                                               "start": chunk.start, "count": chunk.count,
+                                               "error": message})
+        self.dispatch(job, job.policy.handle(ChunkFailed(record.worker.id, chunk, False,
+                                                         at=self.clock())))
+        if job.policy.finished:
+            self.finish(job)
 
     def fill(self, entry: WorkerEntry) -> None:
         """Offer all of one worker's free slots to the jobs."""
@@ -180,44 +297,60 @@ class Broker:
         return False
 
     def dispatch(self, job: Job, assignments: list[Assign]) -> None:
-        """Carry out a policy's assignments: each takes a slot now, and is sent once its input is here."""
+        """Carry out a policy's assignments: each takes a slot now and asks the client for
+        its input; the TASK goes out when the DATA comes back."""
         for assignment in assignments:
             entry = self.by_id.get(assignment.worker)
             if entry is None:  # the policy has not heard the worker is gone yet
                 self.dispatch(job, job.policy.handle(WorkerLost(assignment.worker,
                                                                 at=self.clock())))
                 continue
-            record = ChunkRecord(self.next_chunk_id, job, assignment.chunk, entry)
+            chunk = assignment.chunk
+            record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk))
             self.next_chunk_id += 1
             entry.in_flight[record.id] = record
-            job.unsent.append(record)
-        self.send_ready_chunks(job)
+            job.pending[record.id] = record
+            self.send(job.client, Command.NEED, {"job": job.id, "chunk": record.id,
+                                                 "start": chunk.start, "count": chunk.count})
 
-    def send_ready_chunks(self, job: Job) -> None:
-        """Send every assigned chunk of the job whose input has arrived."""
-        waiting, job.unsent = job.unsent, []
-        for record in waiting:
-            if record.id not in record.worker.in_flight:
-                continue  # its worker was lost meanwhile
-            views = job.slices(record.chunk)
-            if views is None:
-                job.unsent.append(record)
-                continue
-            record.sent_at = self.clock()
-            chunk = record.chunk
-            self.send(record.worker.identity, Command.TASK, {
-                "job": job.id, "chunk": record.id, "start": chunk.start, "count": chunk.count,
-                "model": job.model, "digest": job.digest, "dtype": job.dtype,
-                "item_shape": list(job.item_shape)},
-                views)
+    def on_data(self, identity: bytes, message: Message) -> None:
+        """A chunk's input from its client: forward it to the chunk's worker as the TASK."""
+        header = message.header
+        job = self.jobs.get(header["job"])
+        if job is None or job.client != identity:
+            return  # data of a job that failed or was dropped: nothing waits for it
+        job.client_seen = self.clock()
+        record = job.pending.pop(header["chunk"], None)
+        if record is None or record.id not in record.worker.in_flight:
+            return  # its worker was lost meanwhile: the chunk was requeued
+        try:
+            if len(message.payload) != 1:
+                raise ProtocolError("DATA carries exactly one frame")
+            job.check_data(record, header, message.payload[0])
+        except ProtocolError as exc:
+            self.fail_job(job, str(exc))
+            return
+        record.sent_at = self.clock()
+        chunk = record.chunk
+        self.send(record.worker.identity, Command.TASK, {
+            "job": job.id, "chunk": record.id, "attempt": record.attempt, "start": chunk.start,
+            "count": chunk.count, "model": job.model, "digest": job.digest, "dtype": job.dtype,
+            "item_shape": list(job.item_shape)}, message.payload)
 
     def answered_record(self, identity: bytes, message: Message) -> ChunkRecord | None:
-        """The sent chunk a RESULT or FAILED answers; None for a late, duplicate or unknown one."""
+        """The attempt a RESULT or FAILED answers; None for a late, duplicate or unknown one.
+
+        A reply from a worker the broker no longer knows (declared dead, then back)
+        gets DISCONNECT: the worker reconnects and registers afresh.
+        """
         entry = self.workers.get(identity)
         record = entry.in_flight.get(message.header["chunk"]) if entry else None
         if record is None or record.sent_at is None or record.job.id not in self.jobs:
-            log.info("dropped a reply for chunk %s (late, duplicate or cancelled)",
-                     message.header["chunk"])
+            self.stats.late_replies += 1
+            log.info("dropped a reply for chunk %s from %s (late, duplicate or cancelled)",
+                     message.header["chunk"], entry.name if entry else identity.hex())
+            if entry is None:
+                self.send(identity, Command.DISCONNECT, {})
             return None
         del entry.in_flight[record.id]
         return record
@@ -244,12 +377,17 @@ class Broker:
         self.fill(entry)
 
     def on_failed(self, identity: bytes, message: Message) -> None:
+        """A chunk failed on its worker: a model error fails the job, anything else retries."""
         record = self.answered_record(identity, message)
         if record is None:
             return
-        chunk = record.chunk
-        self.fail_job(record.job, f"items {chunk.start}..{chunk.stop - 1} failed on "
-                                  f"{record.worker.name}: {message.header['error']}")
+        chunk, error = record.chunk, message.header["error"]
+        if message.header.get("fatal", True):
+            self.fail_job(record.job, f"items {chunk.start}..{chunk.stop - 1} failed on "
+                                      f"{record.worker.name}: {error}")
+            return
+        self.attempt_failed(record, f"{record.worker.name}: {error}")
+        self.fill(record.worker)
 
     # ----------------------------------------------------------------- jobs
 
@@ -258,11 +396,17 @@ class Broker:
         job_id = header["job"]
         if job_id in self.jobs:
             raise ProtocolError(f"job {job_id} already exists")
+        if len(self.jobs) >= MAX_JOBS:
+            raise ProtocolError(f"the broker holds {MAX_JOBS} jobs already; try later")
         protocol.check_array_spec(header["dtype"], header["item_shape"])
         if not 0 < header["total"] <= protocol.MAX_ITEMS:
             raise ProtocolError(f"job total {header['total']} out of range")
+        heartbeat = header.get("heartbeat", self.config.heartbeat)
+        if not isinstance(heartbeat, (int, float)) or not MIN_HEARTBEAT <= heartbeat <= MAX_HEARTBEAT:
+            raise ProtocolError(f"SUBMIT heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
         job = Job(job_id, identity, header["model"], header["dtype"],
-                  tuple(header["item_shape"]), header["total"], self.clock())
+                  tuple(header["item_shape"]), header["total"], self.clock(),
+                  self.config.liveness * max(self.config.heartbeat, heartbeat))
         self.jobs[job_id] = job
         log.info("job %s: %d x %s %s for model %s", job_id, job.total, job.item_shape,
                  job.dtype, job.model)
@@ -295,6 +439,7 @@ class Broker:
                   if job.model in entry.history}
         job.policy = make_policy(self.config.algo, job.total, [e.id for e in eligible], speeds,
                                  **self.config.params)
+        job.policy.max_chunk = job.max_chunk
         return True
 
     def on_fetch(self, identity: bytes, message: Message) -> None:
@@ -313,9 +458,10 @@ class Broker:
                 raise ModelError(f"model {name!r} changed on the broker (now {manifest.digest[:12]}"
                                  f", asked for {digest[:12]})")
             size = sum(f.size for f in manifest.files)
-            if size > protocol.MAX_MESSAGE_BYTES:
-                raise ModelError(f"model {name!r} is {size:,} bytes, over the "
-                                 f"{protocol.MAX_MESSAGE_BYTES:,}-byte message limit")
+            largest = max((f.size for f in manifest.files), default=0)
+            if largest > protocol.MAX_MESSAGE_BYTES:
+                raise ModelError(f"model {name!r} has a file of {largest:,} bytes, over the "
+                                 f"{protocol.MAX_MESSAGE_BYTES:,}-byte frame limit")
             contents = [mapped(spec.files()[f.name]) for f in manifest.files]
         except (ModelError, OSError) as exc:
             self.send(identity, Command.MODEL, {"model": name, "digest": digest, "files": [],
@@ -325,20 +471,6 @@ class Broker:
         log.info("sending model %s (%d bytes) to %s", name, size, entry.name)
         self.send(identity, Command.MODEL, manifest.header(), contents)
 
-    def on_data(self, identity: bytes, message: Message) -> None:
-        header = message.header
-        job = self.jobs.get(header["job"])
-        if job is None or job.client != identity:
-            return  # data of a job that failed or was never accepted: drop silently
-        try:
-            if len(message.payload) != 1:
-                raise ProtocolError("DATA carries exactly one frame")
-            job.add_block(header["start"], header["count"], message.payload[0])
-        except ProtocolError as exc:
-            self.fail_job(job, str(exc))
-            return
-        self.send_ready_chunks(job)
-
     def finish(self, job: Job) -> None:
         del self.jobs[job.id]
         summary = job.summary(self.clock())
@@ -347,9 +479,13 @@ class Broker:
 
     def fail_job(self, job: Job, error: str) -> None:
         """Tell the client why its job failed; free the slots its chunks held."""
-        self.jobs.pop(job.id, None)
         log.warning("job %s failed: %s", job.id, error)
         self.send(job.client, Command.ERROR, {"error": error, "job": job.id})
+        self.drop_job(job)
+
+    def drop_job(self, job: Job) -> None:
+        """Forget a job; the slots its chunks held go to other jobs."""
+        self.jobs.pop(job.id, None)
         for entry in self.workers.values():
             for chunk_id in [i for i, r in entry.in_flight.items() if r.job is job]:
                 del entry.in_flight[chunk_id]
@@ -378,8 +514,11 @@ class Broker:
                 self.info_waiters.append((identity, wanted))
 
     def snapshot(self) -> dict[str, Any]:
+        now = self.clock()
         return {"policy": self.config.algo, "params": self.config.params,
-                "workers": [entry.describe() for entry in self.workers.values()],
+                "heartbeat": self.config.heartbeat, "liveness": self.config.liveness,
+                "stats": asdict(self.stats),
+                "workers": [entry.describe(now) for entry in self.workers.values()],
                 "jobs": [{"job": job.id, "model": job.model, "total": job.total,
                           "done": job.done} for job in self.jobs.values()]}
 
@@ -394,6 +533,11 @@ def mapped(path: Path) -> Any:
 def serve(config: BrokerConfig, on_bound: Callable[[str], None] | None = None) -> None:
     """Bind, report the endpoint, and serve until SIGINT/SIGTERM."""
     context = zmq.Context()
+    authenticator = None
+    if config.curve:
+        from farm.keys import start_authenticator
+
+        authenticator = start_authenticator(context, config.curve)
     broker = Broker(config, context)
     signal.signal(signal.SIGTERM, broker.stop)
     signal.signal(signal.SIGINT, broker.stop)
@@ -402,4 +546,6 @@ def serve(config: BrokerConfig, on_bound: Callable[[str], None] | None = None) -
     try:
         broker.serve()
     finally:
+        if authenticator is not None:
+            authenticator.stop()
         context.term()

@@ -1,8 +1,7 @@
-"""A job as the broker holds it: input blocks, its policy, chunks in flight, shares."""
+"""A job as the broker holds it: its policy, chunks waiting for input, failures, shares."""
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,13 +14,24 @@ from farm.protocol import ProtocolError
 
 @dataclass
 class ChunkRecord:
-    """A chunk given to a worker; ``sent_at`` is None while its input has not all arrived."""
+    """One attempt at a chunk, given to a worker; ``sent_at`` is None until its input arrived."""
 
     id: int
     job: Job
     chunk: Chunk
     worker: WorkerEntry
+    attempt: int = 1
     sent_at: float | None = None
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    """An attempt at items ``[start, stop)`` that failed, and why."""
+
+    start: int
+    stop: int
+    attempt: int
+    error: str
 
 
 @dataclass
@@ -37,7 +47,8 @@ class Share:
 
 @dataclass
 class Job:
-    """A client's job."""
+    """A client's job.  The broker holds none of its input: it asks the client for each
+    chunk's items (NEED) when the chunk is assigned and forwards them to the worker."""
 
     id: str
     client: bytes
@@ -46,52 +57,53 @@ class Job:
     item_shape: tuple[int, ...]
     total: int
     submitted_at: float
+    client_expiry: float = 5.0  # seconds of client silence after which the job is dropped
     policy: Policy | None = None  # made when the job is validated, for the workers then eligible
     digest: str = ""  # the content hash of the model's files, set when the job is validated
     item_bytes: int = 0
-    starts: list[int] = field(default_factory=list)  # block starts, sorted
-    blocks: list[Any] = field(default_factory=list)  # zmq frames, parallel to starts
-    received: int = 0  # items of input received, contiguous from 0
-    unsent: list[ChunkRecord] = field(default_factory=list)  # assigned, input not all here
+    client_seen: float = 0.0
+    pending: dict[int, ChunkRecord] = field(default_factory=dict)  # NEED sent, DATA not back
+    failures: list[FailedAttempt] = field(default_factory=list)
+    abandoned: list[FailedAttempt] = field(default_factory=list)  # chunks given up
     shares: dict[str, Share] = field(default_factory=dict)
     eligible: dict[str, WorkerEntry] = field(default_factory=dict)  # workers offered this job
     output_shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self.item_bytes = protocol.check_array_spec(self.dtype, self.item_shape)
+        self.client_seen = self.submitted_at
 
     @property
     def done(self) -> int:
-        """Items computed so far."""
+        """Items computed (or given up) so far."""
         return self.policy.completed if self.policy else 0
 
-    def add_block(self, start: int, count: int, frame: Any) -> None:
-        """Keep one block of input; blocks must come in order and fit the job."""
-        if start != self.received:
-            raise ProtocolError(f"job {self.id}: block at {start}, expected {self.received}")
-        if start + count > self.total:
-            raise ProtocolError(f"job {self.id}: block {start}+{count} past total {self.total}")
-        if frame.buffer.nbytes != count * self.item_bytes:
-            raise ProtocolError(f"job {self.id}: block of {frame.buffer.nbytes} bytes, "
-                                f"expected {count} x {self.item_bytes}")
-        self.starts.append(start)
-        self.blocks.append(frame)
-        self.received += count
+    @property
+    def max_chunk(self) -> int:
+        """The most items one chunk may hold: its input must fit ``MAX_TASK_BYTES``."""
+        return max(1, protocol.MAX_TASK_BYTES // self.item_bytes)
 
-    def slices(self, chunk: Chunk) -> list[memoryview] | None:
-        """Zero-copy views of the chunk's input, or None while part of it has not arrived."""
-        if chunk.stop > self.received:
-            return None
-        views, item_bytes = [], self.item_bytes
-        index = bisect.bisect_right(self.starts, chunk.start) - 1
-        position = chunk.start
-        while position < chunk.stop:
-            block_start, block = self.starts[index], self.blocks[index].buffer
-            stop = min(chunk.stop, block_start + block.nbytes // item_bytes)
-            views.append(block[(position - block_start) * item_bytes:
-                               (stop - block_start) * item_bytes])
-            position, index = stop, index + 1
-        return views
+    def attempt_of(self, chunk: Chunk) -> int:
+        """1 + the most failed attempts at any item of the chunk."""
+        return 1 + max((f.attempt for f in self.failures
+                        if f.start < chunk.stop and chunk.start < f.stop), default=0)
+
+    def note_failure(self, record: ChunkRecord, error: str) -> FailedAttempt:
+        failure = FailedAttempt(record.chunk.start, record.chunk.stop, record.attempt, error)
+        self.failures.append(failure)
+        return failure
+
+    def check_data(self, record: ChunkRecord, header: dict[str, Any], frame: Any) -> None:
+        """A DATA message must hold exactly the chunk's items; ProtocolError if not."""
+        chunk = record.chunk
+        if (header["start"], header["count"]) != (chunk.start, chunk.count):
+            raise ProtocolError(f"job {self.id}: DATA for items {header['start']}+"
+                                f"{header['count']}, the broker asked for {chunk.start}+"
+                                f"{chunk.count}")
+        size = frame.buffer.nbytes
+        if size != chunk.count * self.item_bytes:
+            raise ProtocolError(f"job {self.id}: DATA of {size} bytes, expected {chunk.count} x "
+                                f"{self.item_bytes}")
 
     def check_result(self, record: ChunkRecord, header: dict[str, Any]) -> str | None:
         """Why a worker's RESULT cannot be accepted for ``record``, or None."""
@@ -132,4 +144,6 @@ class Job:
                     else history.rate if history else 0.0)
             workers.append({**vars(share), "standalone_rate": rate})
         return {"items": self.total, "broker_seconds": now - self.submitted_at,
-                "policy": self.policy.name if self.policy else "?", "workers": workers}
+                "policy": self.policy.name if self.policy else "?", "workers": workers,
+                "failed_items": sum(f.stop - f.start for f in self.abandoned),
+                "failed_attempts": len(self.failures)}

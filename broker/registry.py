@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 #: Most chunks a worker may ask to have in flight at once.
 MAX_SLOTS = 64
+#: Heartbeat intervals a peer may announce, in seconds.
+MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
 
 
 @dataclass
@@ -40,6 +42,8 @@ class WorkerEntry:
     models: dict[str, Any]  # name -> {"input_shape": [...]}: what it can run
     loaded: set[str]  # models it has loaded
     slots: int
+    heartbeat: float = 1.0  # seconds between the worker's heartbeats
+    last_seen: float = 0.0  # broker clock when the worker was last heard from
     in_flight: dict[int, ChunkRecord] = field(default_factory=dict)
     history: dict[str, ModelHistory] = field(default_factory=dict)
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times its files were sent
@@ -62,8 +66,11 @@ class WorkerEntry:
             raise ProtocolError(f"READY slots must be 1..{MAX_SLOTS}, got {header['slots']}")
         if not isinstance(threads, int) or isinstance(threads, bool):
             raise ProtocolError("READY 'threads' must be an integer")
+        heartbeat = header.get("heartbeat", 1.0)
+        if not isinstance(heartbeat, (int, float)) or not MIN_HEARTBEAT <= heartbeat <= MAX_HEARTBEAT:
+            raise ProtocolError(f"READY heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
         return cls(identity, header["device"], header["host"], header["pid"], header["backend"],
-                   threads, header["models"], set(loaded), header["slots"])
+                   threads, header["models"], set(loaded), header["slots"], float(heartbeat))
 
     @property
     def free_slots(self) -> int:
@@ -75,8 +82,8 @@ class WorkerEntry:
         history.compute_s += compute_s
         self.loaded.add(model)
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "device": self.device, "host": self.host, "pid": self.pid,
+    def describe(self, now: float) -> dict[str, Any]:
+        return {"name": self.name, "heartbeat_age_s": now - self.last_seen, "device": self.device, "host": self.host, "pid": self.pid,
                 "backend": self.backend, "threads": self.threads, "models": sorted(self.models),
                 "loaded": sorted(self.loaded), "fetched": dict(self.fetched),
                 "in_flight": len(self.in_flight),

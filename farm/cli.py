@@ -54,6 +54,52 @@ POLICY_OPTIONS = (
 )
 
 
+def heartbeat_options(function):
+    """``--heartbeat`` and ``--liveness``: the Paranoid Pirate link's timers."""
+    function = click.option(
+        "--liveness", default=5, show_default=True, type=click.IntRange(1),
+        help="Heartbeats a peer may miss before it is declared gone.")(function)
+    return click.option(
+        "--heartbeat", default=1.0, show_default=True, type=click.FloatRange(0.01, 60),
+        help="Seconds between heartbeats.")(function)
+
+
+def curve_option(what: str, default_name: str | None = None):
+    """``--curve DIR`` (a `farm keys` folder holding ``what``), and ``--curve-name`` for peers."""
+    def decorate(function):
+        if default_name:
+            function = click.option(
+                "--curve-name", default=default_name, show_default=True, envvar="FARM_CURVE_NAME",
+                help="Which key of the --curve folder to use (NAME.key_secret).")(function)
+        return click.option(
+            "--curve", type=click.Path(file_okay=False), envvar="FARM_CURVE",
+            help=f"Encrypt and authenticate with CurveZMQ: a `farm keys` folder with {what}.",
+        )(function)
+    return decorate
+
+
+class ItemRange(click.ParamType):
+    """``A-B``: items A to B inclusive, as ``(A, B + 1)``."""
+
+    name = "A-B"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        low, _, high = str(value).partition("-")
+        if not (low.isdigit() and high.isdigit() and int(low) <= int(high)):
+            self.fail(f"{value!r} is not a range A-B", param, ctx)
+        return int(low), int(high) + 1
+
+
+def warn_if_exposed(bind: str, curve: str | None) -> None:
+    """A broker reachable from other machines without CURVE lets anyone in: say so."""
+    host = bind.split("://", 1)[-1].rsplit(":", 1)[0]
+    if not curve and bind.startswith("tcp://") and host not in ("127.0.0.1", "localhost", "[::1]"):
+        click.echo(f"warning: {bind} is reachable from other machines and --curve is off: "
+                   "anyone who can connect can submit jobs or pose as a worker", err=True)
+
+
 def policy_options(function):
     """``--algo`` and every policy parameter; unset parameters keep the policy's default."""
     from farm.policies import POLICIES
@@ -99,14 +145,17 @@ def policy_arguments(params: dict) -> list[str]:
 @main.command()
 @click.option("--bind", default=DEFAULT_BROKER, show_default=True, envvar="FARM_BIND",
               help="ZeroMQ endpoint to bind; tcp://127.0.0.1:* picks a free port.")
-@click.option("--heartbeat", default=1.0, show_default=True, type=click.FloatRange(0.01),
-              help="Seconds between heartbeats to clients with running jobs.")
+@heartbeat_options
+@click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1),
+              help="Attempts at a chunk (failures, or its worker lost) before its images are "
+                   "reported failed to the client.")
+@curve_option("the broker's key pair and the authorized/ public keys")
 @click.option("--models-dir", multiple=True, type=click.Path(file_okay=False),
               help="Model repository folder served to workers (repeatable; searched before "
                    "$FARM_MODELS and the bundled models).")
 @policy_options
-def broker(bind: str, heartbeat: float, models_dir: tuple[str, ...], algo: str,
-           **options: object) -> None:
+def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve: str | None,
+           models_dir: tuple[str, ...], algo: str, **options: object) -> None:
     """Run the broker: the scheduler and router of a farm.
 
     \b
@@ -119,12 +168,15 @@ def broker(bind: str, heartbeat: float, models_dir: tuple[str, ...], algo: str,
     params = policy_params(algo, options)
     from farm.broker.broker import BrokerConfig, serve
 
+    warn_if_exposed(bind, curve)
+
     def announce(endpoint: str) -> None:
         click.echo(f"farm broker listening on {endpoint}")
         sys.stdout.flush()
 
     try:
-        serve(BrokerConfig(bind, algo, params, heartbeat, models_dir), on_bound=announce)
+        serve(BrokerConfig(bind, algo, params, heartbeat, models_dir, liveness, max_attempts,
+                           curve), on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
         raise click.ClickException(str(exc)) from exc
 
@@ -149,9 +201,14 @@ def broker(bind: str, heartbeat: float, models_dir: tuple[str, ...], algo: str,
 @click.option("--slots", default=2, show_default=True, type=click.IntRange(1),
               help="Chunks the broker may keep in flight to this worker.")
 @click.option("--max-tasks", type=click.IntRange(1), help="Exit after this many chunks.")
+@heartbeat_options
+@curve_option("the broker's public key and this worker's secret key", "worker")
+@click.option("--fail-items", hidden=True, type=ItemRange(),
+              help="Fault injection for chaos tests: chunks touching items A-B fail.")
 def worker(device: str, broker_address: str, backend: str | None, preload: tuple[str, ...],
            models_dir: tuple[str, ...], cache_dir: str | None, batch: int | None, slots: int,
-           max_tasks: int | None) -> None:
+           max_tasks: int | None, heartbeat: float, liveness: int, curve: str | None,
+           curve_name: str, fail_items: tuple[int, int] | None) -> None:
     """Run one worker: one per pinned core, one per GPU.
 
     \b
@@ -163,40 +220,56 @@ def worker(device: str, broker_address: str, backend: str | None, preload: tuple
 
     try:
         config = WorkerConfig(broker_address, Device.parse(device), batch, models_dir, preload,
-                              slots, max_tasks, backend, cache_dir)
+                              slots, max_tasks, backend, cache_dir, heartbeat, liveness, curve,
+                              curve_name, fail_items)
         serve(config)
     except (ValueError, LookupError) as exc:
         raise click.ClickException(str(exc)) from exc
 
 
-def load_images(path: str) -> np.ndarray:
-    """A .npy file, memory-mapped so that large inputs are not read at once."""
+def load_images(path: str):
+    """A .npy file opened for reading range by range: inputs of any size, read as needed."""
+    from farm.npy import NpyError, NpyReader
+
     try:
-        return np.load(path, mmap_mode="r")  # numpy refuses object arrays by default
-    except (OSError, ValueError) as exc:
+        return NpyReader.open(path)
+    except (OSError, NpyError) as exc:
         raise click.ClickException(f"cannot read {path}: {exc}") from exc
 
 
-def run_job(endpoint: str, images: np.ndarray, model: str, out: str | None, quiet: bool,
-            timeout: float) -> np.ndarray:
-    """Submit with a progress bar, save the outputs, print the summary."""
+def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, timeout: float,
+            curve: str | None = None, curve_name: str = "client") -> np.ndarray | None:
+    """Submit with a progress bar, write outputs as they come, print the summary.
+
+    Returns the outputs: in memory, or memory-mapped from ``out``.
+    """
     from tqdm import tqdm
 
-    from farm.client import Client, as_batch
+    from farm.client import ArraySink, Client, describe_failures
+    from farm.npy import NpyWriter
 
+    sink = NpyWriter(out, len(images)) if out else ArraySink(len(images))
     try:
-        with Client(endpoint, timeout=timeout) as client, \
-                tqdm(total=len(as_batch(images)), unit="img", disable=quiet,
-                     file=sys.stderr, desc=model) as bar:
-            result = client.run(images, model, progress=bar.update)
-    except FarmError as exc:
+        with Client(endpoint, timeout=timeout, curve=curve, curve_name=curve_name) as client, \
+                tqdm(total=len(images), unit="img", disable=quiet, file=sys.stderr,
+                     desc=model) as bar:
+            result = client.run(images, model, out=sink, progress=bar.update)
+    except (FarmError, OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
-    if out:
-        np.save(out, result.outputs)
+    finally:
+        if out:
+            sink.close()
     click.echo(result.summary.format())
-    if out:
-        click.echo(f"outputs {result.outputs.shape} {result.outputs.dtype} written to {out}")
-    return result.outputs
+    if result.resubmissions:
+        click.echo(f"the broker was lost and the missing images submitted again "
+                   f"{result.resubmissions} time(s)")
+    if out and sink.item_shape is not None:
+        click.echo(f"outputs ({len(images)}, {', '.join(map(str, sink.item_shape))}) "
+                   f"{sink.dtype} written to {out}")
+    if result.failed:
+        click.echo(describe_failures(result.failed) + "\n(their outputs are NaN)", err=True)
+        raise SystemExit(1)
+    return np.load(out, mmap_mode="r") if out else result.outputs
 
 
 def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[str, ...]) -> None:
@@ -218,17 +291,23 @@ def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[s
               envvar="FARM_BROKER", help="Broker endpoint.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write outputs here (.npy).")
 @click.option("--timeout", default=60.0, show_default=True,
-              help="Seconds to wait for any reply before giving up.")
+              help="Seconds of broker silence before giving up (a broker back within this "
+                   "time gets the missing images submitted again).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@curve_option("the broker's public key and this client's secret key", "client")
 def submit(images: str, model: str, broker_address: str, out: str | None, timeout: float,
-           quiet: bool) -> None:
+           quiet: bool, curve: str | None, curve_name: str) -> None:
     """Run IMAGES (.npy, N x C x H x W or N x H x W; uint8 or float32) on a farm.
+
+    IMAGES is read a chunk at a time and outputs are written as they arrive, so
+    a file larger than memory runs in bounded memory.  Exit status 1 if any
+    image failed (the failures are listed; their outputs are NaN).
 
     \b
     Example:
       farm submit images.npy --model lenet --out scores.npy
     """
-    run_job(broker_address, load_images(images), model, out, quiet, timeout)
+    run_job(broker_address, load_images(images), model, out, quiet, timeout, curve, curve_name)
 
 
 @main.command()
@@ -274,6 +353,62 @@ def run(images: str | None, model: str, workers: int | None, out: str | None, qu
         raise click.ClickException(str(exc)) from exc
     if labels is not None:
         report_accuracy(outputs, labels, spec.labels)
+
+
+@main.group()
+def keys() -> None:
+    """CurveZMQ keys for --curve: who may connect to a broker.
+
+    \b
+    Examples:
+      farm keys init keys/                 # broker, worker and client key pairs
+      farm keys add keys/ rack2            # one more worker or client key
+      farm broker --curve keys/ --bind tcp://0.0.0.0:5555
+      farm worker --curve keys/ --broker tcp://10.0.0.1:5555
+      farm submit images.npy --curve keys/ --broker tcp://10.0.0.1:5555
+    A worker or client host needs only keys/broker.key and its own NAME.key_secret.
+    """
+
+
+@keys.command("init")
+@click.argument("folder", type=click.Path(file_okay=False))
+def keys_init(folder: str) -> None:
+    """Make FOLDER's broker key pair and the worker and client key pairs (authorized)."""
+    from farm.keys import KeysError, init_keys
+
+    try:
+        made = init_keys(Path(folder))
+    except (KeysError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    for path in made:
+        click.echo(f"wrote {path}")
+
+
+@keys.command("add")
+@click.argument("folder", type=click.Path(file_okay=False, exists=True))
+@click.argument("name")
+def keys_add(folder: str, name: str) -> None:
+    """A new key pair NAME in FOLDER, its public key authorized (restart the broker to use it)."""
+    from farm.keys import KeysError, add_key
+
+    try:
+        made = add_key(Path(folder), name)
+    except (KeysError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    for path in made:
+        click.echo(f"wrote {path}")
+    click.echo(f"on the {name} host: --curve DIR --curve-name {name}, with DIR holding "
+               f"broker.key and {name}.key_secret")
+
+
+@keys.command("list")
+@click.argument("folder", type=click.Path(file_okay=False, exists=True))
+def keys_list(folder: str) -> None:
+    """The public keys the broker of FOLDER lets in."""
+    from farm.keys import authorized_keys
+
+    for path in authorized_keys(Path(folder)):
+        click.echo(path.stem)
 
 
 @main.group()
@@ -404,3 +539,8 @@ def prepare_models(names: tuple[str, ...], models_dir: tuple[str, ...]) -> None:
         except ModelError as exc:
             raise click.ClickException(str(exc)) from exc
         click.echo(f"{spec.name:<16} {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+from farm.deploy import deploy  # noqa: E402  (a group of its own module)
+
+main.add_command(deploy)

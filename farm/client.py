@@ -1,31 +1,43 @@
-"""The client: stream an image array to the broker, collect outputs in input order.
+"""The client: submit images, feed the broker their input chunk by chunk, gather outputs.
 
     >>> import farm
     >>> scores = farm.Client("tcp://127.0.0.1:5555").map(images, model="lenet")
+
+The broker asks for each chunk's items when it assigns the chunk (NEED), so the
+client reads its input (an array, or a `.npy` file of any size through
+``NpyReader``) one chunk at a time and writes outputs as they come: memory is
+bounded by the chunks in flight, not by the size of the job.
+
+If the broker goes silent for ``liveness`` heartbeats, or restarts and no
+longer knows the job, the client opens a fresh socket and submits again only
+the items it has not got back (the ZeroMQ guide's Lazy Pirate idea); outputs
+already written stay written.  Every item comes back once, or is reported in
+``JobResult.failed`` with the reason.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import zmq
 
 from farm import protocol
+from farm.npy import NpyReader, NpyWriter
 from farm.protocol import Command, ProtocolError
 from farm.summary import JobSummary
 
+log = logging.getLogger("farm.client")
+
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 
-#: Input is streamed in blocks of about this many bytes (at least one item each).
-BLOCK_BYTES = 4 << 20
-
 #: Commands a client accepts from the broker.
-ACCEPTED = frozenset({Command.RESULT, Command.DONE, Command.ERROR, Command.INFO,
-                      Command.HEARTBEAT})
+ACCEPTED = frozenset({Command.NEED, Command.RESULT, Command.FAILED, Command.DONE, Command.ERROR,
+                      Command.INFO, Command.HEARTBEAT})
 
 
 class FarmError(RuntimeError):
@@ -46,29 +58,171 @@ def as_batch(images: np.ndarray) -> np.ndarray:
     return images
 
 
+class ImageSource:
+    """A job's input, read a range at a time: an array, or a `.npy` file via ``NpyReader``."""
+
+    def __init__(self, images: np.ndarray | NpyReader) -> None:
+        self.images = images
+        shape = images.shape
+        if len(shape) not in (3, 4):
+            raise FarmError(f"images must be N x C x H x W or N x H x W, got shape {shape}")
+        self.dtype = np.dtype(images.dtype)
+        self.item_shape = tuple(shape[1:]) if len(shape) == 4 else (1, *shape[1:])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        if isinstance(self.images, NpyReader):
+            block = self.images.read(start, count)
+        else:
+            block = np.ascontiguousarray(self.images[start:start + count])
+        return block.reshape(count, *self.item_shape)
+
+
+class ResultSink(Protocol):
+    """Where outputs go: ``write`` them by item index, ``fill`` failed items."""
+
+    def write(self, start: int, values: np.ndarray) -> None: ...
+
+    def fill(self, start: int, count: int, value: float) -> None: ...
+
+
+@dataclass
+class ArraySink:
+    """Outputs kept in memory (``array`` is made with the first result unless given)."""
+
+    total: int
+    array: np.ndarray | None = None
+
+    def write(self, start: int, values: np.ndarray) -> None:
+        if self.array is None:
+            self.array = np.empty((self.total, *values.shape[1:]), dtype=values.dtype)
+        if values.shape[1:] != self.array.shape[1:]:
+            raise FarmError(f"outputs of shape {values.shape[1:]} for items {start}+"
+                            f"{len(values)} do not match earlier ones {self.array.shape[1:]}")
+        self.array[start:start + len(values)] = values
+
+    def fill(self, start: int, count: int, value: float) -> None:
+        if self.array is not None:
+            self.array[start:start + count] = value
+
+
+@dataclass(frozen=True)
+class FailedItems:
+    """Items ``[start, start + count)`` that did not come back, and why."""
+
+    start: int
+    count: int
+    error: str
+
+
+@dataclass
+class Submission:
+    """One submission of a job: which of the job's items it holds, in order.
+
+    The first submission holds them all; after a broker restart a new one holds
+    only the items still missing, numbered from 0 in the broker's eyes.
+    ``runs`` are ``(job_start, item_start, count)``: the submission's items
+    ``job_start..`` are the original items ``item_start..``.
+    """
+
+    job: str
+    runs: list[tuple[int, int, int]]
+
+    @property
+    def total(self) -> int:
+        return sum(count for _, _, count in self.runs)
+
+    def pieces(self, start: int, count: int) -> list[tuple[int, int, int]]:
+        """``(offset in the range, original item start, count)`` for a range of this job."""
+        pieces, stop = [], start + count
+        for job_start, item_start, run_count in self.runs:
+            low, high = max(start, job_start), min(stop, job_start + run_count)
+            if low < high:
+                pieces.append((low - start, item_start + low - job_start, high - low))
+        return pieces
+
+
+@dataclass
+class Progress:
+    """Which items came back (or failed): what a re-submission must still ask for."""
+
+    total: int
+    answered: np.ndarray = field(init=False)
+    failed: list[FailedItems] = field(default_factory=list)
+    duplicates: int = 0  # results for items already answered: ignored
+
+    def __post_init__(self) -> None:
+        self.answered = np.zeros(self.total, dtype=bool)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.answered.all())
+
+    def mark(self, start: int, count: int) -> bool:
+        """Record items as answered; False (and counted) if any was answered before."""
+        if self.answered[start:start + count].any():
+            self.duplicates += 1
+            return False
+        self.answered[start:start + count] = True
+        return True
+
+    def missing_runs(self) -> list[tuple[int, int]]:
+        """``(start, count)`` of each run of unanswered items."""
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], ~self.answered, [0])).astype(np.int8)))
+        return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+
+
 @dataclass
 class JobResult:
-    outputs: np.ndarray
+    outputs: np.ndarray | None  # None when the outputs went to a file sink
     summary: JobSummary
+    failed: list[FailedItems] = field(default_factory=list)
+    resubmissions: int = 0  # times the job was submitted again after losing the broker
+    duplicates: int = 0  # duplicate results received (and ignored)
 
 
 ProgressCallback = Callable[[int], None]
 
 
 class Client:
-    """A connection to a broker; one job at a time per client."""
+    """A connection to a broker; one job at a time per client.
+
+    ``timeout``: seconds of broker silence after which the job is given up
+    (FarmTimeout).  ``heartbeat`` and ``liveness``: the client heartbeats its
+    job every ``heartbeat`` seconds, and submits again on a fresh socket when
+    the broker has been silent for ``liveness`` of its heartbeat intervals.
+    """
 
     def __init__(self, broker: str = DEFAULT_BROKER, timeout: float | None = 60.0,
-                 context: zmq.Context | None = None, block_bytes: int = BLOCK_BYTES) -> None:
+                 context: zmq.Context | None = None, heartbeat: float = 1.0,
+                 liveness: int = 5, curve: str | None = None,
+                 curve_name: str = "client") -> None:
         self.broker = broker
         self.timeout = timeout
-        self.block_bytes = block_bytes
+        self.heartbeat = heartbeat
+        self.liveness = liveness
+        self.curve, self.curve_name = curve, curve_name
+        self.broker_heartbeat = heartbeat
         self._own_context = context is None
         self.context = context or zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-        self.socket.connect(broker)
+        self.socket = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self.context.socket(zmq.DEALER)
+        protocol.limit_socket(sock)
+        if self.curve:
+            from farm.keys import make_client
+
+            make_client(sock, self.curve, self.curve_name)
+        sock.connect(self.broker)
+        return sock
+
+    def reconnect(self) -> None:
+        """A fresh socket: nothing queued for the old broker connection is sent or read."""
+        self.socket.close(linger=0)
+        self.socket = self._connect()
 
     def __enter__(self) -> Client:
         return self
@@ -82,83 +236,175 @@ class Client:
             self.context.term()
 
     def map(self, images: np.ndarray, model: str, **options: Any) -> np.ndarray:
-        """Outputs for every image, in input order."""
-        return self.run(images, model, **options).outputs
+        """Outputs for every image, in input order; FarmError if any image failed."""
+        result = self.run(images, model, **options)
+        if result.failed:
+            raise FarmError(describe_failures(result.failed))
+        return result.outputs
 
-    def run(self, images: np.ndarray, model: str, out: np.ndarray | None = None,
+    def run(self, images: np.ndarray | NpyReader, model: str,
+            out: np.ndarray | ResultSink | None = None,
             progress: ProgressCallback | None = None) -> JobResult:
-        """Submit a job, stream its input, gather outputs (into ``out`` if given) and a summary."""
-        batch = as_batch(images)
-        if len(batch) == 0:
+        """Submit a job and gather its outputs (into ``out``, an array or a sink such as
+        ``NpyWriter``) and a summary; failed items are NaN in the outputs and listed."""
+        source = ImageSource(images)
+        if len(source) == 0:
             raise FarmError("no images to run")
-        job = uuid.uuid4().hex
+        sink = out if out is not None and not isinstance(out, np.ndarray) \
+            else ArraySink(len(source), out)
+        state = Progress(len(source))
         started = time.perf_counter()
-        self._send(Command.SUBMIT, {"job": job, "model": model, "dtype": str(batch.dtype),
-                                    "item_shape": list(batch.shape[1:]), "total": len(batch),
-                                    "options": {}})
-        self._stream(job, batch)
-        return self._collect(job, len(batch), out, progress, started)
+        submission = self._submit(model, source, [(0, len(source))])
+        summary, resubmissions = self._collect(model, source, sink, state, submission, progress)
+        for failure in state.failed:
+            sink.fill(failure.start, failure.count, np.nan)
+        elapsed = time.perf_counter() - started
+        if summary is None:  # every item came back, the DONE was lost with the broker
+            summary = {"items": len(source), "broker_seconds": elapsed, "workers": []}
+        return JobResult(sink.array if isinstance(sink, ArraySink) else None,
+                         JobSummary.from_broker(summary, elapsed), state.failed, resubmissions,
+                         state.duplicates)
+
+    def _submit(self, model: str, source: ImageSource,
+                missing: list[tuple[int, int]]) -> Submission:
+        runs, job_start = [], 0
+        for start, count in missing:
+            runs.append((job_start, start, count))
+            job_start += count
+        submission = Submission(uuid.uuid4().hex, runs)
+        self._send(Command.SUBMIT, {"job": submission.job, "model": model,
+                                    "dtype": str(source.dtype),
+                                    "item_shape": list(source.item_shape),
+                                    "total": submission.total, "options": {},
+                                    "heartbeat": self.heartbeat})
+        return submission
+
+    def _collect(self, model: str, source: ImageSource, sink: ResultSink, state: Progress,
+                 submission: Submission, progress: ProgressCallback | None,
+                 ) -> tuple[dict[str, Any] | None, int]:
+        """Serve the broker's NEEDs and take results until DONE; re-submit if it is lost."""
+        resubmissions = 0
+        last_heard = next_beat = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._send(Command.HEARTBEAT, {"job": submission.job})
+                next_beat = now + self.heartbeat
+            message = self._poll(max(0.0, min(next_beat, last_heard + self.expiry) - now))
+            now = time.monotonic()
+            if message is None:
+                silent = now - last_heard
+                if self.timeout is not None and silent > self.timeout:
+                    raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s; "
+                                      f"{int(state.answered.sum())} of {state.total} images "
+                                      f"came back")
+                if silent > self.expiry:
+                    log.warning("broker %s silent for %.1f s: submitting the %d missing images "
+                                "again", self.broker, silent, state.total - state.answered.sum())
+                    submission, resubmissions = self._resubmit(model, source, state), \
+                        resubmissions + 1
+                    if submission is None:
+                        return None, resubmissions
+                    last_heard = now  # give the new submission a full expiry
+                continue
+            last_heard = now
+            header = message.header
+            if message.command is Command.HEARTBEAT:
+                self._note_interval(header.get("interval"))
+                continue
+            if message.command is Command.ERROR and "job" not in header:
+                raise FarmError(f"the broker refused a request: {header['error']}")
+            if header.get("job") != submission.job:
+                continue  # a stale reply of an earlier job or submission
+            if message.command is Command.NEED:
+                self._send_input(source, submission, header)
+            elif message.command is Command.RESULT:
+                self._take_result(message, submission, sink, state, progress)
+            elif message.command is Command.FAILED:
+                self._take_failure(header, submission, state, progress)
+            elif message.command is Command.DONE:
+                return header["summary"], resubmissions
+            elif header.get("unknown_job"):  # a restarted broker: ask again for what is missing
+                log.warning("broker %s lost the job (restarted?): submitting the missing images "
+                            "again", self.broker)
+                submission, resubmissions = self._resubmit(model, source, state), resubmissions + 1
+            else:
+                raise FarmError(header["error"])
+            if submission is None:  # lost the broker after the last result: nothing to ask
+                return None, resubmissions
+
+    def _resubmit(self, model: str, source: ImageSource, state: Progress) -> Submission | None:
+        """A new submission of the missing items on a fresh socket; None if none is missing."""
+        self.reconnect()
+        missing = state.missing_runs()
+        return self._submit(model, source, missing) if missing else None
+
+    @property
+    def expiry(self) -> float:
+        return self.liveness * max(self.heartbeat, self.broker_heartbeat)
+
+    def _note_interval(self, interval: Any) -> None:
+        if isinstance(interval, (int, float)) and 0 < interval <= 60:
+            self.broker_heartbeat = float(interval)
+
+    def _send_input(self, source: ImageSource, submission: Submission,
+                    header: dict[str, Any]) -> None:
+        """DATA for a NEED: the chunk's items, read from the source now."""
+        start, count = header["start"], header["count"]
+        pieces = submission.pieces(start, count)
+        if sum(n for _, _, n in pieces) != count:
+            raise FarmError(f"the broker asked for items {start}+{count} of a job of "
+                            f"{submission.total}")
+        blocks = [source.read(item_start, n) for _, item_start, n in pieces]
+        block = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+        self._send(Command.DATA, {"job": submission.job, "chunk": header["chunk"],
+                                  "start": start, "count": count},
+                   protocol.array_frames(block))
+
+    def _take_result(self, message: protocol.Message, submission: Submission,
+                     sink: ResultSink, state: Progress,
+                     progress: ProgressCallback | None) -> None:
+        header = message.header
+        values = message.array(header["dtype"], header["item_shape"])
+        if len(values) != header["count"]:
+            raise FarmError(f"result for {header['count']} items holds {len(values)}")
+        for offset, item_start, count in submission.pieces(header["start"], header["count"]):
+            if state.mark(item_start, count):
+                sink.write(item_start, values[offset:offset + count])
+                if progress:
+                    progress(count)
+
+    @staticmethod
+    def _take_failure(header: dict[str, Any], submission: Submission, state: Progress,
+                      progress: ProgressCallback | None) -> None:
+        for _, item_start, count in submission.pieces(header["start"], header["count"]):
+            if state.mark(item_start, count):
+                state.failed.append(FailedItems(item_start, count, header["error"]))
+                if progress:
+                    progress(count)
 
     def _send(self, command: Command, header: dict[str, Any], payload: list[Any] = ()) -> None:
         self.socket.send_multipart(protocol.encode(command, header, payload), copy=False)
 
-    def _stream(self, job: str, batch: np.ndarray) -> None:
-        """Send the input in blocks; each block is one raw frame."""
-        per_block = max(1, self.block_bytes // max(1, batch[0].nbytes))
-        for start in range(0, len(batch), per_block):
-            block = batch[start:start + per_block]
-            self._send(Command.DATA, {"job": job, "start": start, "count": len(block)},
-                       protocol.array_frames(block))
-
-    def _collect(self, job: str, total: int, out: np.ndarray | None,
-                 progress: ProgressCallback | None, started: float) -> JobResult:
-        seen = np.zeros(total, dtype=bool)
+    def _poll(self, seconds: float | None) -> protocol.Message | None:
+        """The next well-formed message within ``seconds`` (None: no limit), else None."""
+        deadline = None if seconds is None else time.monotonic() + seconds
         while True:
-            message = self._receive()
-            header = message.header
-            if message.command is Command.ERROR and "job" not in header:
-                raise FarmError(f"the broker refused a request: {header['error']}")
-            if header.get("job") != job:
-                continue  # a stale reply of an earlier job
-            if message.command is Command.ERROR:
-                raise FarmError(header["error"])
-            if message.command is Command.DONE:
-                break
-            if message.command is Command.RESULT:
-                start, count = header["start"], header["count"]
-                if start + count > total or seen[start:start + count].any():
-                    continue  # out of range or a duplicate: keep the first copy
-                values = message.array(header["dtype"], header["item_shape"])
-                if out is None:
-                    out = np.empty((total, *values.shape[1:]), dtype=values.dtype)
-                if values.shape[1:] != out.shape[1:]:
-                    raise FarmError(f"outputs of shape {values.shape[1:]} for items {start}+"
-                                    f"{count} do not match earlier ones {out.shape[1:]}")
-                out[start:start + count] = values
-                seen[start:start + count] = True
-                if progress:
-                    progress(count)
-        elapsed = time.perf_counter() - started
-        if not seen.all():
-            missing = np.flatnonzero(~seen)
-            raise FarmError(f"job ended with {len(missing)} images missing, first {missing[:10]}")
-        return JobResult(out, JobSummary.from_broker(header["summary"], elapsed))
-
-    def _receive(self) -> protocol.Message:
-        """The next well-formed message from the broker; FarmTimeout if none comes.
-
-        The broker heartbeats clients with running jobs, so the timeout measures
-        the broker's silence, not the length of a job.
-        """
-        while True:
-            timeout_ms = None if self.timeout is None else int(self.timeout * 1000)
-            if not self.socket.poll(timeout_ms):
-                raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s")
+            wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(wait):
+                return None
             frames = self.socket.recv_multipart(copy=False)
             try:
                 return protocol.decode(frames, allowed=ACCEPTED)
-            except ProtocolError:
-                continue
+            except ProtocolError as exc:
+                log.warning("dropped a malformed message from the broker: %s", exc)
+
+    def _receive(self) -> protocol.Message:
+        """The next well-formed message from the broker; FarmTimeout if none comes in time."""
+        message = self._poll(self.timeout)
+        if message is None:
+            raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s")
+        return message
 
     def info(self, wait_workers: int = 0) -> dict[str, Any]:
         """The broker's registry; with ``wait_workers``, once that many workers have joined."""
@@ -169,3 +415,17 @@ class Client:
                 return message.header
             if message.command is Command.ERROR and "job" not in message.header:
                 raise FarmError(message.header["error"])
+
+
+def describe_failures(failed: list[FailedItems]) -> str:
+    """One line per failed range, for errors and the CLI."""
+    count = sum(f.count for f in failed)
+    lines = [f"{count} images failed:"]
+    lines += [f"  items {f.start}..{f.start + f.count - 1}: {f.error}" for f in failed[:20]]
+    if len(failed) > 20:
+        lines.append(f"  ... and {len(failed) - 20} more ranges")
+    return "\n".join(lines)
+
+
+__all__ = ["ArraySink", "Client", "FailedItems", "FarmError", "FarmTimeout", "JobResult",
+           "NpyReader", "NpyWriter", "as_batch"]

@@ -21,8 +21,10 @@ from typing import Any, Sequence
 
 import msgpack
 import numpy as np
+import zmq
 
-SIGNATURE = b"FARM01"
+SIGNATURE = b"FARM02"
+PROTOCOL_FAMILY = b"FARM"
 
 #: Dtypes that may cross the wire, by their numpy name.
 ALLOWED_DTYPES = frozenset({"uint8", "float32"})
@@ -31,7 +33,17 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_FRAMES = 64
 MAX_DIMS = 8
 MAX_ITEMS = 1 << 31
-MAX_MESSAGE_BYTES = 1 << 30  # also set as ZMQ_MAXMSGSIZE on every socket
+#: Largest frame a socket accepts (ZMQ_MAXMSGSIZE, which libzmq applies per frame): a peer
+#: that sends a bigger one is disconnected before the frame is allocated.
+MAX_MESSAGE_BYTES = 256 << 20
+#: Largest chunk of input the broker cuts: policies' chunks are capped to this many bytes.
+MAX_TASK_BYTES = 64 << 20
+#: Messages a socket queues per peer in each direction (ZMQ_RCVHWM, ZMQ_SNDHWM).
+QUEUE_LIMIT = 1000
+
+#: msgpack limits for headers: no string, list or map in a header may be longer.
+_UNPACK_LIMITS = {"max_str_len": 4096, "max_bin_len": 4096, "max_array_len": 4096,
+                  "max_map_len": 64, "max_ext_len": 0}
 
 
 class Command(bytes, enum.Enum):
@@ -50,6 +62,7 @@ class Command(bytes, enum.Enum):
     DISCONNECT = b"\x0b"  # worker -> broker: leaving cleanly
     FETCH = b"\x0c"  # worker -> broker: send me a model's files
     MODEL = b"\x0d"  # broker -> worker: a model's manifest, one payload frame per file
+    NEED = b"\x0e"  # broker -> client: send the input of one chunk (answered by DATA)
 
 
 class ProtocolError(ValueError):
@@ -60,15 +73,16 @@ class ProtocolError(ValueError):
 _SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
     Command.READY: {"device": (str,), "host": (str,), "pid": (int,), "backend": (str,),
                     "models": (dict,), "slots": (int,)},
-    Command.TASK: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
-                   "model": (str,), "digest": (str,), "dtype": (str,), "item_shape": (list,)},
+    Command.TASK: {"job": (str,), "chunk": (int,), "attempt": (int,), "start": (int,),
+                   "count": (int,), "model": (str,), "digest": (str,), "dtype": (str,),
+                   "item_shape": (list,)},
     Command.RESULT: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
                      "dtype": (str,), "item_shape": (list,), "timings": (dict,)},
     Command.FAILED: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
                      "error": (str,)},
     Command.SUBMIT: {"job": (str,), "model": (str,), "dtype": (str,), "item_shape": (list,),
                      "total": (int,), "options": (dict,)},
-    Command.DATA: {"job": (str,), "start": (int,), "count": (int,)},
+    Command.DATA: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,)},
     Command.DONE: {"job": (str,), "summary": (dict,)},
     Command.ERROR: {"error": (str,)},
     Command.INFO: {},
@@ -76,6 +90,7 @@ _SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
     Command.DISCONNECT: {},
     Command.FETCH: {"model": (str,), "digest": (str,)},
     Command.MODEL: {"model": (str,), "digest": (str,), "files": (list,)},
+    Command.NEED: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,)},
 }
 
 #: Commands whose payload is an array described by dtype/item_shape/count.
@@ -109,6 +124,14 @@ def _frame_size(frame: Any) -> int:
     return _buffer(frame).nbytes
 
 
+def limit_socket(socket: Any, linger_ms: int = 0) -> None:
+    """Bound what a peer can make this socket hold: frame size and queued messages."""
+    socket.setsockopt(zmq.LINGER, linger_ms)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    socket.setsockopt(zmq.RCVHWM, QUEUE_LIMIT)
+    socket.setsockopt(zmq.SNDHWM, QUEUE_LIMIT)
+
+
 def encode(command: Command, header: dict[str, Any] | None = None,
            payload: Sequence[Any] = ()) -> list[Any]:
     """Frames for one message; payload frames are passed through untouched."""
@@ -126,9 +149,12 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
     if len(frames) < 3:
         raise ProtocolError(f"expected at least 3 frames, got {len(frames)}")
     signature, command_frame, header_frame, *payload = frames
-    head = _buffer(signature)[:len(SIGNATURE) + 1]  # a slice: a huge bogus frame is not copied
+    head = bytes(_buffer(signature)[:len(SIGNATURE) + 1])  # a slice: a huge frame is not copied
     if head != SIGNATURE:
-        raise ProtocolError(f"unknown protocol signature {bytes(head)!r}")
+        if head.startswith(PROTOCOL_FAMILY) and len(head) == len(SIGNATURE):
+            raise ProtocolError(f"protocol version {head.decode('ascii', 'replace')} is not "
+                                f"supported; this farm speaks {SIGNATURE.decode()}")
+        raise ProtocolError(f"unknown protocol signature {head!r}")
     command = _decode_command(bytes(_buffer(command_frame)[:2]))
     if allowed is not None and command not in allowed:
         raise ProtocolError(f"command {command.name} not accepted here")
@@ -156,7 +182,7 @@ def _decode_header(raw: memoryview, command: Command) -> dict[str, Any]:
     if raw.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"header is not valid msgpack: {exc}") from exc
     if not isinstance(header, dict):
@@ -177,6 +203,9 @@ def _check_array(message: Message) -> None:
         raise ProtocolError(f"item count {count} out of range")
     if header.get("start", 0) < 0:
         raise ProtocolError("negative start")
+    if message.command is not Command.RESULT and sum(
+            _frame_size(frame) for frame in message.payload) > MAX_TASK_BYTES:
+        raise ProtocolError(f"{message.command.name} carries more than {MAX_TASK_BYTES} bytes")
     if message.command is Command.DATA:
         return  # dtype and item shape were declared by the job's SUBMIT; checked by the broker
     item_bytes = check_array_spec(header["dtype"], header["item_shape"])

@@ -26,10 +26,14 @@ class ScriptedWorker:
         self.socket.send_multipart(protocol.encode(command, header, payload))
 
     def receive(self, timeout_ms: int = 10_000) -> Message | None:
-        """The next message, or None if none came within the timeout."""
-        if not self.socket.poll(timeout_ms):
-            return None
-        return protocol.decode(self.socket.recv_multipart())
+        """The next message other than a heartbeat (answered, to stay alive), or None if none
+        came within the timeout."""
+        while self.socket.poll(timeout_ms):
+            message = protocol.decode(self.socket.recv_multipart())
+            if message.command is not Command.HEARTBEAT:
+                return message
+            self.send(Command.HEARTBEAT, {})
+        return None
 
     def close(self) -> None:
         self.socket.close()

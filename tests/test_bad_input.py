@@ -35,9 +35,14 @@ def raw_socket(farm_two_workers) -> Iterator[zmq.Socket]:
     context.term()
 
 
-def reply(sock: zmq.Socket) -> protocol.Message:
-    assert sock.poll(REPLY_TIMEOUT_MS), "no reply within the timeout"
-    return protocol.decode(sock.recv_multipart())
+def reply(sock: zmq.Socket, timeout_ms: int = REPLY_TIMEOUT_MS) -> protocol.Message | None:
+    """The broker's next message other than a heartbeat; None if none came in time."""
+    while sock.poll(timeout_ms):
+        message = protocol.decode(sock.recv_multipart())
+        if message.command is not Command.HEARTBEAT:
+            return message
+    assert timeout_ms < REPLY_TIMEOUT_MS, "no reply within the timeout"
+    return None
 
 
 def assert_farm_still_serves(local, lenet, digits) -> None:
@@ -60,22 +65,24 @@ def test_a_bad_job_gets_a_clear_error(farm_two_workers, lenet, digits, images, m
     assert_farm_still_serves(farm_two_workers, lenet, digits)
 
 
+V = protocol.SIGNATURE
+
 GARBAGE = [
     [b"random bytes"],
-    [b"FARM01"],
-    [b"FARM01", b"\x05"],
-    [b"FARM02", b"\x05", msgpack.packb({})],
-    [b"FARM01", b"\xff", msgpack.packb({})],
-    [b"FARM01", b"\x05", b"\x93\x01"],  # truncated msgpack
-    [b"FARM01", b"\x05", msgpack.packb({"job": 1, "model": ["x"]})],
-    [b"FARM01", b"\x05", msgpack.packb({"job": "j", "model": "lenet", "dtype": "uint8",
+    [V],
+    [V, b"\x05"],
+    [b"FARM01", b"\x09", msgpack.packb({})],  # an older protocol version
+    [V, b"\xff", msgpack.packb({})],
+    [V, b"\x05", b"\x93\x01"],  # truncated msgpack
+    [V, b"\x05", msgpack.packb({"job": 1, "model": ["x"]})],
+    [V, b"\x05", msgpack.packb({"job": "j", "model": "lenet", "dtype": "uint8",
                                          "item_shape": [1, 28, 28], "total": -5,
                                          "options": {}})],
-    [b"FARM01", b"\x03", msgpack.packb({"job": "j", "chunk": 9, "start": 0, "count": 1,
+    [V, b"\x03", msgpack.packb({"job": "j", "chunk": 9, "start": 0, "count": 1,
                                          "dtype": "float32", "item_shape": [10],
                                          "timings": {}}), b"\0" * 40],  # a result nobody asked
-    [b"FARM01", b"\x02", msgpack.packb({})],  # a TASK sent to the broker
-    [b"FARM01", b"\x01", msgpack.packb({"device": "cpu", "host": "h", "pid": 1, "backend": "x",
+    [V, b"\x02", msgpack.packb({})],  # a TASK sent to the broker
+    [V, b"\x01", msgpack.packb({"device": "cpu", "host": "h", "pid": 1, "backend": "x",
                                          "models": {"lenet": 5}, "slots": 1})],
 ]
 
@@ -90,6 +97,8 @@ def test_garbage_frames_get_an_error_reply(farm_two_workers, raw_socket, lenet, 
     message = reply(raw_socket)
     assert message.command is Command.ERROR
     assert message.header["error"]
+    if frames[0] == b"FARM01":
+        assert f"this farm speaks {protocol.SIGNATURE.decode()}" in message.header["error"]
     assert_farm_still_serves(farm_two_workers, lenet, digits)
 
 
@@ -102,8 +111,10 @@ def submit_frames(job: str, total: int) -> list:
 def test_a_data_frame_that_lies_about_its_size_fails_only_its_job(farm_two_workers, raw_socket,
                                                                   lenet, digits) -> None:
     raw_socket.send_multipart(submit_frames("liar", 10))
-    raw_socket.send_multipart(protocol.encode(Command.DATA, {"job": "liar", "start": 0,
-                                                             "count": 10}, [b"\0" * 7839]))
+    need = reply(raw_socket)
+    assert need.command is Command.NEED and (need.header["start"], need.header["count"]) == (0, 10)
+    raw_socket.send_multipart(protocol.encode(Command.DATA, {"job": "liar", "chunk": need.header[
+        "chunk"], "start": 0, "count": 10}, [b"\0" * 7839]))
     message = reply(raw_socket)
     assert message.command is Command.ERROR and message.header["job"] == "liar"
     assert "7839 bytes" in message.header["error"]
@@ -162,16 +173,22 @@ def digest_of(model: str) -> str:
 
 def task(identity: bytes, chunk: int, images: np.ndarray, model: str = "lenet",
          shape=None) -> list:
-    header = {"job": "j", "chunk": chunk, "start": 0, "count": len(images), "model": model,
+    header = {"job": "j", "chunk": chunk, "attempt": 1, "start": 0, "count": len(images),
+              "model": model,
               "digest": digest_of(model), "dtype": str(images.dtype),
               "item_shape": list(shape or images.shape[1:])}
     return [identity, *protocol.encode(Command.TASK, header, [images.tobytes()])]
 
 
 def next_reply(router: zmq.Socket) -> protocol.Message:
-    assert router.poll(REPLY_TIMEOUT_MS), "worker did not answer"
-    _, *frames = router.recv_multipart()
-    return protocol.decode(frames)
+    """The worker's next message other than a heartbeat (answered, as a broker would)."""
+    while True:
+        assert router.poll(REPLY_TIMEOUT_MS), "worker did not answer"
+        identity, *frames = router.recv_multipart()
+        message = protocol.decode(frames)
+        if message.command is not Command.HEARTBEAT:
+            return message
+        router.send_multipart([identity, *protocol.encode(Command.HEARTBEAT, {})])
 
 
 def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digits) -> None:
@@ -239,7 +256,7 @@ def test_a_result_for_the_wrong_items_fails_the_job_with_the_reason(empty_farm, 
 
 def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_farm,
                                                                         digits) -> None:
-    """A one-slot worker never holds two chunks, even when input arrives late."""
+    """A one-slot worker never holds two chunks, even while the client is slow with input."""
     from tests.peers import ScriptedWorker
 
     worker = ScriptedWorker(empty_farm.endpoint, slots=1)
@@ -247,22 +264,27 @@ def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_fa
     client = context.socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)
     client.connect(empty_farm.endpoint)
+    images = digits[:12, None]
     try:
         client.send_multipart(submit_frames("late", 12))
-        assert worker.receive(300) is None  # no input yet: nothing sent
-        images = digits[:12, None]
-        client.send_multipart(protocol.encode(Command.DATA, {"job": "late", "start": 0,
-                                                             "count": 12}, [images.tobytes()]))
         for start in (0, 4, 8):
+            need = reply(client)
+            assert need.command is Command.NEED and need.header["start"] == start
+            assert worker.receive(300) is None  # no input yet: nothing sent
+            assert reply(client, 100) is None, "a second chunk was assigned beyond the single slot"
+            client.send_multipart(protocol.encode(Command.DATA, {
+                "job": "late", "chunk": need.header["chunk"], "start": start, "count": 4},
+                [images[start:start + 4].tobytes()]))
             task_message = worker.receive()
-            assert task_message.header["start"] == start
-            assert worker.receive(200) is None, "a second chunk exceeded the single slot"
+            assert task_message.header["start"] == start and task_message.header["attempt"] == 1
+            np.testing.assert_array_equal(task_message.array("uint8", (1, 28, 28)),
+                                          images[start:start + 4])
             header = {key: task_message.header[key] for key in ("job", "chunk", "start", "count")}
             worker.send(Command.RESULT, {**header, "dtype": "float32", "item_shape": [10],
                                          "timings": {"compute": 0.001}},
                         [np.zeros((4, 10), np.float32).tobytes()])
-        commands = [reply(client).command for _ in range(4)]
-        assert commands.count(Command.RESULT) == 3 and Command.DONE in commands
+            assert reply(client).command is Command.RESULT
+        assert reply(client).command is Command.DONE
     finally:
         worker.close()
         client.close()

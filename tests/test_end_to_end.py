@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from farm.client import Client, FarmError
+from farm.npy import NpyReader, NpyWriter
 from farm.local import LocalFarm
 from tests.conftest import reference_forward
 
@@ -123,12 +124,18 @@ def test_a_worker_that_cannot_start_is_reported_not_waited_for() -> None:
             pass
 
 
-def test_input_streamed_in_many_blocks_spanning_chunks(farm_two_workers, lenet, digits) -> None:
-    """Blocks of 7 images, chunks of 100: chunks are cut from several client frames."""
-    images = digits[:500]
-    with Client(farm_two_workers.endpoint, block_bytes=7 * images[0].nbytes) as client:
-        outputs = client.map(images, model="lenet")
-    np.testing.assert_allclose(outputs, reference_forward(lenet, images), atol=1e-5)
+def test_npy_file_in_and_out_a_chunk_at_a_time(farm_two_workers, lenet, digits,
+                                                tmp_path) -> None:
+    """Input read from a .npy by ranges, outputs written to a .npy as they come."""
+    images = np.resize(digits, (1234, 28, 28))
+    np.save(tmp_path / "in.npy", images)
+    writer = NpyWriter(tmp_path / "out.npy", len(images))
+    with Client(farm_two_workers.endpoint) as client:
+        result = client.run(NpyReader.open(tmp_path / "in.npy"), "lenet", out=writer)
+    writer.close()
+    assert result.outputs is None and not result.failed and result.duplicates == 0
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference_forward(lenet, images),
+                               atol=1e-5)
 
 
 def test_pinned_workers_run_one_thread(farm_two_workers) -> None:

@@ -11,7 +11,8 @@ from farm.protocol import Command, ProtocolError
 
 
 def task_header(count: int = 2, shape=(1, 28, 28), dtype: str = "uint8") -> dict:
-    return {"job": "j", "chunk": 1, "start": 0, "count": count, "model": "lenet", "digest": "0" * 64,
+    return {"job": "j", "chunk": 1, "attempt": 1, "start": 0, "count": count, "model": "lenet",
+            "digest": "0" * 64,
             "dtype": dtype, "item_shape": list(shape)}
 
 
@@ -36,23 +37,24 @@ def test_array_from_several_frames_is_joined() -> None:
 
 
 @pytest.mark.parametrize("frames, reason", [
-    ([b"FARM01", b"\x02"], "at least 3 frames"),
-    ([b"FARM99", b"\x02", msgpack.packb({})], "signature"),
-    ([b"FARM01", b"\x7f", msgpack.packb({})], "unknown command"),
-    ([b"FARM01", b"\x02", b"\xc1garbage"], "not valid msgpack"),
-    ([b"FARM01", b"\x02", msgpack.packb([1, 2])], "must be a map"),
-    ([b"FARM01", b"\x02", msgpack.packb({**task_header(), "count": "2"}), b"x" * 1568], "count"),
-    ([b"FARM01", b"\x02", msgpack.packb({**task_header(), "dtype": "float64"}), b"x" * 1568],
+    ([protocol.SIGNATURE, b"\x02"], "at least 3 frames"),
+    ([b"FARM99", b"\x02", msgpack.packb({})], "protocol version FARM99 is not supported"),
+    ([b"XX", b"\x02", msgpack.packb({})], "unknown protocol signature"),
+    ([protocol.SIGNATURE, b"\x7f", msgpack.packb({})], "unknown command"),
+    ([protocol.SIGNATURE, b"\x02", b"\xc1garbage"], "not valid msgpack"),
+    ([protocol.SIGNATURE, b"\x02", msgpack.packb([1, 2])], "must be a map"),
+    ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(), "count": "2"}), b"x" * 1568], "count"),
+    ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(), "dtype": "float64"}), b"x" * 1568],
      "not allowed"),
-    ([b"FARM01", b"\x02", msgpack.packb({**task_header(), "item_shape": [1, -28, 28]}), b"x"],
+    ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(), "item_shape": [1, -28, 28]}), b"x"],
      "invalid item shape"),
-    ([b"FARM01", b"\x02", msgpack.packb(task_header()), b"x" * 1567], "payload is 1567 bytes"),
-    ([b"FARM01", b"\x02", msgpack.packb({**task_header(), "count": 1 << 40}), b"x"],
+    ([protocol.SIGNATURE, b"\x02", msgpack.packb(task_header()), b"x" * 1567], "payload is 1567 bytes"),
+    ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(), "count": 1 << 40}), b"x"],
      "out of range"),
-    ([b"FARM01", b"\x02", msgpack.packb({**task_header(1, [1 << 20] * 4)}), b"x"], "larger than"),
-    ([b"FARM01", b"\x05", msgpack.packb({"job": "j"})], "model"),
-    ([b"FARM01", b"\x09", msgpack.packb({}), b"unexpected"], "carries no payload"),
-    ([b"FARM01", b"\x02", b"\x81" + b"\xdb\x7f\xff\xff\xff"], "not valid msgpack"),
+    ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(1, [1 << 20] * 4)}), b"x"], "larger than"),
+    ([protocol.SIGNATURE, b"\x05", msgpack.packb({"job": "j"})], "model"),
+    ([protocol.SIGNATURE, b"\x09", msgpack.packb({}), b"unexpected"], "carries no payload"),
+    ([protocol.SIGNATURE, b"\x02", b"\x81" + b"\xdb\x7f\xff\xff\xff"], "not valid msgpack"),
 ])
 def test_malformed_messages_are_rejected_with_a_reason(frames, reason) -> None:
     with pytest.raises(ProtocolError, match=reason):
@@ -76,6 +78,6 @@ def test_frames_are_a_msgpack_header_and_the_raw_buffer() -> None:
               "item_shape": [10], "timings": {"compute": 0.5}}
     outputs = np.linspace(0, 1, 10, dtype=np.float32).reshape(1, 10)
     frames = protocol.encode(Command.RESULT, header, protocol.array_frames(outputs))
-    assert len(frames) == 4 and bytes(frames[0]) == b"FARM01" and frames[1] == b"\x03"
+    assert len(frames) == 4 and bytes(frames[0]) == protocol.SIGNATURE and frames[1] == b"\x03"
     assert msgpack.unpackb(frames[2]) == header  # plain msgpack, readable by any language
     assert bytes(frames[3]) == outputs.tobytes()  # the buffer itself: no pickle framing

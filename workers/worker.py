@@ -1,5 +1,13 @@
 """A stateless DEALER worker: receive a chunk, run the model, reply with outputs and timings.
 
+Two threads: the main thread owns the broker socket and keeps the link alive
+(the ZeroMQ guide's Paranoid Pirate worker: heartbeats out on every interval,
+the broker declared lost after ``liveness`` silent intervals, then a fresh
+socket and a new READY, with back-off); the compute thread runs the chunks,
+so a long chunk never silences the heartbeats.  Replies come back to the
+main thread over an inproc pipe, tagged with the connection they belong to:
+a reply for a connection that was replaced is dropped, not sent to the new one.
+
 ``--device cpu:N`` pins the process to core N and caps every compute library
 at one thread; ``--device cpu`` runs unpinned with the libraries' defaults;
 ``--device gpu:N`` runs the torch backend on CUDA device N.  The worker keeps
@@ -12,8 +20,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +41,11 @@ from farm.repository import ModelError, ModelSpec, available, find, load_spec, p
 log = logging.getLogger("farm.worker")
 
 #: Commands a worker accepts from the broker.
-ACCEPTED = frozenset({Command.TASK, Command.MODEL, Command.ERROR, Command.HEARTBEAT})
+ACCEPTED = frozenset({Command.TASK, Command.MODEL, Command.ERROR, Command.HEARTBEAT,
+                      Command.DISCONNECT})
+
+#: Longest wait between reconnection attempts while the broker is silent, in seconds.
+MAX_RECONNECT_INTERVAL = 32.0
 
 #: Seconds a chunk waits for its model's files before it is reported FAILED.
 FETCH_TIMEOUT = 120.0
@@ -117,6 +131,11 @@ class WorkerConfig:
     max_tasks: int | None = None  # exit after this many chunks (tests, benchmarks)
     backend: str | None = None  # None: the device's default (opencv on CPUs, torch on GPUs)
     cache_dir: str | None = None  # None: $FARM_CACHE/models or ~/.cache/farm/models
+    heartbeat: float = 1.0  # seconds between heartbeats to the broker
+    liveness: int = 5  # silent broker heartbeats before the worker reconnects
+    curve: str | None = None  # a `farm keys` folder: connect with CurveZMQ ...
+    curve_name: str = "worker"  # ... as this key
+    fail_items: tuple[int, int] | None = None  # fault injection: chunks touching [a, b) fail
 
 
 Reply = list[Any]
@@ -200,7 +219,7 @@ class Worker:
         return {"device": str(self.config.device), "host": socket.gethostname(),
                 "pid": os.getpid(), "backend": self.backend, "threads": self.thread_count(),
                 "models": {name: spec.summary() for name, spec in self.local_models().items()},
-                "loaded": sorted({e.spec.name for e in self.engines.values()}),
+                "loaded": sorted({e.spec.name for e in list(self.engines.values())}),
                 "slots": self.config.slots}
 
     def thread_count(self) -> int:
@@ -215,28 +234,90 @@ class Worker:
     def run(self, context: zmq.Context) -> None:
         """Serve chunks until stopped by a signal or ``max_tasks``."""
         self.preload()
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-        sock.connect(self.config.broker)
-        sock.send_multipart(protocol.encode(Command.READY, self.ready_header()))
+        link = BrokerLink(context, self.config, self.ready_header)
+        tasks: queue.Queue[Task | None] = queue.Queue()
+        pipe = context.socket(zmq.PAIR)
+        pipe.bind(f"inproc://farm-worker-{id(self)}")
+        compute = threading.Thread(target=self.compute_loop, name="compute", daemon=True,
+                                   args=(context, f"inproc://farm-worker-{id(self)}", tasks,
+                                         link))
+        compute.start()
         log.info("worker %s (%s) ready, broker %s", self.config.device, self.backend,
                  self.config.broker)
         try:
+            self.io_loop(link, pipe, tasks)
+        finally:
+            self.running = False
+            tasks.put(None)
+            compute.join(timeout=5.0)
+            link.close(goodbye=True)
+            pipe.close()
+
+    def io_loop(self, link: BrokerLink, pipe: zmq.Socket, tasks: queue.Queue) -> None:
+        """The main thread: broker messages in, replies out, the link's timers."""
+        poller = zmq.Poller()
+        poller.register(pipe, zmq.POLLIN)
+        while self.running:
+            sock = link.socket
+            poller.register(sock, zmq.POLLIN)
+            events = dict(poller.poll(max(1, int(link.wait() * 1000))))
+            poller.unregister(sock)
+            if sock in events:
+                self.receive(link, tasks)
+            if pipe in events:
+                generation, *reply = pipe.recv_multipart(copy=False)
+                if int(generation.bytes) == link.generation:
+                    link.socket.send_multipart(reply, copy=False)
+                if self.config.max_tasks and self.tasks_done >= self.config.max_tasks:
+                    return
+            if link.tick():
+                tasks.put(Task(link.generation, None, 0.0))  # the old connection's fetches died
+
+    def receive(self, link: BrokerLink, tasks: queue.Queue) -> None:
+        """One message from the broker: liveness, a reconnect order, or work for compute."""
+        received = time.perf_counter()
+        frames = link.socket.recv_multipart(copy=False)
+        link.heard()
+        try:
+            message = protocol.decode(frames, allowed=ACCEPTED)
+        except ProtocolError as exc:
+            log.warning("dropped malformed message: %s", exc)
+            return
+        if message.command is Command.HEARTBEAT:
+            link.broker_interval(message.header.get("interval"))
+        elif message.command is Command.DISCONNECT:
+            log.warning("the broker does not know this worker (it restarted, or declared us "
+                        "dead): registering again")
+            link.reconnect()
+            tasks.put(Task(link.generation, None, 0.0))
+        else:
+            tasks.put(Task(link.generation, message, received))
+
+    def compute_loop(self, context: zmq.Context, address: str, tasks: queue.Queue,
+                     link: BrokerLink) -> None:
+        """The compute thread: run tasks of the current connection, send the replies back."""
+        pipe = context.socket(zmq.PAIR)
+        pipe.connect(address)
+        try:
             while self.running:
                 for reply in self.expire_fetches():
-                    sock.send_multipart(reply, copy=False)
-                if not sock.poll(250):
+                    pipe.send_multipart([str(link.generation).encode(), *reply], copy=False)
+                try:
+                    task = tasks.get(timeout=0.25)
+                except queue.Empty:
                     continue
-                received = time.perf_counter()
-                frames = sock.recv_multipart(copy=False)
-                for reply in self.handle(frames, received):
-                    sock.send_multipart(reply, copy=False)
-                if self.config.max_tasks and self.tasks_done >= self.config.max_tasks:
-                    break
+                if task is None:
+                    return
+                if task.message is None:  # a new connection: parked chunks and fetches are void
+                    self.waiting.clear()
+                    self.fetch_sent.clear()
+                    continue
+                if task.generation != link.generation:
+                    continue  # sent over a connection that was replaced: the broker requeued it
+                for reply in self.dispatch(task.message, task.received):
+                    pipe.send_multipart([str(task.generation).encode(), *reply], copy=False)
         finally:
-            sock.send_multipart(protocol.encode(Command.DISCONNECT))
-            sock.close()
+            pipe.close(linger=0)
 
     def handle(self, frames: list[Any], received: float) -> list[Reply]:
         """One incoming message (``received`` when its receive began) -> the replies to send."""
@@ -245,6 +326,9 @@ class Worker:
         except ProtocolError as exc:
             log.warning("dropped malformed message: %s", exc)
             return []
+        return self.dispatch(message, received)
+
+    def dispatch(self, message: Message, received: float) -> list[Reply]:
         if message.command is Command.ERROR:
             log.error("broker refused us: %s", message.header["error"])
         elif message.command is Command.TASK:
@@ -297,13 +381,16 @@ class Worker:
             if now - sent > FETCH_TIMEOUT:
                 del self.fetch_sent[digest]
                 error = f"no model files from the broker within {FETCH_TIMEOUT:.0f} s"
-                replies += [self.failed(task, error) for task, _ in self.waiting.pop(digest, [])]
+                replies += [self.failed(task, error, fatal=False)
+                            for task, _ in self.waiting.pop(digest, [])]
         return replies
 
     @staticmethod
-    def failed(message: Message, error: str) -> Reply:
+    def failed(message: Message, error: str, fatal: bool = True) -> Reply:
+        """FAILED for a chunk: ``fatal`` when no worker could run it (the model is unusable),
+        not fatal when another attempt may succeed."""
         ids = {key: message.header[key] for key in ("job", "chunk", "start", "count")}
-        return protocol.encode(Command.FAILED, {**ids, "error": error})
+        return protocol.encode(Command.FAILED, {**ids, "error": error, "fatal": fatal})
 
     def run_task(self, message: Message, received: float,
                  spec: ModelSpec | None = None) -> Reply:
@@ -327,12 +414,13 @@ class Worker:
                                  f"{engine.spec.name!r} input {engine.spec.item_shape}")
             images = message.array(header["dtype"], item_shape)
             decoded = time.perf_counter()
+            self.inject_fault(header["start"], header["count"])
             outputs = engine.run(images)
         except (ModelError, ValueError, ProtocolError) as exc:
             return self.failed(message, str(exc))
-        except Exception as exc:  # backend errors and anything unforeseen stay per-chunk
+        except Exception as exc:  # backend errors and anything unforeseen: worth a retry
             log.exception("chunk %s failed", ids)
-            return self.failed(message, f"{type(exc).__name__}: {exc}")
+            return self.failed(message, f"{type(exc).__name__}: {exc}", fatal=False)
         computed = time.perf_counter()
         self.tasks_done += 1
         frames = protocol.array_frames(outputs)
@@ -342,8 +430,103 @@ class Worker:
             **ids, "dtype": "float32", "item_shape": list(outputs.shape[1:]),
             "timings": timings}, frames)
 
+    def inject_fault(self, start: int, count: int) -> None:
+        """Fail a chunk that touches ``fail_items`` (chaos tests: a poison chunk)."""
+        if self.config.fail_items:
+            low, high = self.config.fail_items
+            if start < high and low < start + count:
+                raise RuntimeError(f"injected fault on items {low}..{high - 1}")
+
     def stop(self, *_: Any) -> None:
         self.running = False
+
+
+@dataclass
+class Task:
+    """A message for the compute thread, from connection ``generation``; ``message`` None:
+    a new connection began."""
+
+    generation: int
+    message: Message | None
+    received: float
+
+
+class BrokerLink:
+    """The worker's end of the Paranoid Pirate link: socket, heartbeats, expiry, back-off.
+
+    Every message from the broker counts as a heartbeat.  When the broker has
+    been silent for ``liveness`` intervals the link closes its socket, opens a
+    fresh one and registers again; while the broker stays silent it waits
+    twice as long before each new try, up to ``MAX_RECONNECT_INTERVAL``.
+    """
+
+    def __init__(self, context: zmq.Context, config: WorkerConfig,
+                 ready_header: Any) -> None:
+        self.context = context
+        self.config = config
+        self.ready_header = ready_header
+        self.generation = 0
+        self.interval = config.heartbeat  # the broker's heartbeat interval, once heard
+        self.retry_interval = self.expiry
+        self.socket: zmq.Socket = self.connect()
+
+    @property
+    def expiry(self) -> float:
+        return self.config.liveness * max(self.config.heartbeat, self.interval)
+
+    def connect(self) -> zmq.Socket:
+        sock = self.context.socket(zmq.DEALER)
+        protocol.limit_socket(sock, linger_ms=1000)
+        if self.config.curve:
+            from farm.keys import make_client
+
+            make_client(sock, self.config.curve, self.config.curve_name)
+        sock.connect(self.config.broker)
+        sock.send_multipart(protocol.encode(Command.READY, {
+            **self.ready_header(), "heartbeat": self.config.heartbeat}))
+        now = time.monotonic()
+        self.last_heard, self.next_beat = now, now + self.config.heartbeat
+        self.deadline = now + self.retry_interval
+        return sock
+
+    def heard(self) -> None:
+        now = time.monotonic()
+        self.last_heard = now
+        self.retry_interval = self.expiry
+        self.deadline = now + self.expiry
+
+    def broker_interval(self, interval: Any) -> None:
+        if isinstance(interval, (int, float)) and 0 < interval <= 60:
+            self.interval = float(interval)
+
+    def wait(self) -> float:
+        """Seconds until the next timer."""
+        return max(0.0, min(self.next_beat, self.deadline) - time.monotonic())
+
+    def tick(self) -> bool:
+        """Heartbeat when due; reconnect when the broker is silent too long (True then)."""
+        now = time.monotonic()
+        if now >= self.next_beat:
+            self.socket.send_multipart(protocol.encode(Command.HEARTBEAT))
+            self.next_beat = now + self.config.heartbeat
+        if now < self.deadline:
+            return False
+        log.warning("no word from broker %s for %.1f s: reconnecting", self.config.broker,
+                    now - self.last_heard)
+        self.retry_interval = min(self.retry_interval * 2, MAX_RECONNECT_INTERVAL)
+        self.reconnect()
+        return True
+
+    def reconnect(self) -> None:
+        """A fresh socket and a new READY; replies for the old connection will be dropped."""
+        self.close(goodbye=False)
+        self.generation += 1
+        self.socket = self.connect()
+
+    def close(self, goodbye: bool) -> None:
+        if goodbye:
+            self.socket.send_multipart(protocol.encode(Command.DISCONNECT))
+        self.socket.close(linger=1000 if goodbye else 0)
 
 
 def serve(config: WorkerConfig) -> None:

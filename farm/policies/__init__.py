@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Iterable, Mapping
 
-from farm.policies.base import (DEFAULT_FLOOR, Assign, Chunk, ChunkDone, Event, Policy,
+from farm.policies.base import (DEFAULT_FLOOR, Assign, Chunk, ChunkDone, ChunkFailed, Event, Policy,
                                 WorkerId, WorkerLost, WorkerReady, proportional_split)
 from farm.policies.equal_finish import EqualFinishPolicy
 from farm.policies.fast_split import FastSplitPolicy
@@ -61,7 +61,7 @@ def make_policy(name: str, total: int, workers: Iterable[WorkerId] = (),
     return cls(total, workers, speeds, **params)
 
 
-__all__ = ["Assign", "BARRIER_POLICIES", "Chunk", "ChunkDone", "DEFAULT_FLOOR", "Event",
+__all__ = ["Assign", "BARRIER_POLICIES", "Chunk", "ChunkDone", "ChunkFailed", "DEFAULT_FLOOR", "Event",
            "PAPER_PARAMETERS", "POLICIES", "Policy", "WorkerLost", "WorkerReady", "make_policy",
            "parameters", "proportional_split"]
 

@@ -13,6 +13,9 @@ Events:
   follows with ``WorkerReady`` when it wants the slot filled by this job.
 * ``WorkerLost(worker)``: the worker is gone; its chunks in flight go back
   to the pool and are handed to idle workers.
+* ``ChunkFailed(worker, chunk, retry)``: the worker could not run ``chunk``;
+  with ``retry`` it goes back to the pool like a lost worker's chunk, without
+  it the chunk is given up (counted as finished, with no output and no speed).
 
 Every event carries ``at``, the driver's clock (seconds, any origin): the
 broker passes its monotonic clock, the simulator its simulated time.  A
@@ -70,7 +73,15 @@ class WorkerLost:
     at: float = 0.0
 
 
-Event = WorkerReady | ChunkDone | WorkerLost
+@dataclass(frozen=True)
+class ChunkFailed:
+    worker: WorkerId
+    chunk: Chunk
+    retry: bool = True
+    at: float = 0.0
+
+
+Event = WorkerReady | ChunkDone | WorkerLost | ChunkFailed
 
 
 @dataclass(frozen=True)
@@ -172,6 +183,8 @@ class Policy(ABC):
         self.idle: list[WorkerId] = []  # workers waiting for work, in arrival order
         self.lost: set[WorkerId] = set()
         self.completed = 0
+        self.abandoned = 0  # items of chunks given up (counted in ``completed`` too)
+        self.max_chunk: int | None = None  # the driver's cap on chunk size (message limits)
         self.holding = 0  # chunks in flight, all workers
         self.now = 0.0  # the latest event's time
         self.events = 0  # events handled: a version number for caches of derived state
@@ -210,6 +223,8 @@ class Policy(ABC):
             self._complete(event)
         elif isinstance(event, WorkerLost):
             self._lose(event.worker)
+        elif isinstance(event, ChunkFailed):
+            self._fail(event)
         return self._assign()
 
     def _complete(self, event: ChunkDone) -> None:
@@ -220,6 +235,19 @@ class Policy(ABC):
         self.holding -= 1
         self.completed += event.chunk.count
         self.on_chunk_done(event)
+
+    def _fail(self, event: ChunkFailed) -> None:
+        chunks = self.in_flight.get(event.worker, [])
+        if event.chunk not in chunks:
+            raise ValueError(f"{event.worker} did not hold {event.chunk}")
+        chunks.remove(event.chunk)
+        self.holding -= 1
+        if event.retry:
+            self.pool.give_back(event.chunk)
+            self.on_chunks_returned(event.worker, [event.chunk])
+        else:
+            self.completed += event.chunk.count
+            self.abandoned += event.chunk.count
 
     def _lose(self, worker: WorkerId) -> None:
         returned = self.in_flight.pop(worker, [])
@@ -259,9 +287,12 @@ class Policy(ABC):
         size = self.chunk_size(worker)
         if size is None or size <= 0:
             return None
+        if self.max_chunk is not None:
+            size = min(size, self.max_chunk)
         if busy and self.pool.remaining < size * len(self.in_flight):
             return None
-        chunk = self.pool.take(size, self.floor)
+        chunk = self.pool.take(size, self.floor if self.max_chunk is None
+                               else min(self.floor, self.max_chunk - size + 1))
         self.idle.remove(worker)
         self.in_flight[worker].append(chunk)
         self.holding += 1
@@ -280,3 +311,7 @@ class Policy(ABC):
 
     def on_worker_lost(self, worker: WorkerId, returned: list[Chunk]) -> None:
         """Hook: a worker left; ``returned`` are its chunks, back in the pool."""
+        self.on_chunks_returned(worker, returned)
+
+    def on_chunks_returned(self, worker: WorkerId, returned: list[Chunk]) -> None:
+        """Hook: chunks the worker held are back in the pool (it left, or they failed)."""

@@ -66,7 +66,11 @@ class RoundPolicy(Policy):
 
     def on_worker_lost(self, worker: WorkerId, returned: list[Chunk]) -> None:
         """What the worker held or was still due this round goes to the next idle worker."""
-        self.orphans += self.plan.pop(worker, 0) + sum(chunk.count for chunk in returned)
+        self.orphans += self.plan.pop(worker, 0)
+        self.on_chunks_returned(worker, returned)
+
+    def on_chunks_returned(self, worker: WorkerId, returned: list[Chunk]) -> None:
+        self.orphans += sum(chunk.count for chunk in returned)
 
     def split(self, items: int, members: list[WorkerId]) -> dict[WorkerId, int]:
         """``items`` split by measured speed (equal while none is known), no piece below the floor."""

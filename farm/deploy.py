@@ -1,0 +1,316 @@
+"""``farm deploy``: configuration that runs a standing farm under a process supervisor.
+
+``farm deploy supervisord`` writes a supervisord configuration: a broker, one worker
+pinned to each CPU core, and one worker per GPU, run on a core taken out of the CPU
+workers' set to feed it (the highest-numbered cores first, as the paper did).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from farm.client import DEFAULT_BROKER
+
+DEFAULT_RUN_DIR = "/tmp/farm"
+
+#: Seconds supervisord gives a program to exit after SIGTERM before SIGKILL.
+STOP_WAIT_SECONDS = 10
+
+#: Longest path a unix socket may have (sun_path is 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+
+#: Hosts that mean "every interface" in a bind endpoint, and what to connect to instead.
+WILDCARD_HOSTS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]"}
+
+
+def parse_ids(text: str, what: str) -> tuple[int, ...]:
+    """``0-7`` or ``0,2,4-6`` -> sorted distinct ids; ValueError naming ``what`` if malformed."""
+    ids: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not match:
+            raise ValueError(f"malformed {what} list {text!r}: expected numbers and ranges "
+                             f"like 0-7 or 0,2,4-6")
+        first = int(match[1])
+        last = int(match[2]) if match[2] is not None else first
+        if last < first:
+            raise ValueError(f"malformed {what} list {text!r}: range {first}-{last} runs "
+                             f"backwards")
+        ids += range(first, last + 1)
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ValueError(f"{what} list {text!r} names {', '.join(map(str, repeated))} twice")
+    return tuple(sorted(ids))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which core runs what: CPU workers, and each GPU's worker with the core feeding it."""
+
+    cpu_cores: tuple[int, ...]
+    gpus: tuple[tuple[int, int], ...]  # (gpu, core)
+
+    @classmethod
+    def plan(cls, cores: tuple[int, ...], gpus: tuple[int, ...]) -> Layout:
+        """Take one core per GPU off the top of ``cores``; the rest get a CPU worker each."""
+        if len(cores) < len(gpus):
+            raise ValueError(f"{len(gpus)} GPUs need a core each to feed them, but only "
+                             f"{len(cores)} cores were given")
+        ordered = sorted(cores)
+        kept = len(ordered) - len(gpus)
+        feeders = ordered[kept:][::-1]  # the highest core feeds the first GPU
+        return cls(tuple(ordered[:kept]), tuple(zip(sorted(gpus), feeders)))
+
+    def describe(self) -> str:
+        devices = [f"cpu:{core}" for core in self.cpu_cores]
+        devices += [f"gpu:{gpu} on core {core}" for gpu, core in self.gpus]
+        return ", ".join(devices) or "none"
+
+
+def connect_endpoint(bind: str) -> str:
+    """Where workers on this host reach a broker bound to ``bind``."""
+    match = re.fullmatch(r"tcp://(.+):([^:]+)", bind)
+    if not match:
+        return bind  # ipc://, inproc://: connect to the same address
+    host, port = match.groups()
+    if not port.isdigit():
+        raise ValueError(f"--bind {bind}: a supervised broker needs a fixed port, not {port!r}")
+    return f"tcp://{WILDCARD_HOSTS.get(host, host)}:{port}"
+
+
+@dataclass(frozen=True)
+class Program:
+    """One supervised process."""
+
+    name: str
+    command: tuple[str, ...]
+    priority: int
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Everything a generated configuration says."""
+
+    layout: Layout
+    farm: tuple[str, ...]  # the command that runs farm: python -m farm, or farm
+    bind: str
+    connect: str
+    algo: str
+    models: tuple[str, ...]
+    run_dir: Path
+    broker_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
+    broker: bool = True
+
+    @property
+    def socket(self) -> Path:
+        return self.run_dir / "supervisor.sock"
+
+    def broker_program(self) -> Program:
+        return Program("farm-broker", (*self.farm, "broker", "--bind", self.bind, "--algo",
+                                       self.algo, *self.broker_args), 10)
+
+    def worker_command(self, device: str) -> tuple[str, ...]:
+        preload = [arg for model in self.models for arg in ("--model", model)]
+        return (*self.farm, "worker", "--device", device, "--broker", self.connect, *preload,
+                *self.worker_args)
+
+    def worker_programs(self) -> list[Program]:
+        cpus = [Program(f"farm-cpu-{core}", self.worker_command(f"cpu:{core}"), 20)
+                for core in self.layout.cpu_cores]
+        gpus = [Program(f"farm-gpu-{gpu}",
+                        ("taskset", "-c", str(core), *self.worker_command(f"gpu:{gpu}")), 20)
+                for gpu, core in self.layout.gpus]
+        return cpus + gpus
+
+
+Section = tuple[str, dict[str, str]]
+
+
+def supervisor_sections(deployment: Deployment) -> list[Section]:
+    """supervisord's own sections: control socket, daemon, RPC, supervisorctl."""
+    run = deployment.run_dir
+    return [
+        ("unix_http_server", {"file": str(deployment.socket), "chmod": "0700"}),
+        ("supervisord", {"logfile": str(run / "supervisord.log"),
+                         "pidfile": str(run / "supervisord.pid"),
+                         "childlogdir": str(run), "nodaemon": "false"}),
+        ("rpcinterface:supervisor",
+         {"supervisor.rpcinterface_factory": "supervisor.rpcinterface:make_main_rpcinterface"}),
+        ("supervisorctl", {"serverurl": f"unix://{deployment.socket}"}),
+    ]
+
+
+def program_section(program: Program, run_dir: Path) -> Section:
+    return (f"program:{program.name}", {
+        "command": shlex.join(program.command),
+        "priority": str(program.priority),
+        "autorestart": "true",
+        "startsecs": "1",
+        "stopsignal": "TERM",
+        "stopwaitsecs": str(STOP_WAIT_SECONDS),
+        "redirect_stderr": "true",
+        "stdout_logfile": str(run_dir / f"{program.name}.log"),
+    })
+
+
+def sections(deployment: Deployment) -> list[Section]:
+    workers = deployment.worker_programs()
+    programs = ([deployment.broker_program()] if deployment.broker else []) + workers
+    result = supervisor_sections(deployment)
+    result += [program_section(program, deployment.run_dir) for program in programs]
+    if workers:
+        result.append(("group:farm-workers",
+                       {"programs": ",".join(program.name for program in workers)}))
+    return result
+
+
+def config_value(value: str) -> str:
+    """A value as supervisord reads it back: ``%`` escaped; comment markers refused."""
+    if re.search(r"\s[;#]|[\r\n]", value):
+        raise ValueError(f"supervisord would cut {value!r} short: ' ;' and ' #' start a "
+                         f"comment there, and values are one line")
+    return value.replace("%", "%%")
+
+
+def header(deployment: Deployment, config: str, generated_by: str) -> list[str]:
+    control = f"supervisorctl -c {shlex.quote(config)}"
+    workers = deployment.worker_programs()
+    tail = f"farm-workers:{workers[0].name}" if workers else "farm-broker"
+    what = ("broker + " if deployment.broker else "") + \
+        f"workers ({deployment.layout.describe()})"
+    return [
+        f"; A farm under supervisord: {what}.",
+        f"; Broker: {deployment.bind if deployment.broker else 'elsewhere'}; "
+        f"workers connect to {deployment.connect}.",
+        f"; Generated by: {generated_by}",
+        ";",
+        f"; Start:    mkdir -p {shlex.quote(str(deployment.run_dir))} && "
+        f"supervisord -c {shlex.quote(config)}",
+        f"; Inspect:  {control} status       (logs: {deployment.run_dir}/*.log)",
+        f";           {control} tail -f {tail}",
+        f"; Restart:  {control} restart farm-workers:*",
+        f"; Stop:     {control} shutdown",
+    ]
+
+
+def render(deployment: Deployment, config: str, generated_by: str) -> str:
+    """The configuration file's text; ``config`` is its path, for the header's commands."""
+    lines = header(deployment, config, generated_by)
+    for name, values in sections(deployment):
+        lines += ["", f"[{name}]"]
+        lines += [f"{key} = {config_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def invocation(ctx: click.Context) -> str:
+    """The options given for this run, as a command line."""
+    words = ctx.command_path.split()
+    for param in ctx.command.params:
+        if ctx.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE:
+            continue
+        flag = max(param.opts, key=len)
+        value = ctx.params[param.name]
+        if isinstance(param, click.Option) and param.is_flag:
+            words.append(flag)
+            continue
+        for item in value if param.multiple else (value,):
+            text = str(item)
+            words += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
+    return shlex.join(words)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def deploy() -> None:
+    """Generate configuration that runs a standing farm under a process supervisor.
+
+    \b
+    Example:
+      farm deploy supervisord --gpus 0,1 --model lenet -o farm.conf
+      mkdir -p /tmp/farm && supervisord -c farm.conf
+    """
+
+
+def default_farm_command() -> str:
+    return shlex.join([os.path.abspath(sys.executable), "-m", "farm"])
+
+
+def algo_choice() -> click.Choice:
+    from farm.policies import POLICIES
+
+    return click.Choice(list(POLICIES))
+
+
+@deploy.command()
+@click.option("--cpus", help="Cores to use, like 0-7 or 0,2,4-6 [default: every core this "
+                             "process may run on].")
+@click.option("--gpus", default="", help="GPUs to run a worker on, like 0,1 [default: none]; "
+                                         "each takes the highest free core to feed it.")
+@click.option("--bind", default=DEFAULT_BROKER, show_default=True,
+              help="Endpoint the broker binds.")
+@click.option("--connect", help="Endpoint workers connect to [default: --bind's port on "
+                                "127.0.0.1 when it binds every interface].")
+@click.option("--algo", default="equal-finish", show_default=True, type=algo_choice(),
+              help="Scheduling policy of the broker.")
+@click.option("--model", "models", multiple=True, help="Model workers load at start (repeatable).")
+@click.option("--run-dir", default=DEFAULT_RUN_DIR, show_default=True,
+              type=click.Path(file_okay=False),
+              help="Folder of supervisord's socket, pidfile and every log.")
+@click.option("--broker-arg", "broker_args", multiple=True,
+              help="Extra argument for the broker, verbatim (repeatable): "
+                   "--broker-arg=--heartbeat --broker-arg=0.5")
+@click.option("--worker-arg", "worker_args", multiple=True,
+              help="Extra argument for every worker, verbatim (repeatable): "
+                   "--worker-arg=--slots --worker-arg=3")
+@click.option("--no-broker", is_flag=True,
+              help="Workers only, for hosts that serve a broker elsewhere (needs --connect).")
+@click.option("--farm-command", default=default_farm_command,
+              show_default="this Python's -m farm",
+              help="Command that runs farm in the configuration, e.g. farm.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
+              help="Write the configuration here [default: stdout].")
+@click.pass_context
+def supervisord(ctx: click.Context, cpus: str | None, gpus: str, bind: str,
+                connect: str | None, algo: str, models: tuple[str, ...], run_dir: str,
+                broker_args: tuple[str, ...], worker_args: tuple[str, ...], no_broker: bool,
+                farm_command: str, output: str | None) -> None:
+    """Write a supervisord configuration: a broker and one pinned worker per core and GPU.
+
+    \b
+    Examples:
+      farm deploy supervisord -o farm.conf                   # every core, broker on :5555
+      farm deploy supervisord --cpus 0-15 --gpus 0,1 --bind 'tcp://*:5555' -o farm.conf
+      farm deploy supervisord --no-broker --connect tcp://10.0.0.1:5555 -o workers.conf
+    """
+    if no_broker and connect is None:
+        raise click.UsageError("--no-broker: give --connect, the broker's endpoint as seen "
+                               "from this host")
+    try:
+        cores = (parse_ids(cpus, "core") if cpus is not None
+                 else tuple(sorted(os.sched_getaffinity(0))))
+        farm = tuple(shlex.split(farm_command))
+        if not farm:
+            raise ValueError("--farm-command is empty")
+        layout = Layout.plan(cores, parse_ids(gpus, "GPU") if gpus.strip() else ())
+        deployment = Deployment(
+            layout, farm, bind, connect or connect_endpoint(bind),
+            algo, models, Path(os.path.abspath(run_dir)), broker_args, worker_args,
+            not no_broker)
+        if len(str(deployment.socket)) > MAX_SOCKET_PATH:
+            raise ValueError(f"--run-dir {run_dir} is too long for supervisord's unix socket "
+                             f"(at most {MAX_SOCKET_PATH} characters in all)")
+        text = render(deployment, output or "supervisord.conf", invocation(ctx))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if output:
+        Path(output).write_text(text)
+    else:
+        click.echo(text, nl=False)

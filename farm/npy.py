@@ -1,0 +1,143 @@
+"""`.npy` files read and written range by range, with ``pread``/``pwrite``.
+
+A client streams an input larger than RAM through these: each read copies one
+chunk's items into a fresh buffer and nothing stays mapped, so the process's
+resident memory does not grow with the file (a memory map's pages would count
+in its RSS until the kernel reclaims them).  Outputs are written where they
+belong as they arrive.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numpy.lib import format as npy_format
+
+
+class NpyError(ValueError):
+    """A file that is not a plain C-order .npy array."""
+
+
+def _read_exact(fd: int, size: int, offset: int) -> bytearray:
+    buffer = bytearray(size)
+    view, done = memoryview(buffer), 0
+    while done < size:
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count == 0:
+            raise NpyError(f"file ends {size - done} bytes early")
+        done += count
+    return buffer
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while data.nbytes:
+        count = os.pwrite(fd, data, offset)
+        data, offset = data[count:], offset + count
+
+
+@dataclass
+class NpyReader:
+    """A `.npy` file's header, and its items read on demand."""
+
+    path: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    fd: int
+
+    @classmethod
+    def open(cls, path: str | Path) -> NpyReader:
+        path = Path(path)
+        with open(path, "rb") as handle:
+            try:
+                version = npy_format.read_magic(handle)
+                reader = (npy_format.read_array_header_1_0 if version == (1, 0)
+                          else npy_format.read_array_header_2_0)
+                shape, fortran_order, dtype = reader(handle)
+            except ValueError as exc:
+                raise NpyError(f"{path} is not a .npy file: {exc}") from exc
+            offset = handle.tell()
+        if fortran_order:
+            raise NpyError(f"{path} is in Fortran order; save it in C order")
+        if dtype.hasobject:
+            raise NpyError(f"{path} holds Python objects, not numbers")
+        size = offset + dtype.itemsize * int(np.prod(shape))
+        if path.stat().st_size < size:
+            raise NpyError(f"{path} is truncated: {path.stat().st_size} bytes, "
+                           f"its header needs {size}")
+        return cls(path, dtype, tuple(shape), offset, os.open(path, os.O_RDONLY))
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+    @property
+    def item_bytes(self) -> int:
+        return self.dtype.itemsize * int(np.prod(self.shape[1:]))
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Items ``[start, start + count)`` as a new array."""
+        data = _read_exact(self.fd, count * self.item_bytes, self.offset + start * self.item_bytes)
+        return np.frombuffer(data, self.dtype).reshape(count, *self.shape[1:])
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class NpyWriter:
+    """A `.npy` file of ``total`` items, written in ranges as they come.
+
+    The header is written with the first range, once the item shape is known.
+    """
+
+    def __init__(self, path: str | Path, total: int) -> None:
+        self.path = Path(path)
+        self.total = total
+        self.fd = -1
+        self.offset = 0
+        self.item_shape: tuple[int, ...] | None = None
+        self.dtype: np.dtype | None = None
+
+    def _create(self, item_shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.item_shape, self.dtype = item_shape, dtype
+        with open(self.path, "wb") as handle:
+            npy_format.write_array_header_2_0(handle, {
+                "descr": npy_format.dtype_to_descr(dtype), "fortran_order": False,
+                "shape": (self.total, *item_shape)})
+            self.offset = handle.tell()
+            handle.truncate(self.offset + self.total * self.item_bytes)
+        self.fd = os.open(self.path, os.O_WRONLY)
+
+    @property
+    def item_bytes(self) -> int:
+        return self.dtype.itemsize * int(np.prod(self.item_shape))
+
+    def write(self, start: int, values: np.ndarray) -> None:
+        if self.fd < 0:
+            self._create(values.shape[1:], values.dtype)
+        if values.shape[1:] != self.item_shape or values.dtype != self.dtype:
+            raise NpyError(f"outputs of shape {values.shape[1:]} {values.dtype} do not match "
+                           f"earlier ones {self.item_shape} {self.dtype}")
+        data = np.ascontiguousarray(values).data.cast("B")
+        _write_all(self.fd, data, self.offset + start * self.item_bytes)
+
+    def fill(self, start: int, count: int, value: float) -> None:
+        """Set items ``[start, start + count)`` to ``value`` (failed items: NaN)."""
+        if self.fd < 0:
+            return
+        per_block = max(1, (16 << 20) // self.item_bytes)
+        for first in range(start, start + count, per_block):
+            size = min(per_block, start + count - first)
+            self.write(first, np.full((size, *self.item_shape), value, self.dtype))
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,360 @@
+"""``farm deploy supervisord``: the layout it plans, the file it writes, and a real supervisord
+running that file: a broker and pinned workers that come back after a kill -9."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from farm.client import Client, FarmTimeout
+from farm.deploy import Layout, deploy, parse_ids
+from tests.conftest import reference_forward
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: The committed example, and the options that make it (README of deploy/).
+EXAMPLE = REPO / "deploy" / "supervisord.conf"
+EXAMPLE_ARGS = ["--cpus", "0-1", "--run-dir", "/tmp/farm", "--model", "lenet",
+                "--farm-command", "farm", "-o", "deploy/supervisord.conf"]
+
+
+def generate(*args: str) -> str:
+    """``farm deploy supervisord ARGS``'s output; the test fails on a non-zero exit."""
+    result = CliRunner().invoke(deploy, ["supervisord", *args], prog_name="farm deploy")
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def refused(*args: str) -> str:
+    """The usage error ``farm deploy supervisord ARGS`` exits with."""
+    result = CliRunner().invoke(deploy, ["supervisord", *args], prog_name="farm deploy")
+    assert result.exit_code == 2, result.output
+    return result.output
+
+
+def parsed(text: str, tmp_path: Path):
+    """The configuration as supervisord itself reads it: its ServerOptions."""
+    options = pytest.importorskip("supervisor.options")
+    path = tmp_path / "farm.conf"
+    path.write_text(text)
+    server = options.ServerOptions()
+    server.realize(args=["-c", str(path)])
+    return server
+
+
+def programs(server) -> dict[str, list[str]]:
+    """Program name -> its command line, split as supervisord splits it."""
+    return {process.name: shlex.split(process.command)
+            for group in server.process_group_configs for process in group.process_configs}
+
+
+# ----------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("text, ids", [
+    ("0-7", (0, 1, 2, 3, 4, 5, 6, 7)),
+    ("0,2,4-6", (0, 2, 4, 5, 6)),
+    ("3", (3,)),
+    ("5,1, 2-3", (1, 2, 3, 5)),
+])
+def test_core_lists_are_parsed(text: str, ids: tuple[int, ...]) -> None:
+    assert parse_ids(text, "core") == ids
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("", "malformed"), ("a", "malformed"), ("0-", "malformed"), ("-1", "malformed"),
+    ("1;2", "malformed"), ("3-1", "backwards"), ("0-3,2", "names 2 twice"),
+])
+def test_malformed_core_lists_are_refused(text: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        parse_ids(text, "core")
+
+
+def test_each_gpu_takes_the_highest_free_core() -> None:
+    layout = Layout.plan(tuple(range(8)), (0, 1))
+    assert layout.cpu_cores == (0, 1, 2, 3, 4, 5)
+    assert layout.gpus == ((0, 7), (1, 6))
+
+
+def test_as_many_gpus_as_cores_leaves_no_cpu_worker() -> None:
+    assert Layout.plan((2, 3), (0, 1)) == Layout((), ((0, 3), (1, 2)))
+
+
+def test_more_gpus_than_cores_is_refused() -> None:
+    with pytest.raises(ValueError, match="3 GPUs need a core each"):
+        Layout.plan((0, 1), (0, 1, 2))
+
+
+# ----------------------------------------------------------------- the file
+
+
+def test_a_broker_and_one_pinned_worker_per_core_and_gpu(tmp_path: Path) -> None:
+    server = parsed(generate("--cpus", "0-3", "--gpus", "0", "--model", "lenet",
+                             "--model", "cifar10_quick", "--run-dir", str(tmp_path)), tmp_path)
+    commands = programs(server)
+    farm = [os.path.abspath(sys.executable), "-m", "farm"]
+    assert commands["farm-broker"] == [*farm, "broker", "--bind", "tcp://127.0.0.1:5555",
+                                       "--algo", "equal-finish"]
+    worker = ["--broker", "tcp://127.0.0.1:5555", "--model", "lenet", "--model", "cifar10_quick"]
+    for core in (0, 1, 2):
+        assert commands[f"farm-cpu-{core}"] == [*farm, "worker", "--device", f"cpu:{core}",
+                                                *worker]
+    assert commands["farm-gpu-0"] == ["taskset", "-c", "3", *farm, "worker", "--device",
+                                      "gpu:0", *worker]
+    groups = {group.name: group for group in server.process_group_configs}
+    assert sorted(p.name for p in groups["farm-workers"].process_configs) == \
+        ["farm-cpu-0", "farm-cpu-1", "farm-cpu-2", "farm-gpu-0"]
+    for group in groups.values():
+        for process in group.process_configs:
+            assert process.priority == (10 if process.name == "farm-broker" else 20)
+            assert process.startsecs == 1 and process.redirect_stderr
+            assert process.stopsignal == signal.SIGTERM
+            assert process.stdout_logfile == str(tmp_path / f"{process.name}.log")
+    assert server.logfile == str(tmp_path / "supervisord.log")
+    assert server.pidfile == str(tmp_path / "supervisord.pid")
+    assert server.server_configs[0]["file"] == str(tmp_path / "supervisor.sock")
+    assert server.server_configs[0]["chmod"] == 0o700
+    assert server.nodaemon is False
+
+
+def test_default_cores_are_those_this_process_may_run_on(tmp_path: Path) -> None:
+    commands = programs(parsed(generate("--run-dir", str(tmp_path)), tmp_path))
+    cores = sorted(os.sched_getaffinity(0))
+    assert sorted(commands) == sorted(["farm-broker", *(f"farm-cpu-{core}" for core in cores)])
+
+
+def test_extra_arguments_pass_through_verbatim(tmp_path: Path) -> None:
+    text = generate("--cpus", "0", "--broker-arg=--chunk", "--broker-arg", "500",
+                    "--worker-arg=--slots", "--worker-arg=3", "--worker-arg", "a 100% 'odd' arg",
+                    "--algo", "fifo", "--run-dir", str(tmp_path))
+    commands = programs(parsed(text, tmp_path))
+    assert commands["farm-broker"][-4:] == ["--algo", "fifo", "--chunk", "500"]
+    assert commands["farm-cpu-0"][-3:] == ["--slots", "3", "a 100% 'odd' arg"]
+
+
+def test_workers_connect_to_loopback_when_the_broker_binds_every_interface() -> None:
+    text = generate("--cpus", "0", "--bind", "tcp://*:6000")
+    assert "--bind 'tcp://*:6000'" in text
+    assert "--broker tcp://127.0.0.1:6000" in text
+    assert "--broker tcp://10.0.0.1:7000" in generate("--cpus", "0", "--bind", "tcp://0.0.0.0:1",
+                                                      "--connect", "tcp://10.0.0.1:7000")
+
+
+def test_a_worker_only_host_has_no_broker_and_needs_the_brokers_address(tmp_path: Path) -> None:
+    assert "--connect" in refused("--no-broker")
+    text = generate("--cpus", "0-1", "--no-broker", "--connect", "tcp://10.0.0.1:5555",
+                    "--run-dir", str(tmp_path))
+    assert sorted(programs(parsed(text, tmp_path))) == ["farm-cpu-0", "farm-cpu-1"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cpus", "0-x"], "malformed core list"),
+    (["--gpus", "1,1"], "GPU list '1,1' names 1 twice"),
+    (["--cpus", "0-1", "--gpus", "0-2"], "3 GPUs need a core each"),
+    (["--bind", "tcp://127.0.0.1:*"], "needs a fixed port"),
+    (["--run-dir", "/tmp/" + "x" * 100], "too long for supervisord's unix socket"),
+    (["--worker-arg", "a ;b"], "start a comment"),
+    (["--algo", "nope"], "Invalid value for '--algo'"),
+])
+def test_bad_input_is_refused_with_a_reason(args: list[str], message: str) -> None:
+    assert message in refused(*args)
+
+
+def test_the_header_says_how_it_was_made_and_how_to_run_it() -> None:
+    text = generate("--cpus", "0-1", "--worker-arg=--slots", "--worker-arg", "3")
+    assert "; Generated by: farm deploy supervisord --cpus 0-1 --worker-arg=--slots " \
+           "--worker-arg 3\n" in text
+    assert "; Start:    mkdir -p /tmp/farm && supervisord -c supervisord.conf\n" in text
+
+
+def test_the_committed_example_is_what_the_command_writes(tmp_path: Path, monkeypatch) -> None:
+    """deploy/supervisord.conf is regenerated, not edited (see deploy/README.md)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "deploy").mkdir()
+    generate(*EXAMPLE_ARGS)
+    assert (tmp_path / "deploy" / "supervisord.conf").read_text() == EXAMPLE.read_text()
+
+
+# ----------------------------------------------------------------- a real supervisord
+
+
+def supervisor_tool(name: str) -> str | None:
+    """The supervisor command installed next to this Python, else on PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() else shutil.which(name)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, or a short folder under /tmp when tmp_path is too long for a unix socket."""
+    if len(str(tmp_path / "supervisor.sock")) <= 100:
+        yield tmp_path
+        return
+    short = Path(tempfile.mkdtemp(prefix="farm-sv-", dir="/tmp"))
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+class SupervisordLog:
+    """supervisord's foreground log, read line by line; waits are on lines, not on a clock."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self.read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def read(self, stream) -> None:
+        for line in stream:
+            with self.changed:
+                self.lines.append(line.rstrip("\n"))
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("<supervisord exited>")
+            self.changed.notify_all()
+
+    def wait_for(self, pattern: str, after: int = 0, timeout: float = 60.0) -> re.Match:
+        """The first line from index ``after`` on that matches ``pattern``."""
+        found: list[re.Match] = []
+
+        def seen() -> bool:
+            found[:] = [m for line in self.lines[after:] if (m := re.search(pattern, line))][:1]
+            return bool(found) or "<supervisord exited>" in self.lines[after:]
+
+        with self.changed:
+            if not self.changed.wait_for(seen, timeout) or not found:
+                raise AssertionError(f"supervisord never logged {pattern!r}:\n" + self.text())
+        return found[0]
+
+    def text(self) -> str:
+        with self.changed:
+            return "\n".join(self.lines)
+
+
+class Supervised:
+    """A supervisord started in the foreground on a generated configuration."""
+
+    def __init__(self, supervisord: str, supervisorctl: str, config: Path) -> None:
+        self.supervisorctl = supervisorctl
+        self.config = config
+        self.process = subprocess.Popen([supervisord, "-n", "-c", str(config)], text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.log = SupervisordLog(self.process.stdout)
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([self.supervisorctl, "-c", str(self.config), *args], text=True,
+                              capture_output=True, timeout=30)
+
+    def pid(self, program: str) -> int:
+        return int(self.ctl("pid", program).stdout)
+
+    def wait_running(self, program: str, after: int = 0) -> None:
+        self.log.wait_for(rf"success: {re.escape(program)} entered RUNNING state", after)
+
+    def wait_for_workers(self, endpoint: str, count: int, timeout: float = 60.0) -> dict:
+        """The broker's registry once ``count`` workers joined; retried while supervisord runs."""
+        deadline = time.monotonic() + timeout
+        with Client(endpoint, timeout=1.0) as client:
+            while True:
+                try:
+                    return client.info(wait_workers=count)
+                except FarmTimeout:
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        raise AssertionError(f"no {count} workers:\n{self.log.text()}") from None
+
+    def shutdown(self) -> None:
+        try:
+            self.ctl("shutdown")
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.thread.join(10)
+        self.process.stdout.close()
+
+
+SUPERVISORD = supervisor_tool("supervisord")
+SUPERVISORCTL = supervisor_tool("supervisorctl")
+
+
+@pytest.mark.skipif(SUPERVISORD is None or SUPERVISORCTL is None,
+                    reason="supervisord is not installed (pip install 'supervisor>=4.2')")
+def test_supervised_farm_runs_a_job_through_a_kill_9_and_restarts_the_worker(
+        run_dir: Path, lenet, digits) -> None:
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = run_dir / "farm.conf"
+    generate("--cpus", ",".join(map(str, cores)), "--bind", endpoint, "--model", "lenet",
+             "--run-dir", str(run_dir), "-o", str(config))
+    workers = [f"farm-cpu-{core}" for core in cores]
+    images = np.resize(digits, (20_000, 28, 28))
+    farm = Supervised(SUPERVISORD, SUPERVISORCTL, config)
+    try:
+        for program in ["farm-broker", *workers]:
+            farm.wait_running(program)
+        farm.wait_for_workers(endpoint, len(workers))
+        victim = workers[0]
+        victim_pid = farm.pid(f"farm-workers:{victim}")
+        killed_at: list[int] = []
+
+        def kill_once(count: int) -> None:
+            if not killed_at:
+                killed_at.append(len(farm.log.lines))
+                os.kill(victim_pid, signal.SIGKILL)
+
+        outcome: dict = {}
+
+        def submit() -> None:
+            try:
+                with Client(endpoint, timeout=30) as client:
+                    outcome["result"] = client.run(images, "lenet", progress=kill_once)
+            except BaseException as exc:  # reported by the test's thread
+                outcome["error"] = exc
+
+        job = threading.Thread(target=submit, daemon=True)
+        job.start()
+        job.join(90)
+        assert not job.is_alive(), f"the job did not finish after {victim} was killed"
+        assert "error" not in outcome, outcome.get("error")
+        assert killed_at, "the job never reported progress"
+        outputs = outcome["result"].outputs  # the client checked that every image came back
+        assert outputs.shape == (len(images), 10)
+        expected = reference_forward(lenet, digits)  # images repeat the digits
+        np.testing.assert_allclose(outputs, np.resize(expected, outputs.shape), atol=1e-5)
+
+        farm.log.wait_for(rf"exited: {victim} \(terminated by SIGKILL", killed_at[0])
+        farm.wait_running(victim, killed_at[0])
+        info = farm.wait_for_workers(endpoint, len(workers))
+        pids = {farm.pid(f"farm-workers:{program}") for program in workers}
+        assert victim_pid not in pids
+        assert {worker["pid"] for worker in info["workers"]} == pids
+        status = farm.ctl("status")
+        assert status.returncode == 0, status.stdout
+        states = dict(line.split()[:2] for line in status.stdout.splitlines())
+        assert states == {"farm-broker": "RUNNING",
+                          **{f"farm-workers:{program}": "RUNNING" for program in workers}}
+    finally:
+        farm.shutdown()
