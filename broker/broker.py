@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import secrets
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,8 @@ import zmq
 from farm import protocol
 from farm.broker.jobs import ChunkRecord, Job
 from farm.broker.models import ModelCatalog
-from farm.broker.registry import MAX_HEARTBEAT, MIN_HEARTBEAT, WorkerEntry
+from farm.broker.registry import (MAX_HEARTBEAT, MIN_HEARTBEAT, WorkerEntry,
+                                   valid_heartbeat)
 from farm.policies import (Assign, ChunkDone, ChunkFailed, WorkerLost, WorkerReady,
                            make_policy)
 from farm.protocol import Command, Message, ProtocolError
@@ -95,7 +97,9 @@ class Broker:
         self.models = ModelCatalog(config.model_dirs)
         self.info_waiters: list[tuple[bytes, int]] = []
         self.stats = BrokerStats()
-        self.next_chunk_id = 0
+        # attempt ids differ from any a previous broker on this address handed out, so a
+        # worker's reply to one of those can never pass for a reply to a new attempt
+        self.next_chunk_id = secrets.randbits(48)
         self.next_heartbeat = self.clock()
         self.running = True
         self.handlers: dict[Command, Callable[[bytes, Message], None]] = {
@@ -345,7 +349,8 @@ class Broker:
         """
         entry = self.workers.get(identity)
         record = entry.in_flight.get(message.header["chunk"]) if entry else None
-        if record is None or record.sent_at is None or record.job.id not in self.jobs:
+        if (record is None or record.sent_at is None or record.job.id not in self.jobs
+                or record.job.id != message.header["job"]):
             self.stats.late_replies += 1
             log.info("dropped a reply for chunk %s from %s (late, duplicate or cancelled)",
                      message.header["chunk"], entry.name if entry else identity.hex())
@@ -402,7 +407,7 @@ class Broker:
         if not 0 < header["total"] <= protocol.MAX_ITEMS:
             raise ProtocolError(f"job total {header['total']} out of range")
         heartbeat = header.get("heartbeat", self.config.heartbeat)
-        if not isinstance(heartbeat, (int, float)) or not MIN_HEARTBEAT <= heartbeat <= MAX_HEARTBEAT:
+        if not valid_heartbeat(heartbeat):
             raise ProtocolError(f"SUBMIT heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
         job = Job(job_id, identity, header["model"], header["dtype"],
                   tuple(header["item_shape"]), header["total"], self.clock(),

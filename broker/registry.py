@@ -67,7 +67,7 @@ class WorkerEntry:
         if not isinstance(threads, int) or isinstance(threads, bool):
             raise ProtocolError("READY 'threads' must be an integer")
         heartbeat = header.get("heartbeat", 1.0)
-        if not isinstance(heartbeat, (int, float)) or not MIN_HEARTBEAT <= heartbeat <= MAX_HEARTBEAT:
+        if not valid_heartbeat(heartbeat):
             raise ProtocolError(f"READY heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
         return cls(identity, header["device"], header["host"], header["pid"], header["backend"],
                    threads, header["models"], set(loaded), header["slots"], float(heartbeat))
@@ -83,12 +83,19 @@ class WorkerEntry:
         self.loaded.add(model)
 
     def describe(self, now: float) -> dict[str, Any]:
-        return {"name": self.name, "heartbeat_age_s": now - self.last_seen, "device": self.device, "host": self.host, "pid": self.pid,
+        return {"name": self.name, "heartbeat_age_s": now - self.last_seen,
+                "device": self.device, "host": self.host, "pid": self.pid,
                 "backend": self.backend, "threads": self.threads, "models": sorted(self.models),
                 "loaded": sorted(self.loaded), "fetched": dict(self.fetched),
                 "in_flight": len(self.in_flight),
                 "items_done": sum(h.items for h in self.history.values()),
                 "compute_s": sum(h.compute_s for h in self.history.values())}
+
+
+def valid_heartbeat(value: Any) -> bool:
+    """A heartbeat interval a peer may announce: a number of seconds in range."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and MIN_HEARTBEAT <= value <= MAX_HEARTBEAT)
 
 
 def check_models(models: dict[str, Any]) -> None:

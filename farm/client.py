@@ -205,6 +205,7 @@ class Client:
         self.liveness = liveness
         self.curve, self.curve_name = curve, curve_name
         self.broker_heartbeat = heartbeat
+        self.handshakes = None
         self._own_context = context is None
         self.context = context or zmq.Context()
         self.socket = self._connect()
@@ -213,15 +214,21 @@ class Client:
         sock = self.context.socket(zmq.DEALER)
         protocol.limit_socket(sock)
         if self.curve:
-            from farm.keys import make_client
+            from farm.keys import Handshakes, make_client
 
             make_client(sock, self.curve, self.curve_name)
+            self.handshakes = Handshakes(sock, self.curve_name)
         sock.connect(self.broker)
         return sock
 
+    def _close_socket(self) -> None:
+        if self.handshakes is not None:
+            self.handshakes.close()
+        self.socket.close(linger=0)
+
     def reconnect(self) -> None:
         """A fresh socket: nothing queued for the old broker connection is sent or read."""
-        self.socket.close(linger=0)
+        self._close_socket()
         self.socket = self._connect()
 
     def __enter__(self) -> Client:
@@ -231,7 +238,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self.socket.close()
+        self._close_socket()
         if self._own_context:
             self.context.term()
 
@@ -384,15 +391,33 @@ class Client:
                     progress(count)
 
     def _send(self, command: Command, header: dict[str, Any], payload: list[Any] = ()) -> None:
-        self.socket.send_multipart(protocol.encode(command, header, payload), copy=False)
+        """Send without blocking: with no broker to take it, the message is dropped (the
+        silence that follows leads to a re-submission or a timeout)."""
+        try:
+            self.socket.send_multipart(protocol.encode(command, header, payload), copy=False,
+                                       flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("no connection to the broker: %s dropped", command.name)
 
     def _poll(self, seconds: float | None) -> protocol.Message | None:
-        """The next well-formed message within ``seconds`` (None: no limit), else None."""
+        """The next well-formed message within ``seconds`` (None: no limit), else None.
+
+        FarmError at once if the broker refused this client's CURVE key.
+        """
         deadline = None if seconds is None else time.monotonic() + seconds
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        if self.handshakes is not None:
+            poller.register(self.handshakes.monitor, zmq.POLLIN)
         while True:
             wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self.socket.poll(wait):
-                return None
+            ready = dict(poller.poll(wait))
+            if self.handshakes is not None and (refused := self.handshakes.failure()):
+                raise FarmError(refused)
+            if self.socket not in ready:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
             frames = self.socket.recv_multipart(copy=False)
             try:
                 return protocol.decode(frames, allowed=ACCEPTED)

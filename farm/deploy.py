@@ -270,6 +270,8 @@ def algo_choice() -> click.Choice:
 @click.option("--worker-arg", "worker_args", multiple=True,
               help="Extra argument for every worker, verbatim (repeatable): "
                    "--worker-arg=--slots --worker-arg=3")
+@click.option("--curve", type=click.Path(file_okay=False),
+              help="A `farm keys` folder: broker and workers use CurveZMQ (--curve DIR).")
 @click.option("--no-broker", is_flag=True,
               help="Workers only, for hosts that serve a broker elsewhere (needs --connect).")
 @click.option("--farm-command", default=default_farm_command,
@@ -280,8 +282,8 @@ def algo_choice() -> click.Choice:
 @click.pass_context
 def supervisord(ctx: click.Context, cpus: str | None, gpus: str, bind: str,
                 connect: str | None, algo: str, models: tuple[str, ...], run_dir: str,
-                broker_args: tuple[str, ...], worker_args: tuple[str, ...], no_broker: bool,
-                farm_command: str, output: str | None) -> None:
+                broker_args: tuple[str, ...], worker_args: tuple[str, ...], curve: str | None,
+                no_broker: bool, farm_command: str, output: str | None) -> None:
     """Write a supervisord configuration: a broker and one pinned worker per core and GPU.
 
     \b
@@ -289,6 +291,7 @@ def supervisord(ctx: click.Context, cpus: str | None, gpus: str, bind: str,
       farm deploy supervisord -o farm.conf                   # every core, broker on :5555
       farm deploy supervisord --cpus 0-15 --gpus 0,1 --bind 'tcp://*:5555' -o farm.conf
       farm deploy supervisord --no-broker --connect tcp://10.0.0.1:5555 -o workers.conf
+      farm deploy supervisord --bind 'tcp://*:5555' --curve /etc/farm/keys -o farm.conf
     """
     if no_broker and connect is None:
         raise click.UsageError("--no-broker: give --connect, the broker's endpoint as seen "
@@ -296,6 +299,9 @@ def supervisord(ctx: click.Context, cpus: str | None, gpus: str, bind: str,
     try:
         cores = (parse_ids(cpus, "core") if cpus is not None
                  else tuple(sorted(os.sched_getaffinity(0))))
+        if curve:
+            curve_args = ("--curve", os.path.abspath(curve))
+            broker_args, worker_args = (*curve_args, *broker_args), (*curve_args, *worker_args)
         farm = tuple(shlex.split(farm_command))
         if not farm:
             raise ValueError("--farm-command is empty")

@@ -40,6 +40,7 @@ class LocalFarm:
     preload: Sequence[str] = ()
     log_level: str = "WARNING"
     ready_timeout: float = 60.0
+    curve: str | None = None  # a `farm keys` folder: every process and client uses CurveZMQ
     endpoint: str = ""
     broker: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
@@ -58,29 +59,36 @@ class LocalFarm:
     def __exit__(self, *_: Any) -> None:
         self.stop()
 
-    def start_broker(self) -> None:
-        """Start the broker on a free loopback port; read the endpoint it bound."""
+    def start_broker(self, bind: str = "tcp://127.0.0.1:*") -> None:
+        """Start the broker (on a free loopback port by default); read the endpoint it bound."""
         self.broker = subprocess.Popen(
-            farm_command("--log-level", self.log_level, "broker", "--bind", "tcp://127.0.0.1:*",
-                         "--algo", self.algo, *self.broker_options),
+            farm_command("--log-level", self.log_level, "broker", "--bind", bind,
+                         "--algo", self.algo, *self.curve_options, *self.broker_options),
             stdout=subprocess.PIPE, text=True)
         line = self.broker.stdout.readline()
         if not line.startswith("farm broker listening on "):
             raise FarmError(f"broker did not start (exit code {self.broker.poll()})")
         self.endpoint = line.rsplit(" ", 1)[1].strip()
 
+    def restart_broker(self) -> None:
+        """Kill the broker (SIGKILL: no goodbye) and start a new one on the same address."""
+        self.broker.kill()
+        self.broker.wait()
+        self.broker.stdout.close()
+        self.start_broker(self.endpoint)
+
     def start_worker(self, device: str, *options: str) -> subprocess.Popen:
         preload = [arg for name in self.preload for arg in ("--model", name)]
         process = subprocess.Popen(farm_command(
             "--log-level", self.log_level, "worker", "--device", device, "--broker",
-            self.endpoint, *preload, *self.worker_options, *options))
+            self.endpoint, *preload, *self.curve_options, *self.worker_options, *options))
         self.workers.append(process)
         return process
 
     def wait_for_workers(self, count: int) -> dict[str, Any]:
         """Block until ``count`` workers have registered; fail early if a process died."""
         deadline = time.monotonic() + self.ready_timeout
-        with Client(self.endpoint, timeout=1.0) as client:
+        with self.client(timeout=1.0) as client:
             while True:
                 try:
                     return client.info(wait_workers=count)
@@ -91,8 +99,12 @@ class LocalFarm:
                     if time.monotonic() > deadline:
                         raise
 
+    @property
+    def curve_options(self) -> list[str]:
+        return ["--curve", self.curve] if self.curve else []
+
     def client(self, timeout: float | None = 60.0) -> Client:
-        return Client(self.endpoint, timeout=timeout)
+        return Client(self.endpoint, timeout=timeout, curve=self.curve)
 
     def stop(self) -> None:
         """SIGTERM every process, then SIGKILL whatever outlives the grace period."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -224,17 +225,18 @@ def _check_files(message: Message) -> None:
     for entry, frame in zip(files, message.payload):
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], int)
                 and entry[1] == _frame_size(frame)):
-            raise ProtocolError(f"file entry {entry!r} does not describe its frame "
+            raise ProtocolError(f"file entry {reprlib.repr(entry)} does not describe its frame "
                                 f"({_frame_size(frame)} bytes)")
 
 
 def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:
     """Validate a dtype name and item shape; return the bytes per item."""
     if dtype not in ALLOWED_DTYPES:
-        raise ProtocolError(f"dtype {dtype!r} not allowed; use one of {sorted(ALLOWED_DTYPES)}")
+        raise ProtocolError(f"dtype {reprlib.repr(dtype)} not allowed; use one of "
+                            f"{sorted(ALLOWED_DTYPES)}")
     if not 0 < len(item_shape) <= MAX_DIMS or not all(
             isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_ITEMS for d in item_shape):
-        raise ProtocolError(f"invalid item shape {item_shape!r}")
+        raise ProtocolError(f"invalid item shape {reprlib.repr(item_shape)}")
     item_bytes = np.dtype(dtype).itemsize * math.prod(item_shape)
     if item_bytes > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"item of shape {item_shape} is larger than {MAX_MESSAGE_BYTES} bytes")

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from farm.policies import (BARRIER_POLICIES, POLICIES, Assign, Chunk, ChunkDone, WorkerLost,
-                           WorkerReady, make_policy, proportional_split)
+from farm.policies import (BARRIER_POLICIES, POLICIES, Assign, Chunk, ChunkDone, ChunkFailed,
+                           WorkerLost, WorkerReady, make_policy, proportional_split)
 
 
 def done(worker: str, start: int, count: int, seconds: float, at: float = 0.0) -> ChunkDone:
@@ -220,11 +220,14 @@ def policy_parameters(name: str, floor: int) -> st.SearchStrategy[dict]:
        data=st.data())
 def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots, remembered,
                                                       floor, data) -> None:
-    """Random speeds, job sizes, joins and losses: exact coverage, floors and barriers hold."""
+    """Random speeds, job sizes, joins, losses, failed chunks (retried or given up) and caps
+    on chunk size: exact coverage, floors, caps and barriers hold."""
     params = data.draw(policy_parameters(name, floor))
     names = [f"w{i}" for i in range(len(speeds))]
     speed = dict(zip(names, speeds))
     policy = make_policy(name, total, names, speed if remembered else None, **params)
+    policy.max_chunk = data.draw(st.none() | st.integers(floor, 5000))
+    abandoned: list[Chunk] = []
     held: dict[str, list[Chunk]] = {}
     round_of: dict[Chunk, int] = {}
     issued: set[Chunk] = set()
@@ -236,7 +239,8 @@ def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots
         for a in assignments:
             assert a.worker in alive
             chunk = a.chunk
-            smallest = params.get("chunk", floor)
+            smallest = min(params.get("chunk", floor), policy.max_chunk or total)
+            assert policy.max_chunk is None or chunk.count <= policy.max_chunk
             assert chunk.count >= smallest or chunk.stop == total or chunk in issued, \
                 f"{chunk} is below the floor {smallest}"
             if name in BARRIER_POLICIES:
@@ -274,10 +278,17 @@ def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots
         assert busy, f"{policy.remaining} items left but no worker holds any"
         worker = data.draw(st.sampled_from(busy))
         chunk = held[worker].pop(0)
+        if action in (2, 3):  # the chunk failed: retried, or given up as poison
+            if action == 3:
+                abandoned.append(chunk)
+            apply(policy.handle(ChunkFailed(worker, chunk, retry=action == 2, at=clock)))
+            apply(policy.handle(WorkerReady(worker, at=clock)))
+            continue
         completed.append(chunk)
         clock += chunk.count / speed[worker]
         apply(policy.handle(ChunkDone(worker, chunk, chunk.count / speed[worker], at=clock)))
         apply(policy.handle(WorkerReady(worker, at=clock)))
     assert policy.finished
-    covered = sorted(i for c in completed for i in range(c.start, c.stop))
+    covered = sorted(i for c in completed + abandoned for i in range(c.start, c.stop))
     assert covered == list(range(total))
+    assert policy.abandoned == sum(c.count for c in abandoned)

@@ -5,8 +5,10 @@ Two threads: the main thread owns the broker socket and keeps the link alive
 the broker declared lost after ``liveness`` silent intervals, then a fresh
 socket and a new READY, with back-off); the compute thread runs the chunks,
 so a long chunk never silences the heartbeats.  Replies come back to the
-main thread over an inproc pipe, tagged with the connection they belong to:
-a reply for a connection that was replaced is dropped, not sent to the new one.
+main thread over an inproc pipe.  Chunks that arrived over a connection since
+replaced are not run (the broker has requeued them); a reply computed before
+the reconnect is still sent, and the broker, which alone decides what counts,
+drops it as late.
 
 ``--device cpu:N`` pins the process to core N and caps every compute library
 at one thread; ``--device cpu`` runs unpinned with the libraries' defaults;
@@ -258,16 +260,17 @@ class Worker:
         poller = zmq.Poller()
         poller.register(pipe, zmq.POLLIN)
         while self.running:
-            sock = link.socket
-            poller.register(sock, zmq.POLLIN)
+            watched = [link.socket] + ([link.handshakes.monitor] if link.handshakes else [])
+            for sock in watched:
+                poller.register(sock, zmq.POLLIN)
             events = dict(poller.poll(max(1, int(link.wait() * 1000))))
-            poller.unregister(sock)
-            if sock in events:
+            for sock in watched:
+                poller.unregister(sock)
+            link.check_handshakes()
+            if watched[0] in events:
                 self.receive(link, tasks)
             if pipe in events:
-                generation, *reply = pipe.recv_multipart(copy=False)
-                if int(generation.bytes) == link.generation:
-                    link.socket.send_multipart(reply, copy=False)
+                link.send(pipe.recv_multipart(copy=False))
                 if self.config.max_tasks and self.tasks_done >= self.config.max_tasks:
                     return
             if link.tick():
@@ -301,7 +304,7 @@ class Worker:
         try:
             while self.running:
                 for reply in self.expire_fetches():
-                    pipe.send_multipart([str(link.generation).encode(), *reply], copy=False)
+                    pipe.send_multipart(reply, copy=False)
                 try:
                     task = tasks.get(timeout=0.25)
                 except queue.Empty:
@@ -315,7 +318,7 @@ class Worker:
                 if task.generation != link.generation:
                     continue  # sent over a connection that was replaced: the broker requeued it
                 for reply in self.dispatch(task.message, task.received):
-                    pipe.send_multipart([str(task.generation).encode(), *reply], copy=False)
+                    pipe.send_multipart(reply, copy=False)
         finally:
             pipe.close(linger=0)
 
@@ -468,6 +471,7 @@ class BrokerLink:
         self.generation = 0
         self.interval = config.heartbeat  # the broker's heartbeat interval, once heard
         self.retry_interval = self.expiry
+        self.handshakes = None
         self.socket: zmq.Socket = self.connect()
 
     @property
@@ -478,12 +482,14 @@ class BrokerLink:
         sock = self.context.socket(zmq.DEALER)
         protocol.limit_socket(sock, linger_ms=1000)
         if self.config.curve:
-            from farm.keys import make_client
+            from farm.keys import Handshakes, make_client
 
             make_client(sock, self.config.curve, self.config.curve_name)
+            self.handshakes = Handshakes(sock, self.config.curve_name)
         sock.connect(self.config.broker)
-        sock.send_multipart(protocol.encode(Command.READY, {
-            **self.ready_header(), "heartbeat": self.config.heartbeat}))
+        self.socket = sock
+        self.send(protocol.encode(Command.READY, {**self.ready_header(),
+                                                  "heartbeat": self.config.heartbeat}))
         now = time.monotonic()
         self.last_heard, self.next_beat = now, now + self.config.heartbeat
         self.deadline = now + self.retry_interval
@@ -507,7 +513,7 @@ class BrokerLink:
         """Heartbeat when due; reconnect when the broker is silent too long (True then)."""
         now = time.monotonic()
         if now >= self.next_beat:
-            self.socket.send_multipart(protocol.encode(Command.HEARTBEAT))
+            self.send(protocol.encode(Command.HEARTBEAT))
             self.next_beat = now + self.config.heartbeat
         if now < self.deadline:
             return False
@@ -523,9 +529,27 @@ class BrokerLink:
         self.generation += 1
         self.socket = self.connect()
 
+    def send(self, frames: list[Any]) -> None:
+        """Send without blocking; with no broker connection to take it, drop it (a lost
+        reply's chunk is requeued by the broker once it declares this worker gone)."""
+        try:
+            self.socket.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("no connection to the broker: a message was dropped")
+
+    def check_handshakes(self) -> None:
+        """KeysError if the broker refused this worker's CURVE key (libzmq will not retry)."""
+        if self.handshakes is not None and (refused := self.handshakes.failure()):
+            from farm.keys import KeysError
+
+            raise KeysError(f"broker {self.config.broker}: {refused}")
+
     def close(self, goodbye: bool) -> None:
         if goodbye:
-            self.socket.send_multipart(protocol.encode(Command.DISCONNECT))
+            self.send(protocol.encode(Command.DISCONNECT))
+        if self.handshakes is not None:
+            self.handshakes.close()
+            self.handshakes = None
         self.socket.close(linger=1000 if goodbye else 0)
 
 

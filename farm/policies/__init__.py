@@ -9,8 +9,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Iterable, Mapping
 
-from farm.policies.base import (DEFAULT_FLOOR, Assign, Chunk, ChunkDone, ChunkFailed, Event, Policy,
-                                WorkerId, WorkerLost, WorkerReady, proportional_split)
+from farm.policies.base import (DEFAULT_FLOOR, Assign, Chunk, ChunkDone, ChunkFailed, Event,
+                                Policy, WorkerId, WorkerLost, WorkerReady, proportional_split)
 from farm.policies.equal_finish import EqualFinishPolicy
 from farm.policies.fast_split import FastSplitPolicy
 from farm.policies.fifo import FifoPolicy
@@ -61,7 +61,7 @@ def make_policy(name: str, total: int, workers: Iterable[WorkerId] = (),
     return cls(total, workers, speeds, **params)
 
 
-__all__ = ["Assign", "BARRIER_POLICIES", "Chunk", "ChunkDone", "ChunkFailed", "DEFAULT_FLOOR", "Event",
-           "PAPER_PARAMETERS", "POLICIES", "Policy", "WorkerLost", "WorkerReady", "make_policy",
+__all__ = ["Assign", "BARRIER_POLICIES", "Chunk", "ChunkDone", "ChunkFailed", "DEFAULT_FLOOR",
+           "Event", "PAPER_PARAMETERS", "POLICIES", "Policy", "WorkerLost", "WorkerReady", "make_policy",
            "parameters", "proportional_split"]
 

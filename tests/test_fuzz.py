@@ -1,0 +1,911 @@
+"""Fuzzing: over 10 000 malformed messages at a broker and at a worker, while real work runs.
+
+Hypothesis builds the garbage from a valid message of every command (its header
+has every field of ``protocol._SCHEMAS``, its payload the size the header
+declares) and breaks it the ways a broken or hostile peer would: truncated
+frames, random bytes, a wrong msgpack type in a field, values out of range,
+payloads that lie about their size, huge declared shapes and counts, unknown
+commands, other protocol versions, too many frames, headers over the size
+limit, deep or long msgpack containers, commands sent in the wrong direction,
+and well-formed replies nobody asked for.
+
+Each hypothesis example is a batch of about a hundred messages, sent without
+waiting for replies; one round trip at the end of the batch proves the peer read
+the whole batch and still answers.  Real LeNet work runs alongside and must
+come back exact, and the peers' resident memory may not grow past a bound
+between a warm-up batch and the end.  ``pytest -s`` prints the figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import hashlib
+import os
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import msgpack
+import numpy as np
+import zmq
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from farm import protocol
+from farm.broker.registry import WorkerEntry
+from farm.local import LocalFarm, cores, farm_command
+from farm.protocol import (MAX_HEADER_BYTES, MAX_ITEMS, MAX_PAYLOAD_FRAMES, SIGNATURE, Command,
+                           ProtocolError)
+from farm.repository import available
+from farm.workers.worker import ACCEPTED as WORKER_ACCEPTS
+from tests.conftest import reference_forward
+from tests.test_bad_input import assert_farm_still_serves, digest_of
+
+#: Malformed messages (rejected by ``protocol.decode`` as the peer calls it) each peer must get.
+TARGET = 10_000
+#: Messages sent before the first memory reading: the peer's buffers and caches have grown.
+WARMUP = 1_000
+#: How much a peer's resident memory may grow between the warm-up and the end.
+RSS_GROWTH_LIMIT = 50 << 20
+#: Messages per hypothesis example, and examples per round (rounds run until ``TARGET``).
+BATCH = (80, 120)
+EXAMPLES_PER_ROUND = 10
+#: Seconds the fuzzing of one peer may take in all before the test fails (not a hang).
+FUZZ_BUDGET = 240.0
+#: Seconds to wait for any one reply.
+REPLY_TIMEOUT = 30.0
+
+#: Commands the broker accepts (its handlers), and what a worker accepts.
+BROKER_ACCEPTS = frozenset({Command.READY, Command.RESULT, Command.FAILED, Command.SUBMIT,
+                            Command.DATA, Command.INFO, Command.DISCONNECT, Command.HEARTBEAT,
+                            Command.FETCH})
+#: A stand-in for the id of the real job running on the broker, put in at send time (the
+#: client makes its job ids with uuid4().hex: 32 characters, the placeholder's length).
+LIVE = b"L" * 32
+
+LENET_DIGEST = digest_of("lenet")
+ITEM_SHAPE, ITEM_BYTES, OUTPUT_BYTES = [1, 28, 28], 784, 40  # LeNet: 1 x 28 x 28 in, 10 out
+MODEL_FILE = b"name = 'fuzz'\n"
+
+#: A valid value of every schema field, by name; per command overrides below.
+SAMPLE: dict[str, Any] = {
+    "job": "fuzz-job", "chunk": 7, "attempt": 1, "start": 0, "count": 2, "model": "lenet",
+    "digest": LENET_DIGEST, "dtype": "uint8", "item_shape": ITEM_SHAPE,
+    "timings": {"receive": 0.0, "compute": 0.001, "send": 0.0}, "error": "boom", "total": 2,
+    "options": {}, "summary": {"items": 2}, "device": "cpu:0", "host": "fuzz", "pid": 1,
+    "backend": "opencv", "models": {"lenet": {"input_shape": ITEM_SHAPE}}, "slots": 1,
+    "files": [["model.toml", len(MODEL_FILE), hashlib.sha256(MODEL_FILE).hexdigest()]],
+}
+OVERRIDES: dict[Command, dict[str, Any]] = {
+    Command.RESULT: {"dtype": "float32", "item_shape": [10]},
+    Command.SUBMIT: {"model": "fuzz-no-such-model"},  # a real model would make a real job
+    Command.MODEL: {"model": "fuzz-model"},
+}
+
+
+def template(command: Command) -> tuple[dict[str, Any], list[bytes]]:
+    """A valid header (every field of the command's schema) and the payload it declares."""
+    overrides = OVERRIDES.get(command, {})
+    header = {name: copy.deepcopy(overrides.get(name, SAMPLE[name]))
+              for name in protocol._SCHEMAS[command]}
+    if command in (Command.TASK, Command.DATA):
+        payload = [bytes(header["count"] * ITEM_BYTES)]
+    elif command is Command.RESULT:
+        payload = [bytes(header["count"] * OUTPUT_BYTES)]
+    elif command is Command.MODEL:
+        payload = [MODEL_FILE]
+    else:
+        payload = []
+    return header, payload
+
+
+def pack(header: Any) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def build(command: Command, header: Any, payload: Sequence[bytes] = (),
+          signature: bytes = SIGNATURE) -> list[bytes]:
+    return [signature, command.value, pack(header), *payload]
+
+
+def nest(depth: int) -> Any:
+    """A list nested ``depth`` deep."""
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def split(data: bytes, parts: int) -> list[bytes]:
+    """``data`` cut into ``parts`` frames (some may be empty)."""
+    if parts <= 1:
+        return [data] if parts else []
+    edges = np.linspace(0, len(data), parts + 1).astype(int)
+    return [data[a:b] for a, b in zip(edges[:-1], edges[1:])]
+
+
+class Garbage:
+    """One fuzz message; its repr is short, for hypothesis' report of a failing batch (a plain
+    class: hypothesis would print a dataclass field by field, 64 KiB headers and all)."""
+
+    __slots__ = ("family", "frames")
+
+    def __init__(self, family: str, frames: Sequence[bytes]) -> None:
+        self.family, self.frames = family, tuple(frames)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(f[:24]) + (f"..+{len(f) - 24}" if len(f) > 24 else "")
+                          for f in self.frames[:4])
+        more = f", ..{len(self.frames) - 4} more" if len(self.frames) > 4 else ""
+        return f"Garbage({self.family}: {shown}{more})"
+
+
+# ------------------------------------------------------------------ strategies
+
+COMMANDS = sorted(Command, key=lambda c: c.value)
+ARRAY_COMMANDS = (Command.TASK, Command.RESULT, Command.DATA)
+
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+                    st.text(max_size=6), st.binary(max_size=6))
+#: Any msgpack value, deep nesting included (1000 levels: deeper than Python's repr goes, yet
+#: within msgpack's 1024 with the header map around it, both to pack and to unpack).
+VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=4),
+                   st.dictionaries(st.text(max_size=4), SCALARS, max_size=3),
+                   st.sampled_from([3, 1000]).map(nest))
+HEX64 = st.binary(min_size=32, max_size=32).map(bytes.hex)
+#: Lengths at, just under and over msgpack's 4096 limit on a header's strings.
+LONG = st.sampled_from([4095, 4096, 4097]) | st.integers(4000, 6000)
+STRING_FIELDS = sorted({name for schema in protocol._SCHEMAS.values()
+                        for name, types in schema.items() if types == (str,)})
+
+HUGE_COUNTS = [0, -1, -2**63, MAX_ITEMS, MAX_ITEMS + 1, 2**32, 2**63 - 1, 2**64 - 1]
+HUGE_SHAPES = st.one_of(
+    st.sampled_from([[2**20] * 4, [2**31] * 8, [MAX_ITEMS + 1], [1] * 9, [], [0], [-1],
+                     [2**64 - 1], [2**16, 2**16], [2**14, 2**14], [2**14, 2**14, 2],
+                     [True, 28, 28], [1.5], ["28"], [None], [1, 28, 28, 0], [[1]], [28] * 8,
+                     [nest(1000)]]),
+    st.lists(st.integers(-2**63, 2**64 - 1), max_size=10))
+
+#: Values of the right msgpack type that no peer may accept (or that make a peer refuse).
+BAD_VALUES: dict[str, st.SearchStrategy] = {
+    "dtype": st.sampled_from(["float64", "int32", "object", "O", "<U8", "V8", "bool", "S1",
+                              "complex128", "", "uint8 ", "UINT8", "float32\x00", "M8"]),
+    "item_shape": HUGE_SHAPES,
+    "count": st.sampled_from(HUGE_COUNTS),
+    "total": st.sampled_from(HUGE_COUNTS),
+    "start": st.integers(-2**63, -1),
+    "chunk": st.integers(-2**63, 2**64 - 1),
+    "attempt": st.integers(-2**63, 2**64 - 1),
+    "slots": st.sampled_from([0, -1, 65, 2**63, 2**64 - 1]),
+    "models": st.sampled_from([{"lenet": 5}, {"x": {}}, {"x": {"input_shape": "28"}},
+                               {"x": {"input_shape": [2**31] * 8}}, {"x": {"input_shape": []}},
+                               {"x": {"input_shape": [[1]]}}, {"x": {"input_shape": [nest(990)]}},
+                               {"m" * 4096: {}}]),
+    "digest": st.sampled_from(["", "x", "../../etc/passwd", "0" * 63, "g" * 64, "F" * 64,
+                               "0" * 64 + "\x00"]) | HEX64,
+    "model": st.sampled_from(["", ".", "..", "../x", "/etc/passwd", "a/b", "x\x00y", "x" * 300,
+                              "lenet/../lenet", "-x", ".hidden", "m" * 4096]),
+    "timings": st.sampled_from([{}, {"compute": "x"}, {"compute": -1.0}, {"compute": None},
+                                {"compute": float("nan")}, {"compute": float("inf")}]),
+    "error": st.text(max_size=20) | st.sampled_from(["e" * 4096]),
+    "job": VALUES | st.just("j" * 4096),
+    # fields outside the schemas that the peers read
+    "loaded": st.sampled_from([[["lenet"]], [{"a": 1}], "lenet", ["nope"], [1], None]),
+    "threads": VALUES,
+    "heartbeat": st.sampled_from([0, -1, 1e-9, 1e300, float("nan"), float("inf"), "1", None]),
+    "interval": st.sampled_from([0, -1, 1e-300, 61, 1e300, float("nan"), "1", None, [1]]),
+    "wait_workers": st.sampled_from([-1, 3, 10**6, 2**63, True, 1.5, "2", None, [1]]),
+    "fatal": VALUES,
+}
+#: Fields outside a command's schema that its receiver reads.
+EXTRA_FIELDS: dict[Command, list[str]] = {
+    Command.READY: ["loaded", "threads", "heartbeat"], Command.SUBMIT: ["heartbeat"],
+    Command.HEARTBEAT: ["job", "interval"], Command.INFO: ["wait_workers", "job"],
+    Command.FAILED: ["fatal"], Command.MODEL: ["error"], Command.DISCONNECT: ["job"],
+}
+
+UNKNOWN_COMMANDS = st.one_of(
+    st.sampled_from([b"", b"\x00", b"\x0f", b"\x10", b"\x7f", b"\xff", b"\x02\x00", b"\x0a\x0a",
+                     b"2", b"TASK"]),
+    st.binary(max_size=3).filter(lambda raw: raw[:2] not in {c.value for c in Command}))
+BAD_SIGNATURES = st.one_of(
+    st.sampled_from([b"FARM01", b"FARM99", b"FARM00", b"FARM03", b"FARM2", b"FARM", b"FARM022",
+                     b"FARM02\x00", b"farm02", b"", b"\x00" * 6, b"FARM\xff\xff"]),
+    st.binary(max_size=10).filter(lambda raw: raw != SIGNATURE))
+#: Headers that are not a map of at most 64 fields, or not msgpack at all.
+NOT_A_MAP = st.sampled_from([[], [1, 2], 5, -1, "header", b"header", None, True, 1.5])
+
+
+@functools.cache
+def odd_msgpack(command: Command) -> st.SearchStrategy[bytes]:
+    header = template(command)[0]
+    valid = pack(header)
+    return st.one_of(
+        st.integers(1, 3000).map(lambda d: b"\x81\xa3job" + b"\x91" * d + b"\xc0"),  # deep list
+        st.integers(1, 3000).map(lambda d: b"\x81\xa1k" * d + b"\xc0"),  # deep map
+        st.integers(4090, 9000).map(  # an array longer than the 4096 allowed
+            lambda n: b"\x81\xa1x\xdc" + n.to_bytes(2, "big") + b"\x00" * n),
+        st.integers(60, 300).map(lambda n: pack({**header, **{f"k{i}": 0 for i in range(n)}})),
+        st.tuples(st.sampled_from(STRING_FIELDS), LONG).map(  # a string at and over the limit
+            lambda f: pack({**header, f[0]: "s" * f[1]})),
+        LONG.map(lambda n: pack({**header, "x": b"b" * n})),
+        st.integers(0, len(valid) - 1).map(lambda n: valid[:n]),  # truncated
+        st.binary(min_size=1, max_size=4).map(lambda tail: valid + tail),  # trailing bytes
+        NOT_A_MAP.map(pack),
+        st.sampled_from([
+            b"", b"\xc1", b"\x81\xa1x\xd4\x05\x00",  # reserved byte; an ext type
+            b"\x81\xa1x\xd6\xff\x00\x00\x00\x01",  # a timestamp (an ext type too)
+            b"\x81\x01\x02", b"\x81\xc0\x01", b"\x81\xcb" + bytes(8) + b"\x01",  # odd keys:
+            b"\x81\x91\x01\x01",  # an int, nil, a float, a list
+            b"\xdf\xff\xff\xff\xff", b"\x81\xa1x\xdd\xff\xff\xff\xff",  # maps/arrays claiming 4G
+            b"\x81\xa1x\xdb\xff\xff\xff\xff", b"\x81\xa1x\xc6\xff\xff\xff\xff",  # str/bin ditto
+            b"\x82\xa3job\xa1a\xa3job\xa1b",  # a key twice
+            pack({k.encode(): v for k, v in header.items()}),  # bytes keys
+        ]))
+
+
+@st.composite
+def truncated(draw, commands) -> list[bytes]:
+    """A prefix of a valid message: fewer frames, the last one cut short."""
+    command = draw(st.sampled_from(commands))
+    frames = build(command, *template(command))
+    frames = frames[:draw(st.integers(1, len(frames)))]
+    frames[-1] = frames[-1][:draw(st.integers(0, max(0, len(frames[-1]) - 1)))]
+    return frames
+
+
+@functools.cache
+def wrong_values(types: tuple[type, ...]) -> st.SearchStrategy:
+    """Values that are not of ``types`` (a bool is no int to the schemas)."""
+    return VALUES.filter(
+        lambda v: not isinstance(v, types) or isinstance(v, bool) and bool not in types)
+
+
+@st.composite
+def wrong_types(draw, commands) -> list[bytes]:
+    """Fields of the wrong msgpack type, or missing, or a header that is not a map."""
+    command = draw(st.sampled_from(commands))
+    header, payload = template(command)
+    schema = protocol._SCHEMAS[command]
+    if not schema or draw(st.integers(0, 9)) == 0:
+        return build(command, draw(NOT_A_MAP), payload)
+    for name in draw(st.lists(st.sampled_from(sorted(schema)), min_size=1, max_size=3,
+                              unique=True)):
+        types = schema[name]
+        if draw(st.integers(0, 4)) == 0:
+            del header[name]
+        else:
+            header[name] = draw(wrong_values(types))
+    return build(command, header, payload)
+
+
+@st.composite
+def bad_values(draw, commands) -> list[bytes]:
+    """Fields of the right type whose value is out of range, unsafe or inconsistent."""
+    command = draw(st.sampled_from([c for c in commands if bad_fields(c)]))
+    header, payload = template(command)
+    for name in draw(st.lists(st.sampled_from(bad_fields(command)), min_size=1, max_size=2,
+                              unique=True)):
+        header[name] = draw(BAD_VALUES[name])
+    return build(command, header, payload)
+
+
+def bad_fields(command: Command) -> list[str]:
+    return [name for name in protocol._SCHEMAS[command] if name in BAD_VALUES] + \
+        EXTRA_FIELDS.get(command, [])
+
+
+@st.composite
+def lying_sizes(draw, commands) -> list[bytes]:
+    """Payloads that are not count x item bytes; file lists that do not match the frames."""
+    command = draw(st.sampled_from([c for c in commands
+                                    if c in ARRAY_COMMANDS or c is Command.MODEL]))
+    header, _ = template(command)
+    if command is not Command.MODEL:
+        header["count"] = count = draw(st.integers(1, 4))
+        header["job"] = draw(st.sampled_from(["fuzz-job", LIVE.decode()]))
+        right = count * (OUTPUT_BYTES if command is Command.RESULT else ITEM_BYTES)
+        size = draw(st.integers(0, right + 64).filter(lambda n: n != right))
+        return build(command, header, split(bytes(size), draw(st.integers(int(size > 0), 3))))
+    sizes = draw(st.lists(st.integers(0, 40), max_size=4))
+    frames = [b"f" * n for n in sizes]
+    files = [[f"file{i}", n, "0" * 64] for i, n in enumerate(sizes)]
+    variant = draw(st.integers(0, 2))
+    if variant == 0:  # as many files listed as frames sent: one more, or one fewer
+        files = files[:-1] if files and draw(st.booleans()) else files + [["extra", 0, "0" * 64]]
+    elif variant == 1 and files:  # one size off
+        index = draw(st.integers(0, len(files) - 1))
+        files[index][1] += draw(st.integers(-files[index][1], 40).filter(bool))
+    else:  # an entry that is not [name, size, sha256]
+        frames.append(b"x")
+        files.append(draw(st.sampled_from([["a", 1], ["a", "1", "x"], "abc", 5, None,
+                                           ["a", 1, "x", "y"], {"a": 1}, ["a", 1.0, "x"],
+                                           [nest(990)], nest(990)])))
+    header["files"] = files
+    return build(command, header, frames)
+
+
+@st.composite
+def huge_declarations(draw, commands) -> list[bytes]:
+    """Counts, totals and shapes far too large (or nonsensical) for the small payload sent."""
+    command = draw(st.sampled_from([c for c in commands if c in ARRAY_COMMANDS
+                                    or c in (Command.SUBMIT, Command.READY)]))
+    header, _ = template(command)
+    if command is Command.READY:
+        header["models"] = {"huge": {"input_shape": draw(HUGE_SHAPES)}}
+    for name, values in (("count", st.sampled_from(HUGE_COUNTS) | st.integers(1, 4)),
+                         ("total", st.sampled_from(HUGE_COUNTS)), ("item_shape", HUGE_SHAPES)):
+        if name in header:
+            header[name] = draw(values)
+    size = draw(st.integers(0, 64))
+    return build(command, header, split(bytes(size), draw(st.integers(int(size > 0), 2))))
+
+
+@st.composite
+def unknown_commands(draw, commands) -> list[bytes]:
+    header, payload = template(draw(st.sampled_from(COMMANDS)))
+    return [SIGNATURE, draw(UNKNOWN_COMMANDS), pack(header), *payload]
+
+
+@st.composite
+def other_versions(draw, commands) -> list[bytes]:
+    command = draw(st.sampled_from(commands))
+    return build(command, *template(command), signature=draw(BAD_SIGNATURES))
+
+
+@st.composite
+def too_many_frames(draw, commands) -> list[bytes]:
+    """More payload frames than allowed, or payload where a command takes none."""
+    command = draw(st.sampled_from(commands))
+    header, payload = template(command)
+    variant = draw(st.integers(0, 2))
+    if variant == 0:
+        payload = payload + [b""] * draw(st.integers(MAX_PAYLOAD_FRAMES, MAX_PAYLOAD_FRAMES + 64))
+    elif variant == 1 and payload:  # the right bytes, cut into too many frames
+        payload = split(b"".join(payload), draw(st.integers(MAX_PAYLOAD_FRAMES + 1, 100)))
+    else:
+        payload = payload + [b"\x00" * draw(st.integers(0, 8))] * draw(st.integers(1, 5))
+    return build(command, header, payload)
+
+
+@st.composite
+def big_headers(draw, commands) -> list[bytes]:
+    """Headers around and over the 64 KiB limit."""
+    command = draw(st.sampled_from(commands))
+    header, payload = template(command)
+    target = MAX_HEADER_BYTES + draw(st.integers(-64, 4096))
+    kind = draw(st.sampled_from(["str", "bin", "list", "fields", "raw"]))
+    if kind == "raw":
+        filler = draw(st.sampled_from([b"\x00", b"\x81", b"\xff"]))
+        return [SIGNATURE, command.value, filler * target, *payload]
+    if kind == "fields":  # many fields, each within the msgpack limits: only the size is wrong
+        count = draw(st.integers(14, 20))
+        return build(command, {**header, **{f"pad{i}": "p" * 4000 for i in range(count)}},
+                     payload)
+    pad = {"str": lambda n: "p" * n, "bin": lambda n: b"p" * n, "list": lambda n: [0] * n}[kind]
+    length = max(0, target - len(pack(header)) - 10)
+    for _ in range(2):  # the length prefix grows with the filler: settle it
+        length = max(0, length + target - len(pack({**header, "pad": pad(length)})))
+    return build(command, {**header, "pad": pad(length)}, payload)
+
+
+@st.composite
+def odd_headers(draw, commands) -> list[bytes]:
+    """Deep or long msgpack containers, ext types, odd keys, trailing or missing bytes."""
+    command = draw(st.sampled_from(commands))
+    return [SIGNATURE, command.value, draw(odd_msgpack(command)), *template(command)[1]]
+
+
+@st.composite
+def wrong_direction(draw, commands) -> list[bytes]:
+    """Well-formed messages of a command this peer never receives."""
+    command = draw(st.sampled_from([c for c in COMMANDS if c not in commands]))
+    return build(command, *template(command))
+
+
+@st.composite
+def unasked_for(draw, commands) -> list[bytes]:
+    """To the broker: well-formed replies for chunks nobody asked this peer for, input for
+    unknown jobs and for a job that is someone else's (the real one), that job's heartbeat."""
+    command = draw(st.sampled_from([Command.RESULT, Command.FAILED, Command.DATA,
+                                    Command.HEARTBEAT, Command.SUBMIT, Command.FETCH,
+                                    Command.DISCONNECT, Command.INFO]))
+    header, payload = template(command)
+    job = draw(st.sampled_from([LIVE.decode(), "fuzz-job"]) | st.text(max_size=12))
+    if "job" in header or command is Command.HEARTBEAT:
+        header["job"] = job
+    if "chunk" in header:
+        header["chunk"] = draw(st.integers(0, 3) | st.integers(0, 2**48))
+    if command is Command.FAILED:
+        header["fatal"] = draw(st.booleans())
+    if command is Command.INFO:
+        header["wait_workers"] = draw(st.sampled_from([0, 1, 2, 3, 10**6]))
+    return build(command, header, payload)
+
+
+@st.composite
+def odd_tasks(draw, commands) -> list[bytes]:
+    """To a worker: well-formed TASKs it must refuse or fetch for, MODELs nobody asked for,
+    ERRORs and heartbeats with odd intervals."""
+    variant = draw(st.sampled_from(["digest", "model", "shape", "float32", "run", "model-file",
+                                    "error", "heartbeat"]))
+    header, payload = template(Command.TASK)
+    header.update(job="fuzz-job", chunk=draw(st.integers(0, 2**48)))
+    if variant == "digest":  # a model the worker lacks: it FETCHes (the test answers)
+        header["digest"] = draw(HEX64 | BAD_VALUES["digest"])
+    elif variant == "model":
+        header.update(model=draw(BAD_VALUES["model"]), digest=draw(HEX64))
+    elif variant == "shape":  # a consistent payload of a shape LeNet does not take
+        shape = draw(st.lists(st.integers(1, 30), min_size=1, max_size=3))
+        header["item_shape"] = shape
+        payload = [bytes(header["count"] * int(np.prod(shape)))]
+    elif variant == "float32":
+        header["dtype"] = "float32"
+        payload = [np.zeros((header["count"], *ITEM_SHAPE), np.float32).tobytes()]
+    elif variant == "model-file":  # files whose hashes do not match; no files at all
+        header, payload = template(Command.MODEL)
+        header["digest"] = draw(HEX64)
+        if draw(st.booleans()):  # an empty manifest: its digest checks out, but no model comes
+            header.update(files=[], digest=hashlib.sha256(b"").hexdigest())
+            payload = []
+        if draw(st.booleans()):
+            header["error"] = "no such model"
+        return build(Command.MODEL, header, payload)
+    elif variant == "error":
+        return build(Command.ERROR, {"error": draw(st.text(max_size=40))})
+    elif variant == "heartbeat":
+        return build(Command.HEARTBEAT, {"interval": draw(BAD_VALUES["interval"] | VALUES)})
+    return build(Command.TASK, header, payload)
+
+
+def random_frames(commands) -> st.SearchStrategy[list[bytes]]:
+    return st.lists(st.binary(max_size=48), min_size=1, max_size=6)
+
+
+FAMILIES = {
+    "random": random_frames, "truncated": truncated, "wrong-type": wrong_types,
+    "bad-value": bad_values, "lying-size": lying_sizes, "huge": huge_declarations,
+    "command": unknown_commands, "version": other_versions, "frames": too_many_frames,
+    "big-header": big_headers, "msgpack": odd_headers, "direction": wrong_direction,
+}
+MODELS = frozenset(available())
+
+
+def harmless_to_broker(frames: Sequence[bytes]) -> bool:
+    """False for what would make the fuzzer a real worker or submit a real job (they would
+    take part in the real work, and then not do it): a valid READY, a SUBMIT of a real model."""
+    try:
+        message = protocol.decode(frames, allowed=BROKER_ACCEPTS)
+    except Exception:  # malformed (Tally.count reports anything but a ProtocolError)
+        return True
+    if message.command is Command.READY:
+        try:
+            WorkerEntry.from_ready(b"fuzz", message.header)
+        except Exception:
+            return True
+        return False
+    return message.command is not Command.SUBMIT or message.header["model"] not in MODELS
+
+
+def harmless_to_worker(frames: Sequence[bytes]) -> bool:
+    """False for a valid DISCONNECT: the worker would reconnect as a new peer, mid-batch."""
+    try:
+        return protocol.decode(frames, allowed=WORKER_ACCEPTS).command is not Command.DISCONNECT
+    except Exception:
+        return True
+
+
+@st.composite
+def tagged(draw, family: str, frames: st.SearchStrategy[list[bytes]]) -> Garbage:
+    return Garbage(family, draw(frames))
+
+
+def garbage(side: str) -> st.SearchStrategy[Garbage]:
+    """Messages for the broker or a worker: every family, aimed at what that peer accepts."""
+    accepts, extra, harmless = {
+        "broker": (BROKER_ACCEPTS, {"unasked": unasked_for}, harmless_to_broker),
+        "worker": (WORKER_ACCEPTS, {"odd-task": odd_tasks}, harmless_to_worker)}[side]
+    commands = [c for c in COMMANDS if c in accepts]
+    return st.one_of(*[tagged(name, strategy(commands))
+                       for name, strategy in {**FAMILIES, **extra}.items()]
+                     ).filter(lambda g: harmless(g.frames))
+
+
+FUZZ_SETTINGS = settings(max_examples=EXAMPLES_PER_ROUND, deadline=None, database=None,
+                         phases=[Phase.generate], print_blob=False,
+                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                HealthCheck.filter_too_much,
+                                                HealthCheck.large_base_example])
+
+
+# ----------------------------------------------------------------- bookkeeping
+
+@dataclass
+class Tally:
+    """What was sent to one peer, and what came back."""
+
+    sent: int = 0
+    malformed: int = 0  # rejected by protocol.decode with the peer's accepted commands
+    batches: int = 0
+    families: Counter = field(default_factory=Counter)
+    replies: Counter = field(default_factory=Counter)
+    bad_replies: Counter = field(default_factory=Counter)  # the peer broke the protocol
+    rss_warm: int | None = None
+    rss_end: int | None = None
+
+    def count(self, item: Garbage, frames: Sequence[bytes], accepts: frozenset) -> None:
+        """Count a message about to be sent; decode must refuse it with ProtocolError or
+        accept it, never raise anything else."""
+        self.sent += 1
+        self.families[item.family] += 1
+        try:
+            protocol.decode(frames, allowed=accepts)
+        except ProtocolError:
+            self.malformed += 1
+        except Exception as exc:
+            raise AssertionError(f"protocol.decode raised {type(exc).__name__} (not "
+                                 f"ProtocolError) on {item!r}: {exc}") from exc
+
+    def reply(self, frames: Sequence[bytes]) -> protocol.Message | None:
+        """A message from the peer, which must be well-formed whatever it was sent; a
+        malformed one is counted (and reported at the end) and None returned."""
+        try:
+            message = protocol.decode(frames)
+        except ProtocolError as exc:
+            name = next((c.name for c in Command if list(frames[1:2]) == [c.value]), "?")
+            self.bad_replies[f"{name}: {str(exc)[:100]}"] += 1
+            return None
+        self.replies[message.command.name] += 1
+        return message
+
+    def note_rss(self, pid: int, peer: str) -> None:
+        if self.rss_warm is None and self.sent >= WARMUP:
+            self.rss_warm = rss(pid, peer)
+
+    def report(self, peer: str, seconds: float) -> str:
+        growth = (self.rss_end - self.rss_warm) / 2**20
+        return (f"{peer}: {self.sent} messages in {self.batches} batches, {self.malformed} "
+                f"malformed, in {seconds:.1f} s; RSS {self.rss_warm / 2**20:.1f} MiB after "
+                f"{WARMUP} -> {self.rss_end / 2**20:.1f} MiB at the end ({growth:+.1f} MiB, "
+                f"limit {RSS_GROWTH_LIMIT >> 20}); families {dict(sorted(self.families.items()))}"
+                f"; replies {dict(sorted(self.replies.items()))}")
+
+
+def rss(pid: int, peer: str) -> int:
+    """A process' resident memory in bytes (VmRSS in /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status")
+    assert status.exists(), f"the {peer} process {pid} is gone"
+    for line in status.read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS in {status}")
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path) -> Iterator[None]:
+    """Point file descriptor 2 at ``path``: processes started meanwhile write their log there."""
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as log:
+            os.dup2(log.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def bugs(log: Path, tally: Tally) -> list[str]:
+    """What the peer's own code calls a bug: the exceptions it logged (a broker logs one
+    instead of answering ERROR), each with the line that raised it, and the messages it sent
+    that the protocol rejects."""
+    found: Counter = Counter()
+    where, in_traceback = "", False
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("Traceback"):
+            where, in_traceback = "", True
+        elif in_traceback and line.lstrip().startswith("File "):
+            where = line.strip()
+        elif in_traceback and line and not line[0].isspace():
+            found[f"{line.strip()[:160]} ({where})"] += 1
+            in_traceback = False
+    for problem, count in tally.bad_replies.items():
+        found[f"sent a malformed message: {problem}"] += count
+    return [f"{count} x {problem}" for problem, count in found.most_common()]
+
+
+# --------------------------------------------------------------------- broker
+
+class BrokerFuzzer:
+    """Sends batches to the broker, each from a fresh DEALER, and checks it still answers."""
+
+    def __init__(self, endpoint: str, pid: int) -> None:
+        self.endpoint, self.pid = endpoint, pid
+        self.context = zmq.Context()
+        self.probe = self.dealer()
+        self.tally = Tally()
+        self.live_job = b"0" * 32
+        self.in_job = 0  # messages sent while a real job was running
+        self.job_running = threading.Event()
+
+    def dealer(self, identity: bytes | None = None) -> zmq.Socket:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, int(REPLY_TIMEOUT * 1000))  # a stuck broker fails the test
+        if identity:
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.connect(self.endpoint)
+        return sock
+
+    def send_batch(self, batch: list[Garbage], identity: bytes | None) -> None:
+        """Send fire-and-forget; then a heartbeat for a made-up job, whose ERROR reply comes
+        after the broker has handled the whole batch."""
+        self.tally.batches += 1
+        sock = self.dealer(identity and identity + self.tally.batches.to_bytes(4, "big"))
+        try:
+            for item in batch:
+                frames = list(item.frames)
+                if len(frames) > 2:
+                    frames[2] = frames[2].replace(LIVE, self.live_job)
+                self.tally.count(item, frames, BROKER_ACCEPTS)
+                self.in_job += self.job_running.is_set()
+                sock.send_multipart(frames)
+            token = f"sync-{self.tally.batches}"
+            sock.send_multipart(protocol.encode(Command.HEARTBEAT, {"job": token}))
+            deadline = time.monotonic() + REPLY_TIMEOUT
+            while True:
+                assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
+                    f"the broker did not answer within {REPLY_TIMEOUT} s after a batch"
+                reply = self.tally.reply(sock.recv_multipart())
+                if reply and reply.command is Command.ERROR and reply.header.get("job") == token:
+                    break
+        finally:
+            sock.close()
+        self.snapshot()
+        self.tally.note_rss(self.pid, "broker")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The broker's INFO (over a socket of its own): it serves; the real job's id."""
+        self.probe.send_multipart(protocol.encode(Command.INFO, {}))
+        while True:
+            assert self.probe.poll(int(REPLY_TIMEOUT * 1000)), "the broker stopped answering INFO"
+            reply = protocol.decode(self.probe.recv_multipart())
+            if reply.command is Command.INFO:
+                break
+        jobs = [job["job"] for job in reply.header["jobs"]
+                if isinstance(job["job"], str) and len(job["job"]) == len(LIVE)]
+        if jobs:
+            self.live_job = jobs[0].encode()
+        return reply.header
+
+    def close(self) -> None:
+        self.probe.close()
+        self.context.term()
+
+
+def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digits,
+                                                                     tmp_path) -> None:
+    images = np.random.default_rng(7).integers(0, 256, (20_000, 28, 28), dtype=np.uint8)
+    expected = reference_forward(lenet, images)
+    devices = [f"cpu:{core}" for core in cores()[:2]] or ["cpu"]
+    log = tmp_path / "farm.log"
+    local = LocalFarm(devices, "fifo", ["--chunk", "100"], preload=["lenet"], log_level="ERROR")
+    with stderr_to(log):  # the broker and workers log their errors (tracebacks) there
+        local.__enter__()
+    fuzzer = BrokerFuzzer(local.endpoint, local.broker.pid)
+    try:
+        before = fuzzer.snapshot()["stats"]
+        results: list[Any] = []  # JobResult, or the exception a job raised
+        stop = threading.Event()
+
+        def real_jobs() -> None:
+            """Real 20 000-image jobs, one after another, until the fuzzing is over."""
+            with local.client(timeout=REPLY_TIMEOUT * 2) as client:
+                while not stop.is_set():
+                    try:
+                        results.append(client.run(images, "lenet",
+                                                  progress=lambda _: fuzzer.job_running.set()))
+                    except Exception as exc:  # reported below, with the figures
+                        results.append(exc)
+                        return
+                    finally:
+                        fuzzer.job_running.clear()
+
+        jobs = threading.Thread(target=real_jobs, daemon=True)
+        jobs.start()
+        assert fuzzer.job_running.wait(REPLY_TIMEOUT), "the real job did not start"
+
+        @FUZZ_SETTINGS
+        @given(batch=st.lists(garbage("broker"), min_size=BATCH[0], max_size=BATCH[1]),
+               identity=st.none() | st.binary(min_size=1, max_size=32).filter(lambda b: b[0]))
+        def fuzz_round(batch: list[Garbage], identity: bytes | None) -> None:
+            fuzzer.send_batch(batch, identity)
+
+        started = time.monotonic()
+        while fuzzer.tally.malformed < TARGET:
+            assert time.monotonic() - started < FUZZ_BUDGET, \
+                f"only {fuzzer.tally.malformed} malformed messages in {FUZZ_BUDGET} s"
+            fuzz_round()
+        seconds = time.monotonic() - started
+        stop.set()
+        jobs.join(REPLY_TIMEOUT * 4)
+        assert not jobs.is_alive(), "the real job did not finish"
+        tally = fuzzer.tally
+        tally.rss_end = rss(local.broker.pid, "broker")
+        stats = fuzzer.snapshot()["stats"]
+        print(f"\n{tally.report('broker', seconds)}\n  broker stats {stats}; "
+              f"{len(results)} real jobs, {fuzzer.in_job} messages sent while one ran")
+
+        for result in results:
+            assert not isinstance(result, Exception), f"a real job failed: {result!r}"
+            assert not result.failed and result.duplicates == 0
+            np.testing.assert_allclose(result.outputs, expected, atol=1e-5)
+        assert fuzzer.in_job >= tally.sent // 2, "the real jobs did not run alongside the fuzzing"
+        assert tally.malformed >= TARGET
+        assert stats["bad_messages"] - before["bad_messages"] >= tally.malformed, \
+            "the broker counted fewer bad messages than were sent"
+        assert tally.rss_end - tally.rss_warm < RSS_GROWTH_LIMIT, tally.report("broker", seconds)
+        assert_farm_still_serves(local, lenet, digits)  # a fresh job, after the fuzzing
+        with local.client() as client:
+            result = client.run(images, "lenet")
+        assert not result.failed and result.duplicates == 0
+        np.testing.assert_allclose(result.outputs, expected, atol=1e-5)
+        assert local.broker.poll() is None and all(w.poll() is None for w in local.workers)
+        problems = bugs(log, tally)
+        assert not problems, "the broker or its workers:\n" + "\n".join(problems)
+    finally:
+        fuzzer.close()
+        local.stop()
+
+
+# --------------------------------------------------------------------- worker
+
+class WorkerFuzzer:
+    """A ROUTER acting as the broker of one real worker process: it sends the worker garbage
+    with real TASKs among it, answers its heartbeats and FETCHes, and follows it if it
+    reconnects under a new identity."""
+
+    def __init__(self, log: Path, images: np.ndarray, expected: np.ndarray) -> None:
+        self.images, self.expected = images, expected
+        self.real_job, self.real_tasks = f"real-{uuid.uuid4().hex}", 0
+        self.context = zmq.Context()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises
+        self.router.setsockopt(zmq.SNDTIMEO, int(REPLY_TIMEOUT * 1000))
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        with open(log, "ab") as stderr:
+            self.process = subprocess.Popen(farm_command(
+                "--log-level", "WARNING", "worker", "--device",
+                f"cpu:{min(os.sched_getaffinity(0))}", "--broker", f"tcp://127.0.0.1:{port}",
+                "--model", "lenet"), stderr=stderr)
+        self.identity = b""
+        self.reconnects = -1  # the first READY is the connection, not a reconnect
+        self.tally = Tally()
+        self.receive(lambda message: message.command is Command.READY)
+
+    def fuzz(self, item: Garbage) -> None:
+        self.tally.count(item, item.frames, WORKER_ACCEPTS)
+        self.send(item.frames)
+
+    def real_task(self, start: int, count: int) -> list[bytes]:
+        """A valid TASK for images ``start..``: a LeNet chunk as the broker would send it."""
+        self.real_tasks += 1
+        return protocol.encode(Command.TASK, {
+            "job": self.real_job, "chunk": self.real_tasks, "attempt": 1, "start": start,
+            "count": count, "model": "lenet", "digest": LENET_DIGEST, "dtype": "uint8",
+            "item_shape": ITEM_SHAPE}, [self.images[start:start + count].tobytes()])
+
+    def check_result(self, start: int, count: int) -> None:
+        """The last real TASK came back, exact."""
+        reply = self.receive(lambda m: m.command in (Command.RESULT, Command.FAILED)
+                             and m.header["job"] == self.real_job)
+        assert reply.command is Command.RESULT, f"a real TASK failed: {reply.header}"
+        assert (reply.header["chunk"], reply.header["start"], reply.header["count"]) == \
+            (self.real_tasks, start, count), "the RESULT of another TASK"
+        np.testing.assert_allclose(reply.array("float32", (10,)),
+                                   self.expected[start:start + count], atol=1e-5)
+
+    def send(self, frames: Sequence[bytes]) -> None:
+        """Send to the worker; if it reconnected meanwhile, wait for its READY and resend."""
+        for _ in range(3):
+            try:
+                self.router.send_multipart([self.identity, *frames])
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self.receive(lambda message: message.command is Command.READY)
+        raise AssertionError("the worker keeps reconnecting")
+
+    def receive(self, wanted) -> protocol.Message:
+        """The worker's next message that ``wanted`` accepts, serving a broker's part meanwhile."""
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        while True:
+            assert self.process.poll() is None, f"the worker exited ({self.process.returncode})"
+            wait = int((deadline - time.monotonic()) * 1000)
+            assert wait > 0 and self.router.poll(wait), "the worker did not answer"
+            identity, *frames = self.router.recv_multipart()
+            message = self.tally.reply(frames)
+            if message is None:
+                continue
+            if message.command is Command.READY and identity != self.identity:
+                self.identity, self.reconnects = identity, self.reconnects + 1
+            elif message.command is Command.HEARTBEAT:
+                self.router.send_multipart([identity, *protocol.encode(Command.HEARTBEAT, {
+                    "interval": 1.0})])
+            elif message.command is Command.FETCH:  # as a broker does for a model it lacks
+                self.router.send_multipart([identity, *protocol.encode(Command.MODEL, {
+                    **message.header, "files": [], "error": "no such model"})])
+            if wanted(message):
+                return message
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.router.close()
+        self.context.term()
+
+
+def test_worker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digits,
+                                                                     tmp_path) -> None:
+    images = digits[:200, None]
+    log = tmp_path / "worker.log"
+    fuzzer = WorkerFuzzer(log, images, reference_forward(lenet, images))
+    try:
+        @FUZZ_SETTINGS
+        @given(batch=st.lists(garbage("worker"), min_size=BATCH[0], max_size=BATCH[1]),
+               position=st.floats(0, 1), items=st.tuples(st.integers(0, 199), st.integers(1, 50)))
+        def fuzz_round(batch: list[Garbage], position: float, items: tuple[int, int]) -> None:
+            """The batch with one real TASK among it; its RESULT must be exact."""
+            fuzzer.tally.batches += 1
+            start, count = items[0], min(items[1], len(images) - items[0])
+            at = int(position * len(batch))
+            for item in batch[:at]:
+                fuzzer.fuzz(item)
+            fuzzer.send(fuzzer.real_task(start, count))
+            for item in batch[at:]:
+                fuzzer.fuzz(item)
+            fuzzer.check_result(start, count)
+            fuzzer.tally.note_rss(fuzzer.process.pid, "worker")
+
+        started = time.monotonic()
+        while fuzzer.tally.malformed < TARGET:
+            assert time.monotonic() - started < FUZZ_BUDGET, \
+                f"only {fuzzer.tally.malformed} malformed messages in {FUZZ_BUDGET} s"
+            fuzz_round()
+        seconds = time.monotonic() - started
+        fuzzer.send(fuzzer.real_task(0, 10))  # its RESULT comes after the worker read it all
+        fuzzer.check_result(0, 10)
+        tally = fuzzer.tally
+        tally.rss_end = rss(fuzzer.process.pid, "worker")
+        dropped = log.read_text(errors="replace").count("dropped malformed message")
+        print(f"\n{tally.report('worker', seconds)}\n  {fuzzer.real_tasks} real TASKs exact; the "
+              f"worker logged {dropped} malformed messages dropped; {fuzzer.reconnects} reconnects")
+
+        assert tally.malformed >= TARGET
+        if fuzzer.reconnects == 0:  # else what was sent to the old connection was lost
+            assert dropped == tally.malformed, "the worker did not get every message"
+        assert tally.rss_end - tally.rss_warm < RSS_GROWTH_LIMIT, tally.report("worker", seconds)
+        problems = bugs(log, tally)
+        assert not problems, "the worker:\n" + "\n".join(problems)
+    finally:
+        fuzzer.close()
+
+
+def test_every_template_is_a_valid_message() -> None:
+    """The fuzzing starts from valid messages: each command's template decodes."""
+    for command in Command:
+        message = protocol.decode(build(command, *template(command)))
+        assert message.command is command and set(message.header) == set(
+            protocol._SCHEMAS[command])

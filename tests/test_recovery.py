@@ -1,0 +1,187 @@
+"""Pull the plug on any one process mid-job: every image still comes back exactly once.
+
+Real broker and worker processes on loopback, killed with SIGKILL or frozen
+with SIGSTOP at the first result of a job.  Heartbeats every 0.2 s and a
+liveness of 5 make a silent peer count as gone after 1 s.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from farm.client import Client, FarmError, JobResult
+from farm.local import LocalFarm, cores, farm_command
+from tests.conftest import reference_forward
+
+LINK = ["--heartbeat", "0.2", "--liveness", "5"]
+EXPIRY = 1.0  # 0.2 s x 5
+
+
+def devices(count: int) -> list[str]:
+    available = cores()
+    return [f"cpu:{available[i % len(available)]}" for i in range(count)]
+
+
+def recovering_farm(workers: int, *worker_options: str) -> LocalFarm:
+    return LocalFarm(devices(workers), "fifo", ["--chunk", "200", *LINK],
+                     [*LINK, *worker_options], preload=["lenet"])
+
+
+def run_and_act(local: LocalFarm, images: np.ndarray, act: Callable[[], None]) -> JobResult:
+    """Run a job, calling ``act`` once, when its first result arrives."""
+    acted = []
+
+    def progress(count: int) -> None:
+        if not acted:
+            acted.append(True)
+            act()
+
+    with Client(local.endpoint, timeout=60, heartbeat=0.2) as client:
+        result = client.run(images, "lenet", progress=progress)
+    assert acted, "the job finished before anything could happen to it"
+    return result
+
+
+def assert_exactly_once(result: JobResult, images: np.ndarray, reference: np.ndarray) -> None:
+    """Every output equal to the reference, none duplicated, none failed, all accounted."""
+    assert not result.failed and result.duplicates == 0
+    np.testing.assert_allclose(result.outputs, reference, atol=1e-5)
+    assert sum(share.items for share in result.summary.workers) == result.summary.items
+
+
+@pytest.fixture(scope="module")
+def job(lenet, digits) -> tuple[np.ndarray, np.ndarray]:
+    """30 000 digits (the sample, repeated) and their reference outputs."""
+    images = np.resize(digits, (30_000, 28, 28))
+    reference = np.resize(reference_forward(lenet, digits), (30_000, 10))
+    return images, reference
+
+
+def stats(local: LocalFarm) -> dict:
+    with local.client() as client:
+        return client.info()["stats"]
+
+
+def await_stat(local: LocalFarm, name: str, minimum: int, timeout: float = 10.0) -> dict:
+    """The broker's stats once counter ``name`` reaches ``minimum`` (asked over INFO)."""
+    deadline = time.monotonic() + timeout
+    with local.client() as client:
+        while True:
+            current = client.info()["stats"]
+            if current[name] >= minimum or time.monotonic() > deadline:
+                return current
+
+
+def test_kill_one_of_two_workers_mid_job(job) -> None:
+    images, reference = job
+    with recovering_farm(2) as local:
+        victim = local.workers[0]
+        result = run_and_act(local, images, victim.kill)
+        assert victim.wait(10) == -signal.SIGKILL
+        assert_exactly_once(result, images, reference)
+        assert stats(local)["workers_expired"] == 1
+
+
+def test_kill_the_only_worker_then_a_new_one_finishes_the_job(job) -> None:
+    images, reference = job
+    with recovering_farm(1) as local:
+        first = local.workers[0]
+
+        def replace_worker() -> None:
+            first.kill()
+            local.start_worker(devices(1)[0])
+
+        result = run_and_act(local, images, replace_worker)
+        assert_exactly_once(result, images, reference)
+        names = {share.name for share in result.summary.workers}
+        assert f":{local.workers[1].pid}/" in " ".join(names), "the new worker did the rest"
+
+
+def test_kill_the_broker_mid_job_and_restart_it_on_the_same_address(job) -> None:
+    images, reference = job
+    with recovering_farm(2) as local:
+        result = run_and_act(local, images, local.restart_broker)
+        assert result.resubmissions >= 1
+        assert not result.failed and result.duplicates == 0
+        np.testing.assert_allclose(result.outputs, reference, atol=1e-5)
+        with local.client() as client:
+            assert len(client.info(wait_workers=2)["workers"]) == 2, "both workers came back"
+
+
+def test_a_frozen_worker_is_declared_dead_and_its_late_result_dropped(job) -> None:
+    images, reference = job
+    with recovering_farm(2) as local:
+        frozen = local.workers[0]
+        stopped_at: list[float] = []
+
+        def freeze() -> None:
+            frozen.send_signal(signal.SIGSTOP)
+            stopped_at.append(time.monotonic())
+
+        try:
+            result = run_and_act(local, images, freeze)
+            finished = time.monotonic()
+            after_job = stats(local)
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        assert_exactly_once(result, images, reference)
+        assert after_job["workers_expired"] == 1 and after_job["requeued_chunks"] >= 1
+        assert finished - stopped_at[0] > EXPIRY, "the job waited for the expiry"
+        with local.client() as client:
+            client.info(wait_workers=2)  # the thawed worker heard DISCONNECT and came back
+        assert await_stat(local, "late_replies", 1)["late_replies"] >= 1, \
+            "the thawed worker's result reached the broker and was dropped"
+
+
+def test_a_poison_chunk_is_reported_after_its_attempts_not_retried_forever(lenet,
+                                                                           digits) -> None:
+    images = digits[:1000]
+    reference = reference_forward(lenet, images)
+    with recovering_farm(2, "--fail-items", "250-260") as local:
+        with Client(local.endpoint, timeout=60, heartbeat=0.2) as client:
+            result = client.run(images, "lenet")
+            with pytest.raises(FarmError, match=r"items 200\.\.399: gave up after 3 attempts"):
+                client.map(images, "lenet")
+        after = stats(local)
+    assert [(f.start, f.count) for f in result.failed] == [(200, 200)]
+    assert "injected fault on items 250..260" in result.failed[0].error
+    assert np.isnan(result.outputs[200:400]).all()
+    keep = np.r_[0:200, 400:1000]
+    np.testing.assert_allclose(result.outputs[keep], reference[keep], atol=1e-5)
+    assert after["abandoned_chunks"] == 2 and after["requeued_chunks"] == 4
+
+
+def test_a_failed_attempt_is_retried_and_succeeds_elsewhere(lenet, digits) -> None:
+    """One worker fails items 250..260, the other does not: the chunk is redone and its
+    images come back (a retry may land on the faulty worker again, at most twice)."""
+    images = digits[:1000]
+    with LocalFarm(devices(2), "fifo", ["--chunk", "200", "--max-attempts", "10", *LINK],
+                   LINK, preload=["lenet"]) as local:
+        local.start_worker(devices(1)[0], "--fail-items", "250-260")
+        local.wait_for_workers(3)
+        with Client(local.endpoint, timeout=60, heartbeat=0.2) as client:
+            result = client.run(images, "lenet")
+    assert not result.failed and result.duplicates == 0
+    np.testing.assert_allclose(result.outputs, reference_forward(lenet, images), atol=1e-5)
+
+
+def test_farm_submit_lists_failed_images_and_exits_1(lenet, digits, tmp_path) -> None:
+    images = digits[:1000]
+    np.save(tmp_path / "in.npy", images)
+    with recovering_farm(2, "--fail-items", "250-260") as local:
+        done = subprocess.run(farm_command("--log-level", "ERROR", "submit",
+                                           str(tmp_path / "in.npy"), "--broker", local.endpoint,
+                                           "--out", str(tmp_path / "out.npy"), "--quiet"),
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "200 images failed:\n  items 200..399: gave up after 3 attempts" in done.stderr
+    assert "Traceback" not in done.stderr
+    outputs = np.load(tmp_path / "out.npy")
+    assert np.isnan(outputs[200:400]).all() and not np.isnan(outputs[:200]).any()
+    np.testing.assert_allclose(outputs[400:], reference_forward(lenet, images[400:]), atol=1e-5)
