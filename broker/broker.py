@@ -49,6 +49,10 @@ MAX_INFO_WAITERS = 1000
 MAX_JOBS = 1000
 #: Most messages handled in one loop pass before the timers run.
 MAX_BATCH = 1000
+#: Seconds an INFO request waits for workers before it is forgotten (its client gave up).
+INFO_WAIT_LIMIT = 120.0
+#: Longest error text sent: a reply must stay within the protocol's own string limits.
+MAX_ERROR_CHARS = 1000
 
 
 @dataclass
@@ -95,7 +99,7 @@ class Broker:
         self.by_id: dict[str, WorkerEntry] = {}  # the same entries by policy worker id
         self.jobs: dict[str, Job] = {}
         self.models = ModelCatalog(config.model_dirs)
-        self.info_waiters: list[tuple[bytes, int]] = []
+        self.info_waiters: list[tuple[bytes, int, float]] = []  # identity, workers, since
         self.stats = BrokerStats()
         # attempt ids differ from any a previous broker on this address handed out, so a
         # worker's reply to one of those can never pass for a reply to a new attempt
@@ -134,6 +138,8 @@ class Broker:
             if silent > self.worker_expiry(entry):
                 self.stats.workers_expired += 1
                 self.lose_worker(identity, f"silent for {silent:.1f} s")
+        if self.info_waiters and self.info_waiters[0][2] < now - INFO_WAIT_LIMIT:
+            self.answer_info_waiters()
         for job in list(self.jobs.values()):
             silent = now - job.client_seen
             if silent > job.client_expiry:
@@ -181,12 +187,16 @@ class Broker:
             self.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
             job = message.header.get("job") if message else None
-            self.send(identity, Command.ERROR, {"error": str(exc), **({"job": job} if job else {})})
+            self.send(identity, Command.ERROR, {"error": str(exc), **(
+                {"job": job} if isinstance(job, str) and len(job) <= 100 else {})})
         except Exception:  # a bug must not take the farm down; log it and keep serving
             log.exception("error handling a message from %s", identity.hex())
 
     def send(self, identity: bytes, command: Command, header: dict[str, Any],
              payload: list[Any] | tuple = ()) -> None:
+        error = header.get("error")
+        if isinstance(error, str) and len(error) > MAX_ERROR_CHARS:  # it may quote the peer
+            header = {**header, "error": error[:MAX_ERROR_CHARS - 3] + "..."}
         self.socket.send_multipart([identity, *protocol.encode(command, header, payload)],
                                    copy=False)
 
@@ -197,9 +207,11 @@ class Broker:
             if identity not in self.workers:
                 self.send(identity, Command.DISCONNECT, {})  # a worker we dropped: re-register
             return
-        job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+        if not isinstance(job_id, str) or len(job_id) > 100:
+            raise ProtocolError("HEARTBEAT 'job' must be a job id")
+        job = self.jobs.get(job_id)
         if job is None or job.client != identity:
-            self.send(identity, Command.ERROR, {"job": str(job_id), "unknown_job": True,
+            self.send(identity, Command.ERROR, {"job": job_id, "unknown_job": True,
                                                 "error": f"the broker has no job {job_id}"})
             return
         job.client_seen = self.clock()
@@ -399,6 +411,8 @@ class Broker:
     def on_submit(self, identity: bytes, message: Message) -> None:
         header = message.header
         job_id = header["job"]
+        if not 0 < len(job_id) <= 100:
+            raise ProtocolError("SUBMIT 'job' must be an id of 1 to 100 characters")
         if job_id in self.jobs:
             raise ProtocolError(f"job {job_id} already exists")
         if len(self.jobs) >= MAX_JOBS:
@@ -508,15 +522,17 @@ class Broker:
         elif len(self.info_waiters) >= MAX_INFO_WAITERS:
             raise ProtocolError("too many INFO requests waiting for workers")
         else:
-            self.info_waiters.append((identity, wanted))
+            self.info_waiters.append((identity, wanted, self.clock()))
 
     def answer_info_waiters(self) -> None:
+        """Answer INFO requests whose workers have joined; forget those waiting too long."""
         waiting, self.info_waiters = self.info_waiters, []
-        for identity, wanted in waiting:
+        oldest = self.clock() - INFO_WAIT_LIMIT
+        for identity, wanted, since in waiting:
             if len(self.workers) >= wanted:
                 self.send(identity, Command.INFO, self.snapshot())
-            else:
-                self.info_waiters.append((identity, wanted))
+            elif since > oldest:
+                self.info_waiters.append((identity, wanted, since))
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()

@@ -60,7 +60,8 @@ class WorkerEntry:
         check_models(header["models"])
         loaded = header.get("loaded", [])
         threads = header.get("threads", 0)
-        if not isinstance(loaded, list) or not all(name in header["models"] for name in loaded):
+        if not isinstance(loaded, list) or not all(
+                isinstance(name, str) and name in header["models"] for name in loaded):
             raise ProtocolError("READY 'loaded' must list advertised models")
         if not 1 <= header["slots"] <= MAX_SLOTS:
             raise ProtocolError(f"READY slots must be 1..{MAX_SLOTS}, got {header['slots']}")

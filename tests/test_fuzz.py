@@ -7,13 +7,16 @@ frames, random bytes, a wrong msgpack type in a field, values out of range,
 payloads that lie about their size, huge declared shapes and counts, unknown
 commands, other protocol versions, too many frames, headers over the size
 limit, deep or long msgpack containers, commands sent in the wrong direction,
-and well-formed replies nobody asked for.
+and well-formed replies nobody asked for.  A fixed corpus of messages that broke
+a peer once runs first on every run.
 
 Each hypothesis example is a batch of about a hundred messages, sent without
 waiting for replies; one round trip at the end of the batch proves the peer read
 the whole batch and still answers.  Real LeNet work runs alongside and must
 come back exact, and the peers' resident memory may not grow past a bound
-between a warm-up batch and the end.  ``pytest -s`` prints the figures.
+between a warm-up batch and the end.  What a peer's own code calls a bug fails
+the test too: an exception it logged, a message it sent that the protocol
+rejects.  ``pytest -s`` prints the figures.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any, Iterator, Sequence
 import msgpack
 import numpy as np
 import zmq
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from farm import protocol
@@ -46,7 +49,7 @@ from farm.protocol import (MAX_HEADER_BYTES, MAX_ITEMS, MAX_PAYLOAD_FRAMES, SIGN
 from farm.repository import available
 from farm.workers.worker import ACCEPTED as WORKER_ACCEPTS
 from tests.conftest import reference_forward
-from tests.test_bad_input import assert_farm_still_serves, digest_of
+from tests.test_bad_input import GARBAGE, assert_farm_still_serves, digest_of
 
 #: Malformed messages (rejected by ``protocol.decode`` as the peer calls it) each peer must get.
 TARGET = 10_000
@@ -54,9 +57,10 @@ TARGET = 10_000
 WARMUP = 1_000
 #: How much a peer's resident memory may grow between the warm-up and the end.
 RSS_GROWTH_LIMIT = 50 << 20
-#: Messages per hypothesis example, and examples per round (rounds run until ``TARGET``).
+#: Messages per hypothesis example; examples per run: about 125 reach ``TARGET``, the rest
+#: send nothing (another run follows in the unlikely case they were not enough).
 BATCH = (80, 120)
-EXAMPLES_PER_ROUND = 10
+EXAMPLES = 150
 #: Seconds the fuzzing of one peer may take in all before the test fails (not a hang).
 FUZZ_BUDGET = 240.0
 #: Seconds to wait for any one reply.
@@ -491,7 +495,9 @@ def harmless_to_broker(frames: Sequence[bytes]) -> bool:
         except Exception:
             return True
         return False
-    return message.command is not Command.SUBMIT or message.header["model"] not in MODELS
+    header = message.header
+    return message.command is not Command.SUBMIT or header["model"] not in MODELS \
+        or header["total"] <= 0
 
 
 def harmless_to_worker(frames: Sequence[bytes]) -> bool:
@@ -518,8 +524,33 @@ def garbage(side: str) -> st.SearchStrategy[Garbage]:
                      ).filter(lambda g: harmless(g.frames))
 
 
-FUZZ_SETTINGS = settings(max_examples=EXAMPLES_PER_ROUND, deadline=None, database=None,
-                         phases=[Phase.generate], print_blob=False,
+def corpus(side: str) -> list[Garbage]:
+    """Messages that broke a peer once (found by this fuzzing), sent first on every run as
+    hypothesis' explicit example, with test_bad_input's garbage."""
+    task, _ = template(Command.TASK)
+    ready, _ = template(Command.READY)
+    common = [
+        build(Command.TASK, {**task, "item_shape": [nest(1000)]}, [b"x"]),  # repr recursion
+        build(Command.RESULT, {**template(Command.RESULT)[0], "item_shape": [nest(1000)]}),
+        build(Command.MODEL, {**template(Command.MODEL)[0], "files": [nest(1000)]}, [b"x"]),
+        build(Command.TASK, {**task, "dtype": "d" * 4096}, [b"x"]),  # an echo over 4096
+        build(Command.SUBMIT, {**template(Command.SUBMIT)[0], "dtype": "d" * 4096}),
+        build(Command.SUBMIT, {**template(Command.SUBMIT)[0], "model": "m" * 4096}),
+        build(Command.HEARTBEAT, {"job": "j" * 4096}),
+        build(Command.HEARTBEAT, {"job": nest(1000)}),  # str() of it recurses too deep
+        build(Command.INFO, {"job": nest(1000), "wait_workers": "x"}),  # echoed back as is
+        build(Command.READY, {**ready, "loaded": [["lenet"]]}),  # unhashable
+        build(Command.READY, {**ready, "loaded": [{"a": 1}]}),
+        build(Command.READY, {**ready, "models": {"m" * 4096: {}}}),
+        build(Command.HEARTBEAT, {"interval": float("nan")}),
+        *GARBAGE,
+    ]
+    harmless = harmless_to_broker if side == "broker" else harmless_to_worker
+    return [Garbage("corpus", frames) for frames in common if harmless(frames)]
+
+
+FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
+                         phases=[Phase.explicit, Phase.generate], print_blob=False,
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                 HealthCheck.filter_too_much,
                                                 HealthCheck.large_base_example])
@@ -560,7 +591,11 @@ class Tally:
             message = protocol.decode(frames)
         except ProtocolError as exc:
             name = next((c.name for c in Command if list(frames[1:2]) == [c.value]), "?")
-            self.bad_replies[f"{name}: {str(exc)[:100]}"] += 1
+            try:  # what it says, read without the limits
+                said = msgpack.unpackb(frames[2], strict_map_key=False).get("error", "")[:32]
+            except Exception:
+                said = "?"
+            self.bad_replies[f"{name} {said!r}...: {str(exc)[:100]}"] += 1
             return None
         self.replies[message.command.name] += 1
         return message
@@ -620,148 +655,14 @@ def bugs(log: Path, tally: Tally) -> list[str]:
     return [f"{count} x {problem}" for problem, count in found.most_common()]
 
 
-# --------------------------------------------------------------------- broker
+# ------------------------------------------------------------------- templates
 
-class BrokerFuzzer:
-    """Sends batches to the broker, each from a fresh DEALER, and checks it still answers."""
-
-    def __init__(self, endpoint: str, pid: int) -> None:
-        self.endpoint, self.pid = endpoint, pid
-        self.context = zmq.Context()
-        self.probe = self.dealer()
-        self.tally = Tally()
-        self.live_job = b"0" * 32
-        self.in_job = 0  # messages sent while a real job was running
-        self.job_running = threading.Event()
-
-    def dealer(self, identity: bytes | None = None) -> zmq.Socket:
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, int(REPLY_TIMEOUT * 1000))  # a stuck broker fails the test
-        if identity:
-            sock.setsockopt(zmq.ROUTING_ID, identity)
-        sock.connect(self.endpoint)
-        return sock
-
-    def send_batch(self, batch: list[Garbage], identity: bytes | None) -> None:
-        """Send fire-and-forget; then a heartbeat for a made-up job, whose ERROR reply comes
-        after the broker has handled the whole batch."""
-        self.tally.batches += 1
-        sock = self.dealer(identity and identity + self.tally.batches.to_bytes(4, "big"))
-        try:
-            for item in batch:
-                frames = list(item.frames)
-                if len(frames) > 2:
-                    frames[2] = frames[2].replace(LIVE, self.live_job)
-                self.tally.count(item, frames, BROKER_ACCEPTS)
-                self.in_job += self.job_running.is_set()
-                sock.send_multipart(frames)
-            token = f"sync-{self.tally.batches}"
-            sock.send_multipart(protocol.encode(Command.HEARTBEAT, {"job": token}))
-            deadline = time.monotonic() + REPLY_TIMEOUT
-            while True:
-                assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
-                    f"the broker did not answer within {REPLY_TIMEOUT} s after a batch"
-                reply = self.tally.reply(sock.recv_multipart())
-                if reply and reply.command is Command.ERROR and reply.header.get("job") == token:
-                    break
-        finally:
-            sock.close()
-        self.snapshot()
-        self.tally.note_rss(self.pid, "broker")
-
-    def snapshot(self) -> dict[str, Any]:
-        """The broker's INFO (over a socket of its own): it serves; the real job's id."""
-        self.probe.send_multipart(protocol.encode(Command.INFO, {}))
-        while True:
-            assert self.probe.poll(int(REPLY_TIMEOUT * 1000)), "the broker stopped answering INFO"
-            reply = protocol.decode(self.probe.recv_multipart())
-            if reply.command is Command.INFO:
-                break
-        jobs = [job["job"] for job in reply.header["jobs"]
-                if isinstance(job["job"], str) and len(job["job"]) == len(LIVE)]
-        if jobs:
-            self.live_job = jobs[0].encode()
-        return reply.header
-
-    def close(self) -> None:
-        self.probe.close()
-        self.context.term()
-
-
-def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digits,
-                                                                     tmp_path) -> None:
-    images = np.random.default_rng(7).integers(0, 256, (20_000, 28, 28), dtype=np.uint8)
-    expected = reference_forward(lenet, images)
-    devices = [f"cpu:{core}" for core in cores()[:2]] or ["cpu"]
-    log = tmp_path / "farm.log"
-    local = LocalFarm(devices, "fifo", ["--chunk", "100"], preload=["lenet"], log_level="ERROR")
-    with stderr_to(log):  # the broker and workers log their errors (tracebacks) there
-        local.__enter__()
-    fuzzer = BrokerFuzzer(local.endpoint, local.broker.pid)
-    try:
-        before = fuzzer.snapshot()["stats"]
-        results: list[Any] = []  # JobResult, or the exception a job raised
-        stop = threading.Event()
-
-        def real_jobs() -> None:
-            """Real 20 000-image jobs, one after another, until the fuzzing is over."""
-            with local.client(timeout=REPLY_TIMEOUT * 2) as client:
-                while not stop.is_set():
-                    try:
-                        results.append(client.run(images, "lenet",
-                                                  progress=lambda _: fuzzer.job_running.set()))
-                    except Exception as exc:  # reported below, with the figures
-                        results.append(exc)
-                        return
-                    finally:
-                        fuzzer.job_running.clear()
-
-        jobs = threading.Thread(target=real_jobs, daemon=True)
-        jobs.start()
-        assert fuzzer.job_running.wait(REPLY_TIMEOUT), "the real job did not start"
-
-        @FUZZ_SETTINGS
-        @given(batch=st.lists(garbage("broker"), min_size=BATCH[0], max_size=BATCH[1]),
-               identity=st.none() | st.binary(min_size=1, max_size=32).filter(lambda b: b[0]))
-        def fuzz_round(batch: list[Garbage], identity: bytes | None) -> None:
-            fuzzer.send_batch(batch, identity)
-
-        started = time.monotonic()
-        while fuzzer.tally.malformed < TARGET:
-            assert time.monotonic() - started < FUZZ_BUDGET, \
-                f"only {fuzzer.tally.malformed} malformed messages in {FUZZ_BUDGET} s"
-            fuzz_round()
-        seconds = time.monotonic() - started
-        stop.set()
-        jobs.join(REPLY_TIMEOUT * 4)
-        assert not jobs.is_alive(), "the real job did not finish"
-        tally = fuzzer.tally
-        tally.rss_end = rss(local.broker.pid, "broker")
-        stats = fuzzer.snapshot()["stats"]
-        print(f"\n{tally.report('broker', seconds)}\n  broker stats {stats}; "
-              f"{len(results)} real jobs, {fuzzer.in_job} messages sent while one ran")
-
-        for result in results:
-            assert not isinstance(result, Exception), f"a real job failed: {result!r}"
-            assert not result.failed and result.duplicates == 0
-            np.testing.assert_allclose(result.outputs, expected, atol=1e-5)
-        assert fuzzer.in_job >= tally.sent // 2, "the real jobs did not run alongside the fuzzing"
-        assert tally.malformed >= TARGET
-        assert stats["bad_messages"] - before["bad_messages"] >= tally.malformed, \
-            "the broker counted fewer bad messages than were sent"
-        assert tally.rss_end - tally.rss_warm < RSS_GROWTH_LIMIT, tally.report("broker", seconds)
-        assert_farm_still_serves(local, lenet, digits)  # a fresh job, after the fuzzing
-        with local.client() as client:
-            result = client.run(images, "lenet")
-        assert not result.failed and result.duplicates == 0
-        np.testing.assert_allclose(result.outputs, expected, atol=1e-5)
-        assert local.broker.poll() is None and all(w.poll() is None for w in local.workers)
-        problems = bugs(log, tally)
-        assert not problems, "the broker or its workers:\n" + "\n".join(problems)
-    finally:
-        fuzzer.close()
-        local.stop()
+def test_every_template_is_a_valid_message() -> None:
+    """The fuzzing starts from valid messages: each command's template decodes."""
+    for command in Command:
+        message = protocol.decode(build(command, *template(command)))
+        assert message.command is command and set(message.header) == set(
+            protocol._SCHEMAS[command])
 
 
 # --------------------------------------------------------------------- worker
@@ -788,7 +689,11 @@ class WorkerFuzzer:
         self.identity = b""
         self.reconnects = -1  # the first READY is the connection, not a reconnect
         self.tally = Tally()
-        self.receive(lambda message: message.command is Command.READY)
+        try:
+            self.receive(lambda message: message.command is Command.READY)
+        except BaseException:
+            self.close()
+            raise
 
     def fuzz(self, item: Garbage) -> None:
         self.tally.count(item, item.frames, WORKER_ACCEPTS)
@@ -866,8 +771,11 @@ def test_worker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
         @FUZZ_SETTINGS
         @given(batch=st.lists(garbage("worker"), min_size=BATCH[0], max_size=BATCH[1]),
                position=st.floats(0, 1), items=st.tuples(st.integers(0, 199), st.integers(1, 50)))
+        @example(batch=corpus("worker"), position=0.5, items=(0, 10))
         def fuzz_round(batch: list[Garbage], position: float, items: tuple[int, int]) -> None:
             """The batch with one real TASK among it; its RESULT must be exact."""
+            if fuzzer.tally.malformed >= TARGET:
+                return
             fuzzer.tally.batches += 1
             start, count = items[0], min(items[1], len(images) - items[0])
             at = int(position * len(batch))
@@ -903,9 +811,142 @@ def test_worker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
         fuzzer.close()
 
 
-def test_every_template_is_a_valid_message() -> None:
-    """The fuzzing starts from valid messages: each command's template decodes."""
-    for command in Command:
-        message = protocol.decode(build(command, *template(command)))
-        assert message.command is command and set(message.header) == set(
-            protocol._SCHEMAS[command])
+# --------------------------------------------------------------------- broker
+
+class BrokerFuzzer:
+    """Sends batches to the broker, each from a fresh DEALER, and checks it still answers."""
+
+    def __init__(self, endpoint: str, pid: int) -> None:
+        self.endpoint, self.pid = endpoint, pid
+        self.context = zmq.Context()
+        self.probe = self.dealer()
+        self.tally = Tally()
+        self.live_job = b"0" * 32
+        self.in_job = 0  # messages sent while a real job was running
+        self.job_running = threading.Event()
+
+    def dealer(self, identity: bytes | None = None) -> zmq.Socket:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, int(REPLY_TIMEOUT * 1000))  # a stuck broker fails the test
+        if identity:
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.connect(self.endpoint)
+        return sock
+
+    def send_batch(self, batch: list[Garbage], identity: bytes | None) -> None:
+        """Send fire-and-forget; then a heartbeat for a made-up job, whose ERROR reply comes
+        after the broker has handled the whole batch."""
+        self.tally.batches += 1
+        sock = self.dealer(identity and identity + self.tally.batches.to_bytes(4, "big"))
+        try:
+            for item in batch:
+                frames = list(item.frames)
+                if len(frames) > 2:
+                    frames[2] = frames[2].replace(LIVE, self.live_job)
+                self.tally.count(item, frames, BROKER_ACCEPTS)
+                self.in_job += self.job_running.is_set()
+                sock.send_multipart(frames)
+            token = f"sync-{self.tally.batches}"
+            sock.send_multipart(protocol.encode(Command.HEARTBEAT, {"job": token}))
+            deadline = time.monotonic() + REPLY_TIMEOUT
+            while True:
+                assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
+                    f"the broker did not answer within {REPLY_TIMEOUT} s after a batch"
+                reply = self.tally.reply(sock.recv_multipart())
+                if reply and reply.command is Command.ERROR and reply.header.get("job") == token:
+                    break
+        finally:
+            sock.close()
+        self.snapshot()
+        self.tally.note_rss(self.pid, "broker")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The broker's INFO (over a socket of its own): it serves; the real job's id."""
+        self.probe.send_multipart(protocol.encode(Command.INFO, {}))
+        while True:
+            assert self.probe.poll(int(REPLY_TIMEOUT * 1000)), "the broker stopped answering INFO"
+            reply = protocol.decode(self.probe.recv_multipart())
+            if reply.command is Command.INFO:
+                break
+        jobs = [job["job"] for job in reply.header["jobs"]
+                if isinstance(job["job"], str) and len(job["job"]) == len(LIVE)]
+        if jobs:
+            self.live_job = jobs[0].encode()
+        return reply.header
+
+    def close(self) -> None:
+        self.probe.close()
+        self.context.term()
+
+
+def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digits,
+                                                                     tmp_path) -> None:
+    images = np.random.default_rng(7).integers(0, 256, (20_000, 28, 28), dtype=np.uint8)
+    expected = reference_forward(lenet, images)
+    devices = [f"cpu:{core}" for core in cores()[:2]] or ["cpu"]
+    log = tmp_path / "farm.log"
+    with contextlib.ExitStack() as cleanup:
+        with stderr_to(log):  # the broker and workers log their errors (tracebacks) there
+            local = cleanup.enter_context(LocalFarm(devices, "fifo", ["--chunk", "100"],
+                                                    preload=["lenet"], log_level="ERROR"))
+        fuzzer = BrokerFuzzer(local.endpoint, local.broker.pid)
+        cleanup.callback(fuzzer.close)
+        before = fuzzer.snapshot()["stats"]
+        results: list[Any] = []  # JobResult, or the exception a job raised
+        stop = threading.Event()
+        cleanup.callback(stop.set)
+
+        def real_jobs() -> None:
+            """Real 20 000-image jobs, one after another, until the fuzzing is over."""
+            with local.client(timeout=REPLY_TIMEOUT * 2) as client:
+                while not stop.is_set():
+                    try:
+                        results.append(client.run(images, "lenet",
+                                                  progress=lambda _: fuzzer.job_running.set()))
+                    except Exception as exc:  # reported below, with the figures
+                        results.append(exc)
+                        return
+                    finally:
+                        fuzzer.job_running.clear()
+
+        jobs = threading.Thread(target=real_jobs, daemon=True)
+        jobs.start()
+        assert fuzzer.job_running.wait(REPLY_TIMEOUT), "the real job did not start"
+
+        @FUZZ_SETTINGS
+        @given(batch=st.lists(garbage("broker"), min_size=BATCH[0], max_size=BATCH[1]),
+               identity=st.none() | st.binary(min_size=1, max_size=32).filter(lambda b: b[0]))
+        @example(batch=corpus("broker"), identity=None)
+        def fuzz_round(batch: list[Garbage], identity: bytes | None) -> None:
+            if fuzzer.tally.malformed < TARGET:
+                fuzzer.send_batch(batch, identity)
+
+        started = time.monotonic()
+        while fuzzer.tally.malformed < TARGET:
+            assert time.monotonic() - started < FUZZ_BUDGET, \
+                f"only {fuzzer.tally.malformed} malformed messages in {FUZZ_BUDGET} s"
+            fuzz_round()
+        seconds = time.monotonic() - started
+        stop.set()
+        jobs.join(REPLY_TIMEOUT * 4)
+        assert not jobs.is_alive(), "the real job did not finish"
+        tally = fuzzer.tally
+        tally.rss_end = rss(local.broker.pid, "broker")
+        stats = fuzzer.snapshot()["stats"]
+        print(f"\n{tally.report('broker', seconds)}\n  broker stats {stats}; "
+              f"{len(results)} real jobs, {fuzzer.in_job} messages sent while one ran")
+
+        for result in results:
+            assert not isinstance(result, Exception), f"a real job failed: {result!r}"
+            assert not result.failed and result.duplicates == 0
+            np.testing.assert_allclose(result.outputs, expected, atol=1e-5)
+        assert fuzzer.in_job >= tally.sent // 2, "the real jobs did not run alongside the fuzzing"
+        assert tally.malformed >= TARGET
+        assert stats["bad_messages"] - before["bad_messages"] >= tally.malformed, \
+            "the broker counted fewer bad messages than were sent"
+        assert tally.rss_end - tally.rss_warm < RSS_GROWTH_LIMIT, tally.report("broker", seconds)
+        assert_farm_still_serves(local, lenet, digits)  # a fresh job, after the fuzzing
+        assert local.broker.poll() is None and all(w.poll() is None for w in local.workers)
+        problems = bugs(log, tally)
+        assert not problems, "the broker or its workers:\n" + "\n".join(problems)
