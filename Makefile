@@ -30,6 +30,7 @@ bench: install
 	$(BIN)/python bench/table2.py
 	$(BIN)/python bench/scaling.py
 	$(BIN)/python bench/models.py
+	$(BIN)/python bench/soak.py
 
 clean:
 	rm -rf $(VENV) scores.npy

@@ -60,7 +60,7 @@ def sweep(model: str, backend: str, device: str) -> dict[int, float]:
 
 def shrink_memory() -> dict[str, float]:
     """CaffeNet on opencv, ``--batch 64``: resident MB after a chunk of its prototxt's batch (10),
-    after a chunk of 64 with the shrink switched off, and after one with it on."""
+    after a chunk of 64, and once shrunk back (as a worker does when it falls idle)."""
     from farm.engine import load_engine
 
     def rss_mb() -> float:
@@ -72,11 +72,9 @@ def shrink_memory() -> dict[str, float]:
     engine = load_engine(spec, "opencv", batch=64, threads=1)
     engine.run(images[:spec.batch])
     figures = {"resting_mb": rss_mb()}
-    shrink, engine.shrink = engine.shrink, lambda: None  # first without shrinking back
     engine.run(images)
     figures["batch64_mb"] = rss_mb()
-    engine.shrink = shrink
-    engine.run(images)
+    engine.rest()
     figures["after_shrink_mb"] = rss_mb()
     return figures
 

@@ -70,7 +70,7 @@ class Engine:
         self.threads = threads
         self.transform = Transformer.for_model(spec)
         self.output_shape: tuple[int, ...] = ()
-        self.allocated = 0  # the batch the backend's buffers were last sized for
+        self.allocated = 0  # the largest batch the buffers were sized for since the last rest
 
     @classmethod
     def load(cls, spec: ModelSpec, batch: int | None = None, device: str = "cpu",
@@ -120,18 +120,22 @@ class Engine:
     def run(self, images: np.ndarray) -> np.ndarray:
         """Outputs for ``images`` (N x item shape, uint8 or float32), in compute batches.
 
-        A chunk that ran in batches larger than the prototxt's own batch shrinks
-        the net back afterwards, so one large input does not pin its memory.
+        Batches larger than the prototxt's own batch grow the net; ``rest`` shrinks it
+        back (a worker does so when it falls idle, not between chunks: reshaping a net
+        costs more than a chunk of LeNet).
         """
         count = images.shape[0]
         outputs = np.empty((count, *self.output_shape), dtype=np.float32)
         for begin in range(0, count, self.batch):
             end = min(begin + self.batch, count)
             outputs[begin:end] = self.forward(self.transform(images[begin:end]))
-            self.allocated = end - begin
-        if count and min(count, self.batch) > self.spec.batch:
-            self.rest()
+            self.allocated = max(self.allocated, end - begin)
         return outputs
+
+    @property
+    def grown(self) -> bool:
+        """Whether the net holds buffers for more than its resting batch."""
+        return self.allocated > self.spec.batch
 
     def rest(self) -> None:
         """Shrink to the resting batch and return the freed memory to the OS."""

@@ -295,12 +295,15 @@ def break_model(folder: Path, source: Path, damage: str) -> Path:
 def test_a_large_chunk_shrinks_the_net_back(lenet, digits) -> None:
     engine = load_engine(lenet, "opencv", batch=500)
     outputs = engine.run(digits[:, None])
-    assert engine.allocated == lenet.batch == 64  # back to the prototxt's batch
+    assert engine.grown and engine.allocated == 500
+    engine.rest()
+    assert not engine.grown and engine.allocated == lenet.batch == 64  # the prototxt's batch
     np.testing.assert_allclose(outputs, load_engine(lenet, "opencv").run(digits[:, None]),
                                atol=1e-6)
+    np.testing.assert_allclose(engine.run(digits[:, None]), outputs, atol=1e-6)
     small = load_engine(lenet, "opencv", batch=32)
     small.run(digits[:100, None])
-    assert small.allocated == 4  # never above the resting batch: left as it is
+    assert not small.grown  # never above the resting batch: nothing to shrink
 
 
 def test_missing_caffe_backend_says_how_to_install() -> None:
