@@ -26,12 +26,10 @@ farm runs without a limit, and the report says so.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,13 +38,12 @@ from contextlib import redirect_stdout
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from farm import protocol
-from farm.client import Client, FarmTimeout
-from farm.local import STOP_GRACE, cores, farm_command
+from common import Tee, machine, status_kib
+from farm.local import LocalFarm, cores, farm_command
 from farm.npy import NpyReader, NpyWriter
 from farm.repository import find
 
@@ -131,15 +128,6 @@ def own_memory_cgroup() -> Path:
     return MEMORY_ROOT
 
 
-def status_kib(pid: int, field: str) -> int:
-    """A ``/proc/PID/status`` memory field (VmRSS, VmHWM...) in KiB."""
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(f"{field} not in /proc/{pid}/status")
-
-
 def make_input(path: Path, count: int) -> None:
     """N x 28 x 28 uint8 LeNet digits (image i is sample[i % len(sample)]), written a block at
     a time, synced and dropped from the page cache (so the farm's reads are charged to it)."""
@@ -154,29 +142,6 @@ def make_input(path: Path, count: int) -> None:
         os.posix_fadvise(writer.fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         writer.close()
-
-
-def start_broker(cgroup: MemoryCgroup) -> tuple[subprocess.Popen, str]:
-    """A broker on a free loopback port, inside the cgroup; the process and its endpoint."""
-    broker = subprocess.Popen(cgroup.wrap(farm_command(
-        "--log-level", "WARNING", "broker", "--bind", "tcp://127.0.0.1:*")),
-        stdout=subprocess.PIPE, text=True)
-    line = broker.stdout.readline()
-    if not line.startswith("farm broker listening on "):
-        raise RuntimeError(f"broker did not start (exit code {broker.poll()})")
-    return broker, line.rsplit(" ", 1)[1].strip()
-
-
-def wait_for_workers(endpoint: str, count: int, processes: list[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + 60
-    with Client(endpoint, timeout=1.0) as client:
-        while True:
-            try:
-                client.info(wait_workers=count)
-                return
-            except FarmTimeout:
-                if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
-                    raise RuntimeError("the farm did not start") from None
 
 
 def submit(cgroup: MemoryCgroup, endpoint: str, images: Path, out: Path
@@ -196,21 +161,6 @@ def submit(cgroup: MemoryCgroup, endpoint: str, images: Path, out: Path
                            f"{done.stdout}{done.stderr}")
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
     return wall, int(peak.group(1)) if peak else 0, done.stdout
-
-
-def stop(processes: list[subprocess.Popen]) -> None:
-    """SIGTERM, then SIGKILL whatever outlives the grace period."""
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(STOP_GRACE)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stdout:
-            process.stdout.close()
 
 
 def verify(images: Path, out: Path, count: int) -> list[str]:
@@ -237,14 +187,6 @@ def verify(images: Path, out: Path, count: int) -> list[str]:
     return problems
 
 
-def machine() -> str:
-    """One line: cores, memory, GPU."""
-    with open("/proc/meminfo") as handle:
-        total = int(handle.readline().split()[1]) / 1024 ** 2
-    gpu = "a GPU (nvidia-smi found)" if shutil.which("nvidia-smi") else "no GPU"
-    return f"machine: {os.cpu_count()} cores, {total:.0f} GiB memory, {gpu}"
-
-
 def bigfile(args: argparse.Namespace, folder: Path) -> int:
     """Make the input, run the farm on it in the cgroup, print the report; the exit status."""
     item_bytes = 28 * 28
@@ -265,24 +207,16 @@ def bigfile(args: argparse.Namespace, folder: Path) -> int:
         print(f"NO MEMORY LIMIT: cannot make a memory cgroup ({cgroup.why_not}); the farm runs "
               f"unconstrained, peak RSS figures only")
     devices = [f"cpu:{core}" for core in cores()[:args.workers]]
-    processes: list[subprocess.Popen] = []
     try:
-        broker, endpoint = start_broker(cgroup)
-        processes.append(broker)
-        for device in devices:
-            processes.append(subprocess.Popen(cgroup.wrap(farm_command(
-                "--log-level", "WARNING", "worker", "--device", device, "--broker", endpoint,
-                "--model", "lenet"))))
-        wait_for_workers(endpoint, len(devices), processes)
-        wall, client_peak, summary = submit(cgroup, endpoint, images, out)
-        peaks = {"broker": status_kib(broker.pid, "VmHWM")}
-        for device, worker in zip(devices, processes[1:]):
-            peaks[f"worker {device}"] = status_kib(worker.pid, "VmHWM")
-        peaks["client (farm submit)"] = client_peak
-        cgroup_peak, failcnt = cgroup.read("memory.max_usage_in_bytes"), \
-            cgroup.read("memory.failcnt")
+        with LocalFarm(devices, preload=["lenet"], launcher=cgroup.wrap([])) as local:
+            wall, client_peak, summary = submit(cgroup, local.endpoint, images, out)
+            peaks = {"broker": status_kib(local.broker.pid, "VmHWM")}
+            for device, worker in zip(devices, local.workers):
+                peaks[f"worker {device}"] = status_kib(worker.pid, "VmHWM")
+            peaks["client (farm submit)"] = client_peak
+            cgroup_peak, failcnt = cgroup.read("memory.max_usage_in_bytes"), \
+                cgroup.read("memory.failcnt")
     finally:
-        stop(processes)
         cgroup.remove()
     print(f"farm: broker + {len(devices)} workers ({', '.join(devices)}), policy equal-finish")
     print("farm submit's summary:")
@@ -309,19 +243,6 @@ def bigfile(args: argparse.Namespace, folder: Path) -> int:
         print(f"  {problem}")
     print("PASS" if not problems else "FAIL")
     return 1 if problems else 0
-
-
-class Tee(io.TextIOBase):
-    """Write to several text streams at once."""
-
-    def __init__(self, *streams: Any) -> None:
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self.streams:
-            stream.write(text)
-            stream.flush()
-        return len(text)
 
 
 def main() -> None:

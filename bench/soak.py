@@ -20,10 +20,7 @@ or any wrong job, fails the run (exit status 1).
 from __future__ import annotations
 
 import argparse
-import io
 import multiprocessing as mp
-import os
-import shutil
 import sys
 import threading
 import time
@@ -36,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from common import Tee, machine, status_kib
 from farm.local import LocalFarm, cores
 from farm.repository import find
 
@@ -56,15 +54,6 @@ class ClientPlan:
     checkpoint: int
     max_size: int
     seed: int
-
-
-def rss_kib(pid: int, field: str = "VmRSS") -> int:
-    """A ``/proc/PID/status`` memory field (VmRSS, VmHWM...) in KiB."""
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(f"{field} not in /proc/{pid}/status")
 
 
 def job_sizes(rng: np.random.Generator, jobs: int, max_size: int) -> np.ndarray:
@@ -147,11 +136,11 @@ def wait_for_parties(barrier: Any, processes: list[mp.Process]) -> None:
 
 def measure(local: LocalFarm, devices: list[str], processes: list[mp.Process]) -> dict[str, int]:
     """Process name -> VmRSS in KiB."""
-    figures = {"broker": rss_kib(local.broker.pid)}
+    figures = {"broker": status_kib(local.broker.pid)}
     for device, worker in zip(devices, local.workers):
-        figures[f"worker {device}"] = rss_kib(worker.pid)
+        figures[f"worker {device}"] = status_kib(worker.pid)
     for index, process in enumerate(processes):
-        figures[f"client {index}"] = rss_kib(process.pid)
+        figures[f"client {index}"] = status_kib(process.pid)
     return figures
 
 
@@ -172,14 +161,6 @@ def print_memory(first: dict[str, int], last: dict[str, int], checkpoint: int,
     print(f"{'all':<16} {total_first / 1024:>16.1f} {total_last / 1024:>16.1f} "
           f"{(total_last - total_first) / total_first:>+8.1%}")
     return within_all
-
-
-def machine() -> str:
-    """One line: cores, memory, GPU."""
-    with open("/proc/meminfo") as handle:
-        total = int(handle.readline().split()[1]) / 1024 ** 2
-    gpu = "a GPU (nvidia-smi found)" if shutil.which("nvidia-smi") else "no GPU"
-    return f"machine: {os.cpu_count()} cores, {total:.0f} GiB memory, {gpu}"
 
 
 def soak(args: argparse.Namespace) -> int:
@@ -243,19 +224,6 @@ def soak(args: argparse.Namespace) -> int:
         part for part, bad in (("wrong jobs", problems), ("memory grew > 10%", not within))
         if bad))
     return 0 if verdict else 1
-
-
-class Tee(io.TextIOBase):
-    """Write to several text streams at once."""
-
-    def __init__(self, *streams: Any) -> None:
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self.streams:
-            stream.write(text)
-            stream.flush()
-        return len(text)
 
 
 def main() -> None:

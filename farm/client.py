@@ -48,16 +48,6 @@ class FarmTimeout(FarmError):
     """Nothing came back from the broker within the timeout."""
 
 
-def as_batch(images: np.ndarray) -> np.ndarray:
-    """N x C x H x W as is; N x H x W (one channel) gets its channel axis."""
-    images = np.asarray(images)
-    if images.ndim == 3:
-        return images[:, np.newaxis]
-    if images.ndim != 4:
-        raise FarmError(f"images must be N x C x H x W or N x H x W, got shape {images.shape}")
-    return images
-
-
 class ImageSource:
     """A job's input, read a range at a time: an array, or a `.npy` file via ``NpyReader``."""
 
@@ -213,11 +203,14 @@ class Client:
     def _connect(self) -> zmq.Socket:
         sock = self.context.socket(zmq.DEALER)
         protocol.limit_socket(sock)
+        self.poller = zmq.Poller()  # made once per socket: polled for every message
+        self.poller.register(sock, zmq.POLLIN)
         if self.curve:
             from farm.keys import Handshakes, make_client
 
             make_client(sock, self.curve, self.curve_name)
             self.handshakes = Handshakes(sock, self.curve_name)
+            self.poller.register(self.handshakes.monitor, zmq.POLLIN)
         sock.connect(self.broker)
         return sock
 
@@ -405,13 +398,9 @@ class Client:
         FarmError at once if the broker refused this client's CURVE key.
         """
         deadline = None if seconds is None else time.monotonic() + seconds
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        if self.handshakes is not None:
-            poller.register(self.handshakes.monitor, zmq.POLLIN)
         while True:
             wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            ready = dict(poller.poll(wait))
+            ready = dict(self.poller.poll(wait))
             if self.handshakes is not None and (refused := self.handshakes.failure()):
                 raise FarmError(refused)
             if self.socket not in ready:
@@ -453,4 +442,4 @@ def describe_failures(failed: list[FailedItems]) -> str:
 
 
 __all__ = ["ArraySink", "Client", "FailedItems", "FarmError", "FarmTimeout", "JobResult",
-           "NpyReader", "NpyWriter", "as_batch"]
+           "NpyReader", "NpyWriter"]

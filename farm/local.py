@@ -41,6 +41,7 @@ class LocalFarm:
     log_level: str = "WARNING"
     ready_timeout: float = 60.0
     curve: str | None = None  # a `farm keys` folder: every process and client uses CurveZMQ
+    launcher: Sequence[str] = ()  # prefix for the broker and worker commands (a cgroup, ...)
     endpoint: str = ""
     broker: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
@@ -61,9 +62,9 @@ class LocalFarm:
 
     def start_broker(self, bind: str = "tcp://127.0.0.1:*") -> None:
         """Start the broker (on a free loopback port by default); read the endpoint it bound."""
-        self.broker = subprocess.Popen(
-            farm_command("--log-level", self.log_level, "broker", "--bind", bind,
-                         "--algo", self.algo, *self.curve_options, *self.broker_options),
+        self.broker = subprocess.Popen([*self.launcher,
+            *farm_command("--log-level", self.log_level, "broker", "--bind", bind,
+                         "--algo", self.algo, *self.curve_options, *self.broker_options)],
             stdout=subprocess.PIPE, text=True)
         line = self.broker.stdout.readline()
         if not line.startswith("farm broker listening on "):
@@ -79,9 +80,9 @@ class LocalFarm:
 
     def start_worker(self, device: str, *options: str) -> subprocess.Popen:
         preload = [arg for name in self.preload for arg in ("--model", name)]
-        process = subprocess.Popen(farm_command(
+        process = subprocess.Popen([*self.launcher, *farm_command(
             "--log-level", self.log_level, "worker", "--device", device, "--broker",
-            self.endpoint, *preload, *self.curve_options, *self.worker_options, *options))
+            self.endpoint, *preload, *self.curve_options, *self.worker_options, *options)])
         self.workers.append(process)
         return process
 
@@ -107,16 +108,19 @@ class LocalFarm:
         return Client(self.endpoint, timeout=timeout, curve=self.curve)
 
     def stop(self) -> None:
-        """SIGTERM every process, then SIGKILL whatever outlives the grace period."""
-        processes = [p for p in [*self.workers, self.broker] if p is not None]
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if self.broker is not None and self.broker.stdout:
-            self.broker.stdout.close()
+        stop_processes([p for p in [*self.workers, self.broker] if p is not None])
+
+
+def stop_processes(processes: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM every process, then SIGKILL whatever outlives the grace period."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout:
+            process.stdout.close()

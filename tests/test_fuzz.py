@@ -33,7 +33,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -762,6 +762,16 @@ class WorkerFuzzer:
         self.context.term()
 
 
+def fuzz_until_target(fuzz_round: Callable[[], None], tally: Any) -> float:
+    """Run hypothesis rounds until ``TARGET`` malformed messages were sent; the seconds taken."""
+    started = time.monotonic()
+    while tally.malformed < TARGET:
+        assert time.monotonic() - started < FUZZ_BUDGET, \
+            f"only {tally.malformed} malformed messages in {FUZZ_BUDGET} s"
+        fuzz_round()
+    return time.monotonic() - started
+
+
 def test_worker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digits,
                                                                      tmp_path) -> None:
     images = digits[:200, None]
@@ -787,12 +797,7 @@ def test_worker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
             fuzzer.check_result(start, count)
             fuzzer.tally.note_rss(fuzzer.process.pid, "worker")
 
-        started = time.monotonic()
-        while fuzzer.tally.malformed < TARGET:
-            assert time.monotonic() - started < FUZZ_BUDGET, \
-                f"only {fuzzer.tally.malformed} malformed messages in {FUZZ_BUDGET} s"
-            fuzz_round()
-        seconds = time.monotonic() - started
+        seconds = fuzz_until_target(fuzz_round, fuzzer.tally)
         fuzzer.send(fuzzer.real_task(0, 10))  # its RESULT comes after the worker read it all
         fuzzer.check_result(0, 10)
         tally = fuzzer.tally
@@ -922,12 +927,7 @@ def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
             if fuzzer.tally.malformed < TARGET:
                 fuzzer.send_batch(batch, identity)
 
-        started = time.monotonic()
-        while fuzzer.tally.malformed < TARGET:
-            assert time.monotonic() - started < FUZZ_BUDGET, \
-                f"only {fuzzer.tally.malformed} malformed messages in {FUZZ_BUDGET} s"
-            fuzz_round()
-        seconds = time.monotonic() - started
+        seconds = fuzz_until_target(fuzz_round, fuzzer.tally)
         stop.set()
         jobs.join(REPLY_TIMEOUT * 4)
         assert not jobs.is_alive(), "the real job did not finish"

@@ -261,17 +261,18 @@ class Worker:
 
     def io_loop(self, link: BrokerLink, pipe: zmq.Socket, tasks: queue.Queue) -> None:
         """The main thread: broker messages in, replies out, the link's timers."""
-        poller = zmq.Poller()
+        poller, watched = zmq.Poller(), []
         poller.register(pipe, zmq.POLLIN)
         while self.running:
-            watched = [link.socket] + ([link.handshakes.monitor] if link.handshakes else [])
-            for sock in watched:
-                poller.register(sock, zmq.POLLIN)
+            if not watched or watched[0] is not link.socket:  # a new connection
+                for sock in watched:
+                    poller.unregister(sock)
+                watched = [link.socket] + ([link.handshakes.monitor] if link.handshakes else [])
+                for sock in watched:
+                    poller.register(sock, zmq.POLLIN)
             events = dict(poller.poll(max(1, int(link.wait() * 1000))))
-            for sock in watched:
-                poller.unregister(sock)
             link.check_handshakes()
-            if watched[0] in events:
+            if link.socket in events:
                 self.receive(link, tasks)
             if pipe in events:
                 link.send(pipe.recv_multipart(copy=False))
@@ -326,15 +327,6 @@ class Worker:
                     pipe.send_multipart(reply, copy=False)
         finally:
             pipe.close(linger=0)
-
-    def handle(self, frames: list[Any], received: float) -> list[Reply]:
-        """One incoming message (``received`` when its receive began) -> the replies to send."""
-        try:
-            message = protocol.decode(frames, allowed=ACCEPTED)
-        except ProtocolError as exc:
-            log.warning("dropped malformed message: %s", exc)
-            return []
-        return self.dispatch(message, received)
 
     def dispatch(self, message: Message, received: float) -> list[Reply]:
         if message.command is Command.ERROR:

@@ -227,21 +227,21 @@ class Policy(ABC):
             self._fail(event)
         return self._assign()
 
-    def _complete(self, event: ChunkDone) -> None:
-        chunks = self.in_flight.get(event.worker, [])
-        if event.chunk not in chunks:
-            raise ValueError(f"{event.worker} did not hold {event.chunk}")
-        chunks.remove(event.chunk)
+    def _release(self, worker: WorkerId, chunk: Chunk) -> None:
+        """The worker no longer holds the chunk; ValueError if it never did."""
+        chunks = self.in_flight.get(worker, [])
+        if chunk not in chunks:
+            raise ValueError(f"{worker} did not hold {chunk}")
+        chunks.remove(chunk)
         self.holding -= 1
+
+    def _complete(self, event: ChunkDone) -> None:
+        self._release(event.worker, event.chunk)
         self.completed += event.chunk.count
         self.on_chunk_done(event)
 
     def _fail(self, event: ChunkFailed) -> None:
-        chunks = self.in_flight.get(event.worker, [])
-        if event.chunk not in chunks:
-            raise ValueError(f"{event.worker} did not hold {event.chunk}")
-        chunks.remove(event.chunk)
-        self.holding -= 1
+        self._release(event.worker, event.chunk)
         if event.retry:
             self.pool.give_back(event.chunk)
             self.on_chunks_returned(event.worker, [event.chunk])
