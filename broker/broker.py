@@ -16,6 +16,14 @@ an input far larger than RAM streams through it.  Each assignment is an
 (its worker was declared dead, or it was answered already) is dropped, so every
 item is delivered exactly once; an item range that fails ``max_attempts`` times
 is a poison chunk, reported to the client instead of retried forever.
+
+Several jobs share the workers: every free slot is offered to the jobs in
+order, highest priority first, then (``sharing="fair"``) the job holding the
+fewest slots, then the oldest; each job's own policy decides whether to take
+it.  A worker with nothing left of one job thus takes chunks of the next, and
+job tails overlap.  A job that ends early (cancelled, timed out, failed) has
+its queued chunks dropped at once; the workers running its chunks get CANCEL,
+stop after their current compute batch, and their slots free when they answer.
 """
 
 from __future__ import annotations
@@ -32,12 +40,12 @@ from typing import Any, Callable
 import zmq
 
 from farm import protocol
-from farm.broker.jobs import ChunkRecord, Job
+from farm.broker.jobs import ChunkRecord, Job, JobOptions
 from farm.broker.models import ModelCatalog
 from farm.broker.registry import (MAX_HEARTBEAT, MIN_HEARTBEAT, WorkerEntry,
                                    valid_heartbeat)
-from farm.policies import (Assign, ChunkDone, ChunkFailed, WorkerLost, WorkerReady,
-                           make_policy)
+from farm.policies import (Assign, ChunkDone, ChunkFailed, WorkerBusy, WorkerLost,
+                           WorkerReady, make_policy)
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
 
@@ -53,6 +61,10 @@ MAX_BATCH = 1000
 INFO_WAIT_LIMIT = 120.0
 #: Longest error text sent: a reply must stay within the protocol's own string limits.
 MAX_ERROR_CHARS = 1000
+#: How jobs share free slots: "fair" (fewest slots held first) or "fifo" (oldest first).
+SHARING = ("fair", "fifo")
+#: Ways a job ends, counted in INFO and metrics.
+OUTCOMES = ("done", "failed", "cancelled", "timed_out", "expired")
 
 
 @dataclass
@@ -65,6 +77,8 @@ class BrokerConfig:
     liveness: int = 5  # heartbeats a peer may miss before it is declared gone
     max_attempts: int = 3  # attempts at an item range before it is given up as poison
     curve: str | None = None  # a `farm keys` folder: CurveZMQ with its allowed keys
+    sharing: str = "fair"  # see SHARING; priorities come first either way
+    metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
 
 
 @dataclass
@@ -85,15 +99,21 @@ class Broker:
     def __init__(self, config: BrokerConfig, context: zmq.Context,
                  clock: Callable[[], float] = time.monotonic) -> None:
         make_policy(config.algo, 1, **config.params)  # fail fast on a bad name or parameter
+        if config.sharing not in SHARING:
+            raise ValueError(f"sharing must be one of {', '.join(SHARING)}")
         self.config = config
         self.clock = clock
         self.socket = context.socket(zmq.ROUTER)
         protocol.limit_socket(self.socket)
-        if config.curve:
-            from farm.keys import make_server
+        try:
+            if config.curve:
+                from farm.keys import make_server
 
-            make_server(self.socket, config.curve)
-        self.socket.bind(config.bind)
+                make_server(self.socket, config.curve)
+            self.socket.bind(config.bind)
+        except Exception:
+            self.socket.close()
+            raise
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.workers: dict[bytes, WorkerEntry] = {}
         self.by_id: dict[str, WorkerEntry] = {}  # the same entries by policy worker id
@@ -101,6 +121,21 @@ class Broker:
         self.models = ModelCatalog(config.model_dirs)
         self.info_waiters: list[tuple[bytes, int, float]] = []  # identity, workers, since
         self.stats = BrokerStats()
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.started_at = self.clock()
+        self.next_seq = 0  # submission order of jobs
+        self.metrics = None
+        self.metrics_url = ""
+        if config.metrics:
+            from farm.broker.metrics import BrokerMetrics
+
+            self.metrics = BrokerMetrics(self)
+            try:
+                self.metrics_url = self.metrics.serve(*config.metrics)
+            except OSError as exc:
+                self.socket.close()
+                raise OSError(f"cannot serve metrics on {config.metrics[0]}:"
+                              f"{config.metrics[1]}: {exc.strerror or exc}") from exc
         # attempt ids differ from any a previous broker on this address handed out, so a
         # worker's reply to one of those can never pass for a reply to a new attempt
         self.next_chunk_id = secrets.randbits(48)
@@ -111,7 +146,7 @@ class Broker:
             Command.FAILED: self.on_failed, Command.SUBMIT: self.on_submit,
             Command.DATA: self.on_data, Command.INFO: self.on_info,
             Command.DISCONNECT: self.on_disconnect, Command.HEARTBEAT: self.on_heartbeat,
-            Command.FETCH: self.on_fetch,
+            Command.FETCH: self.on_fetch, Command.CANCEL: self.on_cancel,
         }
         self.accepted = frozenset(self.handlers)
 
@@ -125,6 +160,11 @@ class Broker:
             wait = max(0.0, self.next_heartbeat - self.clock())
             self.poll_once(int(wait * 1000) + 1)
             self.tick()
+        self.close()
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         self.socket.close()
 
     def tick(self) -> None:
@@ -145,7 +185,10 @@ class Broker:
             if silent > job.client_expiry:
                 self.stats.jobs_expired += 1
                 log.warning("job %s dropped: its client was silent for %.1f s", job.id, silent)
-                self.drop_job(job)
+                self.end_job(job, "expired")
+            elif job.deadline is not None and now > job.deadline:
+                self.cancel_job(job, "timed_out", f"the job's timeout of {job.options.timeout:g} s "
+                                f"passed with {job.done} of {job.total} images done")
 
     def worker_expiry(self, entry: WorkerEntry) -> float:
         return self.config.liveness * max(self.config.heartbeat, entry.heartbeat)
@@ -220,10 +263,12 @@ class Broker:
 
     def on_ready(self, identity: bytes, message: Message) -> None:
         entry = WorkerEntry.from_ready(identity, message.header)
-        entry.last_seen = self.clock()
+        entry.last_seen = entry.joined_at = self.clock()
         if identity in self.workers:
             self.lose_worker(identity, "re-registered")
         self.workers[identity] = self.by_id[entry.id] = entry
+        if self.metrics:
+            self.metrics.worker_joined(entry)
         log.info("worker %s joined (%s, %d threads, models %s)", entry.name, entry.backend,
                  entry.threads, ", ".join(sorted(entry.models)))
         self.send(identity, Command.HEARTBEAT, {"interval": self.config.heartbeat})
@@ -242,13 +287,15 @@ class Broker:
         if entry is None:
             return
         del self.by_id[entry.id]
+        if self.metrics:
+            self.metrics.worker_left(entry)
         records = list(entry.in_flight.values())
         entry.in_flight.clear()
         log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason, len(records))
         for record in records:
             job = record.job
             job.pending.pop(record.id, None)
-            if job.id in self.jobs and job.policy:
+            if job.outcome is None and job.policy:
                 self.attempt_failed(record, f"worker {entry.name} was lost ({reason})",
                                     requeue_with_worker=True)
         for job in list(self.jobs.values()):
@@ -265,6 +312,8 @@ class Broker:
         """
         job, chunk = record.job, record.chunk
         job.note_failure(record, error)
+        if self.metrics:
+            self.metrics.chunk_failed(record.worker)
         if record.attempt < self.config.max_attempts:
             self.stats.requeued_chunks += 1
             log.info("job %s: items %d..%d failed attempt %d (%s); retrying", job.id,
@@ -300,17 +349,31 @@ class Broker:
                     progress = True
 
     def offer_slot(self, entry: WorkerEntry) -> bool:
-        """Offer one slot to the jobs, oldest first; True if one took it."""
+        """Offer one slot to the jobs in ``job_order``; True if one took it."""
         if entry.identity not in self.workers:
             return False
         before = len(entry.in_flight)
-        for job in list(self.jobs.values()):
-            if job.policy:
-                job.eligible[entry.id] = entry
-                self.dispatch(job, job.policy.handle(WorkerReady(entry.id, at=self.clock())))
-                if len(entry.in_flight) > before:
-                    return True
+        for job in self.job_order():
+            job.eligible[entry.id] = entry
+            self.dispatch(job, job.policy.handle(WorkerReady(entry.id, at=self.clock())))
+            if len(entry.in_flight) > before:
+                return True
         return False
+
+    def job_order(self) -> list[Job]:
+        """Running jobs in the order they are offered a free slot: highest priority first,
+        then (fair sharing) the fewest chunks in flight, then the oldest."""
+        jobs = [job for job in self.jobs.values() if job.policy]
+        if self.config.sharing == "fair":
+            return sorted(jobs, key=lambda job: (-job.priority, job.in_flight, job.seq))
+        return sorted(jobs, key=lambda job: (-job.priority, job.seq))
+
+    def slots_taken(self, entry: WorkerEntry, taker: Job) -> None:
+        """The worker's last free slot went to ``taker``: other jobs' policies that counted
+        it as idle hear it is busy."""
+        for job in list(self.jobs.values()):
+            if job is not taker and job.policy and entry.id in job.policy.idle:
+                job.policy.handle(WorkerBusy(entry.id, at=self.clock()))
 
     def dispatch(self, job: Job, assignments: list[Assign]) -> None:
         """Carry out a policy's assignments: each takes a slot now and asks the client for
@@ -321,13 +384,18 @@ class Broker:
                 self.dispatch(job, job.policy.handle(WorkerLost(assignment.worker,
                                                                 at=self.clock())))
                 continue
-            chunk = assignment.chunk
-            record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk))
+            chunk, now = assignment.chunk, self.clock()
+            record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk),
+                                 assigned_at=now)
             self.next_chunk_id += 1
             entry.in_flight[record.id] = record
             job.pending[record.id] = record
+            if job.started_at is None:
+                job.started_at = now
             self.send(job.client, Command.NEED, {"job": job.id, "chunk": record.id,
                                                  "start": chunk.start, "count": chunk.count})
+            if entry.free_slots <= 0 and len(self.jobs) > 1:
+                self.slots_taken(entry, job)
 
     def on_data(self, identity: bytes, message: Message) -> None:
         """A chunk's input from its client: forward it to the chunk's worker as the TASK."""
@@ -361,6 +429,11 @@ class Broker:
         """
         entry = self.workers.get(identity)
         record = entry.in_flight.get(message.header["chunk"]) if entry else None
+        if (record is not None and record.sent_at is not None and record.job.outcome
+                and record.job.id == message.header["job"]):
+            del entry.in_flight[record.id]  # a chunk of a job that ended: its slot is free
+            self.fill(entry)
+            return None
         if (record is None or record.sent_at is None or record.job.id not in self.jobs
                 or record.job.id != message.header["job"]):
             self.stats.late_replies += 1
@@ -382,11 +455,21 @@ class Broker:
             self.fail_job(job, f"worker {entry.name} returned a bad result for items "
                                f"{chunk.start}..{chunk.stop - 1}: {problem}")
             return
-        compute = float(header["timings"]["compute"])
-        job.account(entry, chunk, compute)
+        timings, now = header["timings"], self.clock()
+        compute = float(timings["compute"])
+        job.account(entry, chunk, compute, now)
+        origin = job.submitted_at
         self.send(job.client, Command.RESULT, {
-            **header, "job": job.id, "worker": entry.name,
-            "round_trip": self.clock() - record.sent_at}, message.payload)
+            **header, "job": job.id, "worker": entry.name, "attempt": record.attempt,
+            "round_trip": now - record.sent_at,
+            "trace": [record.assigned_at - origin, record.sent_at - origin, now - origin]},
+            message.payload)
+        if self.metrics:
+            worker_side = sum(float(timings.get(key, 0.0)) for key in ("receive", "compute",
+                                                                       "send"))
+            self.metrics.chunk_done(entry, chunk.count, timings, record.sent_at -
+                                    record.assigned_at + float(timings.get("receive", 0.0)),
+                                    now - record.sent_at - worker_side)
         self.dispatch(job, job.policy.handle(ChunkDone(entry.id, chunk, compute,
                                                        at=self.clock())))
         if job.policy.finished:
@@ -423,12 +506,16 @@ class Broker:
         heartbeat = header.get("heartbeat", self.config.heartbeat)
         if not valid_heartbeat(heartbeat):
             raise ProtocolError(f"SUBMIT heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
+        options = JobOptions.parse(header["options"])
+        algo, params = options.policy(self.config.algo, self.config.params)
         job = Job(job_id, identity, header["model"], header["dtype"],
                   tuple(header["item_shape"]), header["total"], self.clock(),
-                  self.config.liveness * max(self.config.heartbeat, heartbeat))
+                  self.config.liveness * max(self.config.heartbeat, heartbeat), options,
+                  algo, params, self.next_seq)
+        self.next_seq += 1
         self.jobs[job_id] = job
-        log.info("job %s: %d x %s %s for model %s", job_id, job.total, job.item_shape,
-                 job.dtype, job.model)
+        log.info("job %s: %d x %s %s for model %s, policy %s, priority %d", job_id, job.total,
+                 job.item_shape, job.dtype, job.model, algo, options.priority)
         if self.validate_job(job):
             self.fill_all()
 
@@ -456,8 +543,8 @@ class Broker:
         eligible = list(self.workers.values())
         speeds = {entry.id: entry.history[job.model].rate for entry in eligible
                   if job.model in entry.history}
-        job.policy = make_policy(self.config.algo, job.total, [e.id for e in eligible], speeds,
-                                 **self.config.params)
+        job.policy = make_policy(job.algo, job.total, [e.id for e in eligible], speeds,
+                                 **job.params)
         job.policy.max_chunk = job.max_chunk
         return True
 
@@ -491,8 +578,8 @@ class Broker:
         self.send(identity, Command.MODEL, manifest.header(), contents)
 
     def finish(self, job: Job) -> None:
-        del self.jobs[job.id]
         summary = job.summary(self.clock())
+        self.end_job(job, "done")
         log.info("job %s done: %d items in %.3f s", job.id, job.total, summary["broker_seconds"])
         self.send(job.client, Command.DONE, {"job": job.id, "summary": summary})
 
@@ -500,15 +587,41 @@ class Broker:
         """Tell the client why its job failed; free the slots its chunks held."""
         log.warning("job %s failed: %s", job.id, error)
         self.send(job.client, Command.ERROR, {"error": error, "job": job.id})
-        self.drop_job(job)
+        self.end_job(job, "failed")
 
-    def drop_job(self, job: Job) -> None:
-        """Forget a job; the slots its chunks held go to other jobs."""
+    def cancel_job(self, job: Job, outcome: str, reason: str) -> None:
+        """Stop a job and tell its client why, with what finished."""
+        log.info("job %s %s: %s", job.id, outcome.replace("_", " "), reason)
+        summary = job.summary(self.clock())
+        self.end_job(job, outcome)
+        self.send(job.client, Command.CANCEL, {"job": job.id, "reason": reason,
+                                               "summary": summary})
+
+    def end_job(self, job: Job, outcome: str) -> None:
+        """Forget a job.  Chunks still waiting for input are dropped; workers running its
+        chunks are told to stop, and their slots free when they answer."""
         self.jobs.pop(job.id, None)
+        job.outcome = outcome
+        self.outcomes[outcome] += 1
+        job.pending.clear()
         for entry in self.workers.values():
-            for chunk_id in [i for i, r in entry.in_flight.items() if r.job is job]:
-                del entry.in_flight[chunk_id]
+            records = [r for r in entry.in_flight.values() if r.job is job]
+            for record in records:
+                if record.sent_at is None:
+                    del entry.in_flight[record.id]
+            if outcome != "done" and any(r.sent_at is not None for r in records):
+                self.send(entry.identity, Command.CANCEL, {"job": job.id})
         self.fill_all()
+
+    def on_cancel(self, identity: bytes, message: Message) -> None:
+        """A client stops its job."""
+        job_id = message.header["job"]
+        job = self.jobs.get(job_id)
+        if job is None or job.client != identity:
+            self.send(identity, Command.ERROR, {"job": job_id[:100], "unknown_job": True,
+                                                "error": f"the broker has no job {job_id[:100]}"})
+            return
+        self.cancel_job(job, "cancelled", "cancelled by the client")
 
     # ----------------------------------------------------------------- info
 
@@ -535,13 +648,16 @@ class Broker:
                 self.info_waiters.append((identity, wanted, since))
 
     def snapshot(self) -> dict[str, Any]:
+        """What ``farm status`` shows: the broker, its workers and its jobs (in slot order)."""
         now = self.clock()
-        return {"policy": self.config.algo, "params": self.config.params,
+        waiting = [job for job in self.jobs.values() if not job.policy]
+        return {"endpoint": self.endpoint, "uptime_s": now - self.started_at,
+                "policy": self.config.algo, "params": self.config.params,
+                "sharing": self.config.sharing, "metrics": self.metrics_url,
                 "heartbeat": self.config.heartbeat, "liveness": self.config.liveness,
-                "stats": asdict(self.stats),
+                "stats": asdict(self.stats), "jobs_ended": dict(self.outcomes),
                 "workers": [entry.describe(now) for entry in self.workers.values()],
-                "jobs": [{"job": job.id, "model": job.model, "total": job.total,
-                          "done": job.done} for job in self.jobs.values()]}
+                "jobs": [job.describe(now) for job in [*self.job_order(), *waiting]]}
 
 
 def mapped(path: Path) -> Any:
@@ -551,20 +667,20 @@ def mapped(path: Path) -> Any:
             else b""
 
 
-def serve(config: BrokerConfig, on_bound: Callable[[str], None] | None = None) -> None:
-    """Bind, report the endpoint, and serve until SIGINT/SIGTERM."""
+def serve(config: BrokerConfig, on_bound: Callable[[Broker], None] | None = None) -> None:
+    """Bind, report the endpoints, and serve until SIGINT/SIGTERM."""
     context = zmq.Context()
     authenticator = None
     if config.curve:
         from farm.keys import start_authenticator
 
         authenticator = start_authenticator(context, config.curve)
-    broker = Broker(config, context)
-    signal.signal(signal.SIGTERM, broker.stop)
-    signal.signal(signal.SIGINT, broker.stop)
-    if on_bound:
-        on_bound(broker.endpoint)
     try:
+        broker = Broker(config, context)
+        signal.signal(signal.SIGTERM, broker.stop)
+        signal.signal(signal.SIGINT, broker.stop)
+        if on_bound:
+            on_bound(broker)
         broker.serve()
     finally:
         if authenticator is not None:

@@ -1,4 +1,5 @@
-"""A job as the broker holds it: its policy, chunks waiting for input, failures, shares."""
+"""A job as the broker holds it: its options, policy, chunks waiting for input, failures,
+shares."""
 
 from __future__ import annotations
 
@@ -8,8 +9,65 @@ from typing import Any
 
 from farm import protocol
 from farm.broker.registry import WorkerEntry
-from farm.policies import Chunk, Policy
+from farm.policies import Chunk, Policy, make_policy
 from farm.protocol import ProtocolError
+
+#: Job priorities a client may ask for: higher runs first.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+#: Longest per-job timeout, in seconds (a week).
+MAX_TIMEOUT = 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What a client chooses per job (the SUBMIT header's ``options``).
+
+    ``algo`` and ``params``: the job's own policy (default: the broker's);
+    ``priority``: jobs of higher priority are offered free slots first;
+    ``timeout``: seconds after submission at which the broker cancels the job;
+    ``client``: who submitted it (``host:pid``), shown by ``farm status``.
+    """
+
+    algo: str | None = None
+    params: tuple[tuple[str, Any], ...] = ()
+    priority: int = 0
+    timeout: float | None = None
+    client: str = ""
+
+    @classmethod
+    def parse(cls, options: dict[str, Any]) -> JobOptions:
+        """Validate SUBMIT options; ProtocolError naming the bad one."""
+        unknown = sorted(map(str, set(options) - {"algo", "params", "priority", "timeout",
+                                                  "client"}))
+        if unknown:
+            raise ProtocolError(f"unknown job option(s): {', '.join(unknown)}")
+        algo, params = options.get("algo"), options.get("params", {})
+        priority, timeout = options.get("priority", 0), options.get("timeout")
+        client = options.get("client", "")
+        if algo is not None and not isinstance(algo, str):
+            raise ProtocolError("job option 'algo' must be a policy name")
+        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+            raise ProtocolError("job option 'params' must map parameter names to values")
+        if (not isinstance(priority, int) or isinstance(priority, bool)
+                or not MIN_PRIORITY <= priority <= MAX_PRIORITY):
+            raise ProtocolError(f"job priority must be an integer {MIN_PRIORITY}..{MAX_PRIORITY}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(
+                timeout, bool) or not 0 < timeout <= MAX_TIMEOUT):
+            raise ProtocolError(f"job timeout must be 0..{MAX_TIMEOUT:.0f} seconds")
+        if not isinstance(client, str) or len(client) > 200:
+            raise ProtocolError("job option 'client' must be a name of at most 200 characters")
+        values = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())
+        return cls(algo, values, priority, None if timeout is None else float(timeout), client)
+
+    def policy(self, default_algo: str, default_params: dict[str, Any]) -> tuple[str, dict]:
+        """The job's policy name and parameters, checked: the broker's unless the job chose."""
+        if self.algo is None or (self.algo == default_algo and not self.params):
+            return default_algo, dict(default_params)
+        try:
+            make_policy(self.algo, 1, **dict(self.params))
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(f"job policy: {exc}") from None
+        return self.algo, dict(self.params)
 
 
 @dataclass
@@ -21,7 +79,8 @@ class ChunkRecord:
     chunk: Chunk
     worker: WorkerEntry
     attempt: int = 1
-    sent_at: float | None = None
+    assigned_at: float = 0.0  # when the policy assigned it (the broker asked for its input)
+    sent_at: float | None = None  # when the TASK went to the worker
 
 
 @dataclass(frozen=True)
@@ -58,6 +117,12 @@ class Job:
     total: int
     submitted_at: float
     client_expiry: float = 5.0  # seconds of client silence after which the job is dropped
+    options: JobOptions = field(default_factory=JobOptions)
+    algo: str = "fifo"
+    params: dict[str, Any] = field(default_factory=dict)
+    seq: int = 0  # submission order: FIFO among equals
+    started_at: float | None = None  # first chunk assigned
+    outcome: str | None = None  # set when the job ends: done, failed, cancelled, timed_out...
     policy: Policy | None = None  # made when the job is validated, for the workers then eligible
     digest: str = ""  # the content hash of the model's files, set when the job is validated
     item_bytes: int = 0
@@ -77,6 +142,42 @@ class Job:
     def done(self) -> int:
         """Items computed (or given up) so far."""
         return self.policy.completed if self.policy else 0
+
+    @property
+    def priority(self) -> int:
+        return self.options.priority
+
+    @property
+    def deadline(self) -> float | None:
+        """When the broker cancels the job (its timeout), on the broker's clock."""
+        timeout = self.options.timeout
+        return None if timeout is None else self.submitted_at + timeout
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks assigned and not yet answered."""
+        return self.policy.holding if self.policy else 0
+
+    def state(self) -> str:
+        """waiting (for a model check or workers), queued (nothing started) or running."""
+        if self.policy is None:
+            return "waiting"
+        return "running" if self.started_at is not None else "queued"
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """The job as ``farm status`` shows it."""
+        done = self.done
+        elapsed = now - self.started_at if self.started_at is not None else 0.0
+        rate = done / elapsed if elapsed > 0 else 0.0
+        failed = sum(f.stop - f.start for f in self.abandoned)
+        return {"job": self.id, "client": self.options.client, "model": self.model,
+                "policy": self.algo, "priority": self.priority, "state": self.state(),
+                "total": self.total, "done": done, "failed": failed,
+                "in_flight": self.in_flight, "workers": len({w for w, chunks in (
+                    self.policy.in_flight.items() if self.policy else ()) if chunks}),
+                "rate": rate, "eta_s": (self.total - done) / rate if rate > 0 else None,
+                "age_s": now - self.submitted_at,
+                "timeout_s": self.options.timeout}
 
     @property
     def max_chunk(self) -> int:
@@ -121,14 +222,14 @@ class Job:
         self.output_shape = shape
         return None
 
-    def account(self, worker: WorkerEntry, chunk: Chunk, compute: float) -> None:
+    def account(self, worker: WorkerEntry, chunk: Chunk, compute: float, at: float) -> None:
         share = self.shares.get(worker.id)
         if share is None:
             share = self.shares[worker.id] = Share(worker.name, worker.device)
         share.items += chunk.count
         share.chunks += 1
         share.compute_s += compute
-        worker.record(self.model, chunk.count, compute)
+        worker.record(self.model, chunk.count, compute, at)
 
     def summary(self, now: float) -> dict[str, Any]:
         """Per-worker shares with each worker's standalone speed on this model.
@@ -144,6 +245,6 @@ class Job:
                     else history.rate if history else 0.0)
             workers.append({**vars(share), "standalone_rate": rate})
         return {"items": self.total, "broker_seconds": now - self.submitted_at,
-                "policy": self.policy.name if self.policy else "?", "workers": workers,
+                "done": self.done, "policy": self.algo, "workers": workers,
                 "failed_items": sum(f.stop - f.start for f in self.abandoned),
                 "failed_attempts": len(self.failures)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
 MAX_SLOTS = 64
 #: Heartbeat intervals a peer may announce, in seconds.
 MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
+#: Seconds of recent chunks behind a worker's images/s and busy share in ``farm status``.
+RECENT_WINDOW = 10.0
 
 
 @dataclass
@@ -47,6 +50,8 @@ class WorkerEntry:
     in_flight: dict[int, ChunkRecord] = field(default_factory=dict)
     history: dict[str, ModelHistory] = field(default_factory=dict)
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times its files were sent
+    joined_at: float = 0.0  # broker clock when it registered
+    recent: deque[tuple[float, int, float]] = field(default_factory=deque)  # at, items, compute
     id: str = ""  # the policies' name for it
     name: str = ""  # host:pid/device, for people
 
@@ -77,18 +82,38 @@ class WorkerEntry:
     def free_slots(self) -> int:
         return self.slots - len(self.in_flight)
 
-    def record(self, model: str, items: int, compute_s: float) -> None:
+    def record(self, model: str, items: int, compute_s: float, at: float) -> None:
         history = self.history.setdefault(model, ModelHistory())
         history.items += items
         history.compute_s += compute_s
         self.loaded.add(model)
+        self.recent.append((at, items, compute_s))
+        self.forget_before(at - RECENT_WINDOW)
+
+    def forget_before(self, moment: float) -> None:
+        while self.recent and self.recent[0][0] < moment:
+            self.recent.popleft()
+
+    def recent_load(self, now: float) -> tuple[float, float]:
+        """Images/s and the busy share (compute seconds per second) over the recent window."""
+        self.forget_before(now - RECENT_WINDOW)
+        span = min(RECENT_WINDOW, now - self.joined_at)
+        if span <= 0:
+            return 0.0, 0.0
+        items = sum(entry[1] for entry in self.recent)
+        compute = sum(entry[2] for entry in self.recent)
+        return items / span, min(1.0, compute / span)
 
     def describe(self, now: float) -> dict[str, Any]:
+        rate, busy = self.recent_load(now)
         return {"name": self.name, "heartbeat_age_s": now - self.last_seen,
                 "device": self.device, "host": self.host, "pid": self.pid,
                 "backend": self.backend, "threads": self.threads, "models": sorted(self.models),
                 "loaded": sorted(self.loaded), "fetched": dict(self.fetched),
-                "in_flight": len(self.in_flight),
+                "state": "busy" if self.in_flight else "idle", "slots": self.slots,
+                "in_flight": len(self.in_flight), "rate": rate, "busy_share": busy,
+                "jobs": sorted({record.job.id for record in self.in_flight.values()}),
+                "uptime_s": now - self.joined_at,
                 "items_done": sum(h.items for h in self.history.values()),
                 "compute_s": sum(h.compute_s for h in self.history.values())}
 

@@ -1,10 +1,19 @@
-"""The ``farm`` command: a thin click group over the broker, workers and client."""
+"""The ``farm`` command: a thin click group over the broker, workers and client.
+
+Every option can also come from an environment variable (named in its help,
+else ``FARM_<COMMAND>_<OPTION>``) or a TOML file (``farm.config``), in that order
+of precedence after the command line.
+"""
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import json
+import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import click
 import numpy as np
@@ -12,25 +21,58 @@ import numpy as np
 from farm.client import DEFAULT_BROKER, FarmError
 
 DEFAULT_MODEL = "lenet"
+#: Commands that run for a long time and log as they go: INFO by default; others WARNING.
+SERVICES = ("broker", "worker")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--log-level", default="INFO", show_default=True, envvar="FARM_LOG_LEVEL",
+class FarmGroup(click.Group):
+    """A click group that reports a farm error as one line, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except FarmError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+
+@click.group(cls=FarmGroup, context_settings={"help_option_names": ["-h", "--help"],
+                                              "auto_envvar_prefix": "FARM",
+                                              "max_content_width": 100})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="FARM_CONFIG",
+              help="TOML settings file [default: ./farm.toml, else ~/.config/farm/farm.toml].")
+@click.option("--log-level", envvar="FARM_LOG_LEVEL",
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-              help="Logging threshold (logs go to stderr).")
-def main(log_level: str) -> None:
+              help="Logging threshold, logs on stderr [default: INFO for broker and worker, "
+                   "WARNING for the rest].")
+@click.option("--log-format", envvar="FARM_LOG_FORMAT", type=click.Choice(["text", "json"]),
+              help="text for people, json (one object per line) for log shippers "
+                   "[default: text].")
+@click.version_option(package_name="farm")
+@click.pass_context
+def main(ctx: click.Context, config_file: str | None, log_level: str | None,
+         log_format: str | None) -> None:
     """farm: Caffe-model inference spread over every core of one or many machines.
 
     \b
     Quick start (one machine, no setup):
       farm run images.npy --model lenet
     A farm by hand:
-      farm broker --algo fifo --bind tcp://127.0.0.1:5555
+      farm broker --bind tcp://127.0.0.1:5555
       farm worker --device cpu:0 --broker tcp://127.0.0.1:5555
-      farm submit images.npy --model lenet --out scores.npy
+      farm submit images.npy --model lenet --out scores.npy --trace run.json
+      farm status --watch
+      farm report run.json -o run.png
+    Settings: option > environment (FARM_BROKER, ...) > farm.toml (see README).
     """
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
+    from farm.config import config_path, default_map, load_config
+    from farm.logs import setup_logging
+
+    path = config_path(config_file)
+    settings = default_map(ctx.command, load_config(path), path) if path else {}
+    ctx.default_map = settings
+    level = log_level or settings.get("log_level") or (
+        "INFO" if ctx.invoked_subcommand in SERVICES else "WARNING")
+    setup_logging(level, log_format or settings.get("log_format") or "text")
 
 
 #: Policy parameter options: (option, parameter, type, help).
@@ -100,15 +142,24 @@ def warn_if_exposed(bind: str, curve: str | None) -> None:
                    "anyone who can connect can submit jobs or pose as a worker", err=True)
 
 
-def policy_options(function):
-    """``--algo`` and every policy parameter; unset parameters keep the policy's default."""
+def policy_options(function=None, *, per_job: bool = False):
+    """``--algo`` and every policy parameter; unset parameters keep the policy's default.
+
+    ``per_job``: for ``farm submit``, where no ``--algo`` means the broker's policy.
+    """
     from farm.policies import POLICIES
 
-    for flag, name, kind, text in reversed(POLICY_OPTIONS):
-        function = click.option(flag, name, type=kind, default=None, help=text)(function)
-    return click.option("--algo", default="equal-finish", show_default=True, envvar="FARM_ALGO",
-                        type=click.Choice(list(POLICIES)),
-                        help="Scheduling policy (see README: Scheduling).")(function)
+    def decorate(function):
+        for flag, name, kind, text in reversed(POLICY_OPTIONS):
+            function = click.option(flag, name, type=kind, default=None, help=text)(function)
+        if per_job:
+            return click.option("--algo", type=click.Choice(list(POLICIES)),
+                                help="A scheduling policy for this job only "
+                                     "[default: the broker's].")(function)
+        return click.option("--algo", default="equal-finish", show_default=True,
+                            envvar="FARM_ALGO", type=click.Choice(list(POLICIES)),
+                            help="Scheduling policy (see README: Scheduling).")(function)
+    return decorate(function) if function else decorate
 
 
 def policy_params(algo: str, options: dict) -> dict:
@@ -153,9 +204,18 @@ def policy_arguments(params: dict) -> list[str]:
 @click.option("--models-dir", multiple=True, type=click.Path(file_okay=False),
               help="Model repository folder served to workers (repeatable; searched before "
                    "$FARM_MODELS and the bundled models).")
+@click.option("--sharing", type=click.Choice(["fair", "fifo"]), default="fair",
+              show_default=True,
+              help="How jobs of equal priority share workers: fair (the job holding the fewest "
+                   "chunks gets the next free slot) or fifo (the oldest job first).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="FARM_METRICS_PORT",
+              help="Serve Prometheus metrics on this port (0: a free one) [default: off].")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address the metrics endpoint listens on.")
 @policy_options
 def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve: str | None,
-           models_dir: tuple[str, ...], algo: str, **options: object) -> None:
+           models_dir: tuple[str, ...], sharing: str, metrics_port: int | None,
+           metrics_host: str, algo: str, **options: object) -> None:
     """Run the broker: the scheduler and router of a farm.
 
     \b
@@ -164,19 +224,24 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve:
       farm broker --algo fast-split --ratio 0.5 --probe 500
       farm broker --algo hat --slice 1000 --tolerance 0.1
       farm broker --algo static --ratio 1,1,1,3
+      farm broker --metrics-port 9100                     # Prometheus: /metrics
+      farm broker --curve keys/ --bind tcp://0.0.0.0:5555 # other machines, encrypted
     """
     params = policy_params(algo, options)
     from farm.broker.broker import BrokerConfig, serve
 
     warn_if_exposed(bind, curve)
 
-    def announce(endpoint: str) -> None:
-        click.echo(f"farm broker listening on {endpoint}")
+    def announce(running) -> None:
+        click.echo(f"farm broker listening on {running.endpoint}")
+        if running.metrics_url:
+            click.echo(f"metrics on {running.metrics_url}")
         sys.stdout.flush()
 
+    metrics = (metrics_host, metrics_port) if metrics_port is not None else None
     try:
         serve(BrokerConfig(bind, algo, params, heartbeat, models_dir, liveness, max_attempts,
-                           curve), on_bound=announce)
+                           curve, sharing, metrics), on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
         raise click.ClickException(str(exc)) from exc
 
@@ -215,6 +280,8 @@ def worker(device: str, broker_address: str, backend: str | None, preload: tuple
     Examples:
       farm worker --device cpu:3 --broker tcp://10.0.0.1:5555
       farm worker --device gpu:0 --broker tcp://10.0.0.1:5555 --batch 256
+      farm worker --device cpu:0 --curve keys/ --curve-name rack2 --broker tcp://10.0.0.1:5555
+    Under supervisord, one per core: farm deploy supervisord --help
     """
     from farm.workers.worker import Device, WorkerConfig, serve
 
@@ -237,28 +304,51 @@ def load_images(path: str):
         raise click.ClickException(f"cannot read {path}: {exc}") from exc
 
 
+@contextlib.contextmanager
+def cancel_on_interrupt(client) -> Iterator[None]:
+    """The first Ctrl-C cancels the job (the broker confirms what finished); a second one
+    quits at once."""
+    def interrupted(*_: Any) -> None:
+        if client._cancel_requested:
+            raise KeyboardInterrupt
+        click.echo("\ncancelling the job; Ctrl-C again to quit at once", err=True)
+        client.cancel()
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, timeout: float,
-            curve: str | None = None, curve_name: str = "client") -> np.ndarray | None:
+            curve: str | None = None, curve_name: str = "client", trace: str | None = None,
+            **job_options: Any) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
 
+    ``job_options``: ``Client.run``'s priority, job_timeout, algo and params.
     Returns the outputs: in memory, or memory-mapped from ``out``.
     """
     from tqdm import tqdm
 
     from farm.client import ArraySink, Client, describe_failures
     from farm.npy import NpyWriter
+    from farm.trace import save_trace
 
     sink = NpyWriter(out, len(images)) if out else ArraySink(len(images))
     try:
         with Client(endpoint, timeout=timeout, curve=curve, curve_name=curve_name) as client, \
                 tqdm(total=len(images), unit="img", disable=quiet, file=sys.stderr,
-                     desc=model) as bar:
-            result = client.run(images, model, out=sink, progress=bar.update)
+                     desc=model) as bar, cancel_on_interrupt(client):
+            result = client.run(images, model, out=sink, progress=bar.update,
+                                trace=trace is not None, **job_options)
     except (FarmError, OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
         if out:
             sink.close()
+    if trace:
+        save_trace(result.trace, trace)
     click.echo(result.summary.format())
     if result.resubmissions:
         click.echo(f"the broker was lost and the missing images submitted again "
@@ -266,6 +356,15 @@ def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, tim
     if out and sink.item_shape is not None:
         click.echo(f"outputs ({len(images)}, {', '.join(map(str, sink.item_shape))}) "
                    f"{sink.dtype} written to {out}")
+    if trace:
+        click.echo(f"trace of {len(result.trace['chunks'])} chunks written to {trace} "
+                   f"(farm report {trace} -o {Path(trace).with_suffix('.png')})")
+    if result.cancelled:
+        missing = sum(f.count for f in result.failed)
+        click.echo(f"job stopped: {result.cancelled}; {len(images) - missing:,} of "
+                   f"{len(images):,} images came back, the other {missing:,} have NaN outputs",
+                   err=True)
+        raise SystemExit(130 if result.cancelled == "cancelled by the client" else 1)
     if result.failed:
         click.echo(describe_failures(result.failed) + "\n(their outputs are NaN)", err=True)
         raise SystemExit(1)
@@ -284,30 +383,51 @@ def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[s
                f"({correct} of {len(labels)} against {labels_path.name})")
 
 
+broker_option = click.option("--broker", "broker_address", default=DEFAULT_BROKER,
+                             show_default=True, envvar="FARM_BROKER", help="Broker endpoint.")
+
+
 @main.command()
 @click.argument("images", type=click.Path(exists=True, dir_okay=False))
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Model to run.")
-@click.option("--broker", "broker_address", default=DEFAULT_BROKER, show_default=True,
-              envvar="FARM_BROKER", help="Broker endpoint.")
+@broker_option
 @click.option("--out", type=click.Path(dir_okay=False), help="Write outputs here (.npy).")
+@click.option("--priority", default=0, show_default=True, type=click.IntRange(-100, 100),
+              help="Jobs of higher priority get free workers first.")
+@click.option("--job-timeout", type=click.FloatRange(0, min_open=True),
+              help="Seconds after which the broker cancels the job [default: none].")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Write every chunk's worker and timings here (JSON) for `farm report`.")
 @click.option("--timeout", default=60.0, show_default=True,
               help="Seconds of broker silence before giving up (a broker back within this "
                    "time gets the missing images submitted again).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @curve_option("the broker's public key and this client's secret key", "client")
-def submit(images: str, model: str, broker_address: str, out: str | None, timeout: float,
-           quiet: bool, curve: str | None, curve_name: str) -> None:
+@policy_options(per_job=True)
+def submit(images: str, model: str, broker_address: str, out: str | None, priority: int,
+           job_timeout: float | None, trace: str | None, timeout: float, quiet: bool,
+           curve: str | None, curve_name: str, algo: str | None, **options: object) -> None:
     """Run IMAGES (.npy, N x C x H x W or N x H x W; uint8 or float32) on a farm.
 
     IMAGES is read a chunk at a time and outputs are written as they arrive, so
-    a file larger than memory runs in bounded memory.  Exit status 1 if any
-    image failed (the failures are listed; their outputs are NaN).
+    a file larger than memory runs in bounded memory.  Ctrl-C cancels the job:
+    the images done so far are kept.  Exit status 1 if any image failed or the
+    job timed out (the failures are listed; their outputs are NaN), 130 if it
+    was cancelled.
 
     \b
-    Example:
+    Examples:
       farm submit images.npy --model lenet --out scores.npy
+      farm submit images.npy --trace run.json && farm report run.json -o run.png
+      farm submit urgent.npy --priority 10 --job-timeout 600
+      farm submit images.npy --algo fifo --chunk 1000     # this job's own policy
+      FARM_BROKER=tcp://10.0.0.1:5555 farm submit images.npy --curve keys/
     """
-    run_job(broker_address, load_images(images), model, out, quiet, timeout, curve, curve_name)
+    params = policy_params(algo, options) if algo else {}
+    if not algo and any(value is not None for value in options.values()):
+        raise click.UsageError("policy parameters need --algo (the job's own policy)")
+    run_job(broker_address, load_images(images), model, out, quiet, timeout, curve, curve_name,
+            trace, priority=priority, job_timeout=job_timeout, algo=algo, params=params)
 
 
 @main.command()
@@ -316,17 +436,22 @@ def submit(images: str, model: str, broker_address: str, out: str | None, timeou
 @click.option("--workers", type=click.IntRange(1),
               help="Pinned workers to start (default: one per core).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write outputs here (.npy).")
+@click.option("--trace", type=click.Path(dir_okay=False),
+              help="Write every chunk's worker and timings here (JSON) for `farm report`.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @policy_options
-def run(images: str | None, model: str, workers: int | None, out: str | None, quiet: bool,
-        algo: str, **options: object) -> None:
+def run(images: str | None, model: str, workers: int | None, out: str | None,
+        trace: str | None, quiet: bool, algo: str, **options: object) -> None:
     """Start a local farm (broker + one pinned worker per core), run IMAGES, stop it.
 
-    Without IMAGES, runs the model's bundled sample.
+    Without IMAGES, runs the model's bundled sample (and scores it when the
+    sample has labels).  Ctrl-C cancels the job and stops the farm.
 
     \b
-    Example:
+    Examples:
+      farm run                                   # LeNet on its bundled sample
       farm run images.npy --model lenet --out scores.npy
+      farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
     """
     from farm.local import LocalFarm, cores
     from farm.repository import ModelError, find
@@ -348,11 +473,90 @@ def run(images: str | None, model: str, workers: int | None, out: str | None, qu
                err=True)
     try:
         with LocalFarm(devices, algo, broker_arguments, preload=[model]) as local:
-            outputs = run_job(local.endpoint, array, model, out, quiet, timeout=60.0)
+            outputs = run_job(local.endpoint, array, model, out, quiet, 60.0, trace=trace)
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc
     if labels is not None:
         report_accuracy(outputs, labels, spec.labels)
+
+
+@main.command()
+@broker_option
+@click.option("--json", "as_json", is_flag=True, help="The broker's snapshot as JSON, for scripts.")
+@click.option("--watch", type=click.FloatRange(0.1), is_flag=False, flag_value=2.0,
+              help="Redraw every SECONDS (2 if not given) until Ctrl-C.", metavar="[SECONDS]")
+@click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(0.1),
+              help="Seconds to wait for the broker's answer.")
+@curve_option("the broker's public key and this client's secret key", "client")
+def status(broker_address: str, as_json: bool, watch: float | None, timeout: float,
+           curve: str | None, curve_name: str) -> None:
+    """Show the farm: its workers and jobs, read from the broker over its own socket.
+
+    Workers: name (host:pid/device), backend, state, images/s and busy share over
+    the last 10 s, chunks in flight of its slots, last heartbeat, images done,
+    models loaded.  Jobs, in the order they get free workers: id, client,
+    model, policy, priority, state, progress, images/s, ETA, chunks in flight.
+
+    \b
+    Examples:
+      farm status
+      farm status --watch            # redraw every 2 s; --watch 0.5 for faster
+      farm status --json | jq '.workers[] | {name, rate, busy_share}'
+    """
+    from farm.client import Client
+    from farm.status import format_status
+
+    with Client(broker_address, timeout=timeout, curve=curve, curve_name=curve_name) as client:
+        while True:
+            try:
+                snapshot = client.info()
+            except FarmError as exc:
+                raise click.ClickException(f"{exc} (is a broker running there? "
+                                           f"--broker or FARM_BROKER give its address)") from exc
+            text = json.dumps(snapshot, indent=2) if as_json else format_status(snapshot)
+            if watch is None:
+                click.echo(text)
+                return
+            click.clear()
+            click.echo(text)
+            try:
+                time.sleep(watch)
+            except KeyboardInterrupt:
+                return
+
+
+@main.command()
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", type=click.Path(dir_okay=False),
+              help="The PNG to draw [default: TRACE with .png instead of .json].")
+@click.option("--width", default=1200, show_default=True, type=click.IntRange(200, 10000),
+              help="Image width in pixels.")
+@click.option("--height", default=800, show_default=True, type=click.IntRange(200, 10000),
+              help="Image height in pixels.")
+def report(trace: str, out: str | None, width: int, height: int) -> None:
+    """Print a job's waste and where it went; draw its timeline and throughput.
+
+    TRACE is the JSON that `farm submit --trace` (or `farm run --trace`) wrote.
+    Waste is how far the job's speed fell below the sum of its workers'
+    standalone speeds; it splits into idle time at the start, waits for the
+    scheduler between chunks (barriers), messaging, and the tail.
+
+    \b
+    Examples:
+      farm submit images.npy --trace run.json
+      farm report run.json -o run.png
+      farm report run.json --width 1800 --height 1000
+    """
+    from farm.report import TraceError, analyse, load_trace, plot
+
+    try:
+        document = load_trace(trace)
+    except TraceError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(analyse(document).format())
+    target = out or str(Path(trace).with_suffix(".png"))
+    plot(document, target, width, height)
+    click.echo(f"timeline and throughput drawn in {target} ({width} x {height})")
 
 
 @main.group()

@@ -13,11 +13,19 @@ longer knows the job, the client opens a fresh socket and submits again only
 the items it has not got back (the ZeroMQ guide's Lazy Pirate idea); outputs
 already written stay written.  Every item comes back once, or is reported in
 ``JobResult.failed`` with the reason.
+
+``cancel()`` (safe from another thread or a signal handler) stops the job: the
+broker drops its queued chunks and says what finished; the images that did not
+come back are listed in ``JobResult.failed`` as cancelled.  A job may also
+have a ``job_timeout``, a ``priority`` among the jobs sharing the farm, and a
+policy of its own (``algo``, ``params``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +38,7 @@ from farm import protocol
 from farm.npy import NpyReader, NpyWriter
 from farm.protocol import Command, ProtocolError
 from farm.summary import JobSummary
+from farm.trace import TraceRecorder
 
 log = logging.getLogger("farm.client")
 
@@ -37,7 +46,7 @@ DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 
 #: Commands a client accepts from the broker.
 ACCEPTED = frozenset({Command.NEED, Command.RESULT, Command.FAILED, Command.DONE, Command.ERROR,
-                      Command.INFO, Command.HEARTBEAT})
+                      Command.INFO, Command.HEARTBEAT, Command.CANCEL})
 
 
 class FarmError(RuntimeError):
@@ -171,6 +180,47 @@ class JobResult:
     failed: list[FailedItems] = field(default_factory=list)
     resubmissions: int = 0  # times the job was submitted again after losing the broker
     duplicates: int = 0  # duplicate results received (and ignored)
+    cancelled: str | None = None  # why the job stopped early (cancel, timeout), if it did
+    trace: dict[str, Any] | None = None  # per-chunk timings (``run(trace=True)``)
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """Per-job choices sent with SUBMIT: see ``Client.run``."""
+
+    priority: int = 0
+    job_timeout: float | None = None
+    algo: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def header(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"client": f"{socket.gethostname()}:{os.getpid()}",
+                                   "priority": self.priority}
+        if self.job_timeout is not None:
+            options["timeout"] = self.job_timeout
+        if self.algo is not None:
+            options["algo"] = self.algo
+            options["params"] = {k: list(v) if isinstance(v, tuple) else v
+                                 for k, v in self.params.items()}
+        return options
+
+
+@dataclass
+class JobRun:
+    """One ``Client.run`` in progress: what it reads and writes, and where it stands."""
+
+    model: str
+    source: ImageSource
+    sink: ResultSink
+    state: Progress
+    options: JobOptions
+    progress: ProgressCallback | None
+    submission: Submission | None = None
+    trace: TraceRecorder | None = None
+    resubmissions: int = 0
+    summary: dict[str, Any] | None = None
+    cancelled: str | None = None  # the broker's reason, once the job stopped early
+    cancel_sent: float | None = None  # when CANCEL went out
 
 
 ProgressCallback = Callable[[int], None]
@@ -198,6 +248,9 @@ class Client:
         self.handshakes = None
         self._own_context = context is None
         self.context = context or zmq.Context()
+        self._wake_read, self._wake_write = os.pipe()  # cancel() wakes the poll through it
+        os.set_blocking(self._wake_write, False)
+        self._cancel_requested = False
         self.socket = self._connect()
 
     def _connect(self) -> zmq.Socket:
@@ -205,6 +258,7 @@ class Client:
         protocol.limit_socket(sock)
         self.poller = zmq.Poller()  # made once per socket: polled for every message
         self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self._wake_read, zmq.POLLIN)
         if self.curve:
             from farm.keys import Handshakes, make_client
 
@@ -232,8 +286,19 @@ class Client:
 
     def close(self) -> None:
         self._close_socket()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         if self._own_context:
             self.context.term()
+
+    def cancel(self) -> None:
+        """Cancel the job ``run`` is running (from another thread or a signal handler):
+        the broker drops its queued chunks, and ``run`` returns what came back."""
+        self._cancel_requested = True
+        try:
+            os.write(self._wake_write, b"!")
+        except BlockingIOError:  # the pipe is full of earlier wake-ups: one is enough
+            pass
 
     def map(self, images: np.ndarray, model: str, **options: Any) -> np.ndarray:
         """Outputs for every image, in input order; FarmError if any image failed."""
@@ -244,100 +309,131 @@ class Client:
 
     def run(self, images: np.ndarray | NpyReader, model: str,
             out: np.ndarray | ResultSink | None = None,
-            progress: ProgressCallback | None = None) -> JobResult:
+            progress: ProgressCallback | None = None, *, priority: int = 0,
+            job_timeout: float | None = None, algo: str | None = None,
+            params: dict[str, Any] | None = None, trace: bool = False) -> JobResult:
         """Submit a job and gather its outputs (into ``out``, an array or a sink such as
-        ``NpyWriter``) and a summary; failed items are NaN in the outputs and listed."""
+        ``NpyWriter``) and a summary; failed items are NaN in the outputs and listed.
+
+        ``priority``: jobs of higher priority get free workers first (default 0);
+        ``job_timeout``: seconds after which the broker cancels the job; ``algo`` and
+        ``params``: a policy for this job instead of the broker's; ``trace``: record
+        every chunk's timings in ``JobResult.trace`` (see ``farm.trace``).
+        """
         source = ImageSource(images)
         if len(source) == 0:
             raise FarmError("no images to run")
         sink = out if out is not None and not isinstance(out, np.ndarray) \
             else ArraySink(len(source), out)
-        state = Progress(len(source))
+        job = JobRun(model, source, sink, Progress(len(source)),
+                     JobOptions(priority, job_timeout, algo, dict(params or {})), progress,
+                     trace=TraceRecorder() if trace else None)
+        self._cancel_requested = False
         started = time.perf_counter()
-        submission = self._submit(model, source, [(0, len(source))])
-        summary, resubmissions = self._collect(model, source, sink, state, submission, progress)
-        for failure in state.failed:
+        self._submit(job, [(0, len(source))])
+        self._collect(job)
+        if job.cancelled:
+            for start, count in job.state.missing_runs():
+                job.state.failed.append(FailedItems(start, count, job.cancelled))
+        for failure in job.state.failed:
             sink.fill(failure.start, failure.count, np.nan)
         elapsed = time.perf_counter() - started
-        if summary is None:  # every item came back, the DONE was lost with the broker
-            summary = {"items": len(source), "broker_seconds": elapsed, "workers": []}
+        summary = job.summary or {"items": len(source), "broker_seconds": elapsed,
+                                  "workers": []}  # the DONE was lost with the broker
+        recorded = job.trace.document(job.submission.job if job.submission else "", model,
+                                      len(source), job.summary, job.state.failed,
+                                      job.cancelled) if job.trace else None
         return JobResult(sink.array if isinstance(sink, ArraySink) else None,
-                         JobSummary.from_broker(summary, elapsed), state.failed, resubmissions,
-                         state.duplicates)
+                         JobSummary.from_broker(summary, elapsed), job.state.failed,
+                         job.resubmissions, job.state.duplicates, job.cancelled, recorded)
 
-    def _submit(self, model: str, source: ImageSource,
-                missing: list[tuple[int, int]]) -> Submission:
+    def _submit(self, job: JobRun, missing: list[tuple[int, int]]) -> None:
         runs, job_start = [], 0
         for start, count in missing:
             runs.append((job_start, start, count))
             job_start += count
-        submission = Submission(uuid.uuid4().hex, runs)
-        self._send(Command.SUBMIT, {"job": submission.job, "model": model,
-                                    "dtype": str(source.dtype),
-                                    "item_shape": list(source.item_shape),
-                                    "total": submission.total, "options": {},
+        job.submission = Submission(uuid.uuid4().hex, runs)
+        if job.trace:
+            job.trace.new_submission()
+        self._send(Command.SUBMIT, {"job": job.submission.job, "model": job.model,
+                                    "dtype": str(job.source.dtype),
+                                    "item_shape": list(job.source.item_shape),
+                                    "total": job.submission.total,
+                                    "options": job.options.header(),
                                     "heartbeat": self.heartbeat})
-        return submission
 
-    def _collect(self, model: str, source: ImageSource, sink: ResultSink, state: Progress,
-                 submission: Submission, progress: ProgressCallback | None,
-                 ) -> tuple[dict[str, Any] | None, int]:
-        """Serve the broker's NEEDs and take results until DONE; re-submit if it is lost."""
-        resubmissions = 0
+    def _collect(self, job: JobRun) -> None:
+        """Serve the broker's NEEDs and take results until the job ends; re-submit if the
+        broker is lost; send CANCEL when ``cancel`` was called."""
         last_heard = next_beat = time.monotonic()
-        while True:
+        while job.submission is not None:
             now = time.monotonic()
+            if self._cancel_requested and job.cancel_sent is None:
+                self._send(Command.CANCEL, {"job": job.submission.job})
+                job.cancel_sent = now
             if now >= next_beat:
-                self._send(Command.HEARTBEAT, {"job": submission.job})
+                self._send(Command.HEARTBEAT, {"job": job.submission.job})
                 next_beat = now + self.heartbeat
             message = self._poll(max(0.0, min(next_beat, last_heard + self.expiry) - now))
             now = time.monotonic()
             if message is None:
                 silent = now - last_heard
+                if job.cancel_sent is not None and silent > self.expiry:
+                    job.cancelled = "cancelled (the broker did not confirm)"
+                    return
                 if self.timeout is not None and silent > self.timeout:
                     raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s; "
-                                      f"{int(state.answered.sum())} of {state.total} images "
-                                      f"came back")
+                                      f"{int(job.state.answered.sum())} of {job.state.total} "
+                                      f"images came back")
                 if silent > self.expiry:
                     log.warning("broker %s silent for %.1f s: submitting the %d missing images "
-                                "again", self.broker, silent, state.total - state.answered.sum())
-                    submission, resubmissions = self._resubmit(model, source, state), \
-                        resubmissions + 1
-                    if submission is None:
-                        return None, resubmissions
+                                "again", self.broker, silent,
+                                job.state.total - job.state.answered.sum())
+                    self._resubmit(job)
                     last_heard = now  # give the new submission a full expiry
                 continue
             last_heard = now
-            header = message.header
             if message.command is Command.HEARTBEAT:
-                self._note_interval(header.get("interval"))
-                continue
-            if message.command is Command.ERROR and "job" not in header:
-                raise FarmError(f"the broker refused a request: {header['error']}")
-            if header.get("job") != submission.job:
-                continue  # a stale reply of an earlier job or submission
-            if message.command is Command.NEED:
-                self._send_input(source, submission, header)
-            elif message.command is Command.RESULT:
-                self._take_result(message, submission, sink, state, progress)
-            elif message.command is Command.FAILED:
-                self._take_failure(header, submission, state, progress)
-            elif message.command is Command.DONE:
-                return header["summary"], resubmissions
-            elif header.get("unknown_job"):  # a restarted broker: ask again for what is missing
-                log.warning("broker %s lost the job (restarted?): submitting the missing images "
-                            "again", self.broker)
-                submission, resubmissions = self._resubmit(model, source, state), resubmissions + 1
-            else:
-                raise FarmError(header["error"])
-            if submission is None:  # lost the broker after the last result: nothing to ask
-                return None, resubmissions
+                self._note_interval(message.header.get("interval"))
+            elif message.command is Command.ERROR and "job" not in message.header:
+                raise FarmError(f"the broker refused a request: {message.header['error']}")
+            elif message.header.get("job") == job.submission.job:
+                self._handle(job, message)
 
-    def _resubmit(self, model: str, source: ImageSource, state: Progress) -> Submission | None:
-        """A new submission of the missing items on a fresh socket; None if none is missing."""
+    def _handle(self, job: JobRun, message: protocol.Message) -> None:
+        """One message about the job's current submission."""
+        header = message.header
+        if message.command is Command.NEED:
+            self._send_input(job.source, job.submission, header)
+        elif message.command is Command.RESULT:
+            self._take_result(message, job)
+        elif message.command is Command.FAILED:
+            self._take_failure(header, job.submission, job.state, job.progress)
+        elif message.command is Command.DONE:
+            job.summary, job.submission = header["summary"], None
+        elif message.command is Command.CANCEL:
+            job.cancelled = str(header.get("reason", "cancelled"))
+            summary = header.get("summary")
+            job.summary = summary if isinstance(summary, dict) else None
+            job.submission = None
+        elif header.get("unknown_job") and job.cancel_sent is not None:
+            job.cancelled, job.submission = "cancelled", None  # nothing left to cancel
+        elif header.get("unknown_job"):  # a restarted broker: ask again for what is missing
+            log.warning("broker %s lost the job (restarted?): submitting the missing images "
+                        "again", self.broker)
+            self._resubmit(job)
+        else:
+            raise FarmError(header["error"])
+
+    def _resubmit(self, job: JobRun) -> None:
+        """A new submission of the missing items on a fresh socket (none if none is
+        missing: the broker was lost after the last result)."""
         self.reconnect()
-        missing = state.missing_runs()
-        return self._submit(model, source, missing) if missing else None
+        job.resubmissions += 1
+        missing = job.state.missing_runs()
+        job.submission = None
+        if missing:
+            self._submit(job, missing)
 
     @property
     def expiry(self) -> float:
@@ -361,18 +457,20 @@ class Client:
                                   "start": start, "count": count},
                    protocol.array_frames(block))
 
-    def _take_result(self, message: protocol.Message, submission: Submission,
-                     sink: ResultSink, state: Progress,
-                     progress: ProgressCallback | None) -> None:
+    @staticmethod
+    def _take_result(message: protocol.Message, job: JobRun) -> None:
         header = message.header
         values = message.array(header["dtype"], header["item_shape"])
         if len(values) != header["count"]:
             raise FarmError(f"result for {header['count']} items holds {len(values)}")
-        for offset, item_start, count in submission.pieces(header["start"], header["count"]):
-            if state.mark(item_start, count):
-                sink.write(item_start, values[offset:offset + count])
-                if progress:
-                    progress(count)
+        pieces = job.submission.pieces(header["start"], header["count"])
+        for offset, item_start, count in pieces:
+            if job.state.mark(item_start, count):
+                job.sink.write(item_start, values[offset:offset + count])
+                if job.progress:
+                    job.progress(count)
+        if job.trace and pieces:
+            job.trace.add(header, pieces[0][1], header["count"])
 
     @staticmethod
     def _take_failure(header: dict[str, Any], submission: Submission, state: Progress,
@@ -393,7 +491,8 @@ class Client:
             log.debug("no connection to the broker: %s dropped", command.name)
 
     def _poll(self, seconds: float | None) -> protocol.Message | None:
-        """The next well-formed message within ``seconds`` (None: no limit), else None.
+        """The next well-formed message within ``seconds`` (None: no limit), else None;
+        None at once when ``cancel`` wakes it.
 
         FarmError at once if the broker refused this client's CURVE key.
         """
@@ -403,6 +502,9 @@ class Client:
             ready = dict(self.poller.poll(wait))
             if self.handshakes is not None and (refused := self.handshakes.failure()):
                 raise FarmError(refused)
+            if self._wake_read in ready:
+                os.read(self._wake_read, 4096)
+                return None  # cancel() was called: the caller acts on it
             if self.socket not in ready:
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
@@ -415,10 +517,13 @@ class Client:
 
     def _receive(self) -> protocol.Message:
         """The next well-formed message from the broker; FarmTimeout if none comes in time."""
-        message = self._poll(self.timeout)
-        if message is None:
-            raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s")
-        return message
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            message = self._poll(None if deadline is None else deadline - time.monotonic())
+            if message is not None:
+                return message
+            if deadline is not None and time.monotonic() >= deadline:
+                raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s")
 
     def info(self, wait_workers: int = 0) -> dict[str, Any]:
         """The broker's registry; with ``wait_workers``, once that many workers have joined."""

@@ -14,7 +14,7 @@ import importlib
 import logging
 import os
 import time
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 
@@ -34,6 +34,10 @@ BACKENDS = {"opencv": "farm.backends.opencv:OpenCVEngine",
             "caffe": "farm.backends.pycaffe:CaffeEngine"}
 DEFAULT_BACKEND = "opencv"
 GPU_BACKEND = "torch"
+
+
+class Stopped(Exception):
+    """A chunk's compute was stopped between batches (its job was cancelled)."""
 
 
 class BackendUnavailable(ModelError):
@@ -117,16 +121,19 @@ class Engine:
     def shrink(self) -> None:
         """Resize the backend's buffers to the net's resting batch."""
 
-    def run(self, images: np.ndarray) -> np.ndarray:
+    def run(self, images: np.ndarray, stop: Callable[[], bool] | None = None) -> np.ndarray:
         """Outputs for ``images`` (N x item shape, uint8 or float32), in compute batches.
 
         Batches larger than the prototxt's own batch grow the net; ``rest`` shrinks it
         back (a worker does so when it falls idle, not between chunks: reshaping a net
-        costs more than a chunk of LeNet).
+        costs more than a chunk of LeNet).  ``stop`` is asked before each batch; when it
+        says yes, ``Stopped`` is raised (a cancelled job).
         """
         count = images.shape[0]
         outputs = np.empty((count, *self.output_shape), dtype=np.float32)
         for begin in range(0, count, self.batch):
+            if stop is not None and stop():
+                raise Stopped(f"stopped after {begin} of {count} images")
             end = min(begin + self.batch, count)
             outputs[begin:end] = self.forward(self.transform(images[begin:end]))
             self.allocated = max(self.allocated, end - begin)

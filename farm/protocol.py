@@ -4,7 +4,7 @@ A message is a list of frames (after any ROUTER identity frame)::
 
     [SIGNATURE, command (1 byte), header (msgpack map), *payload]
 
-``SIGNATURE`` carries the protocol version (``b"FARM01"``).  The header is a
+``SIGNATURE`` carries the protocol version (``b"FARM03"``).  The header is a
 small msgpack map whose fields are checked against a per-command schema.  The
 payload frames are raw numpy buffers; their dtype and shape live in the header,
 never in the payload; no object serialiser is ever involved.  Payloads are sent with
@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 import zmq
 
-SIGNATURE = b"FARM02"
+SIGNATURE = b"FARM03"
 PROTOCOL_FAMILY = b"FARM"
 
 #: Dtypes that may cross the wire, by their numpy name.
@@ -64,6 +64,8 @@ class Command(bytes, enum.Enum):
     FETCH = b"\x0c"  # worker -> broker: send me a model's files
     MODEL = b"\x0d"  # broker -> worker: a model's manifest, one payload frame per file
     NEED = b"\x0e"  # broker -> client: send the input of one chunk (answered by DATA)
+    CANCEL = b"\x0f"  # client -> broker: stop a job; broker -> client: it stopped (and why);
+    #                   broker -> worker: drop the job's chunks
 
 
 class ProtocolError(ValueError):
@@ -92,6 +94,7 @@ _SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
     Command.FETCH: {"model": (str,), "digest": (str,)},
     Command.MODEL: {"model": (str,), "digest": (str,), "files": (list,)},
     Command.NEED: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,)},
+    Command.CANCEL: {"job": (str,)},
 }
 
 #: Commands whose payload is an array described by dtype/item_shape/count.

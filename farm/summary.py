@@ -25,17 +25,20 @@ class WorkerShare:
 
 @dataclass(frozen=True)
 class JobSummary:
-    items: int
+    items: int  # images done (all of them, unless the job stopped early)
     seconds: float  # client's wall time, submit to last result
     policy: str
     workers: tuple[WorkerShare, ...]
+    total: int = 0  # images in the job
 
     @classmethod
     def from_broker(cls, summary: dict[str, Any], seconds: float) -> JobSummary:
         shares = tuple(WorkerShare(w["name"], w["device"], int(w["items"]), int(w["chunks"]),
                                    float(w["compute_s"]), float(w["standalone_rate"]))
                        for w in summary.get("workers", []))
-        return cls(int(summary["items"]), seconds, str(summary.get("policy", "?")), shares)
+        total = int(summary["items"])
+        return cls(int(summary.get("done", total)), seconds, str(summary.get("policy", "?")),
+                   shares, total)
 
     @property
     def rate(self) -> float:
@@ -53,12 +56,15 @@ class JobSummary:
 
     def format(self) -> str:
         """A few aligned lines for the terminal."""
-        lines = [f"{self.items} images in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
+        done = (f"{self.items:,} images" if self.items >= self.total else
+                f"{self.items:,} of {self.total:,} images (stopped early)")
+        lines = [f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
                  f"(policy {self.policy})",
                  f"theoretical {self.theoretical_rate:,.0f} images/s (sum of standalone "
                  f"worker speeds), waste {self.waste:.1%}",
                  f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}"]
         for share in sorted(self.workers, key=lambda s: s.name):
-            lines.append(f"  {share.name:<36} {share.items / self.items:>7.1%} {share.items:>8} "
+            part = share.items / self.items if self.items else 0.0
+            lines.append(f"  {share.name:<36} {part:>7.1%} {share.items:>8} "
                          f"{share.chunks:>6} {share.rate:>9,.0f}")
         return "\n".join(lines)

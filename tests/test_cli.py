@@ -93,7 +93,7 @@ def test_run_starts_a_local_farm_on_the_bundled_sample(lenet, digits, tmp_path) 
                                        "--quiet"),
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
-    assert f"{len(digits)} images in" in done.stdout
+    assert f"{len(digits):,} images in" in done.stdout
     assert "(policy equal-finish)" in done.stdout  # the default
     np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits), atol=1e-5)
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from farm.policies import (BARRIER_POLICIES, POLICIES, Assign, Chunk, ChunkDone, ChunkFailed,
-                           WorkerLost, WorkerReady, make_policy, proportional_split)
+                           WorkerBusy, WorkerLost, WorkerReady, make_policy,
+                           proportional_split)
 
 
 def done(worker: str, start: int, count: int, seconds: float, at: float = 0.0) -> ChunkDone:
@@ -274,6 +275,12 @@ def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots
             newcomer = f"w{len(held)}"
             speed[newcomer] = data.draw(st.floats(10, 20_000))
             join(newcomer)
+            continue
+        if action == 4:  # another job took the worker's free slot, then gave it back
+            taken = data.draw(st.sampled_from(sorted(alive)))
+            assert policy.handle(WorkerBusy(taken, at=clock)) == []
+            assert taken not in policy.idle
+            apply(policy.handle(WorkerReady(taken, at=clock)))
             continue
         assert busy, f"{policy.remaining} items left but no worker holds any"
         worker = data.draw(st.sampled_from(busy))

@@ -34,8 +34,8 @@ from typing import Any
 import zmq
 
 from farm import protocol
-from farm.engine import (DEFAULT_BACKEND, GPU_BACKEND, Engine, engine_class, limit_threads,
-                         load_engine)
+from farm.engine import (DEFAULT_BACKEND, GPU_BACKEND, Engine, Stopped, engine_class,
+                         limit_threads, load_engine)
 from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError, ModelSpec, available, find, load_spec, prepare
@@ -44,7 +44,10 @@ log = logging.getLogger("farm.worker")
 
 #: Commands a worker accepts from the broker.
 ACCEPTED = frozenset({Command.TASK, Command.MODEL, Command.ERROR, Command.HEARTBEAT,
-                      Command.DISCONNECT})
+                      Command.DISCONNECT, Command.CANCEL})
+
+#: Cancelled job ids a worker remembers (its chunks of them are not run).
+CANCELLED_MEMORY = 1000
 
 #: Longest wait between reconnection attempts while the broker is silent, in seconds.
 MAX_RECONNECT_INTERVAL = 32.0
@@ -165,6 +168,8 @@ class Worker:
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times fetched
     tasks_done: int = 0
     running: bool = True
+    # jobs the broker cancelled, oldest first: written by the I/O thread, read by compute
+    cancelled: dict[str, None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cache = (ModelCache(Path(self.config.cache_dir)) if self.config.cache_dir
@@ -293,6 +298,8 @@ class Worker:
             return
         if message.command is Command.HEARTBEAT:
             link.broker_interval(message.header.get("interval"))
+        elif message.command is Command.CANCEL:
+            self.cancel(message.header["job"])
         elif message.command is Command.DISCONNECT:
             log.warning("the broker does not know this worker (it restarted, or declared us "
                         "dead): registering again")
@@ -300,6 +307,12 @@ class Worker:
             tasks.put(Task(link.generation, None, 0.0))
         else:
             tasks.put(Task(link.generation, message, received))
+
+    def cancel(self, job: str) -> None:
+        """Remember a cancelled job: its queued chunks are not run, its running one stops."""
+        self.cancelled[job] = None
+        if len(self.cancelled) > CANCELLED_MEMORY:
+            del self.cancelled[next(iter(self.cancelled))]
 
     def compute_loop(self, context: zmq.Context, address: str, tasks: queue.Queue,
                      link: BrokerLink) -> None:
@@ -415,7 +428,9 @@ class Worker:
             images = message.array(header["dtype"], item_shape)
             decoded = time.perf_counter()
             self.inject_fault(header["start"], header["count"])
-            outputs = engine.run(images)
+            outputs = engine.run(images, stop=lambda: header["job"] in self.cancelled)
+        except Stopped as exc:
+            return self.failed(message, f"job cancelled ({exc})", fatal=False)
         except (ModelError, ValueError, ProtocolError) as exc:
             return self.failed(message, str(exc))
         except Exception as exc:  # backend errors and anything unforeseen: worth a retry

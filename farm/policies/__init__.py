@@ -10,7 +10,8 @@ import inspect
 from typing import Any, Iterable, Mapping
 
 from farm.policies.base import (DEFAULT_FLOOR, Assign, Chunk, ChunkDone, ChunkFailed, Event,
-                                Policy, WorkerId, WorkerLost, WorkerReady, proportional_split)
+                                Policy, WorkerBusy, WorkerId, WorkerLost, WorkerReady,
+                                proportional_split)
 from farm.policies.equal_finish import EqualFinishPolicy
 from farm.policies.fast_split import FastSplitPolicy
 from farm.policies.fifo import FifoPolicy
@@ -62,6 +63,6 @@ def make_policy(name: str, total: int, workers: Iterable[WorkerId] = (),
 
 
 __all__ = ["Assign", "BARRIER_POLICIES", "Chunk", "ChunkDone", "ChunkFailed", "DEFAULT_FLOOR",
-           "Event", "PAPER_PARAMETERS", "POLICIES", "Policy", "WorkerLost", "WorkerReady", "make_policy",
-           "parameters", "proportional_split"]
+           "Event", "PAPER_PARAMETERS", "POLICIES", "Policy", "WorkerBusy", "WorkerLost",
+           "WorkerReady", "make_policy", "parameters", "proportional_split"]
 

@@ -11,6 +11,9 @@ Events:
 * ``ChunkDone(worker, chunk, seconds)``: the worker ran ``chunk`` in
   ``seconds`` of compute time.  The worker's slot is free again; the driver
   follows with ``WorkerReady`` when it wants the slot filled by this job.
+* ``WorkerBusy(worker)``: the slot the worker offered this job was taken by
+  another job (jobs share workers); the policy stops counting it as idle
+  until the next ``WorkerReady``.
 * ``WorkerLost(worker)``: the worker is gone; its chunks in flight go back
   to the pool and are handed to idle workers.
 * ``ChunkFailed(worker, chunk, retry)``: the worker could not run ``chunk``;
@@ -68,6 +71,12 @@ class ChunkDone:
 
 
 @dataclass(frozen=True)
+class WorkerBusy:
+    worker: WorkerId
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
 class WorkerLost:
     worker: WorkerId
     at: float = 0.0
@@ -81,7 +90,7 @@ class ChunkFailed:
     at: float = 0.0
 
 
-Event = WorkerReady | ChunkDone | WorkerLost | ChunkFailed
+Event = WorkerReady | ChunkDone | WorkerLost | ChunkFailed | WorkerBusy
 
 
 @dataclass(frozen=True)
@@ -225,6 +234,10 @@ class Policy(ABC):
             self._lose(event.worker)
         elif isinstance(event, ChunkFailed):
             self._fail(event)
+        elif isinstance(event, WorkerBusy):
+            if event.worker in self.idle:
+                self.idle.remove(event.worker)
+            return []
         return self._assign()
 
     def _release(self, worker: WorkerId, chunk: Chunk) -> None:

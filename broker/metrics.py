@@ -1,0 +1,152 @@
+"""Prometheus metrics of a broker, served over HTTP on an opt-in port (``--metrics-port``).
+
+Names and labels follow Prometheus' conventions: a ``farm_`` prefix, base
+units (seconds), ``_total`` on counters, and ``worker``/``device``/``host``
+labels on per-worker series.  fb-caffe-exts' PooledPredictor callbacks (SPEC.md)
+map onto them: ``onJobEnqueued(queueSize, delay)`` is ``farm_chunks_waiting``
+and ``farm_chunk_queue_seconds``, ``onJobDequeued`` is
+``farm_worker_chunks_in_flight``, and ``onJobProcessed(time)`` is
+``farm_chunk_compute_seconds`` with the per-worker ``_total`` counters.
+
+The broker loop updates counters and histograms as events happen; gauges are
+read at scrape time from the broker's state (single reads of the loop's
+dicts, atomic under the GIL).  Series of a worker that leaves are removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Iterator
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import start_http_server
+
+if TYPE_CHECKING:
+    from farm.broker.broker import Broker
+    from farm.broker.registry import WorkerEntry
+
+#: Latency buckets, in seconds: 0.5 ms to 30 s.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0)
+WORKER_LABELS = ("worker", "device", "host")
+JOB_STATES = ("waiting", "queued", "running")
+
+
+class BrokerMetrics:
+    """The broker's metrics in a registry of their own; ``serve`` starts the HTTP endpoint."""
+
+    def __init__(self, broker: Broker) -> None:
+        disable_created_metrics()  # no *_created series: they double the output, say little
+        self.broker = broker
+        self.registry = CollectorRegistry()
+        per_worker = {"labelnames": WORKER_LABELS, "registry": self.registry}
+        self.images = Counter("farm_worker_images", "Images computed by the worker.",
+                              **per_worker)
+        self.chunks = Counter("farm_worker_chunks", "Chunks computed by the worker.",
+                              **per_worker)
+        self.compute = Counter("farm_worker_compute_seconds",
+                               "Seconds the worker spent computing chunks.", **per_worker)
+        self.failures = Counter("farm_worker_chunk_failures",
+                                "Chunk attempts that failed on the worker (or were lost with it).",
+                                **per_worker)
+        self.queue_latency = Histogram(
+            "farm_chunk_queue_seconds", "Seconds from a chunk's assignment to the start of its "
+            "compute (input fetched from the client, queued on the worker).",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.transfer_latency = Histogram(
+            "farm_chunk_transfer_seconds", "Seconds a chunk spent on the network between broker "
+            "and worker, both ways.", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.compute_latency = Histogram(
+            "farm_chunk_compute_seconds", "Seconds of compute per chunk.",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.images_delivered = Counter("farm_images_delivered",
+                                        "Images whose outputs went back to clients.",
+                                        registry=self.registry)
+        self.in_flight = Gauge("farm_worker_chunks_in_flight",
+                               "Chunks assigned to the worker and not yet answered.", **per_worker)
+        self.heartbeat_age = Gauge("farm_worker_heartbeat_age_seconds",
+                                   "Seconds since the broker last heard from the worker.",
+                                   **per_worker)
+        self.registry.register(_LiveCollector(broker))
+        self.server: Any = None
+
+    def serve(self, host: str, port: int) -> str:
+        """Start the HTTP endpoint (port 0: a free one); return its URL."""
+        self.server, _ = start_http_server(port, host, registry=self.registry)
+        return f"http://{host}:{self.server.server_port}/metrics"
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    # ------------------------------------------------------------ events
+
+    def worker_joined(self, entry: WorkerEntry) -> None:
+        labels = labels_of(entry)
+        self.in_flight.labels(*labels).set_function(lambda: len(entry.in_flight))
+        self.heartbeat_age.labels(*labels).set_function(
+            lambda: self.broker.clock() - entry.last_seen)
+        for counter in (self.images, self.chunks, self.compute, self.failures):
+            counter.labels(*labels)  # present at 0 from the start
+
+    def worker_left(self, entry: WorkerEntry) -> None:
+        labels = labels_of(entry)
+        for metric in (self.images, self.chunks, self.compute, self.failures, self.in_flight,
+                       self.heartbeat_age):
+            try:
+                metric.remove(*labels)
+            except KeyError:
+                pass
+
+    def chunk_done(self, entry: WorkerEntry, items: int, timings: dict[str, float],
+                   queued: float, transfer: float) -> None:
+        labels = labels_of(entry)
+        compute = timings["compute"]
+        self.images.labels(*labels).inc(items)
+        self.chunks.labels(*labels).inc()
+        self.compute.labels(*labels).inc(compute)
+        self.compute_latency.observe(compute)
+        self.queue_latency.observe(max(0.0, queued))
+        self.transfer_latency.observe(max(0.0, transfer))
+        self.images_delivered.inc(items)
+
+    def chunk_failed(self, entry: WorkerEntry) -> None:
+        self.failures.labels(*labels_of(entry)).inc()
+
+
+def labels_of(entry: WorkerEntry) -> tuple[str, str, str]:
+    return entry.name, entry.device, entry.host
+
+
+class _LiveCollector:
+    """Series read from the broker's state at scrape time: jobs by state, workers, and
+    the recovery counters of ``BrokerStats``."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    def collect(self) -> Iterator[Any]:
+        jobs = list(self.broker.jobs.values())
+        by_state = GaugeMetricFamily("farm_jobs", "Jobs the broker holds, by state.",
+                                     labels=["state"])
+        for state in JOB_STATES:
+            by_state.add_metric([state], sum(1 for job in jobs if job.state() == state))
+        yield by_state
+        yield GaugeMetricFamily("farm_workers", "Workers registered with the broker.",
+                                value=len(self.broker.workers))
+        yield GaugeMetricFamily("farm_chunks_waiting", "Chunks assigned whose input the broker "
+                                "is still fetching from the client.",
+                                value=sum(len(job.pending) for job in jobs))
+        ended = CounterMetricFamily("farm_jobs_ended", "Jobs that ended, by outcome.",
+                                    labels=["outcome"])
+        for outcome, count in list(self.broker.outcomes.items()):
+            ended.add_metric([outcome], count)
+        yield ended
+        events = CounterMetricFamily("farm_broker_events", "Failures the broker saw and "
+                                     "recovered from, by kind.", labels=["event"])
+        for name, value in asdict(self.broker.stats).items():
+            events.add_metric([name], value)
+        yield events

@@ -1,0 +1,365 @@
+"""Where a job's time went: read a trace from `farm submit --trace`, break its waste down, plot it.
+
+Waste is the share of the farm's capacity (every worker's standalone speed times the job's span T
+on the broker's clock) that did not turn into images.  A worker loses capacity whenever it is not
+computing, and each idle second is put in one of four parts:
+
+- start: before its first chunk started;
+- barrier: between chunks, while the broker held its result and had given it nothing new;
+- messaging: the rest of a gap between chunks (inputs and results in transit, latency);
+- tail: after its last chunk finished, until T.
+
+Each part is weighted by the worker's speed, so the parts add up to the waste; `other` takes what
+they do not explain (failed chunks, speeds and clock estimates, rounding).
+
+A chunk may reach its worker (``arrived``) well before it starts: workers hold two chunks, so the
+second queues behind the first.  That wait is neither transfer nor idleness, and is not drawn.
+The figure's lower panel is the compute throughput (`throughput`): each chunk spreads its images
+evenly over the time it computed, so a large chunk shows as a steady rate, not a spike when its
+result lands.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib import rc_context
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import StrMethodFormatter
+
+TRACE_FORMAT = "farm-trace/1"
+
+_CHUNK_TIMES = ("assigned", "sent", "started", "finished", "received")
+_PARTS = (("start", "workers idle before their first chunk started"),
+          ("barrier", "result handed back, waiting for the scheduler to assign the next chunk"),
+          ("messaging", "inputs and results in transit between chunks"),
+          ("tail", "workers idle after their last chunk finished, until the job ended"),
+          ("other", "not explained: failed chunks, speed and clock estimates, rounding"))
+
+
+class TraceError(ValueError):
+    """A file that is not a valid farm trace."""
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _check_record(name: str, where: str, record: Any, text: tuple[str, ...],
+                  numbers: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """Raise TraceError unless record is an object with these string and number fields."""
+    if not isinstance(record, dict):
+        raise TraceError(f"{name}: {where} is not an object")
+    for key in text:
+        if not isinstance(record.get(key), str):
+            raise TraceError(f"{name}: {where} has no text field {key!r}")
+    for key in numbers:
+        if not _is_number(record.get(key)):
+            raise TraceError(f"{name}: {where} has no number field {key!r}")
+    for key in optional:
+        if key in record and not _is_number(record[key]):
+            raise TraceError(f"{name}: {where} field {key!r} is not a number")
+
+
+def load_trace(path: str | Path) -> dict:
+    """Read and validate a trace file; TraceError (naming the file) on anything wrong."""
+    name = str(path)
+    try:
+        trace = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise TraceError(f"{name}: cannot read ({error.strerror or error})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TraceError(f"{name}: not a farm trace (invalid JSON: {error})") from None
+    if not isinstance(trace, dict):
+        raise TraceError(f"{name}: not a farm trace (not a JSON object)")
+    if trace.get("format") != TRACE_FORMAT:
+        raise TraceError(f"{name}: not a farm trace (format {trace.get('format')!r}, "
+                         f"expected {TRACE_FORMAT!r})")
+    for key in ("workers", "chunks"):
+        if not isinstance(trace.get(key), list):
+            raise TraceError(f"{name}: not a farm trace (no {key!r} list)")
+    if not isinstance(trace.get("failed", []), list):
+        raise TraceError(f"{name}: not a farm trace ('failed' is not a list)")
+    _check_record(name, "the trace", trace, (), ("items", "broker_seconds"), ("client_seconds",))
+    if trace.get("cancelled") is not None and not isinstance(trace["cancelled"], str):
+        raise TraceError(f"{name}: the trace field 'cancelled' is not text")
+    for i, worker in enumerate(trace["workers"]):
+        _check_record(name, f"workers[{i}]", worker, ("name",), (),
+                      ("items", "chunks", "compute_s", "standalone_rate"))
+    for i, chunk in enumerate(trace["chunks"]):
+        _check_record(name, f"chunks[{i}]", chunk, ("worker",), ("count",) + _CHUNK_TIMES,
+                      ("start", "attempt", "delivered", "arrived"))
+    return trace
+
+
+# -- analysis --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkerLine:
+    name: str
+    items: int
+    chunks: int
+    busy_s: float  # computing (chunks merged where they overlap)
+    idle_start_s: float
+    barrier_s: float
+    messaging_s: float
+    tail_s: float
+    standalone_rate: float  # images per second of compute
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    items: int
+    seconds: float  # T: the job's span on the broker's clock
+    rate: float
+    theoretical_rate: float
+    waste: float
+    start: float  # the parts are fractions of capacity, sum of standalone_rate * T
+    barrier: float
+    messaging: float
+    tail: float
+    other: float
+    workers: tuple[WorkerLine, ...]
+    model: str = "?"
+    policy: str = "?"
+    cancelled: str | None = None  # why the job stopped early, if it did
+
+    def format(self) -> str:
+        """A few aligned lines for the terminal: totals, where the waste went, each worker."""
+        stopped = f", stopped early: {self.cancelled}" if self.cancelled else ""
+        lines = [f"{self.items:,} images in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
+                 f"(model {self.model}, policy {self.policy}){stopped}",
+                 f"theoretical {self.theoretical_rate:,.0f} images/s (sum of the workers' "
+                 f"standalone speeds), waste {self.waste:.1%}",
+                 "where the waste went (% of the workers' capacity):"]
+        lines += [f"  {part:<9} {getattr(self, part):>6.1%}  {meaning}" for part, meaning in _PARTS]
+        header = ("worker", "images", "chunks", "busy", "idle: start", "barrier", "messaging",
+                  "tail (s)")
+        rows = [header] + [
+            (w.name, f"{w.items:,}", f"{w.chunks:,}",
+             f"{w.busy_s / self.seconds if self.seconds > 0 else 0.0:.1%}",
+             *(f"{s:.3f}" for s in (w.idle_start_s, w.barrier_s, w.messaging_s, w.tail_s)))
+            for w in self.workers]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        for row in rows:  # names left-aligned, numbers right-aligned, two spaces apart
+            cells = [row[0].ljust(widths[0])] + [c.rjust(n) for c, n in zip(row[1:], widths[1:])]
+            lines.append("  " + "  ".join(cells).rstrip())
+        return "\n".join(lines)
+
+
+def _by_worker(trace: dict) -> dict[str, list[dict]]:
+    """Chunks of each worker (listed or not), sorted by start of compute; rows sorted by name."""
+    names = {w["name"] for w in trace["workers"]} | {c["worker"] for c in trace["chunks"]}
+    rows: dict[str, list[dict]] = {name: [] for name in sorted(names)}
+    for chunk in trace["chunks"]:
+        rows[chunk["worker"]].append(chunk)
+    for chunks in rows.values():
+        chunks.sort(key=lambda c: c["started"])
+    return rows
+
+
+def _idle(chunks: list[dict], seconds: float) -> tuple[float, float, float, float, float]:
+    """(busy, start, barrier, messaging, tail) seconds of one worker; chunks sorted by started."""
+    def clip(t: float) -> float:
+        return min(max(t, 0.0), seconds)
+
+    if not chunks:
+        return 0.0, seconds, 0.0, 0.0, 0.0
+    busy = barrier = messaging = 0.0
+    first = chunks[0]
+    begin = clip(first["started"])
+    end = max(begin, clip(first["finished"]))
+    received = first["received"]
+    start = begin
+    for chunk in chunks[1:]:
+        started, finished = clip(chunk["started"]), clip(chunk["finished"])
+        if started <= end:  # overlaps the current busy stretch: merge
+            if finished > end:
+                end, received = finished, chunk["received"]
+            continue
+        busy += end - begin
+        wait = max(0.0, min(started, chunk["assigned"]) - max(end, received))
+        barrier += wait
+        messaging += started - end - wait
+        begin, end, received = started, max(started, finished), chunk["received"]
+    busy += end - begin
+    return busy, start, barrier, messaging, seconds - end
+
+
+def _worker_lines(trace: dict, seconds: float) -> tuple[WorkerLine, ...]:
+    listed = {w["name"]: w for w in trace["workers"]}
+    lines = []
+    for name, chunks in _by_worker(trace).items():
+        info = listed.get(name, {})
+        items = info.get("items", sum(c["count"] for c in chunks))
+        compute = info.get("compute_s", 0.0)
+        rate = info.get("standalone_rate", items / compute if compute > 0 else 0.0)
+        busy, start, barrier, messaging, tail = _idle(chunks, seconds)
+        lines.append(WorkerLine(name, int(items), int(info.get("chunks", len(chunks))), busy,
+                                start, barrier, messaging, tail, float(rate)))
+    return tuple(lines)
+
+
+def analyse(trace: dict) -> Breakdown:
+    """The job's rate, waste, and the waste split into start, barrier, messaging, tail, other."""
+    seconds = max(float(trace["broker_seconds"]), 0.0)
+    items = int(trace["items"])
+    workers = _worker_lines(trace, seconds)
+    theoretical = sum(w.standalone_rate for w in workers)
+    capacity = theoretical * seconds  # images the workers could have done in T
+
+    def share(images: float) -> float:
+        return images / capacity if capacity > 0 else 0.0
+
+    waste = share(capacity - items)  # == (theoretical - rate) / theoretical when T > 0
+    parts = [share(sum(w.standalone_rate * getattr(w, field) for w in workers))
+             for field in ("idle_start_s", "barrier_s", "messaging_s", "tail_s")]
+    cancelled = trace.get("cancelled")
+    return Breakdown(items, seconds, items / seconds if seconds > 0 else 0.0, theoretical,
+                     waste, *parts, waste - sum(parts), workers,
+                     str(trace.get("model", "?")), str(trace.get("policy", "?")),
+                     cancelled if isinstance(cancelled, str) and cancelled else None)
+
+
+def _span(trace: dict) -> float:
+    """Seconds the figure covers: the job's span, or longer if a chunk came back later."""
+    return max([float(trace["broker_seconds"]), 0.01]
+               + [c[key] for c in trace["chunks"] for key in ("finished", "received")])
+
+
+def throughput(trace: dict, bins: int | Sequence[float] = 100) -> tuple[np.ndarray, np.ndarray]:
+    """(edges, rates): images/s computed by all workers together, averaged within each bin.
+
+    A chunk counts count / (finished - started) images/s over [started, finished]; each bin gets
+    the images computed inside it (the exact overlap) divided by its width.  `bins` is a number
+    of equal bins from 0 to the end of the job, or the increasing bin edges themselves.  A chunk
+    that took no time puts all its images in the bin where it started.
+    """
+    if np.ndim(bins) == 0:
+        edges = np.linspace(0.0, _span(trace), max(int(bins), 1) + 1)
+    else:
+        edges = np.asarray(bins, dtype=float)
+        if edges.ndim != 1 or len(edges) < 2 or np.any(np.diff(edges) <= 0):
+            raise ValueError("bins: need at least two increasing edges")
+    done = np.zeros_like(edges)  # images computed by each edge
+    for c in trace["chunks"]:
+        took = c["finished"] - c["started"]
+        if took > 0:
+            done += c["count"] * np.clip((edges - c["started"]) / took, 0.0, 1.0)
+        else:
+            done += c["count"] * (edges >= c["started"])
+    return edges, np.diff(done) / np.diff(edges)
+
+
+# -- figure ----------------------------------------------------------------------------------
+
+_SHADES = ("#2b6cb0", "#63a4e0")  # alternate chunks of a row
+_TRANSFER = "#e07b00"
+_RECEIVED = "#9a9a9a"
+
+
+def _arrived(chunk: dict) -> float:
+    """When the chunk reached its worker, within [sent, started]; older traces: when sent."""
+    return min(max(chunk.get("arrived", chunk["sent"]), chunk["sent"]), chunk["started"])
+
+
+def _draw_timeline(ax: Any, trace: dict, wide: bool) -> None:
+    rows = _by_worker(trace)
+    height = 0.8
+    for y, chunks in enumerate(rows.values()):
+        spans = [(c["started"], max(c["finished"] - c["started"], 0.0)) for c in chunks]
+        colors = [_SHADES[i % 2] for i in range(len(spans))]
+        ax.broken_barh(spans, (y - height / 2, height), facecolors=colors, linewidth=0,
+                       zorder=2)
+        # a thin strip in the row's middle, on top (an edge line keeps a 1 ms transfer visible)
+        transfers = [(a, b - a) for c in chunks
+                     for a, b in ((c["sent"], _arrived(c)), (c["finished"], c["received"]))
+                     if b > a]
+        ax.broken_barh(transfers, (y - height / 14, height / 7), facecolors=_TRANSFER,
+                       edgecolors=_TRANSFER, linewidth=0.6, zorder=3)
+        if not chunks:
+            ax.text(0.0, y, "  ran no chunk", va="center", fontsize="x-small", color="grey")
+    names = list(rows)
+    step = -(-len(names) // 40) if names else 1  # label at most ~40 rows
+    ax.set_yticks(range(0, len(names), step), names[::step],
+                  fontsize="medium" if len(names) <= 20 else "small")
+    ax.set_ylim(max(len(names), 1) - 0.5, -0.5)  # first name on top
+    ax.set_ylabel("worker")
+    ax.grid(axis="x", alpha=0.3, zorder=0)
+    ax.set_axisbelow(True)
+    ax.legend(handles=[Patch(color=_SHADES[0], label="computing (one chunk)"),
+                       Patch(color=_SHADES[1], label="computing (next chunk)"),
+                       Patch(color=_TRANSFER, label="in transit: sent→arrived, finished→received"),
+                       Patch(facecolor="white", edgecolor="grey", label="idle")],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4 if wide else 2,
+              fontsize="small", frameon=False)
+
+
+def _draw_throughput(ax: Any, trace: dict, breakdown: Breakdown, wide: bool) -> None:
+    edges, rates = throughput(trace, 100)
+    span = edges[-1]
+    ax.stairs(rates, edges, fill=True, color=_SHADES[1], alpha=0.25, linewidth=0)
+    ax.stairs(rates, edges, color=_SHADES[0], linewidth=1.5, zorder=3,
+              label="images/s computed (all workers)")
+    top_axes = ax  # the legend goes on the topmost axes, over the curves of both
+    if trace["chunks"] and breakdown.items > 0:  # when results came back, on its own scale
+        back = top_axes = ax.twinx()
+        times = np.sort([c["received"] for c in trace["chunks"]])
+        counts = np.cumsum([c["count"] for c in sorted(trace["chunks"],
+                                                       key=lambda c: c["received"])])
+        back.step(np.r_[0.0, times, span], np.r_[0, counts, counts[-1]] / breakdown.items,
+                  where="post", color=_RECEIVED, linewidth=1, alpha=0.8)
+        back.set_ylim(0.0, 1.45 if wide else 2.2)
+        back.set_yticks([0.0, 0.5, 1.0], ["0", "50%", "100%"], color=_RECEIVED)
+        back.set_ylabel("results received", color=_RECEIVED)
+    ax.axhline(breakdown.theoretical_rate, color="black", linestyle="--", linewidth=1, zorder=4,
+               label=f"theoretical {breakdown.theoretical_rate:,.0f} images/s")
+    ax.axhline(breakdown.rate, color="dimgrey", linestyle=":", linewidth=1.2, zorder=4,
+               label=f"achieved average {breakdown.rate:,.0f} images/s")
+    ax.set_xlim(0.0, span)
+    top = max([breakdown.theoretical_rate, 10.0] + list(rates))
+    ax.set_ylim(0.0, (1.45 if wide else 2.2) * top)  # headroom for the legend
+    ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    ax.set_xlabel("seconds since submission (broker clock)")
+    ax.set_ylabel("images/s")
+    ax.grid(alpha=0.3)
+    ax.set_axisbelow(True)
+    top_axes.legend(*ax.get_legend_handles_labels(), loc="upper right", ncol=3 if wide else 1,
+                    fontsize="small")
+
+
+def _title(b: Breakdown, columns: int) -> str:
+    """Headline and where the waste went, wrapped to about `columns` characters."""
+    parts = ", ".join(f"{part} {getattr(b, part):.1%}" for part, _ in _PARTS)
+    lines = (f"{b.model}, policy {b.policy}: {b.items:,} images in {b.seconds:.3f} s, "
+             f"{b.rate:,.0f} images/s, waste {b.waste:.1%}", f"where it went: {parts}")
+    if b.cancelled:
+        lines = (f"stopped early: {b.cancelled}",) + lines
+    return "\n".join(wrapped for line in lines for wrapped in textwrap.wrap(line, columns))
+
+
+def plot(trace: dict, path: str | Path, width: int = 1200, height: int = 800) -> None:
+    """Write a PNG of exactly width x height pixels: worker timeline over throughput."""
+    b = analyse(trace)
+    wide = width >= 900
+    scale = min(max(min(width / 1200, height / 800), 0.7), 1.5)  # text size follows the figure
+    with rc_context({"font.size": 10 * scale}):
+        fig = Figure(figsize=(width / 100, height / 100), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        timeline, throughput = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+        _draw_timeline(timeline, trace, wide)
+        _draw_throughput(throughput, trace, b, wide)
+        fig.suptitle(_title(b, columns=int(width / (12 * scale))))
+        fig.savefig(path, dpi=100, format="png")

@@ -1,0 +1,268 @@
+"""Operating a farm: status, metrics, traces and reports, several jobs, cancellation.
+
+One real farm for the module: a broker (fifo chunks of 500, Prometheus metrics
+on a free port) and one pinned worker process per core, on loopback.  Jobs run
+in threads with clients of their own, as separate users' jobs would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import threading
+import time
+import urllib.request
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from farm.client import JobResult
+from farm.local import LocalFarm, cores, farm_command
+from tests.conftest import reference_forward
+
+CHUNK = 500
+
+
+@pytest.fixture(scope="module")
+def farm() -> Iterator[LocalFarm]:
+    devices = [f"cpu:{core}" for core in cores()[:2]] * (2 if len(cores()) < 2 else 1)
+    with LocalFarm(devices, "fifo", ["--chunk", str(CHUNK), "--metrics-port", "0"],
+                   preload=["lenet"]) as local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+def reference(lenet, digits) -> np.ndarray:
+    return reference_forward(lenet, digits)
+
+
+def repeated(digits: np.ndarray, count: int) -> np.ndarray:
+    return np.resize(digits, (count, *digits.shape[1:]))
+
+
+def expected(reference: np.ndarray, count: int) -> np.ndarray:
+    return np.resize(reference, (count, reference.shape[1]))
+
+
+class JobThread:
+    """A job run by a client of its own in a thread; ``started`` is set at its first result."""
+
+    def __init__(self, local: LocalFarm, images: np.ndarray, **options: Any) -> None:
+        self.client = local.client()
+        self.images, self.options = images, options
+        self.started = threading.Event()
+        self.answered = 0
+        self.result: JobResult | None = None
+        self.error: BaseException | None = None
+        self.finished_at = 0.0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def progress(self, count: int) -> None:
+        self.answered += count
+        self.started.set()
+
+    def run(self) -> None:
+        try:
+            self.result = self.client.run(self.images, "lenet", progress=self.progress,
+                                          **self.options)
+        except BaseException as exc:  # reported by ``join``
+            self.error = exc
+        finally:
+            self.finished_at = time.monotonic()
+            self.started.set()
+
+    def __enter__(self) -> JobThread:
+        self.thread.start()
+        assert self.started.wait(60), "the job never produced a result"
+        return self
+
+    def join(self) -> JobResult:
+        self.thread.join(120)
+        assert not self.thread.is_alive(), "the job did not end"
+        if self.error:
+            raise self.error
+        return self.result
+
+    def __exit__(self, *_: Any) -> None:
+        self.thread.join(120)
+        self.client.close()
+
+
+def status_json(local: LocalFarm) -> dict[str, Any]:
+    """``farm status --json``, the real command."""
+    done = subprocess.run(farm_command("status", "--json", "--broker", local.endpoint),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def job_with_total(snapshot: dict[str, Any], total: int) -> dict[str, Any]:
+    [job] = [job for job in snapshot["jobs"] if job["total"] == total]
+    return job
+
+
+def scrape(local: LocalFarm) -> dict[tuple[str, tuple], float]:
+    """The metrics endpoint over HTTP: (sample name, sorted labels) -> value."""
+    with local.client() as client:
+        url = client.info()["metrics"]
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def total_of(metrics: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include ``labels``."""
+    return sum(value for (sample, sample_labels), value in metrics.items()
+               if sample == name and set(labels.items()) <= set(sample_labels))
+
+
+def test_status_json_lists_every_worker_and_job_with_their_states(farm, digits) -> None:
+    images = repeated(digits, 100_000)
+    before = status_json(farm)
+    with JobThread(farm, images, priority=3) as running:
+        seen = running.answered
+        snapshot = status_json(farm)
+        running.client.cancel()
+        result = running.join()
+    workers, jobs = snapshot["workers"], snapshot["jobs"]
+    assert len(workers) == len(farm.devices)
+    assert sorted(w["device"] for w in workers) == sorted(farm.devices)
+    for worker in workers:
+        assert worker["state"] == "busy" and 1 <= worker["in_flight"] <= worker["slots"]
+        assert worker["backend"] == "opencv" and "lenet" in worker["loaded"]
+        assert worker["heartbeat_age_s"] < 5 * snapshot["heartbeat"]
+        assert 0 <= worker["busy_share"] <= 1 and worker["rate"] >= 0
+    [job] = jobs
+    assert (job["model"], job["policy"], job["priority"], job["state"]) == \
+        ("lenet", "fifo", 3, "running")
+    assert job["total"] == len(images) and seen <= job["done"] < len(images)
+    assert job["in_flight"] == sum(w["in_flight"] for w in workers)
+    assert job["workers"] == len(workers) and job["client"].endswith(f":{os.getpid()}")
+    assert all(w["jobs"] == [job["job"]] for w in workers)
+
+    assert result.cancelled == "cancelled by the client"
+    after = status_json(farm)
+    assert after["jobs"] == []
+    assert all(w["state"] == "idle" and w["in_flight"] == 0 for w in after["workers"])
+    assert after["jobs_ended"]["cancelled"] == before["jobs_ended"]["cancelled"] + 1
+    computed = sum(w["items_done"] for w in after["workers"]) - sum(
+        w["items_done"] for w in before["workers"])
+    delivered = len(images) - sum(f.count for f in result.failed)
+    assert computed >= delivered  # chunks stopped by the cancel may have run in part
+
+
+def test_metrics_scraped_over_http_move_with_the_job_and_match_its_results(farm, digits,
+                                                                            reference) -> None:
+    before = scrape(farm)
+    with farm.client() as client:
+        result = client.run(repeated(digits, 20_000), "lenet")
+    after = scrape(farm)
+
+    def moved(name: str, **labels: str) -> float:
+        return total_of(after, name, **labels) - total_of(before, name, **labels)
+
+    np.testing.assert_allclose(result.outputs, expected(reference, 20_000), atol=1e-5)
+    shares = {share.name: share for share in result.summary.workers}
+    for name, share in shares.items():
+        assert moved("farm_worker_images_total", worker=name) == share.items
+        assert moved("farm_worker_chunks_total", worker=name) == share.chunks
+        assert moved("farm_worker_compute_seconds_total", worker=name) == \
+            pytest.approx(share.compute_s, rel=1e-6)
+    chunks = sum(share.chunks for share in shares.values())
+    assert chunks == 20_000 // CHUNK
+    assert moved("farm_images_delivered_total") == 20_000
+    for histogram in ("farm_chunk_compute_seconds", "farm_chunk_queue_seconds",
+                      "farm_chunk_transfer_seconds"):
+        assert moved(f"{histogram}_count") == chunks
+        assert moved(f"{histogram}_bucket", le="+Inf") == chunks
+    assert moved("farm_chunk_compute_seconds_sum") == \
+        pytest.approx(sum(share.compute_s for share in shares.values()), rel=1e-6)
+    assert moved("farm_jobs_ended_total", outcome="done") == 1
+    assert total_of(after, "farm_jobs") == 0 and total_of(after, "farm_workers") == len(shares)
+    assert total_of(after, "farm_worker_chunks_in_flight") == 0
+    for name in shares:
+        assert 0 <= total_of(after, "farm_worker_heartbeat_age_seconds", worker=name) < 5
+
+
+def png_size(path) -> tuple[int, int]:
+    with open(path, "rb") as handle:
+        head = handle.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_farm_report_draws_a_real_trace_whose_totals_match_the_job(farm, digits,
+                                                                   tmp_path) -> None:
+    images = tmp_path / "images.npy"
+    np.save(images, repeated(digits, 20_000))
+    trace, png = tmp_path / "run.json", tmp_path / "run.png"
+    submitted = subprocess.run(farm_command(
+        "submit", str(images), "--broker", farm.endpoint, "--quiet", "--trace", str(trace)),
+        capture_output=True, text=True, timeout=120)
+    assert submitted.returncode == 0, submitted.stderr
+    reported = subprocess.run(farm_command(
+        "report", str(trace), "-o", str(png), "--width", "900", "--height", "600"),
+        capture_output=True, text=True, timeout=120)
+    assert reported.returncode == 0, reported.stderr
+    assert png_size(png) == (900, 600)
+
+    document = json.loads(trace.read_text())
+    chunks, workers = document["chunks"], document["workers"]
+    assert document["items"] == 20_000 and document["failed"] == []
+    assert sum(chunk["count"] for chunk in chunks) == 20_000 == sum(w["items"] for w in workers)
+    covered = sorted((chunk["start"], chunk["count"]) for chunk in chunks)
+    assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))
+    for worker in workers:
+        mine = [chunk for chunk in chunks if chunk["worker"] == worker["name"]]
+        assert len(mine) == worker["chunks"] and sum(c["count"] for c in mine) == worker["items"]
+    for chunk in chunks:
+        moments = [chunk[key] for key in ("assigned", "sent", "arrived", "started", "finished",
+                                          "received")]
+        assert moments == sorted(moments) and 0 <= moments[0]
+        assert moments[-1] <= document["broker_seconds"] + 1e-6
+    assert "20,000 images" in reported.stdout and "waste" in reported.stdout
+
+
+def test_a_small_job_is_not_starved_by_a_big_one_and_both_finish(farm, digits,
+                                                                 reference) -> None:
+    with JobThread(farm, repeated(digits, 100_000)) as big:
+        started = time.monotonic()
+        with farm.client() as client:
+            small = client.run(repeated(digits, 5_000), "lenet")
+        small_done = time.monotonic()
+        answered_then = big.answered
+        big_result = big.join()
+    np.testing.assert_allclose(small.outputs, expected(reference, 5_000), atol=1e-5)
+    np.testing.assert_allclose(big_result.outputs, expected(reference, 100_000), atol=1e-5)
+    assert answered_then < 100_000, "the small job waited for the big one to finish"
+    assert small_done - started < 0.3 * (big.finished_at - started)
+    assert all(share.items > 0 for share in small.summary.workers), \
+        "the small job did not get every worker"
+
+
+def test_a_cancelled_job_frees_every_worker_within_a_second_and_costs_others_nothing(
+        farm, digits, reference) -> None:
+    with JobThread(farm, repeated(digits, 100_000)) as doomed, \
+            JobThread(farm, repeated(digits, 30_000)) as other:
+        with farm.client() as watcher:
+            doomed_id = job_with_total(watcher.info(), 100_000)["job"]
+            cancelled_at = time.monotonic()
+            doomed.client.cancel()
+            while any(doomed_id in w["jobs"] for w in watcher.info()["workers"]):
+                assert time.monotonic() - cancelled_at < 1.0, "a worker still holds its chunks"
+            freed = time.monotonic() - cancelled_at
+        cancelled, finished = doomed.join(), other.join()
+    assert freed < 1.0
+    assert cancelled.cancelled == "cancelled by the client" and cancelled.failed
+    answered = ~np.isnan(cancelled.outputs).any(axis=1)
+    assert sum(f.count for f in cancelled.failed) == (~answered).sum() > 0
+    np.testing.assert_allclose(cancelled.outputs[answered], expected(reference, 100_000)[answered],
+                               atol=1e-5)
+    assert not finished.failed and finished.duplicates == 0 and finished.cancelled is None
+    np.testing.assert_allclose(finished.outputs, expected(reference, 30_000), atol=1e-5)
