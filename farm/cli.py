@@ -331,7 +331,7 @@ def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, tim
     """
     from tqdm import tqdm
 
-    from farm.client import ArraySink, Client, describe_failures
+    from farm.client import ArraySink, Client, FarmTimeout, describe_failures
     from farm.npy import NpyWriter
     from farm.trace import save_trace
 
@@ -342,6 +342,9 @@ def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, tim
                      desc=model) as bar, cancel_on_interrupt(client):
             result = client.run(images, model, out=sink, progress=bar.update,
                                 trace=trace is not None, **job_options)
+    except FarmTimeout as exc:
+        raise click.ClickException(f"{exc} (is a broker running there? --broker or FARM_BROKER "
+                                   f"give its address)") from exc
     except (FarmError, OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
@@ -577,7 +580,14 @@ def keys() -> None:
 @keys.command("init")
 @click.argument("folder", type=click.Path(file_okay=False))
 def keys_init(folder: str) -> None:
-    """Make FOLDER's broker key pair and the worker and client key pairs (authorized)."""
+    """Make FOLDER's broker key pair and the worker and client key pairs (authorized).
+
+    \b
+    Example:
+      farm keys init /etc/farm/keys
+    Copy broker.key and worker.key_secret to worker hosts, broker.key and
+    client.key_secret to client hosts; the rest stays on the broker host.
+    """
     from farm.keys import KeysError, init_keys
 
     try:
@@ -592,7 +602,13 @@ def keys_init(folder: str) -> None:
 @click.argument("folder", type=click.Path(file_okay=False, exists=True))
 @click.argument("name")
 def keys_add(folder: str, name: str) -> None:
-    """A new key pair NAME in FOLDER, its public key authorized (restart the broker to use it)."""
+    """A new key pair NAME in FOLDER, its public key authorized (restart the broker to use it).
+
+    \b
+    Example:
+      farm keys add /etc/farm/keys rack2
+      farm worker --curve keys/ --curve-name rack2 --broker tcp://10.0.0.1:5555
+    """
     from farm.keys import KeysError, add_key
 
     try:
@@ -608,7 +624,12 @@ def keys_add(folder: str, name: str) -> None:
 @keys.command("list")
 @click.argument("folder", type=click.Path(file_okay=False, exists=True))
 def keys_list(folder: str) -> None:
-    """The public keys the broker of FOLDER lets in."""
+    """The public keys the broker of FOLDER lets in.
+
+    \b
+    Example:
+      farm keys list /etc/farm/keys
+    """
     from farm.keys import authorized_keys
 
     for path in authorized_keys(Path(folder)):
@@ -649,7 +670,13 @@ def shape_text(shape: tuple[int, ...]) -> str:
 @models.command("list")
 @models_dir_option
 def list_models(models_dir: tuple[str, ...]) -> None:
-    """List the models in the repository."""
+    """List the models in the repository.
+
+    \b
+    Examples:
+      farm models list
+      farm models list --models-dir ~/models     # or FARM_MODELS=~/models
+    """
     from farm.repository import ModelError, available, load_spec
 
     click.echo(f"{'model':<16} {'images':<12} {'layout':<6} {'weights':<22} description")
@@ -669,7 +696,12 @@ def list_models(models_dir: tuple[str, ...]) -> None:
 @click.argument("name")
 @models_dir_option
 def show_model(name: str, models_dir: tuple[str, ...]) -> None:
-    """Show a model's files, input, preprocessing and layers."""
+    """Show a model's files, input, preprocessing and layers.
+
+    \b
+    Example:
+      farm models show lenet
+    """
     from farm.caffe_proto import unknown_fields
     from farm.network import Network
 
@@ -708,7 +740,13 @@ def show_model(name: str, models_dir: tuple[str, ...]) -> None:
               help="Images to compare (the model's sample, else seeded random images).")
 @models_dir_option
 def check_model_command(name: str, count: int, models_dir: tuple[str, ...]) -> None:
-    """Load NAME on every backend available here and compare their outputs."""
+    """Load NAME on every backend available here and compare their outputs.
+
+    \b
+    Examples:
+      farm models check lenet
+      farm models check caffenet --count 2
+    """
     from farm.modelcheck import TOLERANCE, check_inputs, check_model
 
     spec = find_model(name, models_dir)
@@ -733,16 +771,29 @@ def check_model_command(name: str, count: int, models_dir: tuple[str, ...]) -> N
 @click.argument("names", nargs=-1)
 @models_dir_option
 def prepare_models(names: tuple[str, ...], models_dir: tuple[str, ...]) -> None:
-    """Make the weights of models that generate them on first use (all such models by default)."""
+    """Make the weights of models that generate them on first use (all such models by default).
+
+    \b
+    Examples:
+      farm models prepare              # every model that needs it
+      farm models prepare caffenet
+    """
+    from tqdm import tqdm
+
     from farm.repository import ModelError, available, load_spec, prepare
 
-    for name in names or tuple(available(models_dir)):
-        spec = find_model(name, models_dir) if names else load_spec(available(models_dir)[name])
-        try:
-            path = prepare(spec)
-        except ModelError as exc:
-            raise click.ClickException(str(exc)) from exc
-        click.echo(f"{spec.name:<16} {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    chosen = names or tuple(available(models_dir))
+    with tqdm(chosen, unit="model", file=sys.stderr, disable=len(chosen) < 2) as bar:
+        for name in bar:
+            bar.set_description(name)
+            spec = (find_model(name, models_dir) if names
+                    else load_spec(available(models_dir)[name]))
+            try:
+                path = prepare(spec)
+            except ModelError as exc:
+                raise click.ClickException(str(exc)) from exc
+            bar.write(f"{spec.name:<16} {path} ({path.stat().st_size / 1e6:.1f} MB)",
+                      file=sys.stdout)
 
 
 from farm.deploy import deploy  # noqa: E402  (a group of its own module)

@@ -121,7 +121,7 @@ class WorkerLine:
 
 @dataclass(frozen=True)
 class Breakdown:
-    items: int
+    items: int  # images that came back (failed or cancelled ones excluded)
     seconds: float  # T: the job's span on the broker's clock
     rate: float
     theoretical_rate: float
@@ -135,11 +135,14 @@ class Breakdown:
     model: str = "?"
     policy: str = "?"
     cancelled: str | None = None  # why the job stopped early, if it did
+    total: int = 0  # images in the job
 
     def format(self) -> str:
         """A few aligned lines for the terminal: totals, where the waste went, each worker."""
         stopped = f", stopped early: {self.cancelled}" if self.cancelled else ""
-        lines = [f"{self.items:,} images in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
+        done = (f"{self.items:,} images" if self.items >= self.total
+                else f"{self.items:,} of {self.total:,} images")
+        lines = [f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
                  f"(model {self.model}, policy {self.policy}){stopped}",
                  f"theoretical {self.theoretical_rate:,.0f} images/s (sum of the workers' "
                  f"standalone speeds), waste {self.waste:.1%}",
@@ -215,7 +218,9 @@ def _worker_lines(trace: dict, seconds: float) -> tuple[WorkerLine, ...]:
 def analyse(trace: dict) -> Breakdown:
     """The job's rate, waste, and the waste split into start, barrier, messaging, tail, other."""
     seconds = max(float(trace["broker_seconds"]), 0.0)
-    items = int(trace["items"])
+    total = int(trace["items"])
+    items = total - sum(int(f.get("count", 0)) for f in trace.get("failed", [])
+                        if isinstance(f, dict))
     workers = _worker_lines(trace, seconds)
     theoretical = sum(w.standalone_rate for w in workers)
     capacity = theoretical * seconds  # images the workers could have done in T
@@ -230,7 +235,7 @@ def analyse(trace: dict) -> Breakdown:
     return Breakdown(items, seconds, items / seconds if seconds > 0 else 0.0, theoretical,
                      waste, *parts, waste - sum(parts), workers,
                      str(trace.get("model", "?")), str(trace.get("policy", "?")),
-                     cancelled if isinstance(cancelled, str) and cancelled else None)
+                     cancelled if isinstance(cancelled, str) and cancelled else None, total)
 
 
 def _span(trace: dict) -> float:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from farm.client import JobResult
+from farm.client import FarmError, JobResult
 from farm.local import LocalFarm, cores, farm_command
 from tests.conftest import reference_forward
 
@@ -266,3 +266,76 @@ def test_a_cancelled_job_frees_every_worker_within_a_second_and_costs_others_not
                                atol=1e-5)
     assert not finished.failed and finished.duplicates == 0 and finished.cancelled is None
     np.testing.assert_allclose(finished.outputs, expected(reference, 30_000), atol=1e-5)
+
+
+def test_each_job_may_bring_its_own_policy_and_a_timeout(farm, digits) -> None:
+    images = repeated(digits, 20_000)
+    with farm.client() as client:
+        own = client.run(images, "lenet", algo="fifo", params={"chunk": 2_000})
+        assert own.summary.policy == "fifo"
+        assert sum(share.chunks for share in own.summary.workers) == 10  # not the broker's 500s
+        with pytest.raises(FarmError, match="takes no parameter chunk"):
+            client.run(images, "lenet", algo="hat", params={"chunk": 5})
+        late = client.run(repeated(digits, 200_000), "lenet", job_timeout=0.5)
+    assert late.cancelled and "timeout of 0.5 s passed" in late.cancelled
+    missing = sum(f.count for f in late.failed)
+    assert 0 < missing < 200_000 and np.isnan(late.outputs).any(axis=1).sum() == missing
+    assert status_json(farm)["jobs_ended"]["timed_out"] >= 1
+
+
+def test_higher_priority_jobs_are_offered_free_workers_first(farm, digits) -> None:
+    """Three jobs queued behind a running one on a fifo-sharing broker: the urgent one,
+    submitted last, is offered the first free slot."""
+    with LocalFarm(farm.devices[:1], "fifo", ["--chunk", str(CHUNK), "--sharing", "fifo"],
+                   preload=["lenet"]) as local, \
+            JobThread(local, repeated(digits, 40_000)) as first:
+        jobs = [JobThread(local, repeated(digits, 1_000 + n), priority=priority)
+                for n, priority in enumerate((0, 0, 10))]
+        for job in jobs:
+            job.thread.start()
+        with local.client() as client:
+            while len(client.info()["jobs"]) < 4:
+                pass
+            order = [job["total"] for job in client.info()["jobs"]]
+        results = [job.join() for job in jobs]
+        first.join()
+        for job in jobs:
+            job.client.close()
+    assert order[0] == 1_002, f"status lists jobs in the order they get slots: {order}"
+    assert all(not result.failed for result in results)
+    assert jobs[2].finished_at <= min(jobs[0].finished_at, jobs[1].finished_at)
+
+
+def test_settings_come_from_the_option_then_the_environment_then_the_toml_file(
+        farm, tmp_path) -> None:
+    config = tmp_path / "farm.toml"
+    config.write_text(f'broker-address = "{farm.endpoint}"\n[status]\ntimeout = 2.0\n')
+    environment = {**os.environ, "FARM_CONFIG": str(config)}
+
+    def status(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(farm_command("status", "--json", *args), capture_output=True,
+                              text=True, timeout=60, env={**environment, **env})
+
+    assert status().returncode == 0  # the file's broker address
+    nobody = "tcp://127.0.0.1:9"
+    refused = status(FARM_BROKER=nobody)  # the environment beats the file
+    assert refused.returncode == 1 and nobody in refused.stderr
+    assert "Traceback" not in refused.stderr and "is a broker running" in refused.stderr
+    assert status("--broker", farm.endpoint, FARM_BROKER=nobody).returncode == 0  # option wins
+    config.write_text("[status]\nbogus = 1\n")
+    broken = status()
+    assert broken.returncode == 1 and "[status] has no option 'bogus'" in broken.stderr
+
+
+def test_json_logs_are_one_object_per_line(tmp_path) -> None:
+    broker = subprocess.Popen(farm_command("--log-format", "json", "broker", "--bind",
+                                           "tcp://127.0.0.1:*"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = broker.stderr.readline()
+    finally:
+        broker.terminate()
+        broker.communicate(timeout=30)
+    entry = json.loads(line)
+    assert entry["level"] == "INFO" and entry["logger"] == "farm.broker"
+    assert entry["pid"] == broker.pid and "listening on tcp://127.0.0.1:" in entry["message"]
