@@ -31,6 +31,7 @@ bench: install
 	$(BIN)/python bench/scaling.py
 	$(BIN)/python bench/models.py
 	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/jobs.py
 
 clean:
 	rm -rf $(VENV) scores.npy

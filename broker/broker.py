@@ -21,7 +21,10 @@ Several jobs share the workers: every free slot is offered to the jobs in
 order, highest priority first, then (``sharing="fair"``) the job holding the
 fewest slots, then the oldest; each job's own policy decides whether to take
 it.  A worker with nothing left of one job thus takes chunks of the next, and
-job tails overlap.  A job that ends early (cancelled, timed out, failed) has
+job tails overlap.  While jobs share the farm, every job's chunks are capped at
+``share_chunk_seconds`` of compute on its fastest worker, so a job that arrives
+behind big chunks waits for a slot seconds, not minutes; a job alone keeps its
+policy's chunks.  A job that ends early (cancelled, timed out, failed) has
 its queued chunks dropped at once; the workers running its chunks get CANCEL,
 stop after their current compute batch, and their slots free when they answer.
 """
@@ -78,6 +81,7 @@ class BrokerConfig:
     max_attempts: int = 3  # attempts at an item range before it is given up as poison
     curve: str | None = None  # a `farm keys` folder: CurveZMQ with its allowed keys
     sharing: str = "fair"  # see SHARING; priorities come first either way
+    share_chunk_seconds: float = 1.0  # chunk cap while several jobs share the farm
     metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
 
 
@@ -154,8 +158,12 @@ class Broker:
 
     def serve(self) -> None:
         """Run until ``stop`` is called (SIGINT/SIGTERM in the CLI)."""
-        log.info("broker listening on %s, policy %s %s", self.endpoint, self.config.algo,
-                 self.config.params)
+        config = self.config
+        log.info("broker listening on %s: policy %s%s, sharing %s, CURVE %s%s", self.endpoint,
+                 config.algo, f" {config.params}" if config.params else "", config.sharing,
+                 "on" if config.curve else "off",
+                 f", metrics {self.metrics_url}" if self.metrics_url else "", extra={"event": "broker_started", "endpoint": self.endpoint,
+                                            "policy": self.config.algo})
         while self.running:
             wait = max(0.0, self.next_heartbeat - self.clock())
             self.poll_once(int(wait * 1000) + 1)
@@ -184,11 +192,12 @@ class Broker:
             silent = now - job.client_seen
             if silent > job.client_expiry:
                 self.stats.jobs_expired += 1
-                log.warning("job %s dropped: its client was silent for %.1f s", job.id, silent)
+                log.warning("job %s dropped: its client was silent for %.1f s", job.id, silent,
+                            extra={"event": "job_ended", "job": job.id, "outcome": "expired"})
                 self.end_job(job, "expired")
             elif job.deadline is not None and now > job.deadline:
-                self.cancel_job(job, "timed_out", f"the job's timeout of {job.options.timeout:g} s "
-                                f"passed with {job.done} of {job.total} images done")
+                self.cancel_job(job, "timed_out",
+                                f"the job's timeout of {job.options.timeout:g} s passed")
 
     def worker_expiry(self, entry: WorkerEntry) -> float:
         return self.config.liveness * max(self.config.heartbeat, entry.heartbeat)
@@ -244,11 +253,15 @@ class Broker:
                                    copy=False)
 
     def on_heartbeat(self, identity: bytes, message: Message) -> None:
-        """A client's heartbeat names its job; a worker's needs no answer, unless it is unknown."""
+        """A client's heartbeat names its job; a worker's carries its compute counters and
+        needs no answer, unless the worker is unknown."""
         job_id = message.header.get("job")
         if job_id is None:
-            if identity not in self.workers:
+            entry = self.workers.get(identity)
+            if entry is None:
                 self.send(identity, Command.DISCONNECT, {})  # a worker we dropped: re-register
+            elif "computed" in message.header:
+                entry.note_computed(message.header["computed"], self.clock())
             return
         if not isinstance(job_id, str) or len(job_id) > 100:
             raise ProtocolError("HEARTBEAT 'job' must be a job id")
@@ -269,8 +282,10 @@ class Broker:
         self.workers[identity] = self.by_id[entry.id] = entry
         if self.metrics:
             self.metrics.worker_joined(entry)
-        log.info("worker %s joined (%s, %d threads, models %s)", entry.name, entry.backend,
-                 entry.threads, ", ".join(sorted(entry.models)))
+        log.info("worker %s joined (%s, %d compute thread%s; loaded: %s; can run: %s)",
+                 entry.name, entry.backend, entry.threads, "" if entry.threads == 1 else "s",
+                 ", ".join(sorted(entry.loaded)) or "none", ", ".join(sorted(entry.models)),
+                 extra={"event": "worker_joined", "worker": entry.name, "backend": entry.backend})
         self.send(identity, Command.HEARTBEAT, {"interval": self.config.heartbeat})
         for job in list(self.jobs.values()):
             self.validate_job(job)
@@ -287,17 +302,20 @@ class Broker:
         if entry is None:
             return
         del self.by_id[entry.id]
-        if self.metrics:
-            self.metrics.worker_left(entry)
         records = list(entry.in_flight.values())
         entry.in_flight.clear()
-        log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason, len(records))
+        log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason, len(records),
+                 extra={"event": "worker_left", "worker": entry.name, "reason": reason})
         for record in records:
             job = record.job
             job.pending.pop(record.id, None)
             if job.outcome is None and job.policy:
                 self.attempt_failed(record, f"worker {entry.name} was lost ({reason})",
                                     requeue_with_worker=True)
+        # after its chunks' failures were counted; a worker that reconnected (a new socket,
+        # the same name) keeps its series
+        if self.metrics and all(other.name != entry.name for other in self.workers.values()):
+            self.metrics.worker_left(entry)
         for job in list(self.jobs.values()):
             if job.policy:
                 self.dispatch(job, job.policy.handle(WorkerLost(entry.id, at=self.clock())))
@@ -325,7 +343,9 @@ class Broker:
         self.stats.abandoned_chunks += 1
         message = f"gave up after {record.attempt} attempts; last: {error}"
         job.abandoned.append(job.failures[-1])
-        log.warning("job %s: items %d..%d %s", job.id, chunk.start, chunk.stop - 1, message)
+        log.warning("job %s: items %d..%d %s", job.id, chunk.start, chunk.stop - 1, message,
+                    extra={"event": "chunk_abandoned", "job": job.id, "start": chunk.start,
+                           "count": chunk.count})
         self.send(job.client, Command.FAILED, {"job": job.id, "chunk": record.id,
                                                "start": chunk.start, "count": chunk.count,
                                                "error": message})
@@ -457,13 +477,15 @@ class Broker:
             return
         timings, now = header["timings"], self.clock()
         compute = float(timings["compute"])
-        job.account(entry, chunk, compute, now)
+        job.account(entry, chunk, compute)
         origin = job.submitted_at
         self.send(job.client, Command.RESULT, {
             **header, "job": job.id, "worker": entry.name, "attempt": record.attempt,
             "round_trip": now - record.sent_at,
             "trace": [record.assigned_at - origin, record.sent_at - origin, now - origin]},
             message.payload)
+        if len(self.jobs) > 1:
+            self.cap_chunks(job)
         if self.metrics:
             worker_side = sum(float(timings.get(key, 0.0)) for key in ("receive", "compute",
                                                                        "send"))
@@ -515,7 +537,10 @@ class Broker:
         self.next_seq += 1
         self.jobs[job_id] = job
         log.info("job %s: %d x %s %s for model %s, policy %s, priority %d", job_id, job.total,
-                 job.item_shape, job.dtype, job.model, algo, options.priority)
+                 job.item_shape, job.dtype, job.model, algo, options.priority,
+                 extra={"event": "job_submitted", "job": job_id, "model": job.model,
+                        "items": job.total, "policy": algo, "priority": options.priority,
+                        "client": options.client})
         if self.validate_job(job):
             self.fill_all()
 
@@ -543,10 +568,28 @@ class Broker:
         eligible = list(self.workers.values())
         speeds = {entry.id: entry.history[job.model].rate for entry in eligible
                   if job.model in entry.history}
-        job.policy = make_policy(job.algo, job.total, [e.id for e in eligible], speeds,
-                                 **job.params)
-        job.policy.max_chunk = job.max_chunk
+        try:
+            job.policy = make_policy(job.algo, job.total, [e.id for e in eligible], speeds,
+                                     **job.params)
+        except Exception as exc:  # parameters that passed the SUBMIT check but not this job
+            self.fail_job(job, f"policy {job.algo}: {exc}")
+            return False
+        self.cap_chunks()
         return True
+
+    def cap_chunks(self, only: Job | None = None) -> None:
+        """Cap each job's chunks at ``share_chunk_seconds`` of compute on its fastest worker
+        while several jobs share the farm (a newcomer then waits at most a couple of such
+        chunks for a slot); a job alone gets the byte cap only."""
+        running = [job for job in self.jobs.values() if job.policy]
+        for job in [only] if only else running:
+            job.policy.max_chunk = job.max_chunk
+            if len(running) > 1:
+                fastest = max((entry.history[job.model].rate for entry in self.workers.values()
+                               if job.model in entry.history), default=0.0)
+                if fastest > 0:
+                    job.policy.max_chunk = max(1, min(job.max_chunk, int(
+                        fastest * self.config.share_chunk_seconds)))
 
     def on_fetch(self, identity: bytes, message: Message) -> None:
         """Send a registered worker a model's files; an error reply if it is gone or changed.
@@ -580,18 +623,22 @@ class Broker:
     def finish(self, job: Job) -> None:
         summary = job.summary(self.clock())
         self.end_job(job, "done")
-        log.info("job %s done: %d items in %.3f s", job.id, job.total, summary["broker_seconds"])
+        log.info("job %s done: %d items in %.3f s", job.id, job.total, summary["broker_seconds"],
+                 extra={"event": "job_ended", "job": job.id, "outcome": "done",
+                        "seconds": summary["broker_seconds"]})
         self.send(job.client, Command.DONE, {"job": job.id, "summary": summary})
 
     def fail_job(self, job: Job, error: str) -> None:
         """Tell the client why its job failed; free the slots its chunks held."""
-        log.warning("job %s failed: %s", job.id, error)
+        log.warning("job %s failed: %s", job.id, error,
+                    extra={"event": "job_ended", "job": job.id, "outcome": "failed"})
         self.send(job.client, Command.ERROR, {"error": error, "job": job.id})
         self.end_job(job, "failed")
 
     def cancel_job(self, job: Job, outcome: str, reason: str) -> None:
         """Stop a job and tell its client why, with what finished."""
-        log.info("job %s %s: %s", job.id, outcome.replace("_", " "), reason)
+        log.info("job %s %s: %s", job.id, outcome.replace("_", " "), reason,
+                 extra={"event": "job_ended", "job": job.id, "outcome": outcome})
         summary = job.summary(self.clock())
         self.end_job(job, outcome)
         self.send(job.client, Command.CANCEL, {"job": job.id, "reason": reason,
@@ -604,6 +651,7 @@ class Broker:
         job.outcome = outcome
         self.outcomes[outcome] += 1
         job.pending.clear()
+        self.cap_chunks()
         for entry in self.workers.values():
             records = [r for r in entry.in_flight.values() if r.job is job]
             for record in records:

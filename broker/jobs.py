@@ -65,7 +65,7 @@ class JobOptions:
             return default_algo, dict(default_params)
         try:
             make_policy(self.algo, 1, **dict(self.params))
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # ValueError, TypeError, or anything odd values provoke
             raise ProtocolError(f"job policy: {exc}") from None
         return self.algo, dict(self.params)
 
@@ -222,14 +222,14 @@ class Job:
         self.output_shape = shape
         return None
 
-    def account(self, worker: WorkerEntry, chunk: Chunk, compute: float, at: float) -> None:
+    def account(self, worker: WorkerEntry, chunk: Chunk, compute: float) -> None:
         share = self.shares.get(worker.id)
         if share is None:
             share = self.shares[worker.id] = Share(worker.name, worker.device)
         share.items += chunk.count
         share.chunks += 1
         share.compute_s += compute
-        worker.record(self.model, chunk.count, compute, at)
+        worker.record(self.model, chunk.count, compute)
 
     def summary(self, now: float) -> dict[str, Any]:
         """Per-worker shares with each worker's standalone speed on this model.

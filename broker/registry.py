@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 MAX_SLOTS = 64
 #: Heartbeat intervals a peer may announce, in seconds.
 MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
-#: Seconds of recent chunks behind a worker's images/s and busy share in ``farm status``.
+#: Seconds behind a worker's images/s and busy share in ``farm status``.
 RECENT_WINDOW = 10.0
 
 
@@ -51,7 +51,9 @@ class WorkerEntry:
     history: dict[str, ModelHistory] = field(default_factory=dict)
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times its files were sent
     joined_at: float = 0.0  # broker clock when it registered
-    recent: deque[tuple[float, int, float]] = field(default_factory=deque)  # at, items, compute
+    # (broker clock, images computed, compute seconds): the worker's running counters as its
+    # heartbeats reported them, over the last RECENT_WINDOW seconds and one sample before
+    samples: deque[tuple[float, int, float]] = field(default_factory=deque)
     id: str = ""  # the policies' name for it
     name: str = ""  # host:pid/device, for people
 
@@ -82,30 +84,36 @@ class WorkerEntry:
     def free_slots(self) -> int:
         return self.slots - len(self.in_flight)
 
-    def record(self, model: str, items: int, compute_s: float, at: float) -> None:
+    def record(self, model: str, items: int, compute_s: float) -> None:
         history = self.history.setdefault(model, ModelHistory())
         history.items += items
         history.compute_s += compute_s
         self.loaded.add(model)
-        self.recent.append((at, items, compute_s))
-        self.forget_before(at - RECENT_WINDOW)
 
-    def forget_before(self, moment: float) -> None:
-        while self.recent and self.recent[0][0] < moment:
-            self.recent.popleft()
+    def note_computed(self, counters: Any, now: float) -> None:
+        """A heartbeat's ``computed`` counters: [images, seconds], counted batch by batch,
+        so they move while a long chunk runs; ProtocolError if malformed."""
+        if not (isinstance(counters, list) and len(counters) == 2 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e18
+                for v in counters)):
+            raise ProtocolError("HEARTBEAT 'computed' must be [images, seconds]")
+        self.samples.append((now, int(counters[0]), float(counters[1])))
+        while len(self.samples) > 2 and self.samples[1][0] <= now - RECENT_WINDOW:
+            self.samples.popleft()
 
-    def recent_load(self, now: float) -> tuple[float, float]:
-        """Images/s and the busy share (compute seconds per second) over the recent window."""
-        self.forget_before(now - RECENT_WINDOW)
-        span = min(RECENT_WINDOW, now - self.joined_at)
+    def recent_load(self) -> tuple[float, float]:
+        """Images/s and the busy share (compute seconds per second) over the last
+        ``RECENT_WINDOW`` seconds of heartbeats; zeros until two have come."""
+        if len(self.samples) < 2:
+            return 0.0, 0.0
+        (first, images0, busy0), (last, images1, busy1) = self.samples[0], self.samples[-1]
+        span = last - first
         if span <= 0:
             return 0.0, 0.0
-        items = sum(entry[1] for entry in self.recent)
-        compute = sum(entry[2] for entry in self.recent)
-        return items / span, min(1.0, compute / span)
+        return max(0.0, images1 - images0) / span, min(1.0, max(0.0, busy1 - busy0) / span)
 
     def describe(self, now: float) -> dict[str, Any]:
-        rate, busy = self.recent_load(now)
+        rate, busy = self.recent_load()
         return {"name": self.name, "heartbeat_age_s": now - self.last_seen,
                 "device": self.device, "host": self.host, "pid": self.pid,
                 "backend": self.backend, "threads": self.threads, "models": sorted(self.models),

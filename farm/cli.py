@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -18,11 +19,13 @@ from typing import Any, Iterator
 import click
 import numpy as np
 
-from farm.client import DEFAULT_BROKER, FarmError
+from farm.client import DEFAULT_BROKER, FarmError, FarmTimeout
 
 DEFAULT_MODEL = "lenet"
 #: Commands that run for a long time and log as they go: INFO by default; others WARNING.
 SERVICES = ("broker", "worker")
+NO_BROKER_HINT = ("is a broker running there? --broker or FARM_BROKER give its address; a "
+                  "broker started with --curve needs --curve here too")
 
 
 class FarmGroup(click.Group):
@@ -38,13 +41,13 @@ class FarmGroup(click.Group):
 @click.group(cls=FarmGroup, context_settings={"help_option_names": ["-h", "--help"],
                                               "auto_envvar_prefix": "FARM",
                                               "max_content_width": 100})
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="FARM_CONFIG",
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="FARM_CONFIG", show_envvar=True,
               help="TOML settings file [default: ./farm.toml, else ~/.config/farm/farm.toml].")
-@click.option("--log-level", envvar="FARM_LOG_LEVEL",
+@click.option("--log-level", envvar="FARM_LOG_LEVEL", show_envvar=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="Logging threshold, logs on stderr [default: INFO for broker and worker, "
                    "WARNING for the rest].")
-@click.option("--log-format", envvar="FARM_LOG_FORMAT", type=click.Choice(["text", "json"]),
+@click.option("--log-format", envvar="FARM_LOG_FORMAT", show_envvar=True, type=click.Choice(["text", "json"]),
               help="text for people, json (one object per line) for log shippers "
                    "[default: text].")
 @click.version_option(package_name="farm")
@@ -111,10 +114,10 @@ def curve_option(what: str, default_name: str | None = None):
     def decorate(function):
         if default_name:
             function = click.option(
-                "--curve-name", default=default_name, show_default=True, envvar="FARM_CURVE_NAME",
+                "--curve-name", default=default_name, show_default=True, envvar="FARM_CURVE_NAME", show_envvar=True,
                 help="Which key of the --curve folder to use (NAME.key_secret).")(function)
         return click.option(
-            "--curve", type=click.Path(file_okay=False), envvar="FARM_CURVE",
+            "--curve", type=click.Path(file_okay=False), envvar="FARM_CURVE", show_envvar=True,
             help=f"Encrypt and authenticate with CurveZMQ: a `farm keys` folder with {what}.",
         )(function)
     return decorate
@@ -157,7 +160,7 @@ def policy_options(function=None, *, per_job: bool = False):
                                 help="A scheduling policy for this job only "
                                      "[default: the broker's].")(function)
         return click.option("--algo", default="equal-finish", show_default=True,
-                            envvar="FARM_ALGO", type=click.Choice(list(POLICIES)),
+                            envvar="FARM_ALGO", show_envvar=True, type=click.Choice(list(POLICIES)),
                             help="Scheduling policy (see README: Scheduling).")(function)
     return decorate(function) if function else decorate
 
@@ -194,7 +197,7 @@ def policy_arguments(params: dict) -> list[str]:
 
 
 @main.command()
-@click.option("--bind", default=DEFAULT_BROKER, show_default=True, envvar="FARM_BIND",
+@click.option("--bind", default=DEFAULT_BROKER, show_default=True, envvar="FARM_BIND", show_envvar=True,
               help="ZeroMQ endpoint to bind; tcp://127.0.0.1:* picks a free port.")
 @heartbeat_options
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1),
@@ -208,14 +211,18 @@ def policy_arguments(params: dict) -> list[str]:
               show_default=True,
               help="How jobs of equal priority share workers: fair (the job holding the fewest "
                    "chunks gets the next free slot) or fifo (the oldest job first).")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="FARM_METRICS_PORT",
+@click.option("--share-chunk-seconds", default=1.0, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="While several jobs share the farm, cap chunks at this many seconds of "
+                   "compute, so a job that arrives waits seconds for a worker.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="FARM_METRICS_PORT", show_envvar=True,
               help="Serve Prometheus metrics on this port (0: a free one) [default: off].")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address the metrics endpoint listens on.")
 @policy_options
 def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve: str | None,
-           models_dir: tuple[str, ...], sharing: str, metrics_port: int | None,
-           metrics_host: str, algo: str, **options: object) -> None:
+           models_dir: tuple[str, ...], sharing: str, share_chunk_seconds: float,
+           metrics_port: int | None, metrics_host: str, algo: str, **options: object) -> None:
     """Run the broker: the scheduler and router of a farm.
 
     \b
@@ -241,7 +248,7 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve:
     metrics = (metrics_host, metrics_port) if metrics_port is not None else None
     try:
         serve(BrokerConfig(bind, algo, params, heartbeat, models_dir, liveness, max_attempts,
-                           curve, sharing, metrics), on_bound=announce)
+                           curve, sharing, share_chunk_seconds, metrics), on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
         raise click.ClickException(str(exc)) from exc
 
@@ -251,14 +258,14 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve:
               help="cpu (all cores, all threads), cpu:N (pinned to core N, one thread) or "
                    "gpu:N (CUDA device N, torch backend).")
 @click.option("--broker", "broker_address", default=DEFAULT_BROKER, show_default=True,
-              envvar="FARM_BROKER", help="Broker endpoint to connect to.")
+              envvar="FARM_BROKER", show_envvar=True, help="Broker endpoint to connect to.")
 @click.option("--backend", type=click.Choice(["opencv", "torch", "caffe"]),
               help="Inference library [default: opencv on cpu, torch on gpu].")
 @click.option("--model", "preload", multiple=True, help="Load this model at start (repeatable).")
 @click.option("--models-dir", multiple=True, type=click.Path(file_okay=False),
               help="Local model folder used when its files match the job's (repeatable; also "
                    "$FARM_MODELS); other models are fetched from the broker.")
-@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), envvar="FARM_CACHE_MODELS",
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), envvar="FARM_CACHE_MODELS", show_envvar=True,
               help="Where fetched models are kept [default: ~/.cache/farm/models].")
 @click.option("--batch", type=click.IntRange(1),
               help="Compute batch: chunks run in batches of this many images "
@@ -309,8 +316,9 @@ def cancel_on_interrupt(client) -> Iterator[None]:
     """The first Ctrl-C cancels the job (the broker confirms what finished); a second one
     quits at once."""
     def interrupted(*_: Any) -> None:
-        if client._cancel_requested:
-            raise KeyboardInterrupt
+        if client.cancel_requested:
+            click.echo("\nquit without waiting for the broker", err=True)
+            raise SystemExit(130)
         click.echo("\ncancelling the job; Ctrl-C again to quit at once", err=True)
         client.cancel()
 
@@ -331,10 +339,13 @@ def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, tim
     """
     from tqdm import tqdm
 
-    from farm.client import ArraySink, Client, FarmTimeout, describe_failures
+    from farm.client import ArraySink, Client, describe_failures
     from farm.npy import NpyWriter
     from farm.trace import save_trace
 
+    if out and not os.access(Path(out).resolve().parent, os.W_OK):
+        raise click.ClickException(f"cannot write {out}: its folder does not exist or is not "
+                                   f"writable")
     sink = NpyWriter(out, len(images)) if out else ArraySink(len(images))
     try:
         with Client(endpoint, timeout=timeout, curve=curve, curve_name=curve_name) as client, \
@@ -343,8 +354,7 @@ def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, tim
             result = client.run(images, model, out=sink, progress=bar.update,
                                 trace=trace is not None, **job_options)
     except FarmTimeout as exc:
-        raise click.ClickException(f"{exc} (is a broker running there? --broker or FARM_BROKER "
-                                   f"give its address)") from exc
+        raise click.ClickException(f"{exc} ({NO_BROKER_HINT})") from exc
     except (FarmError, OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
@@ -387,7 +397,7 @@ def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[s
 
 
 broker_option = click.option("--broker", "broker_address", default=DEFAULT_BROKER,
-                             show_default=True, envvar="FARM_BROKER", help="Broker endpoint.")
+                             show_default=True, envvar="FARM_BROKER", show_envvar=True, help="Broker endpoint.")
 
 
 @main.command()
@@ -513,9 +523,8 @@ def status(broker_address: str, as_json: bool, watch: float | None, timeout: flo
         while True:
             try:
                 snapshot = client.info()
-            except FarmError as exc:
-                raise click.ClickException(f"{exc} (is a broker running there? "
-                                           f"--broker or FARM_BROKER give its address)") from exc
+            except FarmTimeout as exc:
+                raise click.ClickException(f"{exc} ({NO_BROKER_HINT})") from exc
             text = json.dumps(snapshot, indent=2) if as_json else format_status(snapshot)
             if watch is None:
                 click.echo(text)

@@ -215,7 +215,8 @@ class JobRun:
     state: Progress
     options: JobOptions
     progress: ProgressCallback | None
-    submission: Submission | None = None
+    submission: Submission | None = None  # the current one; None once the job ended
+    first_id: str = ""  # the first submission's job id (the broker's id for the job)
     trace: TraceRecorder | None = None
     resubmissions: int = 0
     summary: dict[str, Any] | None = None
@@ -291,6 +292,11 @@ class Client:
         if self._own_context:
             self.context.term()
 
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether ``cancel`` was called during the current ``run``."""
+        return self._cancel_requested
+
     def cancel(self) -> None:
         """Cancel the job ``run`` is running (from another thread or a signal handler):
         the broker drops its queued chunks, and ``run`` returns what came back."""
@@ -338,11 +344,11 @@ class Client:
         for failure in job.state.failed:
             sink.fill(failure.start, failure.count, np.nan)
         elapsed = time.perf_counter() - started
-        summary = job.summary or {"items": len(source), "broker_seconds": elapsed,
-                                  "workers": []}  # the DONE was lost with the broker
-        recorded = job.trace.document(job.submission.job if job.submission else "", model,
-                                      len(source), job.summary, job.state.failed,
-                                      job.cancelled) if job.trace else None
+        summary = job.summary or {  # the broker's last word was lost with it
+            "items": len(source), "done": int(job.state.answered.sum()),
+            "broker_seconds": elapsed, "workers": []}
+        recorded = job.trace.document(job.first_id, model, len(source), job.summary,
+                                      job.state.failed, job.cancelled) if job.trace else None
         return JobResult(sink.array if isinstance(sink, ArraySink) else None,
                          JobSummary.from_broker(summary, elapsed), job.state.failed,
                          job.resubmissions, job.state.duplicates, job.cancelled, recorded)
@@ -353,6 +359,7 @@ class Client:
             runs.append((job_start, start, count))
             job_start += count
         job.submission = Submission(uuid.uuid4().hex, runs)
+        job.first_id = job.first_id or job.submission.job
         if job.trace:
             job.trace.new_submission()
         self._send(Command.SUBMIT, {"job": job.submission.job, "model": job.model,
@@ -365,7 +372,7 @@ class Client:
     def _collect(self, job: JobRun) -> None:
         """Serve the broker's NEEDs and take results until the job ends; re-submit if the
         broker is lost; send CANCEL when ``cancel`` was called."""
-        last_heard = next_beat = time.monotonic()
+        last_heard = next_beat = waited_since = time.monotonic()
         while job.submission is not None:
             now = time.monotonic()
             if self._cancel_requested and job.cancel_sent is None:
@@ -374,25 +381,26 @@ class Client:
             if now >= next_beat:
                 self._send(Command.HEARTBEAT, {"job": job.submission.job})
                 next_beat = now + self.heartbeat
-            message = self._poll(max(0.0, min(next_beat, last_heard + self.expiry) - now))
+            message = self._poll(max(0.0, min(next_beat, waited_since + self.expiry,
+                                              last_heard + (self.timeout or 1e9)) - now))
             now = time.monotonic()
             if message is None:
-                silent = now - last_heard
-                if job.cancel_sent is not None and silent > self.expiry:
+                silent = now - last_heard  # the timeout counts from the broker's last word
+                if job.cancel_sent is not None and now - job.cancel_sent > self.expiry:
                     job.cancelled = "cancelled (the broker did not confirm)"
                     return
                 if self.timeout is not None and silent > self.timeout:
                     raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s; "
                                       f"{int(job.state.answered.sum())} of {job.state.total} "
                                       f"images came back")
-                if silent > self.expiry:
+                if now - waited_since > self.expiry and job.cancel_sent is None:
                     log.warning("broker %s silent for %.1f s: submitting the %d missing images "
                                 "again", self.broker, silent,
                                 job.state.total - job.state.answered.sum())
                     self._resubmit(job)
-                    last_heard = now  # give the new submission a full expiry
+                    waited_since = now  # give the new submission a full expiry
                 continue
-            last_heard = now
+            waited_since = last_heard = now
             if message.command is Command.HEARTBEAT:
                 self._note_interval(message.header.get("interval"))
             elif message.command is Command.ERROR and "job" not in message.header:

@@ -121,13 +121,15 @@ class Engine:
     def shrink(self) -> None:
         """Resize the backend's buffers to the net's resting batch."""
 
-    def run(self, images: np.ndarray, stop: Callable[[], bool] | None = None) -> np.ndarray:
+    def run(self, images: np.ndarray, stop: Callable[[], bool] | None = None,
+            tally: Callable[[int, float], None] | None = None) -> np.ndarray:
         """Outputs for ``images`` (N x item shape, uint8 or float32), in compute batches.
 
         Batches larger than the prototxt's own batch grow the net; ``rest`` shrinks it
         back (a worker does so when it falls idle, not between chunks: reshaping a net
         costs more than a chunk of LeNet).  ``stop`` is asked before each batch; when it
-        says yes, ``Stopped`` is raised (a cancelled job).
+        says yes, ``Stopped`` is raised (a cancelled job).  ``tally`` hears each batch's
+        images and seconds as it finishes (the worker's live counters).
         """
         count = images.shape[0]
         outputs = np.empty((count, *self.output_shape), dtype=np.float32)
@@ -135,7 +137,10 @@ class Engine:
             if stop is not None and stop():
                 raise Stopped(f"stopped after {begin} of {count} images")
             end = min(begin + self.batch, count)
+            started = time.perf_counter()
             outputs[begin:end] = self.forward(self.transform(images[begin:end]))
+            if tally is not None:
+                tally(end - begin, time.perf_counter() - started)
             self.allocated = max(self.allocated, end - begin)
         return outputs
 

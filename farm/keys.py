@@ -55,8 +55,9 @@ def add_key(folder: Path, name: str) -> list[Path]:
     public, secret = zmq.auth.create_certificates(folder, name)
     Path(secret).chmod(0o600)  # the secret half is for its owner's eyes only
     (folder / AUTHORIZED).mkdir(parents=True, exist_ok=True)
-    shutil.copy(public, folder / AUTHORIZED / Path(public).name)
-    return [Path(public), Path(secret)]
+    authorized = folder / AUTHORIZED / Path(public).name
+    shutil.copy(public, authorized)
+    return [Path(public), Path(secret), authorized]
 
 
 def authorized_keys(folder: Path) -> list[Path]:

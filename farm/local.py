@@ -1,7 +1,9 @@
 """A farm on this machine: a broker process and one pinned worker process per core.
 
 ``farm run`` and the tests use it; the processes are the real ``farm broker``
-and ``farm worker`` commands, talking over loopback TCP.
+and ``farm worker`` commands, talking over loopback TCP, each in a session of
+its own: a Ctrl-C at the terminal reaches the client (which cancels its job),
+not the farm, which ``stop`` ends.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class LocalFarm:
         self.broker = subprocess.Popen([*self.launcher,
             *farm_command("--log-level", self.log_level, "broker", "--bind", bind,
                          "--algo", self.algo, *self.curve_options, *self.broker_options)],
-            stdout=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, text=True, start_new_session=True)
         line = self.broker.stdout.readline()
         if not line.startswith("farm broker listening on "):
             raise FarmError(f"broker did not start (exit code {self.broker.poll()})")
@@ -82,7 +84,8 @@ class LocalFarm:
         preload = [arg for name in self.preload for arg in ("--model", name)]
         process = subprocess.Popen([*self.launcher, *farm_command(
             "--log-level", self.log_level, "worker", "--device", device, "--broker",
-            self.endpoint, *preload, *self.curve_options, *self.worker_options, *options)])
+            self.endpoint, *preload, *self.curve_options, *self.worker_options, *options)],
+            start_new_session=True)
         self.workers.append(process)
         return process
 

@@ -147,7 +147,8 @@ class Breakdown:
                  f"theoretical {self.theoretical_rate:,.0f} images/s (sum of the workers' "
                  f"standalone speeds), waste {self.waste:.1%}",
                  "where the waste went (% of the workers' capacity):"]
-        lines += [f"  {part:<9} {getattr(self, part):>6.1%}  {meaning}" for part, meaning in _PARTS]
+        lines += [f"  {part:<9} {_percent(getattr(self, part)):>6}  {meaning}"
+                  for part, meaning in _PARTS]
         header = ("worker", "images", "chunks", "busy", "idle: start", "barrier", "messaging",
                   "tail (s)")
         rows = [header] + [
@@ -213,6 +214,11 @@ def _worker_lines(trace: dict, seconds: float) -> tuple[WorkerLine, ...]:
         lines.append(WorkerLine(name, int(items), int(info.get("chunks", len(chunks))), busy,
                                 start, barrier, messaging, tail, float(rate)))
     return tuple(lines)
+
+
+def _percent(fraction: float) -> str:
+    """A fraction as a percentage, with no "-0.0%" for rounding noise."""
+    return f"{0.0 if abs(fraction) < 0.0005 else fraction:.1%}"
 
 
 def analyse(trace: dict) -> Breakdown:

@@ -56,7 +56,12 @@ def format_status(snapshot: dict[str, Any]) -> str:
              + (f"  metrics {snapshot['metrics']}" if snapshot.get("metrics") else ""),
              "jobs ended: " + (", ".join(f"{count} {outcome.replace('_', ' ')}"
                                          for outcome, count in ended.items() if count)
-                               or "none yet"), ""]
+                               or "none yet")]
+    events = {name: count for name, count in snapshot.get("stats", {}).items() if count}
+    if events:
+        lines.append("recovered from: " + ", ".join(f"{count} {name.replace('_', ' ')}"
+                                                    for name, count in events.items()))
+    lines.append("")
     busy = sum(1 for w in workers if w["state"] == "busy")
     lines.append(f"WORKERS  {len(workers)} ({busy} busy), "
                  f"{sum(w['rate'] for w in workers):,.0f} images/s over the last 10 s")

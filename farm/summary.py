@@ -65,6 +65,6 @@ class JobSummary:
                  f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}"]
         for share in sorted(self.workers, key=lambda s: s.name):
             part = share.items / self.items if self.items else 0.0
-            lines.append(f"  {share.name:<36} {part:>7.1%} {share.items:>8} "
+            lines.append(f"  {share.name:<36} {part:>7.1%} {share.items:>8,} "
                          f"{share.chunks:>6} {share.rate:>9,.0f}")
         return "\n".join(lines)

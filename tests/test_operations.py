@@ -49,12 +49,14 @@ def expected(reference: np.ndarray, count: int) -> np.ndarray:
 
 
 class JobThread:
-    """A job run by a client of its own in a thread; ``started`` is set at its first result."""
+    """A job run by a client of its own in a thread; ``started`` is set at its first result,
+    ``reached`` once ``threshold`` images came back."""
 
-    def __init__(self, local: LocalFarm, images: np.ndarray, **options: Any) -> None:
+    def __init__(self, local: LocalFarm, images: np.ndarray, threshold: int = 0,
+                 **options: Any) -> None:
         self.client = local.client()
-        self.images, self.options = images, options
-        self.started = threading.Event()
+        self.images, self.options, self.threshold = images, options, threshold
+        self.started, self.reached = threading.Event(), threading.Event()
         self.answered = 0
         self.result: JobResult | None = None
         self.error: BaseException | None = None
@@ -64,6 +66,8 @@ class JobThread:
     def progress(self, count: int) -> None:
         self.answered += count
         self.started.set()
+        if self.answered >= self.threshold:
+            self.reached.set()
 
     def run(self) -> None:
         try:
@@ -74,6 +78,7 @@ class JobThread:
         finally:
             self.finished_at = time.monotonic()
             self.started.set()
+            self.reached.set()
 
     def __enter__(self) -> JobThread:
         self.thread.start()
@@ -125,7 +130,8 @@ def total_of(metrics: dict[tuple[str, tuple], float], name: str, **labels: str) 
 def test_status_json_lists_every_worker_and_job_with_their_states(farm, digits) -> None:
     images = repeated(digits, 100_000)
     before = status_json(farm)
-    with JobThread(farm, images, priority=3) as running:
+    with JobThread(farm, images, threshold=40_000, priority=3) as running:
+        running.reached.wait(60)  # two seconds in: heartbeats have counted the work
         seen = running.answered
         snapshot = status_json(farm)
         running.client.cancel()
@@ -137,7 +143,7 @@ def test_status_json_lists_every_worker_and_job_with_their_states(farm, digits) 
         assert worker["state"] == "busy" and 1 <= worker["in_flight"] <= worker["slots"]
         assert worker["backend"] == "opencv" and "lenet" in worker["loaded"]
         assert worker["heartbeat_age_s"] < 5 * snapshot["heartbeat"]
-        assert 0 <= worker["busy_share"] <= 1 and worker["rate"] >= 0
+        assert 0 < worker["busy_share"] <= 1 and worker["rate"] > 0
     [job] = jobs
     assert (job["model"], job["policy"], job["priority"], job["state"]) == \
         ("lenet", "fifo", 3, "running")
@@ -215,6 +221,7 @@ def test_farm_report_draws_a_real_trace_whose_totals_match_the_job(farm, digits,
     document = json.loads(trace.read_text())
     chunks, workers = document["chunks"], document["workers"]
     assert document["items"] == 20_000 and document["failed"] == []
+    assert len(document["job"]) == 32 and document["policy"] == "fifo"
     assert sum(chunk["count"] for chunk in chunks) == 20_000 == sum(w["items"] for w in workers)
     covered = sorted((chunk["start"], chunk["count"]) for chunk in chunks)
     assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))
@@ -339,3 +346,4 @@ def test_json_logs_are_one_object_per_line(tmp_path) -> None:
     entry = json.loads(line)
     assert entry["level"] == "INFO" and entry["logger"] == "farm.broker"
     assert entry["pid"] == broker.pid and "listening on tcp://127.0.0.1:" in entry["message"]
+    assert entry["event"] == "broker_started" and entry["endpoint"] in entry["message"]

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from farm.client import Client, FarmError, JobResult
+from farm.client import Client, FarmError, FarmTimeout, JobResult
 from farm.local import LocalFarm, cores, farm_command
 from tests.conftest import reference_forward
 
@@ -185,3 +185,18 @@ def test_farm_submit_lists_failed_images_and_exits_1(lenet, digits, tmp_path) ->
     outputs = np.load(tmp_path / "out.npy")
     assert np.isnan(outputs[200:400]).all() and not np.isnan(outputs[:200]).any()
     np.testing.assert_allclose(outputs[400:], reference_forward(lenet, images[400:]), atol=1e-5)
+
+
+def test_a_client_with_no_broker_gives_up_after_its_timeout(digits) -> None:
+    """Re-submitting every expiry must not restart the timeout: it counts from the last word
+    the broker said (here: none)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    with Client(f"tcp://127.0.0.1:{port}", timeout=2.0, heartbeat=0.2) as client:
+        with pytest.raises(FarmTimeout, match="no reply from broker .* in 2.0 s"):
+            client.run(digits[:10], "lenet")
+    assert 2.0 <= time.monotonic() - started < 10

@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -170,6 +170,10 @@ class Worker:
     running: bool = True
     # jobs the broker cancelled, oldest first: written by the I/O thread, read by compute
     cancelled: dict[str, None] = field(default_factory=dict)
+    # images computed and seconds spent computing them, counted batch by batch (compute
+    # thread) and sent with every heartbeat (I/O thread): the broker's live view
+    computed_images: int = 0
+    computed_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         self.cache = (ModelCache(Path(self.config.cache_dir)) if self.config.cache_dir
@@ -245,7 +249,7 @@ class Worker:
     def run(self, context: zmq.Context) -> None:
         """Serve chunks until stopped by a signal or ``max_tasks``."""
         self.preload()
-        link = BrokerLink(context, self.config, self.ready_header)
+        link = BrokerLink(context, self.config, self.ready_header, self.heartbeat_header)
         tasks: queue.Queue[Task | None] = queue.Queue()
         pipe = context.socket(zmq.PAIR)
         pipe.bind(f"inproc://farm-worker-{id(self)}")
@@ -428,7 +432,8 @@ class Worker:
             images = message.array(header["dtype"], item_shape)
             decoded = time.perf_counter()
             self.inject_fault(header["start"], header["count"])
-            outputs = engine.run(images, stop=lambda: header["job"] in self.cancelled)
+            outputs = engine.run(images, stop=lambda: header["job"] in self.cancelled,
+                                 tally=self.tally)
         except Stopped as exc:
             return self.failed(message, f"job cancelled ({exc})", fatal=False)
         except (ModelError, ValueError, ProtocolError) as exc:
@@ -444,6 +449,14 @@ class Worker:
         return protocol.encode(Command.RESULT, {
             **ids, "dtype": "float32", "item_shape": list(outputs.shape[1:]),
             "timings": timings}, frames)
+
+    def tally(self, images: int, seconds: float) -> None:
+        """One compute batch done (compute thread)."""
+        self.computed_images += images
+        self.computed_seconds += seconds
+
+    def heartbeat_header(self) -> dict[str, Any]:
+        return {"computed": [self.computed_images, self.computed_seconds]}
 
     def rest_engines(self) -> None:
         """Idle: shrink every net that grew for large batches back to its resting batch."""
@@ -482,10 +495,12 @@ class BrokerLink:
     """
 
     def __init__(self, context: zmq.Context, config: WorkerConfig,
-                 ready_header: Any) -> None:
+                 ready_header: Callable[[], dict[str, Any]],
+                 heartbeat_header: Callable[[], dict[str, Any]] = dict) -> None:
         self.context = context
         self.config = config
         self.ready_header = ready_header
+        self.heartbeat_header = heartbeat_header
         self.generation = 0
         self.interval = config.heartbeat  # the broker's heartbeat interval, once heard
         self.retry_interval = self.expiry
@@ -531,7 +546,7 @@ class BrokerLink:
         """Heartbeat when due; reconnect when the broker is silent too long (True then)."""
         now = time.monotonic()
         if now >= self.next_beat:
-            self.send(protocol.encode(Command.HEARTBEAT))
+            self.send(protocol.encode(Command.HEARTBEAT, self.heartbeat_header()))
             self.next_beat = now + self.config.heartbeat
         if now < self.deadline:
             return False
