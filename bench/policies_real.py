@@ -41,8 +41,10 @@ def devices() -> list[str]:
 
 
 def run_real(algo: str, params: dict[str, Any], images: np.ndarray) -> JobSummary:
-    """A fresh farm, a warm-up job, then the measured job."""
-    with LocalFarm(devices(), algo, policy_arguments(params), preload=["lenet"]) as local, \
+    """A fresh farm, a warm-up job, then the measured job; chunks as the policy cuts them
+    (no broker cap: the paper's policies as SPEC.md defines them)."""
+    with LocalFarm(devices(), algo, [*policy_arguments(params), "--max-chunk-seconds", "0"],
+                   preload=["lenet"]) as local, \
             local.client(timeout=600) as client:
         client.run(images[:WARM_UP], "lenet")
         return client.run(images, "lenet").summary

@@ -21,10 +21,11 @@ Several jobs share the workers: every free slot is offered to the jobs in
 order, highest priority first, then (``sharing="fair"``) the job holding the
 fewest slots, then the oldest; each job's own policy decides whether to take
 it.  A worker with nothing left of one job thus takes chunks of the next, and
-job tails overlap.  While jobs share the farm, every job's chunks are capped at
-``share_chunk_seconds`` of compute on its fastest worker, so a job that arrives
-behind big chunks waits for a slot seconds, not minutes; a job alone keeps its
-policy's chunks.  A job that ends early (cancelled, timed out, failed) has
+job tails overlap.  Every chunk is capped at ``max_chunk_seconds`` of compute on
+the job's fastest worker (once speeds are known; a quarter of that while jobs
+share the farm), so a job that arrives waits for a worker about a second, not
+minutes, and a cancel, a lost worker or a progress bar never waits on a chunk
+of minutes.  A job that ends early (cancelled, timed out, failed) has
 its queued chunks dropped at once; the workers running its chunks get CANCEL,
 stop after their current compute batch, and their slots free when they answer.
 """
@@ -66,6 +67,8 @@ INFO_WAIT_LIMIT = 120.0
 MAX_ERROR_CHARS = 1000
 #: How jobs share free slots: "fair" (fewest slots held first) or "fifo" (oldest first).
 SHARING = ("fair", "fifo")
+#: Part of ``max_chunk_seconds`` that caps chunks while several jobs share the farm.
+SHARED_CHUNK_FRACTION = 0.25
 #: Ways a job ends, counted in INFO and metrics.
 OUTCOMES = ("done", "failed", "cancelled", "timed_out", "expired")
 
@@ -81,7 +84,7 @@ class BrokerConfig:
     max_attempts: int = 3  # attempts at an item range before it is given up as poison
     curve: str | None = None  # a `farm keys` folder: CurveZMQ with its allowed keys
     sharing: str = "fair"  # see SHARING; priorities come first either way
-    share_chunk_seconds: float = 1.0  # chunk cap while several jobs share the farm
+    max_chunk_seconds: float = 1.0  # chunk cap, in seconds of compute (0: none)
     metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
 
 
@@ -162,8 +165,9 @@ class Broker:
         log.info("broker listening on %s: policy %s%s, sharing %s, CURVE %s%s", self.endpoint,
                  config.algo, f" {config.params}" if config.params else "", config.sharing,
                  "on" if config.curve else "off",
-                 f", metrics {self.metrics_url}" if self.metrics_url else "", extra={"event": "broker_started", "endpoint": self.endpoint,
-                                            "policy": self.config.algo})
+                 f", metrics {self.metrics_url}" if self.metrics_url else "",
+                 extra={"event": "broker_started", "endpoint": self.endpoint,
+                        "policy": config.algo})
         while self.running:
             wait = max(0.0, self.next_heartbeat - self.clock())
             self.poll_once(int(wait * 1000) + 1)
@@ -484,8 +488,7 @@ class Broker:
             "round_trip": now - record.sent_at,
             "trace": [record.assigned_at - origin, record.sent_at - origin, now - origin]},
             message.payload)
-        if len(self.jobs) > 1:
-            self.cap_chunks(job)
+        self.cap_chunks(job)  # speeds changed
         if self.metrics:
             worker_side = sum(float(timings.get(key, 0.0)) for key in ("receive", "compute",
                                                                        "send"))
@@ -574,22 +577,22 @@ class Broker:
         except Exception as exc:  # parameters that passed the SUBMIT check but not this job
             self.fail_job(job, f"policy {job.algo}: {exc}")
             return False
-        self.cap_chunks()
+        self.cap_chunks(job)
         return True
 
-    def cap_chunks(self, only: Job | None = None) -> None:
-        """Cap each job's chunks at ``share_chunk_seconds`` of compute on its fastest worker
-        while several jobs share the farm (a newcomer then waits at most a couple of such
-        chunks for a slot); a job alone gets the byte cap only."""
-        running = [job for job in self.jobs.values() if job.policy]
-        for job in [only] if only else running:
-            job.policy.max_chunk = job.max_chunk
-            if len(running) > 1:
-                fastest = max((entry.history[job.model].rate for entry in self.workers.values()
-                               if job.model in entry.history), default=0.0)
-                if fastest > 0:
-                    job.policy.max_chunk = max(1, min(job.max_chunk, int(
-                        fastest * self.config.share_chunk_seconds)))
+    def cap_chunks(self, job: Job) -> None:
+        """Cap the job's chunks at its byte limit and at ``max_chunk_seconds`` of compute on
+        its fastest worker, once a speed on its model is known; while several jobs share
+        the farm, at ``SHARED_CHUNK_FRACTION`` of that, so every job's turn on a worker
+        comes round quickly (a chunk queued on a worker waits for the one running)."""
+        job.policy.max_chunk = job.max_chunk
+        fastest = max((entry.history[job.model].rate for entry in self.workers.values()
+                       if job.model in entry.history), default=0.0)
+        seconds = self.config.max_chunk_seconds
+        if sum(1 for other in self.jobs.values() if other.policy) > 1:
+            seconds *= SHARED_CHUNK_FRACTION
+        if fastest > 0 and seconds > 0:
+            job.policy.max_chunk = max(1, min(job.max_chunk, int(fastest * seconds)))
 
     def on_fetch(self, identity: bytes, message: Message) -> None:
         """Send a registered worker a model's files; an error reply if it is gone or changed.
@@ -651,7 +654,6 @@ class Broker:
         job.outcome = outcome
         self.outcomes[outcome] += 1
         job.pending.clear()
-        self.cap_chunks()
         for entry in self.workers.values():
             records = [r for r in entry.in_flight.values() if r.job is job]
             for record in records:

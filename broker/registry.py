@@ -17,7 +17,7 @@ MAX_SLOTS = 64
 #: Heartbeat intervals a peer may announce, in seconds.
 MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
 #: Seconds behind a worker's images/s and busy share in ``farm status``.
-RECENT_WINDOW = 10.0
+RECENT_WINDOW = 5.0
 
 
 @dataclass

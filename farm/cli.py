@@ -41,13 +41,15 @@ class FarmGroup(click.Group):
 @click.group(cls=FarmGroup, context_settings={"help_option_names": ["-h", "--help"],
                                               "auto_envvar_prefix": "FARM",
                                               "max_content_width": 100})
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="FARM_CONFIG", show_envvar=True,
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="FARM_CONFIG",
+              show_envvar=True,
               help="TOML settings file [default: ./farm.toml, else ~/.config/farm/farm.toml].")
 @click.option("--log-level", envvar="FARM_LOG_LEVEL", show_envvar=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="Logging threshold, logs on stderr [default: INFO for broker and worker, "
                    "WARNING for the rest].")
-@click.option("--log-format", envvar="FARM_LOG_FORMAT", show_envvar=True, type=click.Choice(["text", "json"]),
+@click.option("--log-format", envvar="FARM_LOG_FORMAT",
+              show_envvar=True, type=click.Choice(["text", "json"]),
               help="text for people, json (one object per line) for log shippers "
                    "[default: text].")
 @click.version_option(package_name="farm")
@@ -114,7 +116,8 @@ def curve_option(what: str, default_name: str | None = None):
     def decorate(function):
         if default_name:
             function = click.option(
-                "--curve-name", default=default_name, show_default=True, envvar="FARM_CURVE_NAME", show_envvar=True,
+                "--curve-name", default=default_name, show_default=True, envvar="FARM_CURVE_NAME",
+                    show_envvar=True,
                 help="Which key of the --curve folder to use (NAME.key_secret).")(function)
         return click.option(
             "--curve", type=click.Path(file_okay=False), envvar="FARM_CURVE", show_envvar=True,
@@ -197,7 +200,8 @@ def policy_arguments(params: dict) -> list[str]:
 
 
 @main.command()
-@click.option("--bind", default=DEFAULT_BROKER, show_default=True, envvar="FARM_BIND", show_envvar=True,
+@click.option("--bind", default=DEFAULT_BROKER, show_default=True, envvar="FARM_BIND",
+              show_envvar=True,
               help="ZeroMQ endpoint to bind; tcp://127.0.0.1:* picks a free port.")
 @heartbeat_options
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(1),
@@ -211,17 +215,19 @@ def policy_arguments(params: dict) -> list[str]:
               show_default=True,
               help="How jobs of equal priority share workers: fair (the job holding the fewest "
                    "chunks gets the next free slot) or fifo (the oldest job first).")
-@click.option("--share-chunk-seconds", default=1.0, show_default=True,
-              type=click.FloatRange(0, min_open=True),
-              help="While several jobs share the farm, cap chunks at this many seconds of "
-                   "compute, so a job that arrives waits seconds for a worker.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="FARM_METRICS_PORT", show_envvar=True,
+@click.option("--max-chunk-seconds", default=1.0, show_default=True,
+              type=click.FloatRange(0),
+              help="Cap chunks at this many seconds of compute (once speeds are known), so a "
+                   "new job, a cancel or a lost worker waits about that long; 0: no cap, the "
+                   "policy's chunks as they are.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="FARM_METRICS_PORT",
+              show_envvar=True,
               help="Serve Prometheus metrics on this port (0: a free one) [default: off].")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address the metrics endpoint listens on.")
 @policy_options
 def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve: str | None,
-           models_dir: tuple[str, ...], sharing: str, share_chunk_seconds: float,
+           models_dir: tuple[str, ...], sharing: str, max_chunk_seconds: float,
            metrics_port: int | None, metrics_host: str, algo: str, **options: object) -> None:
     """Run the broker: the scheduler and router of a farm.
 
@@ -248,7 +254,7 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve:
     metrics = (metrics_host, metrics_port) if metrics_port is not None else None
     try:
         serve(BrokerConfig(bind, algo, params, heartbeat, models_dir, liveness, max_attempts,
-                           curve, sharing, share_chunk_seconds, metrics), on_bound=announce)
+                           curve, sharing, max_chunk_seconds, metrics), on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
         raise click.ClickException(str(exc)) from exc
 
@@ -265,7 +271,8 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve:
 @click.option("--models-dir", multiple=True, type=click.Path(file_okay=False),
               help="Local model folder used when its files match the job's (repeatable; also "
                    "$FARM_MODELS); other models are fetched from the broker.")
-@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), envvar="FARM_CACHE_MODELS", show_envvar=True,
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), envvar="FARM_CACHE_MODELS",
+              show_envvar=True,
               help="Where fetched models are kept [default: ~/.cache/farm/models].")
 @click.option("--batch", type=click.IntRange(1),
               help="Compute batch: chunks run in batches of this many images "
@@ -397,7 +404,8 @@ def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[s
 
 
 broker_option = click.option("--broker", "broker_address", default=DEFAULT_BROKER,
-                             show_default=True, envvar="FARM_BROKER", show_envvar=True, help="Broker endpoint.")
+                             show_default=True, envvar="FARM_BROKER",
+                                 show_envvar=True, help="Broker endpoint.")
 
 
 @main.command()
@@ -506,7 +514,7 @@ def status(broker_address: str, as_json: bool, watch: float | None, timeout: flo
     """Show the farm: its workers and jobs, read from the broker over its own socket.
 
     Workers: name (host:pid/device), backend, state, images/s and busy share over
-    the last 10 s, chunks in flight of its slots, last heartbeat, images done,
+    the last 5 s, chunks in flight of its slots, last heartbeat, images done,
     models loaded.  Jobs, in the order they get free workers: id, client,
     model, policy, priority, state, progress, images/s, ETA, chunks in flight.
 

@@ -353,7 +353,7 @@ def _draw_throughput(ax: Any, trace: dict, breakdown: Breakdown, wide: bool) -> 
 
 def _title(b: Breakdown, columns: int) -> str:
     """Headline and where the waste went, wrapped to about `columns` characters."""
-    parts = ", ".join(f"{part} {getattr(b, part):.1%}" for part, _ in _PARTS)
+    parts = ", ".join(f"{part} {_percent(getattr(b, part))}" for part, _ in _PARTS)
     lines = (f"{b.model}, policy {b.policy}: {b.items:,} images in {b.seconds:.3f} s, "
              f"{b.rate:,.0f} images/s, waste {b.waste:.1%}", f"where it went: {parts}")
     if b.cancelled:

@@ -64,7 +64,7 @@ def format_status(snapshot: dict[str, Any]) -> str:
     lines.append("")
     busy = sum(1 for w in workers if w["state"] == "busy")
     lines.append(f"WORKERS  {len(workers)} ({busy} busy), "
-                 f"{sum(w['rate'] for w in workers):,.0f} images/s over the last 10 s")
+                 f"{sum(w['rate'] for w in workers):,.0f} images/s over the last 5 s")
     if workers:
         lines += table(["NAME", "BACKEND", "STATE", "IMAGES/S", "BUSY", "CHUNKS", "HEARTBEAT",
                         "IMAGES DONE", "MODELS"], worker_rows(workers), {3, 4, 5, 6, 7})

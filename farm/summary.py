@@ -61,7 +61,8 @@ class JobSummary:
         lines = [f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
                  f"(policy {self.policy})",
                  f"theoretical {self.theoretical_rate:,.0f} images/s (sum of standalone "
-                 f"worker speeds), waste {self.waste:.1%}",
+                 f"worker speeds), " + (f"waste {self.waste:.1%}" if self.items >= self.total
+                                        else "no waste figure: the job stopped early"),
                  f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}"]
         for share in sorted(self.workers, key=lambda s: s.name):
             part = share.items / self.items if self.items else 0.0
