@@ -539,6 +539,9 @@ class Broker:
                   algo, params, self.next_seq)
         self.next_seq += 1
         self.jobs[job_id] = job
+        if len(self.jobs) > 1:
+            for each in self.jobs.values():
+                each.shared = True
         log.info("job %s: %d x %s %s for model %s, policy %s, priority %d", job_id, job.total,
                  job.item_shape, job.dtype, job.model, algo, options.priority,
                  extra={"event": "job_submitted", "job": job_id, "model": job.model,

@@ -123,6 +123,7 @@ class Job:
     seq: int = 0  # submission order: FIFO among equals
     started_at: float | None = None  # first chunk assigned
     outcome: str | None = None  # set when the job ends: done, failed, cancelled, timed_out...
+    shared: bool = False  # another job ran at the same time (its waste counts theirs)
     policy: Policy | None = None  # made when the job is validated, for the workers then eligible
     digest: str = ""  # the content hash of the model's files, set when the job is validated
     item_bytes: int = 0
@@ -246,5 +247,6 @@ class Job:
             workers.append({**vars(share), "standalone_rate": rate})
         return {"items": self.total, "broker_seconds": now - self.submitted_at,
                 "done": self.done, "policy": self.algo, "workers": workers,
+                "shared": self.shared,
                 "failed_items": sum(f.stop - f.start for f in self.abandoned),
                 "failed_attempts": len(self.failures)}

@@ -30,6 +30,7 @@ class JobSummary:
     policy: str
     workers: tuple[WorkerShare, ...]
     total: int = 0  # images in the job
+    shared: bool = False  # other jobs ran on the farm at the same time
 
     @classmethod
     def from_broker(cls, summary: dict[str, Any], seconds: float) -> JobSummary:
@@ -38,7 +39,7 @@ class JobSummary:
                        for w in summary.get("workers", []))
         total = int(summary["items"])
         return cls(int(summary.get("done", total)), seconds, str(summary.get("policy", "?")),
-                   shares, total)
+                   shares, total, bool(summary.get("shared", False)))
 
     @property
     def rate(self) -> float:
@@ -54,6 +55,13 @@ class JobSummary:
         theoretical = self.theoretical_rate
         return (theoretical - self.rate) / theoretical if theoretical > 0 else 0.0
 
+    def waste_text(self) -> str:
+        if self.items < self.total:
+            return "no waste figure: the job stopped early"
+        if self.shared:
+            return f"waste {self.waste:.1%} (other jobs shared the workers meanwhile)"
+        return f"waste {self.waste:.1%}"
+
     def format(self) -> str:
         """A few aligned lines for the terminal."""
         done = (f"{self.items:,} images" if self.items >= self.total else
@@ -61,8 +69,7 @@ class JobSummary:
         lines = [f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
                  f"(policy {self.policy})",
                  f"theoretical {self.theoretical_rate:,.0f} images/s (sum of standalone "
-                 f"worker speeds), " + (f"waste {self.waste:.1%}" if self.items >= self.total
-                                        else "no waste figure: the job stopped early"),
+                 f"worker speeds), " + self.waste_text(),
                  f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}"]
         for share in sorted(self.workers, key=lambda s: s.name):
             part = share.items / self.items if self.items else 0.0

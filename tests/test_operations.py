@@ -174,6 +174,7 @@ def test_metrics_scraped_over_http_move_with_the_job_and_match_its_results(farm,
         return total_of(after, name, **labels) - total_of(before, name, **labels)
 
     np.testing.assert_allclose(result.outputs, expected(reference, 20_000), atol=1e-5)
+    assert not result.summary.shared
     shares = {share.name: share for share in result.summary.workers}
     for name, share in shares.items():
         assert moved("farm_worker_images_total", worker=name) == share.items
@@ -248,6 +249,7 @@ def test_a_small_job_is_not_starved_by_a_big_one_and_both_finish(farm, digits,
     np.testing.assert_allclose(small.outputs, expected(reference, 5_000), atol=1e-5)
     np.testing.assert_allclose(big_result.outputs, expected(reference, 100_000), atol=1e-5)
     assert answered_then < 100_000, "the small job waited for the big one to finish"
+    assert small.summary.shared and big_result.summary.shared
     assert small_done - started < 0.3 * (big.finished_at - started)
     assert all(share.items > 0 for share in small.summary.workers), \
         "the small job did not get every worker"
