@@ -48,7 +48,7 @@ from farm.broker.jobs import ChunkRecord, Job, JobOptions
 from farm.broker.models import ModelCatalog
 from farm.broker.registry import (MAX_HEARTBEAT, MIN_HEARTBEAT, WorkerEntry,
                                    valid_heartbeat)
-from farm.policies import (Assign, ChunkDone, ChunkFailed, WorkerBusy, WorkerLost,
+from farm.policies import (Assign, ChunkDone, ChunkFailed, Event, WorkerBusy, WorkerLost,
                            WorkerReady, make_policy)
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
@@ -291,8 +291,6 @@ class Broker:
                  ", ".join(sorted(entry.loaded)) or "none", ", ".join(sorted(entry.models)),
                  extra={"event": "worker_joined", "worker": entry.name, "backend": entry.backend})
         self.send(identity, Command.HEARTBEAT, {"interval": self.config.heartbeat})
-        for job in list(self.jobs.values()):
-            self.validate_job(job)
         self.answer_info_waiters()
         self.fill(entry)
 
@@ -322,7 +320,7 @@ class Broker:
             self.metrics.worker_left(entry)
         for job in list(self.jobs.values()):
             if job.policy:
-                self.dispatch(job, job.policy.handle(WorkerLost(entry.id, at=self.clock())))
+                self.step(job, WorkerLost(entry.id, at=self.clock()))
         self.fill_all()
 
     def attempt_failed(self, record: ChunkRecord, error: str,
@@ -341,8 +339,7 @@ class Broker:
             log.info("job %s: items %d..%d failed attempt %d (%s); retrying", job.id,
                      chunk.start, chunk.stop - 1, record.attempt, error)
             if not requeue_with_worker:
-                self.dispatch(job, job.policy.handle(ChunkFailed(record.worker.id, chunk, True,
-                                                                 at=self.clock())))
+                self.step(job, ChunkFailed(record.worker.id, chunk, True, at=self.clock()))
             return
         self.stats.abandoned_chunks += 1
         message = f"gave up after {record.attempt} attempts; last: {error}"
@@ -353,10 +350,8 @@ class Broker:
         self.send(job.client, Command.FAILED, {"job": job.id, "chunk": record.id,
                                                "start": chunk.start, "count": chunk.count,
                                                "error": message})
-        self.dispatch(job, job.policy.handle(ChunkFailed(record.worker.id, chunk, False,
-                                                         at=self.clock())))
-        if job.policy.finished:
-            self.finish(job)
+        self.step(job, ChunkFailed(record.worker.id, chunk, False, at=self.clock()))
+        self.finish_if_done(job)
 
     def fill(self, entry: WorkerEntry) -> None:
         """Offer all of one worker's free slots to the jobs."""
@@ -379,7 +374,7 @@ class Broker:
         before = len(entry.in_flight)
         for job in self.job_order():
             job.eligible[entry.id] = entry
-            self.dispatch(job, job.policy.handle(WorkerReady(entry.id, at=self.clock())))
+            self.step(job, WorkerReady(entry.id, at=self.clock()))
             if len(entry.in_flight) > before:
                 return True
         return False
@@ -397,7 +392,20 @@ class Broker:
         it as idle hear it is busy."""
         for job in list(self.jobs.values()):
             if job is not taker and job.policy and entry.id in job.policy.idle:
-                job.policy.handle(WorkerBusy(entry.id, at=self.clock()))
+                self.step(job, WorkerBusy(entry.id, at=self.clock()))
+
+    def step(self, job: Job, event: Event) -> None:
+        """Feed one event to the job's policy and carry out its assignments.  A policy that
+        raises (on parameters a client chose, say) fails its own job, not the farm."""
+        if job.outcome is not None:
+            return
+        try:
+            assignments = job.policy.handle(event)
+        except Exception as exc:
+            log.exception("job %s: policy %s failed on %s", job.id, job.algo, event)
+            self.fail_job(job, f"policy {job.algo} failed: {type(exc).__name__}: {exc}")
+            return
+        self.dispatch(job, assignments)
 
     def dispatch(self, job: Job, assignments: list[Assign]) -> None:
         """Carry out a policy's assignments: each takes a slot now and asks the client for
@@ -405,8 +413,7 @@ class Broker:
         for assignment in assignments:
             entry = self.by_id.get(assignment.worker)
             if entry is None:  # the policy has not heard the worker is gone yet
-                self.dispatch(job, job.policy.handle(WorkerLost(assignment.worker,
-                                                                at=self.clock())))
+                self.step(job, WorkerLost(assignment.worker, at=self.clock()))
                 continue
             chunk, now = assignment.chunk, self.clock()
             record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk),
@@ -495,10 +502,8 @@ class Broker:
             self.metrics.chunk_done(entry, chunk.count, timings, record.sent_at -
                                     record.assigned_at + float(timings.get("receive", 0.0)),
                                     now - record.sent_at - worker_side)
-        self.dispatch(job, job.policy.handle(ChunkDone(entry.id, chunk, compute,
-                                                       at=self.clock())))
-        if job.policy.finished:
-            self.finish(job)
+        self.step(job, ChunkDone(entry.id, chunk, compute, at=self.clock()))
+        self.finish_if_done(job)
         self.fill(entry)
 
     def on_failed(self, identity: bytes, message: Message) -> None:
@@ -594,8 +599,8 @@ class Broker:
         seconds = self.config.max_chunk_seconds
         if sum(1 for other in self.jobs.values() if other.policy) > 1:
             seconds *= SHARED_CHUNK_FRACTION
-        if fastest > 0 and seconds > 0:
-            job.policy.max_chunk = max(1, min(job.max_chunk, int(fastest * seconds)))
+        if fastest > 0 and seconds > 0:  # min() first: a rate may be huge, even inf
+            job.policy.max_chunk = max(1, int(min(job.max_chunk, fastest * seconds)))
 
     def on_fetch(self, identity: bytes, message: Message) -> None:
         """Send a registered worker a model's files; an error reply if it is gone or changed.
@@ -626,13 +631,17 @@ class Broker:
         log.info("sending model %s (%d bytes) to %s", name, size, entry.name)
         self.send(identity, Command.MODEL, manifest.header(), contents)
 
+    def finish_if_done(self, job: Job) -> None:
+        if job.outcome is None and job.policy.finished:
+            self.finish(job)
+
     def finish(self, job: Job) -> None:
         summary = job.summary(self.clock())
         self.end_job(job, "done")
         log.info("job %s done: %d items in %.3f s", job.id, job.total, summary["broker_seconds"],
                  extra={"event": "job_ended", "job": job.id, "outcome": "done",
                         "seconds": summary["broker_seconds"]})
-        self.send(job.client, Command.DONE, {"job": job.id, "summary": summary})
+        self.send(job.client, Command.DONE, {"job": job.id}, protocol.document_frames(summary))
 
     def fail_job(self, job: Job, error: str) -> None:
         """Tell the client why its job failed; free the slots its chunks held."""
@@ -647,8 +656,8 @@ class Broker:
                  extra={"event": "job_ended", "job": job.id, "outcome": outcome})
         summary = job.summary(self.clock())
         self.end_job(job, outcome)
-        self.send(job.client, Command.CANCEL, {"job": job.id, "reason": reason,
-                                               "summary": summary})
+        self.send(job.client, Command.CANCEL, {"job": job.id, "reason": reason},
+                  protocol.document_frames(summary))
 
     def end_job(self, job: Job, outcome: str) -> None:
         """Forget a job.  Chunks still waiting for input are dropped; workers running its
@@ -684,7 +693,7 @@ class Broker:
         if not isinstance(wanted, int) or isinstance(wanted, bool):
             raise ProtocolError("INFO wait_workers must be an integer")
         if len(self.workers) >= wanted:
-            self.send(identity, Command.INFO, self.snapshot())
+            self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
         elif len(self.info_waiters) >= MAX_INFO_WAITERS:
             raise ProtocolError("too many INFO requests waiting for workers")
         else:
@@ -696,21 +705,20 @@ class Broker:
         oldest = self.clock() - INFO_WAIT_LIMIT
         for identity, wanted, since in waiting:
             if len(self.workers) >= wanted:
-                self.send(identity, Command.INFO, self.snapshot())
+                self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
             elif since > oldest:
                 self.info_waiters.append((identity, wanted, since))
 
     def snapshot(self) -> dict[str, Any]:
         """What ``farm status`` shows: the broker, its workers and its jobs (in slot order)."""
         now = self.clock()
-        waiting = [job for job in self.jobs.values() if not job.policy]
         return {"endpoint": self.endpoint, "uptime_s": now - self.started_at,
                 "policy": self.config.algo, "params": self.config.params,
                 "sharing": self.config.sharing, "metrics": self.metrics_url,
                 "heartbeat": self.config.heartbeat, "liveness": self.config.liveness,
                 "stats": asdict(self.stats), "jobs_ended": dict(self.outcomes),
                 "workers": [entry.describe(now) for entry in self.workers.values()],
-                "jobs": [job.describe(now) for job in [*self.job_order(), *waiting]]}
+                "jobs": [job.describe(now) for job in self.job_order()]}
 
 
 def mapped(path: Path) -> Any:

@@ -53,7 +53,8 @@ class JobOptions:
             raise ProtocolError(f"job priority must be an integer {MIN_PRIORITY}..{MAX_PRIORITY}")
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(
                 timeout, bool) or not 0 < timeout <= MAX_TIMEOUT):
-            raise ProtocolError(f"job timeout must be 0..{MAX_TIMEOUT:.0f} seconds")
+            raise ProtocolError(f"job timeout must be more than 0 and at most "
+                                f"{MAX_TIMEOUT:.0f} seconds")
         if not isinstance(client, str) or len(client) > 200:
             raise ProtocolError("job option 'client' must be a name of at most 200 characters")
         values = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())
@@ -160,9 +161,7 @@ class Job:
         return self.policy.holding if self.policy else 0
 
     def state(self) -> str:
-        """waiting (for a model check or workers), queued (nothing started) or running."""
-        if self.policy is None:
-            return "waiting"
+        """queued (no chunk assigned yet) or running."""
         return "running" if self.started_at is not None else "queued"
 
     def describe(self, now: float) -> dict[str, Any]:
@@ -217,9 +216,13 @@ class Job:
         shape = tuple(header["item_shape"])
         if self.output_shape not in (None, shape):
             return f"output shape {shape} differs from earlier chunks' {self.output_shape}"
-        compute = header["timings"].get("compute")
-        if not isinstance(compute, (int, float)) or not math.isfinite(compute) or compute < 0:
-            return f"compute time {compute!r} is not a time"
+        timings = header["timings"]
+        for key in ("compute", "receive", "send"):
+            value = timings.get(key, 0.0)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                return f"{key} time {value!r} is not a time"
+        if "compute" not in timings:
+            return "no compute time"
         self.output_shape = shape
         return None
 

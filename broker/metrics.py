@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
 WORKER_LABELS = ("worker", "device", "host")
-JOB_STATES = ("waiting", "queued", "running")
+JOB_STATES = ("queued", "running")
 
 
 class BrokerMetrics:

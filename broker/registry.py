@@ -18,6 +18,8 @@ MAX_SLOTS = 64
 MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
 #: Seconds behind a worker's images/s and busy share in ``farm status``.
 RECENT_WINDOW = 5.0
+#: Most heartbeat samples kept per worker (a window's worth at the fastest heartbeat).
+MAX_SAMPLES = 600
 
 
 @dataclass
@@ -53,7 +55,8 @@ class WorkerEntry:
     joined_at: float = 0.0  # broker clock when it registered
     # (broker clock, images computed, compute seconds): the worker's running counters as its
     # heartbeats reported them, over the last RECENT_WINDOW seconds and one sample before
-    samples: deque[tuple[float, int, float]] = field(default_factory=deque)
+    samples: deque[tuple[float, int, float]] = field(
+        default_factory=lambda: deque(maxlen=MAX_SAMPLES))
     id: str = ""  # the policies' name for it
     name: str = ""  # host:pid/device, for people
 

@@ -69,15 +69,22 @@ def main(ctx: click.Context, config_file: str | None, log_level: str | None,
       farm report run.json -o run.png
     Settings: option > environment (FARM_BROKER, ...) > farm.toml (see README).
     """
-    from farm.config import config_path, default_map, load_config
+    from farm.config import ConfigError, config_path, default_map, load_config
     from farm.logs import setup_logging
 
     path = config_path(config_file)
     settings = default_map(ctx.command, load_config(path), path) if path else {}
     ctx.default_map = settings
-    level = log_level or settings.get("log_level") or (
+    for param in ctx.command.params:  # the group's own options: parsed before the file was
+        if param.name in settings and ctx.params.get(param.name) is None:
+            try:
+                ctx.params[param.name] = param.type_cast_value(ctx, settings[param.name])
+            except click.BadParameter as exc:
+                raise ConfigError(f"{path}: {param.name.replace('_', '-')}: "
+                                  f"{exc.message}") from exc
+    level = ctx.params["log_level"] or (
         "INFO" if ctx.invoked_subcommand in SERVICES else "WARNING")
-    setup_logging(level, log_format or settings.get("log_format") or "text")
+    setup_logging(level, ctx.params["log_format"] or "text")
 
 
 #: Policy parameter options: (option, parameter, type, help).
@@ -319,19 +326,22 @@ def load_images(path: str):
 
 
 @contextlib.contextmanager
-def cancel_on_interrupt(client) -> Iterator[None]:
+def cancel_on_interrupt(client) -> Iterator[list[bool]]:
     """The first Ctrl-C cancels the job (the broker confirms what finished); a second one
-    quits at once."""
+    quits at once.  Yields a list that holds True once Ctrl-C was pressed."""
+    pressed: list[bool] = []
+
     def interrupted(*_: Any) -> None:
-        if client.cancel_requested:
+        if pressed:
             click.echo("\nquit without waiting for the broker", err=True)
             raise SystemExit(130)
+        pressed.append(True)
         click.echo("\ncancelling the job; Ctrl-C again to quit at once", err=True)
         client.cancel()
 
     previous = signal.signal(signal.SIGINT, interrupted)
     try:
-        yield
+        yield pressed
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -357,7 +367,7 @@ def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, tim
     try:
         with Client(endpoint, timeout=timeout, curve=curve, curve_name=curve_name) as client, \
                 tqdm(total=len(images), unit="img", disable=quiet, file=sys.stderr,
-                     desc=model) as bar, cancel_on_interrupt(client):
+                     desc=model) as bar, cancel_on_interrupt(client) as interrupted:
             result = client.run(images, model, out=sink, progress=bar.update,
                                 trace=trace is not None, **job_options)
     except FarmTimeout as exc:
@@ -384,7 +394,7 @@ def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, tim
         click.echo(f"job stopped: {result.cancelled}; {len(images) - missing:,} of "
                    f"{len(images):,} images came back, the other {missing:,} have NaN outputs",
                    err=True)
-        raise SystemExit(130 if result.cancelled == "cancelled by the client" else 1)
+        raise SystemExit(130 if interrupted else 1)
     if result.failed:
         click.echo(describe_failures(result.failed) + "\n(their outputs are NaN)", err=True)
         raise SystemExit(1)
@@ -492,6 +502,11 @@ def run(images: str | None, model: str, workers: int | None, out: str | None,
     array = load_images(images)
     click.echo(f"starting a local farm: broker + {len(devices)} workers ({', '.join(devices)})",
                err=True)
+    def stop(signum: int, _: Any) -> None:  # the farm's processes are stopped on the way out
+        raise SystemExit(128 + signum)
+
+    for hangup in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(hangup, stop)
     try:
         with LocalFarm(devices, algo, broker_arguments, preload=[model]) as local:
             outputs = run_job(local.endpoint, array, model, out, quiet, 60.0, trace=trace)

@@ -185,7 +185,7 @@ class JobResult:
 
 
 @dataclass(frozen=True)
-class JobOptions:
+class SubmitOptions:
     """Per-job choices sent with SUBMIT: see ``Client.run``."""
 
     priority: int = 0
@@ -193,11 +193,13 @@ class JobOptions:
     algo: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
 
-    def header(self) -> dict[str, Any]:
+    def header(self, remaining: float | None) -> dict[str, Any]:
+        """SUBMIT's options; ``remaining``: what is left of the job's timeout (a
+        re-submission must not restart it)."""
         options: dict[str, Any] = {"client": f"{socket.gethostname()}:{os.getpid()}",
                                    "priority": self.priority}
-        if self.job_timeout is not None:
-            options["timeout"] = self.job_timeout
+        if remaining is not None:
+            options["timeout"] = remaining
         if self.algo is not None:
             options["algo"] = self.algo
             options["params"] = {k: list(v) if isinstance(v, tuple) else v
@@ -213,7 +215,7 @@ class JobRun:
     source: ImageSource
     sink: ResultSink
     state: Progress
-    options: JobOptions
+    options: SubmitOptions
     progress: ProgressCallback | None
     submission: Submission | None = None  # the current one; None once the job ended
     first_id: str = ""  # the first submission's job id (the broker's id for the job)
@@ -222,6 +224,11 @@ class JobRun:
     summary: dict[str, Any] | None = None
     cancelled: str | None = None  # the broker's reason, once the job stopped early
     cancel_sent: float | None = None  # when CANCEL went out
+    deadline: float | None = None  # monotonic time the job's timeout ends
+
+    def remaining(self) -> float | None:
+        """Seconds left of the job's timeout (None: it has none)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
 
 ProgressCallback = Callable[[int], None]
@@ -249,10 +256,14 @@ class Client:
         self.handshakes = None
         self._own_context = context is None
         self.context = context or zmq.Context()
+        self._cancel_requested = False
         self._wake_read, self._wake_write = os.pipe()  # cancel() wakes the poll through it
         os.set_blocking(self._wake_write, False)
-        self._cancel_requested = False
-        self.socket = self._connect()
+        try:
+            self.socket = self._connect()
+        except BaseException:
+            self._close_pipe()
+            raise
 
     def _connect(self) -> zmq.Socket:
         sock = self.context.socket(zmq.DEALER)
@@ -286,24 +297,37 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Close the socket (and the context, if the client made it); a second call is a
+        no-op."""
+        if self._wake_read < 0:
+            return
         self._close_socket()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        self._close_pipe()
         if self._own_context:
             self.context.term()
 
+    def _close_pipe(self) -> None:
+        read, write = self._wake_read, self._wake_write
+        self._wake_read = self._wake_write = -1
+        os.close(read)
+        os.close(write)
+
     @property
     def cancel_requested(self) -> bool:
-        """Whether ``cancel`` was called during the current ``run``."""
+        """Whether ``cancel`` was called for the current (or next) ``run``."""
         return self._cancel_requested
 
     def cancel(self) -> None:
-        """Cancel the job ``run`` is running (from another thread or a signal handler):
-        the broker drops its queued chunks, and ``run`` returns what came back."""
+        """Cancel the job ``run`` is running, or is about to run (from another thread or a
+        signal handler): the broker drops its queued chunks, and ``run`` returns what came
+        back.  A no-op on a closed client."""
+        write = self._wake_write
+        if write < 0:
+            return
         self._cancel_requested = True
         try:
-            os.write(self._wake_write, b"!")
-        except BlockingIOError:  # the pipe is full of earlier wake-ups: one is enough
+            os.write(write, b"!")
+        except (BlockingIOError, OSError):  # full of earlier wake-ups, or closed meanwhile
             pass
 
     def map(self, images: np.ndarray, model: str, **options: Any) -> np.ndarray:
@@ -329,15 +353,20 @@ class Client:
         source = ImageSource(images)
         if len(source) == 0:
             raise FarmError("no images to run")
+        if params and algo is None:
+            raise FarmError("policy params need algo (the job's own policy)")
         sink = out if out is not None and not isinstance(out, np.ndarray) \
             else ArraySink(len(source), out)
         job = JobRun(model, source, sink, Progress(len(source)),
-                     JobOptions(priority, job_timeout, algo, dict(params or {})), progress,
-                     trace=TraceRecorder() if trace else None)
-        self._cancel_requested = False
+                     SubmitOptions(priority, job_timeout, algo, dict(params or {})), progress,
+                     trace=TraceRecorder() if trace else None,
+                     deadline=None if job_timeout is None else time.monotonic() + job_timeout)
         started = time.perf_counter()
-        self._submit(job, [(0, len(source))])
-        self._collect(job)
+        try:
+            self._submit(job, [(0, len(source))])
+            self._collect(job)
+        finally:
+            self._cancel_requested = False  # the next run starts afresh
         if job.cancelled:
             for start, count in job.state.missing_runs():
                 job.state.failed.append(FailedItems(start, count, job.cancelled))
@@ -366,7 +395,9 @@ class Client:
                                     "dtype": str(job.source.dtype),
                                     "item_shape": list(job.source.item_shape),
                                     "total": job.submission.total,
-                                    "options": job.options.header(),
+                                    "options": job.options.header(
+                                        job.remaining() if job.resubmissions
+                                        else job.options.job_timeout),
                                     "heartbeat": self.heartbeat})
 
     def _collect(self, job: JobRun) -> None:
@@ -418,11 +449,10 @@ class Client:
         elif message.command is Command.FAILED:
             self._take_failure(header, job.submission, job.state, job.progress)
         elif message.command is Command.DONE:
-            job.summary, job.submission = header["summary"], None
+            job.summary, job.submission = message.document(), None
         elif message.command is Command.CANCEL:
             job.cancelled = str(header.get("reason", "cancelled"))
-            summary = header.get("summary")
-            job.summary = summary if isinstance(summary, dict) else None
+            job.summary = message.document() or None
             job.submission = None
         elif header.get("unknown_job") and job.cancel_sent is not None:
             job.cancelled, job.submission = "cancelled", None  # nothing left to cancel
@@ -440,7 +470,10 @@ class Client:
         job.resubmissions += 1
         missing = job.state.missing_runs()
         job.submission = None
-        if missing:
+        remaining = job.remaining()
+        if missing and remaining is not None and remaining <= 0:
+            job.cancelled = f"the job's timeout of {job.options.job_timeout:g} s passed"
+        elif missing:
             self._submit(job, missing)
 
     @property
@@ -539,7 +572,7 @@ class Client:
         while True:
             message = self._receive()
             if message.command is Command.INFO:
-                return message.header
+                return message.document()
             if message.command is Command.ERROR and "job" not in message.header:
                 raise FarmError(message.header["error"])
 

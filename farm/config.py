@@ -9,9 +9,12 @@ are its ``default_map``.
 The file is ``--config FILE``, else ``$FARM_CONFIG``, else ``./farm.toml``,
 else ``~/.config/farm/farm.toml``.  Top-level keys apply to every command that
 has such an option; a table applies to one command (``[submit]``) or a
-subcommand (``[models.list]``).  Keys are option names without the dashes::
+subcommand (``[models.list]``).  Keys are option names without the dashes, or
+the parameter names ``--help`` documents (the broker's address is
+``broker-address`` at the top level, where ``broker`` names the broker's own
+table)::
 
-    broker = "tcp://10.0.0.1:5555"     # farm worker, submit and status
+    broker-address = "tcp://10.0.0.1:5555"   # farm worker, submit and status
     curve = "/etc/farm/keys"
 
     [broker]

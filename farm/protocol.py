@@ -45,6 +45,11 @@ QUEUE_LIMIT = 1000
 #: msgpack limits for headers: no string, list or map in a header may be longer.
 _UNPACK_LIMITS = {"max_str_len": 4096, "max_bin_len": 4096, "max_array_len": 4096,
                   "max_map_len": 64, "max_ext_len": 0}
+#: Largest document frame: a broker's INFO snapshot or a job's summary, which grow with the
+#: number of workers and jobs and so travel as a msgpack payload frame, not in the header.
+MAX_DOCUMENT_BYTES = 16 << 20
+_DOCUMENT_LIMITS = {"max_str_len": 1 << 16, "max_bin_len": 0, "max_array_len": 1 << 20,
+                    "max_map_len": 1 << 20, "max_ext_len": 0}
 
 
 class Command(bytes, enum.Enum):
@@ -86,7 +91,7 @@ _SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
     Command.SUBMIT: {"job": (str,), "model": (str,), "dtype": (str,), "item_shape": (list,),
                      "total": (int,), "options": (dict,)},
     Command.DATA: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,)},
-    Command.DONE: {"job": (str,), "summary": (dict,)},
+    Command.DONE: {"job": (str,)},
     Command.ERROR: {"error": (str,)},
     Command.INFO: {},
     Command.HEARTBEAT: {},
@@ -103,6 +108,10 @@ _ARRAY_COMMANDS = frozenset({Command.TASK, Command.RESULT, Command.DATA})
 #: Commands whose payload is one frame per file listed in the header (sizes checked).
 _FILE_COMMANDS = frozenset({Command.MODEL})
 
+#: Commands that may carry one document frame (``document_frames``, ``Message.document``):
+#: INFO's snapshot, DONE's and CANCEL's job summary.
+_DOCUMENT_COMMANDS = frozenset({Command.INFO, Command.DONE, Command.CANCEL})
+
 
 @dataclass
 class Message:
@@ -111,6 +120,20 @@ class Message:
     command: Command
     header: dict[str, Any]
     payload: list[Any] = field(default_factory=list)
+
+    def document(self) -> dict[str, Any]:
+        """The document frame as a dict ({} if there is none); ProtocolError if malformed."""
+        if not self.payload:
+            return {}
+        try:
+            document = msgpack.unpackb(_buffer(self.payload[0]), raw=False,
+                                       strict_map_key=True, **_DOCUMENT_LIMITS)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ProtocolError(f"{self.command.name} document is not valid msgpack: "
+                                f"{exc}") from exc
+        if not isinstance(document, dict):
+            raise ProtocolError(f"{self.command.name} document must be a map")
+        return document
 
     def array(self, dtype: str, item_shape: Sequence[int]) -> np.ndarray:
         """The payload as one array of ``(count, *item_shape)``, zero-copy when it is one frame."""
@@ -143,6 +166,11 @@ def encode(command: Command, header: dict[str, Any] | None = None,
     return [SIGNATURE, command.value, packed, *payload]
 
 
+def document_frames(document: dict[str, Any]) -> list[bytes]:
+    """Payload for a document (a snapshot, a summary): one msgpack frame."""
+    return [msgpack.packb(document, use_bin_type=True)]
+
+
 def array_frames(array: np.ndarray) -> list[Any]:
     """Payload frames for an array: its one contiguous raw buffer."""
     return [np.ascontiguousarray(array).data]
@@ -170,6 +198,10 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
         _check_array(message)
     elif command in _FILE_COMMANDS:
         _check_files(message)
+    elif command in _DOCUMENT_COMMANDS:
+        if len(payload) > 1 or payload and _frame_size(payload[0]) > MAX_DOCUMENT_BYTES:
+            raise ProtocolError(f"{command.name} carries at most one document frame of "
+                                f"{MAX_DOCUMENT_BYTES} bytes")
     elif payload:
         raise ProtocolError(f"{command.name} carries no payload, got {len(payload)} frames")
     return message

@@ -136,6 +136,7 @@ class Breakdown:
     policy: str = "?"
     cancelled: str | None = None  # why the job stopped early, if it did
     total: int = 0  # images in the job
+    shared: bool = False  # other jobs ran on the workers meanwhile
 
     def format(self) -> str:
         """A few aligned lines for the terminal: totals, where the waste went, each worker."""
@@ -147,6 +148,12 @@ class Breakdown:
                  f"theoretical {self.theoretical_rate:,.0f} images/s (sum of the workers' "
                  f"standalone speeds), waste {self.waste:.1%}",
                  "where the waste went (% of the workers' capacity):"]
+        if self.shared:
+            lines.insert(2, "(other jobs shared the workers meanwhile: their chunks count as "
+                            "idle time here)")
+        if self.cancelled:
+            lines.insert(2, "(the job stopped early: chunks running when it stopped are not "
+                            "in the trace)")
         lines += [f"  {part:<9} {_percent(getattr(self, part)):>6}  {meaning}"
                   for part, meaning in _PARTS]
         header = ("worker", "images", "chunks", "busy", "idle: start", "barrier", "messaging",
@@ -241,7 +248,8 @@ def analyse(trace: dict) -> Breakdown:
     return Breakdown(items, seconds, items / seconds if seconds > 0 else 0.0, theoretical,
                      waste, *parts, waste - sum(parts), workers,
                      str(trace.get("model", "?")), str(trace.get("policy", "?")),
-                     cancelled if isinstance(cancelled, str) and cancelled else None, total)
+                     cancelled if isinstance(cancelled, str) and cancelled else None, total,
+                     trace.get("shared") is True)
 
 
 def _span(trace: dict) -> float:

@@ -64,6 +64,7 @@ class TraceRecorder:
                           if "broker_seconds" in summary else client_seconds)
         return {"format": TRACE_FORMAT, "job": job, "model": model, "items": items,
                 "policy": summary.get("policy", "?"), "broker_seconds": broker_seconds,
+                "shared": bool(summary.get("shared", False)),
                 "client_seconds": client_seconds, "cancelled": cancelled,
                 "workers": summary.get("workers", []), "chunks": self.chunks,
                 "failed": [{"start": f.start, "count": f.count, "error": f.error}

@@ -289,3 +289,44 @@ def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_fa
         worker.close()
         client.close()
         context.term()
+
+
+def test_absurd_timings_from_a_worker_neither_wedge_a_job_nor_the_next(empty_farm,
+                                                                         digits) -> None:
+    """A compute time of 1e-320 s (an infinite speed) is taken and the job ends; a receive
+    time that is not a time fails that job with the reason; the next job still runs."""
+    from tests.peers import ScriptedWorker
+
+    worker = ScriptedWorker(empty_farm.endpoint)
+    outcomes: list = []
+
+    def submit(count: int) -> None:
+        with empty_farm.client(timeout=20) as client:
+            try:
+                outcomes.append(client.run(digits[:count], "lenet"))
+            except FarmError as exc:
+                outcomes.append(str(exc))
+
+    def answer(timings: dict) -> None:
+        message = worker.receive()
+        assert message is not None and message.command is Command.TASK
+        header = {key: message.header[key] for key in ("job", "chunk", "start", "count")}
+        worker.send(Command.RESULT, {**header, "dtype": "float32", "item_shape": [10],
+                                     "timings": timings},
+                    [np.zeros((header["count"], 10), np.float32).tobytes()])
+
+    try:
+        for count, answers in ((8, [{"compute": 1e-320}, {"compute": 0.001}]),
+                               (4, [{"compute": 0.001, "receive": "x"}]),
+                               (4, [{"compute": 0.001}])):
+            thread = threading.Thread(target=submit, args=(count,))
+            thread.start()
+            for timings in answers:
+                answer(timings)
+            thread.join(30)
+            assert not thread.is_alive()
+    finally:
+        worker.close()
+    assert outcomes[0].summary.items == 8 and not outcomes[0].failed
+    assert "receive time 'x' is not a time" in outcomes[1]
+    assert outcomes[2].summary.items == 4

@@ -874,11 +874,12 @@ class BrokerFuzzer:
             reply = protocol.decode(self.probe.recv_multipart())
             if reply.command is Command.INFO:
                 break
-        jobs = [job["job"] for job in reply.header["jobs"]
+        snapshot = reply.document()
+        jobs = [job["job"] for job in snapshot["jobs"]
                 if isinstance(job["job"], str) and len(job["job"]) == len(LIVE)]
         if jobs:
             self.live_job = jobs[0].encode()
-        return reply.header
+        return snapshot
 
     def close(self) -> None:
         self.probe.close()

@@ -337,6 +337,10 @@ def test_settings_come_from_the_option_then_the_environment_then_the_toml_file(
     config.write_text("[status]\nbogus = 1\n")
     broken = status()
     assert broken.returncode == 1 and "[status] has no option 'bogus'" in broken.stderr
+    config.write_text('log-level = "verbose"\n')
+    broken = status()
+    assert broken.returncode == 1 and "log-level" in broken.stderr
+    assert "Traceback" not in broken.stderr
 
 
 def test_json_logs_are_one_object_per_line(tmp_path) -> None:
@@ -352,3 +356,15 @@ def test_json_logs_are_one_object_per_line(tmp_path) -> None:
     assert entry["level"] == "INFO" and entry["logger"] == "farm.broker"
     assert entry["pid"] == broker.pid and "listening on tcp://127.0.0.1:" in entry["message"]
     assert entry["event"] == "broker_started" and entry["endpoint"] in entry["message"]
+
+
+def test_a_job_with_odd_policy_parameters_is_refused_and_the_farm_serves_on(farm,
+                                                                            digits) -> None:
+    with farm.client() as client:
+        for algo, params in (("sliced", {"slice": 2.5}), ("fifo", {"chunk": 1.5}),
+                             ("hat", {"slice": "many"})):
+            with pytest.raises(FarmError, match="job policy: .*slice|job policy: .*chunk"):
+                client.run(digits[:100], "lenet", algo=algo, params=params)
+        with pytest.raises(FarmError, match="params need algo"):
+            client.run(digits[:100], "lenet", params={"chunk": 10})
+        assert not client.run(digits[:1000], "lenet").failed

@@ -53,7 +53,8 @@ def test_array_from_several_frames_is_joined() -> None:
      "out of range"),
     ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(1, [1 << 20] * 4)}), b"x"], "larger than"),
     ([protocol.SIGNATURE, b"\x05", msgpack.packb({"job": "j"})], "model"),
-    ([protocol.SIGNATURE, b"\x09", msgpack.packb({}), b"unexpected"], "carries no payload"),
+    ([protocol.SIGNATURE, b"\x0a", msgpack.packb({}), b"unexpected"], "carries no payload"),
+    ([protocol.SIGNATURE, b"\x09", msgpack.packb({}), b"a", b"b"], "at most one document"),
     ([protocol.SIGNATURE, b"\x02", b"\x81" + b"\xdb\x7f\xff\xff\xff"], "not valid msgpack"),
 ])
 def test_malformed_messages_are_rejected_with_a_reason(frames, reason) -> None:
@@ -81,3 +82,18 @@ def test_frames_are_a_msgpack_header_and_the_raw_buffer() -> None:
     assert len(frames) == 4 and bytes(frames[0]) == protocol.SIGNATURE and frames[1] == b"\x03"
     assert msgpack.unpackb(frames[2]) == header  # plain msgpack, readable by any language
     assert bytes(frames[3]) == outputs.tobytes()  # the buffer itself: no pickle framing
+
+
+def test_a_snapshot_far_beyond_the_header_limit_travels_as_a_document_frame() -> None:
+    """INFO snapshots and job summaries grow with the farm: 2 000 workers' worth, over
+    twice the 64 KiB header limit, round-trips; a document that is not a msgpack map is
+    refused."""
+    snapshot = {"workers": [{"name": f"rack{i // 64}.example.org:{40000 + i}/cpu:{i % 64}",
+                             "models": ["caffenet", "cifar10_quick", "lenet"], "rate": 9000.5}
+                            for i in range(2000)], "jobs": []}
+    frames = protocol.encode(Command.INFO, {}, protocol.document_frames(snapshot))
+    assert len(frames[-1]) > 2 * protocol.MAX_HEADER_BYTES
+    assert protocol.decode(frames).document() == snapshot
+    with pytest.raises(ProtocolError, match="document must be a map"):
+        protocol.decode(protocol.encode(Command.DONE, {"job": "j"},
+                                        [msgpack.packb([1, 2])])).document()

@@ -356,6 +356,8 @@ class Worker:
 
     def on_task(self, message: Message, received: float) -> list[Reply]:
         """Run a chunk now, or park it while its model's files are fetched."""
+        if message.header["job"] in self.cancelled:  # nothing to load or fetch for it
+            return [self.failed(message, "job cancelled", fatal=False)]
         model, digest = message.header["model"], message.header["digest"]
         if digest in self.waiting:
             self.waiting[digest].append((message, received))

@@ -136,10 +136,11 @@ class ItemPool:
 
 
 def require_positive(**values: int) -> None:
-    """ValueError naming the first parameter below 1 (sizes: probe, slice, chunk, floor)."""
+    """ValueError naming the first parameter that is not a whole number of at least 1
+    (sizes: probe, slice, chunk, floor)."""
     for name, value in values.items():
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
 
 
 def proportional_split(total: int, weights: Mapping[WorkerId, float],
