@@ -9,6 +9,8 @@
    compute seconds, measured in the same runs).  Barrier policies (hat) leave
    workers idle at each job's tail; with several jobs another job's chunks
    fill those gaps.
+3. Cancellation: seconds from ``Client.cancel`` until no worker holds a chunk
+   of the cancelled job (asked over INFO), while another job runs on.
 
     python bench/jobs.py [--big 200000] [--small 5000] [--jobs 4] [--each 25000]
                          [--save bench/results/DATE-jobs.txt]
@@ -80,6 +82,28 @@ def run_one_by_one(local: LocalFarm, jobs: list[np.ndarray]) -> tuple[float, lis
     return time.perf_counter() - started, results
 
 
+def seconds_to_free_workers(local: LocalFarm, big: np.ndarray, other: np.ndarray) -> float:
+    """Cancel a running job beside another; seconds until its chunks left every worker."""
+    first_result = threading.Event()
+    with local.client(timeout=600) as doomed, local.client(timeout=600) as bystander, \
+            local.client() as watcher:
+        runners = [threading.Thread(target=doomed.run, args=(big, "lenet"),
+                                    kwargs={"progress": lambda count: first_result.set()}),
+                   threading.Thread(target=bystander.run, args=(other, "lenet"))]
+        for runner in runners:
+            runner.start()
+        first_result.wait()
+        [job] = [job["job"] for job in watcher.info()["jobs"] if job["total"] == len(big)]
+        started = time.perf_counter()
+        doomed.cancel()
+        while any(job in worker["jobs"] for worker in watcher.info()["workers"]):
+            pass
+        seconds = time.perf_counter() - started
+        for runner in runners:
+            runner.join()
+    return seconds
+
+
 def standalone_rate(results: list[JobResult]) -> float:
     """The sum over workers of images per compute second, over all the jobs."""
     items: dict[str, float] = defaultdict(float)
@@ -135,6 +159,14 @@ def main() -> None:
                 print(f"  {algo:<13} {label:<12} {rate:>8,.0f} images/s, waste "
                       f"{1 - rate / theoretical:6.1%} (theoretical {theoretical:,.0f})",
                       file=out, flush=True)
+
+    print(f"\n3. a {args.big:,}-image job cancelled at its first result while a "
+          f"{args.each:,}-image job runs:", file=out)
+    with start_farm("equal-finish") as local:
+        run_one_by_one(local, jobs[:1])  # warm-up: speeds known, chunks capped
+        freed = [seconds_to_free_workers(local, big, jobs[0]) for _ in range(3)]
+    print(f"  every worker free of its chunks after {', '.join(f'{s * 1000:.0f}' for s in freed)}"
+          f" ms (three runs)", file=out, flush=True)
 
 
 if __name__ == "__main__":
