@@ -52,6 +52,7 @@ from farm.policies import (Assign, ChunkDone, ChunkFailed, Event, WorkerBusy, Wo
                            WorkerReady, make_policy)
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
+from farm.trace import network_seconds
 
 log = logging.getLogger("farm.broker")
 
@@ -497,11 +498,9 @@ class Broker:
             message.payload)
         self.cap_chunks(job)  # speeds changed
         if self.metrics:
-            worker_side = sum(float(timings.get(key, 0.0)) for key in ("receive", "compute",
-                                                                       "send"))
             self.metrics.chunk_done(entry, chunk.count, timings, record.sent_at -
                                     record.assigned_at + float(timings.get("receive", 0.0)),
-                                    now - record.sent_at - worker_side)
+                                    network_seconds(now - record.sent_at, timings))
         self.step(job, ChunkDone(entry.id, chunk, compute, at=self.clock()))
         self.finish_if_done(job)
         self.fill(entry)
@@ -582,8 +581,8 @@ class Broker:
         try:
             job.policy = make_policy(job.algo, job.total, [e.id for e in eligible], speeds,
                                      **job.params)
-        except Exception as exc:  # parameters that passed the SUBMIT check but not this job
-            self.fail_job(job, f"policy {job.algo}: {exc}")
+        except Exception as exc:  # a job's own parameters: ValueError, or what odd values provoke
+            self.fail_job(job, f"job policy: {exc}")
             return False
         self.cap_chunks(job)
         return True

@@ -36,7 +36,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import StrMethodFormatter
 
-TRACE_FORMAT = "farm-trace/1"
+from farm.status import table
+from farm.trace import TRACE_FORMAT
 
 _CHUNK_TIMES = ("assigned", "sent", "started", "finished", "received")
 _PARTS = (("start", "workers idle before their first chunk started"),
@@ -158,15 +159,11 @@ class Breakdown:
                   for part, meaning in _PARTS]
         header = ("worker", "images", "chunks", "busy", "idle: start", "barrier", "messaging",
                   "tail (s)")
-        rows = [header] + [
-            (w.name, f"{w.items:,}", f"{w.chunks:,}",
-             f"{w.busy_s / self.seconds if self.seconds > 0 else 0.0:.1%}",
-             *(f"{s:.3f}" for s in (w.idle_start_s, w.barrier_s, w.messaging_s, w.tail_s)))
-            for w in self.workers]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        for row in rows:  # names left-aligned, numbers right-aligned, two spaces apart
-            cells = [row[0].ljust(widths[0])] + [c.rjust(n) for c, n in zip(row[1:], widths[1:])]
-            lines.append("  " + "  ".join(cells).rstrip())
+        rows = [(w.name, f"{w.items:,}", f"{w.chunks:,}",
+                 f"{w.busy_s / self.seconds if self.seconds > 0 else 0.0:.1%}",
+                 *(f"{s:.3f}" for s in (w.idle_start_s, w.barrier_s, w.messaging_s, w.tail_s)))
+                for w in self.workers]
+        lines += ["  " + line for line in table(header, rows, set(range(1, len(header))))]
         return "\n".join(lines)
 
 
@@ -377,8 +374,8 @@ def plot(trace: dict, path: str | Path, width: int = 1200, height: int = 800) ->
     with rc_context({"font.size": 10 * scale}):
         fig = Figure(figsize=(width / 100, height / 100), dpi=100, layout="constrained")
         FigureCanvasAgg(fig)
-        timeline, throughput = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+        timeline, rates = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
         _draw_timeline(timeline, trace, wide)
-        _draw_throughput(throughput, trace, b, wide)
+        _draw_throughput(rates, trace, b, wide)
         fig.suptitle(_title(b, columns=int(width / (12 * scale))))
         fig.savefig(path, dpi=100, format="png")

@@ -43,16 +43,16 @@ class TraceRecorder:
                 isinstance(t, (int, float)) and math.isfinite(t) for t in moments)):
             return  # a broker that does not trace
         assigned, sent, received = moments
-        spent = {key: _seconds(timings.get(key)) for key in ("receive", "compute", "send")}
-        network = max(0.0, received - sent - sum(spent.values()))
-        started = sent + network / 2 + spent["receive"]
+        network = network_seconds(received - sent, timings)
+        started = sent + network / 2 + _seconds(timings.get("receive"))
         shift = self.offset
         self.chunks.append({
             "worker": str(header.get("worker", "?")), "start": item_start, "count": count,
             "attempt": header.get("attempt", 1), "assigned": assigned + shift,
             "sent": sent + shift, "arrived": sent + network / 2 + shift,
             "started": started + shift,
-            "finished": started + spent["compute"] + shift, "received": received + shift,
+            "finished": started + _seconds(timings.get("compute")) + shift,
+            "received": received + shift,
             "delivered": time.perf_counter() - self.started})
 
     def document(self, job: str, model: str, items: int, summary: dict[str, Any] | None,
@@ -69,6 +69,13 @@ class TraceRecorder:
                 "workers": summary.get("workers", []), "chunks": self.chunks,
                 "failed": [{"start": f.start, "count": f.count, "error": f.error}
                            for f in failed]}
+
+
+def network_seconds(round_trip: float, timings: dict[str, Any]) -> float:
+    """The part of a chunk's round trip (TASK sent to RESULT back) spent on the network, both
+    ways: what the worker's receive, compute and send times leave over."""
+    spent = sum(_seconds(timings.get(key)) for key in ("receive", "compute", "send"))
+    return max(0.0, round_trip - spent)
 
 
 def _seconds(value: Any) -> float:
