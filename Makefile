@@ -26,7 +26,11 @@ demo: install
 test: install
 	$(BIN)/python -m pytest
 
+# The suite (about an hour here) writes bench/results/DATE-CORES-cpu|gpu/; ray[data] is the
+# Ray Data peer's optional dependency.
 bench: install
+	$(BIN)/pip install --quiet -e ".[bench$(if $(TORCH),$(comma)torch)]"
+	$(BIN)/farm bench --out bench/results
 	$(BIN)/python bench/table2.py
 	$(BIN)/python bench/scaling.py
 	$(BIN)/python bench/models.py

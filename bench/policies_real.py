@@ -28,7 +28,8 @@ import numpy as np
 
 from farm.cli import policy_arguments
 from farm.local import LocalFarm, cores
-from farm.policies import PAPER_PARAMETERS, POLICIES, make_policy
+from farm.benchmark.measure import paper_configurations
+from farm.policies import POLICIES, make_policy
 from farm.repository import find
 from farm.simulator import DeviceModel, Scenario, simulate
 from farm.summary import JobSummary
@@ -68,15 +69,6 @@ def predict(models: list[DeviceModel], algo: str, params: dict[str, Any], total:
     return simulate(scenario, make_policy(algo, total, names, speeds, **params)).rate
 
 
-def configurations() -> list[tuple[str, dict[str, Any]]]:
-    configs = []
-    for name in POLICIES:
-        parameter, values = PAPER_PARAMETERS.get(name, ("", (None,)))
-        for value in values:
-            configs.append((name, {parameter: value} if parameter and value != () else {}))
-    return configs
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=40_000)
@@ -96,7 +88,8 @@ def main() -> None:
           f"{'sim/real':>9}  shares")
     rows = []
     chosen = set(args.only.split(",")) if args.only else set(POLICIES)
-    for algo, params in [(a, p) for a, p in configurations() if a in chosen]:
+    for algo, params in [(c.algo, c.params) for c in paper_configurations()
+                         if c.algo in chosen]:
         runs = sorted((run_real(algo, params, images) for _ in range(args.repeat)),
                       key=lambda run: run.rate)
         summary = runs[len(runs) // 2]

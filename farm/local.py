@@ -39,6 +39,7 @@ class LocalFarm:
     algo: str = "equal-finish"
     broker_options: Sequence[str] = ()
     worker_options: Sequence[str] = ()
+    device_options: Sequence[Sequence[str]] = ()  # more options for the i-th device's worker
     preload: Sequence[str] = ()
     log_level: str = "WARNING"
     ready_timeout: float = 60.0
@@ -51,8 +52,9 @@ class LocalFarm:
     def __enter__(self) -> LocalFarm:
         try:
             self.start_broker()
-            for device in self.devices:
-                self.start_worker(device)
+            for i, device in enumerate(self.devices):
+                self.start_worker(device, *(self.device_options[i]
+                                            if i < len(self.device_options) else ()))
             self.wait_for_workers(len(self.devices))
         except BaseException:
             self.stop()

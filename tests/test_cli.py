@@ -13,7 +13,8 @@ from farm.local import cores, farm_command
 from tests.conftest import reference_forward
 
 COMMANDS = [[], ["broker"], ["worker"], ["submit"], ["run"], ["models"], ["models", "list"],
-            ["models", "show"], ["models", "check"], ["models", "prepare"]]
+            ["models", "show"], ["models", "check"], ["models", "prepare"], ["status"],
+            ["report"], ["bench"], ["keys"], ["deploy"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c) or "farm" for c in COMMANDS])

@@ -1,0 +1,180 @@
+"""Farm jobs the suite times: standalone speeds, Table 2, every policy at the paper's values.
+
+Every farm here is a real local farm (``farm.local.LocalFarm``: a broker and
+pinned worker processes on loopback).  The broker keeps each policy's own
+chunks (``--max-chunk-seconds 0``), so the paper's policies run as SPEC.md
+defines them; each job names its policy, so one warm farm runs them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from farm.benchmark.setups import FarmSetup, WorkerSpec
+from farm.client import Client, FarmError, JobResult
+from farm.local import LocalFarm
+from farm.policies import PAPER_PARAMETERS, POLICIES
+
+#: Broker options of every benchmark farm: the policies' own chunks, uncapped.
+BROKER_OPTIONS = ("--max-chunk-seconds", "0")
+#: Chunk of the standalone jobs: big enough that one worker never waits for the broker.
+STANDALONE_CHUNK = 2000
+#: Seconds a benchmark job may take before the client gives up.
+JOB_TIMEOUT = 900.0
+#: Table 2's column: how many images are submitted at once.
+TABLE2_SIZES = (10_000, 1000, 100, 10, 1)
+#: Compute batches tried for each worker kind, as the peers try theirs.
+BATCH_CANDIDATES = {"cpu": (16, 64, 256), "gpu": (64, 256, 1024)}
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """A policy and its parameters, as one job asks for it."""
+
+    algo: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def parameter(self) -> str:
+        return next(iter(self.params), "")
+
+    @property
+    def value(self) -> str:
+        value = self.params.get(self.parameter, "")
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+    @property
+    def label(self) -> str:
+        return f"{self.algo} {self.parameter}={self.value}" if self.params else self.algo
+
+
+def paper_configurations(quick: bool = False) -> list[Configuration]:
+    """Every policy at each of the paper's parameter values (only the first when quick);
+    ours, which has none, once."""
+    configs = []
+    for name in POLICIES:
+        parameter, values = PAPER_PARAMETERS.get(name, ("", (None,)))
+        for value in values[:1] if quick else values:
+            use = parameter and value is not None and value != ()
+            configs.append(Configuration(name, {parameter: value} if use else {}))
+    return configs
+
+
+@contextlib.contextmanager
+def bench_farm(workers: Sequence[WorkerSpec], model: str) -> Iterator[Client]:
+    """A fresh local farm of ``workers`` with ``model`` loaded; a client connected to it."""
+    with LocalFarm([w.device for w in workers], "fifo", BROKER_OPTIONS,
+                   device_options=[w.options() for w in workers], preload=[model]) as local, \
+            local.client(timeout=JOB_TIMEOUT) as client:
+        yield client
+
+
+def timed_job(client: Client, images: np.ndarray, model: str,
+              config: Configuration) -> JobResult:
+    """One whole job under ``config``; a job that lost images is an error, not a figure."""
+    result = client.run(images, model, algo=config.algo, params=config.params)
+    if result.failed:
+        first = result.failed[0]
+        raise FarmError(f"{config.label}: {len(result.failed)} ranges of images failed, "
+                        f"first {first.start}+{first.count}: {first.error}")
+    return result
+
+
+def standalone_rate(worker: WorkerSpec, model: str, images: np.ndarray) -> float:
+    """Images/s of ``worker`` alone: a one-worker farm, big fifo chunks, after a warm-up."""
+    fifo = Configuration("fifo", {"chunk": STANDALONE_CHUNK})
+    with bench_farm([worker], model) as client:
+        timed_job(client, images[:STANDALONE_CHUNK], model, fifo)
+        return timed_job(client, images, model, fifo).summary.rate
+
+
+def table2(worker: WorkerSpec, model: str, images: np.ndarray,
+           sizes: Sequence[int] = TABLE2_SIZES) -> list[tuple[int, float]]:
+    """The paper's Table 2 for one device: images/s of ``images`` cut into chunks of each
+    size (how many are submitted at once), the worker computing at its default batch."""
+    rows = []
+    with bench_farm([worker], model) as client:
+        timed_job(client, images[:1000], model, Configuration("fifo", {"chunk": 100}))
+        for size in sizes:
+            job = timed_job(client, images, model, Configuration("fifo", {"chunk": size}))
+            rows.append((size, job.summary.rate))
+    return rows
+
+
+def best_batch(worker: WorkerSpec, model: str, count: int) -> list[tuple[int, float]]:
+    """Images/s of the worker's engine at each candidate batch, in a fresh process set up
+    as the worker sets itself up (pinned, one thread), on ``count`` images."""
+    from farm.benchmark.peers import in_fresh_process
+
+    candidates = BATCH_CANDIDATES["gpu" if worker.device.startswith("gpu") else "cpu"]
+    return in_fresh_process(_engine_rates, worker, model, candidates, count)
+
+
+def _engine_rates(worker: WorkerSpec, model: str, candidates: Sequence[int],
+                  count: int) -> list[tuple[int, float]]:
+    from farm.benchmark.setups import make_images
+    from farm.engine import load_engine
+    from farm.repository import find
+    from farm.workers.worker import Device, prepare_process
+
+    device = Device.parse(worker.device)
+    prepare_process(device)
+    images = make_images(model, count)
+    rates = []
+    for batch in candidates:
+        engine = load_engine(find(model), worker.library, batch, device.engine_device,
+                             1 if device.pinned else None)
+        engine.run(images[:batch])
+        started = time.perf_counter()
+        engine.run(images)
+        rates.append((batch, count / (time.perf_counter() - started)))
+    return rates
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """One measured job of the policy sweep."""
+
+    setup: str
+    model: str
+    config: Configuration
+    round_: int
+    rate: float  # images/s, submit to last result, as the client saw it
+    seconds: float
+    in_job_theoretical: float  # sum of the workers' speeds measured inside this job
+    chunks: int
+
+
+def policy_sweep(setup: FarmSetup, model: str, images: np.ndarray,
+                 configs: Sequence[Configuration], round_: int,
+                 on_run: Callable[[PolicyRun], None]) -> tuple[list[PolicyRun], np.ndarray]:
+    """One round: every configuration once, on one fresh, warm farm; the first job's
+    outputs (to check the peers' against)."""
+    runs: list[PolicyRun] = []
+    reference: np.ndarray | None = None
+    with bench_farm(setup.workers, model) as client:
+        timed_job(client, images[:STANDALONE_CHUNK], model, Configuration("fifo"))
+        for config in configs:
+            result = timed_job(client, images, model, config)
+            if reference is None:
+                reference = result.outputs
+            summary = result.summary
+            run = PolicyRun(setup.name, model, config, round_, summary.rate, summary.seconds,
+                            summary.theoretical_rate,
+                            sum(share.chunks for share in summary.workers))
+            runs.append(run)
+            on_run(run)
+    return runs, reference
+
+
+def farm_rate(setup: FarmSetup, model: str, images: np.ndarray,
+              config: Configuration) -> float:
+    """Images/s of one job under ``config`` on a fresh, warm farm of ``setup``."""
+    with bench_farm(setup.workers, model) as client:
+        timed_job(client, images[:STANDALONE_CHUNK], model, Configuration("fifo"))
+        return timed_job(client, images, model, config).summary.rate

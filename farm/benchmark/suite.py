@@ -1,0 +1,135 @@
+"""``farm bench``: measure, then write the results folder (see ``farm.benchmark``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from farm.benchmark import measure, peers, results
+from farm.benchmark.measure import PolicyRun
+from farm.benchmark.results import ModelResults
+from farm.benchmark.setups import (SETUP_NAMES, FarmSetup, WorkerSpec, describe_machine,
+                                   farm_setups, machine_slug, make_images)
+from farm.local import cores
+
+DEFAULT_MODELS = ("lenet", "cifar10_quick")
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    out: Path  # the results folder goes inside: OUT/<date>-<cores>-<cpu|gpu>
+    models: tuple[str, ...] = DEFAULT_MODELS
+    images: int = 100_000
+    repeat: int = 1  # rounds of the policy sweep (each figure is the median)
+    setups: tuple[str, ...] = SETUP_NAMES
+    peers: tuple[str, ...] = peers.PEERS
+    quick: bool = False  # one parameter value per policy, three Table 2 sizes
+    standalone_images: int = 30_000
+    table2_images: int = 10_000
+    tune_images: int = 10_000
+    peer_rounds: int = 3  # farm's best and every peer, in turn, this many times
+
+
+def kinds(setups: list[FarmSetup]) -> dict[str, WorkerSpec]:
+    """One worker of each device kind among the setups (the first met)."""
+    found: dict[str, WorkerSpec] = {}
+    for setup in setups:
+        for worker in setup.workers:
+            found.setdefault(worker.kind, worker)
+    return found
+
+
+def standalone_round(setup: FarmSetup, model: str, images: np.ndarray,
+                     into: dict[str, list[float]]) -> None:
+    for worker in setup.workers:
+        into.setdefault(worker.label, []).append(
+            measure.standalone_rate(worker, model, images))
+
+
+def run_model(config: SuiteConfig, model: str, setups: list[FarmSetup],
+              say: Callable[[str], None]) -> ModelResults:
+    """Everything on one model: batches, Table 2, the sweeps with standalone speeds, peers."""
+    found = ModelResults(model, config.images)
+    images = make_images(model, config.images)
+    best: dict[str, int] = {}
+    for kind, worker in kinds(setups).items():
+        found.batches[kind] = measure.best_batch(worker, model, config.tune_images)
+        best[kind] = max(found.batches[kind], key=lambda trial: trial[1])[0]
+        say(f"{model}: {kind} computes fastest at batch {best[kind]}")
+    sizes = measure.TABLE2_SIZES[1:4] if config.quick else measure.TABLE2_SIZES
+    for kind, worker in kinds(setups).items():
+        found.table2[kind] = measure.table2(worker.with_batch(best[kind]), model,
+                                            images[:config.table2_images], sizes)
+        say(f"{model}: Table 2, {kind}: " + ", ".join(f"{n}: {v:,.0f}/s"
+                                                      for n, v in found.table2[kind]))
+    configs = measure.paper_configurations(config.quick)
+    reference = None
+    for setup in (s.with_batches(best) for s in setups):
+        standalone = found.standalone.setdefault(setup.name, {})
+        alone = images[:config.standalone_images]
+        for round_ in range(config.repeat):
+            standalone_round(setup, model, alone, standalone)
+            runs, outputs = measure.policy_sweep(setup, model, images, configs, round_,
+                                                 lambda run: say(_run_line(run)))
+            found.runs += runs
+            reference = outputs if reference is None else reference
+        standalone_round(setup, model, alone, standalone)
+        say(f"{model}, {setup.name}: theoretical {found.theoretical(setup.name):,.0f}/s")
+    for peer in config.peers:
+        why = peers.missing(peer)
+        if why:
+            found.skipped_peers.append(f"{peer}: {why}")
+    cores_farm = next((s for s in setups if s.name == "cores"), None)
+    if cores_farm is not None:
+        head_to_head(config, found, cores_farm.with_batches(best), images, reference, say)
+    elif config.peers:
+        found.skipped_peers.append("every peer: peers run beside the cores farm, not built")
+    return found
+
+
+def head_to_head(config: SuiteConfig, found: ModelResults, setup: FarmSetup,
+                 images: np.ndarray, reference: np.ndarray, say: Callable[[str], None]) -> None:
+    """Farm's best configuration and every peer, in turn, ``peer_rounds`` times: the
+    machine's drift touches all of them alike (each figure is then a median).  Peers are
+    tuned in the first round and keep that setting."""
+    best = found.farm_best()
+    available = [peer for peer in config.peers if peers.missing(peer) is None]
+    settings: dict[str, int] = {}
+    for round_ in range(config.peer_rounds):
+        found.farm_rounds.append(measure.farm_rate(setup, found.model, images, best.config))
+        say(f"{found.model}: farm ({best.config.label}): {found.farm_rounds[-1]:,.0f}/s")
+        for peer in available:
+            result = peers.run_peer(peer, found.model, config.images, config.tune_images,
+                                    len(cores()), settings.get(peer), round_)
+            settings[peer] = result.best
+            found.peers.append(result)
+            difference = float(np.max(np.abs(result.outputs - reference)))
+            found.peer_differences[peer] = max(difference,
+                                               found.peer_differences.get(peer, 0.0))
+            say(f"{found.model}: {peer} ({result.setting}): {result.rate:,.0f}/s")
+
+
+def _run_line(run: PolicyRun) -> str:
+    return (f"{run.model}, {run.setup}, round {run.round_ + 1}: {run.config.label}: "
+            f"{run.rate:,.0f}/s")
+
+
+def run_suite(config: SuiteConfig, command: str, say: Callable[[str], None]) -> Path:
+    """Measure everything and write the results folder; its path."""
+    started = time.perf_counter()
+    machine = describe_machine()
+    folder = config.out / machine_slug(machine)
+    folder.mkdir(parents=True, exist_ok=True)
+    setups, skipped = farm_setups(config.setups)
+    if not setups:
+        raise ValueError("no farm setup can run here: " + "; ".join(skipped))
+    for why in skipped:
+        say(f"not run: {why}")
+    found = [run_model(config, model, setups, say) for model in config.models]
+    results.write_folder(folder, results.SuiteRun(machine, setups, skipped, found, command,
+                                                  time.perf_counter() - started))
+    return folder

@@ -1,0 +1,135 @@
+"""farm bench: a real (small) suite run writes every table, figure and the report; the
+figures it derives (median, waste, its split, speed relative to one core) are right."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from farm.benchmark.measure import Configuration, PolicyRun, paper_configurations
+from farm.benchmark.results import ModelResults, PolicySummary, relative_table
+from farm.local import cores, farm_command
+from farm.policies import POLICIES
+
+pytestmark = pytest.mark.skipif(len(cores()) < 2, reason="the suite's farms need two cores")
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture(scope="module")
+def suite_folder(tmp_path_factory) -> Path:
+    """One quick suite on LeNet, the cores farm and two peers (about a minute)."""
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run(farm_command("bench", "--quick", "--images", "3000", "--models",
+                                       "lenet", "--setups", "cores", "--peers",
+                                       "opencv-threads,process-pool", "--peer-rounds", "2",
+                                       "--out", str(out)),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folders = list(out.iterdir())
+    assert len(folders) == 1 and done.stdout.startswith(f"results in {folders[0]}")
+    return folders[0]
+
+
+def test_suite_writes_every_table_figure_and_the_report(suite_folder) -> None:
+    names = {path.name for path in suite_folder.iterdir()}
+    assert {"report.md", "machine.json", "table2.csv", "batches.csv", "standalone.csv",
+            "policy_runs.csv", "policies.csv", "peers.csv", "peer_tuning.csv", "peer_runs.csv",
+            "figure3-lenet.png", "figure5-waste.png", "peers.png", "table2.png"} <= names
+    for png in suite_folder.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    machine = json.loads((suite_folder / "machine.json").read_text())
+    assert machine["cores"] == len(cores()) and machine["setups"]["cores"]
+    report = (suite_folder / "report.md").read_text()
+    for heading in ("## Headline", "## Table 2", "## Figure 3: lenet", "## Tables 4/5",
+                    "## Figure 5", "## Peers", "## Where a peer is faster"):
+        assert heading in report
+
+
+def test_every_policy_ran_and_waste_is_against_standalone_speeds(suite_folder) -> None:
+    rows = read_csv(suite_folder / "policies.csv")
+    assert {row["policy"] for row in rows} == set(POLICIES)
+    standalone = read_csv(suite_folder / "standalone.csv")
+    per_worker: dict[str, list[float]] = {}
+    for row in standalone:
+        per_worker.setdefault(row["worker"], []).append(float(row["images_per_s"]))
+    assert len(per_worker) == len(cores())
+    assert all(len(rates) == 2 for rates in per_worker.values())  # before the round, after
+    theoretical = sum(sum(r) / len(r) for r in per_worker.values())
+    for row in rows:
+        rate = float(row["images_per_s"])
+        assert float(row["theoretical_per_s"]) == pytest.approx(theoretical, rel=1e-3)
+        assert float(row["waste"]) == pytest.approx(1 - rate / theoretical, abs=2e-4)
+        assert 0 < rate < 1.5 * theoretical
+
+
+def test_peers_compute_what_the_farm_computes(suite_folder) -> None:
+    rows = read_csv(suite_folder / "peers.csv")
+    assert [row["peer"] for row in rows][1:] == ["opencv-threads", "process-pool"]
+    assert rows[0]["peer"].startswith("farm (") and float(rows[0]["ratio_to_farm_best"]) == 1
+    farm = float(rows[0]["images_per_s"])
+    for row in rows[1:]:
+        assert float(row["max_abs_difference"]) < 1e-3  # the same outputs, in the same order
+        assert float(row["ratio_to_farm_best"]) == pytest.approx(
+            float(row["images_per_s"]) / farm, abs=2e-3)
+    tuned = {row["peer"] for row in read_csv(suite_folder / "peer_tuning.csv")}
+    assert tuned == {"opencv-threads", "process-pool"}
+
+
+def test_table2_has_one_row_per_size_and_device_kind(suite_folder) -> None:
+    rows = read_csv(suite_folder / "table2.csv")
+    assert [int(row["submitted"]) for row in rows] == [1000, 100, 10]
+    assert {row["device"] for row in rows} == {"cpu core (opencv)"}
+    assert all(float(row["images_per_s"]) > 0 for row in rows)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--setups", "cores,tpu"], "unknown tpu"),
+    (["--peers", "dask"], "unknown dask"),
+    (["--models", "nosuchmodel"], "unknown model 'nosuchmodel'"),
+    (["--models", "caffenet"], "has no bundled sample"),
+    (["--images", "10"], "10 is not in the range x>=1000"),
+])
+def test_bench_refuses_bad_options_before_measuring(arguments, message, tmp_path) -> None:
+    done = subprocess.run(farm_command("bench", "--out", str(tmp_path), *arguments),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_paper_configurations_cover_every_value_or_one_when_quick() -> None:
+    full = paper_configurations()
+    assert len(full) == 1 + 4 + 3 + 3 + 4 + 4 + 1  # static, quick ... fast-split, ours
+    assert [c.label for c in full if c.algo == "fifo"] == [
+        "fifo chunk=500", "fifo chunk=1000", "fifo chunk=2000", "fifo chunk=3000"]
+    assert len(paper_configurations(quick=True)) == len(POLICIES)
+
+
+def run(rate: float, round_: int, in_job: float = 100.0, algo: str = "fifo",
+        chunk: int = 500) -> PolicyRun:
+    return PolicyRun("cores", "lenet", Configuration(algo, {"chunk": chunk}), round_, rate,
+                     1.0, in_job, 10)
+
+
+def test_a_summary_is_the_median_round_and_splits_its_waste() -> None:
+    summary = PolicySummary.of([run(90, 0, 95), run(70, 1, 80), run(80, 2, 90)], 100.0)
+    assert summary.rate == 80 and summary.rounds == 3
+    assert summary.waste == pytest.approx(0.20)
+    assert summary.contention == pytest.approx(0.10)  # in-job speeds 90 against alone 100
+    assert summary.farm_waste == pytest.approx(1 - 80 / 90)
+
+
+def test_relative_speed_is_against_one_opencv_core_averaged_over_values() -> None:
+    results = ModelResults("lenet", 1000, standalone={"cores": {"cpu:0": [40, 60],
+                                                                "cpu:1": [50]}})
+    results.runs = [run(150, 0, chunk=500), run(200, 0, chunk=1000)]
+    assert results.one_core() == 50 and results.theoretical("cores") == 100
+    assert relative_table(results, "cores") == {"fifo": pytest.approx((2 + 3) / 2)}
+    assert results.farm_best().config.label == "fifo chunk=1000"
