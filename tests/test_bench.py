@@ -59,9 +59,12 @@ def test_every_policy_ran_and_waste_is_against_standalone_speeds(suite_folder) -
     standalone = read_csv(suite_folder / "standalone.csv")
     per_worker: dict[str, list[float]] = {}
     for row in standalone:
-        per_worker.setdefault(row["worker"], []).append(float(row["images_per_s"]))
+        if row["setup"] == "cores":
+            per_worker.setdefault(row["worker"], []).append(float(row["images_per_s"]))
     assert len(per_worker) == len(cores())
     assert all(len(rates) == 2 for rates in per_worker.values())  # before the round, after
+    again = [row for row in standalone if row["setup"] == "head-to-head"]
+    assert len(again) == 2 * len(cores())  # every worker alone again in each peer round
     theoretical = sum(sum(r) / len(r) for r in per_worker.values())
     for row in rows:
         rate = float(row["images_per_s"])
@@ -79,6 +82,9 @@ def test_peers_compute_what_the_farm_computes(suite_folder) -> None:
         assert float(row["max_abs_difference"]) < 1e-3  # the same outputs, in the same order
         assert float(row["ratio_to_farm_best"]) == pytest.approx(
             float(row["images_per_s"]) / farm, abs=2e-3)
+    farm_rounds = [float(row["images_per_s"]) for row in read_csv(suite_folder / "peer_runs.csv")
+                   if row["who"] == "farm"]
+    assert len(farm_rounds) == 2 and farm == max(farm_rounds)  # the median_high of two
     tuned = {row["peer"] for row in read_csv(suite_folder / "peer_tuning.csv")}
     assert tuned == {"opencv-threads", "process-pool"}
 

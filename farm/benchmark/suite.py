@@ -94,12 +94,16 @@ def run_model(config: SuiteConfig, model: str, setups: list[FarmSetup],
 def head_to_head(config: SuiteConfig, found: ModelResults, setup: FarmSetup,
                  images: np.ndarray, reference: np.ndarray, say: Callable[[str], None]) -> None:
     """Farm's best configuration and every peer, in turn, ``peer_rounds`` times: the
-    machine's drift touches all of them alike (each figure is then a median).  Peers are
-    tuned in the first round and keep that setting."""
+    machine's drift touches all of them alike (each figure is then a median).  Each round
+    first measures the farm's workers alone again, so the farm's figure here has a waste
+    of its own, free of the sweep's pick of its luckiest run.  Peers are tuned in the
+    first round and keep that setting."""
     best = found.farm_best()
     available = [peer for peer in config.peers if peers.missing(peer) is None]
     settings: dict[str, int] = {}
     for round_ in range(config.peer_rounds):
+        standalone_round(setup, found.model, images[:config.standalone_images],
+                         found.standalone.setdefault(results.HEAD_TO_HEAD, {}))
         found.farm_rounds.append(measure.farm_rate(setup, found.model, images, best.config))
         say(f"{found.model}: farm ({best.config.label}): {found.farm_rounds[-1]:,.0f}/s")
         for peer in available:
