@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -41,21 +40,10 @@ def images_for(model: str, count: int) -> np.ndarray:
 
 def sweep(model: str, backend: str, device: str) -> dict[int, float]:
     """In this (pinned) process: batch -> images/s, best of two runs each."""
-    from farm.engine import load_engine
+    from farm.benchmark.measure import engine_rates
 
-    images = images_for(model, IMAGES[model])
-    rates = {}
-    for batch in BATCHES[model]:
-        engine = load_engine(find(model), backend, batch, device,
-                             threads=None if device != "cpu" else 1)
-        engine.run(images[:batch])  # warm-up
-        best = 0.0
-        for _ in range(2):
-            started = time.perf_counter()
-            engine.run(images)
-            best = max(best, len(images) / (time.perf_counter() - started))
-        rates[batch] = best
-    return rates
+    return dict(engine_rates(model, backend, device, None if device != "cpu" else 1,
+                             BATCHES[model], images_for(model, IMAGES[model]), repeats=2))
 
 
 def shrink_memory() -> dict[str, float]:

@@ -8,7 +8,9 @@ defines them; each job names its policy, so one warm farm runs them all.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import multiprocessing
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -65,12 +67,23 @@ def paper_configurations(quick: bool = False) -> list[Configuration]:
     return configs
 
 
+def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` in a new spawned process (nothing inherited from this one)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(function, *args).result()
+
+
 @contextlib.contextmanager
-def bench_farm(workers: Sequence[WorkerSpec], model: str) -> Iterator[Client]:
-    """A fresh local farm of ``workers`` with ``model`` loaded; a client connected to it."""
+def bench_farm(workers: Sequence[WorkerSpec], model: str,
+               images: np.ndarray) -> Iterator[Client]:
+    """A fresh local farm of ``workers`` with ``model`` loaded, warmed up by one job of
+    the first ``STANDALONE_CHUNK`` of ``images``; a client connected to it."""
     with LocalFarm([w.device for w in workers], "fifo", BROKER_OPTIONS,
                    device_options=[w.options() for w in workers], preload=[model]) as local, \
             local.client(timeout=JOB_TIMEOUT) as client:
+        timed_job(client, images[:STANDALONE_CHUNK], model,
+                  Configuration("fifo", {"chunk": STANDALONE_CHUNK}))
         yield client
 
 
@@ -88,18 +101,16 @@ def timed_job(client: Client, images: np.ndarray, model: str,
 def standalone_rate(worker: WorkerSpec, model: str, images: np.ndarray) -> float:
     """Images/s of ``worker`` alone: a one-worker farm, big fifo chunks, after a warm-up."""
     fifo = Configuration("fifo", {"chunk": STANDALONE_CHUNK})
-    with bench_farm([worker], model) as client:
-        timed_job(client, images[:STANDALONE_CHUNK], model, fifo)
+    with bench_farm([worker], model, images) as client:
         return timed_job(client, images, model, fifo).summary.rate
 
 
 def table2(worker: WorkerSpec, model: str, images: np.ndarray,
            sizes: Sequence[int] = TABLE2_SIZES) -> list[tuple[int, float]]:
     """The paper's Table 2 for one device: images/s of ``images`` cut into chunks of each
-    size (how many are submitted at once), the worker computing at its default batch."""
+    size (how many are submitted at once), the worker computing at its own batch."""
     rows = []
-    with bench_farm([worker], model) as client:
-        timed_job(client, images[:1000], model, Configuration("fifo", {"chunk": 100}))
+    with bench_farm([worker], model, images) as client:
         for size in sizes:
             job = timed_job(client, images, model, Configuration("fifo", {"chunk": size}))
             rows.append((size, job.summary.rate))
@@ -109,8 +120,6 @@ def table2(worker: WorkerSpec, model: str, images: np.ndarray,
 def best_batch(worker: WorkerSpec, model: str, count: int) -> list[tuple[int, float]]:
     """Images/s of the worker's engine at each candidate batch, in a fresh process set up
     as the worker sets itself up (pinned, one thread), on ``count`` images."""
-    from farm.benchmark.peers import in_fresh_process
-
     candidates = BATCH_CANDIDATES["gpu" if worker.device.startswith("gpu") else "cpu"]
     return in_fresh_process(_engine_rates, worker, model, candidates, count)
 
@@ -118,21 +127,32 @@ def best_batch(worker: WorkerSpec, model: str, count: int) -> list[tuple[int, fl
 def _engine_rates(worker: WorkerSpec, model: str, candidates: Sequence[int],
                   count: int) -> list[tuple[int, float]]:
     from farm.benchmark.setups import make_images
-    from farm.engine import load_engine
-    from farm.repository import find
     from farm.workers.worker import Device, prepare_process
 
     device = Device.parse(worker.device)
     prepare_process(device)
-    images = make_images(model, count)
+    return engine_rates(model, worker.library, device.engine_device,
+                        1 if device.pinned else None, candidates, make_images(model, count))
+
+
+def engine_rates(model: str, backend: str, engine_device: str, threads: int | None,
+                 candidates: Sequence[int], images: np.ndarray,
+                 repeats: int = 1) -> list[tuple[int, float]]:
+    """In this process: (batch, images/s of the engine on ``images``) for each candidate
+    batch, after a warm-up batch; the best of ``repeats`` runs each."""
+    from farm.engine import load_engine
+    from farm.repository import find
+
     rates = []
     for batch in candidates:
-        engine = load_engine(find(model), worker.library, batch, device.engine_device,
-                             1 if device.pinned else None)
+        engine = load_engine(find(model), backend, batch, engine_device, threads)
         engine.run(images[:batch])
-        started = time.perf_counter()
-        engine.run(images)
-        rates.append((batch, count / (time.perf_counter() - started)))
+        best = 0.0
+        for _ in range(repeats):
+            started = time.perf_counter()
+            engine.run(images)
+            best = max(best, len(images) / (time.perf_counter() - started))
+        rates.append((batch, best))
     return rates
 
 
@@ -157,8 +177,7 @@ def policy_sweep(setup: FarmSetup, model: str, images: np.ndarray,
     outputs (to check the peers' against)."""
     runs: list[PolicyRun] = []
     reference: np.ndarray | None = None
-    with bench_farm(setup.workers, model) as client:
-        timed_job(client, images[:STANDALONE_CHUNK], model, Configuration("fifo"))
+    with bench_farm(setup.workers, model, images) as client:
         for config in configs:
             result = timed_job(client, images, model, config)
             if reference is None:
@@ -175,6 +194,5 @@ def policy_sweep(setup: FarmSetup, model: str, images: np.ndarray,
 def farm_rate(setup: FarmSetup, model: str, images: np.ndarray,
               config: Configuration) -> float:
     """Images/s of one job under ``config`` on a fresh, warm farm of ``setup``."""
-    with bench_farm(setup.workers, model) as client:
-        timed_job(client, images[:STANDALONE_CHUNK], model, Configuration("fifo"))
+    with bench_farm(setup.workers, model, images) as client:
         return timed_job(client, images, model, config).summary.rate

@@ -17,17 +17,17 @@ compared with the farm's and only the way work is spread differs.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import importlib.util
 import multiprocessing
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from farm.benchmark.measure import in_fresh_process
 from farm.benchmark.setups import make_images
 from farm.engine import Engine, load_engine
 from farm.repository import find
@@ -52,13 +52,6 @@ class PeerResult:
     note: str = ""
     best: int = 0  # the chosen setting, as a number
     round_: int = 0
-
-
-def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` in a new spawned process (nothing inherited from this one)."""
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(function, *args).result()
 
 
 def missing(peer: str) -> str | None:

@@ -29,6 +29,11 @@ WASTE_GOAL = 0.05
 HEAD_TO_HEAD = "head-to-head"
 
 
+def median_run(runs: Sequence[Any]) -> Any:
+    """The run of median rate (the upper one of an even count), as ``median_high``."""
+    return sorted(runs, key=lambda run: run.rate)[len(runs) // 2]
+
+
 @dataclass
 class ModelResults:
     """Everything measured on one model."""
@@ -78,8 +83,7 @@ class ModelResults:
         rounds: dict[str, list[PeerResult]] = defaultdict(list)
         for result in self.peers:
             rounds[result.peer].append(result)
-        return [sorted(runs, key=lambda run: run.rate)[len(runs) // 2]
-                for runs in rounds.values()]
+        return [median_run(runs) for runs in rounds.values()]
 
     def farm_head_to_head(self) -> float:
         """Farm's best configuration, median of its runs between the peers' (the sweep's
@@ -114,8 +118,7 @@ class PolicySummary:
 
     @classmethod
     def of(cls, runs: Sequence[PolicyRun], theoretical: float) -> PolicySummary:
-        ordered = sorted(runs, key=lambda run: run.rate)
-        median = ordered[len(ordered) // 2]
+        median = median_run(runs)
         return cls(median.setup, median.config, median.rate, len(runs), theoretical,
                    median.in_job_theoretical)
 

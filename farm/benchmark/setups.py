@@ -58,10 +58,6 @@ class FarmSetup:
     about: str
     workers: tuple[WorkerSpec, ...]
 
-    @property
-    def devices(self) -> list[str]:
-        return [worker.device for worker in self.workers]
-
     def with_batches(self, batches: dict[str, int]) -> FarmSetup:
         """The same farm, each worker at the batch of its kind in ``batches``."""
         return FarmSetup(self.name, self.about, tuple(

@@ -79,27 +79,31 @@ def run_model(config: SuiteConfig, model: str, setups: list[FarmSetup],
             reference = outputs if reference is None else reference
         standalone_round(setup, model, alone, standalone)
         say(f"{model}, {setup.name}: theoretical {found.theoretical(setup.name):,.0f}/s")
+    available = []
     for peer in config.peers:
         why = peers.missing(peer)
         if why:
             found.skipped_peers.append(f"{peer}: {why}")
+        else:
+            available.append(peer)
     cores_farm = next((s for s in setups if s.name == "cores"), None)
     if cores_farm is not None:
-        head_to_head(config, found, cores_farm.with_batches(best), images, reference, say)
+        head_to_head(config, found, cores_farm.with_batches(best), available, images,
+                     reference, say)
     elif config.peers:
         found.skipped_peers.append("every peer: peers run beside the cores farm, not built")
     return found
 
 
 def head_to_head(config: SuiteConfig, found: ModelResults, setup: FarmSetup,
-                 images: np.ndarray, reference: np.ndarray, say: Callable[[str], None]) -> None:
+                 available: list[str], images: np.ndarray, reference: np.ndarray,
+                 say: Callable[[str], None]) -> None:
     """Farm's best configuration and every peer, in turn, ``peer_rounds`` times: the
     machine's drift touches all of them alike (each figure is then a median).  Each round
     first measures the farm's workers alone again, so the farm's figure here has a waste
     of its own, free of the sweep's pick of its luckiest run.  Peers are tuned in the
     first round and keep that setting."""
     best = found.farm_best()
-    available = [peer for peer in config.peers if peers.missing(peer) is None]
     settings: dict[str, int] = {}
     for round_ in range(config.peer_rounds):
         standalone_round(setup, found.model, images[:config.standalone_images],
