@@ -265,8 +265,11 @@ class Broker:
             entry = self.workers.get(identity)
             if entry is None:
                 self.send(identity, Command.DISCONNECT, {})  # a worker we dropped: re-register
-            elif "computed" in message.header:
-                entry.note_computed(message.header["computed"], self.clock())
+            else:
+                if "computed" in message.header:
+                    entry.note_computed(message.header["computed"], self.clock())
+                if "engines" in message.header:
+                    entry.note_engines(message.header["engines"])
             return
         if not isinstance(job_id, str) or len(job_id) > 100:
             raise ProtocolError("HEARTBEAT 'job' must be a job id")

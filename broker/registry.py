@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 #: Most chunks a worker may ask to have in flight at once.
 MAX_SLOTS = 64
+#: Models whose engines one worker may report.
+MAX_ENGINES = 100
 #: Heartbeat intervals a peer may announce, in seconds.
 MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
 #: Seconds behind a worker's images/s and busy share in ``farm status``.
@@ -47,6 +49,7 @@ class WorkerEntry:
     models: dict[str, Any]  # name -> {"input_shape": [...]}: what it can run
     loaded: set[str]  # models it has loaded
     slots: int
+    engines: dict[str, str] = field(default_factory=dict)  # model -> "openvino f32 batch 64"
     heartbeat: float = 1.0  # seconds between the worker's heartbeats
     last_seen: float = 0.0  # broker clock when the worker was last heard from
     in_flight: dict[int, ChunkRecord] = field(default_factory=dict)
@@ -80,8 +83,10 @@ class WorkerEntry:
         heartbeat = header.get("heartbeat", 1.0)
         if not valid_heartbeat(heartbeat):
             raise ProtocolError(f"READY heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
-        return cls(identity, header["device"], header["host"], header["pid"], header["backend"],
-                   threads, header["models"], set(loaded), header["slots"], float(heartbeat))
+        entry = cls(identity, header["device"], header["host"], header["pid"], header["backend"],
+                    threads, header["models"], set(loaded), header["slots"], float(heartbeat))
+        entry.note_engines(header.get("engines", {}))
+        return entry
 
     @property
     def free_slots(self) -> int:
@@ -104,6 +109,16 @@ class WorkerEntry:
         while len(self.samples) > 2 and self.samples[1][0] <= now - RECENT_WINDOW:
             self.samples.popleft()
 
+    def note_engines(self, engines: Any) -> None:
+        """The engine running each loaded model (``auto`` chooses per model); ProtocolError if
+        malformed."""
+        if not (isinstance(engines, dict) and len(engines) <= MAX_ENGINES and all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 200 and len(v) <= 200
+                for k, v in engines.items())):
+            raise ProtocolError(f"'engines' must map at most {MAX_ENGINES} model names to "
+                                f"engine descriptions")
+        self.engines = engines
+
     def recent_load(self) -> tuple[float, float]:
         """Images/s and the busy share (compute seconds per second) over the last
         ``RECENT_WINDOW`` seconds of heartbeats; zeros until two have come."""
@@ -120,7 +135,8 @@ class WorkerEntry:
         return {"name": self.name, "heartbeat_age_s": now - self.last_seen,
                 "device": self.device, "host": self.host, "pid": self.pid,
                 "backend": self.backend, "threads": self.threads, "models": sorted(self.models),
-                "loaded": sorted(self.loaded), "fetched": dict(self.fetched),
+                "loaded": sorted(self.loaded), "engines": dict(self.engines),
+                "fetched": dict(self.fetched),
                 "state": "busy" if self.in_flight else "idle", "slots": self.slots,
                 "in_flight": len(self.in_flight), "rate": rate, "busy_share": busy,
                 "jobs": sorted({record.job.id for record in self.in_flight.values()}),

@@ -159,6 +159,9 @@ _MESSAGES: dict[str, list[tuple]] = {
         opt("uint32", "stride_h", 7), opt("uint32", "stride_w", 8),
         opt("bool", "global_pooling", 12, False),
         opt(".caffe.PoolingParameter.RoundMode", "round_mode", 13, "CEIL"),
+        # the forks' `ceil_mode: false` (BVLC/caffe pull request 3057, as DenseNet-Caffe
+        # uses); 13 there clashes with round_mode, so it gets a number of its own
+        opt("bool", "ceil_mode", 1013, True),
     ],
     "InnerProductParameter": [
         opt("uint32", "num_output", 1), opt("bool", "bias_term", 2, True),

@@ -23,6 +23,10 @@ import numpy as np
 from farm.client import DEFAULT_BROKER, FarmError, FarmTimeout
 
 DEFAULT_MODEL = "lenet"
+#: ``--backend`` values: ``auto`` and ``farm.engine.BACKENDS`` (kept here so the CLI starts
+#: without importing numpy's and the engines' modules; a test checks they match).
+BACKEND_CHOICES = ("auto", "caffe", "opencv", "torch", "onnxruntime", "openvino")
+PRECISION_CHOICES = ("f32", "f16", "bf16")
 #: Commands that run for a long time and log as they go: INFO by default; others WARNING.
 SERVICES = ("broker", "worker")
 NO_BROKER_HINT = ("is a broker running there? --broker or FARM_BROKER give its address; a "
@@ -273,8 +277,12 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve:
                    "gpu:N (CUDA device N, torch backend).")
 @click.option("--broker", "broker_address", default=DEFAULT_BROKER, show_default=True,
               envvar="FARM_BROKER", show_envvar=True, help="Broker endpoint to connect to.")
-@click.option("--backend", type=click.Choice(["opencv", "torch", "caffe"]),
-              help="Inference library [default: opencv on cpu, torch on gpu].")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True,
+              help="Inference library; auto times each installed one on each model when it "
+                   "loads and keeps the fastest whose outputs agree (remembered on disk).")
+@click.option("--precision", type=click.Choice(PRECISION_CHOICES), default="f32",
+              show_default=True,
+              help="Compute precision; f16/bf16 where the engine and device offer them.")
 @click.option("--model", "preload", multiple=True, help="Load this model at start (repeatable).")
 @click.option("--models-dir", multiple=True, type=click.Path(file_okay=False),
               help="Local model folder used when its files match the job's (repeatable; also "
@@ -292,7 +300,8 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve:
 @curve_option("the broker's public key and this worker's secret key", "worker")
 @click.option("--fail-items", hidden=True, type=ItemRange(),
               help="Fault injection for chaos tests: chunks touching items A-B fail.")
-def worker(device: str, broker_address: str, backend: str | None, preload: tuple[str, ...],
+def worker(device: str, broker_address: str, backend: str, precision: str,
+           preload: tuple[str, ...],
            models_dir: tuple[str, ...], cache_dir: str | None, batch: int | None, slots: int,
            max_tasks: int | None, heartbeat: float, liveness: int, curve: str | None,
            curve_name: str, fail_items: tuple[int, int] | None) -> None:
@@ -302,15 +311,18 @@ def worker(device: str, broker_address: str, backend: str | None, preload: tuple
     Examples:
       farm worker --device cpu:3 --broker tcp://10.0.0.1:5555
       farm worker --device gpu:0 --broker tcp://10.0.0.1:5555 --batch 256
+      farm worker --device cpu:1 --backend openvino --precision bf16
       farm worker --device cpu:0 --curve keys/ --curve-name rack2 --broker tcp://10.0.0.1:5555
     Under supervisord, one per core: farm deploy supervisord --help
     """
     from farm.workers.worker import Device, WorkerConfig, serve
 
     try:
-        config = WorkerConfig(broker_address, Device.parse(device), batch, models_dir, preload,
-                              slots, max_tasks, backend, cache_dir, heartbeat, liveness, curve,
-                              curve_name, fail_items)
+        config = WorkerConfig(
+            broker_address, Device.parse(device), batch=batch, model_dirs=models_dir,
+            preload=preload, slots=slots, max_tasks=max_tasks, backend=backend,
+            cache_dir=cache_dir, heartbeat=heartbeat, liveness=liveness, curve=curve,
+            curve_name=curve_name, fail_items=fail_items, precision=precision)
         serve(config)
     except (ValueError, LookupError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -471,9 +483,19 @@ def submit(images: str, model: str, broker_address: str, out: str | None, priori
 @click.option("--trace", type=click.Path(dir_okay=False),
               help="Write every chunk's worker and timings here (JSON) for `farm report`.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True,
+              help="The workers' inference library (auto: the fastest that agrees, per model).")
+@click.option("--precision", type=click.Choice(PRECISION_CHOICES), default="f32",
+              show_default=True, help="The workers' compute precision.")
+@click.option("--batch", type=click.IntRange(1),
+              help="The workers' compute batch [default: auto's choice, else the prototxt's].")
+@click.option("--models-dir", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="Model repository folder for the broker and workers (repeatable; also "
+                   "$FARM_MODELS).")
 @policy_options
 def run(images: str | None, model: str, workers: int | None, out: str | None,
-        trace: str | None, quiet: bool, algo: str, **options: object) -> None:
+        trace: str | None, quiet: bool, backend: str, precision: str, batch: int | None,
+        models_dir: tuple[str, ...], algo: str, **options: object) -> None:
     """Start a local farm (broker + one pinned worker per core), run IMAGES, stop it.
 
     Without IMAGES, runs the model's bundled sample (and scores it when the
@@ -484,12 +506,13 @@ def run(images: str | None, model: str, workers: int | None, out: str | None,
       farm run                                   # LeNet on its bundled sample
       farm run images.npy --model lenet --out scores.npy
       farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
+      farm run images.npy --model mynet --models-dir ~/models --backend openvino
     """
     from farm.local import LocalFarm, cores
     from farm.repository import ModelError, find
 
     try:
-        spec = find(model)
+        spec = find(model, models_dir)
     except ModelError as exc:
         raise click.ClickException(str(exc)) from exc
     labels = None
@@ -498,6 +521,7 @@ def run(images: str | None, model: str, workers: int | None, out: str | None,
             raise click.ClickException(f"model {model!r} has no bundled sample; give IMAGES")
         images, labels = str(spec.sample), spec.sample_labels
     broker_arguments = policy_arguments(policy_params(algo, options))
+    folders = [arg for folder in models_dir for arg in ("--models-dir", str(Path(folder).resolve()))]
     available = cores()
     devices = [f"cpu:{available[i % len(available)]}" for i in range(workers or len(available))]
     array = load_images(images)
@@ -509,7 +533,9 @@ def run(images: str | None, model: str, workers: int | None, out: str | None,
     for hangup in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(hangup, stop)
     try:
-        with LocalFarm(devices, algo, broker_arguments, preload=[model]) as local:
+        with LocalFarm(devices, algo, [*broker_arguments, *folders], [
+                "--backend", backend, "--precision", precision, *folders,
+                *(["--batch", str(batch)] if batch else [])], preload=[model]) as local:
             outputs = run_job(local.endpoint, array, model, out, quiet, 60.0, trace=trace)
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -622,9 +648,11 @@ def comma_list(choices: Sequence[str]) -> Callable[[click.Context, click.Paramet
               help="Farms to build: cores (OpenCV per core), mixed (OpenCV and torch on "
                    "alternate cores), gpu (cores plus one torch worker per GPU); those this "
                    "machine cannot build are skipped and named.")
-@click.option("--peers", "peer_names", default="opencv-threads,process-pool,ray-data",
-              show_default=True,
-              callback=comma_list(("opencv-threads", "process-pool", "ray-data")),
+@click.option("--peers", "peer_names",
+              default="opencv-threads,process-pool,ray-data,onnxruntime-threads,"
+                      "openvino-throughput", show_default=True,
+              callback=comma_list(("opencv-threads", "process-pool", "ray-data",
+                                   "onnxruntime-threads", "openvino-throughput")),
               help="Peers to run beside the farm ('' for none); ray-data needs ray[data].")
 @click.option("--peer-rounds", default=3, show_default=True, type=click.IntRange(1),
               help="Rounds of farm's best policy and every peer run in turn (medians).")
@@ -765,6 +793,7 @@ def models() -> None:
       farm models list
       farm models show caffenet
       farm models check lenet
+      farm models export lenet --onnx lenet.onnx
       farm models prepare caffenet
     """
 
@@ -858,33 +887,89 @@ def show_model(name: str, models_dir: tuple[str, ...]) -> None:
 @click.argument("name")
 @click.option("--count", default=8, show_default=True, type=click.IntRange(1),
               help="Images to compare (the model's sample, else seeded random images).")
+@click.option("--precision", type=click.Choice(PRECISION_CHOICES), default="f32",
+              show_default=True,
+              help="Compare this precision with the reference in f32 (top-1 agreement too).")
+@click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
+              help="Compute threads, for the speeds and auto's choice (1: a pinned worker).")
 @models_dir_option
-def check_model_command(name: str, count: int, models_dir: tuple[str, ...]) -> None:
-    """Load NAME on every backend available here and compare their outputs.
+def check_model_command(name: str, count: int, precision: str, threads: int,
+                        models_dir: tuple[str, ...]) -> None:
+    """Load NAME on every backend here, compare their outputs, and show auto's choice.
+
+    Differences are relative to the largest output of the reference (the first
+    backend that runs the model, in f32).
 
     \b
     Examples:
       farm models check lenet
       farm models check caffenet --count 2
+      farm models check cifar10_quick --precision bf16
     """
-    from farm.modelcheck import TOLERANCE, check_inputs, check_model
+    from farm.autoselect import choose
+    from farm.modelcheck import check_inputs, check_model
+    from farm.repository import ModelError
 
     spec = find_model(name, models_dir)
     inputs = check_inputs(spec, count)
+    checks = check_model(spec, inputs, threads=threads, precision=precision)
     click.echo(f"{spec.name}: {len(inputs)} images {shape_text(inputs.shape[1:])} "
-               f"{inputs.dtype}; outputs must agree within {TOLERANCE:g}")
-    checks = check_model(spec, inputs)
+               f"{inputs.dtype}; outputs must agree within {checks[-1].tolerance:g} of the "
+               f"reference's largest output")
     for check in checks:
         if check.skipped:
-            click.echo(f"  {check.backend:<7} skipped: {check.problem}")
+            click.echo(f"  {check.backend:<11} skipped: {check.problem.split(' (')[0]}")
         elif check.problem:
-            click.echo(f"  {check.backend:<7} FAILED: {check.problem}")
+            click.echo(f"  {check.backend:<11} FAILED: {check.problem}")
         else:
             verdict = "ok" if check.ok else "DIFFERS"
-            click.echo(f"  {check.backend:<7} {verdict:<7} max |difference| "
-                       f"{check.difference:.2e}, {len(inputs) / check.seconds:,.0f} images/s")
+            click.echo(f"  {check.backend:<11} {verdict:<7} difference {check.difference:.1e}, "
+                       f"top-1 agrees {check.top1_agreement:.0%}, "
+                       f"{len(inputs) / check.seconds:,.0f} images/s")
+    try:
+        choice = choose(spec, "cpu", threads, precision)
+        click.echo(f"auto on {threads} thread(s): {choice.describe()}")
+    except ModelError as exc:
+        click.echo(f"auto: {exc}")
     if not all(check.ok for check in checks):
         raise click.ClickException(f"model {spec.name!r} failed its check")
+
+
+@models.command("export")
+@click.argument("name")
+@click.option("--onnx", "onnx_path", required=True, type=click.Path(dir_okay=False),
+              help="Write the ONNX graph here.")
+@click.option("--count", default=8, show_default=True, type=click.IntRange(1),
+              help="Images to compare with the reference backend.")
+@models_dir_option
+def export_model(name: str, onnx_path: str, count: int, models_dir: tuple[str, ...]) -> None:
+    """Write NAME as a checked ONNX file: onnx.checker passes it, and ONNX Runtime's outputs
+    on it are compared with the reference backend's.
+
+    The graph has a free batch dimension, ends at the model's output blob and
+    computes Caffe's semantics (pooling rounding, LRN, BatchNorm's scale factor);
+    preprocessing (model.toml) stays outside it.
+
+    \b
+    Examples:
+      farm models export caffenet --onnx caffenet.onnx
+      farm models export mynet --models-dir ~/models --onnx mynet.onnx
+    """
+    from farm.modelcheck import check_inputs, export_checked
+    from farm.repository import ModelError
+
+    spec = find_model(name, models_dir)
+    try:
+        result = export_checked(spec, Path(onnx_path), check_inputs(spec, count))
+    except (ModelError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{spec.name}: {onnx_path} ({result.size / 1e6:.1f} MB, opset {result.opset}, "
+               f"input {result.input} N x {shape_text(spec.input_shape)}, output "
+               f"{result.output}); onnx.checker passed")
+    click.echo(f"  ONNX Runtime against {result.reference}: difference {result.difference:.1e} "
+               f"of the largest output on {count} images")
+    if not result.ok:
+        raise click.ClickException(f"the exported graph differs from {result.reference}")
 
 
 @models.command("prepare")

@@ -28,12 +28,22 @@ log = logging.getLogger("farm.engine")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                     "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
-#: Backend name -> "module:class"; the first is the CPU default, torch runs GPUs.
-BACKENDS = {"opencv": "farm.backends.opencv:OpenCVEngine",
+#: Backend name -> "module:class", the reference order: the first that runs a model is the one
+#: the others' outputs are checked against (pycaffe is Caffe itself; OpenCV's importer and
+#: torch are farm's older backends; the last two run farm's own ONNX export of the net).
+BACKENDS = {"caffe": "farm.backends.pycaffe:CaffeEngine",
+            "opencv": "farm.backends.opencv:OpenCVEngine",
             "torch": "farm.backends.pytorch:TorchEngine",
-            "caffe": "farm.backends.pycaffe:CaffeEngine"}
-DEFAULT_BACKEND = "opencv"
+            "onnxruntime": "farm.backends.onnxruntime:OnnxRuntimeEngine",
+            "openvino": "farm.backends.openvino:OpenVINOEngine"}
+#: ``auto``: time every installed backend on the model and keep the fastest that agrees.
+AUTO = "auto"
+DEFAULT_BACKEND = AUTO
+#: What a GPU worker needs installed at least (``Device.check``).
 GPU_BACKEND = "torch"
+#: Compute precisions; f32 is the default, the others are opt-in where engine and device
+#: support them.
+PRECISIONS = ("f32", "f16", "bf16")
 
 
 class Stopped(Exception):
@@ -66,28 +76,35 @@ class Engine:
     backend: ClassVar[str] = ""
 
     def __init__(self, spec: ModelSpec, network: Network, batch: int | None, device: str,
-                 threads: int | None) -> None:
+                 threads: int | None, precision: str = "f32") -> None:
         self.spec = spec
         self.network = network
         self.batch = max(1, batch or spec.batch)
         self.device = device
         self.threads = threads
+        self.precision = precision
         self.transform = Transformer.for_model(spec)
         self.output_shape: tuple[int, ...] = ()
         self.allocated = 0  # the largest batch the buffers were sized for since the last rest
 
     @classmethod
     def load(cls, spec: ModelSpec, batch: int | None = None, device: str = "cpu",
-             threads: int | None = None) -> Engine:
+             threads: int | None = None, precision: str = "f32") -> Engine:
         """Check the files, build the net in this backend, probe the output with one image."""
         prepare(spec)
         try:
             network = Network.load(spec.prototxt, spec.weights)
         except NetworkError as exc:
             raise ModelError(f"model {spec.name!r}: {exc}") from None
+        if precision not in PRECISIONS:
+            raise ModelError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
         started = time.perf_counter()
-        engine = cls(spec, network, batch, device, threads)
+        engine = cls(spec, network, batch, device, threads, precision)
         try:
+            if precision not in engine.precisions():
+                raise ModelError(f"the {cls.backend} backend does not compute in {precision} on "
+                                 f"{device}{engine.precision_note()}; it offers "
+                                 f"{', '.join(engine.precisions())}")
             engine.build()
             network.drop_weights()  # the backend holds its own copy: keep one, not two
             release_free_memory()
@@ -106,6 +123,26 @@ class Engine:
     def build(self) -> None:
         """Construct the backend's net from ``self.network``."""
         raise NotImplementedError
+
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions this backend computes in on ``self.device``."""
+        return ("f32",)
+
+    def precision_note(self) -> str:
+        """Why a precision is missing here (``" (this CPU lacks bf16)"``), or nothing."""
+        return ""
+
+    def describe(self) -> str:
+        """The engine as logs and ``farm status`` show it: ``openvino f32 batch 64``."""
+        return f"{self.backend} {self.precision} batch {self.batch}"
+
+    def onnx_file(self, folder: str) -> str:
+        """Write ``self.network`` as a checked ONNX graph into ``folder``; its path."""
+        from farm.onnx_export import export, save
+
+        path = os.path.join(folder, "model.onnx")
+        save(export(self.network, self.spec.output), path)
+        return path
 
     def clean_prototxt(self, folder: str) -> str:
         """Write ``self.network`` as a clean deploy prototxt into ``folder``; its path."""
@@ -159,7 +196,8 @@ class Engine:
 def engine_class(backend: str) -> type[Engine]:
     """The engine class of a backend; BackendUnavailable says how to get its library."""
     if backend not in BACKENDS:
-        raise ModelError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+        raise ModelError(f"unknown backend {backend!r}; use {AUTO} or one of "
+                         f"{', '.join(BACKENDS)}")
     module_name, class_name = BACKENDS[backend].split(":")
     module = importlib.import_module(module_name)
     module.require()
@@ -167,8 +205,14 @@ def engine_class(backend: str) -> type[Engine]:
 
 
 def load_engine(spec: ModelSpec, backend: str = DEFAULT_BACKEND, batch: int | None = None,
-                device: str = "cpu", threads: int | None = None) -> Engine:
-    return engine_class(backend).load(spec, batch, device, threads)
+                device: str = "cpu", threads: int | None = None,
+                precision: str = "f32") -> Engine:
+    """A loaded engine; ``auto`` picks the fastest backend that agrees (``farm.autoselect``)."""
+    if backend == AUTO:
+        from farm.autoselect import choose
+
+        return choose(spec, device, threads, precision, batch).engine
+    return engine_class(backend).load(spec, batch, device, threads, precision)
 
 
 def available_backends() -> dict[str, str | None]:

@@ -81,10 +81,16 @@ def pool_geometry(p: Any, height: int, width: int) -> Geometry:
         _pair(p.pad, p.pad_h, p.pad_w, p.HasField("pad_h"), 0))
 
 
+def pools_with_ceil(p: Any) -> bool:
+    """Whether a pooling layer rounds its output size up: Caffe's default, unless BVLC's
+    ``round_mode: FLOOR`` or the forks' ``ceil_mode: false`` says otherwise."""
+    return p.round_mode == 0 and p.ceil_mode
+
+
 def pooled_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = True,
                 padded: bool = False) -> int:
-    """Caffe's pooling output size: rounded up (unless round_mode FLOOR); when the layer has
-    any padding (``padded``), a last window starting past the input and its padding is cut."""
+    """Caffe's pooling output size: rounded up unless ``ceil`` is False; when the layer has any
+    padding (``padded``), a last window starting past the input and its padding is cut."""
     steps = (size + 2 * pad - kernel) / stride
     out = (math.ceil(steps) if ceil else math.floor(steps)) + 1
     if (out - 1) * stride >= size + pad:
@@ -130,7 +136,7 @@ def _pooling(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[Shap
     g = pool_geometry(p, h, w)
     if min(g.stride) <= 0 or any(k > size + 2 * pad for k, size, pad in zip(g.kernel, (h, w), g.pad)):
         raise NetworkError(f"pooling window {g.kernel} does not fit input {h}x{w}")
-    ceil, padded = p.round_mode == 0, any(g.pad)
+    ceil, padded = pools_with_ceil(p), any(g.pad)
     out = [pooled_size(size, k, s, pad, ceil, padded) for size, k, s, pad in zip(
         (h, w), g.kernel, g.stride, g.pad)]
     return [(n, c, *out)], []

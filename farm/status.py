@@ -28,7 +28,9 @@ def table(headers: Sequence[str], rows: list[Sequence[str]], right: set[int]) ->
 def worker_rows(workers: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for w in sorted(workers, key=lambda w: w["name"]):
-        models = ",".join(w.get("loaded", [])) or "-"
+        engines = w.get("engines", {})
+        models = ", ".join(f"{name} ({engines[name]})" if name in engines else name
+                           for name in w.get("loaded", [])) or "-"
         rows.append([w["name"], w["backend"], w["state"].upper(), f"{w['rate']:,.0f}",
                      f"{w['busy_share']:.0%}", f"{w['in_flight']}/{w['slots']}",
                      f"{w['heartbeat_age_s']:.1f}s", f"{w['items_done']:,}", models])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import numpy as np
@@ -45,11 +46,14 @@ def test_models_check_passes_lenet_and_fails_a_broken_model(tmp_path, lenet) -> 
 
     result = CliRunner().invoke(main, ["models", "check", "lenet", "--count", "16"])
     assert result.exit_code == 0, result.output
-    assert "opencv  ok" in result.output
+    for backend in ("opencv", "onnxruntime", "openvino"):
+        assert re.search(rf"{backend} +ok +difference", result.output), result.output
+    assert re.search(r"auto on 1 thread\(s\): \w+ f32 batch \d+", result.output)
     break_model(tmp_path / "bad", lenet.folder, "mismatch")
     result = CliRunner().invoke(main, ["models", "check", "bad", "--models-dir", str(tmp_path)])
     assert result.exit_code == 1
-    assert "opencv  FAILED" in result.output and "does not match the prototxt" in result.output
+    assert re.search("opencv +FAILED", result.output)
+    assert "does not match the prototxt" in result.output
     assert "model 'bad' failed its check" in result.output
 
 

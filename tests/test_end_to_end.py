@@ -97,7 +97,7 @@ def test_registry_lists_every_worker(farm_two_workers) -> None:
     with farm_two_workers.client() as client:
         info = client.info()
     assert sorted(w["device"] for w in info["workers"]) == sorted(farm_two_workers.devices)
-    assert all(w["backend"] == "opencv" and "lenet" in w["models"] for w in info["workers"])
+    assert all(w["backend"] == "auto" and "lenet" in w["models"] for w in info["workers"])
 
 
 def test_an_unpinned_worker_serves_too(lenet, digits) -> None:

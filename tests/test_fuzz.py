@@ -743,13 +743,21 @@ class WorkerFuzzer:
             if message.command is Command.READY and identity != self.identity:
                 self.identity, self.reconnects = identity, self.reconnects + 1
             elif message.command is Command.HEARTBEAT:
-                self.router.send_multipart([identity, *protocol.encode(Command.HEARTBEAT, {
-                    "interval": 1.0})])
+                self.answer(identity, protocol.encode(Command.HEARTBEAT, {"interval": 1.0}))
             elif message.command is Command.FETCH:  # as a broker does for a model it lacks
-                self.router.send_multipart([identity, *protocol.encode(Command.MODEL, {
-                    **message.header, "files": [], "error": "no such model"})])
+                self.answer(identity, protocol.encode(Command.MODEL, {
+                    **message.header, "files": [], "error": "no such model"}))
             if wanted(message):
                 return message
+
+    def answer(self, identity: bytes, frames: list[bytes]) -> None:
+        """Answer a message, unless its connection is gone (the worker reconnected since it
+        was sent: a broker drops such answers too)."""
+        try:
+            self.router.send_multipart([identity, *frames])
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
 
     def close(self) -> None:
         self.process.terminate()

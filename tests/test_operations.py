@@ -141,7 +141,8 @@ def test_status_json_lists_every_worker_and_job_with_their_states(farm, digits) 
     assert sorted(w["device"] for w in workers) == sorted(farm.devices)
     for worker in workers:
         assert worker["state"] == "busy" and 1 <= worker["in_flight"] <= worker["slots"]
-        assert worker["backend"] == "opencv" and "lenet" in worker["loaded"]
+        assert worker["backend"] == "auto" and "lenet" in worker["loaded"]
+        assert worker["engines"]["lenet"].split()[0] in ("opencv", "onnxruntime", "openvino")
         assert worker["heartbeat_age_s"] < 5 * snapshot["heartbeat"]
         assert 0 < worker["busy_share"] <= 1 and worker["rate"] > 0
     [job] = jobs

@@ -12,7 +12,9 @@ drops it as late.
 
 ``--device cpu:N`` pins the process to core N and caps every compute library
 at one thread; ``--device cpu`` runs unpinned with the libraries' defaults;
-``--device gpu:N`` runs the torch backend on CUDA device N.  The worker keeps
+``--device gpu:N`` runs on CUDA device N.  Unless ``--backend`` names one, each
+model runs on the backend ``auto`` picks when the model loads (the fastest that
+agrees with the reference, remembered on disk).  The worker keeps
 no job state: each TASK carries everything it needs, down to the digest of its
 model's files, which the worker fetches from the broker when it lacks them.
 """
@@ -34,8 +36,8 @@ from typing import Any, Callable
 import zmq
 
 from farm import protocol
-from farm.engine import (DEFAULT_BACKEND, GPU_BACKEND, Engine, Stopped, engine_class,
-                         limit_threads, load_engine)
+from farm.engine import (AUTO, DEFAULT_BACKEND, GPU_BACKEND, Engine, Stopped, engine_class,
+                         limit_threads)
 from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError, ModelSpec, available, find, load_spec, prepare
@@ -83,10 +85,6 @@ class Device:
     def engine_device(self) -> str:
         """The device name the engines take: ``cpu`` or ``cuda:N``."""
         return f"cuda:{self.index}" if self.kind == "gpu" else "cpu"
-
-    @property
-    def default_backend(self) -> str:
-        return GPU_BACKEND if self.kind == "gpu" else DEFAULT_BACKEND
 
     def check(self) -> None:
         """A GPU must be visible to torch; ValueError says what torch sees instead."""
@@ -138,13 +136,14 @@ class WorkerConfig:
     preload: tuple[str, ...] = ()
     slots: int = 2
     max_tasks: int | None = None  # exit after this many chunks (tests, benchmarks)
-    backend: str | None = None  # None: the device's default (opencv on CPUs, torch on GPUs)
+    backend: str = DEFAULT_BACKEND  # auto: the fastest agreeing backend, chosen per model
     cache_dir: str | None = None  # None: $FARM_CACHE/models or ~/.cache/farm/models
     heartbeat: float = 1.0  # seconds between heartbeats to the broker
     liveness: int = 5  # silent broker heartbeats before the worker reconnects
     curve: str | None = None  # a `farm keys` folder: connect with CurveZMQ ...
     curve_name: str = "worker"  # ... as this key
     fail_items: tuple[int, int] | None = None  # fault injection: chunks touching [a, b) fail
+    precision: str = "f32"  # f16 / bf16 where the engine and device offer them
 
 
 Reply = list[Any]
@@ -178,8 +177,9 @@ class Worker:
     def __post_init__(self) -> None:
         self.cache = (ModelCache(Path(self.config.cache_dir)) if self.config.cache_dir
                       else ModelCache.default())
-        self.backend = self.config.backend or self.config.device.default_backend
-        engine_class(self.backend)  # fail at start if the backend's library is missing
+        self.backend = self.config.backend
+        if self.backend != AUTO:
+            engine_class(self.backend)  # fail at start if the backend's library is missing
 
     @property
     def threads(self) -> int | None:
@@ -203,13 +203,24 @@ class Worker:
             raise ModelError(f"no files for model digest {digest[:12]}")
         if digest not in self.engines:
             try:
-                self.engines[digest] = load_engine(spec, self.backend, self.config.batch,
-                                                   self.config.device.engine_device, self.threads)
+                self.engines[digest] = self.build_engine(spec, digest)
             except ModelError as exc:
                 self.broken[digest] = str(exc)
                 raise
-            log.info("loaded model %s (%s) on %s", spec.name, digest[:12], self.backend)
+            log.info("loaded model %s (%s): %s", spec.name, digest[:12],
+                     self.engines[digest].describe())
         return self.engines[digest]
+
+    def build_engine(self, spec: ModelSpec, digest: str) -> Engine:
+        """The model on the configured backend, or on the one ``auto`` chooses."""
+        device = self.config.device.engine_device
+        if self.backend == AUTO:
+            from farm.autoselect import choose
+
+            return choose(spec, device, self.threads, self.config.precision, self.config.batch,
+                          digest).engine
+        return engine_class(self.backend).load(spec, self.config.batch, device, self.threads,
+                                               self.config.precision)
 
     def find_files(self, model: str, digest: str) -> ModelSpec | None:
         """A local or cached copy of the model with exactly this digest, if there is one."""
@@ -235,16 +246,14 @@ class Worker:
                 "pid": os.getpid(), "backend": self.backend, "threads": self.thread_count(),
                 "models": {name: spec.summary() for name, spec in self.local_models().items()},
                 "loaded": sorted({e.spec.name for e in list(self.engines.values())}),
-                "slots": self.config.slots}
+                "engines": self.engine_names(), "slots": self.config.slots}
+
+    def engine_names(self) -> dict[str, str]:
+        """Model -> the engine running it (``openvino f32 batch 64``), for ``farm status``."""
+        return {engine.spec.name: engine.describe() for engine in list(self.engines.values())}
 
     def thread_count(self) -> int:
-        if self.backend == "torch":
-            import torch
-
-            return torch.get_num_threads()
-        import cv2
-
-        return cv2.getNumThreads()
+        return self.threads or len(os.sched_getaffinity(0))
 
     def run(self, context: zmq.Context) -> None:
         """Serve chunks until stopped by a signal or ``max_tasks``."""
@@ -458,7 +467,8 @@ class Worker:
         self.computed_seconds += seconds
 
     def heartbeat_header(self) -> dict[str, Any]:
-        return {"computed": [self.computed_images, self.computed_seconds]}
+        return {"computed": [self.computed_images, self.computed_seconds],
+                "engines": self.engine_names()}
 
     def rest_engines(self) -> None:
         """Idle: shrink every net that grew for large batches back to its resting batch."""

@@ -22,17 +22,22 @@ def require() -> None:
 def refuse_what_opencv_gets_wrong(network: Network) -> None:
     """What OpenCV's Caffe importer gets wrong: refuse it rather than answer wrongly.
 
-    It drops LRN's ``k`` (computes with k = 1) and does not know BVLC's ``round_mode``.
+    It drops LRN's ``k`` (computes with k = 1), does not know BVLC's ``round_mode``, and
+    ignores InnerProduct's ``transpose`` (it multiplies by the untransposed weights).
     """
     for layer in network.layers:
         if layer.type == "Pooling" and layer.param.pooling_param.round_mode != 0:
             raise ModelError(f"{network.source}: layer {layer.name!r} pools with round_mode "
                              f"FLOOR, which OpenCV's Caffe importer does not read; run this "
-                             f"model with --backend torch")
+                             f"model with another backend")
+        if layer.type == "InnerProduct" and layer.param.inner_product_param.transpose:
+            raise ModelError(f"{network.source}: layer {layer.name!r} is an InnerProduct with "
+                             f"transpose: true, which OpenCV's Caffe importer ignores; run "
+                             f"this model with another backend")
         if layer.type == "LRN" and layer.param.lrn_param.k != 1:
             raise ModelError(f"{network.source}: layer {layer.name!r} is an LRN with k = "
                              f"{layer.param.lrn_param.k:g}, which OpenCV's Caffe importer "
-                             f"ignores (it uses k = 1); run this model with --backend torch")
+                             f"ignores (it uses k = 1); run this model with another backend")
 
 
 class OpenCVEngine(Engine):

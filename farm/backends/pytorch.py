@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from farm.engine import BackendUnavailable, Engine
-from farm.network import Layer, Network, conv_geometry, pool_geometry
+from farm.network import Layer, Network, conv_geometry, pool_geometry, pools_with_ceil
 from farm.repository import ModelError
 
 INSTALL_HINT = "pip install 'farm[torch]' (CPU build: pip install torch==2.13.0)"
@@ -52,7 +52,7 @@ def make_op(layer: Layer, shapes: dict[str, tuple[int, ...]]) -> Op:
                                      g.dilation, group)
     if kind == "Pooling":
         g = pool_geometry(p.pooling_param, *in_shape[2:])
-        ceil = p.pooling_param.round_mode == 0
+        ceil = pools_with_ceil(p.pooling_param)
         if p.pooling_param.pool == 0:
             return lambda x, w: F.max_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=ceil)
         return lambda x, w: F.avg_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=ceil,

@@ -1,0 +1,72 @@
+"""The OpenVINO backend: farm's own ONNX export of the net, compiled for the CPU.
+
+The graph keeps a free batch dimension (one compiled model serves every
+batch size; on this project's nets it runs as fast as a static one).  A
+pinned worker gets one inference thread and one stream, and OpenVINO's own
+thread pinning is off (the process is already pinned).  f32 is the default;
+bf16 and f16 are offered where the CPU lists them in its optimization
+capabilities.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+
+from farm.engine import BackendUnavailable, Engine
+from farm.repository import ModelError
+
+INSTALL_HINT = "pip install openvino onnx"
+
+#: farm's precision names -> the CPU capability that offers them.
+CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
+
+
+def require() -> None:
+    try:
+        import onnx  # noqa: F401
+        import openvino  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailable(f"the openvino backend needs OpenVINO and onnx ({exc}): "
+                                 f"{INSTALL_HINT}") from exc
+
+
+def cpu_capabilities() -> list[str]:
+    import openvino
+
+    return list(openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+
+
+class OpenVINOEngine(Engine):
+    backend = "openvino"
+
+    def precisions(self) -> tuple[str, ...]:
+        if self.device != "cpu":
+            return ()
+        offered = cpu_capabilities()
+        return tuple(name for name, capability in CAPABILITIES.items()
+                     if name == "f32" or capability in offered)
+
+    def precision_note(self) -> str:
+        if self.device != "cpu":
+            return " (farm runs OpenVINO on CPUs only)"
+        return f" (this CPU offers {', '.join(cpu_capabilities())})"
+
+    def build(self) -> None:
+        import openvino
+
+        if self.device != "cpu":
+            raise ModelError(f"the openvino backend runs on the CPU only, not {self.device}")
+        core = openvino.Core()
+        config = {"INFERENCE_PRECISION_HINT": self.precision}
+        if self.threads is not None:
+            config.update({"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": self.threads,
+                           "NUM_STREAMS": 1, "ENABLE_CPU_PINNING": False})
+        with tempfile.TemporaryDirectory() as folder:
+            model = core.read_model(self.onnx_file(folder))
+            self.compiled = core.compile_model(model, "CPU", config)
+        self.request = self.compiled.create_infer_request()
+
+    def forward(self, batch: np.ndarray) -> np.ndarray:
+        return self.request.infer({0: batch}, share_inputs=True)[0].copy()

@@ -1,0 +1,368 @@
+"""ONNX Runtime and OpenVINO through farm's own ONNX export, and ``--backend auto``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import openvino
+import pytest
+
+from farm import autoselect, caffe_proto
+from farm.autoselect import Choice, choose
+from farm.client import FarmError
+from farm.engine import BACKENDS, PRECISIONS, load_engine
+from farm.modelcheck import TOLERANCE, check_inputs, check_model, relative_difference
+from farm.network import Network, NetworkError
+from farm.onnx_export import export, save
+from farm.repository import ModelError, available, find, load_spec
+from tests.test_models import EVERY_LAYER, inline_net, needs_torch, write_model
+
+BUNDLED = sorted(available())
+ONNX_BACKENDS = ("onnxruntime", "openvino")
+
+
+def assert_agree(checks, reference: str = "opencv") -> None:
+    """Every check ran, and each differs from ``reference`` by at most TOLERANCE (relative)."""
+    by_name = {check.backend: check for check in checks}
+    for check in checks:
+        assert check.problem is None, f"{check.backend}: {check.problem}"
+        difference = relative_difference(check.outputs, by_name[reference].outputs)
+        assert difference <= TOLERANCE, f"{check.backend} differs by {difference:.1e}"
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_every_bundled_model_agrees_on_every_backend(name) -> None:
+    spec = find(name)
+    checks = check_model(spec, check_inputs(spec, count=4), ("opencv", *ONNX_BACKENDS))
+    assert_agree(checks)
+    assert checks[0].outputs.std() > 1e-3, "outputs too flat to tell the backends apart"
+
+
+@needs_torch
+def test_every_supported_layer_agrees_on_every_backend(tmp_path) -> None:
+    spec = load_spec(write_model(tmp_path / "every_layer", EVERY_LAYER))
+    inputs = np.random.default_rng(0).normal(0, 2, (6, 4, 17, 17)).astype(np.float32)
+    checks = check_model(spec, inputs, ("opencv", "torch", *ONNX_BACKENDS))
+    assert_agree(checks)
+    assert checks[0].outputs.std() > 1e-2
+
+
+#: Layers whose Caffe semantics a reader's defaults get wrong, each beside torch's answer
+#: (torch's ops are written from Caffe's formulas; OpenCV refuses or ignores some of these).
+SEMANTICS = {
+    # pooling's end: average windows that overhang the padded input divide by their part
+    # inside it; a last window that would start in the padding is cut
+    "ave_pad_ceil": ('pool: AVE kernel_size: 3 stride: 2 pad: 1', "dim: 2 dim: 3 dim: 8 dim: 8"),
+    "ave_ceil": ('pool: AVE kernel_size: 3 stride: 2', "dim: 2 dim: 3 dim: 8 dim: 8"),
+    "max_pad_cut": ('pool: MAX kernel_size: 2 stride: 2 pad: 1', "dim: 2 dim: 3 dim: 6 dim: 6"),
+    "max_floor": ('pool: MAX kernel_size: 3 stride: 2 round_mode: FLOOR',
+                  "dim: 2 dim: 3 dim: 8 dim: 8"),
+    "ave_ceil_mode_false": ('pool: AVE kernel_size: 3 stride: 2 pad: 1 ceil_mode: false',
+                            "dim: 2 dim: 3 dim: 8 dim: 8"),
+    "global_max": ('pool: MAX global_pooling: true', "dim: 2 dim: 3 dim: 5 dim: 7"),
+}
+
+
+@needs_torch
+@pytest.mark.parametrize("case", sorted(SEMANTICS))
+def test_pooling_rounds_as_caffe_does_on_every_backend(tmp_path, case) -> None:
+    params, shape = SEMANTICS[case]
+    prototxt = inline_net(f'layer {{ name: "pool" type: "Pooling" bottom: "data" top: "pool" '
+                          f'pooling_param {{ {params} }} }}\n', shape)
+    spec = load_spec(write_model(tmp_path / case, prototxt, layers=[]))
+    dims = [int(d) for d in shape.replace("dim:", "").split()]
+    inputs = np.random.default_rng(1).normal(0, 2, (3, *dims[1:])).astype(np.float32)
+    assert_agree(check_model(spec, inputs, ("torch", *ONNX_BACKENDS)), reference="torch")
+
+
+#: Other layers with parameters an export must carry: (body, input shape).
+LAYER_CASES = {
+    "ip_transpose": ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+                     'inner_product_param { num_output: 5 transpose: true } }', "dim: 2 dim: 3 "
+                     "dim: 4 dim: 4"),
+    "ip_axis2": ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+                 'inner_product_param { num_output: 5 axis: 2 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
+    "softmax_axis2": ('layer { name: "sm" type: "Softmax" bottom: "data" top: "sm" '
+                      'softmax_param { axis: 2 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
+    "flatten_end": ('layer { name: "f" type: "Flatten" bottom: "data" top: "f" '
+                    'flatten_param { axis: 1 end_axis: 2 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
+    "scale_axis2_bias": ('layer { name: "s" type: "Scale" bottom: "data" top: "s" '
+                         'scale_param { axis: 2 num_axes: 1 bias_term: true } }',
+                         "dim: 2 dim: 3 dim: 4 dim: 4"),
+    "scale_no_bias": ('layer { name: "s" type: "Scale" bottom: "data" top: "s" }',
+                      "dim: 2 dim: 3 dim: 4 dim: 4"),
+    "batchnorm_factor": ('layer { name: "bn" type: "BatchNorm" bottom: "data" top: "bn" '
+                         'batch_norm_param { eps: 0.01 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
+    "lrn_k": ('layer { name: "n" type: "LRN" bottom: "data" top: "n" '
+              'lrn_param { local_size: 5 alpha: 0.01 beta: 0.75 k: 2 } }',
+              "dim: 2 dim: 7 dim: 4 dim: 4"),
+    "eltwise_three_coeffs": (
+        'layer { name: "r" type: "ReLU" bottom: "data" top: "r" }\n'
+        'layer { name: "e" type: "Eltwise" bottom: "data" bottom: "r" bottom: "data" top: "e" '
+        'eltwise_param { coeff: 2 coeff: -1 coeff: 0.5 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
+    "eltwise_prod_three": (
+        'layer { name: "r" type: "Sigmoid" bottom: "data" top: "r" }\n'
+        'layer { name: "e" type: "Eltwise" bottom: "data" bottom: "r" bottom: "r" top: "e" '
+        'eltwise_param { operation: PROD } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
+    "in_place_chain": ('layer { name: "c" type: "Convolution" bottom: "data" top: "c" '
+                       'convolution_param { num_output: 4 kernel_size: 3 } }\n'
+                       'layer { name: "r" type: "ReLU" bottom: "c" top: "c" }\n'
+                       'layer { name: "s" type: "Scale" bottom: "c" top: "c" }\n'
+                       'layer { name: "t" type: "TanH" bottom: "c" top: "c" }',
+                       "dim: 2 dim: 3 dim: 6 dim: 6"),
+}
+
+
+@needs_torch
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_layer_parameters_survive_the_export(tmp_path, case) -> None:
+    body, shape = LAYER_CASES[case]
+    spec = load_spec(write_model(tmp_path / case, inline_net(body + "\n", shape)))
+    dims = [int(d) for d in shape.replace("dim:", "").split()]
+    inputs = np.random.default_rng(2).normal(0, 2, (3, *dims[1:])).astype(np.float32)
+    checks = check_model(spec, inputs, ("torch", *ONNX_BACKENDS))
+    assert_agree(checks, reference="torch")
+    assert checks[0].outputs.std() > 1e-3
+
+
+def test_ceil_mode_false_gives_densenet_its_56x56(tmp_path) -> None:
+    """DenseNet-121's stem: 224 -> conv 7x7/2 -> 112 -> max pool 3x3/2 pad 1 with the forks'
+    ``ceil_mode: false`` -> 56 (rounding up would give 57)."""
+    body = ('layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" '
+            'convolution_param { num_output: 2 kernel_size: 7 stride: 2 pad: 3 } }\n'
+            'layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" '
+            'pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 ceil_mode: false } }\n')
+    prototxt = inline_net(body, "dim: 1 dim: 3 dim: 224 dim: 224")
+    spec = load_spec(write_model(tmp_path / "stem", prototxt))
+    net = Network.load(spec.prototxt)
+    assert net.shapes["pool1"] == (1, 2, 56, 56)
+    (tmp_path / "stem" / "deploy.prototxt").write_text(prototxt.replace(" ceil_mode: false", ""))
+    assert Network.load(spec.prototxt).shapes["pool1"] == (1, 2, 57, 57)
+    (tmp_path / "stem" / "deploy.prototxt").write_text(prototxt)
+    images = np.random.default_rng(3).integers(0, 255, (2, 3, 224, 224), dtype=np.uint8)
+    checks = check_model(spec, images, ("opencv", *ONNX_BACKENDS))
+    assert all(check.outputs.shape == (2, 2, 56, 56) for check in checks)
+    assert_agree(checks)
+
+
+def test_export_is_checked_and_runs_alike_in_both_engines(tmp_path, lenet, digits) -> None:
+    from click.testing import CliRunner
+
+    from farm.cli import main
+
+    path = tmp_path / "lenet.onnx"
+    result = CliRunner().invoke(main, ["models", "export", "lenet", "--onnx", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "onnx.checker passed" in result.output and "ONNX Runtime against opencv" in result.output
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    assert [o.name for o in model.graph.output] == ["prob"]  # the blob model.toml names
+    batch = digits[:37, None].astype(np.float32) * lenet.input_scale  # any batch size
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    by_ort = session.run(None, {"data": batch})[0]
+    core = openvino.Core()
+    by_openvino = core.compile_model(core.read_model(str(path)), "CPU")(batch)[0]
+    reference = load_engine(lenet, "opencv").run(digits[:37, None])
+    assert by_ort.shape == by_openvino.shape == (37, 10)
+    assert relative_difference(by_ort, reference) <= TOLERANCE
+    assert relative_difference(by_openvino, by_ort) <= TOLERANCE
+    assert (by_ort.argmax(1) == reference.argmax(1)).all()
+
+
+def test_export_of_an_intermediate_blob_and_missing_weights(tmp_path, lenet) -> None:
+    net = Network.load(lenet.prototxt, lenet.weights)
+    model = export(net, "pool1")
+    assert [o.name for o in model.graph.output] == ["pool1"]
+    assert [n.op_type for n in model.graph.node] == ["Conv", "MaxPool", "Identity"]
+    save(model, tmp_path / "pool1.onnx")
+    with pytest.raises(NetworkError, match="'nowhere' is not a blob"):
+        export(net, "nowhere")
+    with pytest.raises(NetworkError, match="layer 'conv1' has no weights attached"):
+        export(Network.load(lenet.prototxt), "prob")
+
+
+# ------------------------------------------------------------------------------- auto
+
+def test_auto_picks_the_fastest_agreeing_backend_and_remembers(lenet, caplog, tmp_path,
+                                                              monkeypatch) -> None:
+    monkeypatch.setenv("FARM_CACHE", str(tmp_path))  # nothing remembered yet
+    caplog.set_level(logging.INFO, "farm.autoselect")
+    choice = choose(lenet, threads=1)
+    assert not choice.cached and choice.engine.backend == choice.backend
+    timed = [trial for trial in choice.trials if trial.rates]
+    assert {t.backend for t in timed} >= {"opencv", *ONNX_BACKENDS}
+    assert choice.backend == max(timed, key=lambda t: t.best_rate).backend
+    winner = next(t for t in timed if t.backend == choice.backend)
+    assert choice.batch == winner.best_batch == choice.engine.batch
+    assert all(t.difference <= TOLERANCE for t in timed)
+    assert f"lenet on cpu: {choice.backend} f32 batch {choice.batch}" in caplog.text
+    digits = check_inputs(lenet, 50)
+    assert relative_difference(choice.engine.run(digits),
+                               load_engine(lenet, "opencv").run(digits)) <= TOLERANCE
+
+    again = choose(lenet, threads=1)
+    assert again.cached and (again.backend, again.batch) == (choice.backend, choice.batch)
+    assert again.describe().endswith("remembered)")
+
+
+def test_a_choice_made_with_other_library_versions_is_timed_again(lenet, caplog) -> None:
+    choose(lenet, threads=1)
+    from farm.modelstore import manifest_of
+
+    path = autoselect.cache_path(lenet, manifest_of(lenet).digest, "cpu", 1, "f32")
+    document = json.loads(path.read_text())
+    document["versions"]["onnxruntime"] = "0.0.1"
+    path.write_text(json.dumps(document))
+    caplog.set_level(logging.INFO, "farm.autoselect")
+    choice = choose(lenet, threads=1)
+    assert not choice.cached
+    assert "made with other library versions (onnxruntime 0.0.1 -> " in caplog.text
+    assert json.loads(path.read_text())["versions"] == autoselect.versions()
+
+
+@needs_torch
+def test_auto_leaves_out_a_backend_that_cannot_run_a_layer(tmp_path, caplog) -> None:
+    """OpenCV ignores LRN's k; it refuses such a net, and auto says so and goes on."""
+    prototxt = inline_net('layer { name: "norm" type: "LRN" bottom: "data" top: "norm" '
+                          'lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 } }\n',
+                          "dim: 1 dim: 4 dim: 5 dim: 5")
+    spec = load_spec(write_model(tmp_path / "lrn_k", prototxt, layers=[]))
+    caplog.set_level(logging.INFO, "farm.autoselect")
+    choice = choose(spec, threads=1, use_cache=False)
+    opencv = next(t for t in choice.trials if t.backend == "opencv")
+    assert "LRN with k = 2" in opencv.problem and not opencv.rates
+    assert choice.reference == "torch" and choice.backend != "opencv"
+    assert "lrn_k: opencv left out:" in caplog.text
+
+
+def ill_conditioned_model(folder: Path) -> Path:
+    """Two nearly equal large convolutions subtracted: the answer is rounding noise, which
+    each library's kernels make differently."""
+    body = ('layer { name: "a" type: "Convolution" bottom: "data" top: "a" '
+            'convolution_param { num_output: 4 kernel_size: 3 } }\n'
+            'layer { name: "b" type: "Convolution" bottom: "data" top: "b" '
+            'convolution_param { num_output: 4 kernel_size: 3 } }\n'
+            'layer { name: "diff" type: "Eltwise" bottom: "a" bottom: "b" top: "diff" '
+            'eltwise_param { operation: SUM coeff: 1 coeff: -1 } }\n')
+    folder.mkdir(parents=True)
+    (folder / "deploy.prototxt").write_text(inline_net(body, "dim: 1 dim: 64 dim: 8 dim: 8"))
+    rng = np.random.default_rng(0)
+    weights = rng.normal(0, 1000, (4, 64, 3, 3)).astype(np.float32)
+    nearly = (weights * (1 + rng.normal(0, 1e-7, weights.shape))).astype(np.float32)
+    bias = np.zeros(4, np.float32)
+    caffe_proto.write_caffemodel(folder / "weights.caffemodel", "ill", [
+        ("a", "Convolution", [weights, bias]), ("b", "Convolution", [nearly, bias])])
+    (folder / "model.toml").write_text('prototxt = "deploy.prototxt"\n'
+                                       'weights = "weights.caffemodel"\n')
+    return folder
+
+
+def test_auto_refuses_a_model_whose_backends_disagree(tmp_path) -> None:
+    spec = load_spec(ill_conditioned_model(tmp_path / "ill"))
+    with pytest.raises(ModelError, match=r"backends opencv and [a-z, ]*onnxruntime[a-z, ]* "
+                                         r"disagree .* farm will not guess"):
+        choose(spec, threads=1, use_cache=False)
+    assert load_engine(spec, "onnxruntime").run(check_inputs(spec, 2)).shape == (2, 4, 6, 6)
+
+
+def test_a_missing_library_is_left_out_with_the_package_to_install(tmp_path) -> None:
+    """A process where ``import openvino`` fails: auto goes on without it, and asking for it
+    by name says what to install."""
+    blocker = tmp_path / "blocked" / "openvino"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('openvino is blocked here')\n")
+    script = ("import json\n"
+              "from farm.autoselect import choose\n"
+              "from farm.engine import load_engine\n"
+              "from farm.repository import ModelError, find\n"
+              "choice = choose(find('lenet'), threads=1, use_cache=False)\n"
+              "trial = next(t for t in choice.trials if t.backend == 'openvino')\n"
+              "try:\n    load_engine(find('lenet'), 'openvino')\n"
+              "except ModelError as exc:\n    error = str(exc)\n"
+              "print(json.dumps([choice.backend, trial.problem, error]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONPATH": str(blocker.parent)},
+                          timeout=120, check=True)
+    backend, problem, error = json.loads(done.stdout.splitlines()[-1])
+    assert backend in BACKENDS and backend != "openvino"
+    assert problem.startswith("not installed:") and "pip install openvino onnx" in problem
+    assert "openvino is blocked here" in error and "pip install openvino onnx" in error
+
+
+def test_reduced_precision_is_offered_or_refused_with_the_reason(lenet) -> None:
+    """bf16 where the CPU lists it (checked against f32 within the bf16 tolerance); elsewhere
+    a refusal that names what the CPU offers.  f32 stays the default."""
+    offered = "BF16" in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    assert PRECISIONS[0] == "f32"
+    if not offered:
+        with pytest.raises(ModelError, match=r"does not compute in bf16 on cpu \(this CPU "
+                                             r"offers FP32"):
+            load_engine(lenet, "openvino", precision="bf16")
+        with pytest.raises(ModelError, match="no backend runs it on cpu in bf16"):
+            choose(lenet, threads=1, precision="bf16", use_cache=False)
+        return
+    checks = check_model(lenet, check_inputs(lenet, 16), ("opencv", "openvino"), 1, "bf16")
+    assert checks[1].ok and checks[1].top1_agreement >= 0.9
+
+
+def test_choice_round_trips_through_json(lenet) -> None:
+    choice = choose(lenet, threads=1)
+    copy = Choice.from_json(json.loads(json.dumps(choice.to_json())))
+    assert copy.cached and copy.engine is None
+    assert (copy.backend, copy.batch, copy.trials) == (choice.backend, choice.batch,
+                                                         choice.trials)
+
+
+# ------------------------------------------------------------------------ in the farm
+
+def test_workers_on_auto_report_their_choice_and_refuse_disagreeing_models(tmp_path, lenet,
+                                                                          digits) -> None:
+    from farm.local import LocalFarm, cores, farm_command
+
+    ill_conditioned_model(tmp_path / "models" / "ill")
+    devices = [f"cpu:{core}" for core in cores()[:2]]
+    with LocalFarm(devices, "fifo", ["--chunk", "100", "--models-dir", str(tmp_path / "models")],
+                   preload=["lenet"]) as local, local.client(timeout=60) as client:
+        result = client.run(digits[:300, None], "lenet")
+        assert not result.failed
+        reference = load_engine(lenet, "opencv").run(digits[:300, None])
+        assert relative_difference(result.outputs, reference) <= TOLERANCE
+        workers = client.info()["workers"]
+        assert len(workers) == 2 and all(w["backend"] == "auto" for w in workers)
+        for worker in workers:
+            backend, precision, _, batch = worker["engines"]["lenet"].split()
+            assert backend in BACKENDS and precision == "f32" and int(batch) >= 1
+        status = subprocess.run(farm_command("status", "--broker", local.endpoint),
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+        assert "lenet (" in status and " f32 batch " in status
+
+        with pytest.raises(FarmError, match=r"items 0\.\.2 failed on .*: model 'ill': backends "
+                                            r"opencv and .* disagree"):
+            client.run(check_inputs(load_spec(tmp_path / "models" / "ill"), 3), "ill")
+
+
+def test_farm_run_takes_a_backend_a_precision_and_a_models_dir(tmp_path, lenet,
+                                                               digits) -> None:
+    from farm.local import farm_command
+
+    shutil_copy = __import__("shutil").copytree
+    shutil_copy(lenet.folder, tmp_path / "models" / "mynet")
+    images, out = tmp_path / "images.npy", tmp_path / "out.npy"
+    np.save(images, digits[:200, None])
+    done = subprocess.run(farm_command("run", str(images), "--model", "mynet", "--models-dir",
+                                       str(tmp_path / "models"), "--backend", "openvino",
+                                       "--workers", "1", "--out", str(out), "--quiet"),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    reference = load_engine(lenet, "opencv").run(digits[:200, None])
+    assert relative_difference(np.load(out), reference) <= TOLERANCE
+    unknown = subprocess.run(farm_command("run", str(images), "--model", "mynet"),
+                             capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 1 and "unknown model 'mynet'" in unknown.stderr
