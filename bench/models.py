@@ -1,13 +1,17 @@
-"""One worker's images/s per model and backend, at its best compute batch.
+"""One core's images/s per model and engine, at its best compute batch, and auto's pick.
 
-For each bundled model and each backend installed here, a fresh process pinned
-to one core (one thread, as a worker) runs the model at several compute batch
-sizes; the best batch is then confirmed through the farm: one real worker
-process with ``--backend B --batch best`` behind a real broker.  A last part
-shows the net shrinking back after a large batch (resident memory of CaffeNet
-at its resting batch, at batch 64, and after the shrink).
+For each model (the bundled ones and the public nets of ``bench/nets``) and each
+backend installed here, a fresh process pinned to one core (one thread, as a
+worker) runs the model at several compute batch sizes.  Another fresh, pinned
+process then lets ``--backend auto`` choose (nothing remembered), and the table
+shows its pick beside the fastest engine of this run: the pick's own rate in
+the sweep over the fastest rate, which should be 0.95 or more.  For the bundled
+models the best batch of each backend is confirmed through the farm: one real
+worker process with ``--backend B --batch best`` behind a real broker.  A last
+part shows the net shrinking back after a large batch (resident memory of
+CaffeNet at its resting batch, at batch 64, and after the shrink).
 
-    python bench/models.py [--device gpu:0] [--models lenet,cifar10_quick] [--csv out.csv]
+    python bench/models.py [--device gpu:0] [--models lenet,resnet50] [--csv out.csv]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -26,10 +31,18 @@ from farm.local import LocalFarm, cores
 from farm.modelcheck import check_inputs
 from farm.repository import available, find, prepare
 
+#: The public nets (prototxts from their original repositories, seeded weights).
+NETS = Path(__file__).with_name("nets")
+os.environ["FARM_MODELS"] = os.pathsep.join(
+    p for p in (os.environ.get("FARM_MODELS", ""), str(NETS)) if p)
+
 #: Compute batches tried, and images per measurement, by model.
 BATCHES = {"lenet": (1, 16, 64, 256), "cifar10_quick": (1, 16, 64, 256),
-           "caffenet": (1, 4, 10, 32)}
-IMAGES = {"lenet": 6000, "cifar10_quick": 3000, "caffenet": 64}
+           "caffenet": (1, 4, 10, 32), "googlenet": (1, 4, 16), "mobilenet_v2": (1, 4, 16),
+           "resnet50": (1, 4, 8)}
+IMAGES = {"lenet": 6000, "cifar10_quick": 3000, "caffenet": 64, "googlenet": 32,
+          "mobilenet_v2": 48, "resnet50": 16}
+BUNDLED = ("lenet", "cifar10_quick", "caffenet")
 
 
 def images_for(model: str, count: int) -> np.ndarray:
@@ -44,6 +57,15 @@ def sweep(model: str, backend: str, device: str) -> dict[int, float]:
 
     return dict(engine_rates(model, backend, device, None if device != "cpu" else 1,
                              BATCHES[model], images_for(model, IMAGES[model]), repeats=2))
+
+
+def auto_pick(model: str, threads: int) -> dict:
+    """In this (pinned) process: what ``--backend auto`` picks, timing afresh."""
+    from farm.autoselect import choose
+
+    choice = choose(find(model), "cpu", threads, use_cache=False)
+    return {"backend": choice.backend, "batch": choice.batch,
+            "left_out": {t.backend: t.problem for t in choice.trials if t.problem}}
 
 
 def shrink_memory() -> dict[str, float]:
@@ -88,7 +110,8 @@ def through_farm(model: str, backend: str, device: str, batch: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (one pinned core) or gpu:N")
-    parser.add_argument("--models", default=",".join(sorted(available())))
+    parser.add_argument("--models", default=",".join(
+        [*BUNDLED, *sorted(set(available()) - set(BUNDLED))]))
     parser.add_argument("--csv", help="also write the table here")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -104,22 +127,32 @@ def main() -> None:
                if problem and not gpu]
     print(f"one worker on {worker_device}; backends: {', '.join(backends)}"
           + (f"; not installed: {', '.join(skipped)}" if skipped else ""))
-    print(f"{'model':<14} {'backend':<8} {'batch':>7} {'in-process/s':>13} {'worker/s':>10}   "
+    print(f"{'model':<14} {'backend':<11} {'batch':>7} {'in-process/s':>13} {'worker/s':>10}   "
           f"all batches (images/s)")
     for model in args.models.split(","):
         prepare(find(model))
+        sweeps = {}
         for backend in backends:
-            rates = {int(k): v for k, v in in_child("sweep", model, backend, engine_device,
-                                                    worker_device).items()}
+            try:
+                sweeps[backend] = {int(k): v for k, v in in_child(
+                    "sweep", model, backend, engine_device, worker_device).items()}
+            except subprocess.CalledProcessError as exc:
+                print(f"{model:<14} {backend:<11} cannot run it: "
+                      f"{exc.stderr.strip().splitlines()[-1]}")
+                continue
+            rates = sweeps[backend]
             best = max(rates, key=rates.get)
-            farm_rate = through_farm(model, backend, worker_device, best)
+            farm_rate = (through_farm(model, backend, worker_device, best)
+                         if model in BUNDLED else float("nan"))
             spread = ", ".join(f"{b}: {r:,.0f}" for b, r in rates.items())
-            print(f"{model:<14} {backend:<8} {best:>7} {rates[best]:>13,.0f} {farm_rate:>10,.0f}"
-                  f"   {spread}")
+            print(f"{model:<14} {backend:<11} {best:>7} {rates[best]:>13,.0f} "
+                  f"{farm_rate:>10,.0f}   {spread}", flush=True)
             rows.append({"model": model, "backend": backend, "device": worker_device,
                          "best_batch": best, "in_process_rate": round(rates[best], 1),
                          "worker_rate": round(farm_rate, 1),
                          **{f"batch_{b}": round(r, 1) for b, r in rates.items()}})
+        if not gpu and sweeps:
+            rows.append(auto_row(model, sweeps, worker_device))
     if "caffenet" in args.models and not gpu:
         memory = in_child("shrink", str(cores()[-1]))
         print(f"caffenet on opencv, resident memory: {memory['resting_mb']:,.0f} MB at batch "
@@ -132,6 +165,21 @@ def main() -> None:
             writer.writerows(rows)
 
 
+def auto_row(model: str, sweeps: dict[str, dict[int, float]], worker_device: str) -> dict:
+    """Auto's pick in a fresh pinned process, judged against this run's sweeps."""
+    pick = in_child("auto", model, worker_device)
+    fastest = max(sweeps, key=lambda b: max(sweeps[b].values()))
+    top = max(sweeps[fastest].values())
+    picked = max(sweeps.get(pick["backend"], {0: 0.0}).values())
+    print(f"{model:<14} {'auto':<11} {pick['batch']:>7} picks {pick['backend']}: "
+          f"{picked / top:.2f} of the fastest ({fastest}, {top:,.0f}/s)"
+          + "".join(f"; {b} left out: {why[:80]}" for b, why in pick["left_out"].items()
+                    if not why.startswith("not installed")), flush=True)
+    return {"model": model, "backend": "auto", "device": worker_device,
+            "best_batch": pick["batch"], "auto_backend": pick["backend"],
+            "auto_share_of_fastest": round(picked / top, 3), "fastest_backend": fastest}
+
+
 def child(args: list[str]) -> dict:
     """Pin to the worker's core and cap threads before any backend is imported, then measure."""
     from farm.workers.worker import Device, prepare_process
@@ -139,6 +187,9 @@ def child(args: list[str]) -> dict:
     if args[0] == "shrink":
         prepare_process(Device("cpu", int(args[1])))
         return shrink_memory()
+    if args[0] == "auto":
+        prepare_process(Device.parse(args[2]))
+        return auto_pick(args[1], 1)
     model, backend, engine_device, worker_device = args[1:]
     if worker_device.startswith("cpu"):
         prepare_process(Device.parse(worker_device))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.util
 import logging
 import os
 import time
@@ -20,7 +21,7 @@ import numpy as np
 
 from farm.network import Network, NetworkError
 from farm.preprocess import Transformer
-from farm.repository import ModelError, ModelSpec, prepare
+from farm.repository import ModelError, ModelSpec, cache_root, prepare
 
 log = logging.getLogger("farm.engine")
 
@@ -136,13 +137,20 @@ class Engine:
         """The engine as logs and ``farm status`` show it: ``openvino f32 batch 64``."""
         return f"{self.backend} {self.precision} batch {self.batch}"
 
-    def onnx_file(self, folder: str) -> str:
-        """Write ``self.network`` as a checked ONNX graph into ``folder``; its path."""
-        from farm.onnx_export import export, save
+    def onnx_file(self) -> str:
+        """farm's ONNX export of the net, written once per model digest into the cache
+        (``$FARM_CACHE/onnx``), so a worker that starts again reads it without exporting."""
+        from farm.modelstore import manifest_of
+        from farm.onnx_export import FORMAT
 
-        path = os.path.join(folder, "model.onnx")
-        save(export(self.network, self.spec.output), path)
-        return path
+        digest = manifest_of(self.spec).digest
+        path = cache_root() / "onnx" / f"{self.spec.name}-{digest[:24]}-v{FORMAT}.onnx"
+        if not path.is_file():
+            from farm.onnx_export import export, save
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save(export(self.network, self.spec.output), path)
+        return str(path)
 
     def clean_prototxt(self, folder: str) -> str:
         """Write ``self.network`` as a clean deploy prototxt into ``folder``; its path."""
@@ -191,6 +199,13 @@ class Engine:
         self.shrink()
         self.allocated = self.spec.batch
         release_free_memory()
+
+
+def require_onnx(backend: str, hint: str) -> None:
+    """BackendUnavailable unless the ``onnx`` package (farm's export) is installed."""
+    if importlib.util.find_spec("onnx") is None:
+        raise BackendUnavailable(f"the {backend} backend needs the onnx package for farm's "
+                                 f"export: {hint}")
 
 
 def engine_class(backend: str) -> type[Engine]:

@@ -12,6 +12,7 @@ batch size runs on one graph.  Only the ``onnx`` package is needed; no torch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +25,8 @@ from farm.network import Layer, Network, NetworkError, Shape, conv_geometry, poo
 OPSET = 17
 #: The IR version matching ``OPSET``; readers older than the ``onnx`` package accept it.
 IR_VERSION = 8
+#: Bumped whenever the graph farm writes for a net changes: cached exports carry it.
+FORMAT = 1
 
 
 class ExportError(NetworkError):
@@ -119,7 +122,7 @@ def save(model: Any, path: str | Path) -> Path:
 
     onnx.checker.check_model(model, full_check=True)
     path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_bytes(model.SerializeToString())
     partial.replace(path)
     return path

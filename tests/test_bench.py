@@ -11,11 +11,17 @@ from pathlib import Path
 import pytest
 
 from farm.benchmark.measure import Configuration, PolicyRun, paper_configurations
-from farm.benchmark.results import ModelResults, PolicySummary, relative_table
+from farm.benchmark.peers import CANDIDATES, PEERS, missing
+from farm.benchmark.results import PEER_MECHANISM, ModelResults, PolicySummary, relative_table
+from farm.benchmark.setups import SETUP_ABOUT, WorkerSpec, farm_setups
 from farm.local import cores, farm_command
 from farm.policies import POLICIES
 
 pytestmark = pytest.mark.skipif(len(cores()) < 2, reason="the suite's farms need two cores")
+
+
+#: The peers the suite fixture runs: every one that needs nothing beyond farm's install.
+PEERS_RUN = ("opencv-threads", "process-pool", "onnxruntime-threads", "openvino-throughput")
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -25,11 +31,11 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def suite_folder(tmp_path_factory) -> Path:
-    """One quick suite on LeNet, the cores farm and two peers (about a minute)."""
+    """One quick suite on LeNet, the cores farm and four peers (a minute or two)."""
     out = tmp_path_factory.mktemp("bench")
     done = subprocess.run(farm_command("bench", "--quick", "--images", "3000", "--models",
                                        "lenet", "--setups", "cores", "--peers",
-                                       "opencv-threads,process-pool", "--peer-rounds", "2",
+                                       ",".join(PEERS_RUN), "--peer-rounds", "2",
                                        "--out", str(out)),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -75,7 +81,7 @@ def test_every_policy_ran_and_waste_is_against_standalone_speeds(suite_folder) -
 
 def test_peers_compute_what_the_farm_computes(suite_folder) -> None:
     rows = read_csv(suite_folder / "peers.csv")
-    assert [row["peer"] for row in rows][1:] == ["opencv-threads", "process-pool"]
+    assert [row["peer"] for row in rows][1:] == list(PEERS_RUN)
     assert rows[0]["peer"].startswith("farm (") and float(rows[0]["ratio_to_farm_best"]) == 1
     farm = float(rows[0]["images_per_s"])
     for row in rows[1:]:
@@ -85,14 +91,17 @@ def test_peers_compute_what_the_farm_computes(suite_folder) -> None:
     farm_rounds = [float(row["images_per_s"]) for row in read_csv(suite_folder / "peer_runs.csv")
                    if row["who"] == "farm"]
     assert len(farm_rounds) == 2 and farm == max(farm_rounds)  # the median_high of two
-    tuned = {row["peer"] for row in read_csv(suite_folder / "peer_tuning.csv")}
-    assert tuned == {"opencv-threads", "process-pool"}
+    tuning = read_csv(suite_folder / "peer_tuning.csv")
+    for peer in PEERS_RUN:  # each peer tried every candidate setting, in the first round
+        assert {int(row["setting"]) for row in tuning if row["peer"] == peer} == \
+            set(CANDIDATES[peer])
+    assert {row["peer"] for row in tuning} == set(PEERS_RUN)
 
 
 def test_table2_has_one_row_per_size_and_device_kind(suite_folder) -> None:
     rows = read_csv(suite_folder / "table2.csv")
     assert [int(row["submitted"]) for row in rows] == [1000, 100, 10]
-    assert {row["device"] for row in rows} == {"cpu core (opencv)"}
+    assert {row["device"] for row in rows} == {"cpu core (auto)"}  # the workers' default
     assert all(float(row["images_per_s"]) > 0 for row in rows)
 
 
@@ -139,3 +148,19 @@ def test_relative_speed_is_against_one_opencv_core_averaged_over_values() -> Non
     assert results.one_core() == 50 and results.theoretical("cores") == 100
     assert relative_table(results, "cores") == {"fifo": pytest.approx((2 + 3) / 2)}
     assert results.farm_best().config.label == "fifo chunk=1000"
+
+
+def test_every_peer_has_candidates_a_mechanism_and_runs_here_but_ray() -> None:
+    assert set(CANDIDATES) == set(PEERS) == set(PEER_MECHANISM)
+    assert all(missing(peer) is None for peer in PEERS_RUN)  # farm's own dependencies
+    assert set(PEERS_RUN) < set(PEERS)
+
+
+def test_the_default_farm_runs_the_workers_default_backend() -> None:
+    worker = WorkerSpec("cpu:0")
+    assert worker.library == "auto" and worker.options() == []  # no --backend: auto
+    assert worker.kind == "cpu core (auto)" and WorkerSpec.from_label(worker.label) == \
+        WorkerSpec("cpu:0", "auto")
+    setups, _ = farm_setups(("cores",))
+    assert all(w.backend is None for w in setups[0].workers)
+    assert "auto" in SETUP_ABOUT["cores"] and "OpenCV" not in SETUP_ABOUT["cores"]

@@ -366,3 +366,14 @@ def test_farm_run_takes_a_backend_a_precision_and_a_models_dir(tmp_path, lenet,
     unknown = subprocess.run(farm_command("run", str(images), "--model", "mynet"),
                              capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 1 and "unknown model 'mynet'" in unknown.stderr
+
+
+def test_a_fixed_batch_is_remembered_apart_from_the_free_choice(lenet, tmp_path,
+                                                                monkeypatch) -> None:
+    monkeypatch.setenv("FARM_CACHE", str(tmp_path))
+    fixed = choose(lenet, threads=1, batch=3)
+    assert fixed.batch == fixed.engine.batch == 3
+    assert all(set(t.rates) == {3} for t in fixed.trials if t.rates)
+    free = choose(lenet, threads=1)
+    assert not free.cached and len(next(t for t in free.trials if t.rates).rates) > 1
+    assert choose(lenet, threads=1, batch=3).cached and choose(lenet, threads=1).cached

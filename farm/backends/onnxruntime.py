@@ -8,23 +8,22 @@ them; TensorRT also computes in f16 when asked.
 
 from __future__ import annotations
 
-import tempfile
-
 import numpy as np
 
-from farm.engine import BackendUnavailable, Engine
+from farm.engine import BackendUnavailable, Engine, require_onnx
 from farm.repository import ModelError
 
 INSTALL_HINT = "pip install onnxruntime onnx (on GPUs: pip install onnxruntime-gpu onnx)"
 
 
 def require() -> None:
+    """The library imported now; onnx only looked up (a cached export needs no onnx)."""
     try:
-        import onnx  # noqa: F401
         import onnxruntime  # noqa: F401
     except ImportError as exc:
-        raise BackendUnavailable(f"the onnxruntime backend needs ONNX Runtime and onnx ({exc}): "
+        raise BackendUnavailable(f"the onnxruntime backend needs ONNX Runtime ({exc}): "
                                  f"{INSTALL_HINT}") from exc
+    require_onnx("onnxruntime", INSTALL_HINT)
 
 
 def gpu_providers() -> list[str]:
@@ -56,9 +55,8 @@ class OnnxRuntimeEngine(Engine):
         if self.threads is not None:
             options.intra_op_num_threads = self.threads
         options.log_severity_level = 3  # warnings about unused initializers are noise here
-        with tempfile.TemporaryDirectory() as folder:
-            self.session = onnxruntime.InferenceSession(
-                self.onnx_file(folder), options, providers=self.providers())
+        self.session = onnxruntime.InferenceSession(self.onnx_file(), options,
+                                                    providers=self.providers())
         self.input_name = self.session.get_inputs()[0].name
         self.output_name = self.session.get_outputs()[0].name
 

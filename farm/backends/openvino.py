@@ -10,11 +10,9 @@ capabilities.
 
 from __future__ import annotations
 
-import tempfile
-
 import numpy as np
 
-from farm.engine import BackendUnavailable, Engine
+from farm.engine import BackendUnavailable, Engine, require_onnx
 from farm.repository import ModelError
 
 INSTALL_HINT = "pip install openvino onnx"
@@ -24,12 +22,13 @@ CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
 
 
 def require() -> None:
+    """The library imported now; onnx only looked up (a cached export needs no onnx)."""
     try:
-        import onnx  # noqa: F401
         import openvino  # noqa: F401
     except ImportError as exc:
-        raise BackendUnavailable(f"the openvino backend needs OpenVINO and onnx ({exc}): "
+        raise BackendUnavailable(f"the openvino backend needs OpenVINO ({exc}): "
                                  f"{INSTALL_HINT}") from exc
+    require_onnx("openvino", INSTALL_HINT)
 
 
 def cpu_capabilities() -> list[str]:
@@ -63,9 +62,7 @@ class OpenVINOEngine(Engine):
         if self.threads is not None:
             config.update({"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": self.threads,
                            "NUM_STREAMS": 1, "ENABLE_CPU_PINNING": False})
-        with tempfile.TemporaryDirectory() as folder:
-            model = core.read_model(self.onnx_file(folder))
-            self.compiled = core.compile_model(model, "CPU", config)
+        self.compiled = core.compile_model(core.read_model(self.onnx_file()), "CPU", config)
         self.request = self.compiled.create_infer_request()
 
     def forward(self, batch: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ import numpy as np
 
 from farm.benchmark.setups import FarmSetup, WorkerSpec
 from farm.client import Client, FarmError, JobResult
+from farm.engine import AUTO
 from farm.local import LocalFarm
 from farm.policies import PAPER_PARAMETERS, POLICIES
 
@@ -119,7 +120,8 @@ def table2(worker: WorkerSpec, model: str, images: np.ndarray,
 
 def best_batch(worker: WorkerSpec, model: str, count: int) -> list[tuple[int, float]]:
     """Images/s of the worker's engine at each candidate batch, in a fresh process set up
-    as the worker sets itself up (pinned, one thread), on ``count`` images."""
+    as the worker sets itself up (pinned, one thread), on ``count`` images; a worker on
+    ``auto`` is timed on the backend auto chose for it."""
     candidates = BATCH_CANDIDATES["gpu" if worker.device.startswith("gpu") else "cpu"]
     return in_fresh_process(_engine_rates, worker, model, candidates, count)
 
@@ -131,8 +133,17 @@ def _engine_rates(worker: WorkerSpec, model: str, candidates: Sequence[int],
 
     device = Device.parse(worker.device)
     prepare_process(device)
-    return engine_rates(model, worker.library, device.engine_device,
-                        1 if device.pinned else None, candidates, make_images(model, count))
+    threads = 1 if device.pinned else None
+    if worker.library == AUTO:
+        # pick (or recall) the backend as a worker started without --batch would, over
+        # autoselect's own batches; each candidate below then loads that remembered choice
+        # at its batch, as the bench's workers do with --batch
+        from farm.autoselect import choose
+        from farm.repository import find
+
+        choose(find(model), device.engine_device, threads)
+    return engine_rates(model, worker.library, device.engine_device, threads, candidates,
+                        make_images(model, count))
 
 
 def engine_rates(model: str, backend: str, engine_device: str, threads: int | None,

@@ -12,7 +12,13 @@ compared with the farm's and only the way work is spread differs.
 - ``process-pool``: a ``multiprocessing`` pool of single-thread OpenCV
   processes, one per core, chunks of the best size;
 - ``ray-data``: Ray Data ``map_batches`` with an actor pool of one
-  single-thread actor per core, batches of the best size (needs ``ray[data]``).
+  single-thread actor per core, batches of the best size (needs ``ray[data]``);
+- ``onnxruntime-threads``: one process, ONNX Runtime on farm's ONNX export with one
+  intra-op thread per core, the whole array in batches of the best size;
+- ``openvino-throughput``: one process, OpenVINO on farm's ONNX export compiled with
+  ``PERFORMANCE_HINT: THROUGHPUT``, batches of the best size fed to an
+  ``AsyncInferQueue`` of its optimal number of requests, each output written at its
+  index as its request completes.
 """
 
 from __future__ import annotations
@@ -32,13 +38,20 @@ from farm.benchmark.setups import make_images
 from farm.engine import Engine, load_engine
 from farm.repository import find
 
-PEERS = ("opencv-threads", "process-pool", "ray-data")
+PEERS = ("opencv-threads", "process-pool", "ray-data", "onnxruntime-threads",
+         "openvino-throughput")
 #: Settings each peer tries on the tuning slice.
 CANDIDATES: dict[str, tuple[int, ...]] = {
     "opencv-threads": (16, 64, 256, 1024),  # compute batch
     "process-pool": (500, 2000, 8000),  # images per task
     "ray-data": (500, 2000, 8000),  # images per batch
+    "onnxruntime-threads": (16, 64, 256, 1024),  # compute batch
+    "openvino-throughput": (1, 8, 32, 128),  # images per inference request
 }
+#: Modules a peer needs beyond farm's own, and how to install them.
+_NEEDS = {"ray-data": (("ray",), "pip install 'ray[data]', or farm's bench extra"),
+          "onnxruntime-threads": (("onnxruntime", "onnx"), "pip install onnxruntime onnx"),
+          "openvino-throughput": (("openvino", "onnx"), "pip install openvino onnx")}
 
 
 @dataclass(frozen=True)
@@ -56,8 +69,11 @@ class PeerResult:
 
 def missing(peer: str) -> str | None:
     """Why ``peer`` cannot run here, or None."""
-    if peer == "ray-data" and importlib.util.find_spec("ray") is None:
-        return "ray is not installed (pip install 'ray[data]', or farm's bench extra)"
+    modules, hint = _NEEDS.get(peer, ((), ""))
+    absent = [name for name in modules if importlib.util.find_spec(name) is None]
+    if absent:
+        verb = "is" if len(absent) == 1 else "are"
+        return f"{' and '.join(absent)} {verb} not installed ({hint})"
     return None
 
 
@@ -195,8 +211,90 @@ def _ray_data(model: str, total: int, tune: int, cores: int,
                            f"{cores}-image run", best=best)
 
 
+# ---- onnxruntime-threads ----------------------------------------------------------------
+
+def _onnxruntime_threads(model: str, total: int, tune: int, cores: int,
+                         candidates: Sequence[int]) -> PeerResult:
+    images = make_images(model, total)
+    engines = {batch: load_engine(find(model), "onnxruntime", batch=batch, threads=cores)
+               for batch in candidates}
+    trials = []
+    for batch, engine in engines.items():
+        engine.run(images[:batch])  # warm-up: buffers sized
+        _, seconds = _timed(engine.run, images[:tune])
+        trials.append((batch, tune / seconds))
+    best = _best(trials)
+    outputs, seconds = _timed(engines[best].run, images)
+    return PeerResult("onnxruntime-threads", f"batch {best}, {cores} threads", total / seconds,
+                      seconds, tuple(trials), outputs, best=best)
+
+
+# ---- openvino-throughput ----------------------------------------------------------------
+
+class _OpenVINOQueue:
+    """OpenVINO's throughput mode as its documentation shows it: a model compiled with
+    ``PERFORMANCE_HINT: THROUGHPUT`` (several streams over the cores) and an
+    ``AsyncInferQueue`` of its optimal number of requests, kept full."""
+
+    def __init__(self, model: str, cores: int) -> None:
+        import tempfile
+
+        import openvino
+
+        from farm.network import Network
+        from farm.onnx_export import export, save
+        from farm.preprocess import Transformer
+
+        spec = find(model)
+        self.transform = Transformer.for_model(spec)
+        core = openvino.Core()
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "model.onnx")
+            save(export(Network.load(spec.prototxt, spec.weights), spec.output), path)
+            self.compiled = core.compile_model(core.read_model(path), "CPU", {
+                "PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_NUM_THREADS": cores})
+        self.jobs = int(self.compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        self.streams = int(self.compiled.get_property("NUM_STREAMS"))
+        self.queue = openvino.AsyncInferQueue(self.compiled, self.jobs)
+        self.queue.set_callback(self._done)
+        probe = self.transform(np.zeros((1, *spec.item_shape), np.float32))
+        self.output_shape = self.compiled({0: probe})[0].shape[1:]
+        self.outputs: np.ndarray | None = None
+
+    def _done(self, request, userdata: tuple[int, np.ndarray]) -> None:
+        begin, batch = userdata  # the batch rides along: its memory is shared with the request
+        self.outputs[begin:begin + len(batch)] = request.get_output_tensor(0).data
+
+    def run(self, images: np.ndarray, size: int) -> np.ndarray:
+        self.outputs = np.empty((len(images), *self.output_shape), np.float32)
+        for begin in range(0, len(images), size):
+            batch = self.transform(images[begin:begin + size])
+            self.queue.start_async({0: batch}, (begin, batch), share_inputs=True)
+        self.queue.wait_all()
+        outputs, self.outputs = self.outputs, None
+        return outputs
+
+
+def _openvino_throughput(model: str, total: int, tune: int, cores: int,
+                         candidates: Sequence[int]) -> PeerResult:
+    images = make_images(model, total)
+    runner = _OpenVINOQueue(model, cores)
+    trials = []
+    for size in candidates:
+        runner.run(images[:size * runner.jobs], size)  # warm-up: every request at this shape
+        _, seconds = _timed(lambda part: runner.run(part, size), images[:tune])
+        trials.append((size, tune / seconds))
+    best = _best(trials)
+    outputs, seconds = _timed(lambda part: runner.run(part, best), images)
+    return PeerResult("openvino-throughput",
+                      f"batches of {best}, {runner.jobs} requests, {runner.streams} streams",
+                      total / seconds, seconds, tuple(trials), outputs, best=best)
+
+
 _RUNNERS: dict[str, Callable[..., PeerResult]] = {
     "opencv-threads": _opencv_threads,
     "process-pool": _process_pool,
     "ray-data": _ray_data,
+    "onnxruntime-threads": _onnxruntime_threads,
+    "openvino-throughput": _openvino_throughput,
 }

@@ -377,6 +377,11 @@ PEER_MECHANISM = {
                     "through pipes, from one parent",
     "ray-data": "Ray Data moves blocks through its object store and schedules every batch "
                 "as a task of its actor pool",
+    "onnxruntime-threads": "one process, ONNX Runtime's intra-op threads splitting every "
+                           "operator across the cores: no image crosses a process boundary",
+    "openvino-throughput": "one process, OpenVINO's streams each computing whole requests on "
+                           "their share of the cores, kept busy by an async request queue: no "
+                           "image crosses a process boundary",
 }
 
 

@@ -10,14 +10,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from farm.engine import available_backends
+from farm.engine import AUTO, available_backends
 from farm.local import cores
 from farm.repository import find
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One worker of a benchmark farm: its device and, when not the default, its backend."""
+    """One worker of a benchmark farm: its device and, when not the default (auto), its
+    backend."""
 
     device: str  # cpu:N or gpu:N
     backend: str | None = None
@@ -25,11 +26,13 @@ class WorkerSpec:
 
     @property
     def library(self) -> str:
-        return self.backend or ("torch" if self.device.startswith("gpu") else "opencv")
+        """The backend it runs: a worker given none runs ``auto`` (the fastest that agrees,
+        chosen when it loads the model), as every worker does by default."""
+        return self.backend or AUTO
 
     @property
     def kind(self) -> str:
-        """The device kind of the paper's Table 2: 'cpu core (opencv)', 'gpu (torch)'."""
+        """The device kind of the paper's Table 2: 'cpu core (auto)', 'cpu core (torch)'."""
         device = "gpu" if self.device.startswith("gpu") else "cpu core"
         return f"{device} ({self.library})"
 
@@ -66,10 +69,12 @@ class FarmSetup:
 
 SETUP_NAMES = ("cores", "mixed", "gpu")
 SETUP_ABOUT = {
-    "cores": "one pinned single-thread OpenCV worker per core (the default farm)",
+    "cores": "one pinned single-thread worker per core, on the backend auto picks "
+             "(the default farm)",
     "mixed": "pinned single-thread workers, OpenCV and torch on alternate cores "
              "(unequal speeds)",
-    "gpu": "one OpenCV worker per core and one torch worker per GPU",
+    "gpu": "one pinned worker per core and one worker per GPU, each on the backend auto "
+           "picks",
 }
 
 
@@ -85,12 +90,12 @@ def gpu_names() -> list[str]:
 def farm_setups(wanted: tuple[str, ...] = SETUP_NAMES) -> tuple[list[FarmSetup], list[str]]:
     """The farms this machine can build among ``wanted``, and why the others were skipped."""
     here = cores()
-    opencv = tuple(WorkerSpec(f"cpu:{core}") for core in here)
+    default = tuple(WorkerSpec(f"cpu:{core}") for core in here)
     built: list[FarmSetup] = []
     skipped: list[str] = []
     torch_problem = available_backends().get("torch")
     if "cores" in wanted:
-        built.append(FarmSetup("cores", SETUP_ABOUT["cores"], opencv))
+        built.append(FarmSetup("cores", SETUP_ABOUT["cores"], default))
     if "mixed" in wanted:
         if torch_problem is not None:
             skipped.append(f"mixed: {torch_problem}")
@@ -106,7 +111,7 @@ def farm_setups(wanted: tuple[str, ...] = SETUP_NAMES) -> tuple[list[FarmSetup],
             skipped.append("gpu: no CUDA device " + ("(torch is not installed)"
                                                      if torch_problem else "visible to torch"))
         else:
-            workers = opencv + tuple(WorkerSpec(f"gpu:{i}") for i in range(len(gpus)))
+            workers = default + tuple(WorkerSpec(f"gpu:{i}") for i in range(len(gpus)))
             built.append(FarmSetup("gpu", SETUP_ABOUT["gpu"], workers))
     return built, skipped
 
@@ -142,7 +147,8 @@ def describe_machine() -> dict[str, object]:
         "gpus": gpu_names(), "kernel": platform.release(),
         "python": platform.python_version(),
         "versions": {name: _version(name) for name in
-                     ("farm", "opencv-python-headless", "torch", "numpy", "pyzmq", "ray")},
+                     ("farm", "opencv-python-headless", "torch", "onnxruntime", "openvino",
+                      "onnx", "numpy", "pyzmq", "ray")},
         "load_average": [round(value, 2) for value in os.getloadavg()],
     }
 
