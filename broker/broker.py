@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import mmap
 import secrets
-import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,6 +52,7 @@ from farm.policies import (Assign, ChunkDone, ChunkFailed, Event, WorkerBusy, Wo
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
 from farm.trace import network_seconds
+from farm.wakeup import Wakeup
 
 log = logging.getLogger("farm.broker")
 
@@ -123,6 +123,9 @@ class Broker:
             self.socket.close()
             raise
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.wakeup: Wakeup | None = None  # serve() ends the loop's wait on SIGINT/SIGTERM
         self.workers: dict[bytes, WorkerEntry] = {}
         self.by_id: dict[str, WorkerEntry] = {}  # the same entries by policy worker id
         self.jobs: dict[str, Job] = {}
@@ -217,8 +220,11 @@ class Broker:
                                                       "interval": interval})
 
     def poll_once(self, timeout_ms: int) -> None:
-        """Handle the messages waiting (or arriving within the timeout), at most ``MAX_BATCH``."""
-        if not self.socket.poll(timeout_ms):
+        """Handle the messages waiting (or arriving within the timeout), at most ``MAX_BATCH``;
+        a stop signal ends the wait."""
+        if self.socket not in dict(self.poller.poll(timeout_ms)):
+            if self.wakeup is not None:
+                self.wakeup.drain()
             return
         for _ in range(MAX_BATCH):
             try:
@@ -451,10 +457,12 @@ class Broker:
             return
         record.sent_at = self.clock()
         chunk = record.chunk
-        self.send(record.worker.identity, Command.TASK, {
-            "job": job.id, "chunk": record.id, "attempt": record.attempt, "start": chunk.start,
-            "count": chunk.count, "model": job.model, "digest": job.digest, "dtype": job.dtype,
-            "item_shape": list(job.item_shape)}, message.payload)
+        header = {"job": job.id, "chunk": record.id, "attempt": record.attempt,
+                  "start": chunk.start, "count": chunk.count, "model": job.model,
+                  "digest": job.digest, "dtype": job.dtype, "item_shape": list(job.item_shape)}
+        if job.options.engine:
+            header["engine"] = list(job.options.engine)
+        self.send(record.worker.identity, Command.TASK, header, message.payload)
 
     def answered_record(self, identity: bytes, message: Message) -> ChunkRecord | None:
         """The attempt a RESULT or FAILED answers; None for a late, duplicate or unknown one.
@@ -738,14 +746,17 @@ def serve(config: BrokerConfig, on_bound: Callable[[Broker], None] | None = None
         from farm.keys import start_authenticator
 
         authenticator = start_authenticator(context, config.curve)
+    broker = None
     try:
         broker = Broker(config, context)
-        signal.signal(signal.SIGTERM, broker.stop)
-        signal.signal(signal.SIGINT, broker.stop)
+        broker.wakeup = Wakeup(broker.stop)
+        broker.wakeup.watch(broker.poller)
         if on_bound:
             on_bound(broker)
         broker.serve()
     finally:
+        if broker is not None and broker.wakeup is not None:
+            broker.wakeup.close()
         if authenticator is not None:
             authenticator.stop()
         context.term()

@@ -9,6 +9,7 @@ from typing import Any
 
 from farm import protocol
 from farm.broker.registry import WorkerEntry
+from farm.engine import job_engine
 from farm.policies import Chunk, Policy
 from farm.protocol import ProtocolError
 
@@ -25,7 +26,9 @@ class JobOptions:
     ``algo`` and ``params``: the job's own policy (default: the broker's);
     ``priority``: jobs of higher priority are offered free slots first;
     ``timeout``: seconds after submission at which the broker cancels the job;
-    ``client``: who submitted it (``host:pid``), shown by ``farm status``.
+    ``client``: who submitted it (``host:pid``), shown by ``farm status``;
+    ``engine``: ``(backend, precision)`` the workers run this job's chunks on, instead of
+    their own.
     """
 
     algo: str | None = None
@@ -33,12 +36,13 @@ class JobOptions:
     priority: int = 0
     timeout: float | None = None
     client: str = ""
+    engine: tuple[str, str] | None = None
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> JobOptions:
         """Validate SUBMIT options; ProtocolError naming the bad one."""
         unknown = sorted(map(str, set(options) - {"algo", "params", "priority", "timeout",
-                                                  "client"}))
+                                                  "client", "engine"}))
         if unknown:
             raise ProtocolError(f"unknown job option(s): {', '.join(unknown)}")
         algo, params = options.get("algo"), options.get("params", {})
@@ -57,8 +61,13 @@ class JobOptions:
                                 f"{MAX_TIMEOUT:.0f} seconds")
         if not isinstance(client, str) or len(client) > 200:
             raise ProtocolError("job option 'client' must be a name of at most 200 characters")
+        try:
+            engine = job_engine(options["engine"]) if "engine" in options else None
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
         values = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())
-        return cls(algo, values, priority, None if timeout is None else float(timeout), client)
+        return cls(algo, values, priority, None if timeout is None else float(timeout), client,
+                   engine)
 
     def policy(self, default_algo: str, default_params: dict[str, Any]) -> tuple[str, dict]:
         """The job's policy name and parameters: the broker's unless the job chose (they are

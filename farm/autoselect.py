@@ -7,7 +7,8 @@ f32) within a relative tolerance.  A backend that disagrees is left out, with
 the reason logged; when no backend confirms the reference, the model is
 refused, naming both sides, since farm cannot tell which is right.  Each
 backend that agrees is then timed for a fraction of a second at a few compute
-batch sizes, and the fastest backend at its best batch wins.
+batch sizes; the two fastest are timed again in turn at their best batches, and
+the faster wins.
 
 The choice is remembered on disk (``$FARM_CACHE/engines``), keyed by the model's
 digest, the device and the precision; it records the libraries' versions, and a

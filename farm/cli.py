@@ -364,7 +364,7 @@ def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, tim
             **job_options: Any) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
 
-    ``job_options``: ``Client.run``'s priority, job_timeout, algo and params.
+    ``job_options``: ``Client.run``'s priority, job_timeout, algo, params, backend and precision.
     Returns the outputs: in memory, or memory-mapped from ``out``.
     """
     from tqdm import tqdm
@@ -446,11 +446,16 @@ broker_option = click.option("--broker", "broker_address", default=DEFAULT_BROKE
               help="Seconds of broker silence before giving up (a broker back within this "
                    "time gets the missing images submitted again).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES),
+              help="Run this job on this engine instead of the workers' own.")
+@click.option("--precision", type=click.Choice(PRECISION_CHOICES),
+              help="Run this job in this precision instead of the workers' own.")
 @curve_option("the broker's public key and this client's secret key", "client")
 @policy_options(per_job=True)
 def submit(images: str, model: str, broker_address: str, out: str | None, priority: int,
            job_timeout: float | None, trace: str | None, timeout: float, quiet: bool,
-           curve: str | None, curve_name: str, algo: str | None, **options: object) -> None:
+           backend: str | None, precision: str | None, curve: str | None, curve_name: str,
+           algo: str | None, **options: object) -> None:
     """Run IMAGES (.npy, N x C x H x W or N x H x W; uint8 or float32) on a farm.
 
     IMAGES is read a chunk at a time and outputs are written as they arrive, so
@@ -465,13 +470,15 @@ def submit(images: str, model: str, broker_address: str, out: str | None, priori
       farm submit images.npy --trace run.json && farm report run.json -o run.png
       farm submit urgent.npy --priority 10 --job-timeout 600
       farm submit images.npy --algo fifo --chunk 1000     # this job's own policy
+      farm submit images.npy --backend openvino           # this job's own engine
       FARM_BROKER=tcp://10.0.0.1:5555 farm submit images.npy --curve keys/
     """
     params = policy_params(algo, options) if algo else {}
     if not algo and any(value is not None for value in options.values()):
         raise click.UsageError("policy parameters need --algo (the job's own policy)")
     run_job(broker_address, load_images(images), model, out, quiet, timeout, curve, curve_name,
-            trace, priority=priority, job_timeout=job_timeout, algo=algo, params=params)
+            trace, priority=priority, job_timeout=job_timeout, algo=algo, params=params,
+            backend=backend, precision=precision)
 
 
 @main.command()

@@ -192,6 +192,7 @@ class SubmitOptions:
     job_timeout: float | None = None
     algo: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    engine: tuple[str, str] | None = None  # (backend, precision) instead of the workers' own
 
     def header(self, remaining: float | None) -> dict[str, Any]:
         """SUBMIT's options; ``remaining``: what is left of the job's timeout (a
@@ -204,6 +205,8 @@ class SubmitOptions:
             options["algo"] = self.algo
             options["params"] = {k: list(v) if isinstance(v, tuple) else v
                                  for k, v in self.params.items()}
+        if self.engine is not None:
+            options["engine"] = list(self.engine)
         return options
 
 
@@ -341,14 +344,17 @@ class Client:
             out: np.ndarray | ResultSink | None = None,
             progress: ProgressCallback | None = None, *, priority: int = 0,
             job_timeout: float | None = None, algo: str | None = None,
-            params: dict[str, Any] | None = None, trace: bool = False) -> JobResult:
+            params: dict[str, Any] | None = None, trace: bool = False,
+            backend: str | None = None, precision: str | None = None) -> JobResult:
         """Submit a job and gather its outputs (into ``out``, an array or a sink such as
         ``NpyWriter``) and a summary; failed items are NaN in the outputs and listed.
 
         ``priority``: jobs of higher priority get free workers first (default 0);
         ``job_timeout``: seconds after which the broker cancels the job; ``algo`` and
         ``params``: a policy for this job instead of the broker's; ``trace``: record
-        every chunk's timings in ``JobResult.trace`` (see ``farm.trace``).
+        every chunk's timings in ``JobResult.trace`` (see ``farm.trace``); ``backend``
+        and ``precision``: the engine the workers run this job on, instead of their own
+        (``auto`` and ``f32`` where only one is given).
         """
         source = ImageSource(images)
         if len(source) == 0:
@@ -357,8 +363,11 @@ class Client:
             raise FarmError("policy params need algo (the job's own policy)")
         sink = out if out is not None and not isinstance(out, np.ndarray) \
             else ArraySink(len(source), out)
+        engine = None if backend is None and precision is None else \
+            (backend or "auto", precision or "f32")
         job = JobRun(model, source, sink, Progress(len(source)),
-                     SubmitOptions(priority, job_timeout, algo, dict(params or {})), progress,
+                     SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine),
+                     progress,
                      trace=TraceRecorder() if trace else None,
                      deadline=None if job_timeout is None else time.monotonic() + job_timeout)
         started = time.perf_counter()

@@ -201,6 +201,16 @@ class Engine:
         release_free_memory()
 
 
+def job_engine(value: object) -> tuple[str, str]:
+    """A job's ``engine`` option, ``[backend, precision]``, checked; ValueError if not."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and value[0] in (AUTO, *BACKENDS) and value[1] in PRECISIONS):
+        raise ValueError(f"a job's engine must be [backend, precision] with a backend of "
+                         f"{AUTO}, {', '.join(BACKENDS)} and a precision of "
+                         f"{', '.join(PRECISIONS)}")
+    return value[0], value[1]
+
+
 def require_onnx(backend: str, hint: str) -> None:
     """BackendUnavailable unless the ``onnx`` package (farm's export) is installed."""
     if importlib.util.find_spec("onnx") is None:

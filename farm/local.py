@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,10 +52,14 @@ class LocalFarm:
 
     def __enter__(self) -> LocalFarm:
         try:
-            self.start_broker()
+            # the workers start beside the broker, not after it: they connect to the port
+            # picked here and their READY waits in their socket until the broker binds it
+            self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+            self.launch_broker(self.endpoint)
             for i, device in enumerate(self.devices):
                 self.start_worker(device, *(self.device_options[i]
                                             if i < len(self.device_options) else ()))
+            self.read_endpoint()
             self.wait_for_workers(len(self.devices))
         except BaseException:
             self.stop()
@@ -66,10 +71,17 @@ class LocalFarm:
 
     def start_broker(self, bind: str = "tcp://127.0.0.1:*") -> None:
         """Start the broker (on a free loopback port by default); read the endpoint it bound."""
+        self.launch_broker(bind)
+        self.read_endpoint()
+
+    def launch_broker(self, bind: str) -> None:
         self.broker = subprocess.Popen([*self.launcher,
             *farm_command("--log-level", self.log_level, "broker", "--bind", bind,
                          "--algo", self.algo, *self.curve_options, *self.broker_options)],
             stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+    def read_endpoint(self) -> None:
+        """Wait for the broker's first line, which names the endpoint it bound."""
         line = self.broker.stdout.readline()
         if not line.startswith("farm broker listening on "):
             raise FarmError(f"broker did not start (exit code {self.broker.poll()})")
@@ -113,7 +125,17 @@ class LocalFarm:
         return Client(self.endpoint, timeout=timeout, curve=self.curve)
 
     def stop(self) -> None:
-        stop_processes([p for p in [*self.workers, self.broker] if p is not None])
+        """Workers first, so their goodbyes reach a live broker and they exit at once (a
+        goodbye to a gone broker waits out the socket's linger), then the broker."""
+        stop_processes(self.workers)
+        stop_processes([self.broker] if self.broker is not None else [])
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (the broker binds it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def stop_processes(processes: Sequence[subprocess.Popen]) -> None:

@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -377,3 +378,19 @@ def test_a_fixed_batch_is_remembered_apart_from_the_free_choice(lenet, tmp_path,
     free = choose(lenet, threads=1)
     assert not free.cached and len(next(t for t in free.trials if t.rates).rates) > 1
     assert choose(lenet, threads=1, batch=3).cached and choose(lenet, threads=1).cached
+
+
+def test_a_job_brings_its_own_engine_and_a_bad_one_is_refused(farm_two_workers, lenet,
+                                                                digits) -> None:
+    """Workers on auto run a job that asks for OpenVINO on OpenVINO, beside their own."""
+    reference = load_engine(lenet, "opencv").run(digits[:400, None])
+    with farm_two_workers.client() as client:
+        result = client.run(digits[:400, None], "lenet", backend="openvino")
+        assert not result.failed
+        assert relative_difference(result.outputs, reference) <= TOLERANCE
+        deadline = time.monotonic() + 10  # workers report their engines with each heartbeat
+        while not any("openvino f32 batch" in w["engines"]["lenet"]
+                      for w in client.info()["workers"]):
+            assert time.monotonic() < deadline, client.info()["workers"]
+        with pytest.raises(FarmError, match=r"engine must be \[backend, precision\]"):
+            client.run(digits[:10, None], "lenet", backend="tensorflow")

@@ -243,11 +243,13 @@ def test_a_small_job_is_not_starved_by_a_big_one_and_both_finish(farm, digits,
     with JobThread(farm, repeated(digits, 100_000)) as big:
         started = time.monotonic()
         with farm.client() as client:
-            small = client.run(repeated(digits, 5_000), "lenet")
+            # 10 000 images: more than one worker computes in a big job's chunk (a quarter
+            # of a second while jobs share), so the other worker frees a slot meanwhile
+            small = client.run(repeated(digits, 10_000), "lenet")
         small_done = time.monotonic()
         answered_then = big.answered
         big_result = big.join()
-    np.testing.assert_allclose(small.outputs, expected(reference, 5_000), atol=1e-5)
+    np.testing.assert_allclose(small.outputs, expected(reference, 10_000), atol=1e-5)
     np.testing.assert_allclose(big_result.outputs, expected(reference, 100_000), atol=1e-5)
     assert answered_then < 100_000, "the small job waited for the big one to finish"
     assert small.summary.shared and big_result.summary.shared

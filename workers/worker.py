@@ -25,22 +25,22 @@ import ctypes
 import logging
 import os
 import queue
-import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import zmq
 
 from farm import protocol
 from farm.engine import (AUTO, DEFAULT_BACKEND, GPU_BACKEND, Engine, Stopped, engine_class,
-                         limit_threads)
+                         job_engine, limit_threads)
 from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError, ModelSpec, available, find, load_spec, prepare
+from farm.wakeup import Wakeup
 
 log = logging.getLogger("farm.worker")
 
@@ -160,8 +160,8 @@ class Worker:
     """
 
     config: WorkerConfig
-    engines: dict[str, Engine] = field(default_factory=dict)
-    broken: dict[str, str] = field(default_factory=dict)  # digest -> why it cannot load
+    engines: dict[EngineKey, Engine] = field(default_factory=dict)
+    broken: dict[EngineKey, str] = field(default_factory=dict)  # why it cannot load
     waiting: dict[str, list[tuple[Message, float]]] = field(default_factory=dict)
     fetch_sent: dict[str, float] = field(default_factory=dict)  # digest -> when FETCH went out
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times fetched
@@ -195,32 +195,40 @@ class Worker:
                 log.warning("skipping model %s: %s", name, exc)
         return specs
 
-    def load(self, spec: ModelSpec | None, digest: str) -> Engine:
-        """Load a model once per digest; a failure is remembered and reported again."""
-        if digest in self.broken:
-            raise ModelError(self.broken[digest])
-        if spec is None:
-            raise ModelError(f"no files for model digest {digest[:12]}")
-        if digest not in self.engines:
-            try:
-                self.engines[digest] = self.build_engine(spec, digest)
-            except ModelError as exc:
-                self.broken[digest] = str(exc)
-                raise
-            log.info("loaded model %s (%s): %s", spec.name, digest[:12],
-                     self.engines[digest].describe())
-        return self.engines[digest]
+    def engine_key(self, header: dict[str, Any]) -> EngineKey:
+        """The engine a TASK runs on: its job's choice, else this worker's; ValueError for
+        a malformed choice."""
+        backend, precision = (job_engine(header["engine"]) if "engine" in header
+                              else (self.backend, self.config.precision))
+        return EngineKey(header["digest"], backend, precision)
 
-    def build_engine(self, spec: ModelSpec, digest: str) -> Engine:
-        """The model on the configured backend, or on the one ``auto`` chooses."""
+    def load(self, spec: ModelSpec | None, key: EngineKey) -> Engine:
+        """Load a model once per digest and engine; a failure is remembered and reported
+        again."""
+        if key in self.broken:
+            raise ModelError(self.broken[key])
+        if spec is None:
+            raise ModelError(f"no files for model digest {key.digest[:12]}")
+        if key not in self.engines:
+            try:
+                self.engines[key] = self.build_engine(spec, key)
+            except ModelError as exc:
+                self.broken[key] = str(exc)
+                raise
+            log.info("loaded model %s (%s): %s", spec.name, key.digest[:12],
+                     self.engines[key].describe())
+        return self.engines[key]
+
+    def build_engine(self, spec: ModelSpec, key: EngineKey) -> Engine:
+        """The model on the key's backend, or on the one ``auto`` chooses."""
         device = self.config.device.engine_device
-        if self.backend == AUTO:
+        if key.backend == AUTO:
             from farm.autoselect import choose
 
-            return choose(spec, device, self.threads, self.config.precision, self.config.batch,
-                          digest).engine
-        return engine_class(self.backend).load(spec, self.config.batch, device, self.threads,
-                                               self.config.precision)
+            return choose(spec, device, self.threads, key.precision, self.config.batch,
+                          key.digest).engine
+        return engine_class(key.backend).load(spec, self.config.batch, device, self.threads,
+                                              key.precision)
 
     def find_files(self, model: str, digest: str) -> ModelSpec | None:
         """A local or cached copy of the model with exactly this digest, if there is one."""
@@ -239,7 +247,8 @@ class Worker:
         for name in self.config.preload:
             spec = find(name, self.config.model_dirs)
             prepare(spec)
-            self.load(spec, manifest_of(spec).digest)
+            self.load(spec, EngineKey(manifest_of(spec).digest, self.backend,
+                                      self.config.precision))
 
     def ready_header(self) -> dict[str, Any]:
         return {"device": str(self.config.device), "host": socket.gethostname(),
@@ -249,14 +258,18 @@ class Worker:
                 "engines": self.engine_names(), "slots": self.config.slots}
 
     def engine_names(self) -> dict[str, str]:
-        """Model -> the engine running it (``openvino f32 batch 64``), for ``farm status``."""
-        return {engine.spec.name: engine.describe() for engine in list(self.engines.values())}
+        """Model -> the engines running it (``openvino f32 batch 64``), for ``farm status``."""
+        names: dict[str, list[str]] = {}
+        for engine in list(self.engines.values()):
+            names.setdefault(engine.spec.name, []).append(engine.describe())
+        return {model: " + ".join(described) for model, described in names.items()}
 
     def thread_count(self) -> int:
         return self.threads or len(os.sched_getaffinity(0))
 
-    def run(self, context: zmq.Context) -> None:
-        """Serve chunks until stopped by a signal or ``max_tasks``."""
+    def run(self, context: zmq.Context, wakeup: Wakeup | None = None) -> None:
+        """Serve chunks until stopped by a signal (``wakeup`` ends a wait at once) or
+        ``max_tasks``."""
         self.preload()
         link = BrokerLink(context, self.config, self.ready_header, self.heartbeat_header)
         tasks: queue.Queue[Task | None] = queue.Queue()
@@ -269,7 +282,7 @@ class Worker:
         log.info("worker %s (%s) ready, broker %s", self.config.device, self.backend,
                  self.config.broker)
         try:
-            self.io_loop(link, pipe, tasks)
+            self.io_loop(link, pipe, tasks, wakeup)
         finally:
             self.running = False
             tasks.put(None)
@@ -277,10 +290,13 @@ class Worker:
             link.close(goodbye=True)
             pipe.close()
 
-    def io_loop(self, link: BrokerLink, pipe: zmq.Socket, tasks: queue.Queue) -> None:
+    def io_loop(self, link: BrokerLink, pipe: zmq.Socket, tasks: queue.Queue,
+                wakeup: Wakeup | None = None) -> None:
         """The main thread: broker messages in, replies out, the link's timers."""
         poller, watched = zmq.Poller(), []
         poller.register(pipe, zmq.POLLIN)
+        if wakeup is not None:
+            wakeup.watch(poller)
         while self.running:
             if not watched or watched[0] is not link.socket:  # a new connection
                 for sock in watched:
@@ -371,7 +387,11 @@ class Worker:
         if digest in self.waiting:
             self.waiting[digest].append((message, received))
             return []
-        if digest not in self.engines and digest not in self.broken:
+        try:
+            key = self.engine_key(message.header)
+        except ValueError as exc:
+            return [self.failed(message, str(exc))]
+        if key not in self.engines and key not in self.broken:
             try:
                 spec = self.find_files(model, digest)
             except ModelError as exc:  # a name or digest that cannot be a cache folder
@@ -431,11 +451,12 @@ class Worker:
         header = message.header
         ids = {key: header[key] for key in ("job", "chunk", "start", "count")}
         try:
-            if header["digest"] not in self.engines:
+            key = self.engine_key(header)
+            if key not in self.engines:
                 loading = time.perf_counter()
-                self.load(spec, header["digest"])
+                self.load(spec, key)
                 received += time.perf_counter() - loading
-            engine = self.engines[header["digest"]]
+            engine = self.engines[key]
             item_shape = tuple(header["item_shape"])
             if item_shape != engine.spec.item_shape:
                 raise ValueError(f"item shape {item_shape} does not match model "
@@ -485,6 +506,14 @@ class Worker:
 
     def stop(self, *_: Any) -> None:
         self.running = False
+
+
+class EngineKey(NamedTuple):
+    """A loaded engine: the model's digest, the backend (or auto) and the precision."""
+
+    digest: str
+    backend: str
+    precision: str
 
 
 @dataclass
@@ -603,10 +632,10 @@ def serve(config: WorkerConfig) -> None:
     prepare_process(config.device)
     config.device.check()
     worker = Worker(config)
-    signal.signal(signal.SIGTERM, worker.stop)
-    signal.signal(signal.SIGINT, worker.stop)
+    wakeup = Wakeup(worker.stop)
     context = zmq.Context()
     try:
-        worker.run(context)
+        worker.run(context, wakeup)
     finally:
+        wakeup.close()
         context.term()
