@@ -5,8 +5,8 @@
 For each model: the images (its sample, or seeded random ones, repeated to the
 count) are saved once; ``farm models export`` writes the ONNX file the scripts
 read.  One warm-up of each command fills the caches (``auto``'s choice, generated
-weights, the page cache).  Then each round times, in turn, as whole processes
-with start-up included:
+weights, the page cache).  Then each round times, in turn (the order rotates
+from round to round), as whole processes with start-up included:
 
 - ``farm run IMAGES --model M --out OUT`` (its default: a broker and one pinned
   worker per core on ``auto``), whose summary also gives the job's waste;
@@ -71,8 +71,10 @@ def bench_model(model: str, count: int, rounds: int, folder: Path) -> dict[str, 
         timed(command)
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     wastes = []
-    for _ in range(rounds):
-        for name, command in runs.items():
+    names = list(runs)
+    for round_ in range(rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # rotated
+            command = runs[name]
             elapsed, output = timed(command)
             seconds[name].append(elapsed)
             if name == "farm run" and (found := re.search(r"waste (-?[\d.]+)%", output)):

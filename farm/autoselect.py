@@ -17,6 +17,7 @@ choice made with other versions is timed again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -113,8 +114,9 @@ class Choice:
         return cls(**document, trials=trials, cached=True)
 
 
+@functools.cache
 def versions() -> dict[str, str]:
-    """Installed versions of every backend's libraries (and farm's own)."""
+    """Installed versions of every backend's libraries (and farm's own), read once."""
     found = {"farm": _version("farm")}
     for names in DISTRIBUTIONS.values():
         for name in names:

@@ -528,7 +528,8 @@ def run(images: str | None, model: str, workers: int | None, out: str | None,
             raise click.ClickException(f"model {model!r} has no bundled sample; give IMAGES")
         images, labels = str(spec.sample), spec.sample_labels
     broker_arguments = policy_arguments(policy_params(algo, options))
-    folders = [arg for folder in models_dir for arg in ("--models-dir", str(Path(folder).resolve()))]
+    folders = [arg for folder in models_dir
+               for arg in ("--models-dir", str(Path(folder).resolve()))]
     available = cores()
     devices = [f"cpu:{available[i % len(available)]}" for i in range(workers or len(available))]
     array = load_images(images)
@@ -652,8 +653,8 @@ def comma_list(choices: Sequence[str]) -> Callable[[click.Context, click.Paramet
               help="Rounds of the policy sweep; each figure is the median.")
 @click.option("--setups", default="cores,mixed,gpu", show_default=True,
               callback=comma_list(("cores", "mixed", "gpu")),
-              help="Farms to build: cores (OpenCV per core), mixed (OpenCV and torch on "
-                   "alternate cores), gpu (cores plus one torch worker per GPU); those this "
+              help="Farms to build: cores (one worker per core on auto), mixed (OpenCV and "
+                   "torch on alternate cores), gpu (cores plus one worker per GPU); those this "
                    "machine cannot build are skipped and named.")
 @click.option("--peers", "peer_names",
               default="opencv-threads,process-pool,ray-data,onnxruntime-threads,"
@@ -676,9 +677,9 @@ def bench(out: str, models: str, images: int, repeat: int, setups: tuple[str, ..
     Writes CSV tables, PNG figures and report.md: Table 2 per device kind,
     every policy at the paper's parameter values (Figures 3/4, Tables 4/5),
     waste per policy against the standalone speeds measured in the same run
-    (Figure 5), and farm's best policy against one OpenCV process on every
-    core, a multiprocessing pool and Ray Data.  Run it on an otherwise idle
-    machine: every figure is a throughput.
+    (Figure 5), and farm's best policy against one OpenCV, ONNX Runtime or
+    OpenVINO process on every core, a multiprocessing pool and Ray Data.  Run
+    it on an otherwise idle machine: every figure is a throughput.
 
     \b
     Examples:

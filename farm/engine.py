@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Callable, ClassVar
 
 import numpy as np
@@ -75,6 +76,8 @@ class Engine:
     """A loaded model: ``run`` turns images as clients send them into the output blob."""
 
     backend: ClassVar[str] = ""
+    #: Builds from farm's ONNX export (``onnx_file``) rather than the Caffe weights.
+    reads_onnx: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, network: Network, batch: int | None, device: str,
                  threads: int | None, precision: str = "f32") -> None:
@@ -93,8 +96,10 @@ class Engine:
              threads: int | None = None, precision: str = "f32") -> Engine:
         """Check the files, build the net in this backend, probe the output with one image."""
         prepare(spec)
+        # a backend that reads a cached export needs the net's shapes, not its weights again
+        weights = None if cls.reads_onnx and onnx_path(spec).is_file() else spec.weights
         try:
-            network = Network.load(spec.prototxt, spec.weights)
+            network = Network.load(spec.prototxt, weights)
         except NetworkError as exc:
             raise ModelError(f"model {spec.name!r}: {exc}") from None
         if precision not in PRECISIONS:
@@ -140,11 +145,7 @@ class Engine:
     def onnx_file(self) -> str:
         """farm's ONNX export of the net, written once per model digest into the cache
         (``$FARM_CACHE/onnx``), so a worker that starts again reads it without exporting."""
-        from farm.modelstore import manifest_of
-        from farm.onnx_export import FORMAT
-
-        digest = manifest_of(self.spec).digest
-        path = cache_root() / "onnx" / f"{self.spec.name}-{digest[:24]}-v{FORMAT}.onnx"
+        path = onnx_path(self.spec)
         if not path.is_file():
             from farm.onnx_export import export, save
 
@@ -199,6 +200,15 @@ class Engine:
         self.shrink()
         self.allocated = self.spec.batch
         release_free_memory()
+
+
+def onnx_path(spec: ModelSpec) -> Path:
+    """Where farm's ONNX export of a model is cached: one file per model digest."""
+    from farm.modelstore import manifest_of
+    from farm.onnx_export import FORMAT
+
+    digest = manifest_of(spec).digest
+    return cache_root() / "onnx" / f"{spec.name}-{digest[:24]}-v{FORMAT}.onnx"
 
 
 def job_engine(value: object) -> tuple[str, str]:

@@ -6,8 +6,9 @@ that would start in the padding; average pooling divides by the window's
 extent inside the padded input, as Caffe does; BatchNorm divides by its
 stored scale factor; LRN within a channel uses Caffe's ``1 + alpha * mean``.
 In-place layers get a fresh value name for each write, and the graph ends at
-the model's output blob, which names the graph's output.  The batch dimension is left free (``N``), so every
-batch size runs on one graph.  Only the ``onnx`` package is needed; no torch.
+the model's output blob, which names the graph's output.  The batch dimension
+is left free (``N``), so every batch size runs on one graph.  Only the ``onnx``
+package is needed; no torch.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ def gpu_providers() -> list[str]:
 
 class OnnxRuntimeEngine(Engine):
     backend = "onnxruntime"
+    reads_onnx = True
 
     def precisions(self) -> tuple[str, ...]:
         on_gpu = self.device.startswith("cuda")

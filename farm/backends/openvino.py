@@ -39,6 +39,7 @@ def cpu_capabilities() -> list[str]:
 
 class OpenVINOEngine(Engine):
     backend = "openvino"
+    reads_onnx = True
 
     def precisions(self) -> tuple[str, ...]:
         if self.device != "cpu":

@@ -66,7 +66,7 @@ class ModelResults:
         return 1 - self.farm_head_to_head() / self.theoretical(HEAD_TO_HEAD)
 
     def one_core(self) -> float:
-        """The unit of Tables 4/5: the mean standalone speed of one OpenCV core."""
+        """The unit of Tables 4/5: the mean standalone speed of one core of the default farm."""
         rates = [statistics.mean(r) for label, r in self.standalone.get("cores", {}).items()]
         return statistics.mean(rates) if rates else 0.0
 
