@@ -221,8 +221,14 @@ def job_engine(value: object) -> tuple[str, str]:
     return value[0], value[1]
 
 
-def require_onnx(backend: str, hint: str) -> None:
-    """BackendUnavailable unless the ``onnx`` package (farm's export) is installed."""
+def require_onnx_engine(backend: str, module: str, library: str, hint: str) -> None:
+    """Import an engine that runs farm's ONNX export; BackendUnavailable naming what to
+    install.  ``onnx`` is only looked up: a cached export needs no onnx."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise BackendUnavailable(f"the {backend} backend needs {library} ({exc}): {hint}") \
+            from exc
     if importlib.util.find_spec("onnx") is None:
         raise BackendUnavailable(f"the {backend} backend needs the onnx package for farm's "
                                  f"export: {hint}")

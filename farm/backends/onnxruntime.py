@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from farm.engine import BackendUnavailable, Engine, require_onnx
+from farm.engine import Engine, require_onnx_engine
 from farm.repository import ModelError
 
 INSTALL_HINT = "pip install onnxruntime onnx (on GPUs: pip install onnxruntime-gpu onnx)"
 
 
 def require() -> None:
-    """The library imported now; onnx only looked up (a cached export needs no onnx)."""
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError as exc:
-        raise BackendUnavailable(f"the onnxruntime backend needs ONNX Runtime ({exc}): "
-                                 f"{INSTALL_HINT}") from exc
-    require_onnx("onnxruntime", INSTALL_HINT)
+    require_onnx_engine("onnxruntime", "onnxruntime", "ONNX Runtime", INSTALL_HINT)
 
 
 def gpu_providers() -> list[str]:

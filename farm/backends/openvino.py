@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from farm.engine import BackendUnavailable, Engine, require_onnx
+from farm.engine import Engine, require_onnx_engine
 from farm.repository import ModelError
 
 INSTALL_HINT = "pip install openvino onnx"
@@ -22,13 +22,7 @@ CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
 
 
 def require() -> None:
-    """The library imported now; onnx only looked up (a cached export needs no onnx)."""
-    try:
-        import openvino  # noqa: F401
-    except ImportError as exc:
-        raise BackendUnavailable(f"the openvino backend needs OpenVINO ({exc}): "
-                                 f"{INSTALL_HINT}") from exc
-    require_onnx("openvino", INSTALL_HINT)
+    require_onnx_engine("openvino", "openvino", "OpenVINO", INSTALL_HINT)
 
 
 def cpu_capabilities() -> list[str]:

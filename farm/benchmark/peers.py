@@ -108,8 +108,15 @@ def _single_thread_engine(model: str, batch: int | None = None) -> Engine:
 
 def _opencv_threads(model: str, total: int, tune: int, cores: int,
                     candidates: Sequence[int]) -> PeerResult:
+    return _one_engine("opencv-threads", "opencv", None, model, total, tune, cores, candidates)
+
+
+def _one_engine(peer: str, backend: str, threads: int | None, model: str, total: int,
+                tune: int, cores: int, candidates: Sequence[int]) -> PeerResult:
+    """One process, one engine on every core (its own thread pool), at its best batch."""
     images = make_images(model, total)
-    engines = {batch: load_engine(find(model), "opencv", batch=batch) for batch in candidates}
+    engines = {batch: load_engine(find(model), backend, batch=batch, threads=threads)
+               for batch in candidates}
     trials = []
     for batch, engine in engines.items():
         engine.run(images[:batch])  # warm-up: buffers sized
@@ -117,7 +124,7 @@ def _opencv_threads(model: str, total: int, tune: int, cores: int,
         trials.append((batch, tune / seconds))
     best = _best(trials)
     outputs, seconds = _timed(engines[best].run, images)
-    return PeerResult("opencv-threads", f"batch {best}, {cores} threads", total / seconds,
+    return PeerResult(peer, f"batch {best}, {cores} threads", total / seconds,
                       seconds, tuple(trials), outputs, best=best)
 
 
@@ -215,18 +222,8 @@ def _ray_data(model: str, total: int, tune: int, cores: int,
 
 def _onnxruntime_threads(model: str, total: int, tune: int, cores: int,
                          candidates: Sequence[int]) -> PeerResult:
-    images = make_images(model, total)
-    engines = {batch: load_engine(find(model), "onnxruntime", batch=batch, threads=cores)
-               for batch in candidates}
-    trials = []
-    for batch, engine in engines.items():
-        engine.run(images[:batch])  # warm-up: buffers sized
-        _, seconds = _timed(engine.run, images[:tune])
-        trials.append((batch, tune / seconds))
-    best = _best(trials)
-    outputs, seconds = _timed(engines[best].run, images)
-    return PeerResult("onnxruntime-threads", f"batch {best}, {cores} threads", total / seconds,
-                      seconds, tuple(trials), outputs, best=best)
+    return _one_engine("onnxruntime-threads", "onnxruntime", cores, model, total, tune, cores,
+                       candidates)
 
 
 # ---- openvino-throughput ----------------------------------------------------------------
