@@ -143,15 +143,8 @@ class Engine:
         return f"{self.backend} {self.precision} batch {self.batch}"
 
     def onnx_file(self) -> str:
-        """farm's ONNX export of the net, written once per model digest into the cache
-        (``$FARM_CACHE/onnx``), so a worker that starts again reads it without exporting."""
-        path = onnx_path(self.spec)
-        if not path.is_file():
-            from farm.onnx_export import export, save
-
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save(export(self.network, self.spec.output), path)
-        return str(path)
+        """farm's ONNX export of the net (see ``exported_onnx``)."""
+        return str(exported_onnx(self.spec, self.network))
 
     def clean_prototxt(self, folder: str) -> str:
         """Write ``self.network`` as a clean deploy prototxt into ``folder``; its path."""
@@ -211,6 +204,20 @@ def onnx_path(spec: ModelSpec) -> Path:
     return cache_root() / "onnx" / f"{spec.name}-{digest[:24]}-v{FORMAT}.onnx"
 
 
+def exported_onnx(spec: ModelSpec, network: Network | None = None) -> Path:
+    """farm's ONNX export of a model, written once per model digest into the cache
+    (``$FARM_CACHE/onnx``), so a process that starts again reads it without exporting;
+    ``network``: the model already loaded with its weights, if at hand."""
+    path = onnx_path(spec)
+    if not path.is_file():
+        from farm.onnx_export import export, save
+
+        network = network or Network.load(spec.prototxt, spec.weights)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save(export(network, spec.output), path)
+    return path
+
+
 def job_engine(value: object) -> tuple[str, str]:
     """A job's ``engine`` option, ``[backend, precision]``, checked; ValueError if not."""
     if not (isinstance(value, (list, tuple)) and len(value) == 2
@@ -246,13 +253,14 @@ def engine_class(backend: str) -> type[Engine]:
 
 
 def load_engine(spec: ModelSpec, backend: str = DEFAULT_BACKEND, batch: int | None = None,
-                device: str = "cpu", threads: int | None = None,
-                precision: str = "f32") -> Engine:
-    """A loaded engine; ``auto`` picks the fastest backend that agrees (``farm.autoselect``)."""
+                device: str = "cpu", threads: int | None = None, precision: str = "f32",
+                digest: str | None = None) -> Engine:
+    """A loaded engine; ``auto`` picks the fastest backend that agrees (``farm.autoselect``;
+    ``digest``: the model's, when the caller knows it)."""
     if backend == AUTO:
         from farm.autoselect import choose
 
-        return choose(spec, device, threads, precision, batch).engine
+        return choose(spec, device, threads, precision, batch, digest).engine
     return engine_class(backend).load(spec, batch, device, threads, precision)
 
 

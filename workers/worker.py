@@ -36,7 +36,7 @@ import zmq
 
 from farm import protocol
 from farm.engine import (AUTO, DEFAULT_BACKEND, GPU_BACKEND, Engine, Stopped, engine_class,
-                         job_engine, limit_threads)
+                         job_engine, limit_threads, load_engine)
 from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError, ModelSpec, available, find, load_spec, prepare
@@ -221,14 +221,9 @@ class Worker:
 
     def build_engine(self, spec: ModelSpec, key: EngineKey) -> Engine:
         """The model on the key's backend, or on the one ``auto`` chooses."""
-        device = self.config.device.engine_device
-        if key.backend == AUTO:
-            from farm.autoselect import choose
-
-            return choose(spec, device, self.threads, key.precision, self.config.batch,
-                          key.digest).engine
-        return engine_class(key.backend).load(spec, self.config.batch, device, self.threads,
-                                              key.precision)
+        return load_engine(spec, key.backend, self.config.batch,
+                           self.config.device.engine_device, self.threads, key.precision,
+                           key.digest)
 
     def find_files(self, model: str, digest: str) -> ModelSpec | None:
         """A local or cached copy of the model with exactly this digest, if there is one."""

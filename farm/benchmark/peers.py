@@ -234,22 +234,16 @@ class _OpenVINOQueue:
     ``AsyncInferQueue`` of its optimal number of requests, kept full."""
 
     def __init__(self, model: str, cores: int) -> None:
-        import tempfile
-
         import openvino
 
-        from farm.network import Network
-        from farm.onnx_export import export, save
+        from farm.engine import exported_onnx
         from farm.preprocess import Transformer
 
         spec = find(model)
         self.transform = Transformer.for_model(spec)
         core = openvino.Core()
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "model.onnx")
-            save(export(Network.load(spec.prototxt, spec.weights), spec.output), path)
-            self.compiled = core.compile_model(core.read_model(path), "CPU", {
-                "PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_NUM_THREADS": cores})
+        self.compiled = core.compile_model(core.read_model(str(exported_onnx(spec))), "CPU", {
+            "PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_NUM_THREADS": cores})
         self.jobs = int(self.compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
         self.streams = int(self.compiled.get_property("NUM_STREAMS"))
         self.queue = openvino.AsyncInferQueue(self.compiled, self.jobs)
