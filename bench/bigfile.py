@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from farm import protocol
-from common import Tee, machine, status_kib
+from farm.bench.common import Tee, machine, status_kib
 from farm.local import LocalFarm, cores, farm_command
 from farm.npy import NpyReader, NpyWriter
 from farm.repository import find

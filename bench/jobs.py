@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import Tee, machine
+from farm.bench.common import Tee, machine
 from farm.client import JobResult
 from farm.local import LocalFarm, cores
 from farm.repository import find

@@ -53,7 +53,7 @@ def images_for(model: str, count: int) -> np.ndarray:
 
 def sweep(model: str, backend: str, device: str) -> dict[int, float]:
     """In this (pinned) process: batch -> images/s, best of two runs each."""
-    from farm.benchmark.measure import engine_rates
+    from farm.bench.measure import engine_rates
 
     return dict(engine_rates(model, backend, device, None if device != "cpu" else 1,
                              BATCHES[model], images_for(model, IMAGES[model]), repeats=2))

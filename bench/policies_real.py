@@ -28,7 +28,7 @@ import numpy as np
 
 from farm.cli import policy_arguments
 from farm.local import LocalFarm, cores
-from farm.benchmark.measure import paper_configurations
+from farm.bench.measure import paper_configurations
 from farm.policies import POLICIES, make_policy
 from farm.repository import find
 from farm.simulator import DeviceModel, Scenario, simulate

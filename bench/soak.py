@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from common import Tee, machine, status_kib
+from farm.bench.common import Tee, machine, status_kib
 from farm.local import LocalFarm, cores
 from farm.repository import find
 

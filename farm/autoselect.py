@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from farm.engine import BACKENDS, BackendUnavailable, Engine, engine_class, release_free_memory
-from farm.network import Network, NetworkError
+from farm.caffe_net import Network, NetworkError
 from farm.repository import ModelError, ModelSpec, cache_root, prepare
 
 log = logging.getLogger("farm.autoselect")

@@ -688,8 +688,8 @@ def bench(out: str, models: str, images: int, repeat: int, setups: tuple[str, ..
       farm bench --models lenet --setups cores --peers opencv-threads --repeat 3
       farm bench --render farm-bench/2026-11-23-2cores-cpu   # report again from its CSV
     """
-    from farm.benchmark.results import read_folder, write_folder
-    from farm.benchmark.suite import SuiteConfig, run_suite
+    from farm.bench.results import read_folder, write_folder
+    from farm.bench.suite import SuiteConfig, run_suite
     from farm.repository import ModelError, find
 
     if render:
@@ -860,7 +860,7 @@ def show_model(name: str, models_dir: tuple[str, ...]) -> None:
       farm models show lenet
     """
     from farm.caffe_proto import unknown_fields
-    from farm.network import Network
+    from farm.caffe_net import Network
 
     spec = find_model(name, models_dir)
     net = Network.load(spec.prototxt)

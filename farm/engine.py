@@ -20,7 +20,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from farm.network import Network, NetworkError
+from farm.caffe_net import Network, NetworkError
 from farm.preprocess import Transformer
 from farm.repository import ModelError, ModelSpec, cache_root, prepare
 

@@ -103,7 +103,7 @@ def export_checked(spec: ModelSpec, path: Path, inputs: np.ndarray) -> ExportChe
     Runtime, and compare with the first other backend that runs the model."""
     import onnxruntime
 
-    from farm.network import Network, NetworkError
+    from farm.caffe_net import Network, NetworkError
     from farm.onnx_export import OPSET, export, save, shape_check
     from farm.preprocess import Transformer
     from farm.repository import prepare

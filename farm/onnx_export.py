@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from farm.network import Layer, Network, NetworkError, Shape, conv_geometry, pool_geometry
+from farm.caffe_net import Layer, Network, NetworkError, Shape, conv_geometry, pool_geometry
 
 #: The ONNX opset written (ONNX Runtime 1.14+ and OpenVINO 2023+ read it).
 OPSET = 17

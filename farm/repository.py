@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from farm.network import Network, NetworkError
+from farm.caffe_net import Network, NetworkError
 
 log = logging.getLogger("farm.repository")
 
@@ -216,7 +216,7 @@ def prepare(spec: ModelSpec) -> Path:
     if spec.generate_seed is None:
         raise ModelError(f"model {spec.name!r}: file {spec.weights} is missing")
     from farm.caffe_proto import write_caffemodel
-    from farm.network import generated_weights
+    from farm.caffe_net import generated_weights
 
     log.info("generating weights for %s (seed %d) into %s", spec.name, spec.generate_seed,
              spec.weights)

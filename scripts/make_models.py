@@ -18,7 +18,7 @@ import cv2
 import numpy as np
 
 from farm.caffe_proto import write_blobproto, write_caffemodel
-from farm.network import Network, generated_weights
+from farm.caffe_net import Network, generated_weights
 
 FOLDER = Path(__file__).resolve().parent.parent / "farm" / "models" / "cifar10_quick"
 

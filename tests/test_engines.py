@@ -20,7 +20,7 @@ from farm.autoselect import Choice, choose
 from farm.client import FarmError
 from farm.engine import BACKENDS, PRECISIONS, load_engine
 from farm.modelcheck import TOLERANCE, check_inputs, check_model, relative_difference
-from farm.network import Network, NetworkError
+from farm.caffe_net import Network, NetworkError
 from farm.onnx_export import export, save
 from farm.repository import ModelError, available, find, load_spec
 from tests.test_models import EVERY_LAYER, inline_net, needs_torch, write_model

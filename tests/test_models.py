@@ -12,7 +12,7 @@ import pytest
 from farm import caffe_proto
 from farm.engine import BackendUnavailable, engine_class, load_engine
 from farm.modelcheck import TOLERANCE, check_inputs, check_model
-from farm.network import Network, generated_weights
+from farm.caffe_net import Network, generated_weights
 from farm.preprocess import Transformer
 from farm.repository import ModelError, available, find, load_spec
 

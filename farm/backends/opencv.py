@@ -7,7 +7,7 @@ import tempfile
 import numpy as np
 
 from farm.engine import BackendUnavailable, Engine
-from farm.network import Network
+from farm.caffe_net import Network
 from farm.repository import ModelError
 
 

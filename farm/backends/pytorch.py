@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from farm.engine import BackendUnavailable, Engine
-from farm.network import Layer, Network, conv_geometry, pool_geometry, pools_with_ceil
+from farm.caffe_net import Layer, Network, conv_geometry, pool_geometry, pools_with_ceil
 from farm.repository import ModelError
 
 INSTALL_HINT = "pip install 'farm[torch]' (CPU build: pip install torch==2.13.0)"

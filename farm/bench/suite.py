@@ -1,4 +1,4 @@
-"""``farm bench``: measure, then write the results folder (see ``farm.benchmark``)."""
+"""``farm bench``: measure, then write the results folder (see ``farm.bench``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Callable
 
 import numpy as np
 
-from farm.benchmark import measure, peers, results
-from farm.benchmark.measure import PolicyRun
-from farm.benchmark.results import ModelResults
-from farm.benchmark.setups import (SETUP_NAMES, FarmSetup, WorkerSpec, describe_machine,
+from farm.bench import measure, peers, results
+from farm.bench.measure import PolicyRun
+from farm.bench.results import ModelResults
+from farm.bench.setups import (SETUP_NAMES, FarmSetup, WorkerSpec, describe_machine,
                                    farm_setups, machine_slug, make_images)
 from farm.local import cores
 

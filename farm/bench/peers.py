@@ -33,8 +33,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from farm.benchmark.measure import in_fresh_process
-from farm.benchmark.setups import make_images
+from farm.bench.measure import in_fresh_process
+from farm.bench.setups import make_images
 from farm.engine import Engine, load_engine
 from farm.repository import find
 

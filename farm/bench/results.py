@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from farm.benchmark.measure import Configuration, PolicyRun
-from farm.benchmark.peers import PeerResult
-from farm.benchmark.setups import SETUP_ABOUT, FarmSetup, WorkerSpec
+from farm.bench.measure import Configuration, PolicyRun
+from farm.bench.peers import PeerResult
+from farm.bench.setups import SETUP_ABOUT, FarmSetup, WorkerSpec
 
 #: The paper's figures quoted beside ours (SPEC.md): fast-split's and HAT's waste.
 PAPER_WASTE = {"fast-split": 0.094, "hat": 0.11}

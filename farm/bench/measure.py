@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from farm.benchmark.setups import FarmSetup, WorkerSpec
+from farm.bench.setups import FarmSetup, WorkerSpec
 from farm.client import Client, FarmError, JobResult
 from farm.engine import AUTO
 from farm.local import LocalFarm
@@ -128,7 +128,7 @@ def best_batch(worker: WorkerSpec, model: str, count: int) -> list[tuple[int, fl
 
 def _engine_rates(worker: WorkerSpec, model: str, candidates: Sequence[int],
                   count: int) -> list[tuple[int, float]]:
-    from farm.benchmark.setups import make_images
+    from farm.bench.setups import make_images
     from farm.workers.worker import Device, prepare_process
 
     device = Device.parse(worker.device)
