@@ -22,7 +22,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from farm.policies import PAPER_PARAMETERS, POLICIES, make_policy
+from farm.policies import PAPER_PARAMETERS, POLICIES
 from farm.scenarios import (PAPER_RELATIVE, Case, comparison_cases, cpu_core_speed,
                             paper_devices, paper_scenario)
 from farm.simulator import Scenario, SimResult, simulate
@@ -46,18 +46,15 @@ class Row:
 def run(scenario: Scenario, policy: str, params: dict[str, Any], seeds: tuple[int, ...],
         speeds: dict[str, float] | None = None) -> tuple[float, float, float]:
     """Mean images/s, waste and chunk count over the seeds."""
-    names = [d.name for d in scenario.devices]
-    results: list[SimResult] = [
-        simulate(scenario, make_policy(policy, scenario.total, names, speeds, **params), seed)
-        for seed in seeds]
+    results: list[SimResult] = [simulate(scenario, policy, seed, speeds, **params)
+                                for seed in seeds]
     return (mean(r.rate for r in results), mean(r.waste for r in results),
             mean(len(r.chunks) for r in results))
 
 
 def measured_speeds(scenario: Scenario, policy: str) -> dict[str, float]:
     """Each device's speed as a first job under ``policy`` measured it (items / compute s)."""
-    names = [d.name for d in scenario.devices]
-    result = simulate(scenario, make_policy(policy, scenario.total, names), seed=99)
+    result = simulate(scenario, policy, seed=99)
     items: dict[str, float] = {}
     seconds: dict[str, float] = {}
     for chunk in result.chunks:

@@ -29,7 +29,7 @@ import numpy as np
 from farm.cli import policy_arguments
 from farm.local import LocalFarm, cores
 from farm.bench.measure import paper_configurations
-from farm.policies import POLICIES, make_policy
+from farm.policies import POLICIES
 from farm.repository import find
 from farm.simulator import DeviceModel, Scenario, simulate
 from farm.summary import JobSummary
@@ -64,9 +64,8 @@ def predict(models: list[DeviceModel], algo: str, params: dict[str, Any], total:
             remembered: bool) -> float:
     """The simulator's images/s for the same farm and job (2 slots per worker, as the farm)."""
     scenario = Scenario("this machine", tuple(models), total, latency=0.0, slots=2)
-    names = [m.name for m in models]
     speeds = {m.name: m.rate for m in models} if remembered else None
-    return simulate(scenario, make_policy(algo, total, names, speeds, **params)).rate
+    return simulate(scenario, algo, 0, speeds, **params).rate
 
 
 def main() -> None:

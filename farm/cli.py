@@ -265,8 +265,10 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve:
 
     metrics = (metrics_host, metrics_port) if metrics_port is not None else None
     try:
-        serve(BrokerConfig(bind, algo, params, heartbeat, models_dir, liveness, max_attempts,
-                           curve, sharing, max_chunk_seconds, metrics), on_bound=announce)
+        serve(BrokerConfig(bind=bind, algo=algo, params=params, heartbeat=heartbeat,
+                           model_dirs=models_dir, liveness=liveness, max_attempts=max_attempts,
+                           curve=curve, sharing=sharing, max_chunk_seconds=max_chunk_seconds,
+                           metrics=metrics), on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
         raise click.ClickException(str(exc)) from exc
 

@@ -1,13 +1,16 @@
-"""A discrete-event simulator that drives the very policy objects the broker runs.
+"""A discrete-event simulator that drives the very ``FarmState`` the broker runs.
 
 Devices are modelled by their per-chunk cost ``t(n) = a + n / v`` (``a`` the
 fixed cost of a chunk, ``v`` items/second), with optional noise (each
 chunk's compute time times a mean-one log-normal factor whose spread shrinks
 with the chunk's length), optional drift (from time
 ``drift_at`` the device runs at ``drift_factor`` of its speed) and a one-way
-message latency.  The driver behaves as the broker does: each device has
-``slots`` chunks it may hold; when a result arrives the policy hears
-``ChunkDone`` and then ``WorkerReady`` for the freed slot.
+message latency between the broker and each worker (the client sits beside
+the broker: its NEED/DATA exchange is instant).  Simulated workers register,
+jobs are submitted, and every instruction the state returns is carried out in
+simulated time: NEED is answered with DATA, TASK runs on its device and comes
+back as a RESULT.  Several jobs, chunk caps, lost workers and retries are the
+broker's own code, not a model of it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ import random
 from dataclasses import dataclass, field
 
 
-from farm.policies import Assign, Chunk, ChunkDone, Policy, WorkerReady
+from typing import Any
+
+from farm.broker import events as ev
+from farm.broker.jobs import JobOptions
+from farm.broker.state import FarmState, SchedulingConfig
+from farm.policies import Chunk
 
 
 #: Seconds over which a device's speed jitters independently (see ``DeviceModel.noise_factor``).
@@ -135,42 +143,143 @@ class SimResult:
 
 
 class SimulationStalled(RuntimeError):
-    """The policy left work unassigned with nothing in flight."""
+    """The farm left work unassigned with nothing in flight."""
 
 
-def simulate(scenario: Scenario, policy: Policy, seed: int = 0) -> SimResult:
-    """Run one job of ``scenario`` under ``policy``; deterministic for a given seed."""
-    rng = random.Random(seed)
-    devices = {d.name: d for d in scenario.devices}
-    free_at = {name: 0.0 for name in devices}
-    queue: list[tuple[float, int, str, ChunkRun]] = []
-    runs: list[ChunkRun] = []
-    order = 0
-
-    def carry_out(assignments: list[Assign], now: float) -> None:
-        nonlocal order
-        for assignment in assignments:
-            device = devices[assignment.worker]
-            noise = device.noise_factor(assignment.chunk.count, rng)
-            start = max(now + scenario.latency, free_at[device.name])
-            end = device.finish_time(start, assignment.chunk.count, noise)
-            free_at[device.name] = end
-            run = ChunkRun(device.name, assignment.chunk, now, start, end, end + scenario.latency)
-            heapq.heappush(queue, (run.answered, order, device.name, run))
-            order += 1
-
-    for _ in range(scenario.slots):
-        for name in devices:
-            carry_out(policy.handle(WorkerReady(name, at=0.0)), 0.0)
-    now = 0.0
-    while queue:
-        now, _, name, run = heapq.heappop(queue)
-        runs.append(run)
-        carry_out(policy.handle(ChunkDone(name, run.chunk, run.finished - run.started, at=now)),
-                  now)
-        carry_out(policy.handle(WorkerReady(name, at=now)), now)
-    if not policy.finished:
-        raise SimulationStalled(f"{policy.name}: {policy.remaining} items never assigned")
-    return SimResult(scenario, policy.name, now, runs)
+#: The one model every simulated worker runs: one float per item.
+SIM_MODEL = "sim"
 
 
+@dataclass(order=True)
+class _Pending:
+    at: float
+    order: int
+    event: ev.Event = field(compare=False)
+
+
+@dataclass
+class FarmSimulation:
+    """A simulated farm: ``join`` devices, ``submit`` jobs, ``lose`` workers, then ``run``."""
+
+    scenario: Scenario
+    config: SchedulingConfig = field(default_factory=SchedulingConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.state = FarmState(self.config)
+        self.devices = {d.name.encode(): d for d in self.scenario.devices}
+        self.free_at = dict.fromkeys(self.devices, 0.0)
+        self.queue: list[_Pending] = []
+        self.order = 0
+        self.running: dict[int, tuple[float, float]] = {}  # chunk id -> (started, finished)
+        self.runs: dict[str, list[ChunkRun]] = {}
+        self.ended: dict[str, float] = {}  # job -> when its DONE (or end) came
+        self.failed: dict[str, list[ev.SendFailed]] = {}
+        self.errors: dict[str, str] = {}
+        self.log: list[tuple[ev.Event, list[ev.Instruction]]] = []  # every step, in order
+        self.speeds: dict[str, float] = {}  # device -> speed remembered from earlier jobs
+        for identity, device in self.devices.items():
+            self.at(0.0, ev.WorkerJoined(identity, worker_facts(self.scenario.slots), 0.0))
+
+    def at(self, when: float, event: ev.Event) -> None:
+        heapq.heappush(self.queue, _Pending(when, self.order, event))
+        self.order += 1
+
+    def submit(self, job: str, total: int, at: float = 0.0,
+               options: JobOptions = JobOptions()) -> None:
+        self.at(at, ev.JobSubmitted(CLIENT, job, SIM_MODEL, "float32", (1,), total, 1.0,
+                                    options, ev.ModelFound((1,), "sim"), at))
+
+    def lose(self, device: str, at: float) -> None:
+        """The device's worker leaves at ``at`` (what it computes then is lost)."""
+        self.at(at, ev.WorkerLeft(device.encode(), at, "lost in the simulation"))
+
+    def remember(self, speeds: dict[str, float]) -> None:
+        """Each device's speed from earlier jobs, as the broker remembers them; before ``run``."""
+        self.speeds.update(speeds)
+
+    def run(self) -> float:
+        """Run to the end; the simulated time of the last event."""
+        now = 0.0
+        while self.queue:
+            pending = heapq.heappop(self.queue)
+            now = pending.at
+            self.step(now, pending.event)
+        return now
+
+    def step(self, now: float, event: ev.Event) -> None:
+        instructions = self.state.handle(event)
+        self.log.append((event, instructions))
+        if isinstance(event, ev.WorkerJoined) and event.worker.decode() in self.speeds:
+            self.seed_speed(event.worker)
+        for instruction in instructions:
+            self.carry_out(now, instruction)
+
+    def seed_speed(self, identity: bytes) -> None:
+        """A history on the model worth the remembered speed (1 000 s of it)."""
+        rate = self.speeds[identity.decode()]
+        self.state.workers[identity].record(SIM_MODEL, round(rate * 1000), 1000.0)
+
+    def carry_out(self, now: float, instruction: ev.Instruction) -> None:
+        match instruction:
+            case ev.SendNeed(client, job, chunk, start, count):
+                self.at(now, ev.DataArrived(client, job, chunk, start, count, 4 * count, 1, now))
+            case ev.SendTask(worker, job, chunk, _, start, count):
+                device = self.devices[worker]
+                noise = device.noise_factor(count, self.rng)
+                began = max(now + self.scenario.latency, self.free_at[worker])
+                end = device.finish_time(began, count, noise)
+                self.free_at[worker] = end
+                self.running[chunk] = (began, end)
+                answered = end + self.scenario.latency
+                self.at(answered, ev.ChunkDone(worker, job, chunk, start, count, "float32",
+                                               (1,), {"compute": end - began}, answered))
+            case ev.SendResult(_, job, chunk, start, count, _, _, _, worker, _, trace):
+                began, end = self.running.pop(chunk)
+                self.runs.setdefault(job, []).append(ChunkRun(
+                    self.state_name(worker), Chunk(start, count), trace[0], began, end, now))
+            case ev.SendDone(_, job):
+                self.ended[job] = now
+            case ev.SendFailed(_, job):
+                self.failed.setdefault(job, []).append(instruction)
+            case ev.SendError(_, error, job) if job is not None:
+                self.errors[job] = error
+                self.ended[job] = now
+            case ev.SendCancel(peer, job) if peer == CLIENT:
+                self.ended[job] = now
+
+    @staticmethod
+    def state_name(worker: str) -> str:
+        """The device name inside a worker's ``host:pid/device`` name."""
+        return worker.rsplit("/", 1)[-1]
+
+
+#: The simulated client's identity.
+CLIENT = b"client"
+
+
+def worker_facts(slots: int) -> ev.WorkerFacts:
+    """A simulated worker: it runs ``SIM_MODEL`` on its device name."""
+    return ev.WorkerFacts("sim", "sim", 0, "sim", 1, {SIM_MODEL: {"input_shape": [1]}},
+                          frozenset({SIM_MODEL}), slots)
+
+
+def simulate(scenario: Scenario, algo: str, seed: int = 0,
+             speeds: dict[str, float] | None = None, max_chunk_seconds: float = 0.0,
+             **params: Any) -> SimResult:
+    """Run one job of ``scenario`` under policy ``algo``; deterministic for a given seed.
+
+    ``speeds``: each device's speed from earlier jobs; ``max_chunk_seconds``: the broker's
+    chunk cap (0, the paper's setting, cuts chunks as the policy says).
+    """
+    config = SchedulingConfig(algo=algo, params=params, max_chunk_seconds=max_chunk_seconds)
+    farm = FarmSimulation(scenario, config, seed)
+    farm.remember(speeds or {})
+    farm.submit("job", scenario.total)
+    farm.run()
+    if "job" in farm.errors:
+        raise SimulationStalled(f"{algo}: {farm.errors['job']}")
+    if "job" not in farm.ended:
+        raise SimulationStalled(f"{algo}: the job never finished")
+    return SimResult(scenario, algo, farm.ended["job"], farm.runs.get("job", []))

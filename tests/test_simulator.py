@@ -9,7 +9,7 @@ from statistics import mean
 
 import pytest
 
-from farm.policies import PAPER_PARAMETERS, make_policy
+from farm.policies import PAPER_PARAMETERS
 from farm.scenarios import comparison_cases, fit_chunk_cost, paper_devices, paper_scenario
 from farm.simulator import DeviceModel, Scenario, simulate
 
@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(scenario: Scenario, name: str, seed: int = 0, **params):
-    names = [d.name for d in scenario.devices]
-    return simulate(scenario, make_policy(name, scenario.total, names, **params), seed)
+    return simulate(scenario, name, seed, **params)
 
 
 def test_one_device_fifo_costs_overhead_per_chunk_plus_items_over_speed() -> None:

@@ -1,33 +1,21 @@
-"""The ROUTER broker: a registry of workers, jobs cut into chunks by policy objects.
+"""The ROUTER broker: a thin I/O loop around ``FarmState``.
 
-One ROUTER socket serves workers and clients alike.  The loop is thin: poll,
-decode, dispatch to a handler, run the timers, repeat.  Liveness is the
-ZeroMQ guide's Paranoid Pirate pattern both ways: the broker heartbeats every
-worker and client it serves, and drops a worker (its chunks go back to the
-policy) or a job (its client vanished) once the peer has been silent for
-``liveness`` heartbeats.
+One ROUTER socket serves workers and clients alike.  The loop is
+socket -> decode -> event -> ``FarmState.handle`` -> carry out the instructions
+-> timers.  All scheduling (registry, jobs, arbitration, attempts, caps) lives in
+``farm.broker.state``, which the simulator drives too; this module only speaks
+the protocol, reads the clock, serves model files and INFO, and heartbeats.
+
+Liveness is the ZeroMQ guide's Paranoid Pirate pattern both ways: the broker
+heartbeats every worker and client it serves; the state drops a worker (its
+chunks go back to their jobs) or a job (its client vanished) once the peer has
+been silent for ``liveness`` heartbeats.
 
 The broker holds no job input.  When a policy assigns a chunk, the broker asks
 the job's client for exactly those items (NEED), and forwards the DATA frame
 it gets back to the worker as the TASK payload, untouched.  So its memory is
 bounded by the chunks in flight (workers x slots x ``MAX_TASK_BYTES``), and
-an input far larger than RAM streams through it.  Each assignment is an
-*attempt* with its own id: a reply to an attempt that is no longer in flight
-(its worker was declared dead, or it was answered already) is dropped, so every
-item is delivered exactly once; an item range that fails ``max_attempts`` times
-is a poison chunk, reported to the client instead of retried forever.
-
-Several jobs share the workers: every free slot is offered to the jobs in
-order, highest priority first, then (``sharing="fair"``) the job holding the
-fewest slots, then the oldest; each job's own policy decides whether to take
-it.  A worker with nothing left of one job thus takes chunks of the next, and
-job tails overlap.  Every chunk is capped at ``max_chunk_seconds`` of compute on
-the job's fastest worker (once speeds are known; a quarter of that while jobs
-share the farm), so a job that arrives waits for a worker about a second, not
-minutes, and a cancel, a lost worker or a progress bar never waits on a chunk
-of minutes.  A job that ends early (cancelled, timed out, failed) has
-its queued chunks dropped at once; the workers running its chunks get CANCEL,
-stop after their current compute batch, and their slots free when they answer.
+an input far larger than RAM streams through it.
 """
 
 from __future__ import annotations
@@ -36,79 +24,51 @@ import logging
 import mmap
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import zmq
 
 from farm import protocol
-from farm.broker.jobs import ChunkRecord, Job, JobOptions
+from farm.broker import events as ev
+from farm.broker.jobs import JobOptions
 from farm.broker.models import ModelCatalog
-from farm.broker.registry import (MAX_HEARTBEAT, MIN_HEARTBEAT, WorkerEntry,
-                                   valid_heartbeat)
-from farm.policies import (Assign, ChunkDone, ChunkFailed, Event, WorkerBusy, WorkerLost,
-                           WorkerReady, make_policy)
+from farm.broker.registry import (MAX_ENGINES, MAX_HEARTBEAT, MAX_SLOTS, MIN_HEARTBEAT,
+                                   check_models, valid_heartbeat)
+from farm.broker.state import FarmState, SchedulingConfig
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
-from farm.trace import network_seconds
 from farm.wakeup import Wakeup
 
 log = logging.getLogger("farm.broker")
 
 #: Most INFO requests that may wait for workers at once.
 MAX_INFO_WAITERS = 1000
-#: Most jobs the broker holds at once.
-MAX_JOBS = 1000
 #: Most messages handled in one loop pass before the timers run.
 MAX_BATCH = 1000
 #: Seconds an INFO request waits for workers before it is forgotten (its client gave up).
 INFO_WAIT_LIMIT = 120.0
 #: Longest error text sent: a reply must stay within the protocol's own string limits.
 MAX_ERROR_CHARS = 1000
-#: How jobs share free slots: "fair" (fewest slots held first) or "fifo" (oldest first).
-SHARING = ("fair", "fifo")
-#: Part of ``max_chunk_seconds`` that caps chunks while several jobs share the farm.
-SHARED_CHUNK_FRACTION = 0.25
-#: Ways a job ends, counted in INFO and metrics.
-OUTCOMES = ("done", "failed", "cancelled", "timed_out", "expired")
 
 
-@dataclass
-class BrokerConfig:
+@dataclass(kw_only=True)
+class BrokerConfig(SchedulingConfig):
+    """The state machine's configuration, plus where and how the broker listens."""
+
     bind: str = "tcp://127.0.0.1:5555"
-    algo: str = "fifo"
-    params: dict[str, Any] = field(default_factory=dict)
-    heartbeat: float = 1.0  # seconds between heartbeats to workers and clients
     model_dirs: tuple[str, ...] = ()  # searched before $FARM_MODELS and the bundled models
-    liveness: int = 5  # heartbeats a peer may miss before it is declared gone
-    max_attempts: int = 3  # attempts at an item range before it is given up as poison
     curve: str | None = None  # a `farm keys` folder: CurveZMQ with its allowed keys
-    sharing: str = "fair"  # see SHARING; priorities come first either way
-    max_chunk_seconds: float = 1.0  # chunk cap, in seconds of compute (0: none)
     metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
 
 
-@dataclass
-class BrokerStats:
-    """Counters of what went wrong and was recovered; in every INFO snapshot."""
-
-    bad_messages: int = 0
-    late_replies: int = 0  # replies to attempts no longer in flight: dropped
-    requeued_chunks: int = 0
-    abandoned_chunks: int = 0
-    workers_expired: int = 0
-    jobs_expired: int = 0
-
-
 class Broker:
-    """Registry + dispatcher.  ``poll_once`` and ``tick`` are the whole loop body."""
+    """Socket, decoding, timers and model files around a ``FarmState``."""
 
     def __init__(self, config: BrokerConfig, context: zmq.Context,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        make_policy(config.algo, 1, **config.params)  # fail fast on a bad name or parameter
-        if config.sharing not in SHARING:
-            raise ValueError(f"sharing must be one of {', '.join(SHARING)}")
+        config.check()  # fail fast on a bad policy name, parameter or sharing rule
         self.config = config
         self.clock = clock
         self.socket = context.socket(zmq.ROUTER)
@@ -126,15 +86,9 @@ class Broker:
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
         self.wakeup: Wakeup | None = None  # serve() ends the loop's wait on SIGINT/SIGTERM
-        self.workers: dict[bytes, WorkerEntry] = {}
-        self.by_id: dict[str, WorkerEntry] = {}  # the same entries by policy worker id
-        self.jobs: dict[str, Job] = {}
         self.models = ModelCatalog(config.model_dirs)
         self.info_waiters: list[tuple[bytes, int, float]] = []  # identity, workers, since
-        self.stats = BrokerStats()
-        self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.started_at = self.clock()
-        self.next_seq = 0  # submission order of jobs
         self.metrics = None
         self.metrics_url = ""
         if config.metrics:
@@ -149,17 +103,20 @@ class Broker:
                               f"{config.metrics[1]}: {exc.strerror or exc}") from exc
         # attempt ids differ from any a previous broker on this address handed out, so a
         # worker's reply to one of those can never pass for a reply to a new attempt
-        self.next_chunk_id = secrets.randbits(48)
+        self.state = FarmState(config, first_chunk_id=secrets.randbits(48),
+                               observer=self.metrics)
+        # every event fed to the state and what it answered, when set to a list (tests)
+        self.recorded: list[tuple[ev.Event, list[ev.Instruction]]] | None = None
         self.next_heartbeat = self.clock()
         self.running = True
-        self.handlers: dict[Command, Callable[[bytes, Message], None]] = {
-            Command.READY: self.on_ready, Command.RESULT: self.on_result,
-            Command.FAILED: self.on_failed, Command.SUBMIT: self.on_submit,
-            Command.DATA: self.on_data, Command.INFO: self.on_info,
-            Command.DISCONNECT: self.on_disconnect, Command.HEARTBEAT: self.on_heartbeat,
-            Command.FETCH: self.on_fetch, Command.CANCEL: self.on_cancel,
+        self.decoders: dict[Command, Callable[[bytes, Message, float], ev.Event | None]] = {
+            Command.READY: self.ready_event, Command.RESULT: result_event,
+            Command.FAILED: failed_event, Command.SUBMIT: self.submit_event,
+            Command.DATA: data_event, Command.INFO: self.on_info,
+            Command.DISCONNECT: disconnect_event, Command.HEARTBEAT: heartbeat_event,
+            Command.FETCH: self.on_fetch, Command.CANCEL: cancel_event,
         }
-        self.accepted = frozenset(self.handlers)
+        self.accepted = frozenset(self.decoders)
 
     # ----------------------------------------------------------------- loop
 
@@ -189,35 +146,17 @@ class Broker:
         if now >= self.next_heartbeat:
             self.heartbeat_peers()
             self.next_heartbeat = now + self.config.heartbeat
-        for identity, entry in list(self.workers.items()):
-            silent = now - entry.last_seen
-            if silent > self.worker_expiry(entry):
-                self.stats.workers_expired += 1
-                self.lose_worker(identity, f"silent for {silent:.1f} s")
+        self.feed(ev.Tick(now))
         if self.info_waiters and self.info_waiters[0][2] < now - INFO_WAIT_LIMIT:
             self.answer_info_waiters()
-        for job in list(self.jobs.values()):
-            silent = now - job.client_seen
-            if silent > job.client_expiry:
-                self.stats.jobs_expired += 1
-                log.warning("job %s dropped: its client was silent for %.1f s", job.id, silent,
-                            extra={"event": "job_ended", "job": job.id, "outcome": "expired"})
-                self.end_job(job, "expired")
-            elif job.deadline is not None and now > job.deadline:
-                self.cancel_job(job, "timed_out",
-                                f"the job's timeout of {job.options.timeout:g} s passed")
-
-    def worker_expiry(self, entry: WorkerEntry) -> float:
-        return self.config.liveness * max(self.config.heartbeat, entry.heartbeat)
 
     def heartbeat_peers(self) -> None:
         """Tell every worker, and each client with a running job, that the broker is alive."""
         interval = self.config.heartbeat
-        for identity in self.workers:
+        for identity in self.state.workers:
             self.send(identity, Command.HEARTBEAT, {"interval": interval})
-        for job in self.jobs.values():
-            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "done": job.done,
-                                                      "interval": interval})
+        for job in self.state.jobs.values():
+            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "interval": interval})
 
     def poll_once(self, timeout_ms: int) -> None:
         """Handle the messages waiting (or arriving within the timeout), at most ``MAX_BATCH``;
@@ -237,23 +176,67 @@ class Broker:
         self.running = False
 
     def handle(self, frames: list[Any]) -> None:
-        """Decode and dispatch one message; a bad one gets an ERROR, never a crash."""
+        """Decode one message into an event for the state; a bad one gets an ERROR, never a
+        crash."""
         identity, body = frames[0].bytes, frames[1:]
-        entry = self.workers.get(identity)
-        if entry is not None:
-            entry.last_seen = self.clock()
         message = None
         try:
             message = protocol.decode(body, allowed=self.accepted)
-            self.handlers[message.command](identity, message)
+            event = self.decoders[message.command](identity, message, self.clock())
+            if event is not None:
+                self.feed(event)
         except ProtocolError as exc:
-            self.stats.bad_messages += 1
+            self.state.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
             job = message.header.get("job") if message else None
             self.send(identity, Command.ERROR, {"error": str(exc), **(
                 {"job": job} if isinstance(job, str) and len(job) <= 100 else {})})
         except Exception:  # a bug must not take the farm down; log it and keep serving
             log.exception("error handling a message from %s", identity.hex())
+
+    def feed(self, event: ev.Event) -> None:
+        """Give the state one event and carry out what it says."""
+        instructions = self.state.handle(event)
+        if self.recorded is not None:
+            self.recorded.append((event, instructions))
+        for instruction in instructions:
+            self.carry_out(instruction)
+        if isinstance(event, ev.WorkerJoined):
+            self.send(event.worker, Command.HEARTBEAT, {"interval": self.config.heartbeat})
+            self.answer_info_waiters()
+
+    def carry_out(self, instruction: ev.Instruction) -> None:
+        """Send what one instruction says."""
+        match instruction:
+            case ev.SendNeed(client, job, chunk, start, count):
+                self.send(client, Command.NEED, {"job": job, "chunk": chunk, "start": start,
+                                                 "count": count})
+            case ev.SendTask():
+                self.send(instruction.worker, Command.TASK, task_header(instruction),
+                          instruction.payload)
+            case ev.SendResult():
+                self.send(instruction.client, Command.RESULT, result_header(instruction),
+                          instruction.payload)
+            case ev.SendFailed(client, job, chunk, start, count, error):
+                self.send(client, Command.FAILED, {"job": job, "chunk": chunk, "start": start,
+                                                   "count": count, "error": error})
+            case ev.SendDone(client, job, summary):
+                self.send(client, Command.DONE, {"job": job}, protocol.document_frames(summary))
+            case ev.SendCancel(peer, job, reason, summary):
+                header: dict[str, Any] = {"job": job}
+                if reason is not None:
+                    header["reason"] = reason
+                self.send(peer, Command.CANCEL, header,
+                          protocol.document_frames(summary) if summary is not None else ())
+            case ev.SendError(peer, error, job, unknown_job):
+                header = {"error": error}
+                if job is not None:
+                    header["job"] = job
+                if unknown_job:
+                    header["unknown_job"] = True
+                self.send(peer, Command.ERROR, header)
+            case ev.DropWorker(worker):
+                self.send(worker, Command.DISCONNECT, {})
 
     def send(self, identity: bytes, command: Command, header: dict[str, Any],
              payload: list[Any] | tuple = ()) -> None:
@@ -263,362 +246,44 @@ class Broker:
         self.socket.send_multipart([identity, *protocol.encode(command, header, payload)],
                                    copy=False)
 
-    def on_heartbeat(self, identity: bytes, message: Message) -> None:
-        """A client's heartbeat names its job; a worker's carries its compute counters and
-        needs no answer, unless the worker is unknown."""
-        job_id = message.header.get("job")
-        if job_id is None:
-            entry = self.workers.get(identity)
-            if entry is None:
-                self.send(identity, Command.DISCONNECT, {})  # a worker we dropped: re-register
-            else:
-                if "computed" in message.header:
-                    entry.note_computed(message.header["computed"], self.clock())
-                if "engines" in message.header:
-                    entry.note_engines(message.header["engines"])
-            return
-        if not isinstance(job_id, str) or len(job_id) > 100:
-            raise ProtocolError("HEARTBEAT 'job' must be a job id")
-        job = self.jobs.get(job_id)
-        if job is None or job.client != identity:
-            self.send(identity, Command.ERROR, {"job": job_id, "unknown_job": True,
-                                                "error": f"the broker has no job {job_id}"})
-            return
-        job.client_seen = self.clock()
+    # ------------------------------------------------------------ decoding
 
-    # -------------------------------------------------------------- workers
+    def ready_event(self, identity: bytes, message: Message, now: float) -> ev.Event:
+        return ev.WorkerJoined(identity, worker_facts(message.header), now)
 
-    def on_ready(self, identity: bytes, message: Message) -> None:
-        entry = WorkerEntry.from_ready(identity, message.header)
-        entry.last_seen = entry.joined_at = self.clock()
-        if identity in self.workers:
-            self.lose_worker(identity, "re-registered")
-        self.workers[identity] = self.by_id[entry.id] = entry
-        if self.metrics:
-            self.metrics.worker_joined(entry)
-        log.info("worker %s joined (%s, %d compute thread%s; loaded: %s; can run: %s)",
-                 entry.name, entry.backend, entry.threads, "" if entry.threads == 1 else "s",
-                 ", ".join(sorted(entry.loaded)) or "none", ", ".join(sorted(entry.models)),
-                 extra={"event": "worker_joined", "worker": entry.name, "backend": entry.backend})
-        self.send(identity, Command.HEARTBEAT, {"interval": self.config.heartbeat})
-        self.answer_info_waiters()
-        self.fill(entry)
-
-    def on_disconnect(self, identity: bytes, message: Message) -> None:
-        self.lose_worker(identity, "disconnected")
-
-    def lose_worker(self, identity: bytes, reason: str) -> None:
-        """Forget a worker; each of its chunks counts a failed attempt and goes back to its
-        job's policy, or is given up if that was its last attempt."""
-        entry = self.workers.pop(identity, None)
-        if entry is None:
-            return
-        del self.by_id[entry.id]
-        records = list(entry.in_flight.values())
-        entry.in_flight.clear()
-        log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason, len(records),
-                 extra={"event": "worker_left", "worker": entry.name, "reason": reason})
-        for record in records:
-            job = record.job
-            job.pending.pop(record.id, None)
-            if job.outcome is None and job.policy:
-                self.attempt_failed(record, f"worker {entry.name} was lost ({reason})",
-                                    requeue_with_worker=True)
-        # after its chunks' failures were counted; a worker that reconnected (a new socket,
-        # the same name) keeps its series
-        if self.metrics and all(other.name != entry.name for other in self.workers.values()):
-            self.metrics.worker_left(entry)
-        for job in list(self.jobs.values()):
-            if job.policy:
-                self.step(job, WorkerLost(entry.id, at=self.clock()))
-        self.fill_all()
-
-    def attempt_failed(self, record: ChunkRecord, error: str,
-                       requeue_with_worker: bool = False) -> None:
-        """Retry the chunk, or give it up after ``max_attempts`` and tell the client.
-
-        ``requeue_with_worker``: the worker was lost, and the policy's ``WorkerLost``
-        returns its chunks to the pool, so only a chunk given up needs an event here.
-        """
-        job, chunk = record.job, record.chunk
-        job.note_failure(record, error)
-        if self.metrics:
-            self.metrics.chunk_failed(record.worker)
-        if record.attempt < self.config.max_attempts:
-            self.stats.requeued_chunks += 1
-            log.info("job %s: items %d..%d failed attempt %d (%s); retrying", job.id,
-                     chunk.start, chunk.stop - 1, record.attempt, error)
-            if not requeue_with_worker:
-                self.step(job, ChunkFailed(record.worker.id, chunk, True, at=self.clock()))
-            return
-        self.stats.abandoned_chunks += 1
-        message = f"gave up after {record.attempt} attempts; last: {error}"
-        job.abandoned.append(job.failures[-1])
-        log.warning("job %s: items %d..%d %s", job.id, chunk.start, chunk.stop - 1, message,
-                    extra={"event": "chunk_abandoned", "job": job.id, "start": chunk.start,
-                           "count": chunk.count})
-        self.send(job.client, Command.FAILED, {"job": job.id, "chunk": record.id,
-                                               "start": chunk.start, "count": chunk.count,
-                                               "error": message})
-        self.step(job, ChunkFailed(record.worker.id, chunk, False, at=self.clock()))
-        self.finish_if_done(job)
-
-    def fill(self, entry: WorkerEntry) -> None:
-        """Offer all of one worker's free slots to the jobs."""
-        while entry.free_slots > 0 and self.offer_slot(entry):
-            pass
-
-    def fill_all(self) -> None:
-        """Offer free slots breadth-first: every worker's first slot before anyone's second."""
-        progress = True
-        while progress:
-            progress = False
-            for entry in list(self.workers.values()):
-                if entry.free_slots > 0 and self.offer_slot(entry):
-                    progress = True
-
-    def offer_slot(self, entry: WorkerEntry) -> bool:
-        """Offer one slot to the jobs in ``job_order``; True if one took it."""
-        if entry.identity not in self.workers:
-            return False
-        before = len(entry.in_flight)
-        for job in self.job_order():
-            job.eligible[entry.id] = entry
-            self.step(job, WorkerReady(entry.id, at=self.clock()))
-            if len(entry.in_flight) > before:
-                return True
-        return False
-
-    def job_order(self) -> list[Job]:
-        """Running jobs in the order they are offered a free slot: highest priority first,
-        then (fair sharing) the fewest chunks in flight, then the oldest."""
-        jobs = [job for job in self.jobs.values() if job.policy]
-        if self.config.sharing == "fair":
-            return sorted(jobs, key=lambda job: (-job.priority, job.in_flight, job.seq))
-        return sorted(jobs, key=lambda job: (-job.priority, job.seq))
-
-    def slots_taken(self, entry: WorkerEntry, taker: Job) -> None:
-        """The worker's last free slot went to ``taker``: other jobs' policies that counted
-        it as idle hear it is busy."""
-        for job in list(self.jobs.values()):
-            if job is not taker and job.policy and entry.id in job.policy.idle:
-                self.step(job, WorkerBusy(entry.id, at=self.clock()))
-
-    def step(self, job: Job, event: Event) -> None:
-        """Feed one event to the job's policy and carry out its assignments.  A policy that
-        raises (on parameters a client chose, say) fails its own job, not the farm."""
-        if job.outcome is not None:
-            return
-        try:
-            assignments = job.policy.handle(event)
-        except Exception as exc:
-            log.exception("job %s: policy %s failed on %s", job.id, job.algo, event)
-            self.fail_job(job, f"policy {job.algo} failed: {type(exc).__name__}: {exc}")
-            return
-        self.dispatch(job, assignments)
-
-    def dispatch(self, job: Job, assignments: list[Assign]) -> None:
-        """Carry out a policy's assignments: each takes a slot now and asks the client for
-        its input; the TASK goes out when the DATA comes back."""
-        for assignment in assignments:
-            entry = self.by_id.get(assignment.worker)
-            if entry is None:  # the policy has not heard the worker is gone yet
-                self.step(job, WorkerLost(assignment.worker, at=self.clock()))
-                continue
-            chunk, now = assignment.chunk, self.clock()
-            record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk),
-                                 assigned_at=now)
-            self.next_chunk_id += 1
-            entry.in_flight[record.id] = record
-            job.pending[record.id] = record
-            if job.started_at is None:
-                job.started_at = now
-            self.send(job.client, Command.NEED, {"job": job.id, "chunk": record.id,
-                                                 "start": chunk.start, "count": chunk.count})
-            if entry.free_slots <= 0 and len(self.jobs) > 1:
-                self.slots_taken(entry, job)
-
-    def on_data(self, identity: bytes, message: Message) -> None:
-        """A chunk's input from its client: forward it to the chunk's worker as the TASK."""
+    def submit_event(self, identity: bytes, message: Message, now: float) -> ev.Event:
         header = message.header
-        job = self.jobs.get(header["job"])
-        if job is None or job.client != identity:
-            return  # data of a job that failed or was dropped: nothing waits for it
-        job.client_seen = self.clock()
-        record = job.pending.pop(header["chunk"], None)
-        if record is None or record.id not in record.worker.in_flight:
-            return  # its worker was lost meanwhile: the chunk was requeued
-        try:
-            if len(message.payload) != 1:
-                raise ProtocolError("DATA carries exactly one frame")
-            job.check_data(record, header, message.payload[0])
-        except ProtocolError as exc:
-            self.fail_job(job, str(exc))
-            return
-        record.sent_at = self.clock()
-        chunk = record.chunk
-        header = {"job": job.id, "chunk": record.id, "attempt": record.attempt,
-                  "start": chunk.start, "count": chunk.count, "model": job.model,
-                  "digest": job.digest, "dtype": job.dtype, "item_shape": list(job.item_shape)}
-        if job.options.engine:
-            header["engine"] = list(job.options.engine)
-        self.send(record.worker.identity, Command.TASK, header, message.payload)
-
-    def answered_record(self, identity: bytes, message: Message) -> ChunkRecord | None:
-        """The attempt a RESULT or FAILED answers; None for a late, duplicate or unknown one.
-
-        A reply from a worker the broker no longer knows (declared dead, then back)
-        gets DISCONNECT: the worker reconnects and registers afresh.
-        """
-        entry = self.workers.get(identity)
-        record = entry.in_flight.get(message.header["chunk"]) if entry else None
-        if (record is not None and record.sent_at is not None and record.job.outcome
-                and record.job.id == message.header["job"]):
-            del entry.in_flight[record.id]  # a chunk of a job that ended: its slot is free
-            self.fill(entry)
-            return None
-        if (record is None or record.sent_at is None or record.job.id not in self.jobs
-                or record.job.id != message.header["job"]):
-            self.stats.late_replies += 1
-            log.info("dropped a reply for chunk %s from %s (late, duplicate or cancelled)",
-                     message.header["chunk"], entry.name if entry else identity.hex())
-            if entry is None:
-                self.send(identity, Command.DISCONNECT, {})
-            return None
-        del entry.in_flight[record.id]
-        return record
-
-    def on_result(self, identity: bytes, message: Message) -> None:
-        record = self.answered_record(identity, message)
-        if record is None:
-            return
-        job, chunk, entry, header = record.job, record.chunk, record.worker, message.header
-        problem = job.check_result(record, header)
-        if problem:
-            self.fail_job(job, f"worker {entry.name} returned a bad result for items "
-                               f"{chunk.start}..{chunk.stop - 1}: {problem}")
-            return
-        timings, now = header["timings"], self.clock()
-        compute = float(timings["compute"])
-        job.account(entry, chunk, compute)
-        origin = job.submitted_at
-        self.send(job.client, Command.RESULT, {
-            **header, "job": job.id, "worker": entry.name, "attempt": record.attempt,
-            "round_trip": now - record.sent_at,
-            "trace": [record.assigned_at - origin, record.sent_at - origin, now - origin]},
-            message.payload)
-        self.cap_chunks(job)  # speeds changed
-        if self.metrics:
-            self.metrics.chunk_done(entry, chunk.count, timings, record.sent_at -
-                                    record.assigned_at + float(timings.get("receive", 0.0)),
-                                    network_seconds(now - record.sent_at, timings))
-        self.step(job, ChunkDone(entry.id, chunk, compute, at=self.clock()))
-        self.finish_if_done(job)
-        self.fill(entry)
-
-    def on_failed(self, identity: bytes, message: Message) -> None:
-        """A chunk failed on its worker: a model error fails the job, anything else retries."""
-        record = self.answered_record(identity, message)
-        if record is None:
-            return
-        chunk, error = record.chunk, message.header["error"]
-        if message.header.get("fatal", True):
-            self.fail_job(record.job, f"items {chunk.start}..{chunk.stop - 1} failed on "
-                                      f"{record.worker.name}: {error}")
-            return
-        self.attempt_failed(record, f"{record.worker.name}: {error}")
-        self.fill(record.worker)
-
-    # ----------------------------------------------------------------- jobs
-
-    def on_submit(self, identity: bytes, message: Message) -> None:
-        header = message.header
-        job_id = header["job"]
-        if not 0 < len(job_id) <= 100:
-            raise ProtocolError("SUBMIT 'job' must be an id of 1 to 100 characters")
-        if job_id in self.jobs:
-            raise ProtocolError(f"job {job_id} already exists")
-        if len(self.jobs) >= MAX_JOBS:
-            raise ProtocolError(f"the broker holds {MAX_JOBS} jobs already; try later")
         protocol.check_array_spec(header["dtype"], header["item_shape"])
         if not 0 < header["total"] <= protocol.MAX_ITEMS:
             raise ProtocolError(f"job total {header['total']} out of range")
         heartbeat = header.get("heartbeat", self.config.heartbeat)
         if not valid_heartbeat(heartbeat):
             raise ProtocolError(f"SUBMIT heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
-        options = JobOptions.parse(header["options"])
-        algo, params = options.policy(self.config.algo, self.config.params)
-        job = Job(job_id, identity, header["model"], header["dtype"],
-                  tuple(header["item_shape"]), header["total"], self.clock(),
-                  self.config.liveness * max(self.config.heartbeat, heartbeat), options,
-                  algo, params, self.next_seq)
-        self.next_seq += 1
-        self.jobs[job_id] = job
-        if len(self.jobs) > 1:
-            for each in self.jobs.values():
-                each.shared = True
-        log.info("job %s: %d x %s %s for model %s, policy %s, priority %d", job_id, job.total,
-                 job.item_shape, job.dtype, job.model, algo, options.priority,
-                 extra={"event": "job_submitted", "job": job_id, "model": job.model,
-                        "items": job.total, "policy": algo, "priority": options.priority,
-                        "client": options.client})
-        if self.validate_job(job):
-            self.fill_all()
+        return ev.JobSubmitted(identity, header["job"], header["model"], header["dtype"],
+                               tuple(header["item_shape"]), header["total"], float(heartbeat),
+                               JobOptions.parse(header["options"]),
+                               self.find_model(header["model"]), now)
 
-    def validate_job(self, job: Job) -> bool:
-        """Check the job's model and shape against the broker's repository; fail it if wrong.
-
-        Every worker can run every model (it fetches the files it lacks), so a
-        valid job gets its policy at once, told the workers connected now and
-        their speeds on this model from earlier jobs.
-        """
-        if job.policy:
-            return True
+    def find_model(self, name: str) -> ev.ModelFound | str:
+        """What the repository says of a job's model: its shape and digest, or why not."""
         try:
-            spec, manifest = self.models.lookup(job.model)
+            spec, manifest = self.models.lookup(name)
         except Exception as exc:  # ModelError, or a bug: either way the client hears why
-            self.fail_job(job, str(exc) if isinstance(exc, ModelError) else
-                          f"cannot use model {job.model!r}: {type(exc).__name__}: {exc}")
-            return False
-        if job.item_shape != spec.item_shape:
-            layout = " (H x W x C)" if spec.preprocess.layout == "HWC" else ""
-            self.fail_job(job, f"images of shape {job.item_shape} do not match model "
-                               f"{job.model!r}, which takes {spec.item_shape}{layout}")
-            return False
-        job.digest = manifest.digest
-        eligible = list(self.workers.values())
-        speeds = {entry.id: entry.history[job.model].rate for entry in eligible
-                  if job.model in entry.history}
-        try:
-            job.policy = make_policy(job.algo, job.total, [e.id for e in eligible], speeds,
-                                     **job.params)
-        except Exception as exc:  # a job's own parameters: ValueError, or what odd values provoke
-            self.fail_job(job, f"job policy: {exc}")
-            return False
-        self.cap_chunks(job)
-        return True
+            return (str(exc) if isinstance(exc, ModelError) else
+                    f"cannot use model {name!r}: {type(exc).__name__}: {exc}")
+        return ev.ModelFound(tuple(spec.item_shape), manifest.digest, spec.preprocess.layout)
 
-    def cap_chunks(self, job: Job) -> None:
-        """Cap the job's chunks at its byte limit and at ``max_chunk_seconds`` of compute on
-        its fastest worker, once a speed on its model is known; while several jobs share
-        the farm, at ``SHARED_CHUNK_FRACTION`` of that, so every job's turn on a worker
-        comes round quickly (a chunk queued on a worker waits for the one running)."""
-        job.policy.max_chunk = job.max_chunk
-        fastest = max((entry.history[job.model].rate for entry in self.workers.values()
-                       if job.model in entry.history), default=0.0)
-        seconds = self.config.max_chunk_seconds
-        if sum(1 for other in self.jobs.values() if other.policy) > 1:
-            seconds *= SHARED_CHUNK_FRACTION
-        if fastest > 0 and seconds > 0:  # min() first: a rate may be huge, even inf
-            job.policy.max_chunk = max(1, int(min(job.max_chunk, fastest * seconds)))
+    # ---------------------------------------------------------------- files
 
-    def on_fetch(self, identity: bytes, message: Message) -> None:
+    def on_fetch(self, identity: bytes, message: Message, now: float) -> None:
         """Send a registered worker a model's files; an error reply if it is gone or changed.
 
         The files go out memory-mapped: however many workers fetch a model at once, its
         bytes are in memory once, in the page cache.
         """
-        entry = self.workers.get(identity)
+        entry = self.state.workers.get(identity)
+        if entry is not None:
+            entry.last_seen = now
         name, digest = message.header["model"], message.header["digest"]
         try:
             if entry is None:
@@ -636,99 +301,145 @@ class Broker:
         except (ModelError, OSError) as exc:
             self.send(identity, Command.MODEL, {"model": name, "digest": digest, "files": [],
                                                 "error": str(exc)})
-            return
+            return None
         entry.fetched[name] = entry.fetched.get(name, 0) + 1
         log.info("sending model %s (%d bytes) to %s", name, size, entry.name)
         self.send(identity, Command.MODEL, manifest.header(), contents)
-
-    def finish_if_done(self, job: Job) -> None:
-        if job.outcome is None and job.policy.finished:
-            self.finish(job)
-
-    def finish(self, job: Job) -> None:
-        summary = job.summary(self.clock())
-        self.end_job(job, "done")
-        log.info("job %s done: %d items in %.3f s", job.id, job.total, summary["broker_seconds"],
-                 extra={"event": "job_ended", "job": job.id, "outcome": "done",
-                        "seconds": summary["broker_seconds"]})
-        self.send(job.client, Command.DONE, {"job": job.id}, protocol.document_frames(summary))
-
-    def fail_job(self, job: Job, error: str) -> None:
-        """Tell the client why its job failed; free the slots its chunks held."""
-        log.warning("job %s failed: %s", job.id, error,
-                    extra={"event": "job_ended", "job": job.id, "outcome": "failed"})
-        self.send(job.client, Command.ERROR, {"error": error, "job": job.id})
-        self.end_job(job, "failed")
-
-    def cancel_job(self, job: Job, outcome: str, reason: str) -> None:
-        """Stop a job and tell its client why, with what finished."""
-        log.info("job %s %s: %s", job.id, outcome.replace("_", " "), reason,
-                 extra={"event": "job_ended", "job": job.id, "outcome": outcome})
-        summary = job.summary(self.clock())
-        self.end_job(job, outcome)
-        self.send(job.client, Command.CANCEL, {"job": job.id, "reason": reason},
-                  protocol.document_frames(summary))
-
-    def end_job(self, job: Job, outcome: str) -> None:
-        """Forget a job.  Chunks still waiting for input are dropped; workers running its
-        chunks are told to stop, and their slots free when they answer."""
-        self.jobs.pop(job.id, None)
-        job.outcome = outcome
-        self.outcomes[outcome] += 1
-        job.pending.clear()
-        for entry in self.workers.values():
-            records = [r for r in entry.in_flight.values() if r.job is job]
-            for record in records:
-                if record.sent_at is None:
-                    del entry.in_flight[record.id]
-            if outcome != "done" and any(r.sent_at is not None for r in records):
-                self.send(entry.identity, Command.CANCEL, {"job": job.id})
-        self.fill_all()
-
-    def on_cancel(self, identity: bytes, message: Message) -> None:
-        """A client stops its job."""
-        job_id = message.header["job"]
-        job = self.jobs.get(job_id)
-        if job is None or job.client != identity:
-            self.send(identity, Command.ERROR, {"job": job_id[:100], "unknown_job": True,
-                                                "error": f"the broker has no job {job_id[:100]}"})
-            return
-        self.cancel_job(job, "cancelled", "cancelled by the client")
+        return None
 
     # ----------------------------------------------------------------- info
 
-    def on_info(self, identity: bytes, message: Message) -> None:
-        """A snapshot of the registry; with ``wait_workers`` it is sent once that many joined."""
+    def on_info(self, identity: bytes, message: Message, now: float) -> None:
+        """A snapshot of the farm; with ``wait_workers`` it is sent once that many joined."""
         wanted = message.header.get("wait_workers", 0)
         if not isinstance(wanted, int) or isinstance(wanted, bool):
             raise ProtocolError("INFO wait_workers must be an integer")
-        if len(self.workers) >= wanted:
+        if len(self.state.workers) >= wanted:
             self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
         elif len(self.info_waiters) >= MAX_INFO_WAITERS:
             raise ProtocolError("too many INFO requests waiting for workers")
         else:
-            self.info_waiters.append((identity, wanted, self.clock()))
+            self.info_waiters.append((identity, wanted, now))
+        return None
 
     def answer_info_waiters(self) -> None:
         """Answer INFO requests whose workers have joined; forget those waiting too long."""
         waiting, self.info_waiters = self.info_waiters, []
         oldest = self.clock() - INFO_WAIT_LIMIT
         for identity, wanted, since in waiting:
-            if len(self.workers) >= wanted:
+            if len(self.state.workers) >= wanted:
                 self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
             elif since > oldest:
                 self.info_waiters.append((identity, wanted, since))
 
     def snapshot(self) -> dict[str, Any]:
         """What ``farm status`` shows: the broker, its workers and its jobs (in slot order)."""
-        now = self.clock()
-        return {"endpoint": self.endpoint, "uptime_s": now - self.started_at,
-                "policy": self.config.algo, "params": self.config.params,
-                "sharing": self.config.sharing, "metrics": self.metrics_url,
-                "heartbeat": self.config.heartbeat, "liveness": self.config.liveness,
-                "stats": asdict(self.stats), "jobs_ended": dict(self.outcomes),
-                "workers": [entry.describe(now) for entry in self.workers.values()],
-                "jobs": [job.describe(now) for job in self.job_order()]}
+        self.state.now = max(self.state.now, self.clock())
+        return {"endpoint": self.endpoint, "uptime_s": self.clock() - self.started_at,
+                "metrics": self.metrics_url, **self.state.describe()}
+
+
+# ---------------------------------------------------------------- decoding, one per command
+
+
+def worker_facts(header: dict[str, Any]) -> ev.WorkerFacts:
+    """Validate a READY header; ProtocolError if it is unusable."""
+    check_models(header["models"])
+    loaded = header.get("loaded", [])
+    threads = header.get("threads", 0)
+    if not isinstance(loaded, list) or not all(
+            isinstance(name, str) and name in header["models"] for name in loaded):
+        raise ProtocolError("READY 'loaded' must list advertised models")
+    if not 1 <= header["slots"] <= MAX_SLOTS:
+        raise ProtocolError(f"READY slots must be 1..{MAX_SLOTS}, got {header['slots']}")
+    if not isinstance(threads, int) or isinstance(threads, bool):
+        raise ProtocolError("READY 'threads' must be an integer")
+    heartbeat = header.get("heartbeat", 1.0)
+    if not valid_heartbeat(heartbeat):
+        raise ProtocolError(f"READY heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
+    return ev.WorkerFacts(header["device"], header["host"], header["pid"], header["backend"],
+                          threads, header["models"], frozenset(loaded), header["slots"],
+                          float(heartbeat), checked_engines(header.get("engines", {})))
+
+
+def checked_engines(engines: Any) -> dict[str, str]:
+    """A worker's ``engines``: model -> engine description; ProtocolError if malformed."""
+    if not (isinstance(engines, dict) and len(engines) <= MAX_ENGINES and all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 200 and len(v) <= 200
+            for k, v in engines.items())):
+        raise ProtocolError(f"'engines' must map at most {MAX_ENGINES} model names to "
+                            f"engine descriptions")
+    return engines
+
+
+def checked_counters(counters: Any) -> tuple[int, float]:
+    """A heartbeat's ``computed`` counters: [images, seconds]; ProtocolError if malformed."""
+    if not (isinstance(counters, list) and len(counters) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e18
+            for v in counters)):
+        raise ProtocolError("HEARTBEAT 'computed' must be [images, seconds]")
+    return int(counters[0]), float(counters[1])
+
+
+def heartbeat_event(identity: bytes, message: Message, now: float) -> ev.Event:
+    """A client's heartbeat names its job; a worker's carries its compute counters."""
+    header = message.header
+    job_id = header.get("job")
+    if job_id is None:
+        computed = checked_counters(header["computed"]) if "computed" in header else None
+        engines = checked_engines(header["engines"]) if "engines" in header else None
+        return ev.WorkerHeard(identity, now, computed, engines)
+    if not isinstance(job_id, str) or len(job_id) > 100:
+        raise ProtocolError("HEARTBEAT 'job' must be a job id")
+    return ev.ClientHeard(identity, job_id, now)
+
+
+def result_event(identity: bytes, message: Message, now: float) -> ev.Event:
+    header = message.header
+    return ev.ChunkDone(identity, header["job"], header["chunk"], header["start"],
+                        header["count"], header["dtype"], tuple(header["item_shape"]),
+                        header["timings"], now, message.payload)
+
+
+def failed_event(identity: bytes, message: Message, now: float) -> ev.Event:
+    header = message.header
+    return ev.ChunkFailed(identity, header["job"], header["chunk"], header["error"],
+                          bool(header.get("fatal", True)), now)
+
+
+def data_event(identity: bytes, message: Message, now: float) -> ev.Event:
+    header = message.header
+    return ev.DataArrived(identity, header["job"], header["chunk"], header["start"],
+                          header["count"], payload_bytes(message.payload),
+                          len(message.payload), now, message.payload)
+
+
+def disconnect_event(identity: bytes, message: Message, now: float) -> ev.Event:
+    return ev.WorkerLeft(identity, now)
+
+
+def cancel_event(identity: bytes, message: Message, now: float) -> ev.Event:
+    return ev.JobCancelled(identity, message.header["job"], now)
+
+
+def payload_bytes(frames: list[Any]) -> int:
+    return sum(f.buffer.nbytes if hasattr(f, "buffer") else len(f) for f in frames)
+
+
+def task_header(task: ev.SendTask) -> dict[str, Any]:
+    header = {"job": task.job, "chunk": task.chunk, "attempt": task.attempt,
+              "start": task.start, "count": task.count, "model": task.model,
+              "digest": task.digest, "dtype": task.dtype, "item_shape": list(task.item_shape)}
+    if task.engine:
+        header["engine"] = list(task.engine)
+    return header
+
+
+def result_header(result: ev.SendResult) -> dict[str, Any]:
+    return {"job": result.job, "chunk": result.chunk, "start": result.start,
+            "count": result.count, "dtype": result.dtype, "item_shape": list(result.item_shape),
+            "timings": result.timings, "worker": result.worker, "attempt": result.attempt,
+            "trace": list(result.trace)}
 
 
 def mapped(path: Path) -> Any:

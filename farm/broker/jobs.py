@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from farm import protocol
 from farm.broker.registry import WorkerEntry
-from farm.engine import job_engine
 from farm.policies import Chunk, Policy
 from farm.protocol import ProtocolError
+
+if TYPE_CHECKING:
+    from farm.broker.events import ChunkDone, DataArrived
 
 #: Job priorities a client may ask for: higher runs first.
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
@@ -61,6 +63,8 @@ class JobOptions:
                                 f"{MAX_TIMEOUT:.0f} seconds")
         if not isinstance(client, str) or len(client) > 200:
             raise ProtocolError("job option 'client' must be a name of at most 200 characters")
+        from farm.engine import job_engine  # engines are the workers' business: load lazily
+
         try:
             engine = job_engine(options["engine"]) if "engine" in options else None
         except ValueError as exc:
@@ -200,29 +204,28 @@ class Job:
         self.failures.append(failure)
         return failure
 
-    def check_data(self, record: ChunkRecord, header: dict[str, Any], frame: Any) -> None:
+    def check_data(self, record: ChunkRecord, data: DataArrived) -> None:
         """A DATA message must hold exactly the chunk's items; ProtocolError if not."""
         chunk = record.chunk
-        if (header["start"], header["count"]) != (chunk.start, chunk.count):
-            raise ProtocolError(f"job {self.id}: DATA for items {header['start']}+"
-                                f"{header['count']}, the broker asked for {chunk.start}+"
-                                f"{chunk.count}")
-        size = frame.buffer.nbytes
+        if (data.start, data.count) != (chunk.start, chunk.count):
+            raise ProtocolError(f"job {self.id}: DATA for items {data.start}+{data.count}, "
+                                f"the broker asked for {chunk.start}+{chunk.count}")
+        size = data.nbytes
         if size != chunk.count * self.item_bytes:
             raise ProtocolError(f"job {self.id}: DATA of {size} bytes, expected {chunk.count} x "
                                 f"{self.item_bytes}")
 
-    def check_result(self, record: ChunkRecord, header: dict[str, Any]) -> str | None:
+    def check_result(self, record: ChunkRecord, result: ChunkDone) -> str | None:
         """Why a worker's RESULT cannot be accepted for ``record``, or None."""
         chunk = record.chunk
-        if (header["start"], header["count"]) != (chunk.start, chunk.count):
-            return f"answers items {header['start']}+{header['count']}, not the chunk's"
-        if header["dtype"] != "float32":
-            return f"outputs are {header['dtype']}, not float32"
-        shape = tuple(header["item_shape"])
+        if (result.start, result.count) != (chunk.start, chunk.count):
+            return f"answers items {result.start}+{result.count}, not the chunk's"
+        if result.dtype != "float32":
+            return f"outputs are {result.dtype}, not float32"
+        shape = tuple(result.item_shape)
         if self.output_shape not in (None, shape):
             return f"output shape {shape} differs from earlier chunks' {self.output_shape}"
-        timings = header["timings"]
+        timings = result.timings
         for key in ("compute", "receive", "send"):
             value = timings.get(key, 0.0)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

@@ -23,6 +23,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
+from farm.trace import network_seconds
+
 if TYPE_CHECKING:
     from farm.broker.broker import Broker
     from farm.broker.registry import WorkerEntry
@@ -102,9 +104,12 @@ class BrokerMetrics:
                 pass
 
     def chunk_done(self, entry: WorkerEntry, items: int, timings: dict[str, float],
-                   queued: float, transfer: float) -> None:
+                   queued_s: float, round_trip_s: float) -> None:
+        """``queued_s``: assignment to TASK sent; ``round_trip_s``: TASK sent to RESULT back."""
         labels = labels_of(entry)
         compute = timings["compute"]
+        queued = queued_s + float(timings.get("receive", 0.0))
+        transfer = network_seconds(round_trip_s, timings)
         self.images.labels(*labels).inc(items)
         self.chunks.labels(*labels).inc()
         self.compute.labels(*labels).inc(compute)
@@ -123,30 +128,30 @@ def labels_of(entry: WorkerEntry) -> tuple[str, str, str]:
 
 class _LiveCollector:
     """Series read from the broker's state at scrape time: jobs by state, workers, and
-    the recovery counters of ``BrokerStats``."""
+    the recovery counters of ``FarmStats``."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
     def collect(self) -> Iterator[Any]:
-        jobs = list(self.broker.jobs.values())
+        jobs = list(self.broker.state.jobs.values())
         by_state = GaugeMetricFamily("farm_jobs", "Jobs the broker holds, by state.",
                                      labels=["state"])
         for state in JOB_STATES:
             by_state.add_metric([state], sum(1 for job in jobs if job.state() == state))
         yield by_state
         yield GaugeMetricFamily("farm_workers", "Workers registered with the broker.",
-                                value=len(self.broker.workers))
+                                value=len(self.broker.state.workers))
         yield GaugeMetricFamily("farm_chunks_waiting", "Chunks assigned whose input the broker "
                                 "is still fetching from the client.",
                                 value=sum(len(job.pending) for job in jobs))
         ended = CounterMetricFamily("farm_jobs_ended", "Jobs that ended, by outcome.",
                                     labels=["outcome"])
-        for outcome, count in list(self.broker.outcomes.items()):
+        for outcome, count in list(self.broker.state.outcomes.items()):
             ended.add_metric([outcome], count)
         yield ended
         events = CounterMetricFamily("farm_broker_events", "Failures the broker saw and "
                                      "recovered from, by kind.", labels=["event"])
-        for name, value in asdict(self.broker.stats).items():
+        for name, value in asdict(self.broker.state.stats).items():
             events.add_metric([name], value)
         yield events

@@ -10,6 +10,7 @@ from farm import protocol
 from farm.protocol import ProtocolError
 
 if TYPE_CHECKING:
+    from farm.broker.events import WorkerFacts
     from farm.broker.jobs import ChunkRecord
 
 #: Most chunks a worker may ask to have in flight at once.
@@ -68,25 +69,12 @@ class WorkerEntry:
         self.name = f"{self.host}:{self.pid}/{self.device}"
 
     @classmethod
-    def from_ready(cls, identity: bytes, header: dict[str, Any]) -> WorkerEntry:
-        """Validate a READY header and build the entry; ProtocolError if it is unusable."""
-        check_models(header["models"])
-        loaded = header.get("loaded", [])
-        threads = header.get("threads", 0)
-        if not isinstance(loaded, list) or not all(
-                isinstance(name, str) and name in header["models"] for name in loaded):
-            raise ProtocolError("READY 'loaded' must list advertised models")
-        if not 1 <= header["slots"] <= MAX_SLOTS:
-            raise ProtocolError(f"READY slots must be 1..{MAX_SLOTS}, got {header['slots']}")
-        if not isinstance(threads, int) or isinstance(threads, bool):
-            raise ProtocolError("READY 'threads' must be an integer")
-        heartbeat = header.get("heartbeat", 1.0)
-        if not valid_heartbeat(heartbeat):
-            raise ProtocolError(f"READY heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
-        entry = cls(identity, header["device"], header["host"], header["pid"], header["backend"],
-                    threads, header["models"], set(loaded), header["slots"], float(heartbeat))
-        entry.note_engines(header.get("engines", {}))
-        return entry
+    def from_facts(cls, identity: bytes, facts: WorkerFacts) -> WorkerEntry:
+        """The entry of a worker that registered with ``facts``."""
+        return cls(identity=identity, device=facts.device, host=facts.host, pid=facts.pid,
+                   backend=facts.backend, threads=facts.threads, models=dict(facts.models),
+                   loaded=set(facts.loaded), slots=facts.slots, heartbeat=facts.heartbeat,
+                   engines=dict(facts.engines))
 
     @property
     def free_slots(self) -> int:
@@ -98,26 +86,16 @@ class WorkerEntry:
         history.compute_s += compute_s
         self.loaded.add(model)
 
-    def note_computed(self, counters: Any, now: float) -> None:
-        """A heartbeat's ``computed`` counters: [images, seconds], counted batch by batch,
-        so they move while a long chunk runs; ProtocolError if malformed."""
-        if not (isinstance(counters, list) and len(counters) == 2 and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e18
-                for v in counters)):
-            raise ProtocolError("HEARTBEAT 'computed' must be [images, seconds]")
-        self.samples.append((now, int(counters[0]), float(counters[1])))
+    def note_computed(self, counters: tuple[int, float], now: float) -> None:
+        """A heartbeat's running counters (images, compute seconds), counted batch by batch,
+        so they move while a long chunk runs."""
+        self.samples.append((now, counters[0], counters[1]))
         while len(self.samples) > 2 and self.samples[1][0] <= now - RECENT_WINDOW:
             self.samples.popleft()
 
-    def note_engines(self, engines: Any) -> None:
-        """The engine running each loaded model (``auto`` chooses per model); ProtocolError if
-        malformed."""
-        if not (isinstance(engines, dict) and len(engines) <= MAX_ENGINES and all(
-                isinstance(k, str) and isinstance(v, str) and len(k) <= 200 and len(v) <= 200
-                for k, v in engines.items())):
-            raise ProtocolError(f"'engines' must map at most {MAX_ENGINES} model names to "
-                                f"engine descriptions")
-        self.engines = engines
+    def note_engines(self, engines: dict[str, str]) -> None:
+        """The engine running each loaded model (``auto`` chooses per model)."""
+        self.engines = dict(engines)
 
     def recent_load(self) -> tuple[float, float]:
         """Images/s and the busy share (compute seconds per second) over the last

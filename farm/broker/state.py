@@ -1,0 +1,593 @@
+"""``FarmState``: the whole farm's scheduling as a pure state machine.
+
+It holds the registry of workers, the jobs and their policies, the arbitration
+between jobs, attempts and poison chunks, and the chunk caps.  Its one entry
+point, ``handle(event) -> [instruction]``, takes what the broker decoded (or the
+simulator made up) and returns the messages to send.  It reads no clock (every
+event carries ``at``), touches no socket and does no I/O, so the broker and the
+simulator run the same scheduling, and tests drive it with plain events.
+
+The rules:
+
+* Several jobs share the workers.  Every free slot is offered to the running
+  jobs in order: highest priority first, then (``sharing="fair"``) the job
+  holding the fewest chunks, then the oldest; each job's own policy decides
+  whether to take it.
+* A chunk assigned by a policy takes its worker's slot at once; the state asks
+  the job's client for its input (NEED) and forwards the DATA as the TASK.
+* Each assignment is an attempt with its own id.  A reply to an attempt no
+  longer in flight is dropped, so every item is delivered once.  An item range
+  that fails ``max_attempts`` times is given up and reported (FAILED).
+* Chunks are capped at ``max_chunk_seconds`` of compute on the job's fastest
+  worker (a quarter of that while jobs share the farm), and at the byte limit of
+  a message.
+* Silent workers and clients expire after ``liveness`` heartbeats; a lost
+  worker's chunks go back to their jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from farm.broker import events as ev
+from farm.broker.jobs import ChunkRecord, Job
+from farm.broker.registry import WorkerEntry
+from farm.policies import (Assign, ChunkDone, ChunkFailed, Event, WorkerBusy, WorkerLost,
+                           WorkerReady, make_policy)
+from farm.protocol import MAX_TASK_BYTES, ProtocolError
+
+log = logging.getLogger("farm.broker")
+
+#: How jobs share free slots: "fair" (fewest slots held first) or "fifo" (oldest first).
+SHARING = ("fair", "fifo")
+#: Part of ``max_chunk_seconds`` that caps chunks while several jobs share the farm.
+SHARED_CHUNK_FRACTION = 0.25
+#: Ways a job ends, counted in INFO and metrics.
+OUTCOMES = ("done", "failed", "cancelled", "timed_out", "expired")
+#: Most jobs the farm holds at once.
+MAX_JOBS = 1000
+
+
+@dataclass(kw_only=True)
+class SchedulingConfig:
+    """What the state machine is told: the policy, the timers' counts, attempts, caps."""
+
+    algo: str = "equal-finish"
+    params: dict[str, Any] = field(default_factory=dict)
+    heartbeat: float = 1.0  # seconds between heartbeats to workers and clients
+    liveness: int = 5  # heartbeats a peer may miss before it is declared gone
+    max_attempts: int = 3  # attempts at an item range before it is given up as poison
+    sharing: str = "fair"  # see SHARING; priorities come first either way
+    max_chunk_seconds: float = 1.0  # chunk cap, in seconds of compute (0: none)
+
+    def check(self) -> None:
+        """ValueError on a bad policy, parameter or sharing rule."""
+        make_policy(self.algo, 1, **self.params)
+        if self.sharing not in SHARING:
+            raise ValueError(f"sharing must be one of {', '.join(SHARING)}")
+
+
+@dataclass
+class FarmStats:
+    """Counters of what went wrong and was recovered; in every INFO snapshot."""
+
+    bad_messages: int = 0
+    late_replies: int = 0  # replies to attempts no longer in flight: dropped
+    requeued_chunks: int = 0
+    abandoned_chunks: int = 0
+    workers_expired: int = 0
+    jobs_expired: int = 0
+
+
+class Observer(Protocol):
+    """Who hears of workers and chunks as they come and go (the broker's metrics)."""
+
+    def worker_joined(self, entry: WorkerEntry) -> None: ...
+
+    def worker_left(self, entry: WorkerEntry) -> None: ...
+
+    def chunk_done(self, entry: WorkerEntry, items: int, timings: dict[str, float],
+                   queued_s: float, round_trip_s: float) -> None: ...
+
+    def chunk_failed(self, entry: WorkerEntry) -> None: ...
+
+
+class FarmState:
+    """The farm's scheduling state; ``handle`` is the only way in."""
+
+    def __init__(self, config: SchedulingConfig, first_chunk_id: int = 1,
+                 observer: Observer | None = None) -> None:
+        config.check()
+        self.config = config
+        self.observer = observer
+        self.workers: dict[bytes, WorkerEntry] = {}
+        self.by_id: dict[str, WorkerEntry] = {}  # the same entries by policy worker id
+        self.jobs: dict[str, Job] = {}
+        self.running: dict[str, Job] = {}  # jobs with a policy (validated), by id
+        self.fastest: dict[str, tuple[float, str]] = {}  # model -> (rate, worker id)
+        self.stats = FarmStats()
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.next_chunk_id = first_chunk_id
+        self.next_seq = 0  # submission order of jobs
+        self.now = 0.0
+        self.out: list[ev.Instruction] = []
+
+    def handle(self, event: ev.Event) -> list[ev.Instruction]:
+        """Apply one event; return the instructions it causes, in order."""
+        self.now = max(self.now, event.at)
+        self.out = []
+        HANDLERS[type(event)](self, event)
+        return self.out
+
+    # -------------------------------------------------------------------- workers
+
+    def on_worker_joined(self, event: ev.WorkerJoined) -> None:
+        if event.worker in self.workers:
+            self.lose_worker(event.worker, "re-registered")
+        entry = WorkerEntry.from_facts(event.worker, event.facts)
+        entry.last_seen = entry.joined_at = event.at
+        self.workers[event.worker] = self.by_id[entry.id] = entry
+        if self.observer:
+            self.observer.worker_joined(entry)
+        log.info("worker %s joined (%s, %d compute thread%s; loaded: %s; can run: %s)",
+                 entry.name, entry.backend, entry.threads, "" if entry.threads == 1 else "s",
+                 ", ".join(sorted(entry.loaded)) or "none", ", ".join(sorted(entry.models)),
+                 extra={"event": "worker_joined", "worker": entry.name, "backend": entry.backend})
+        self.fill(entry)
+
+    def on_worker_left(self, event: ev.WorkerLeft) -> None:
+        self.lose_worker(event.worker, event.reason)
+
+    def on_worker_heard(self, event: ev.WorkerHeard) -> None:
+        entry = self.heard_worker(event.worker)
+        if entry is None:
+            self.out.append(ev.DropWorker(event.worker))  # a worker we dropped: re-register
+            return
+        if event.computed is not None:
+            entry.note_computed(event.computed, event.at)
+        if event.engines is not None:
+            entry.note_engines(event.engines)
+
+    def heard_worker(self, identity: bytes) -> WorkerEntry | None:
+        """The worker's entry, its silence reset; None if the state does not know it."""
+        entry = self.workers.get(identity)
+        if entry is not None:
+            entry.last_seen = self.now
+        return entry
+
+    def lose_worker(self, identity: bytes, reason: str) -> None:
+        """Forget a worker; each of its chunks counts a failed attempt and goes back to its
+        job's policy, or is given up if that was its last attempt."""
+        entry = self.workers.pop(identity, None)
+        if entry is None:
+            return
+        del self.by_id[entry.id]
+        records = list(entry.in_flight.values())
+        entry.in_flight.clear()
+        log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason, len(records),
+                 extra={"event": "worker_left", "worker": entry.name, "reason": reason})
+        for record in records:
+            job = record.job
+            job.pending.pop(record.id, None)
+            if job.outcome is None and job.policy:
+                self.attempt_failed(record, f"worker {entry.name} was lost ({reason})",
+                                    requeue_with_worker=True)
+        # a worker that reconnected (a new socket, the same name) keeps its metrics series
+        if self.observer and all(other.name != entry.name for other in self.workers.values()):
+            self.observer.worker_left(entry)
+        for model, (_, fastest) in list(self.fastest.items()):
+            if fastest == entry.id:
+                self.find_fastest(model)
+        for job in list(self.running.values()):
+            self.step(job, WorkerLost(entry.id, at=self.now))
+        self.fill_all()
+
+    # --------------------------------------------------------------------- chunks
+
+    def answered_record(self, identity: bytes, job_id: str, chunk_id: int) -> ChunkRecord | None:
+        """The attempt a RESULT or FAILED answers; None for a late, duplicate or unknown one.
+
+        A reply from a worker the state no longer knows (declared dead, then back)
+        gets DropWorker: the worker registers afresh.
+        """
+        entry = self.heard_worker(identity)
+        record = entry.in_flight.get(chunk_id) if entry else None
+        if (record is not None and record.sent_at is not None and record.job.outcome
+                and record.job.id == job_id):
+            del entry.in_flight[record.id]  # a chunk of a job that ended: its slot is free
+            self.fill(entry)
+            return None
+        if (entry is None or record is None or record.sent_at is None
+                or record.job.id not in self.jobs or record.job.id != job_id):
+            self.stats.late_replies += 1
+            log.info("dropped a reply for chunk %s from %s (late, duplicate or cancelled)",
+                     chunk_id, entry.name if entry else identity.hex())
+            if entry is None:
+                self.out.append(ev.DropWorker(identity))
+            return None
+        del entry.in_flight[record.id]
+        return record
+
+    def on_chunk_done(self, event: ev.ChunkDone) -> None:
+        record = self.answered_record(event.worker, event.job, event.chunk)
+        if record is None:
+            return
+        job, chunk, entry = record.job, record.chunk, record.worker
+        problem = job.check_result(record, event)
+        if problem:
+            self.fail_job(job, f"worker {entry.name} returned a bad result for items "
+                               f"{chunk.start}..{chunk.stop - 1}: {problem}")
+            return
+        compute = float(event.timings["compute"])
+        job.account(entry, chunk, compute)
+        self.note_rate(job.model, entry)
+        origin, sent = job.submitted_at, record.sent_at or record.assigned_at
+        self.out.append(ev.SendResult(
+            job.client, job.id, event.chunk, event.start, event.count, event.dtype,
+            event.item_shape, event.timings, entry.name, record.attempt,
+            (record.assigned_at - origin, sent - origin, event.at - origin), event.payload))
+        self.cap_chunks(job)  # speeds changed
+        if self.observer:
+            self.observer.chunk_done(entry, chunk.count, event.timings, sent - record.assigned_at,
+                                     event.at - sent)
+        self.step(job, ChunkDone(entry.id, chunk, compute, at=self.now))
+        self.finish_if_done(job)
+        self.fill(entry)
+
+    def on_chunk_failed(self, event: ev.ChunkFailed) -> None:
+        """A chunk failed on its worker: a model error fails the job, anything else retries."""
+        record = self.answered_record(event.worker, event.job, event.chunk)
+        if record is None:
+            return
+        chunk = record.chunk
+        if event.fatal:
+            self.fail_job(record.job, f"items {chunk.start}..{chunk.stop - 1} failed on "
+                                      f"{record.worker.name}: {event.error}")
+            return
+        self.attempt_failed(record, f"{record.worker.name}: {event.error}")
+        self.fill(record.worker)
+
+    def attempt_failed(self, record: ChunkRecord, error: str,
+                       requeue_with_worker: bool = False) -> None:
+        """Retry the chunk, or give it up after ``max_attempts`` and tell the client.
+
+        ``requeue_with_worker``: the worker was lost, and the policy's ``WorkerLost``
+        returns its chunks to the pool, so only a chunk given up needs an event here.
+        """
+        job, chunk = record.job, record.chunk
+        job.note_failure(record, error)
+        if self.observer:
+            self.observer.chunk_failed(record.worker)
+        if record.attempt < self.config.max_attempts:
+            self.stats.requeued_chunks += 1
+            log.info("job %s: items %d..%d failed attempt %d (%s); retrying", job.id,
+                     chunk.start, chunk.stop - 1, record.attempt, error)
+            if not requeue_with_worker:
+                self.step(job, ChunkFailed(record.worker.id, chunk, True, at=self.now))
+            return
+        self.stats.abandoned_chunks += 1
+        message = f"gave up after {record.attempt} attempts; last: {error}"
+        job.abandoned.append(job.failures[-1])
+        log.warning("job %s: items %d..%d %s", job.id, chunk.start, chunk.stop - 1, message,
+                    extra={"event": "chunk_abandoned", "job": job.id, "start": chunk.start,
+                           "count": chunk.count})
+        self.out.append(ev.SendFailed(job.client, job.id, record.id, chunk.start, chunk.count,
+                                      message))
+        self.step(job, ChunkFailed(record.worker.id, chunk, False, at=self.now))
+        self.finish_if_done(job)
+
+    # ---------------------------------------------------------------------- slots
+
+    def fill(self, entry: WorkerEntry) -> None:
+        """Offer all of one worker's free slots to the jobs."""
+        while entry.free_slots > 0 and self.offer_slot(entry):
+            pass
+
+    def fill_all(self) -> None:
+        """Offer free slots breadth-first: every worker's first slot before anyone's second."""
+        if not self.running:
+            return
+        progress = True
+        while progress:
+            progress = False
+            for entry in list(self.workers.values()):
+                if entry.free_slots > 0 and self.offer_slot(entry):
+                    progress = True
+
+    def offer_slot(self, entry: WorkerEntry) -> bool:
+        """Offer one slot to the jobs in ``job_order``; True if one took it."""
+        if entry.identity not in self.workers:
+            return False
+        before = len(entry.in_flight)
+        for job in self.job_order():
+            job.eligible[entry.id] = entry
+            self.step(job, WorkerReady(entry.id, at=self.now))
+            if len(entry.in_flight) > before:
+                return True
+        return False
+
+    def job_order(self) -> list[Job]:
+        """Running jobs in the order they are offered a free slot: highest priority first,
+        then (fair sharing) the fewest chunks in flight, then the oldest."""
+        jobs = list(self.running.values())
+        if len(jobs) < 2:
+            return jobs
+        if self.config.sharing == "fair":
+            return sorted(jobs, key=lambda job: (-job.priority, job.in_flight, job.seq))
+        return sorted(jobs, key=lambda job: (-job.priority, job.seq))
+
+    def slots_taken(self, entry: WorkerEntry, taker: Job) -> None:
+        """The worker's last free slot went to ``taker``: other jobs' policies that counted
+        it as idle hear it is busy."""
+        for job in list(self.running.values()):
+            if job is not taker and job.policy and entry.id in job.policy.idle:
+                self.step(job, WorkerBusy(entry.id, at=self.now))
+
+    def step(self, job: Job, event: Event) -> None:
+        """Feed one event to the job's policy and carry out its assignments.  A policy that
+        raises (on parameters a client chose, say) fails its own job, not the farm."""
+        if job.outcome is not None or job.policy is None:
+            return
+        try:
+            assignments = job.policy.handle(event)
+        except Exception as exc:
+            log.exception("job %s: policy %s failed on %s", job.id, job.algo, event)
+            self.fail_job(job, f"policy {job.algo} failed: {type(exc).__name__}: {exc}")
+            return
+        self.dispatch(job, assignments)
+
+    def dispatch(self, job: Job, assignments: list[Assign]) -> None:
+        """Carry out a policy's assignments: each takes a slot now and asks the client for
+        its input; the TASK goes out when the DATA comes back."""
+        for assignment in assignments:
+            entry = self.by_id.get(assignment.worker)
+            if entry is None:  # the policy has not heard the worker is gone yet
+                self.step(job, WorkerLost(assignment.worker, at=self.now))
+                continue
+            chunk = assignment.chunk
+            record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk),
+                                 assigned_at=self.now)
+            self.next_chunk_id += 1
+            entry.in_flight[record.id] = record
+            job.pending[record.id] = record
+            if job.started_at is None:
+                job.started_at = self.now
+            self.out.append(ev.SendNeed(job.client, job.id, record.id, chunk.start,
+                                        chunk.count))
+            if entry.free_slots <= 0 and len(self.running) > 1:
+                self.slots_taken(entry, job)
+
+    def on_data_arrived(self, event: ev.DataArrived) -> None:
+        """A chunk's input from its client: forward it to the chunk's worker as the TASK."""
+        job = self.jobs.get(event.job)
+        if job is None or job.client != event.client:
+            return  # data of a job that failed or was dropped: nothing waits for it
+        job.client_seen = event.at
+        record = job.pending.pop(event.chunk, None)
+        if record is None or record.id not in record.worker.in_flight:
+            return  # its worker was lost meanwhile: the chunk was requeued
+        try:
+            if event.frames != 1:
+                raise ProtocolError("DATA carries exactly one frame")
+            job.check_data(record, event)
+        except ProtocolError as exc:
+            self.fail_job(job, str(exc))
+            return
+        record.sent_at = event.at
+        chunk = record.chunk
+        self.out.append(ev.SendTask(record.worker.identity, job.id, record.id, record.attempt,
+                                    chunk.start, chunk.count, job.model, job.digest, job.dtype,
+                                    job.item_shape, job.options.engine, event.payload))
+
+    # ----------------------------------------------------------------------- caps
+
+    def note_rate(self, model: str, entry: WorkerEntry) -> None:
+        """Keep the fastest rate per model current as one worker's rate moves (O(1) unless
+        the fastest worker slowed down)."""
+        rate = entry.history[model].rate
+        best = self.fastest.get(model)
+        if best is None or rate >= best[0]:
+            self.fastest[model] = (rate, entry.id)
+        elif best[1] == entry.id:
+            self.find_fastest(model)
+
+    def find_fastest(self, model: str) -> None:
+        rates = [(entry.history[model].rate, entry.id) for entry in self.workers.values()
+                 if model in entry.history]
+        if rates:
+            self.fastest[model] = max(rates)
+        else:
+            self.fastest.pop(model, None)
+
+    def cap_chunks(self, job: Job) -> None:
+        """Cap the job's chunks at its byte limit and at ``max_chunk_seconds`` of compute on
+        its fastest worker, once a speed on its model is known; while several jobs share
+        the farm, at ``SHARED_CHUNK_FRACTION`` of that, so every job's turn on a worker
+        comes round quickly (a chunk queued on a worker waits for the one running)."""
+        assert job.policy is not None
+        job.policy.max_chunk = job.max_chunk
+        fastest = self.fastest.get(job.model, (0.0, ""))[0]
+        seconds = self.config.max_chunk_seconds
+        if len(self.running) > 1:
+            seconds *= SHARED_CHUNK_FRACTION
+        if fastest > 0 and seconds > 0:  # min() first: a rate may be huge, even inf
+            job.policy.max_chunk = max(1, int(min(job.max_chunk, fastest * seconds)))
+
+    # ----------------------------------------------------------------------- jobs
+
+    def on_job_submitted(self, event: ev.JobSubmitted) -> None:
+        refusal = self.refusal(event)
+        if refusal:
+            self.stats.bad_messages += 1
+            self.out.append(ev.SendError(event.client, refusal, event.job[:100] or None))
+            return
+        config = self.config
+        algo, params = event.options.policy(config.algo, config.params)
+        job = Job(event.job, event.client, event.model_name, event.dtype, event.item_shape,
+                  event.total, event.at,
+                  config.liveness * max(config.heartbeat, event.heartbeat), event.options,
+                  algo, params, self.next_seq)
+        self.next_seq += 1
+        self.jobs[job.id] = job
+        if len(self.jobs) > 1:
+            for each in self.jobs.values():
+                each.shared = True
+        log.info("job %s: %d x %s %s for model %s, policy %s, priority %d", job.id, job.total,
+                 job.item_shape, job.dtype, job.model, algo, job.priority,
+                 extra={"event": "job_submitted", "job": job.id, "model": job.model,
+                        "items": job.total, "policy": algo, "priority": job.priority,
+                        "client": job.options.client})
+        if self.start_job(job, event.model):
+            self.fill_all()
+
+    def refusal(self, event: ev.JobSubmitted) -> str | None:
+        """Why a SUBMIT cannot even become a job, or None."""
+        if not 0 < len(event.job) <= 100:
+            return "SUBMIT 'job' must be an id of 1 to 100 characters"
+        if event.job in self.jobs:
+            return f"job {event.job} already exists"
+        if len(self.jobs) >= MAX_JOBS:
+            return f"the broker holds {MAX_JOBS} jobs already; try later"
+        return None
+
+    def start_job(self, job: Job, model: ev.ModelFound | str) -> bool:
+        """Check the job against its model and make its policy; fail the job if it cannot run.
+
+        Every worker can run every model (it fetches the files it lacks), so a valid job
+        gets its policy at once, told the workers connected now and their speeds on this
+        model from earlier jobs.
+        """
+        if isinstance(model, str):
+            self.fail_job(job, model)
+            return False
+        if job.item_shape != model.item_shape:
+            layout = " (H x W x C)" if model.layout == "HWC" else ""
+            self.fail_job(job, f"images of shape {job.item_shape} do not match model "
+                               f"{job.model!r}, which takes {model.item_shape}{layout}")
+            return False
+        job.digest = model.digest
+        eligible = list(self.workers.values())
+        speeds = {entry.id: entry.history[job.model].rate for entry in eligible
+                  if job.model in entry.history}
+        try:
+            job.policy = make_policy(job.algo, job.total, [e.id for e in eligible], speeds,
+                                     **job.params)
+        except Exception as exc:  # a job's own parameters: ValueError, or what odd values provoke
+            self.fail_job(job, f"job policy: {exc}")
+            return False
+        self.running[job.id] = job
+        for each in self.running.values():
+            self.cap_chunks(each)  # a second job shortens everyone's chunks
+        return True
+
+    def on_job_cancelled(self, event: ev.JobCancelled) -> None:
+        """A client stops its job."""
+        job = self.client_job(event.client, event.job)
+        if job is not None:
+            self.cancel_job(job, "cancelled", "cancelled by the client")
+
+    def on_client_heard(self, event: ev.ClientHeard) -> None:
+        job = self.client_job(event.client, event.job)
+        if job is not None:
+            job.client_seen = event.at
+
+    def client_job(self, client: bytes, job_id: str) -> Job | None:
+        """The client's job, or None after telling the client the farm has no such job."""
+        job = self.jobs.get(job_id)
+        if job is None or job.client != client:
+            self.out.append(ev.SendError(client, f"the broker has no job {job_id[:100]}",
+                                         job_id[:100], unknown_job=True))
+            return None
+        return job
+
+    def finish_if_done(self, job: Job) -> None:
+        if job.outcome is None and job.policy is not None and job.policy.finished:
+            summary = job.summary(self.now)
+            self.end_job(job, "done")
+            log.info("job %s done: %d items in %.3f s", job.id, job.total,
+                     summary["broker_seconds"],
+                     extra={"event": "job_ended", "job": job.id, "outcome": "done",
+                            "seconds": summary["broker_seconds"]})
+            self.out.append(ev.SendDone(job.client, job.id, summary))
+
+    def fail_job(self, job: Job, error: str) -> None:
+        """Tell the client why its job failed; free the slots its chunks held."""
+        log.warning("job %s failed: %s", job.id, error,
+                    extra={"event": "job_ended", "job": job.id, "outcome": "failed"})
+        self.out.append(ev.SendError(job.client, error, job.id))
+        self.end_job(job, "failed")
+
+    def cancel_job(self, job: Job, outcome: str, reason: str) -> None:
+        """Stop a job and tell its client why, with what finished."""
+        log.info("job %s %s: %s", job.id, outcome.replace("_", " "), reason,
+                 extra={"event": "job_ended", "job": job.id, "outcome": outcome})
+        summary = job.summary(self.now)
+        self.end_job(job, outcome)
+        self.out.append(ev.SendCancel(job.client, job.id, reason, summary))
+
+    def end_job(self, job: Job, outcome: str) -> None:
+        """Forget a job.  Chunks still waiting for input are dropped; workers running its
+        chunks are told to stop, and their slots free when they answer."""
+        self.jobs.pop(job.id, None)
+        self.running.pop(job.id, None)
+        job.outcome = outcome
+        self.outcomes[outcome] += 1
+        job.pending.clear()
+        for entry in self.workers.values():
+            records = [r for r in entry.in_flight.values() if r.job is job]
+            for record in records:
+                if record.sent_at is None:
+                    del entry.in_flight[record.id]
+            if outcome != "done" and any(r.sent_at is not None for r in records):
+                self.out.append(ev.SendCancel(entry.identity, job.id))
+        for each in self.running.values():
+            self.cap_chunks(each)  # one job fewer: longer chunks may do
+        self.fill_all()
+
+    # ---------------------------------------------------------------------- timers
+
+    def on_tick(self, event: ev.Tick) -> None:
+        """Drop silent workers and jobs whose client went silent; cancel overdue jobs."""
+        for identity, entry in list(self.workers.items()):
+            silent = event.at - entry.last_seen
+            if silent > self.worker_expiry(entry):
+                self.stats.workers_expired += 1
+                self.lose_worker(identity, f"silent for {silent:.1f} s")
+        for job in list(self.jobs.values()):
+            silent = event.at - job.client_seen
+            if silent > job.client_expiry:
+                self.stats.jobs_expired += 1
+                log.warning("job %s dropped: its client was silent for %.1f s", job.id, silent,
+                            extra={"event": "job_ended", "job": job.id, "outcome": "expired"})
+                self.end_job(job, "expired")
+            elif job.deadline is not None and event.at > job.deadline:
+                self.cancel_job(job, "timed_out",
+                                f"the job's timeout of {job.options.timeout:g} s passed")
+
+    def worker_expiry(self, entry: WorkerEntry) -> float:
+        return self.config.liveness * max(self.config.heartbeat, entry.heartbeat)
+
+    # ------------------------------------------------------------------------ views
+
+    def describe(self) -> dict[str, Any]:
+        """The state's part of ``farm status``: counters, workers, jobs."""
+        now = self.now
+        return {"policy": self.config.algo, "params": self.config.params,
+                "sharing": self.config.sharing, "heartbeat": self.config.heartbeat,
+                "liveness": self.config.liveness, "stats": asdict(self.stats),
+                "jobs_ended": dict(self.outcomes),
+                "workers": [entry.describe(now) for entry in self.workers.values()],
+                "jobs": [job.describe(now) for job in self.job_order()]}
+
+
+HANDLERS: dict[type, Any] = {
+    ev.WorkerJoined: FarmState.on_worker_joined, ev.WorkerLeft: FarmState.on_worker_left,
+    ev.WorkerHeard: FarmState.on_worker_heard, ev.ChunkDone: FarmState.on_chunk_done,
+    ev.ChunkFailed: FarmState.on_chunk_failed, ev.JobSubmitted: FarmState.on_job_submitted,
+    ev.JobCancelled: FarmState.on_job_cancelled, ev.ClientHeard: FarmState.on_client_heard,
+    ev.DataArrived: FarmState.on_data_arrived, ev.Tick: FarmState.on_tick,
+}
+
+__all__ = ["FarmState", "FarmStats", "Observer", "SchedulingConfig", "SHARING", "OUTCOMES"]

@@ -1,0 +1,257 @@
+"""FarmState in-process: events in, instructions out, no sockets and no clock.
+
+The same state runs in the broker (the last test records a real broker's events and
+replays them) and in the simulator (the simulated farms below).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from farm.broker import events as ev
+from farm.broker.jobs import JobOptions
+from farm.broker.state import FarmState, SchedulingConfig
+from farm.local import farm_command
+from farm.simulator import DeviceModel, FarmSimulation, Scenario
+
+CLIENT, OTHER = b"client-1", b"client-2"
+A, B = b"worker-a", b"worker-b"
+MODEL = ev.ModelFound((1,), "digest")
+
+
+def facts(slots: int = 1) -> ev.WorkerFacts:
+    return ev.WorkerFacts("cpu", "host", 1, "opencv", 1, {"m": {"input_shape": [1]}},
+                          frozenset({"m"}), slots)
+
+
+def submit(job: str, total: int, at: float = 0.0, client: bytes = CLIENT,
+           **options) -> ev.JobSubmitted:
+    return ev.JobSubmitted(client, job, "m", "float32", (1,), total, 1.0, JobOptions(**options),
+                           MODEL, at)
+
+
+def data(need: ev.SendNeed, at: float) -> ev.DataArrived:
+    return ev.DataArrived(need.client, need.job, need.chunk, need.start, need.count,
+                          4 * need.count, 1, at)
+
+
+def done(task: ev.SendTask, at: float, compute: float) -> ev.ChunkDone:
+    return ev.ChunkDone(task.worker, task.job, task.chunk, task.start, task.count, "float32",
+                        (1,), {"compute": compute}, at)
+
+
+def fifo(chunk: int, **config) -> FarmState:
+    return FarmState(SchedulingConfig(algo="fifo", params={"chunk": chunk},
+                                      max_chunk_seconds=0.0, **config), first_chunk_id=1)
+
+
+def test_a_chunk_goes_need_data_task_result_done() -> None:
+    state = fifo(100)
+    assert state.handle(ev.WorkerJoined(A, facts(), 0.0)) == []
+    assert state.handle(submit("j", 150)) == [ev.SendNeed(CLIENT, "j", 1, 0, 100)]
+    need = ev.SendNeed(CLIENT, "j", 1, 0, 100)
+    assert state.handle(data(need, 0.1)) == [
+        ev.SendTask(A, "j", 1, 1, 0, 100, "m", "digest", "float32", (1,), None)]
+    task = ev.SendTask(A, "j", 1, 1, 0, 100, "m", "digest", "float32", (1,), None)
+    out = state.handle(done(task, 0.5, 0.25))
+    assert out == [ev.SendResult(CLIENT, "j", 1, 0, 100, "float32", (1,), {"compute": 0.25},
+                                 "host:1/cpu", 1, (0.0, 0.1, 0.5)),
+                   ev.SendNeed(CLIENT, "j", 2, 100, 50)]
+    state.handle(data(out[1], 0.6))
+    task = ev.SendTask(A, "j", 2, 1, 100, 50, "m", "digest", "float32", (1,), None)
+    out = state.handle(done(task, 0.8, 0.1))
+    assert [type(i) for i in out] == [ev.SendResult, ev.SendDone]
+    assert out[1].summary["workers"][0]["items"] == 150
+    assert state.jobs == {} and state.outcomes["done"] == 1
+
+
+def test_the_higher_priority_job_takes_the_free_slot() -> None:
+    state = fifo(10)
+    state.handle(submit("low", 100))
+    state.handle(submit("high", 100, client=OTHER, priority=5))
+    assert state.handle(ev.WorkerJoined(A, facts(), 0.0)) == [ev.SendNeed(OTHER, "high", 1, 0, 10)]
+
+
+def test_fair_sharing_alternates_slots_between_equal_jobs() -> None:
+    state = fifo(10)
+    state.handle(submit("first", 100))
+    state.handle(submit("second", 100, client=OTHER))
+    out = state.handle(ev.WorkerJoined(A, facts(slots=2), 0.0))
+    assert [(i.job, i.start) for i in out] == [("first", 0), ("second", 0)]
+
+
+def test_a_lost_worker_charges_an_attempt_and_its_chunk_moves() -> None:
+    state = fifo(10)
+    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    state.handle(submit("j", 10))
+    state.handle(data(ev.SendNeed(CLIENT, "j", 1, 0, 10), 0.1))
+    assert state.handle(ev.WorkerLeft(A, 0.2)) == []
+    assert state.handle(ev.WorkerJoined(B, facts(), 0.3)) == [ev.SendNeed(CLIENT, "j", 2, 0, 10)]
+    out = state.handle(data(ev.SendNeed(CLIENT, "j", 2, 0, 10), 0.4))
+    assert [(i.worker, i.attempt) for i in out] == [(B, 2)]
+    # the lost worker's late answer is dropped, and it is told to register again
+    late = ev.ChunkDone(A, "j", 1, 0, 10, "float32", (1,), {"compute": 0.1}, 0.5)
+    assert state.handle(late) == [ev.DropWorker(A)]
+    assert state.stats.late_replies == 1
+
+
+def test_a_chunk_failing_every_attempt_is_given_up_and_reported() -> None:
+    state = fifo(10, max_attempts=2)
+    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    state.handle(submit("j", 10))
+    for attempt, chunk in ((1, 1), (2, 2)):
+        state.handle(data(ev.SendNeed(CLIENT, "j", chunk, 0, 10), attempt))
+        out = state.handle(ev.ChunkFailed(A, "j", chunk, "bad pixels", False, attempt + 0.5))
+    assert out == [ev.SendFailed(CLIENT, "j", 2, 0, 10,
+                                 "gave up after 2 attempts; last: host:1/cpu: bad pixels"),
+                   ev.SendDone(CLIENT, "j", out[1].summary)]
+    assert out[1].summary["failed_items"] == 10
+
+
+def test_a_fatal_failure_fails_the_job_and_frees_the_worker() -> None:
+    state = fifo(10)
+    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    state.handle(submit("j", 20))
+    state.handle(data(ev.SendNeed(CLIENT, "j", 1, 0, 10), 0.1))
+    out = state.handle(ev.ChunkFailed(A, "j", 1, "no such layer", True, 0.2))
+    assert out == [ev.SendError(CLIENT, "items 0..9 failed on host:1/cpu: no such layer", "j")]
+    assert state.workers[A].free_slots == 1
+
+
+def test_chunks_are_capped_at_seconds_of_the_fastest_worker_and_shorter_when_shared() -> None:
+    state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 1000},
+                                       max_chunk_seconds=0.5))
+    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    need = state.handle(submit("j", 10_000))[0]
+    assert need.count == 1000  # no speed known yet
+    task = state.handle(data(need, 0.0))[0]
+    out = state.handle(done(task, 1.0, 1.0))  # 1 000 items/s: chunks of 0.5 s are 500 items
+    assert out[-1].count == 500
+    state.handle(submit("k", 10_000, at=1.0, client=OTHER))
+    state.handle(data(out[-1], 1.1))
+    out = state.handle(done(ev.SendTask(A, "j", out[-1].chunk, 1, 1000, 500, "m", "digest",
+                                        "float32", (1,), None), 1.6, 0.5))
+    assert out[-1].count == 125  # a quarter while two jobs share the farm
+
+
+def test_silence_expires_workers_and_clients_on_the_tick() -> None:
+    state = fifo(10, heartbeat=1.0, liveness=3)
+    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    state.handle(submit("j", 100))
+    state.handle(data(ev.SendNeed(CLIENT, "j", 1, 0, 10), 0.1))
+    state.handle(ev.WorkerHeard(A, 2.0))
+    assert state.handle(ev.Tick(4.5)) == [ev.SendCancel(A, "j")]  # the client: silent 4.5 s
+    assert state.outcomes["expired"] == 1 and A in state.workers
+    assert state.handle(ev.Tick(5.5)) == [] and A not in state.workers
+
+
+def test_a_job_past_its_timeout_is_cancelled_with_its_summary() -> None:
+    state = fifo(10)
+    state.handle(submit("j", 100, timeout=2.0))
+    state.handle(ev.ClientHeard(CLIENT, "j", 2.0))
+    out = state.handle(ev.Tick(2.5))
+    assert [(type(i), i.reason) for i in out] == [
+        (ev.SendCancel, "the job's timeout of 2 s passed")]
+
+
+def test_unknown_jobs_and_bad_submissions_are_refused_with_reasons() -> None:
+    state = fifo(10)
+    assert state.handle(ev.JobCancelled(CLIENT, "nope", 0.0)) == [
+        ev.SendError(CLIENT, "the broker has no job nope", "nope", unknown_job=True)]
+    state.handle(submit("j", 10))
+    assert state.handle(submit("j", 10)) == [ev.SendError(CLIENT, "job j already exists", "j")]
+    wrong = ev.JobSubmitted(CLIENT, "k", "m", "float32", (2,), 10, 1.0, JobOptions(), MODEL, 0.0)
+    assert state.handle(wrong) == [ev.SendError(
+        CLIENT, "images of shape (2,) do not match model 'm', which takes (1,)", "k")]
+
+
+def test_the_state_imports_no_socket_clock_or_log_handler() -> None:
+    """Neither the state nor any farm module it loads imports zmq, time or logging.handlers,
+    and zmq is not loaded at all."""
+    code = ("import sys, json; import farm.broker.state, farm.simulator; "
+            "print(json.dumps(['zmq' in sys.modules, sorted(m.__file__ for n, m in "
+            "sys.modules.items() if n.startswith('farm'))]))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    zmq_loaded, files = json.loads(out)
+    assert not zmq_loaded
+    for path in files:
+        tree = ast.parse(open(path).read())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & {"zmq", "time", "logging.handlers"}, path
+
+
+# ------------------------------------------------------------------------- simulated farms
+
+
+def test_simulated_farm_runs_several_jobs_through_a_lost_worker_with_caps() -> None:
+    devices = (DeviceModel("fast", 2000.0, 0.001), DeviceModel("slow", 500.0, 0.001),
+               DeviceModel("doomed", 1000.0, 0.001))
+    farm = FarmSimulation(Scenario("three", devices, 0, latency=0.0005, slots=2),
+                          SchedulingConfig(algo="equal-finish", max_chunk_seconds=0.2))
+    farm.submit("a", 20_000)
+    farm.submit("b", 5_000, at=1.0, options=JobOptions(priority=1))
+    farm.lose("doomed", at=2.0)
+    farm.run()
+    assert set(farm.ended) == {"a", "b"} and not farm.failed and not farm.errors
+    for job, total in (("a", 20_000), ("b", 5_000)):
+        covered = np.zeros(total, int)
+        for run in farm.runs[job]:
+            covered[run.chunk.start:run.chunk.stop] += 1
+            assert run.chunk.count <= 2000 * 0.2  # the cap, on the fastest worker
+        assert (covered == 1).all()  # every item once: the lost worker's chunks were rerun
+    assert not any(r.worker == "doomed" and r.finished > 2.0 for r in farm.runs["a"])
+    assert farm.ended["b"] < farm.ended["a"]  # priority
+
+
+# --------------------------------------------------------------- the broker runs this state
+
+
+def test_a_real_broker_run_replays_to_the_same_instructions(lenet, digits) -> None:
+    """Record a real broker's events (two jobs, real workers, one worker killed mid-job) and
+    replay them into a fresh state: it gives exactly the broker's assignments."""
+    from farm.broker.broker import Broker, BrokerConfig
+    from farm.client import Client
+
+    config = BrokerConfig(bind="tcp://127.0.0.1:*", algo="fifo", params={"chunk": 50},
+                          heartbeat=0.2, max_chunk_seconds=0.05)
+    context = zmq.Context()
+    broker = Broker(config, context)
+    first_id = broker.state.next_chunk_id
+    broker.recorded = []
+    thread = threading.Thread(target=broker.serve)
+    thread.start()
+    workers = [subprocess.Popen(farm_command("--log-level", "WARNING", "worker", "--device",
+                                             "cpu", "--broker", broker.endpoint, "--model",
+                                             "lenet"), start_new_session=True)
+               for _ in range(2)]
+    try:
+        with Client(broker.endpoint, timeout=60) as client:
+            client.info(wait_workers=2)
+            first = client.run(digits[:400], "lenet")
+            workers[0].kill()
+            second = client.run(digits[:300], "lenet")
+        assert first.outputs.shape[0] == 400 and second.outputs.shape[0] == 300
+    finally:
+        broker.stop()
+        thread.join()
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+        context.term()
+    replay = FarmState(config, first_chunk_id=first_id)
+    recorded = broker.recorded
+    assert sum(isinstance(event, ev.DataArrived) for event, _ in recorded) >= 7
+    for event, instructions in recorded:
+        assert replay.handle(event) == instructions, event
