@@ -1,0 +1,231 @@
+"""How the broker scales: FarmState's CPU per chunk by workers and jobs, and a real broker's
+chunks/s.
+
+Part 1 drives ``FarmState`` in-process with 1 to 10 000 simulated workers and 1 to 100
+jobs, for every policy, and prints the state machine's CPU time per chunk (steady state:
+the first round of chunks, which only fills the farm, is not timed).  Workers run at
+speeds spread over 4x and answer in order of their simulated finish times; clients
+answer NEED at once.
+
+Part 2 starts a real broker (``farm broker``) and drives it over loopback with
+protocol-level fake workers and a fake client that answer at once (no model runs),
+and prints chunks/s and the broker process's CPU per chunk.
+
+    python bench/broker_scale.py                  # both parts, about 2 minutes
+    python bench/broker_scale.py --quick          # fewer sizes (what the tests run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from farm.broker import events as ev
+from farm.broker.jobs import JobOptions
+from farm.broker.state import FarmState, SchedulingConfig
+from farm.policies import POLICIES
+
+MODEL = ev.ModelFound((1,), "digest")
+#: Items per chunk the policies aim at: each chunk is 1 s of compute at 1 000 items/s.
+CHUNK_SECONDS = 1.0
+
+
+@dataclass
+class StateRun:
+    policy: str
+    workers: int
+    jobs: int
+    chunks: int
+    cpu_s: float
+
+    @property
+    def us_per_chunk(self) -> float:
+        return 1e6 * self.cpu_s / max(1, self.chunks)
+
+
+def facts() -> ev.WorkerFacts:
+    return ev.WorkerFacts("cpu", "sim", 0, "sim", 1, {"m": {"input_shape": [1]}},
+                          frozenset({"m"}), 2)
+
+
+def drive_state(policy: str, workers: int, jobs: int, chunks: int, seed: int = 0) -> StateRun:
+    """Feed the state a farm of ``workers`` and ``jobs`` until ``chunks`` chunks came back
+    after the first round; time only ``FarmState.handle``."""
+    rng = random.Random(seed)
+    state = FarmState(SchedulingConfig(algo=policy, max_chunk_seconds=CHUNK_SECONDS,
+                                       heartbeat=60.0))
+    rates = {f"w{i}".encode(): rng.uniform(500.0, 2000.0) for i in range(workers)}
+    per_job = max(1, (workers * 4 + chunks * 2) * 2000 // jobs)  # never runs dry
+    running: list[tuple[float, int, ev.SendTask]] = []
+    order = 0
+    timed = cpu = 0.0
+    done = 0
+    warm = workers * 2  # the first round fills every slot: not timed
+
+    def handle(event: ev.Event) -> list[ev.Instruction]:
+        nonlocal cpu
+        start = time.process_time()
+        out = state.handle(event)
+        if done >= warm:
+            cpu += time.process_time() - start
+        return out
+
+    def carry_out(out: list[ev.Instruction], now: float) -> None:
+        nonlocal order
+        for instruction in out:
+            if isinstance(instruction, ev.SendNeed):
+                carry_out(handle(ev.DataArrived(instruction.client, instruction.job,
+                                                instruction.chunk, instruction.start,
+                                                instruction.count, 4 * instruction.count, 1,
+                                                now)), now)
+            elif isinstance(instruction, ev.SendTask):
+                seconds = instruction.count / rates[instruction.worker]
+                heapq.heappush(running, (now + seconds, order, instruction))
+                order += 1
+
+    for identity in rates:
+        carry_out(handle(ev.WorkerJoined(identity, facts(), 0.0)), 0.0)
+    for j in range(jobs):
+        carry_out(handle(ev.JobSubmitted(f"c{j}".encode(), f"j{j}", "m", "float32", (1,),
+                                         per_job, 60.0, JobOptions(), MODEL, 0.0)), 0.0)
+    while running and done < warm + chunks:
+        now, _, task = heapq.heappop(running)
+        out = handle(ev.ChunkDone(task.worker, task.job, task.chunk, task.start, task.count,
+                                  "float32", (1,), {"compute": task.count / rates[task.worker]},
+                                  now))
+        done += 1
+        carry_out(out, now)
+        timed = now
+    del timed
+    return StateRun(policy, workers, jobs, max(0, done - warm), cpu)
+
+
+def state_table(worker_counts: list[int], job_counts: list[int], chunks: int,
+                policies: list[str]) -> None:
+    print(f"FarmState CPU per chunk (us), {chunks} chunks after the first round; "
+          f"rows: policy x jobs, columns: workers")
+    print(f"{'policy':<14}{'jobs':>5}" + "".join(f"{n:>9,}" for n in worker_counts))
+    for policy in policies:
+        for jobs in job_counts:
+            cells = [drive_state(policy, n, jobs, chunks).us_per_chunk for n in worker_counts]
+            print(f"{policy:<14}{jobs:>5}" + "".join(f"{c:>9.1f}" for c in cells), flush=True)
+
+
+# -------------------------------------------------------------------- the real broker
+
+
+def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int, float]:
+    """Fake workers and a client in this process, against a real broker: (chunks, seconds)."""
+    import numpy as np
+    import zmq
+
+    from farm import protocol
+    from farm.protocol import Command
+
+    context = zmq.Context()
+    poller = zmq.Poller()
+    sockets = []
+    for i in range(workers):
+        sock = context.socket(zmq.DEALER)
+        protocol.limit_socket(sock)
+        sock.connect(endpoint)
+        sock.send_multipart(protocol.encode(Command.READY, {
+            "device": f"cpu:{i}", "host": "fake", "pid": i, "backend": "fake",
+            "models": {"lenet": {"input_shape": [1, 28, 28]}}, "loaded": ["lenet"],
+            "slots": 2, "threads": 1, "heartbeat": 60.0}))
+        poller.register(sock, zmq.POLLIN)
+        sockets.append(sock)
+    client = context.socket(zmq.DEALER)
+    protocol.limit_socket(client)
+    client.connect(endpoint)
+    poller.register(client, zmq.POLLIN)
+    client.send_multipart(protocol.encode(Command.INFO, {"wait_workers": workers}))
+    while protocol.decode(client.recv_multipart()).command is not Command.INFO:
+        pass
+    output = np.zeros((chunk, 10), np.float32)
+    pixels = bytes(chunk * 784)
+    started = time.perf_counter()
+    client.send_multipart(protocol.encode(Command.SUBMIT, {
+        "job": "scale", "model": "lenet", "dtype": "uint8", "item_shape": [1, 28, 28],
+        "total": items, "options": {"algo": "fifo", "params": {"chunk": chunk}},
+        "heartbeat": 60.0}))
+    chunks = 0
+    while True:
+        for sock, _ in poller.poll(10_000):
+            for _ in range(100):
+                try:
+                    message = protocol.decode(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    break
+                header = message.header
+                if message.command is Command.NEED:
+                    sock.send_multipart(protocol.encode(Command.DATA, {
+                        "job": "scale", "chunk": header["chunk"], "start": header["start"],
+                        "count": header["count"]}, [pixels[:784 * header["count"]]]))
+                elif message.command is Command.TASK:
+                    count = header["count"]
+                    sock.send_multipart(protocol.encode(Command.RESULT, {
+                        "job": header["job"], "chunk": header["chunk"], "start": header["start"],
+                        "count": count, "dtype": "float32", "item_shape": [10],
+                        "timings": {"compute": 1e-4 * count}}, [output[:count].data]))
+                elif message.command is Command.RESULT:
+                    chunks += 1
+                elif message.command in (Command.DONE, Command.ERROR):
+                    seconds = time.perf_counter() - started
+                    context.destroy(linger=0)
+                    if message.command is Command.ERROR:
+                        raise RuntimeError(header["error"])
+                    return chunks, seconds
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def broker_table(worker_counts: list[int], items: int) -> None:
+    from farm.local import farm_command, free_port
+
+    print(f"\nreal broker over loopback, fake workers and client answering at once, "
+          f"{items:,} one-image chunks")
+    print(f"{'workers':>8}{'chunks/s':>10}{'broker CPU/chunk (us)':>23}")
+    for workers in worker_counts:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        broker = subprocess.Popen(farm_command("--log-level", "ERROR", "broker", "--bind",
+                                               endpoint, "--heartbeat", "5"),
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            broker.stdout.readline()
+            before = cpu_seconds(broker.pid)
+            chunks, seconds = fake_farm(endpoint, workers, items, 1)
+            used = cpu_seconds(broker.pid) - before
+        finally:
+            broker.terminate()
+            broker.wait()
+        print(f"{workers:>8}{chunks / seconds:>10,.0f}{1e6 * used / chunks:>23.0f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, fewer chunks")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    args = parser.parse_args()
+    policies = args.policies.split(",")
+    if args.quick:
+        state_table([1, 100, 1000], [1, 10], 2000, policies)
+        broker_table([1, 10], 2000)
+    else:
+        state_table([1, 10, 100, 1000, 10_000], [1, 10, 100], 20_000, policies)
+        broker_table([1, 10, 100, 1000], 20_000)
+    print(f"\n{sys.argv[0]}: machine: {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()
