@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import zmq
 
-from farm import protocol
+from farm import defaults, protocol
 from farm.broker.jobs import ChunkRecord, Job, JobOptions
 from farm.broker.models import ModelCatalog
 from farm.broker.registry import (MAX_HEARTBEAT, MIN_HEARTBEAT, WorkerEntry,
@@ -74,18 +74,18 @@ SHARED_CHUNK_FRACTION = 0.25
 OUTCOMES = ("done", "failed", "cancelled", "timed_out", "expired")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BrokerConfig:
-    bind: str = "tcp://127.0.0.1:5555"
-    algo: str = "fifo"
+    bind: str = defaults.BROKER_ENDPOINT
+    algo: str = defaults.POLICY
     params: dict[str, Any] = field(default_factory=dict)
-    heartbeat: float = 1.0  # seconds between heartbeats to workers and clients
+    heartbeat: float = defaults.HEARTBEAT  # seconds between heartbeats to workers and clients
     model_dirs: tuple[str, ...] = ()  # searched before $FARM_MODELS and the bundled models
-    liveness: int = 5  # heartbeats a peer may miss before it is declared gone
-    max_attempts: int = 3  # attempts at an item range before it is given up as poison
+    liveness: int = defaults.LIVENESS  # heartbeats a peer may miss before it is declared gone
+    max_attempts: int = defaults.MAX_ATTEMPTS  # attempts at an item range before it is poison
     curve: str | None = None  # a `farm keys` folder: CurveZMQ with its allowed keys
-    sharing: str = "fair"  # see SHARING; priorities come first either way
-    max_chunk_seconds: float = 1.0  # chunk cap, in seconds of compute (0: none)
+    sharing: str = defaults.SHARING  # see SHARING; priorities come first either way
+    max_chunk_seconds: float = defaults.MAX_CHUNK_SECONDS  # chunk cap, in compute seconds (0: none)
     metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint
 
 
