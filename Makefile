@@ -1,5 +1,5 @@
 # make demo: fresh machine -> installed -> a local farm answers the bundled sample.
-# make test: fresh machine -> installed -> the test suite.
+# make test: fresh machine -> installed -> type check (mypy) -> the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -24,6 +24,7 @@ demo: install
 	$(BIN)/farm run --model lenet --out scores.npy
 
 test: install
+	$(BIN)/python -m mypy farm
 	$(BIN)/python -m pytest
 
 # The suite (about an hour here) writes bench/results/DATE-CORES-cpu|gpu/; ray[data] is the

@@ -208,7 +208,7 @@ def bigfile(args: argparse.Namespace, folder: Path) -> int:
               f"unconstrained, peak RSS figures only")
     devices = [f"cpu:{core}" for core in cores()[:args.workers]]
     try:
-        with LocalFarm(devices, preload=["lenet"], launcher=cgroup.wrap([])) as local:
+        with LocalFarm(devices=devices, preload=["lenet"], launcher=cgroup.wrap([])) as local:
             wall, client_peak, summary = submit(cgroup, local.endpoint, images, out)
             peaks = {"broker": status_kib(local.broker.pid, "VmHWM")}
             for device, worker in zip(devices, local.workers):

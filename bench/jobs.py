@@ -28,15 +28,17 @@ from pathlib import Path
 
 import numpy as np
 
+from farm import defaults
 from farm.bench.common import Tee, machine
 from farm.client import JobResult
 from farm.local import LocalFarm, cores
 from farm.repository import find
 
 
-def start_farm(algo: str, sharing: str = "fair") -> LocalFarm:
+def start_farm(algo: str, sharing: str = defaults.SHARING) -> LocalFarm:
     devices = [f"cpu:{core}" for core in cores()]
-    return LocalFarm(devices, algo, ["--sharing", sharing], preload=["lenet"])
+    return LocalFarm(devices=devices, algo=algo, broker_options=["--sharing", sharing],
+                     preload=["lenet"])
 
 
 def small_behind_big(local: LocalFarm, big: np.ndarray, small: np.ndarray) -> float:

@@ -101,7 +101,8 @@ def through_farm(model: str, backend: str, device: str, batch: int) -> float:
     images = images_for(model, IMAGES[model])
     chunk = max(4 * batch, 20)
     worker = ["--backend", backend, "--batch", str(batch)]
-    with LocalFarm([device], "fifo", ["--chunk", str(chunk)], worker, preload=[model]) as farm, \
+    with LocalFarm(devices=[device], algo="fifo", broker_options=["--chunk", str(chunk)],
+                   worker_options=worker, preload=[model]) as farm, \
             farm.client(timeout=600) as client:
         client.run(images[:chunk], model)  # warm-up
         return max(client.run(images, model).summary.rate for _ in range(2))

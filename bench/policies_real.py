@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from farm.cli import policy_arguments
-from farm.local import LocalFarm, cores
+from farm.local import LocalFarm, cores, policy_arguments
 from farm.bench.measure import paper_configurations
 from farm.policies import POLICIES
 from farm.repository import find
@@ -44,7 +43,8 @@ def devices() -> list[str]:
 def run_real(algo: str, params: dict[str, Any], images: np.ndarray) -> JobSummary:
     """A fresh farm, a warm-up job, then the measured job; chunks as the policy cuts them
     (no broker cap: the paper's policies as SPEC.md defines them)."""
-    with LocalFarm(devices(), algo, [*policy_arguments(params), "--max-chunk-seconds", "0"],
+    with LocalFarm(devices=devices(), algo=algo,
+                   broker_options=[*policy_arguments(params), "--max-chunk-seconds", "0"],
                    preload=["lenet"]) as local, \
             local.client(timeout=600) as client:
         client.run(images[:WARM_UP], "lenet")

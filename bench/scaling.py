@@ -21,7 +21,8 @@ from farm.summary import JobSummary
 
 
 def run_farm(devices: list[str], images: np.ndarray, chunk: int) -> JobSummary:
-    with LocalFarm(devices, "fifo", ["--chunk", str(chunk)], preload=["lenet"]) as local, \
+    with LocalFarm(devices=devices, algo="fifo", broker_options=["--chunk", str(chunk)],
+                   preload=["lenet"]) as local, \
             local.client(timeout=600) as client:
         client.run(images[:chunk], "lenet")  # warm-up
         return client.run(images, "lenet").summary

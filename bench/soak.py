@@ -174,7 +174,7 @@ def soak(args: argparse.Namespace) -> int:
     print(f"soak: {len(devices)} workers ({', '.join(devices)}), policy {args.algo}; "
           f"{args.clients} client processes x {args.jobs} LeNet jobs, sizes log-uniform "
           f"1-{args.max_size}, seeds {args.seed}..{args.seed + args.clients - 1}", flush=True)
-    with LocalFarm(devices, args.algo, preload=["lenet"]) as local:
+    with LocalFarm(devices=devices, algo=args.algo, preload=["lenet"]) as local:
         plans = [ClientPlan(i, local.endpoint, args.jobs, args.checkpoint, args.max_size,
                             args.seed + i) for i in range(args.clients)]
         processes = [spawn.Process(target=client_main, args=(plan, checkpoint, finish, start,

@@ -53,8 +53,9 @@ def farm_rate(images: np.ndarray, chunk: int, core: int, repeat: int,
     ``batch`` is the worker's compute batch; None keeps the worker's default.
     """
     options = [] if batch is None else ["--batch", str(batch)]
-    with LocalFarm([f"cpu:{core}"], "fifo", ["--chunk", str(chunk)], options,
-                   preload=["lenet"]) as local, local.client(timeout=600) as client:
+    with LocalFarm(devices=[f"cpu:{core}"], algo="fifo", broker_options=["--chunk", str(chunk)],
+                   worker_options=options, preload=["lenet"]) as local, \
+            local.client(timeout=600) as client:
         client.run(images[:chunk], "lenet")  # warm-up
         return [client.run(images, "lenet").summary.rate for _ in range(repeat)]
 

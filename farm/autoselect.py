@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from farm import defaults
 from farm.engine import BACKENDS, BackendUnavailable, Engine, engine_class, release_free_memory
 from farm.caffe_net import Network, NetworkError
 from farm.repository import ModelError, ModelSpec, cache_root, prepare
@@ -74,7 +75,7 @@ class Trial:
 
     @property
     def best_batch(self) -> int:
-        return max(self.rates, key=self.rates.get)
+        return max(self.rates, key=lambda batch: self.rates[batch])
 
     @property
     def best_rate(self) -> float:
@@ -95,6 +96,12 @@ class Choice:
     versions: dict[str, str]
     cached: bool = False
     engine: Engine | None = None
+
+    def loaded(self) -> Engine:
+        """The chosen engine, loaded (``choose`` returns its choice so)."""
+        if self.engine is None:
+            raise ModelError(f"{self.model}: the {self.backend} engine was chosen, not loaded")
+        return self.engine
 
     def describe(self) -> str:
         rate = next(t.best_rate for t in self.trials if t.backend == self.backend)
@@ -195,8 +202,8 @@ def remember(path: Path, choice: Choice) -> None:
 
 
 def choose(spec: ModelSpec, device: str = "cpu", threads: int | None = None,
-           precision: str = "f32", batch: int | None = None, digest: str | None = None,
-           use_cache: bool = True) -> Choice:
+           precision: str = defaults.PRECISION, batch: int | None = None,
+           digest: str | None = None, use_cache: bool = True) -> Choice:
     """The fastest agreeing backend for ``spec`` on ``device``, loaded (``choice.engine``).
 
     ``batch`` fixes the compute batch (only the backends are timed, and the choice is
@@ -256,12 +263,13 @@ def time_backends(spec: ModelSpec, device: str, threads: int | None, precision: 
     refuse_unconfirmed(spec, trials, reference, precision)
     if not leaders:
         problems = "; ".join(f"{t.backend}: {t.problem}" for t in trials
-                             if not t.problem.startswith(NOT_INSTALLED))
+                             if t.problem and not t.problem.startswith(NOT_INSTALLED))
         raise ModelError(f"model {spec.name!r}: no backend runs it on {device} in {precision} "
                          f"({problems})")
     trial, winner = runoff(leaders, images)
     winner.batch = trial.best_batch
-    choice = Choice(spec.name, device, precision, winner.backend, winner.batch, reference[0],
+    reference_name = reference[0] if reference else winner.backend  # set once a backend ran
+    choice = Choice(spec.name, device, precision, winner.backend, winner.batch, reference_name,
                     trials, current, engine=winner)
     for each in trials:
         if each.problem:
@@ -318,14 +326,15 @@ def refuse_unconfirmed(spec: ModelSpec, trials: list[Trial],
     """ModelError when backends disagree with the reference and none confirms it."""
     if reference is None:
         return
-    compared = [t for t in trials if t.difference is not None and t.backend != reference[0]]
-    disagreeing = [t for t in compared if t.difference > TOLERANCES[precision]]
+    compared = {t.backend: t.difference for t in trials
+                if t.difference is not None and t.backend != reference[0]}
+    disagreeing = {name: difference for name, difference in compared.items()
+                   if difference > TOLERANCES[precision]}
     if disagreeing and len(disagreeing) == len(compared):
-        worst = max(disagreeing, key=lambda t: t.difference)
         raise ModelError(
             f"model {spec.name!r}: backends {reference[0]} and "
-            f"{', '.join(t.backend for t in disagreeing)} disagree (outputs differ by up to "
-            f"{worst.difference:.1e} of their largest magnitude, tolerance "
+            f"{', '.join(disagreeing)} disagree (outputs differ by up to "
+            f"{max(disagreeing.values()):.1e} of their largest magnitude, tolerance "
             f"{TOLERANCES[precision]:g}) and no other backend confirms {reference[0]}'s "
             f"outputs; farm will not guess which is right. Compare them with `farm models "
             f"check {spec.name}`, or choose one with --backend")

@@ -123,7 +123,8 @@ def _convolution(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[
         (h, w), g.kernel, g.stride, g.pad, g.dilation)]
     if min(out) <= 0:
         raise NetworkError(f"kernel {g.kernel} does not fit input {h}x{w}")
-    blobs = [(p.num_output, c // p.group, *g.kernel)] + ([(p.num_output,)] if p.bias_term else [])
+    blobs: list[Shape] = [(p.num_output, c // p.group, *g.kernel)]
+    blobs += [(p.num_output,)] if p.bias_term else []
     return [(n, p.num_output, *out)], blobs
 
 
@@ -148,7 +149,7 @@ def _inner_product(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], lis
     axis = _axis(p.axis, len(shape))
     inputs = math.prod(shape[axis:])
     weight = (inputs, p.num_output) if p.transpose else (p.num_output, inputs)
-    blobs = [weight] + ([(p.num_output,)] if p.bias_term else [])
+    blobs: list[Shape] = [weight, *([(p.num_output,)] if p.bias_term else [])]
     return [(*shape[:axis], p.num_output)], blobs
 
 

@@ -1,8 +1,9 @@
-"""``farm deploy``: configuration that runs a standing farm under a process supervisor.
+"""Configuration that runs a standing farm under a process supervisor (``farm deploy``).
 
 ``farm deploy supervisord`` writes a supervisord configuration: a broker, one worker
 pinned to each CPU core, and one worker per GPU, run on a core taken out of the CPU
-workers' set to feed it (the highest-numbered cores first, as the paper did).
+workers' set to feed it (the highest-numbered cores first, as the paper did).  The
+command itself is ``farm.cli.deploy``; this module plans and renders.
 """
 
 from __future__ import annotations
@@ -13,13 +14,6 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import click
-from click.core import ParameterSource
-
-from farm.client import DEFAULT_BROKER
-
-DEFAULT_RUN_DIR = "/tmp/farm"
 
 #: Seconds supervisord gives a program to exit after SIGTERM before SIGKILL.
 STOP_WAIT_SECONDS = 10
@@ -95,7 +89,7 @@ class Program:
     priority: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Deployment:
     """Everything a generated configuration says."""
 
@@ -211,112 +205,31 @@ def render(deployment: Deployment, config: str, generated_by: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def invocation(ctx: click.Context) -> str:
-    """The options given for this run, as a command line."""
-    words = ctx.command_path.split()
-    for param in ctx.command.params:
-        if ctx.get_parameter_source(param.name) is not ParameterSource.COMMANDLINE:
-            continue
-        flag = max(param.opts, key=len)
-        value = ctx.params[param.name]
-        if isinstance(param, click.Option) and param.is_flag:
-            words.append(flag)
-            continue
-        for item in value if param.multiple else (value,):
-            text = str(item)
-            words += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
-    return shlex.join(words)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def deploy() -> None:
-    """Generate configuration that runs a standing farm under a process supervisor.
-
-    \b
-    Example:
-      farm deploy supervisord --gpus 0,1 --model lenet -o farm.conf
-      mkdir -p /tmp/farm && supervisord -c farm.conf
-    """
+def plan(*, cpus: str | None, gpus: str, bind: str, connect: str | None, algo: str,
+         models: tuple[str, ...], run_dir: str, broker_args: tuple[str, ...],
+         worker_args: tuple[str, ...], curve: str | None, broker: bool,
+         farm_command: str) -> Deployment:
+    """The deployment ``farm deploy supervisord``'s options describe; ValueError naming the
+    option at fault when it cannot run."""
+    cores = (parse_ids(cpus, "core") if cpus is not None
+             else tuple(sorted(os.sched_getaffinity(0))))
+    if curve:
+        curve_args = ("--curve", os.path.abspath(curve))
+        broker_args, worker_args = (*curve_args, *broker_args), (*curve_args, *worker_args)
+    farm = tuple(shlex.split(farm_command))
+    if not farm:
+        raise ValueError("--farm-command is empty")
+    deployment = Deployment(
+        layout=Layout.plan(cores, parse_ids(gpus, "GPU") if gpus.strip() else ()), farm=farm,
+        bind=bind, connect=connect or connect_endpoint(bind), algo=algo, models=models,
+        run_dir=Path(os.path.abspath(run_dir)), broker_args=broker_args,
+        worker_args=worker_args, broker=broker)
+    if len(str(deployment.socket)) > MAX_SOCKET_PATH:
+        raise ValueError(f"--run-dir {run_dir} is too long for supervisord's unix socket "
+                         f"(at most {MAX_SOCKET_PATH} characters in all)")
+    return deployment
 
 
 def default_farm_command() -> str:
+    """This Python's ``-m farm``, as one shell word list."""
     return shlex.join([os.path.abspath(sys.executable), "-m", "farm"])
-
-
-def algo_choice() -> click.Choice:
-    from farm.policies import POLICIES
-
-    return click.Choice(list(POLICIES))
-
-
-@deploy.command()
-@click.option("--cpus", help="Cores to use, like 0-7 or 0,2,4-6 [default: every core this "
-                             "process may run on].")
-@click.option("--gpus", default="", help="GPUs to run a worker on, like 0,1 [default: none]; "
-                                         "each takes the highest free core to feed it.")
-@click.option("--bind", default=DEFAULT_BROKER, show_default=True,
-              help="Endpoint the broker binds.")
-@click.option("--connect", help="Endpoint workers connect to [default: --bind's port on "
-                                "127.0.0.1 when it binds every interface].")
-@click.option("--algo", default="equal-finish", show_default=True, type=algo_choice(),
-              help="Scheduling policy of the broker.")
-@click.option("--model", "models", multiple=True, help="Model workers load at start (repeatable).")
-@click.option("--run-dir", default=DEFAULT_RUN_DIR, show_default=True,
-              type=click.Path(file_okay=False),
-              help="Folder of supervisord's socket, pidfile and every log.")
-@click.option("--broker-arg", "broker_args", multiple=True,
-              help="Extra argument for the broker, verbatim (repeatable): "
-                   "--broker-arg=--heartbeat --broker-arg=0.5")
-@click.option("--worker-arg", "worker_args", multiple=True,
-              help="Extra argument for every worker, verbatim (repeatable): "
-                   "--worker-arg=--slots --worker-arg=3")
-@click.option("--curve", type=click.Path(file_okay=False),
-              help="A `farm keys` folder: broker and workers use CurveZMQ (--curve DIR).")
-@click.option("--no-broker", is_flag=True,
-              help="Workers only, for hosts that serve a broker elsewhere (needs --connect).")
-@click.option("--farm-command", default=default_farm_command,
-              show_default="this Python's -m farm",
-              help="Command that runs farm in the configuration, e.g. farm.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
-              help="Write the configuration here [default: stdout].")
-@click.pass_context
-def supervisord(ctx: click.Context, cpus: str | None, gpus: str, bind: str,
-                connect: str | None, algo: str, models: tuple[str, ...], run_dir: str,
-                broker_args: tuple[str, ...], worker_args: tuple[str, ...], curve: str | None,
-                no_broker: bool, farm_command: str, output: str | None) -> None:
-    """Write a supervisord configuration: a broker and one pinned worker per core and GPU.
-
-    \b
-    Examples:
-      farm deploy supervisord -o farm.conf                   # every core, broker on :5555
-      farm deploy supervisord --cpus 0-15 --gpus 0,1 --bind 'tcp://*:5555' -o farm.conf
-      farm deploy supervisord --no-broker --connect tcp://10.0.0.1:5555 -o workers.conf
-      farm deploy supervisord --bind 'tcp://*:5555' --curve /etc/farm/keys -o farm.conf
-    """
-    if no_broker and connect is None:
-        raise click.UsageError("--no-broker: give --connect, the broker's endpoint as seen "
-                               "from this host")
-    try:
-        cores = (parse_ids(cpus, "core") if cpus is not None
-                 else tuple(sorted(os.sched_getaffinity(0))))
-        if curve:
-            curve_args = ("--curve", os.path.abspath(curve))
-            broker_args, worker_args = (*curve_args, *broker_args), (*curve_args, *worker_args)
-        farm = tuple(shlex.split(farm_command))
-        if not farm:
-            raise ValueError("--farm-command is empty")
-        layout = Layout.plan(cores, parse_ids(gpus, "GPU") if gpus.strip() else ())
-        deployment = Deployment(
-            layout, farm, bind, connect or connect_endpoint(bind),
-            algo, models, Path(os.path.abspath(run_dir)), broker_args, worker_args,
-            not no_broker)
-        if len(str(deployment.socket)) > MAX_SOCKET_PATH:
-            raise ValueError(f"--run-dir {run_dir} is too long for supervisord's unix socket "
-                             f"(at most {MAX_SOCKET_PATH} characters in all)")
-        text = render(deployment, output or "supervisord.conf", invocation(ctx))
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    if output:
-        Path(output).write_text(text)
-    else:
-        click.echo(text, nl=False)

@@ -20,6 +20,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
+from farm import defaults
 from farm.caffe_net import Network, NetworkError
 from farm.preprocess import Transformer
 from farm.repository import ModelError, ModelSpec, cache_root, prepare
@@ -40,11 +41,10 @@ BACKENDS = {"caffe": "farm.backends.pycaffe:CaffeEngine",
             "openvino": "farm.backends.openvino:OpenVINOEngine"}
 #: ``auto``: time every installed backend on the model and keep the fastest that agrees.
 AUTO = "auto"
-DEFAULT_BACKEND = AUTO
 #: What a GPU worker needs installed at least (``Device.check``).
 GPU_BACKEND = "torch"
-#: Compute precisions; f32 is the default, the others are opt-in where engine and device
-#: support them.
+#: Compute precisions; f32 is the default (``defaults.PRECISION``), the others are opt-in
+#: where engine and device support them.
 PRECISIONS = ("f32", "f16", "bf16")
 
 
@@ -80,7 +80,7 @@ class Engine:
     reads_onnx: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, network: Network, batch: int | None, device: str,
-                 threads: int | None, precision: str = "f32") -> None:
+                 threads: int | None, precision: str = defaults.PRECISION) -> None:
         self.spec = spec
         self.network = network
         self.batch = max(1, batch or spec.batch)
@@ -93,7 +93,7 @@ class Engine:
 
     @classmethod
     def load(cls, spec: ModelSpec, batch: int | None = None, device: str = "cpu",
-             threads: int | None = None, precision: str = "f32") -> Engine:
+             threads: int | None = None, precision: str = defaults.PRECISION) -> Engine:
         """Check the files, build the net in this backend, probe the output with one image."""
         prepare(spec)
         # a backend that reads a cached export needs the net's shapes, not its weights again
@@ -252,15 +252,16 @@ def engine_class(backend: str) -> type[Engine]:
     return getattr(module, class_name)
 
 
-def load_engine(spec: ModelSpec, backend: str = DEFAULT_BACKEND, batch: int | None = None,
-                device: str = "cpu", threads: int | None = None, precision: str = "f32",
+def load_engine(spec: ModelSpec, backend: str = defaults.BACKEND, batch: int | None = None,
+                device: str = "cpu", threads: int | None = None,
+                precision: str = defaults.PRECISION,
                 digest: str | None = None) -> Engine:
     """A loaded engine; ``auto`` picks the fastest backend that agrees (``farm.autoselect``;
     ``digest``: the model's, when the caller knows it)."""
     if backend == AUTO:
         from farm.autoselect import choose
 
-        return choose(spec, device, threads, precision, batch, digest).engine
+        return choose(spec, device, threads, precision, batch, digest).loaded()
     return engine_class(backend).load(spec, batch, device, threads, precision)
 
 

@@ -16,10 +16,12 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from farm import defaults
+
 BROKER = "broker"
 AUTHORIZED = "authorized"
 #: Key pairs ``farm keys init`` makes besides the broker's, all authorized.
-DEFAULT_PEERS = ("worker", "client")
+DEFAULT_PEERS = (defaults.WORKER_KEY, defaults.CLIENT_KEY)
 #: Socket events that mean the CURVE handshake with the broker failed.
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)

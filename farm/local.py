@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from farm import defaults
 from farm.client import Client, FarmError, FarmTimeout
 
 #: Seconds a process gets to exit after SIGTERM before SIGKILL.
@@ -32,17 +33,26 @@ def farm_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "farm", *args]
 
 
-@dataclass
+def policy_arguments(params: dict[str, Any]) -> list[str]:
+    """Policy parameters as ``farm broker`` arguments (``{"ratio": (1, 3)}``: --ratio 1,3)."""
+    arguments = []
+    for name, value in params.items():
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        arguments += ["--" + name.replace("_", "-"), text]
+    return arguments
+
+
+@dataclass(kw_only=True)
 class LocalFarm:
     """Start with ``with LocalFarm(...) as local:``; ``local.endpoint`` is the broker's address."""
 
     devices: Sequence[str] = field(default_factory=lambda: [f"cpu:{core}" for core in cores()])
-    algo: str = "equal-finish"
+    algo: str = defaults.POLICY
     broker_options: Sequence[str] = ()
     worker_options: Sequence[str] = ()
     device_options: Sequence[Sequence[str]] = ()  # more options for the i-th device's worker
     preload: Sequence[str] = ()
-    log_level: str = "WARNING"
+    log_level: str = defaults.LOG_LEVEL
     ready_timeout: float = 60.0
     curve: str | None = None  # a `farm keys` folder: every process and client uses CurveZMQ
     launcher: Sequence[str] = ()  # prefix for the broker and worker commands (a cgroup, ...)
@@ -82,17 +92,27 @@ class LocalFarm:
 
     def read_endpoint(self) -> None:
         """Wait for the broker's first line, which names the endpoint it bound."""
-        line = self.broker.stdout.readline()
+        broker = self.running_broker()
+        assert broker.stdout is not None  # launched with stdout=PIPE
+        line = broker.stdout.readline()
         if not line.startswith("farm broker listening on "):
-            raise FarmError(f"broker did not start (exit code {self.broker.poll()})")
+            raise FarmError(f"broker did not start (exit code {broker.poll()})")
         self.endpoint = line.rsplit(" ", 1)[1].strip()
 
     def restart_broker(self) -> None:
         """Kill the broker (SIGKILL: no goodbye) and start a new one on the same address."""
-        self.broker.kill()
-        self.broker.wait()
-        self.broker.stdout.close()
+        broker = self.running_broker()
+        broker.kill()
+        broker.wait()
+        if broker.stdout:
+            broker.stdout.close()
         self.start_broker(self.endpoint)
+
+    def running_broker(self) -> subprocess.Popen:
+        """The broker process; FarmError before it was started."""
+        if self.broker is None:
+            raise FarmError("the local farm's broker was not started")
+        return self.broker
 
     def start_worker(self, device: str, *options: str) -> subprocess.Popen:
         preload = [arg for name in self.preload for arg in ("--model", name)]
@@ -111,9 +131,10 @@ class LocalFarm:
                 try:
                     return client.info(wait_workers=count)
                 except FarmTimeout:
-                    dead = [p.args for p in [self.broker, *self.workers] if p.poll() is not None]
+                    processes = [self.running_broker(), *self.workers]
+                    dead = [p.args for p in processes if p.poll() is not None]
                     if dead:
-                        raise FarmError(f"a farm process exited during start: {dead[0]}")
+                        raise FarmError(f"a farm process exited during start: {dead[0]!r}")
                     if time.monotonic() > deadline:
                         raise
 
@@ -121,7 +142,7 @@ class LocalFarm:
     def curve_options(self) -> list[str]:
         return ["--curve", self.curve] if self.curve else []
 
-    def client(self, timeout: float | None = 60.0) -> Client:
+    def client(self, timeout: float | None = defaults.CLIENT_TIMEOUT) -> Client:
         return Client(self.endpoint, timeout=timeout, curve=self.curve)
 
     def stop(self) -> None:

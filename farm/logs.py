@@ -13,6 +13,8 @@ import logging
 import sys
 import time
 
+from farm import defaults
+
 #: LogRecord attributes that are not ``extra=`` fields.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message",
                                                                              "asctime"}
@@ -47,7 +49,7 @@ class JsonFormatter(logging.Formatter):
 FORMATTERS = {"text": TextFormatter, "json": JsonFormatter}
 
 
-def setup_logging(level: str, style: str = "text") -> None:
+def setup_logging(level: str, style: str = defaults.LOG_FORMAT) -> None:
     """Send the farm's logs to stderr at ``level`` in ``style`` (text or json)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(FORMATTERS[style]())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from farm import defaults
 from farm.autoselect import TOLERANCES, relative_difference
 from farm.engine import BACKENDS, BackendUnavailable, load_engine
 from farm.repository import ModelError, ModelSpec
@@ -45,7 +46,8 @@ def check_inputs(spec: ModelSpec, count: int = 8, seed: int = 0) -> np.ndarray:
 
 
 def check_model(spec: ModelSpec, inputs: np.ndarray, backends: tuple[str, ...] = tuple(BACKENDS),
-                threads: int | None = None, precision: str = "f32") -> list[BackendCheck]:
+                threads: int | None = None,
+                precision: str = defaults.PRECISION) -> list[BackendCheck]:
     """Run ``inputs`` on each backend; differences are against the first backend that ran,
     which runs in f32 (the others in ``precision``)."""
     checks = []
@@ -121,7 +123,7 @@ def export_checked(spec: ModelSpec, path: Path, inputs: np.ndarray) -> ExportChe
     others = tuple(b for b in BACKENDS if b not in ("onnxruntime", "openvino"))
     reference = next((c for c in check_model(spec, inputs, others) if c.outputs is not None),
                      None)
-    if reference is None:
+    if reference is None or reference.outputs is None:
         raise ModelError(f"model {spec.name!r}: no reference backend runs it to compare with")
     return ExportCheck(path.stat().st_size, OPSET, network.input, model.graph.output[0].name,
                        reference.backend, relative_difference(outputs, reference.outputs))

@@ -115,9 +115,16 @@ class NpyWriter:
             handle.truncate(self.offset + self.total * self.item_bytes)
         self.fd = os.open(self.path, os.O_WRONLY)
 
+    def layout(self) -> tuple[tuple[int, ...], np.dtype]:
+        """The item shape and dtype: known once the first range was written."""
+        if self.item_shape is None or self.dtype is None:
+            raise NpyError(f"{self.path}: no outputs written yet")
+        return self.item_shape, self.dtype
+
     @property
     def item_bytes(self) -> int:
-        return self.dtype.itemsize * int(np.prod(self.item_shape))
+        shape, dtype = self.layout()
+        return dtype.itemsize * int(np.prod(shape))
 
     def write(self, start: int, values: np.ndarray) -> None:
         if self.fd < 0:
@@ -132,10 +139,11 @@ class NpyWriter:
         """Set items ``[start, start + count)`` to ``value`` (failed items: NaN)."""
         if self.fd < 0:
             return
+        shape, dtype = self.layout()
         per_block = max(1, (16 << 20) // self.item_bytes)
         for first in range(start, start + count, per_block):
             size = min(per_block, start + count - first)
-            self.write(first, np.full((size, *self.item_shape), value, self.dtype))
+            self.write(first, np.full((size, *shape), value, dtype))
 
     def close(self) -> None:
         if self.fd >= 0:

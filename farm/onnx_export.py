@@ -53,7 +53,7 @@ class GraphBuilder:
         self.taken.add(candidate)
         return candidate
 
-    def constant(self, name: str, array: np.ndarray) -> str:
+    def constant(self, name: str, array: np.ndarray | np.generic) -> str:
         from onnx import numpy_helper
 
         value = self.fresh(name)
@@ -236,8 +236,8 @@ def _per_channel(array: np.ndarray, axis: int, ndim: int) -> np.ndarray:
 
 def _batch_norm(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> str:
     """Caffe's test-time BatchNorm folded into one multiply and one add."""
-    mean, variance, factor = (blob.astype(np.float64) for blob in layer.blobs)
-    factor = 0.0 if factor.reshape(-1)[0] == 0 else 1.0 / factor.reshape(-1)[0]
+    mean, variance, stored = (blob.astype(np.float64) for blob in layer.blobs)
+    factor = 0.0 if stored.reshape(-1)[0] == 0 else 1.0 / stored.reshape(-1)[0]
     scale = 1.0 / np.sqrt(variance * factor + layer.param.batch_norm_param.eps)
     shift = -mean * factor * scale
     ndim = len(shapes[0])

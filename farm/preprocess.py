@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class Transformer:
                 raise ModelError(f"model {spec.name!r}: mean needs 1 or {channels} values")
             mean = np.asarray(settings.mean, np.float32).reshape(-1, 1, 1)
         elif settings.mean_file:
-            mean = _mean_file(spec)
+            mean = _mean_file(spec, settings.mean_file)
         return cls(settings.layout == "HWC", settings.channel_swap, settings.raw_scale, mean,
                    settings.input_scale)
 
@@ -53,8 +54,8 @@ class Transformer:
         return batch
 
 
-def _mean_file(spec: ModelSpec) -> np.ndarray:
-    path = spec.preprocess.mean_file
+def _mean_file(spec: ModelSpec, path: Path) -> np.ndarray:
+    """The mean image a model's ``mean_file`` holds, checked against its input shape."""
     try:
         mean = read_blobproto(path)
     except CaffeFormatError as exc:

@@ -14,7 +14,7 @@ def duration(seconds: float | None) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
 
 
-def table(headers: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> list[str]:
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
     """Columns as wide as their widest cell; ``right``: indices of right-aligned columns."""
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
     lines = []

@@ -43,5 +43,6 @@ def reference_forward(spec: ModelSpec, images: np.ndarray) -> np.ndarray:
 def farm_two_workers() -> Iterator[LocalFarm]:
     """A broker with fifo chunks of 100 and one pinned worker per core (two here)."""
     devices = [f"cpu:{core}" for core in cores()[:2]] or ["cpu"]
-    with LocalFarm(devices, "fifo", ["--chunk", "100"], preload=["lenet"]) as local:
+    with LocalFarm(devices=devices, algo="fifo", broker_options=["--chunk", "100"],
+                   preload=["lenet"]) as local:
         yield local

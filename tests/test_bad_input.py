@@ -221,7 +221,7 @@ def empty_farm() -> Iterator:
     """A real broker with no worker processes: the test brings scripted workers."""
     from farm.local import LocalFarm
 
-    with LocalFarm([], "fifo", ["--chunk", "4"]) as local:
+    with LocalFarm(devices=[], algo="fifo", broker_options=["--chunk", "4"]) as local:
         yield local
 
 

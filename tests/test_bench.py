@@ -17,7 +17,11 @@ from farm.bench.setups import SETUP_ABOUT, WorkerSpec, farm_setups
 from farm.local import cores, farm_command
 from farm.policies import POLICIES
 
-pytestmark = pytest.mark.skipif(len(cores()) < 2, reason="the suite's farms need two cores")
+pytestmark = [
+    pytest.mark.skipif(len(cores()) < 2, reason="the suite's farms need two cores"),
+    # the first test to use suite_folder waits for the suite itself (up to 900 s)
+    pytest.mark.timeout(1000),
+]
 
 
 #: The peers the suite fixture runs: every one that needs nothing beyond farm's install.

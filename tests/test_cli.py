@@ -2,20 +2,42 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
+import sys
+from typing import Any, Iterator
 
+import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from farm import defaults
+from farm.broker.broker import BrokerConfig
 from farm.cli import main
-from farm.local import cores, farm_command
+from farm.local import LocalFarm, cores, farm_command
+from farm.workers.worker import Device, WorkerConfig
 from tests.conftest import reference_forward
 
 COMMANDS = [[], ["broker"], ["worker"], ["submit"], ["run"], ["models"], ["models", "list"],
-            ["models", "show"], ["models", "check"], ["models", "prepare"], ["status"],
-            ["report"], ["bench"], ["keys"], ["deploy"]]
+            ["models", "show"], ["models", "check"], ["models", "export"],
+            ["models", "prepare"], ["status"], ["report"], ["bench"], ["keys"], ["keys", "init"],
+            ["keys", "add"], ["keys", "list"], ["deploy"], ["deploy", "supervisord"]]
+#: Libraries no command may load before it runs: ``farm broker --help`` stays fast.
+HEAVY = ("cv2", "torch", "onnx", "onnxruntime", "openvino", "matplotlib", "tqdm",
+         "farm.engine")
+
+
+def command_paths(command: click.Command, path: tuple[str, ...] = ()) -> Iterator[list[str]]:
+    """Every command under ``command`` (itself first), as the words that invoke it."""
+    yield list(path)
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from command_paths(sub, (*path, name))
+
+
+def test_every_command_is_registered_and_listed_here() -> None:
+    assert sorted(command_paths(main)) == sorted(COMMANDS)
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c) or "farm" for c in COMMANDS])
@@ -23,6 +45,71 @@ def test_every_command_has_help(command) -> None:
     result = CliRunner().invoke(main, [*command, "--help"])
     assert result.exit_code == 0, result.output
     assert "Usage:" in result.output
+
+
+def test_help_loads_no_inference_library() -> None:
+    code = ("import sys\nfrom farm.cli import main\n"
+            "try:\n    main(['broker', '--help'])\nexcept SystemExit:\n    pass\n"
+            f"print(sorted(name for name in {HEAVY!r} if name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def option_defaults(command: click.Command) -> dict[str, Any]:
+    """The values a command runs with when given no option (unset ones left out)."""
+    ctx = command.make_context(command.name, [], resilient_parsing=True)
+    return {name: value for name, value in ctx.params.items() if value is not None}
+
+
+def field_defaults(config: type) -> dict[str, Any]:
+    return {field.name: field.default for field in dataclasses.fields(config)
+            if field.default is not dataclasses.MISSING}
+
+
+@pytest.mark.parametrize("command, config, shared", [
+    ("broker", BrokerConfig, {"bind", "algo", "heartbeat", "liveness", "max_attempts", "sharing",
+                              "max_chunk_seconds"}),
+    ("worker", WorkerConfig, {"backend", "precision", "slots", "heartbeat", "liveness",
+                              "curve_name"}),
+])
+def test_command_defaults_are_the_configs_defaults(command, config, shared) -> None:
+    options, fields = option_defaults(main.commands[command]), field_defaults(config)
+    assert shared <= set(options) & set(fields)
+    assert {name: options[name] for name in set(options) & set(fields)} == \
+        {name: fields[name] for name in set(options) & set(fields)}
+
+
+def test_every_part_of_farm_defaults_to_the_same_policy() -> None:
+    supervisord = main.commands["deploy"].commands["supervisord"]
+    assert option_defaults(main.commands["broker"])["algo"] == defaults.POLICY == "equal-finish"
+    assert option_defaults(main.commands["run"])["algo"] == defaults.POLICY
+    assert option_defaults(supervisord)["algo"] == defaults.POLICY
+    assert BrokerConfig().algo == LocalFarm().algo == defaults.POLICY
+
+
+def test_configs_are_built_by_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        BrokerConfig(defaults.BROKER_ENDPOINT)
+    with pytest.raises(TypeError):
+        WorkerConfig(defaults.BROKER_ENDPOINT, Device.parse("cpu"))
+    with pytest.raises(TypeError):
+        LocalFarm(["cpu"])
+    assert WorkerConfig(broker=defaults.BROKER_ENDPOINT, device=Device.parse("cpu")).slots == \
+        defaults.SLOTS
+
+
+def test_choices_kept_in_the_cli_match_the_modules_they_name() -> None:
+    from farm.bench.peers import PEERS
+    from farm.bench.setups import SETUP_NAMES
+    from farm.cli.bench import PEER_CHOICES, SETUP_CHOICES
+    from farm.cli.options import BACKEND_CHOICES, PRECISION_CHOICES
+    from farm.engine import AUTO, BACKENDS, PRECISIONS
+
+    assert BACKEND_CHOICES == (AUTO, *BACKENDS)
+    assert PRECISION_CHOICES == PRECISIONS
+    assert (SETUP_CHOICES, PEER_CHOICES) == (SETUP_NAMES, PEERS)
 
 
 def test_models_list_shows_every_bundled_model() -> None:

@@ -37,8 +37,8 @@ def strangers(tmp_path_factory, keys) -> Path:
 
 @pytest.fixture(scope="module")
 def curve_farm(keys):
-    with LocalFarm([f"cpu:{core}" for core in cores()[:2]], "fifo", ["--chunk", "100"],
-                   preload=["lenet"], curve=str(keys)) as local:
+    with LocalFarm(devices=[f"cpu:{core}" for core in cores()[:2]], algo="fifo",
+                   broker_options=["--chunk", "100"], preload=["lenet"], curve=str(keys)) as local:
         yield local
 
 

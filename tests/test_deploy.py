@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from farm.cli.deploy import deploy
 from farm.client import Client, FarmTimeout
-from farm.deploy import Layout, deploy, parse_ids
+from farm.deploy import Layout, parse_ids
 from tests.conftest import reference_forward
 
 REPO = Path(__file__).resolve().parent.parent

@@ -101,7 +101,8 @@ def test_registry_lists_every_worker(farm_two_workers) -> None:
 
 
 def test_an_unpinned_worker_serves_too(lenet, digits) -> None:
-    with LocalFarm(["cpu"], "fifo", ["--chunk", "300"]) as local, local.client() as client:
+    with LocalFarm(devices=["cpu"], algo="fifo", broker_options=["--chunk", "300"]) as local, \
+            local.client() as client:
         outputs = client.map(digits, model="lenet")
     np.testing.assert_allclose(outputs, reference_forward(lenet, digits), atol=1e-5)
 
@@ -109,7 +110,8 @@ def test_an_unpinned_worker_serves_too(lenet, digits) -> None:
 def test_a_chunk_longer_than_the_client_timeout_still_completes(lenet, digits) -> None:
     """The broker heartbeats the client while a job runs, so only silence times out."""
     images = np.resize(digits, (40_000, 28, 28))
-    with LocalFarm(["cpu"], "fifo", ["--chunk", "40000", "--heartbeat", "0.1"]) as local, \
+    with LocalFarm(devices=["cpu"], algo="fifo",
+                   broker_options=["--chunk", "40000", "--heartbeat", "0.1"]) as local, \
             local.client(timeout=1.0) as client:
         result = client.run(images, "lenet")
     assert result.summary.seconds > 1.0, "the job was too short to show anything"
@@ -120,7 +122,7 @@ def test_a_chunk_longer_than_the_client_timeout_still_completes(lenet, digits) -
 
 def test_a_worker_that_cannot_start_is_reported_not_waited_for() -> None:
     with pytest.raises(FarmError, match="exited during start"):
-        with LocalFarm(["cpu:4096"]):
+        with LocalFarm(devices=["cpu:4096"]):
             pass
 
 
@@ -167,7 +169,8 @@ def test_a_worker_stopped_mid_job_hands_its_chunks_on(lenet, digits) -> None:
         if received >= 3000:
             halfway.set()
 
-    with LocalFarm(["cpu", "cpu"], "fifo", ["--chunk", "100"], preload=["lenet"]) as local:
+    with LocalFarm(devices=["cpu", "cpu"], algo="fifo", broker_options=["--chunk", "100"],
+                   preload=["lenet"]) as local:
         outcome: dict = {}
         thread = threading.Thread(target=lambda: outcome.update(
             result=local.client().run(images, "lenet", progress=progress)))

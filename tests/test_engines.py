@@ -329,7 +329,8 @@ def test_workers_on_auto_report_their_choice_and_refuse_disagreeing_models(tmp_p
 
     ill_conditioned_model(tmp_path / "models" / "ill")
     devices = [f"cpu:{core}" for core in cores()[:2]]
-    with LocalFarm(devices, "fifo", ["--chunk", "100", "--models-dir", str(tmp_path / "models")],
+    broker_options = ["--chunk", "100", "--models-dir", str(tmp_path / "models")]
+    with LocalFarm(devices=devices, algo="fifo", broker_options=broker_options,
                    preload=["lenet"]) as local, local.client(timeout=60) as client:
         result = client.run(digits[:300, None], "lenet")
         assert not result.failed

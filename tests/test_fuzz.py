@@ -902,8 +902,9 @@ def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
     log = tmp_path / "farm.log"
     with contextlib.ExitStack() as cleanup:
         with stderr_to(log):  # the broker and workers log their errors (tracebacks) there
-            local = cleanup.enter_context(LocalFarm(devices, "fifo", ["--chunk", "100"],
-                                                    preload=["lenet"], log_level="ERROR"))
+            local = cleanup.enter_context(LocalFarm(
+                devices=devices, algo="fifo", broker_options=["--chunk", "100"],
+                preload=["lenet"], log_level="ERROR"))
         fuzzer = BrokerFuzzer(local.endpoint, local.broker.pid)
         cleanup.callback(fuzzer.close)
         before = fuzzer.snapshot()["stats"]

@@ -60,7 +60,8 @@ def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits) -> No
     expected = {name: load_engine(load_spec(repository / name)).run(images)
                 for name, images in jobs.items()}
     caches = [tmp_path / "cache-a", tmp_path / "cache-b"]
-    with LocalFarm([], "fifo", ["--chunk", "100", "--models-dir", str(repository)]) as farm:
+    with LocalFarm(devices=[], algo="fifo",
+                   broker_options=["--chunk", "100", "--models-dir", str(repository)]) as farm:
         for device, cache in zip(two_cpu_devices(), caches):
             farm.start_worker(device, "--cache", str(cache))
         farm.wait_for_workers(2)
@@ -83,8 +84,8 @@ def farm_with_broken_models(tmp_path_factory):
     repository = tmp_path_factory.mktemp("broken-models")
     for damage in ("truncate", "unknown_layer", "mismatch"):
         break_model(repository / f"bad-{damage.replace('_', '-')}", find("lenet").folder, damage)
-    with LocalFarm(two_cpu_devices(), "fifo", ["--chunk", "100", "--models-dir",
-                                                str(repository)]) as farm:
+    with LocalFarm(devices=two_cpu_devices(), algo="fifo",
+                   broker_options=["--chunk", "100", "--models-dir", str(repository)]) as farm:
         yield farm
 
 
@@ -144,7 +145,7 @@ def test_a_damaged_cache_entry_is_discarded(tmp_path) -> None:
 
 @needs_torch
 def test_opencv_and_torch_workers_share_a_job(lenet, digits) -> None:
-    with LocalFarm([], "fifo", ["--chunk", "100"]) as farm:
+    with LocalFarm(devices=[], algo="fifo", broker_options=["--chunk", "100"]) as farm:
         for device, backend in zip(two_cpu_devices(), ("torch", "opencv")):
             farm.start_worker(device, "--backend", backend)
         farm.wait_for_workers(2)

@@ -30,7 +30,8 @@ CHUNK = 500
 @pytest.fixture(scope="module")
 def farm() -> Iterator[LocalFarm]:
     devices = [f"cpu:{core}" for core in cores()[:2]] * (2 if len(cores()) < 2 else 1)
-    with LocalFarm(devices, "fifo", ["--chunk", str(CHUNK), "--metrics-port", "0"],
+    with LocalFarm(devices=devices, algo="fifo",
+                   broker_options=["--chunk", str(CHUNK), "--metrics-port", "0"],
                    preload=["lenet"]) as local:
         yield local
 
@@ -301,7 +302,8 @@ def test_each_job_may_bring_its_own_policy_and_a_timeout(farm, digits) -> None:
 def test_higher_priority_jobs_are_offered_free_workers_first(farm, digits) -> None:
     """Three jobs queued behind a running one on a fifo-sharing broker: the urgent one,
     submitted last, is offered the first free slot."""
-    with LocalFarm(farm.devices[:1], "fifo", ["--chunk", str(CHUNK), "--sharing", "fifo"],
+    with LocalFarm(devices=farm.devices[:1], algo="fifo",
+                   broker_options=["--chunk", str(CHUNK), "--sharing", "fifo"],
                    preload=["lenet"]) as local, \
             JobThread(local, repeated(digits, 40_000)) as first:
         jobs = [JobThread(local, repeated(digits, 1_000 + n), priority=priority)

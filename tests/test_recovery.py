@@ -29,8 +29,9 @@ def devices(count: int) -> list[str]:
 
 
 def recovering_farm(workers: int, *worker_options: str) -> LocalFarm:
-    return LocalFarm(devices(workers), "fifo", ["--chunk", "200", *LINK],
-                     [*LINK, *worker_options], preload=["lenet"])
+    return LocalFarm(devices=devices(workers), algo="fifo",
+                     broker_options=["--chunk", "200", *LINK],
+                     worker_options=[*LINK, *worker_options], preload=["lenet"])
 
 
 def run_and_act(local: LocalFarm, images: np.ndarray, act: Callable[[], None]) -> JobResult:
@@ -161,8 +162,9 @@ def test_a_failed_attempt_is_retried_and_succeeds_elsewhere(lenet, digits) -> No
     """One worker fails items 250..260, the other does not: the chunk is redone and its
     images come back (a retry may land on the faulty worker again, at most twice)."""
     images = digits[:1000]
-    with LocalFarm(devices(2), "fifo", ["--chunk", "200", "--max-attempts", "10", *LINK],
-                   LINK, preload=["lenet"]) as local:
+    with LocalFarm(devices=devices(2), algo="fifo",
+                   broker_options=["--chunk", "200", "--max-attempts", "10", *LINK],
+                   worker_options=LINK, preload=["lenet"]) as local:
         local.start_worker(devices(1)[0], "--fail-items", "250-260")
         local.wait_for_workers(3)
         with Client(local.endpoint, timeout=60, heartbeat=0.2) as client:

@@ -10,6 +10,8 @@ capabilities.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from farm.engine import Engine, require_onnx_engine
@@ -53,7 +55,7 @@ class OpenVINOEngine(Engine):
         if self.device != "cpu":
             raise ModelError(f"the openvino backend runs on the CPU only, not {self.device}")
         core = openvino.Core()
-        config = {"INFERENCE_PRECISION_HINT": self.precision}
+        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": self.precision}
         if self.threads is not None:
             config.update({"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": self.threads,
                            "NUM_STREAMS": 1, "ENABLE_CPU_PINNING": False})

@@ -80,7 +80,7 @@ def bench_farm(workers: Sequence[WorkerSpec], model: str,
                images: np.ndarray) -> Iterator[Client]:
     """A fresh local farm of ``workers`` with ``model`` loaded, warmed up by one job of
     the first ``STANDALONE_CHUNK`` of ``images``; a client connected to it."""
-    with LocalFarm([w.device for w in workers], "fifo", BROKER_OPTIONS,
+    with LocalFarm(devices=[w.device for w in workers], algo="fifo", broker_options=BROKER_OPTIONS,
                    device_options=[w.options() for w in workers], preload=[model]) as local, \
             local.client(timeout=JOB_TIMEOUT) as client:
         timed_job(client, images[:STANDALONE_CHUNK], model,
@@ -199,6 +199,8 @@ def policy_sweep(setup: FarmSetup, model: str, images: np.ndarray,
                             sum(share.chunks for share in summary.workers))
             runs.append(run)
             on_run(run)
+    if reference is None:
+        raise FarmError(f"{setup.name}: no policy job returned outputs to check the peers with")
     return runs, reference
 
 

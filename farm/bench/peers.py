@@ -140,6 +140,8 @@ def _pool_start(model: str) -> None:
 
 
 def _pool_task(images: np.ndarray) -> np.ndarray:
+    if _pool_engine is None:
+        raise RuntimeError("a pool task ran before the pool's initializer (_pool_start)")
     return _pool_engine.run(images)
 
 
@@ -254,7 +256,8 @@ class _OpenVINOQueue:
 
     def _done(self, request, userdata: tuple[int, np.ndarray]) -> None:
         begin, batch = userdata  # the batch rides along: its memory is shared with the request
-        self.outputs[begin:begin + len(batch)] = request.get_output_tensor(0).data
+        if self.outputs is not None:  # None: no run waits for it any more
+            self.outputs[begin:begin + len(batch)] = request.get_output_tensor(0).data
 
     def run(self, images: np.ndarray, size: int) -> np.ndarray:
         self.outputs = np.empty((len(images), *self.output_shape), np.float32)

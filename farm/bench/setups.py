@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import platform
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -131,7 +132,7 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def describe_machine() -> dict[str, object]:
+def describe_machine() -> dict[str, Any]:
     """Date, CPU, memory, GPUs and library versions, for the report's first lines."""
     model = "unknown CPU"
     with open("/proc/cpuinfo") as handle:
@@ -153,7 +154,7 @@ def describe_machine() -> dict[str, object]:
     }
 
 
-def machine_slug(machine: dict[str, object]) -> str:
+def machine_slug(machine: dict[str, Any]) -> str:
     """A folder name: date, cores, GPU or not."""
     gpus = machine["gpus"]
     tail = f"{len(gpus)}gpu" if gpus else "cpu"

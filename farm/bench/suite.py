@@ -9,21 +9,21 @@ from typing import Callable
 
 import numpy as np
 
+from farm import defaults
 from farm.bench import measure, peers, results
 from farm.bench.measure import PolicyRun
 from farm.bench.results import ModelResults
 from farm.bench.setups import (SETUP_NAMES, FarmSetup, WorkerSpec, describe_machine,
                                    farm_setups, machine_slug, make_images)
+from farm.client import FarmError
 from farm.local import cores
 
-DEFAULT_MODELS = ("lenet", "cifar10_quick")
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SuiteConfig:
     out: Path  # the results folder goes inside: OUT/<date>-<cores>-<cpu|gpu>
-    models: tuple[str, ...] = DEFAULT_MODELS
-    images: int = 100_000
+    models: tuple[str, ...] = defaults.BENCH_MODELS
+    images: int = defaults.BENCH_IMAGES
     repeat: int = 1  # rounds of the policy sweep (each figure is the median)
     setups: tuple[str, ...] = SETUP_NAMES
     peers: tuple[str, ...] = peers.PEERS
@@ -31,7 +31,7 @@ class SuiteConfig:
     standalone_images: int = 30_000
     table2_images: int = 10_000
     tune_images: int = 10_000
-    peer_rounds: int = 3  # farm's best and every peer, in turn, this many times
+    peer_rounds: int = defaults.BENCH_PEER_ROUNDS  # farm's best and every peer, in turn
 
 
 def kinds(setups: list[FarmSetup]) -> dict[str, WorkerSpec]:
@@ -67,7 +67,7 @@ def run_model(config: SuiteConfig, model: str, setups: list[FarmSetup],
         say(f"{model}: Table 2, {kind}: " + ", ".join(f"{n}: {v:,.0f}/s"
                                                       for n, v in found.table2[kind]))
     configs = measure.paper_configurations(config.quick)
-    reference = None
+    reference: np.ndarray | None = None
     for setup in (s.with_batches(best) for s in setups):
         standalone = found.standalone.setdefault(setup.name, {})
         alone = images[:config.standalone_images]
@@ -87,7 +87,7 @@ def run_model(config: SuiteConfig, model: str, setups: list[FarmSetup],
         else:
             available.append(peer)
     cores_farm = next((s for s in setups if s.name == "cores"), None)
-    if cores_farm is not None:
+    if cores_farm is not None and reference is not None:  # the sweep ran on the cores farm
         head_to_head(config, found, cores_farm.with_batches(best), available, images,
                      reference, say)
     elif config.peers:
@@ -104,6 +104,8 @@ def head_to_head(config: SuiteConfig, found: ModelResults, setup: FarmSetup,
     of its own, free of the sweep's pick of its luckiest run.  Peers are tuned in the
     first round and keep that setting."""
     best = found.farm_best()
+    if best is None:
+        raise FarmError(f"{found.model}: no policy ran on the cores farm, no best to compare")
     settings: dict[str, int] = {}
     for round_ in range(config.peer_rounds):
         standalone_round(setup, found.model, images[:config.standalone_images],

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import zmq
 
-from farm import protocol
+from farm import defaults, protocol
 from farm.broker import events as ev
 from farm.broker.jobs import JobOptions
 from farm.broker.models import ModelCatalog
@@ -57,7 +57,7 @@ MAX_ERROR_CHARS = 1000
 class BrokerConfig(SchedulingConfig):
     """The state machine's configuration, plus where and how the broker listens."""
 
-    bind: str = "tcp://127.0.0.1:5555"
+    bind: str = defaults.BROKER_ENDPOINT
     model_dirs: tuple[str, ...] = ()  # searched before $FARM_MODELS and the bundled models
     curve: str | None = None  # a `farm keys` folder: CurveZMQ with its allowed keys
     metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint

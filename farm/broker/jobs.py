@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from farm import protocol
+from farm import defaults, protocol
 from farm.broker.registry import WorkerEntry
 from farm.policies import Chunk, Policy
 from farm.protocol import ProtocolError
@@ -129,7 +129,7 @@ class Job:
     submitted_at: float
     client_expiry: float = 5.0  # seconds of client silence after which the job is dropped
     options: JobOptions = field(default_factory=JobOptions)
-    algo: str = "fifo"
+    algo: str = defaults.POLICY
     params: dict[str, Any] = field(default_factory=dict)
     seq: int = 0  # submission order: FIFO among equals
     started_at: float | None = None  # first chunk assigned

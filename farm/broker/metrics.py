@@ -43,7 +43,7 @@ class BrokerMetrics:
         disable_created_metrics()  # no *_created series: they double the output, say little
         self.broker = broker
         self.registry = CollectorRegistry()
-        per_worker = {"labelnames": WORKER_LABELS, "registry": self.registry}
+        per_worker: dict[str, Any] = {"labelnames": WORKER_LABELS, "registry": self.registry}
         self.images = Counter("farm_worker_images", "Images computed by the worker.",
                               **per_worker)
         self.chunks = Counter("farm_worker_chunks", "Chunks computed by the worker.",

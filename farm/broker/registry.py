@@ -6,7 +6,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from farm import protocol
+from farm import defaults, protocol
+from farm.defaults import MAX_HEARTBEAT, MIN_HEARTBEAT
 from farm.protocol import ProtocolError
 
 if TYPE_CHECKING:
@@ -17,8 +18,6 @@ if TYPE_CHECKING:
 MAX_SLOTS = 64
 #: Models whose engines one worker may report.
 MAX_ENGINES = 100
-#: Heartbeat intervals a peer may announce, in seconds.
-MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
 #: Seconds behind a worker's images/s and busy share in ``farm status``.
 RECENT_WINDOW = 5.0
 #: Most heartbeat samples kept per worker (a window's worth at the fastest heartbeat).
@@ -51,7 +50,7 @@ class WorkerEntry:
     loaded: set[str]  # models it has loaded
     slots: int
     engines: dict[str, str] = field(default_factory=dict)  # model -> "openvino f32 batch 64"
-    heartbeat: float = 1.0  # seconds between the worker's heartbeats
+    heartbeat: float = defaults.HEARTBEAT  # seconds between the worker's heartbeats
     last_seen: float = 0.0  # broker clock when the worker was last heard from
     in_flight: dict[int, ChunkRecord] = field(default_factory=dict)
     history: dict[str, ModelHistory] = field(default_factory=dict)

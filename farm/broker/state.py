@@ -31,6 +31,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from farm import defaults
 from farm.broker import events as ev
 from farm.broker.jobs import ChunkRecord, Job
 from farm.broker.registry import WorkerEntry
@@ -54,13 +55,13 @@ MAX_JOBS = 1000
 class SchedulingConfig:
     """What the state machine is told: the policy, the timers' counts, attempts, caps."""
 
-    algo: str = "equal-finish"
+    algo: str = defaults.POLICY
     params: dict[str, Any] = field(default_factory=dict)
-    heartbeat: float = 1.0  # seconds between heartbeats to workers and clients
-    liveness: int = 5  # heartbeats a peer may miss before it is declared gone
-    max_attempts: int = 3  # attempts at an item range before it is given up as poison
-    sharing: str = "fair"  # see SHARING; priorities come first either way
-    max_chunk_seconds: float = 1.0  # chunk cap, in seconds of compute (0: none)
+    heartbeat: float = defaults.HEARTBEAT  # seconds between heartbeats to workers and clients
+    liveness: int = defaults.LIVENESS  # heartbeats a peer may miss before it is declared gone
+    max_attempts: int = defaults.MAX_ATTEMPTS  # attempts at an item range before it is poison
+    sharing: str = defaults.SHARING  # see SHARING; priorities come first either way
+    max_chunk_seconds: float = defaults.MAX_CHUNK_SECONDS  # chunk cap in compute s (0: none)
 
     def check(self) -> None:
         """ValueError on a bad policy, parameter or sharing rule."""
@@ -194,8 +195,8 @@ class FarmState:
         """
         entry = self.heard_worker(identity)
         record = entry.in_flight.get(chunk_id) if entry else None
-        if (record is not None and record.sent_at is not None and record.job.outcome
-                and record.job.id == job_id):
+        if (entry is not None and record is not None and record.sent_at is not None
+                and record.job.outcome and record.job.id == job_id):
             del entry.in_flight[record.id]  # a chunk of a job that ended: its slot is free
             self.fill(entry)
             return None

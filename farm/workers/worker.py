@@ -34,9 +34,9 @@ from typing import Any, Callable, NamedTuple
 
 import zmq
 
-from farm import protocol
-from farm.engine import (AUTO, DEFAULT_BACKEND, GPU_BACKEND, Engine, Stopped, engine_class,
-                         job_engine, limit_threads, load_engine)
+from farm import defaults, protocol
+from farm.engine import (AUTO, GPU_BACKEND, Engine, Stopped, engine_class, job_engine,
+                         limit_threads, load_engine)
 from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError, ModelSpec, available, find, load_spec, prepare
@@ -127,23 +127,23 @@ def prepare_process(device: Device) -> None:
         log.debug("not glibc: malloc left as it is")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerConfig:
     broker: str
     device: Device
     batch: int | None = None  # None: each model's own prototxt batch
     model_dirs: tuple[str, ...] = ()
     preload: tuple[str, ...] = ()
-    slots: int = 2
+    slots: int = defaults.SLOTS
     max_tasks: int | None = None  # exit after this many chunks (tests, benchmarks)
-    backend: str = DEFAULT_BACKEND  # auto: the fastest agreeing backend, chosen per model
+    backend: str = defaults.BACKEND  # auto: the fastest agreeing backend, chosen per model
     cache_dir: str | None = None  # None: $FARM_CACHE/models or ~/.cache/farm/models
-    heartbeat: float = 1.0  # seconds between heartbeats to the broker
-    liveness: int = 5  # silent broker heartbeats before the worker reconnects
+    heartbeat: float = defaults.HEARTBEAT  # seconds between heartbeats to the broker
+    liveness: int = defaults.LIVENESS  # silent broker heartbeats before the worker reconnects
     curve: str | None = None  # a `farm keys` folder: connect with CurveZMQ ...
-    curve_name: str = "worker"  # ... as this key
+    curve_name: str = defaults.WORKER_KEY  # ... as this key
     fail_items: tuple[int, int] | None = None  # fault injection: chunks touching [a, b) fail
-    precision: str = "f32"  # f16 / bf16 where the engine and device offer them
+    precision: str = defaults.PRECISION  # f16 / bf16 where the engine and device offer them
 
 
 Reply = list[Any]

@@ -1,0 +1,99 @@
+"""The ``farm`` command: a thin click group over the broker, workers and client.
+
+One module per command or group (``broker``, ``worker``, ``submit`` with ``run``
+and ``status``, ``report``, ``models``, ``keys``, ``deploy``, ``bench``); options
+several of them share are in ``options`` and ``policy``.  Commands import what
+they run when they run, so ``farm broker --help`` loads no inference library.
+
+Every option can also come from an environment variable (named in its help,
+else ``FARM_<COMMAND>_<OPTION>``) or a TOML file (``farm.config``), in that order
+of precedence after the command line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from farm import defaults
+from farm.cli import bench, broker, deploy, keys, models, report, submit, worker
+from farm.client import FarmError
+
+#: Commands that run for a long time and log as they go: INFO by default; others WARNING.
+SERVICES = ("broker", "worker")
+
+
+class FarmGroup(click.Group):
+    """A click group that reports a farm error as one line, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except FarmError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+
+@click.group(cls=FarmGroup, context_settings={"help_option_names": ["-h", "--help"],
+                                              "auto_envvar_prefix": "FARM",
+                                              "max_content_width": 100})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="FARM_CONFIG",
+              show_envvar=True,
+              help="TOML settings file [default: ./farm.toml, else ~/.config/farm/farm.toml].")
+@click.option("--log-level", envvar="FARM_LOG_LEVEL", show_envvar=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help=f"Logging threshold, logs on stderr [default: {defaults.SERVICE_LOG_LEVEL} "
+                   f"for broker and worker, {defaults.LOG_LEVEL} for the rest].")
+@click.option("--log-format", envvar="FARM_LOG_FORMAT",
+              show_envvar=True, type=click.Choice(["text", "json"]),
+              help="text for people, json (one object per line) for log shippers "
+                   f"[default: {defaults.LOG_FORMAT}].")
+@click.version_option(package_name="farm")
+@click.pass_context
+def main(ctx: click.Context, config_file: str | None, log_level: str | None,
+         log_format: str | None) -> None:
+    """farm: Caffe-model inference spread over every core of one or many machines.
+
+    \b
+    Quick start (one machine, no setup):
+      farm run images.npy --model lenet
+    A farm by hand:
+      farm broker --bind tcp://127.0.0.1:5555
+      farm worker --device cpu:0 --broker tcp://127.0.0.1:5555
+      farm submit images.npy --model lenet --out scores.npy --trace run.json
+      farm status --watch
+      farm report run.json -o run.png
+    Settings: option > environment (FARM_BROKER, ...) > farm.toml (see README).
+    """
+    from farm.logs import setup_logging
+
+    apply_config_file(ctx, config_file)
+    default_level = (defaults.SERVICE_LOG_LEVEL if ctx.invoked_subcommand in SERVICES
+                     else defaults.LOG_LEVEL)
+    setup_logging(ctx.params["log_level"] or default_level,
+                  ctx.params["log_format"] or defaults.LOG_FORMAT)
+
+
+def apply_config_file(ctx: click.Context, config_file: str | None) -> None:
+    """The TOML file's settings become the commands' defaults, and the group's own options
+    (parsed before the file was read) take the file's values where the command line and the
+    environment left them unset."""
+    from farm.config import ConfigError, config_path, default_map, load_config
+
+    path = config_path(config_file)
+    if path is None:
+        return
+    settings = default_map(ctx.command, load_config(path), path)
+    ctx.default_map = settings
+    for param in ctx.command.params:
+        name = param.name or ""
+        if name in settings and ctx.params.get(name) is None:
+            try:
+                ctx.params[name] = param.type_cast_value(ctx, settings[name])
+            except click.BadParameter as exc:
+                raise ConfigError(f"{path}: {name.replace('_', '-')}: {exc.message}") from exc
+
+
+for command in (broker.broker, worker.worker, submit.submit, submit.run, submit.status,
+                report.report, models.models, keys.keys, deploy.deploy, bench.bench):
+    main.add_command(command)

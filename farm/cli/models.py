@@ -1,0 +1,250 @@
+"""``farm models``: inspect, check, export and prepare the models of the repository."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from farm import defaults
+from farm.cli.options import models_dir_option, precision_option
+
+if TYPE_CHECKING:
+    from farm.caffe_net import Network
+    from farm.modelcheck import BackendCheck
+    from farm.repository import ModelSpec
+
+#: ``--models-dir`` of every ``farm models`` command.
+extra_models_option = models_dir_option(
+    "Extra model repository folder (repeatable; also $FARM_MODELS).")
+
+
+@click.group()
+def models() -> None:
+    """Inspect, check and prepare the model repository.
+
+    \b
+    Examples:
+      farm models list
+      farm models show caffenet
+      farm models check lenet
+      farm models export lenet --onnx lenet.onnx
+      farm models prepare caffenet
+    """
+
+
+def find_model(name: str, models_dir: tuple[str, ...]) -> ModelSpec:
+    """The model NAME, or a one-line error."""
+    from farm.repository import ModelError, find
+
+    try:
+        return find(name, models_dir)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    """``(1, 28, 28)`` -> ``1x28x28``."""
+    return "x".join(map(str, shape))
+
+
+@models.command("list")
+@extra_models_option
+def list_models(models_dir: tuple[str, ...]) -> None:
+    """List the models in the repository.
+
+    \b
+    Examples:
+      farm models list
+      farm models list --models-dir ~/models     # or FARM_MODELS=~/models
+    """
+    from farm.repository import ModelError, available, load_spec
+
+    click.echo(f"{'model':<16} {'images':<12} {'layout':<6} {'weights':<22} description")
+    for name, folder in available(models_dir).items():
+        try:
+            spec = load_spec(Path(folder))
+        except ModelError as exc:
+            click.echo(f"{name:<16} BROKEN: {exc}")
+            continue
+        weights = (f"{spec.weights.stat().st_size / 1e6:.1f} MB" if spec.weights.is_file()
+                   else "made on first use")
+        click.echo(f"{name:<16} {shape_text(spec.item_shape):<12} "
+                   f"{spec.preprocess.layout:<6} {weights:<22} {spec.description}")
+
+
+@models.command("show")
+@click.argument("name")
+@extra_models_option
+def show_model(name: str, models_dir: tuple[str, ...]) -> None:
+    """Show a model's files, input, preprocessing and layers.
+
+    \b
+    Example:
+      farm models show lenet
+    """
+    from farm.caffe_net import Network
+
+    spec = find_model(name, models_dir)
+    net = Network.load(spec.prototxt)
+    click.echo("\n".join([*model_lines(spec, net), *layer_lines(net)]))
+
+
+def model_lines(spec: ModelSpec, net: Network) -> list[str]:
+    """``farm models show``'s head: files, input, preprocessing, output."""
+    from farm.caffe_proto import unknown_fields
+
+    p = spec.preprocess
+    weights = (f"{spec.weights} ({spec.weights.stat().st_size / 1e6:.1f} MB)"
+               if spec.weights.is_file() else
+               f"{spec.weights} (not made yet: farm models prepare {spec.name})")
+    mean = (f"file {p.mean_file.name}" if p.mean_file else
+            ", ".join(map(str, p.mean)) if p.mean else "none")
+    lines = [
+        f"{spec.name}: {spec.description}",
+        f"  folder      {spec.folder}",
+        f"  prototxt    {spec.prototxt.name}",
+        f"  weights     {weights}",
+        f"  input       {spec.input} {shape_text(net.input_shape)} (batch {spec.batch}); "
+        f"images {shape_text(spec.item_shape)} ({p.layout})",
+        f"  preprocess  channel_swap {list(p.channel_swap) or 'none'}, raw_scale "
+        f"{p.raw_scale:g}, mean {mean}, input_scale {p.input_scale:g}",
+        f"  output      {spec.output} {shape_text(net.shapes[spec.output][1:])}"
+        f"{f', {len(spec.labels)} labels' if spec.labels else ''}",
+        f"  parameters  {net.parameter_count():,}"]
+    ignored = unknown_fields(spec.prototxt.read_text())
+    if ignored:
+        lines.append(f"  ignored     {', '.join(ignored)} (fields farm's Caffe schema lacks)")
+    return lines
+
+
+def layer_lines(net: Network) -> list[str]:
+    """``farm models show``'s table of layers: type, output shape, weight shapes."""
+    lines = [f"  {'layer':<14} {'type':<13} {'output':<16} weights"]
+    for layer in net.layers:
+        blobs = ", ".join(shape_text(shape) for shape in layer.blob_shapes)
+        lines.append(f"  {layer.name:<14} {layer.type:<13} "
+                     f"{shape_text(net.shapes[layer.tops[0]][1:]):<16} {blobs}")
+    return lines
+
+
+@models.command("check")
+@click.argument("name")
+@click.option("--count", default=8, show_default=True, type=click.IntRange(1),
+              help="Images to compare (the model's sample, else seeded random images).")
+@precision_option("Compare this precision with the reference in f32 (top-1 agreement too).",
+                  defaults.PRECISION)
+@click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
+              help="Compute threads, for the speeds and auto's choice (1: a pinned worker).")
+@extra_models_option
+def check_model_command(name: str, count: int, precision: str, threads: int,
+                        models_dir: tuple[str, ...]) -> None:
+    """Load NAME on every backend here, compare their outputs, and show auto's choice.
+
+    Differences are relative to the largest output of the reference (the first
+    backend that runs the model, in f32).
+
+    \b
+    Examples:
+      farm models check lenet
+      farm models check caffenet --count 2
+      farm models check cifar10_quick --precision bf16
+    """
+    from farm.autoselect import choose
+    from farm.modelcheck import check_inputs, check_model
+    from farm.repository import ModelError
+
+    spec = find_model(name, models_dir)
+    inputs = check_inputs(spec, count)
+    checks = check_model(spec, inputs, threads=threads, precision=precision)
+    click.echo(f"{spec.name}: {len(inputs)} images {shape_text(inputs.shape[1:])} "
+               f"{inputs.dtype}; outputs must agree within {checks[-1].tolerance:g} of the "
+               f"reference's largest output")
+    for check in checks:
+        click.echo(check_line(check, len(inputs)))
+    try:
+        choice = choose(spec, "cpu", threads, precision)
+        click.echo(f"auto on {threads} thread(s): {choice.describe()}")
+    except ModelError as exc:
+        click.echo(f"auto: {exc}")
+    if not all(check.ok for check in checks):
+        raise click.ClickException(f"model {spec.name!r} failed its check")
+
+
+def check_line(check: BackendCheck, count: int) -> str:
+    """One backend's line of ``farm models check``."""
+    if check.skipped:
+        return f"  {check.backend:<11} skipped: {(check.problem or '').split(' (')[0]}"
+    if check.problem:
+        return f"  {check.backend:<11} FAILED: {check.problem}"
+    verdict = "ok" if check.ok else "DIFFERS"
+    return (f"  {check.backend:<11} {verdict:<7} difference {check.difference:.1e}, "
+            f"top-1 agrees {check.top1_agreement:.0%}, {count / check.seconds:,.0f} images/s")
+
+
+@models.command("export")
+@click.argument("name")
+@click.option("--onnx", "onnx_path", required=True, type=click.Path(dir_okay=False),
+              help="Write the ONNX graph here.")
+@click.option("--count", default=8, show_default=True, type=click.IntRange(1),
+              help="Images to compare with the reference backend.")
+@extra_models_option
+def export_model(name: str, onnx_path: str, count: int, models_dir: tuple[str, ...]) -> None:
+    """Write NAME as a checked ONNX file: onnx.checker passes it, and ONNX Runtime's outputs
+    on it are compared with the reference backend's.
+
+    The graph has a free batch dimension, ends at the model's output blob and
+    computes Caffe's semantics (pooling rounding, LRN, BatchNorm's scale factor);
+    preprocessing (model.toml) stays outside it.
+
+    \b
+    Examples:
+      farm models export caffenet --onnx caffenet.onnx
+      farm models export mynet --models-dir ~/models --onnx mynet.onnx
+    """
+    from farm.modelcheck import check_inputs, export_checked
+    from farm.repository import ModelError
+
+    spec = find_model(name, models_dir)
+    try:
+        result = export_checked(spec, Path(onnx_path), check_inputs(spec, count))
+    except (ModelError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{spec.name}: {onnx_path} ({result.size / 1e6:.1f} MB, opset {result.opset}, "
+               f"input {result.input} N x {shape_text(spec.input_shape)}, output "
+               f"{result.output}); onnx.checker passed")
+    click.echo(f"  ONNX Runtime against {result.reference}: difference {result.difference:.1e} "
+               f"of the largest output on {count} images")
+    if not result.ok:
+        raise click.ClickException(f"the exported graph differs from {result.reference}")
+
+
+@models.command("prepare")
+@click.argument("names", nargs=-1)
+@extra_models_option
+def prepare_models(names: tuple[str, ...], models_dir: tuple[str, ...]) -> None:
+    """Make the weights of models that generate them on first use (all such models by default).
+
+    \b
+    Examples:
+      farm models prepare              # every model that needs it
+      farm models prepare caffenet
+    """
+    from tqdm import tqdm
+
+    from farm.repository import ModelError, available, load_spec, prepare
+
+    chosen = names or tuple(available(models_dir))
+    with tqdm(chosen, unit="model", file=sys.stderr, disable=len(chosen) < 2) as bar:
+        for name in bar:
+            bar.set_description(name)
+            spec = (find_model(name, models_dir) if names
+                    else load_spec(available(models_dir)[name]))
+            try:
+                path = prepare(spec)
+            except ModelError as exc:
+                raise click.ClickException(str(exc)) from exc
+            bar.write(f"{spec.name:<16} {path} ({path.stat().st_size / 1e6:.1f} MB)",
+                      file=sys.stdout)

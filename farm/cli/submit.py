@@ -1,0 +1,203 @@
+"""The client side: ``farm submit`` (a job on a farm), ``farm run`` (a job on a farm of
+this machine, started and stopped for it) and ``farm status`` (the broker's view)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from farm import defaults
+from farm.cli.job import NO_BROKER_HINT, BrokerLink, load_images, run_job
+from farm.cli.options import (backend_option, broker_option, client_curve_option,
+                              image_out_options, model_option, models_dir_option,
+                              precision_option)
+from farm.cli.policy import policy_options, policy_params
+from farm.client import FarmError, FarmTimeout
+
+#: ``farm status --watch`` without SECONDS: redraw this often.
+WATCH_INTERVAL = 2.0
+
+
+@click.command()
+@click.argument("images", type=click.Path(exists=True, dir_okay=False))
+@model_option
+@broker_option
+@image_out_options
+@click.option("--priority", default=defaults.PRIORITY, show_default=True,
+              type=click.IntRange(-100, 100),
+              help="Jobs of higher priority get free workers first.")
+@click.option("--job-timeout", type=click.FloatRange(0, min_open=True),
+              help="Seconds after which the broker cancels the job [default: none].")
+@click.option("--timeout", default=defaults.CLIENT_TIMEOUT, show_default=True,
+              help="Seconds of broker silence before giving up (a broker back within this "
+                   "time gets the missing images submitted again).")
+@backend_option("Run this job on this engine instead of the workers' own.")
+@precision_option("Run this job in this precision instead of the workers' own.")
+@client_curve_option
+@policy_options(per_job=True)
+def submit(images: str, model: str, broker_address: str, out: str | None, trace: str | None,
+           quiet: bool, priority: int, job_timeout: float | None, timeout: float,
+           backend: str | None, precision: str | None, curve: str | None, curve_name: str,
+           algo: str | None, **options: object) -> None:
+    """Run IMAGES (.npy, N x C x H x W or N x H x W; uint8 or float32) on a farm.
+
+    IMAGES is read a chunk at a time and outputs are written as they arrive, so
+    a file larger than memory runs in bounded memory.  Ctrl-C cancels the job:
+    the images done so far are kept.  Exit status 1 if any image failed or the
+    job timed out (the failures are listed; their outputs are NaN), 130 if it
+    was cancelled.
+
+    \b
+    Examples:
+      farm submit images.npy --model lenet --out scores.npy
+      farm submit images.npy --trace run.json && farm report run.json -o run.png
+      farm submit urgent.npy --priority 10 --job-timeout 600
+      farm submit images.npy --algo fifo --chunk 1000     # this job's own policy
+      farm submit images.npy --backend openvino           # this job's own engine
+      FARM_BROKER=tcp://10.0.0.1:5555 farm submit images.npy --curve keys/
+    """
+    params = policy_params(algo, options) if algo else {}
+    if not algo and any(value is not None for value in options.values()):
+        raise click.UsageError("policy parameters need --algo (the job's own policy)")
+    link = BrokerLink(endpoint=broker_address, timeout=timeout, curve=curve,
+                      curve_name=curve_name)
+    run_job(link, load_images(images), model, out, quiet, trace, priority=priority,
+            job_timeout=job_timeout, algo=algo, params=params, backend=backend,
+            precision=precision)
+
+
+@click.command()
+@click.argument("images", required=False, type=click.Path(exists=True, dir_okay=False))
+@model_option
+@click.option("--workers", type=click.IntRange(1),
+              help="Pinned workers to start (default: one per core).")
+@image_out_options
+@backend_option("The workers' inference library (auto: the fastest that agrees, per model).",
+                defaults.BACKEND)
+@precision_option("The workers' compute precision.", defaults.PRECISION)
+@click.option("--batch", type=click.IntRange(1),
+              help="The workers' compute batch [default: auto's choice, else the prototxt's].")
+@models_dir_option("Model repository folder for the broker and workers (repeatable; also "
+                   "$FARM_MODELS).", exists=True)
+@policy_options()
+def run(images: str | None, model: str, workers: int | None, out: str | None,
+        trace: str | None, quiet: bool, backend: str, precision: str, batch: int | None,
+        models_dir: tuple[str, ...], algo: str, **options: object) -> None:
+    """Start a local farm (broker + one pinned worker per core), run IMAGES, stop it.
+
+    Without IMAGES, runs the model's bundled sample (and scores it when the
+    sample has labels).  Ctrl-C cancels the job and stops the farm.
+
+    \b
+    Examples:
+      farm run                                   # LeNet on its bundled sample
+      farm run images.npy --model lenet --out scores.npy
+      farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
+      farm run images.npy --model mynet --models-dir ~/models --backend openvino
+    """
+    from farm.local import LocalFarm, cores, policy_arguments
+    from farm.repository import ModelError, find
+
+    try:
+        spec = find(model, models_dir)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from exc
+    labels = None
+    if images is None:
+        if spec.sample is None:
+            raise click.ClickException(f"model {model!r} has no bundled sample; give IMAGES")
+        images, labels = str(spec.sample), spec.sample_labels
+    folders = [arg for folder in models_dir
+               for arg in ("--models-dir", str(Path(folder).resolve()))]
+    available = cores()
+    devices = [f"cpu:{available[i % len(available)]}" for i in range(workers or len(available))]
+    array = load_images(images)
+    click.echo(f"starting a local farm: broker + {len(devices)} workers ({', '.join(devices)})",
+               err=True)
+    stop_on_hangup()
+    farm = LocalFarm(
+        devices=devices, algo=algo, preload=[model],
+        broker_options=[*policy_arguments(policy_params(algo, options)), *folders],
+        worker_options=["--backend", backend, "--precision", precision, *folders,
+                        *(["--batch", str(batch)] if batch else [])])
+    try:
+        with farm as local:
+            outputs = run_job(BrokerLink(endpoint=local.endpoint), array, model, out, quiet,
+                              trace)
+    except FarmError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if labels is not None and outputs is not None:
+        report_accuracy(outputs, labels, spec.labels)
+
+
+def stop_on_hangup() -> None:
+    """SIGTERM and SIGHUP exit through Python, so the local farm's processes are stopped."""
+    def stop(signum: int, _: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    for hangup in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(hangup, stop)
+
+
+def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[str, ...]) -> None:
+    """Top-1 accuracy of the outputs against the sample's labels, and a few predictions."""
+    labels = np.load(labels_path)
+    predicted = outputs.reshape(len(outputs), -1).argmax(axis=1)
+    correct = int((predicted == labels).sum())
+    names = class_names or tuple(map(str, range(outputs.shape[1])))
+    shown = ", ".join(names[p] for p in predicted[:10])
+    click.echo(f"first predictions: {shown} ...")
+    click.echo(f"accuracy on the bundled sample: {correct / len(labels):.2%} "
+               f"({correct} of {len(labels)} against {labels_path.name})")
+
+
+@click.command()
+@broker_option
+@click.option("--json", "as_json", is_flag=True, help="The broker's snapshot as JSON, for scripts.")
+@click.option("--watch", type=click.FloatRange(0.1), is_flag=False, flag_value=WATCH_INTERVAL,
+              help=f"Redraw every SECONDS ({WATCH_INTERVAL:g} if not given) until Ctrl-C.",
+              metavar="[SECONDS]")
+@click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(0.1),
+              help="Seconds to wait for the broker's answer.")
+@client_curve_option
+def status(broker_address: str, as_json: bool, watch: float | None, timeout: float,
+           curve: str | None, curve_name: str) -> None:
+    """Show the farm: its workers and jobs, read from the broker over its own socket.
+
+    Workers: name (host:pid/device), backend, state, images/s and busy share over
+    the last 5 s, chunks in flight of its slots, last heartbeat, images done,
+    models loaded.  Jobs, in the order they get free workers: id, client,
+    model, policy, priority, state, progress, images/s, ETA, chunks in flight.
+
+    \b
+    Examples:
+      farm status
+      farm status --watch            # redraw every 2 s; --watch 0.5 for faster
+      farm status --json | jq '.workers[] | {name, rate, busy_share}'
+    """
+    from farm.status import format_status
+
+    link = BrokerLink(endpoint=broker_address, timeout=timeout, curve=curve,
+                      curve_name=curve_name)
+    with link.connect() as client:
+        while True:
+            try:
+                snapshot = client.info()
+            except FarmTimeout as exc:
+                raise click.ClickException(f"{exc} ({NO_BROKER_HINT})") from exc
+            text = json.dumps(snapshot, indent=2) if as_json else format_status(snapshot)
+            if watch is None:
+                click.echo(text)
+                return
+            click.clear()
+            click.echo(text)
+            try:
+                time.sleep(watch)
+            except KeyboardInterrupt:
+                return

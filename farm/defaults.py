@@ -1,0 +1,49 @@
+"""Every default of farm, in one place.
+
+The broker's and workers' configurations, the ``farm`` command's options, a
+local farm and ``farm deploy`` all read their defaults here, so that a default
+changes in one line and every part of farm agrees on it.
+"""
+
+#: Where a broker binds, and where workers and clients connect, unless told otherwise.
+BROKER_ENDPOINT = "tcp://127.0.0.1:5555"
+#: A broker's scheduling policy (also a local farm's and a deployment's).
+POLICY = "equal-finish"
+#: Seconds between heartbeats on every link (broker to worker, broker to client).
+HEARTBEAT = 1.0
+#: The heartbeat intervals a peer may ask for, in seconds.
+MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
+#: Heartbeats a peer may miss before it is declared gone.
+LIVENESS = 5
+#: Attempts at a chunk (failures, or its worker lost) before its images are reported failed.
+MAX_ATTEMPTS = 3
+#: How jobs of equal priority share workers: "fair" (fewest chunks held first) or "fifo".
+SHARING = "fair"
+#: Cap on a chunk, in seconds of compute once speeds are known (0: no cap).
+MAX_CHUNK_SECONDS = 1.0
+#: Address the broker's Prometheus endpoint listens on, when it has a port.
+METRICS_HOST = "127.0.0.1"
+#: Chunks the broker may keep in flight to one worker.
+SLOTS = 2
+#: A worker's inference library: auto times the installed ones and keeps the fastest.
+BACKEND = "auto"
+#: Compute precision of workers and engines.
+PRECISION = "f32"
+#: Key names in a `farm keys` folder: a worker's and a client's.
+WORKER_KEY, CLIENT_KEY = "worker", "client"
+#: Model a command runs when none is named.
+MODEL = "lenet"
+#: A job's priority (higher gets free workers first).
+PRIORITY = 0
+#: Seconds of broker silence before a client gives up.
+CLIENT_TIMEOUT = 60.0
+#: Logging threshold of the services (broker, worker), and of every other command.
+SERVICE_LOG_LEVEL, LOG_LEVEL = "INFO", "WARNING"
+#: Log lines for people ("text") or for log shippers ("json").
+LOG_FORMAT = "text"
+#: Folder of a supervised farm's control socket, pidfile and logs.
+RUN_DIR = "/tmp/farm"
+#: `farm bench`: the models it measures, images per job, and rounds of farm against its peers.
+BENCH_MODELS = ("lenet", "cifar10_quick")
+BENCH_IMAGES = 100_000
+BENCH_PEER_ROUNDS = 3
