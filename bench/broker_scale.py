@@ -184,6 +184,52 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
                     return chunks, seconds
 
 
+def bare_broker(endpoint: str) -> None:
+    """The floor: the broker's message pattern (NEED, DATA -> TASK, RESULT -> RESULT) with
+    no checks, no state machine and no policy (one-image chunks, workers in turn)."""
+    import zmq
+
+    from farm import protocol
+    from farm.protocol import Command
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    protocol.limit_socket(router)
+    router.bind(endpoint)
+    print("listening", flush=True)
+    free: list[bytes] = []
+    client, job, total, next_item, answered = b"", "", 0, 0, 0
+    owner: dict[int, bytes] = {}
+    chunk_id = 0
+    while True:
+        identity, _, command, header_frame, *payload = router.recv_multipart(copy=False)
+        command, header = command.bytes, protocol.msgpack.unpackb(header_frame.bytes)
+        if command == Command.READY.value:
+            free += [identity.bytes] * header["slots"]
+        elif command == Command.INFO.value:
+            router.send_multipart([identity, *protocol.encode(Command.INFO, {})])
+        elif command == Command.SUBMIT.value:
+            client, job, total = identity.bytes, header["job"], header["total"]
+        elif command == Command.DATA.value:
+            header.update(item_shape=[1, 28, 28], dtype="uint8", attempt=1, model="lenet",
+                          digest="")
+            router.send_multipart([owner.pop(header["chunk"]),
+                                   *protocol.encode(Command.TASK, header, payload)], copy=False)
+        elif command == Command.RESULT.value:
+            router.send_multipart([client, *protocol.encode(Command.RESULT, header, payload)],
+                                  copy=False)
+            free.append(identity.bytes)
+            answered += 1
+            if answered == total:
+                router.send_multipart([client, *protocol.encode(Command.DONE, {"job": job})])
+        while client and free and next_item < total:
+            owner[chunk_id] = free.pop()
+            router.send_multipart([client, *protocol.encode(Command.NEED, {
+                "job": job, "chunk": chunk_id, "start": next_item, "count": 1})])
+            chunk_id += 1
+            next_item += 1
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as handle:
         fields = handle.read().rsplit(")", 1)[1].split()
@@ -194,29 +240,46 @@ def broker_table(worker_counts: list[int], items: int) -> None:
     from farm.local import farm_command, free_port
 
     print(f"\nreal broker over loopback, fake workers and client answering at once, "
-          f"{items:,} one-image chunks")
-    print(f"{'workers':>8}{'chunks/s':>10}{'broker CPU/chunk (us)':>23}")
+          f"{items:,} one-image chunks; the bare loop is the same messages with no checks, "
+          f"no state machine and no policy")
+    print(f"{'workers':>8}{'chunks/s':>10}{'CPU/chunk (us)':>16}{'bare chunks/s':>15}"
+          f"{'bare CPU/chunk':>16}{'broker/bare':>13}")
     for workers in worker_counts:
-        endpoint = f"tcp://127.0.0.1:{free_port()}"
-        broker = subprocess.Popen(farm_command("--log-level", "ERROR", "broker", "--bind",
-                                               endpoint, "--heartbeat", "5"),
-                                  stdout=subprocess.PIPE, text=True)
-        try:
-            broker.stdout.readline()
-            before = cpu_seconds(broker.pid)
-            chunks, seconds = fake_farm(endpoint, workers, items, 1)
-            used = cpu_seconds(broker.pid) - before
-        finally:
-            broker.terminate()
-            broker.wait()
-        print(f"{workers:>8}{chunks / seconds:>10,.0f}{1e6 * used / chunks:>23.0f}", flush=True)
+        real = measure_broker(farm_command("--log-level", "ERROR", "broker", "--bind", "{}",
+                                           "--heartbeat", "5", "--algo", "fifo"),
+                              free_port(), workers, items)
+        bare = measure_broker([sys.executable, __file__, "--bare", "{}"], free_port(), workers,
+                              items)
+        print(f"{workers:>8}{real[0]:>10,.0f}{real[1]:>16.0f}{bare[0]:>15,.0f}{bare[1]:>16.0f}"
+              f"{real[0] / bare[0]:>13.2f}", flush=True)
+
+
+def measure_broker(command: list[str], port: int, workers: int,
+                   items: int) -> tuple[float, float]:
+    """Chunks/s and the broker process's CPU microseconds per chunk."""
+    endpoint = f"tcp://127.0.0.1:{port}"
+    broker = subprocess.Popen([arg.replace("{}", endpoint) for arg in command],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        broker.stdout.readline()
+        before = cpu_seconds(broker.pid)
+        chunks, seconds = fake_farm(endpoint, workers, items, 1)
+        used = cpu_seconds(broker.pid) - before
+    finally:
+        broker.terminate()
+        broker.wait()
+    return chunks / seconds, 1e6 * used / chunks
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, fewer chunks")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--bare", metavar="ENDPOINT", help="serve the bare loop (internal)")
     args = parser.parse_args()
+    if args.bare:
+        bare_broker(args.bare)
+        return
     policies = args.policies.split(",")
     if args.quick:
         state_table([1, 100, 1000], [1, 10], 2000, policies)

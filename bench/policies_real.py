@@ -42,7 +42,7 @@ def devices() -> list[str]:
 
 def run_real(algo: str, params: dict[str, Any], images: np.ndarray) -> JobSummary:
     """A fresh farm, a warm-up job, then the measured job; chunks as the policy cuts them
-    (no broker cap: the paper's policies as SPEC.md defines them)."""
+    (no broker cap: the paper's policies as docs/scheduling.md defines them)."""
     with LocalFarm(devices=devices(), algo=algo,
                    broker_options=[*policy_arguments(params), "--max-chunk-seconds", "0"],
                    preload=["lenet"]) as local, \

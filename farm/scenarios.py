@@ -1,4 +1,4 @@
-"""Simulated farms calibrated from the paper's Table 2 (SPEC.md).
+"""Simulated farms calibrated from the paper's Table 2 (docs/scheduling.md).
 
 The paper's testbed ran 3 CPU workers (one core each; the fourth core fed
 the GPU) and 1 GPU worker.  Each device's per-chunk cost ``t(n) = a + n/v``

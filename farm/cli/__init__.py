@@ -63,7 +63,7 @@ def main(ctx: click.Context, config_file: str | None, log_level: str | None,
       farm submit images.npy --model lenet --out scores.npy --trace run.json
       farm status --watch
       farm report run.json -o run.png
-    Settings: option > environment (FARM_BROKER, ...) > farm.toml (see README).
+    Settings: option > environment (FARM_BROKER, ...) > farm.toml (see docs/operating.md).
     """
     from farm.logs import setup_logging
 

@@ -46,7 +46,7 @@ def policy_options(per_job: bool = False) -> Decorator:
         return click.option("--algo", default=defaults.POLICY, show_default=True,
                             envvar="FARM_ALGO", show_envvar=True,
                             type=click.Choice(list(POLICIES)),
-                            help="Scheduling policy (see README: Scheduling).")(function)
+                            help="Scheduling policy (see docs/scheduling.md).")(function)
     return decorate
 
 
