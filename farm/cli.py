@@ -400,7 +400,7 @@ def run_job(endpoint: str, images, model: str, out: str | None, quiet: bool, tim
         click.echo(f"outputs ({len(images)}, {', '.join(map(str, sink.item_shape))}) "
                    f"{sink.dtype} written to {out}")
     if trace:
-        click.echo(f"trace of {len(result.trace['chunks'])} chunks written to {trace} "
+        click.echo(f"trace of {len(result.trace.chunks)} chunks written to {trace} "
                    f"(farm report {trace} -o {Path(trace).with_suffix('.png')})")
     if result.cancelled:
         missing = sum(f.count for f in result.failed)

@@ -41,14 +41,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import zmq
+from msgspec import structs
 
 from farm import protocol
 from farm.broker.jobs import ChunkRecord, Job, JobOptions
 from farm.broker.models import ModelCatalog
-from farm.broker.registry import (MAX_HEARTBEAT, MIN_HEARTBEAT, WorkerEntry,
-                                   valid_heartbeat)
+from farm.broker.registry import WorkerEntry
 from farm.policies import (Assign, ChunkDone, ChunkFailed, Event, WorkerBusy, WorkerLost,
                            WorkerReady, make_policy)
+from farm.messages import job_of
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
 from farm.trace import network_seconds
@@ -216,8 +217,7 @@ class Broker:
         for identity in self.workers:
             self.send(identity, Command.HEARTBEAT, {"interval": interval})
         for job in self.jobs.values():
-            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "done": job.done,
-                                                      "interval": interval})
+            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "interval": interval})
 
     def poll_once(self, timeout_ms: int) -> None:
         """Handle the messages waiting (or arriving within the timeout), at most ``MAX_BATCH``;
@@ -249,9 +249,9 @@ class Broker:
         except ProtocolError as exc:
             self.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
-            job = message.header.get("job") if message else None
+            job = job_of(message.header) if message else None
             self.send(identity, Command.ERROR, {"error": str(exc), **(
-                {"job": job} if isinstance(job, str) and len(job) <= 100 else {})})
+                {"job": job} if job is not None else {})})
         except Exception:  # a bug must not take the farm down; log it and keep serving
             log.exception("error handling a message from %s", identity.hex())
 
@@ -266,19 +266,17 @@ class Broker:
     def on_heartbeat(self, identity: bytes, message: Message) -> None:
         """A client's heartbeat names its job; a worker's carries its compute counters and
         needs no answer, unless the worker is unknown."""
-        job_id = message.header.get("job")
+        job_id = message.header.job
         if job_id is None:
             entry = self.workers.get(identity)
             if entry is None:
                 self.send(identity, Command.DISCONNECT, {})  # a worker we dropped: re-register
             else:
-                if "computed" in message.header:
-                    entry.note_computed(message.header["computed"], self.clock())
-                if "engines" in message.header:
-                    entry.note_engines(message.header["engines"])
+                if message.header.computed is not None:
+                    entry.note_computed(message.header.computed, self.clock())
+                if message.header.engines is not None:
+                    entry.note_engines(message.header.engines)
             return
-        if not isinstance(job_id, str) or len(job_id) > 100:
-            raise ProtocolError("HEARTBEAT 'job' must be a job id")
         job = self.jobs.get(job_id)
         if job is None or job.client != identity:
             self.send(identity, Command.ERROR, {"job": job_id, "unknown_job": True,
@@ -441,11 +439,11 @@ class Broker:
     def on_data(self, identity: bytes, message: Message) -> None:
         """A chunk's input from its client: forward it to the chunk's worker as the TASK."""
         header = message.header
-        job = self.jobs.get(header["job"])
+        job = self.jobs.get(header.job)
         if job is None or job.client != identity:
             return  # data of a job that failed or was dropped: nothing waits for it
         job.client_seen = self.clock()
-        record = job.pending.pop(header["chunk"], None)
+        record = job.pending.pop(header.chunk, None)
         if record is None or record.id not in record.worker.in_flight:
             return  # its worker was lost meanwhile: the chunk was requeued
         try:
@@ -471,17 +469,17 @@ class Broker:
         gets DISCONNECT: the worker reconnects and registers afresh.
         """
         entry = self.workers.get(identity)
-        record = entry.in_flight.get(message.header["chunk"]) if entry else None
+        record = entry.in_flight.get(message.header.chunk) if entry else None
         if (record is not None and record.sent_at is not None and record.job.outcome
-                and record.job.id == message.header["job"]):
+                and record.job.id == message.header.job):
             del entry.in_flight[record.id]  # a chunk of a job that ended: its slot is free
             self.fill(entry)
             return None
         if (record is None or record.sent_at is None or record.job.id not in self.jobs
-                or record.job.id != message.header["job"]):
+                or record.job.id != message.header.job):
             self.stats.late_replies += 1
             log.info("dropped a reply for chunk %s from %s (late, duplicate or cancelled)",
-                     message.header["chunk"], entry.name if entry else identity.hex())
+                     message.header.chunk, entry.name if entry else identity.hex())
             if entry is None:
                 self.send(identity, Command.DISCONNECT, {})
             return None
@@ -498,13 +496,13 @@ class Broker:
             self.fail_job(job, f"worker {entry.name} returned a bad result for items "
                                f"{chunk.start}..{chunk.stop - 1}: {problem}")
             return
-        timings, now = header["timings"], self.clock()
+        timings, now = header.timings, self.clock()
         compute = float(timings["compute"])
         job.account(entry, chunk, compute)
         origin = job.submitted_at
         self.send(job.client, Command.RESULT, {
-            **header, "job": job.id, "worker": entry.name, "attempt": record.attempt,
-            "round_trip": now - record.sent_at,
+            **structs.asdict(header), "job": job.id, "worker": entry.name,
+            "attempt": record.attempt,
             "trace": [record.assigned_at - origin, record.sent_at - origin, now - origin]},
             message.payload)
         self.cap_chunks(job)  # speeds changed
@@ -521,8 +519,8 @@ class Broker:
         record = self.answered_record(identity, message)
         if record is None:
             return
-        chunk, error = record.chunk, message.header["error"]
-        if message.header.get("fatal", True):
+        chunk, error = record.chunk, message.header.error
+        if message.header.fatal:
             self.fail_job(record.job, f"items {chunk.start}..{chunk.stop - 1} failed on "
                                       f"{record.worker.name}: {error}")
             return
@@ -533,23 +531,17 @@ class Broker:
 
     def on_submit(self, identity: bytes, message: Message) -> None:
         header = message.header
-        job_id = header["job"]
-        if not 0 < len(job_id) <= 100:
-            raise ProtocolError("SUBMIT 'job' must be an id of 1 to 100 characters")
+        job_id = header.job
         if job_id in self.jobs:
             raise ProtocolError(f"job {job_id} already exists")
         if len(self.jobs) >= MAX_JOBS:
             raise ProtocolError(f"the broker holds {MAX_JOBS} jobs already; try later")
-        protocol.check_array_spec(header["dtype"], header["item_shape"])
-        if not 0 < header["total"] <= protocol.MAX_ITEMS:
-            raise ProtocolError(f"job total {header['total']} out of range")
-        heartbeat = header.get("heartbeat", self.config.heartbeat)
-        if not valid_heartbeat(heartbeat):
-            raise ProtocolError(f"SUBMIT heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
-        options = JobOptions.parse(header["options"])
+        protocol.check_array_spec(header.dtype, header.item_shape)
+        heartbeat = header.heartbeat or self.config.heartbeat
+        options = JobOptions.parse(header.options)
         algo, params = options.policy(self.config.algo, self.config.params)
-        job = Job(job_id, identity, header["model"], header["dtype"],
-                  tuple(header["item_shape"]), header["total"], self.clock(),
+        job = Job(job_id, identity, header.model, header.dtype,
+                  tuple(header.item_shape), header.total, self.clock(),
                   self.config.liveness * max(self.config.heartbeat, heartbeat), options,
                   algo, params, self.next_seq)
         self.next_seq += 1
@@ -619,7 +611,7 @@ class Broker:
         bytes are in memory once, in the page cache.
         """
         entry = self.workers.get(identity)
-        name, digest = message.header["model"], message.header["digest"]
+        name, digest = message.header.model, message.header.digest
         try:
             if entry is None:
                 raise ModelError("models are sent to registered workers only")
@@ -648,9 +640,9 @@ class Broker:
     def finish(self, job: Job) -> None:
         summary = job.summary(self.clock())
         self.end_job(job, "done")
-        log.info("job %s done: %d items in %.3f s", job.id, job.total, summary["broker_seconds"],
+        log.info("job %s done: %d items in %.3f s", job.id, job.total, summary.broker_seconds,
                  extra={"event": "job_ended", "job": job.id, "outcome": "done",
-                        "seconds": summary["broker_seconds"]})
+                        "seconds": summary.broker_seconds})
         self.send(job.client, Command.DONE, {"job": job.id}, protocol.document_frames(summary))
 
     def fail_job(self, job: Job, error: str) -> None:
@@ -687,7 +679,7 @@ class Broker:
 
     def on_cancel(self, identity: bytes, message: Message) -> None:
         """A client stops its job."""
-        job_id = message.header["job"]
+        job_id = message.header.job
         job = self.jobs.get(job_id)
         if job is None or job.client != identity:
             self.send(identity, Command.ERROR, {"job": job_id[:100], "unknown_job": True,
@@ -699,9 +691,7 @@ class Broker:
 
     def on_info(self, identity: bytes, message: Message) -> None:
         """A snapshot of the registry; with ``wait_workers`` it is sent once that many joined."""
-        wanted = message.header.get("wait_workers", 0)
-        if not isinstance(wanted, int) or isinstance(wanted, bool):
-            raise ProtocolError("INFO wait_workers must be an integer")
+        wanted = message.header.wait_workers
         if len(self.workers) >= wanted:
             self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
         elif len(self.info_waiters) >= MAX_INFO_WAITERS:

@@ -10,13 +10,10 @@ from typing import Any
 from farm import protocol
 from farm.broker.registry import WorkerEntry
 from farm.engine import job_engine
+from farm.messages import Data, Options, Result
 from farm.policies import Chunk, Policy
 from farm.protocol import ProtocolError
-
-#: Job priorities a client may ask for: higher runs first.
-MIN_PRIORITY, MAX_PRIORITY = -100, 100
-#: Longest per-job timeout, in seconds (a week).
-MAX_TIMEOUT = 7 * 24 * 3600.0
+from farm.summary import JobSummary, WorkerShare
 
 
 @dataclass(frozen=True)
@@ -39,34 +36,16 @@ class JobOptions:
     engine: tuple[str, str] | None = None
 
     @classmethod
-    def parse(cls, options: dict[str, Any]) -> JobOptions:
-        """Validate SUBMIT options; ProtocolError naming the bad one."""
-        unknown = sorted(map(str, set(options) - {"algo", "params", "priority", "timeout",
-                                                  "client", "engine"}))
-        if unknown:
-            raise ProtocolError(f"unknown job option(s): {', '.join(unknown)}")
-        algo, params = options.get("algo"), options.get("params", {})
-        priority, timeout = options.get("priority", 0), options.get("timeout")
-        client = options.get("client", "")
-        if algo is not None and not isinstance(algo, str):
-            raise ProtocolError("job option 'algo' must be a policy name")
-        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
-            raise ProtocolError("job option 'params' must map parameter names to values")
-        if (not isinstance(priority, int) or isinstance(priority, bool)
-                or not MIN_PRIORITY <= priority <= MAX_PRIORITY):
-            raise ProtocolError(f"job priority must be an integer {MIN_PRIORITY}..{MAX_PRIORITY}")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(
-                timeout, bool) or not 0 < timeout <= MAX_TIMEOUT):
-            raise ProtocolError(f"job timeout must be more than 0 and at most "
-                                f"{MAX_TIMEOUT:.0f} seconds")
-        if not isinstance(client, str) or len(client) > 200:
-            raise ProtocolError("job option 'client' must be a name of at most 200 characters")
+    def parse(cls, options: Options) -> JobOptions:
+        """SUBMIT options (their types and ranges checked on decode), the engine checked;
+        ProtocolError if it is not one the workers have."""
         try:
-            engine = job_engine(options["engine"]) if "engine" in options else None
+            engine = job_engine(options.engine) if options.engine is not None else None
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
-        values = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())
-        return cls(algo, values, priority, None if timeout is None else float(timeout), client,
+        values = tuple((k, tuple(v) if isinstance(v, list) else v)
+                       for k, v in options.params.items())
+        return cls(options.algo, values, options.priority, options.timeout, options.client,
                    engine)
 
     def policy(self, default_algo: str, default_params: dict[str, Any]) -> tuple[str, dict]:
@@ -200,29 +179,29 @@ class Job:
         self.failures.append(failure)
         return failure
 
-    def check_data(self, record: ChunkRecord, header: dict[str, Any], frame: Any) -> None:
+    def check_data(self, record: ChunkRecord, header: Data, frame: Any) -> None:
         """A DATA message must hold exactly the chunk's items; ProtocolError if not."""
         chunk = record.chunk
-        if (header["start"], header["count"]) != (chunk.start, chunk.count):
-            raise ProtocolError(f"job {self.id}: DATA for items {header['start']}+"
-                                f"{header['count']}, the broker asked for {chunk.start}+"
+        if (header.start, header.count) != (chunk.start, chunk.count):
+            raise ProtocolError(f"job {self.id}: DATA for items {header.start}+"
+                                f"{header.count}, the broker asked for {chunk.start}+"
                                 f"{chunk.count}")
         size = frame.buffer.nbytes
         if size != chunk.count * self.item_bytes:
             raise ProtocolError(f"job {self.id}: DATA of {size} bytes, expected {chunk.count} x "
                                 f"{self.item_bytes}")
 
-    def check_result(self, record: ChunkRecord, header: dict[str, Any]) -> str | None:
+    def check_result(self, record: ChunkRecord, header: Result) -> str | None:
         """Why a worker's RESULT cannot be accepted for ``record``, or None."""
         chunk = record.chunk
-        if (header["start"], header["count"]) != (chunk.start, chunk.count):
-            return f"answers items {header['start']}+{header['count']}, not the chunk's"
-        if header["dtype"] != "float32":
-            return f"outputs are {header['dtype']}, not float32"
-        shape = tuple(header["item_shape"])
+        if (header.start, header.count) != (chunk.start, chunk.count):
+            return f"answers items {header.start}+{header.count}, not the chunk's"
+        if header.dtype != "float32":
+            return f"outputs are {header.dtype}, not float32"
+        shape = tuple(header.item_shape)
         if self.output_shape not in (None, shape):
             return f"output shape {shape} differs from earlier chunks' {self.output_shape}"
-        timings = header["timings"]
+        timings = header.timings
         for key in ("compute", "receive", "send"):
             value = timings.get(key, 0.0)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -241,7 +220,7 @@ class Job:
         share.compute_s += compute
         worker.record(self.model, chunk.count, compute)
 
-    def summary(self, now: float) -> dict[str, Any]:
+    def summary(self, now: float) -> JobSummary:
         """Per-worker shares with each worker's standalone speed on this model.
 
         A worker that was offered the job but ran none of it still counts in the
@@ -253,9 +232,9 @@ class Job:
             history = worker.history.get(self.model)
             rate = (share.items / share.compute_s if share.compute_s > 0
                     else history.rate if history else 0.0)
-            workers.append({**vars(share), "standalone_rate": rate})
-        return {"items": self.total, "broker_seconds": now - self.submitted_at,
-                "done": self.done, "policy": self.algo, "workers": workers,
-                "shared": self.shared,
-                "failed_items": sum(f.stop - f.start for f in self.abandoned),
-                "failed_attempts": len(self.failures)}
+            workers.append(WorkerShare(**vars(share), rate=rate))
+        return JobSummary(total=self.total, broker_seconds=now - self.submitted_at,
+                          items=self.done, policy=self.algo, workers=tuple(workers),
+                          shared=self.shared,
+                          failed_items=sum(f.stop - f.start for f in self.abandoned),
+                          failed_attempts=len(self.failures))

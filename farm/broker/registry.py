@@ -7,17 +7,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from farm import protocol
+from farm.messages import ModelFacts, Ready
 from farm.protocol import ProtocolError
 
 if TYPE_CHECKING:
     from farm.broker.jobs import ChunkRecord
 
-#: Most chunks a worker may ask to have in flight at once.
-MAX_SLOTS = 64
-#: Models whose engines one worker may report.
-MAX_ENGINES = 100
-#: Heartbeat intervals a peer may announce, in seconds.
-MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
 #: Seconds behind a worker's images/s and busy share in ``farm status``.
 RECENT_WINDOW = 5.0
 #: Most heartbeat samples kept per worker (a window's worth at the fastest heartbeat).
@@ -46,7 +41,7 @@ class WorkerEntry:
     pid: int
     backend: str
     threads: int
-    models: dict[str, Any]  # name -> {"input_shape": [...]}: what it can run
+    models: dict[str, ModelFacts]  # what it can run
     loaded: set[str]  # models it has loaded
     slots: int
     engines: dict[str, str] = field(default_factory=dict)  # model -> "openvino f32 batch 64"
@@ -68,24 +63,15 @@ class WorkerEntry:
         self.name = f"{self.host}:{self.pid}/{self.device}"
 
     @classmethod
-    def from_ready(cls, identity: bytes, header: dict[str, Any]) -> WorkerEntry:
+    def from_ready(cls, identity: bytes, header: Ready) -> WorkerEntry:
         """Validate a READY header and build the entry; ProtocolError if it is unusable."""
-        check_models(header["models"])
-        loaded = header.get("loaded", [])
-        threads = header.get("threads", 0)
-        if not isinstance(loaded, list) or not all(
-                isinstance(name, str) and name in header["models"] for name in loaded):
+        check_models(header.models)
+        if not all(name in header.models for name in header.loaded):
             raise ProtocolError("READY 'loaded' must list advertised models")
-        if not 1 <= header["slots"] <= MAX_SLOTS:
-            raise ProtocolError(f"READY slots must be 1..{MAX_SLOTS}, got {header['slots']}")
-        if not isinstance(threads, int) or isinstance(threads, bool):
-            raise ProtocolError("READY 'threads' must be an integer")
-        heartbeat = header.get("heartbeat", 1.0)
-        if not valid_heartbeat(heartbeat):
-            raise ProtocolError(f"READY heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
-        entry = cls(identity, header["device"], header["host"], header["pid"], header["backend"],
-                    threads, header["models"], set(loaded), header["slots"], float(heartbeat))
-        entry.note_engines(header.get("engines", {}))
+        entry = cls(identity, header.device, header.host, header.pid, header.backend,
+                    header.threads, dict(header.models), set(header.loaded), header.slots,
+                    header.heartbeat)
+        entry.note_engines(header.engines)
         return entry
 
     @property
@@ -98,26 +84,16 @@ class WorkerEntry:
         history.compute_s += compute_s
         self.loaded.add(model)
 
-    def note_computed(self, counters: Any, now: float) -> None:
-        """A heartbeat's ``computed`` counters: [images, seconds], counted batch by batch,
-        so they move while a long chunk runs; ProtocolError if malformed."""
-        if not (isinstance(counters, list) and len(counters) == 2 and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e18
-                for v in counters)):
-            raise ProtocolError("HEARTBEAT 'computed' must be [images, seconds]")
-        self.samples.append((now, int(counters[0]), float(counters[1])))
+    def note_computed(self, counters: tuple[int, float], now: float) -> None:
+        """A heartbeat's ``computed`` counters: (images, seconds), counted batch by batch,
+        so they move while a long chunk runs."""
+        self.samples.append((now, counters[0], counters[1]))
         while len(self.samples) > 2 and self.samples[1][0] <= now - RECENT_WINDOW:
             self.samples.popleft()
 
-    def note_engines(self, engines: Any) -> None:
-        """The engine running each loaded model (``auto`` chooses per model); ProtocolError if
-        malformed."""
-        if not (isinstance(engines, dict) and len(engines) <= MAX_ENGINES and all(
-                isinstance(k, str) and isinstance(v, str) and len(k) <= 200 and len(v) <= 200
-                for k, v in engines.items())):
-            raise ProtocolError(f"'engines' must map at most {MAX_ENGINES} model names to "
-                                f"engine descriptions")
-        self.engines = engines
+    def note_engines(self, engines: dict[str, str]) -> None:
+        """The engine running each loaded model (``auto`` chooses per model)."""
+        self.engines = dict(engines)
 
     def recent_load(self) -> tuple[float, float]:
         """Images/s and the busy share (compute seconds per second) over the last
@@ -145,17 +121,7 @@ class WorkerEntry:
                 "compute_s": sum(h.compute_s for h in self.history.values())}
 
 
-def valid_heartbeat(value: Any) -> bool:
-    """A heartbeat interval a peer may announce: a number of seconds in range."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and MIN_HEARTBEAT <= value <= MAX_HEARTBEAT)
-
-
-def check_models(models: dict[str, Any]) -> None:
-    """Advertised models must be name -> {"input_shape": [positive ints]}."""
-    for name, facts in models.items():
-        if not isinstance(name, str):
-            raise ProtocolError("model names must be strings")
-        if not isinstance(facts, dict) or not isinstance(facts.get("input_shape"), list):
-            raise ProtocolError(f"model {name!r}: advertised without an input_shape")
-        protocol.check_array_spec("float32", facts["input_shape"])
+def check_models(models: dict[str, ModelFacts]) -> None:
+    """An advertised model's input must fit in a frame; ProtocolError if not."""
+    for facts in models.values():
+        protocol.check_array_spec("float32", facts.input_shape)
