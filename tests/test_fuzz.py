@@ -70,7 +70,7 @@ REPLY_TIMEOUT = 30.0
 #: Commands the broker accepts (its handlers), and what a worker accepts.
 BROKER_ACCEPTS = frozenset({Command.READY, Command.RESULT, Command.FAILED, Command.SUBMIT,
                             Command.DATA, Command.INFO, Command.DISCONNECT, Command.HEARTBEAT,
-                            Command.FETCH})
+                            Command.FETCH, Command.CANCEL})
 #: A stand-in for the id of the real job running on the broker, put in at send time (the
 #: client makes its job ids with uuid4().hex: 32 characters, the placeholder's length).
 LIVE = b"L" * 32
