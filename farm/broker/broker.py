@@ -47,9 +47,9 @@ from farm import protocol
 from farm.broker.jobs import ChunkRecord, Job, JobOptions
 from farm.broker.models import ModelCatalog
 from farm.broker.registry import WorkerEntry
+from farm.messages import job_of
 from farm.policies import (Assign, ChunkDone, ChunkFailed, Event, WorkerBusy, WorkerLost,
                            WorkerReady, make_policy)
-from farm.messages import job_of
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
 from farm.trace import network_seconds

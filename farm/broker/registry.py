@@ -68,11 +68,9 @@ class WorkerEntry:
         check_models(header.models)
         if not all(name in header.models for name in header.loaded):
             raise ProtocolError("READY 'loaded' must list advertised models")
-        entry = cls(identity, header.device, header.host, header.pid, header.backend,
-                    header.threads, dict(header.models), set(header.loaded), header.slots,
-                    header.heartbeat)
-        entry.note_engines(header.engines)
-        return entry
+        return cls(identity, header.device, header.host, header.pid, header.backend,
+                   header.threads, dict(header.models), set(header.loaded), header.slots,
+                   dict(header.engines), header.heartbeat)
 
     @property
     def free_slots(self) -> int:
