@@ -219,6 +219,57 @@ class JobRun:
         """Seconds left of the job's timeout (None: it has none)."""
         return None if self.deadline is None else self.deadline - time.monotonic()
 
+    def new_submission(self, missing: list[tuple[int, int]], heartbeat: float) -> messages.Submit:
+        """A new submission of the ``missing`` ranges of items: recorded, and its SUBMIT
+        header returned (``heartbeat``: the client's interval)."""
+        runs, job_start = [], 0
+        for start, count in missing:
+            runs.append((job_start, start, count))
+            job_start += count
+        self.submission = Submission(uuid.uuid4().hex, runs)
+        self.first_id = self.first_id or self.submission.job
+        if self.trace:
+            self.trace.new_submission()
+        timeout = self.remaining() if self.resubmissions else self.options.job_timeout
+        return messages.Submit(job=self.submission.job, model=self.model,
+                               dtype=str(self.source.dtype), item_shape=self.source.item_shape,
+                               total=self.submission.total, options=self.options.header(timeout),
+                               heartbeat=heartbeat)
+
+
+@dataclass
+class Running:
+    """The job ``Client.run`` is running, if any, and what the client's link says for it: on
+    a fresh connection, a SUBMIT of what is still missing; every interval, a heartbeat.
+    (The link holds this, not the client: no reference cycle keeps a client unclosed.)"""
+
+    heartbeat: float  # the client's heartbeat interval, sent with every SUBMIT
+    job: JobRun | None = None
+
+    def resubmission(self) -> messages.Submit | None:
+        """The SUBMIT of the items the job still misses (None: no job running, or none
+        missing, or its timeout passed)."""
+        job = self.job
+        if job is None or job.submission is None:
+            return None
+        job.resubmissions += 1
+        missing = job.state.missing_runs()
+        job.submission = None
+        remaining = job.remaining()
+        if missing and remaining is not None and remaining <= 0:
+            job.cancelled = f"the job's timeout of {job.options.job_timeout:g} s passed"
+            return None
+        if not missing:
+            return None  # the broker was lost after the last result
+        log.warning("submitting the %d missing images again",
+                    job.state.total - job.state.answered.sum())
+        return job.new_submission(missing, self.heartbeat)
+
+    def heartbeat_header(self) -> messages.Heartbeat | None:
+        """The heartbeat of the job's current submission, if there is one."""
+        submission = self.job.submission if self.job else None
+        return None if submission is None else messages.Heartbeat(job=submission.job)
+
 
 ProgressCallback = Callable[[int], None]
 
@@ -242,7 +293,7 @@ class Client:
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._cancel_requested = False
-        self._job: JobRun | None = None  # the job ``run`` is running
+        self._running = Running(heartbeat)
         self._wake_read, self._wake_write = os.pipe()  # cancel() wakes the poll through it
         os.set_blocking(self._wake_write, False)
         try:
@@ -250,7 +301,7 @@ class Client:
             self.link = BrokerLink(self.context,
                                    LinkConfig(broker, heartbeat, liveness, curve, curve_name,
                                               max_retry=0.0),
-                                   self._resubmission, self._heartbeat)
+                                   self._running.resubmission, self._running.heartbeat_header)
         except BaseException:
             self._close_pipe()
             raise
@@ -334,12 +385,12 @@ class Client:
                      trace=TraceRecorder() if trace else None,
                      deadline=None if job_timeout is None else time.monotonic() + job_timeout)
         started = time.perf_counter()
-        self._job = job
+        self._running.job = job
         try:
-            self._send(self._submission(job, [(0, len(source))]))
+            self._send(job.new_submission([(0, len(source))], self.heartbeat))
             self._collect(job)
         finally:
-            self._job = None
+            self._running.job = None
             self._cancel_requested = False  # the next run starts afresh
         if job.cancelled:
             for start, count in job.state.missing_runs():
@@ -354,47 +405,6 @@ class Client:
         return JobResult(sink.array if isinstance(sink, ArraySink) else None,
                          msgspec.structs.replace(summary, seconds=elapsed), job.state.failed,
                          job.resubmissions, job.state.duplicates, job.cancelled, recorded)
-
-    def _submission(self, job: JobRun, missing: list[tuple[int, int]]) -> messages.Submit:
-        """A new submission of the job's ``missing`` ranges of items: recorded, and its SUBMIT
-        header returned."""
-        runs, job_start = [], 0
-        for start, count in missing:
-            runs.append((job_start, start, count))
-            job_start += count
-        job.submission = Submission(uuid.uuid4().hex, runs)
-        job.first_id = job.first_id or job.submission.job
-        if job.trace:
-            job.trace.new_submission()
-        timeout = job.remaining() if job.resubmissions else job.options.job_timeout
-        return messages.Submit(job=job.submission.job, model=job.model,
-                               dtype=str(job.source.dtype), item_shape=job.source.item_shape,
-                               total=job.submission.total, options=job.options.header(timeout),
-                               heartbeat=self.heartbeat)
-
-    def _resubmission(self) -> messages.Submit | None:
-        """What a fresh connection to the broker says: the SUBMIT of the items the running
-        job still misses (None: no job running, or none missing, or its timeout passed)."""
-        job = self._job
-        if job is None or job.submission is None:
-            return None
-        job.resubmissions += 1
-        missing = job.state.missing_runs()
-        job.submission = None
-        remaining = job.remaining()
-        if missing and remaining is not None and remaining <= 0:
-            job.cancelled = f"the job's timeout of {job.options.job_timeout:g} s passed"
-            return None
-        if not missing:
-            return None  # the broker was lost after the last result
-        log.warning("submitting the %d missing images again to broker %s",
-                    job.state.total - job.state.answered.sum(), self.broker)
-        return self._submission(job, missing)
-
-    def _heartbeat(self) -> messages.Heartbeat | None:
-        """The heartbeat of the running job's submission, if there is one."""
-        submission = self._job.submission if self._job else None
-        return None if submission is None else messages.Heartbeat(job=submission.job)
 
     def _collect(self, job: JobRun) -> None:
         """Serve the broker's NEEDs and take results until the job ends; submit the missing

@@ -42,7 +42,7 @@ Count = Annotated[int, Meta(gt=0, le=MAX_ITEMS)]
 Shape = Annotated[tuple[Annotated[int, Meta(gt=0, le=MAX_ITEMS)], ...],
                   Meta(min_length=1, max_length=MAX_DIMS)]
 Interval = Annotated[float, Meta(ge=MIN_HEARTBEAT, le=MAX_HEARTBEAT)]
-Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # no NaN, no inf
 Engine = tuple[Name, Name]  # (backend, precision), checked by ``farm.engine.job_engine``
 #: A policy parameter's value: a number, a name, a flag, or a list of them.
 Scalar = Union[bool, int, float, Text, None]

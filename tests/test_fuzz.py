@@ -2,13 +2,13 @@
 
 Hypothesis builds the garbage from a valid message of every command (its header
 has every required field of the command's struct, ``protocol.HEADERS``, its
-payload the size the header declares) and breaks it the ways a broken or hostile peer would: truncated
-frames, random bytes, a wrong msgpack type in a field, values out of range,
-payloads that lie about their size, huge declared shapes and counts, unknown
-commands, other protocol versions, too many frames, headers over the size
-limit, deep or long msgpack containers, commands sent in the wrong direction,
-and well-formed replies nobody asked for.  A fixed corpus of messages that broke
-a peer once runs first on every run.
+payload the size the header declares) and breaks it the ways a broken or hostile
+peer would: truncated frames, random bytes, a wrong msgpack type in a field,
+values out of range, payloads that lie about their size, huge declared shapes
+and counts, unknown commands, other protocol versions, too many frames, headers
+over the size limit, deep or long msgpack containers, commands sent in the wrong
+direction, and well-formed replies nobody asked for.  A fixed corpus of messages
+that broke a peer once runs first on every run.
 
 Each hypothesis example is a batch of about a hundred messages, sent without
 waiting for replies; one round trip at the end of the batch proves the peer read

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Iterator
 
 import pytest
 import zmq
 
 from farm import messages, protocol
+from farm.client import Client
 from farm.link import BrokerLink, LinkConfig
 from farm.protocol import Command
 
@@ -83,3 +85,14 @@ def test_the_brokers_longer_interval_stretches_the_expiry(silent_broker) -> None
         assert link.expiry == pytest.approx(1.0) and link.wait() <= HEARTBEAT
     finally:
         link.close()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # pyzmq's "unclosed context"
+def test_a_client_dropped_unclosed_is_freed_at_once(silent_broker) -> None:
+    """The link holds nothing that leads back to its client, so a client nobody closed is
+    freed when dropped, not by a later garbage collection (whose teardown of the context
+    could wait forever on a socket it can no longer see)."""
+    client = Client(silent_broker[2])
+    dropped = weakref.ref(client)
+    del client
+    assert dropped() is None
