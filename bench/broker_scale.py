@@ -123,9 +123,11 @@ def state_table(worker_counts: list[int], job_counts: list[int], chunks: int,
 def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int, float]:
     """Fake workers and a client in this process, against a real broker: (chunks, seconds)."""
     import numpy as np
+    import msgspec
     import zmq
 
     from farm import protocol
+    from farm.link import limit_socket
     from farm.protocol import Command
 
     context = zmq.Context()
@@ -133,7 +135,7 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
     sockets = []
     for i in range(workers):
         sock = context.socket(zmq.DEALER)
-        protocol.limit_socket(sock)
+        limit_socket(sock)
         sock.connect(endpoint)
         sock.send_multipart(protocol.encode(Command.READY, {
             "device": f"cpu:{i}", "host": "fake", "pid": i, "backend": "fake",
@@ -142,7 +144,7 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
         poller.register(sock, zmq.POLLIN)
         sockets.append(sock)
     client = context.socket(zmq.DEALER)
-    protocol.limit_socket(client)
+    limit_socket(client)
     client.connect(endpoint)
     poller.register(client, zmq.POLLIN)
     client.send_multipart(protocol.encode(Command.INFO, {"wait_workers": workers}))
@@ -187,14 +189,16 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
 def bare_broker(endpoint: str) -> None:
     """The floor: the broker's message pattern (NEED, DATA -> TASK, RESULT -> RESULT) with
     no checks, no state machine and no policy (one-image chunks, workers in turn)."""
+    import msgspec
     import zmq
 
     from farm import protocol
+    from farm.link import limit_socket
     from farm.protocol import Command
 
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
-    protocol.limit_socket(router)
+    limit_socket(router)
     router.bind(endpoint)
     print("listening", flush=True)
     free: list[bytes] = []
@@ -203,7 +207,7 @@ def bare_broker(endpoint: str) -> None:
     chunk_id = 0
     while True:
         identity, _, command, header_frame, *payload = router.recv_multipart(copy=False)
-        command, header = command.bytes, protocol.msgpack.unpackb(header_frame.bytes)
+        command, header = command.bytes, msgspec.msgpack.decode(header_frame.bytes)
         if command == Command.READY.value:
             free += [identity.bytes] * header["slots"]
         elif command == Command.INFO.value:

@@ -31,14 +31,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+import msgspec
 import numpy as np
 import zmq
 
-from farm import protocol
+from farm import messages, protocol
+from farm.link import BrokerLink, BrokerRefused, LinkConfig
 from farm.npy import NpyReader, NpyWriter
 from farm.protocol import Command, ProtocolError
-from farm.summary import JobSummary
-from farm.trace import TraceRecorder
+from farm.summary import FailedItems, JobSummary
+from farm.trace import Trace, TraceRecorder
 
 log = logging.getLogger("farm.client")
 
@@ -107,15 +109,6 @@ class ArraySink:
             self.array[start:start + count] = value
 
 
-@dataclass(frozen=True)
-class FailedItems:
-    """Items ``[start, start + count)`` that did not come back, and why."""
-
-    start: int
-    count: int
-    error: str
-
-
 @dataclass
 class Submission:
     """One submission of a job: which of the job's items it holds, in order.
@@ -181,7 +174,7 @@ class JobResult:
     resubmissions: int = 0  # times the job was submitted again after losing the broker
     duplicates: int = 0  # duplicate results received (and ignored)
     cancelled: str | None = None  # why the job stopped early (cancel, timeout), if it did
-    trace: dict[str, Any] | None = None  # per-chunk timings (``run(trace=True)``)
+    trace: Trace | None = None  # per-chunk timings (``run(trace=True)``)
 
 
 @dataclass(frozen=True)
@@ -194,20 +187,13 @@ class SubmitOptions:
     params: dict[str, Any] = field(default_factory=dict)
     engine: tuple[str, str] | None = None  # (backend, precision) instead of the workers' own
 
-    def header(self, remaining: float | None) -> dict[str, Any]:
+    def header(self, remaining: float | None) -> messages.Options:
         """SUBMIT's options; ``remaining``: what is left of the job's timeout (a
         re-submission must not restart it)."""
-        options: dict[str, Any] = {"client": f"{socket.gethostname()}:{os.getpid()}",
-                                   "priority": self.priority}
-        if remaining is not None:
-            options["timeout"] = remaining
-        if self.algo is not None:
-            options["algo"] = self.algo
-            options["params"] = {k: list(v) if isinstance(v, tuple) else v
-                                 for k, v in self.params.items()}
-        if self.engine is not None:
-            options["engine"] = list(self.engine)
-        return options
+        return messages.Options(
+            client=f"{socket.gethostname()}:{os.getpid()}", priority=self.priority,
+            timeout=remaining, algo=self.algo,
+            params=dict(self.params) if self.algo is not None else {}, engine=self.engine)
 
 
 @dataclass
@@ -224,7 +210,7 @@ class JobRun:
     first_id: str = ""  # the first submission's job id (the broker's id for the job)
     trace: TraceRecorder | None = None
     resubmissions: int = 0
-    summary: dict[str, Any] | None = None
+    summary: JobSummary | None = None
     cancelled: str | None = None  # the broker's reason, once the job stopped early
     cancel_sent: float | None = None  # when CANCEL went out
     deadline: float | None = None  # monotonic time the job's timeout ends
@@ -232,6 +218,57 @@ class JobRun:
     def remaining(self) -> float | None:
         """Seconds left of the job's timeout (None: it has none)."""
         return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def new_submission(self, missing: list[tuple[int, int]], heartbeat: float) -> messages.Submit:
+        """A new submission of the ``missing`` ranges of items: recorded, and its SUBMIT
+        header returned (``heartbeat``: the client's interval)."""
+        runs, job_start = [], 0
+        for start, count in missing:
+            runs.append((job_start, start, count))
+            job_start += count
+        self.submission = Submission(uuid.uuid4().hex, runs)
+        self.first_id = self.first_id or self.submission.job
+        if self.trace:
+            self.trace.new_submission()
+        timeout = self.remaining() if self.resubmissions else self.options.job_timeout
+        return messages.Submit(job=self.submission.job, model=self.model,
+                               dtype=str(self.source.dtype), item_shape=self.source.item_shape,
+                               total=self.submission.total, options=self.options.header(timeout),
+                               heartbeat=heartbeat)
+
+
+@dataclass
+class Running:
+    """The job ``Client.run`` is running, if any, and what the client's link says for it: on
+    a fresh connection, a SUBMIT of what is still missing; every interval, a heartbeat.
+    (The link holds this, not the client: no reference cycle keeps a client unclosed.)"""
+
+    heartbeat: float  # the client's heartbeat interval, sent with every SUBMIT
+    job: JobRun | None = None
+
+    def resubmission(self) -> messages.Submit | None:
+        """The SUBMIT of the items the job still misses (None: no job running, or none
+        missing, or its timeout passed)."""
+        job = self.job
+        if job is None or job.submission is None:
+            return None
+        job.resubmissions += 1
+        missing = job.state.missing_runs()
+        job.submission = None
+        remaining = job.remaining()
+        if missing and remaining is not None and remaining <= 0:
+            job.cancelled = f"the job's timeout of {job.options.job_timeout:g} s passed"
+            return None
+        if not missing:
+            return None  # the broker was lost after the last result
+        log.warning("submitting the %d missing images again",
+                    job.state.total - job.state.answered.sum())
+        return job.new_submission(missing, self.heartbeat)
+
+    def heartbeat_header(self) -> messages.Heartbeat | None:
+        """The heartbeat of the job's current submission, if there is one."""
+        submission = self.job.submission if self.job else None
+        return None if submission is None else messages.Heartbeat(job=submission.job)
 
 
 ProgressCallback = Callable[[int], None]
@@ -253,45 +290,22 @@ class Client:
         self.broker = broker
         self.timeout = timeout
         self.heartbeat = heartbeat
-        self.liveness = liveness
-        self.curve, self.curve_name = curve, curve_name
-        self.broker_heartbeat = heartbeat
-        self.handshakes = None
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._cancel_requested = False
+        self._running = Running(heartbeat)
         self._wake_read, self._wake_write = os.pipe()  # cancel() wakes the poll through it
         os.set_blocking(self._wake_write, False)
         try:
-            self.socket = self._connect()
+            # no back-off: each new submission waits one expiry, as the first did
+            self.link = BrokerLink(self.context,
+                                   LinkConfig(broker, heartbeat, liveness, curve, curve_name,
+                                              max_retry=0.0),
+                                   self._running.resubmission, self._running.heartbeat_header)
         except BaseException:
             self._close_pipe()
             raise
-
-    def _connect(self) -> zmq.Socket:
-        sock = self.context.socket(zmq.DEALER)
-        protocol.limit_socket(sock)
-        self.poller = zmq.Poller()  # made once per socket: polled for every message
-        self.poller.register(sock, zmq.POLLIN)
-        self.poller.register(self._wake_read, zmq.POLLIN)
-        if self.curve:
-            from farm.keys import Handshakes, make_client
-
-            make_client(sock, self.curve, self.curve_name)
-            self.handshakes = Handshakes(sock, self.curve_name)
-            self.poller.register(self.handshakes.monitor, zmq.POLLIN)
-        sock.connect(self.broker)
-        return sock
-
-    def _close_socket(self) -> None:
-        if self.handshakes is not None:
-            self.handshakes.close()
-        self.socket.close(linger=0)
-
-    def reconnect(self) -> None:
-        """A fresh socket: nothing queued for the old broker connection is sent or read."""
-        self._close_socket()
-        self.socket = self._connect()
+        self.link.poller.register(self._wake_read, zmq.POLLIN)
 
     def __enter__(self) -> Client:
         return self
@@ -304,7 +318,7 @@ class Client:
         no-op."""
         if self._wake_read < 0:
             return
-        self._close_socket()
+        self.link.close()
         self._close_pipe()
         if self._own_context:
             self.context.term()
@@ -371,10 +385,12 @@ class Client:
                      trace=TraceRecorder() if trace else None,
                      deadline=None if job_timeout is None else time.monotonic() + job_timeout)
         started = time.perf_counter()
+        self._running.job = job
         try:
-            self._submit(job, [(0, len(source))])
+            self._send(job.new_submission([(0, len(source))], self.heartbeat))
             self._collect(job)
         finally:
+            self._running.job = None
             self._cancel_requested = False  # the next run starts afresh
         if job.cancelled:
             for start, count in job.state.missing_runs():
@@ -382,163 +398,124 @@ class Client:
         for failure in job.state.failed:
             sink.fill(failure.start, failure.count, np.nan)
         elapsed = time.perf_counter() - started
-        summary = job.summary or {  # the broker's last word was lost with it
-            "items": len(source), "done": int(job.state.answered.sum()),
-            "broker_seconds": elapsed, "workers": []}
+        summary = job.summary or JobSummary(  # the broker's last word was lost with it
+            total=len(source), items=int(job.state.answered.sum()), broker_seconds=elapsed)
         recorded = job.trace.document(job.first_id, model, len(source), job.summary,
                                       job.state.failed, job.cancelled) if job.trace else None
         return JobResult(sink.array if isinstance(sink, ArraySink) else None,
-                         JobSummary.from_broker(summary, elapsed), job.state.failed,
+                         msgspec.structs.replace(summary, seconds=elapsed), job.state.failed,
                          job.resubmissions, job.state.duplicates, job.cancelled, recorded)
 
-    def _submit(self, job: JobRun, missing: list[tuple[int, int]]) -> None:
-        runs, job_start = [], 0
-        for start, count in missing:
-            runs.append((job_start, start, count))
-            job_start += count
-        job.submission = Submission(uuid.uuid4().hex, runs)
-        job.first_id = job.first_id or job.submission.job
-        if job.trace:
-            job.trace.new_submission()
-        self._send(Command.SUBMIT, {"job": job.submission.job, "model": job.model,
-                                    "dtype": str(job.source.dtype),
-                                    "item_shape": list(job.source.item_shape),
-                                    "total": job.submission.total,
-                                    "options": job.options.header(
-                                        job.remaining() if job.resubmissions
-                                        else job.options.job_timeout),
-                                    "heartbeat": self.heartbeat})
-
     def _collect(self, job: JobRun) -> None:
-        """Serve the broker's NEEDs and take results until the job ends; re-submit if the
-        broker is lost; send CANCEL when ``cancel`` was called."""
-        last_heard = next_beat = waited_since = time.monotonic()
+        """Serve the broker's NEEDs and take results until the job ends; submit the missing
+        items again if the broker is lost; send CANCEL when ``cancel`` was called."""
+        last_heard = time.monotonic()
+        self.link.restart_timers()
         while job.submission is not None:
-            now = time.monotonic()
             if self._cancel_requested and job.cancel_sent is None:
-                self._send(Command.CANCEL, {"job": job.submission.job})
-                job.cancel_sent = now
-            if now >= next_beat:
-                self._send(Command.HEARTBEAT, {"job": job.submission.job})
-                next_beat = now + self.heartbeat
-            message = self._poll(max(0.0, min(next_beat, waited_since + self.expiry,
-                                              last_heard + (self.timeout or 1e9)) - now))
-            now = time.monotonic()
-            if message is None:
-                silent = now - last_heard  # the timeout counts from the broker's last word
-                if job.cancel_sent is not None and now - job.cancel_sent > self.expiry:
-                    job.cancelled = "cancelled (the broker did not confirm)"
-                    return
-                if self.timeout is not None and silent > self.timeout:
-                    raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s; "
-                                      f"{int(job.state.answered.sum())} of {job.state.total} "
-                                      f"images came back")
-                if now - waited_since > self.expiry and job.cancel_sent is None:
-                    log.warning("broker %s silent for %.1f s: submitting the %d missing images "
-                                "again", self.broker, silent,
-                                job.state.total - job.state.answered.sum())
-                    self._resubmit(job)
-                    waited_since = now  # give the new submission a full expiry
-                continue
-            waited_since = last_heard = now
-            if message.command is Command.HEARTBEAT:
-                self._note_interval(message.header.get("interval"))
-            elif message.command is Command.ERROR and "job" not in message.header:
-                raise FarmError(f"the broker refused a request: {message.header['error']}")
-            elif message.header.get("job") == job.submission.job:
-                self._handle(job, message)
+                self._send(messages.Cancel(job=job.submission.job))
+                job.cancel_sent = time.monotonic()
+            wait = self.link.wait()
+            if self.timeout is not None:  # the timeout counts from the broker's last word
+                wait = min(wait, max(0.0, last_heard + self.timeout - time.monotonic()))
+            message = self._poll(wait)
+            if message is not None:
+                last_heard = time.monotonic()
+                self._take(job, message)
+            elif self._gave_up(job, last_heard):
+                return
+            if job.submission is not None and job.cancel_sent is None:
+                self.link.tick()  # after an expiry of silence: a fresh socket, a resubmission
+            elif job.submission is not None:
+                self.link.beat()  # a cancel waits for its answer: no resubmission
 
-    def _handle(self, job: JobRun, message: protocol.Message) -> None:
-        """One message about the job's current submission."""
+    def _gave_up(self, job: JobRun, last_heard: float) -> bool:
+        """After a wait with no message: True if a cancel went unconfirmed for an expiry;
+        FarmTimeout if the broker was silent for the timeout."""
+        now = time.monotonic()
+        if job.cancel_sent is not None and now - job.cancel_sent > self.link.expiry:
+            job.cancelled = "cancelled (the broker did not confirm)"
+            return True
+        if self.timeout is not None and now - last_heard > self.timeout:
+            raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s; "
+                              f"{int(job.state.answered.sum())} of {job.state.total} "
+                              f"images came back")
+        return False
+
+    def _take(self, job: JobRun, message: protocol.Message) -> None:
+        """One message from the broker: liveness, a refusal, or news of the current
+        submission (anything about an earlier one is stale)."""
         header = message.header
-        if message.command is Command.NEED:
-            self._send_input(job.source, job.submission, header)
-        elif message.command is Command.RESULT:
-            self._take_result(message, job)
-        elif message.command is Command.FAILED:
-            self._take_failure(header, job.submission, job.state, job.progress)
-        elif message.command is Command.DONE:
-            job.summary, job.submission = message.document(), None
-        elif message.command is Command.CANCEL:
-            job.cancelled = str(header.get("reason", "cancelled"))
-            job.summary = message.document() or None
-            job.submission = None
-        elif header.get("unknown_job") and job.cancel_sent is not None:
-            job.cancelled, job.submission = "cancelled", None  # nothing left to cancel
-        elif header.get("unknown_job"):  # a restarted broker: ask again for what is missing
-            log.warning("broker %s lost the job (restarted?): submitting the missing images "
-                        "again", self.broker)
-            self._resubmit(job)
-        else:
-            raise FarmError(header["error"])
+        self.link.heard(header.interval if isinstance(header, messages.Heartbeat) else None)
+        if isinstance(header, messages.Error) and header.job is None:
+            raise FarmError(f"the broker refused a request: {header.error}")
+        submission = job.submission
+        if (not isinstance(header, messages.Heartbeat) and submission is not None
+                and messages.job_of(header) == submission.job):
+            self._handle(job, submission, message)
 
-    def _resubmit(self, job: JobRun) -> None:
-        """A new submission of the missing items on a fresh socket (none if none is
-        missing: the broker was lost after the last result)."""
-        self.reconnect()
-        job.resubmissions += 1
-        missing = job.state.missing_runs()
-        job.submission = None
-        remaining = job.remaining()
-        if missing and remaining is not None and remaining <= 0:
-            job.cancelled = f"the job's timeout of {job.options.job_timeout:g} s passed"
-        elif missing:
-            self._submit(job, missing)
-
-    @property
-    def expiry(self) -> float:
-        return self.liveness * max(self.heartbeat, self.broker_heartbeat)
-
-    def _note_interval(self, interval: Any) -> None:
-        if isinstance(interval, (int, float)) and 0 < interval <= 60:
-            self.broker_heartbeat = float(interval)
+    def _handle(self, job: JobRun, submission: Submission, message: protocol.Message) -> None:
+        """One message about the job's current submission."""
+        match message.header:
+            case messages.Need() as need:
+                self._send_input(job.source, submission, need)
+            case messages.Result() as result:
+                self._take_result(job, submission, result,
+                                  message.array(result.dtype, result.item_shape))
+            case messages.Failed() as failed:
+                self._take_failure(failed, submission, job.state, job.progress)
+            case messages.Done():
+                job.summary, job.submission = message.document(JobSummary), None
+            case messages.Cancel(reason=reason):
+                job.cancelled = reason or "cancelled"
+                job.summary, job.submission = message.document(JobSummary), None
+            case messages.Error(unknown_job=True) if job.cancel_sent is not None:
+                job.cancelled, job.submission = "cancelled", None  # nothing left to cancel
+            case messages.Error(unknown_job=True):  # a restarted broker: ask again
+                log.warning("broker %s lost the job (restarted?)", self.broker)
+                self.link.reconnect()
+            case messages.Error(error=error):
+                raise FarmError(error)
 
     def _send_input(self, source: ImageSource, submission: Submission,
-                    header: dict[str, Any]) -> None:
+                    need: messages.Need) -> None:
         """DATA for a NEED: the chunk's items, read from the source now."""
-        start, count = header["start"], header["count"]
-        pieces = submission.pieces(start, count)
-        if sum(n for _, _, n in pieces) != count:
-            raise FarmError(f"the broker asked for items {start}+{count} of a job of "
-                            f"{submission.total}")
+        pieces = submission.pieces(need.start, need.count)
+        if sum(n for _, _, n in pieces) != need.count:
+            raise FarmError(f"the broker asked for items {need.start}+{need.count} of a job "
+                            f"of {submission.total}")
         blocks = [source.read(item_start, n) for _, item_start, n in pieces]
         block = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
-        self._send(Command.DATA, {"job": submission.job, "chunk": header["chunk"],
-                                  "start": start, "count": count},
-                   protocol.array_frames(block))
+        self._send(messages.Data(job=submission.job, chunk=need.chunk, start=need.start,
+                                 count=need.count), protocol.array_frames(block))
 
     @staticmethod
-    def _take_result(message: protocol.Message, job: JobRun) -> None:
-        header = message.header
-        values = message.array(header["dtype"], header["item_shape"])
-        if len(values) != header["count"]:
-            raise FarmError(f"result for {header['count']} items holds {len(values)}")
-        pieces = job.submission.pieces(header["start"], header["count"])
+    def _take_result(job: JobRun, submission: Submission, header: messages.Result,
+                     values: np.ndarray) -> None:
+        if len(values) != header.count:
+            raise FarmError(f"result for {header.count} items holds {len(values)}")
+        pieces = submission.pieces(header.start, header.count)
         for offset, item_start, count in pieces:
             if job.state.mark(item_start, count):
                 job.sink.write(item_start, values[offset:offset + count])
                 if job.progress:
                     job.progress(count)
         if job.trace and pieces:
-            job.trace.add(header, pieces[0][1], header["count"])
+            job.trace.add(header, pieces[0][1], header.count)
 
     @staticmethod
-    def _take_failure(header: dict[str, Any], submission: Submission, state: Progress,
+    def _take_failure(header: messages.Failed, submission: Submission, state: Progress,
                       progress: ProgressCallback | None) -> None:
-        for _, item_start, count in submission.pieces(header["start"], header["count"]):
+        for _, item_start, count in submission.pieces(header.start, header.count):
             if state.mark(item_start, count):
-                state.failed.append(FailedItems(item_start, count, header["error"]))
+                state.failed.append(FailedItems(item_start, count, header.error))
                 if progress:
                     progress(count)
 
-    def _send(self, command: Command, header: dict[str, Any], payload: list[Any] = ()) -> None:
+    def _send(self, header: messages.Header, payload: list[Any] | None = None) -> None:
         """Send without blocking: with no broker to take it, the message is dropped (the
         silence that follows leads to a re-submission or a timeout)."""
-        try:
-            self.socket.send_multipart(protocol.encode(command, header, payload), copy=False,
-                                       flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("no connection to the broker: %s dropped", command.name)
+        self.link.send(protocol.encode(protocol.command_of(header), header, payload or ()))
 
     def _poll(self, seconds: float | None) -> protocol.Message | None:
         """The next well-formed message within ``seconds`` (None: no limit), else None;
@@ -548,18 +525,19 @@ class Client:
         """
         deadline = None if seconds is None else time.monotonic() + seconds
         while True:
-            wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            ready = dict(self.poller.poll(wait))
-            if self.handshakes is not None and (refused := self.handshakes.failure()):
-                raise FarmError(refused)
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = self.link.poll(wait)
+            except BrokerRefused as exc:
+                raise FarmError(str(exc)) from None
             if self._wake_read in ready:
                 os.read(self._wake_read, 4096)
                 return None  # cancel() was called: the caller acts on it
-            if self.socket not in ready:
+            if self.link.socket not in ready:
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 continue
-            frames = self.socket.recv_multipart(copy=False)
+            frames = self.link.socket.recv_multipart(copy=False)
             try:
                 return protocol.decode(frames, allowed=ACCEPTED)
             except ProtocolError as exc:
@@ -577,13 +555,14 @@ class Client:
 
     def info(self, wait_workers: int = 0) -> dict[str, Any]:
         """The broker's registry; with ``wait_workers``, once that many workers have joined."""
-        self._send(Command.INFO, {"wait_workers": wait_workers})
+        self._send(messages.Info(wait_workers=wait_workers))
         while True:
             message = self._receive()
             if message.command is Command.INFO:
-                return message.document()
-            if message.command is Command.ERROR and "job" not in message.header:
-                raise FarmError(message.header["error"])
+                return message.document(dict) or {}
+            header = message.header
+            if isinstance(header, messages.Error) and header.job is None:
+                raise FarmError(header.error)
 
 
 def describe_failures(failed: list[FailedItems]) -> str:

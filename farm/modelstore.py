@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from farm.messages import Model
 from farm.repository import ModelError, ModelSpec, cache_root, load_spec
 
 log = logging.getLogger("farm.modelstore")
@@ -75,21 +76,16 @@ class Manifest:
                 "files": [[f.name, f.size, f.sha256] for f in self.files]}
 
     @classmethod
-    def from_header(cls, header: dict[str, Any]) -> Manifest:
-        """Parse a MODEL header; ModelError if a field is malformed or a name is unsafe."""
-        try:
-            files = tuple(ManifestFile(str(name), int(size), str(sha))
-                          for name, size, sha in header["files"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ModelError(f"malformed model manifest: {exc}") from None
+    def from_header(cls, header: Model) -> Manifest:
+        """Parse a MODEL header (its types already checked); ModelError if a name is unsafe or
+        the files do not hash to the digest."""
+        files = tuple(ManifestFile(name, size, sha) for name, size, sha in header.files)
         for f in files:
             check_file_name(f.name)
-            if f.size < 0:
-                raise ModelError(f"negative file size in model manifest: {f.name!r}")
-        manifest = cls(str(header.get("model", "")), files)
-        if manifest.digest != header.get("digest"):
+        manifest = cls(header.model, files)
+        if manifest.digest != header.digest:
             raise ModelError(f"model {manifest.model!r}: the manifest's files hash to "
-                             f"{manifest.digest[:16]}, not the digest {header.get('digest')!r}")
+                             f"{manifest.digest[:16]}, not the digest {header.digest!r}")
         return manifest
 
 

@@ -4,8 +4,9 @@ A message is a list of frames (after any ROUTER identity frame)::
 
     [SIGNATURE, command (1 byte), header (msgpack map), *payload]
 
-``SIGNATURE`` carries the protocol version (``b"FARM03"``).  The header is a
-small msgpack map whose fields are checked against a per-command schema.  The
+``SIGNATURE`` carries the protocol version (``b"FARM04"``).  The header is a
+small msgpack map, decoded straight into the command's struct (``HEADERS``,
+defined in ``farm.messages``), which checks every field's type and range.  The
 payload frames are raw numpy buffers; their dtype and shape live in the header,
 never in the payload; no object serialiser is ever involved.  Payloads are sent with
 ``copy=False``: pyzmq copies frames below ``socket.copy_threshold`` (64 kB by
@@ -18,13 +19,15 @@ import enum
 import math
 import reprlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
-import msgpack
+import msgspec
 import numpy as np
-import zmq
 
-SIGNATURE = b"FARM03"
+from farm import messages
+from farm.messages import MAX_DIMS, MAX_ITEMS, Header
+
+SIGNATURE = b"FARM04"
 PROTOCOL_FAMILY = b"FARM"
 
 #: Dtypes that may cross the wire, by their numpy name.
@@ -32,8 +35,6 @@ ALLOWED_DTYPES = frozenset({"uint8", "float32"})
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_FRAMES = 64
-MAX_DIMS = 8
-MAX_ITEMS = 1 << 31
 #: Largest frame a socket accepts (ZMQ_MAXMSGSIZE, which libzmq applies per frame): a peer
 #: that sends a bigger one is disconnected before the frame is allocated.
 MAX_MESSAGE_BYTES = 256 << 20
@@ -41,15 +42,12 @@ MAX_MESSAGE_BYTES = 256 << 20
 MAX_TASK_BYTES = 64 << 20
 #: Messages a socket queues per peer in each direction (ZMQ_RCVHWM, ZMQ_SNDHWM).
 QUEUE_LIMIT = 1000
-
-#: msgpack limits for headers: no string, list or map in a header may be longer.
-_UNPACK_LIMITS = {"max_str_len": 4096, "max_bin_len": 4096, "max_array_len": 4096,
-                  "max_map_len": 64, "max_ext_len": 0}
 #: Largest document frame: a broker's INFO snapshot or a job's summary, which grow with the
 #: number of workers and jobs and so travel as a msgpack payload frame, not in the header.
 MAX_DOCUMENT_BYTES = 16 << 20
-_DOCUMENT_LIMITS = {"max_str_len": 1 << 16, "max_bin_len": 0, "max_array_len": 1 << 20,
-                    "max_map_len": 1 << 20, "max_ext_len": 0}
+
+_encoder = msgspec.msgpack.Encoder()
+D = TypeVar("D")
 
 
 class Command(bytes, enum.Enum):
@@ -77,30 +75,17 @@ class ProtocolError(ValueError):
     """A message that does not follow the protocol."""
 
 
-#: Per-command header schema: field name -> accepted Python types.
-_SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
-    Command.READY: {"device": (str,), "host": (str,), "pid": (int,), "backend": (str,),
-                    "models": (dict,), "slots": (int,)},
-    Command.TASK: {"job": (str,), "chunk": (int,), "attempt": (int,), "start": (int,),
-                   "count": (int,), "model": (str,), "digest": (str,), "dtype": (str,),
-                   "item_shape": (list,)},
-    Command.RESULT: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
-                     "dtype": (str,), "item_shape": (list,), "timings": (dict,)},
-    Command.FAILED: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,),
-                     "error": (str,)},
-    Command.SUBMIT: {"job": (str,), "model": (str,), "dtype": (str,), "item_shape": (list,),
-                     "total": (int,), "options": (dict,)},
-    Command.DATA: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,)},
-    Command.DONE: {"job": (str,)},
-    Command.ERROR: {"error": (str,)},
-    Command.INFO: {},
-    Command.HEARTBEAT: {},
-    Command.DISCONNECT: {},
-    Command.FETCH: {"model": (str,), "digest": (str,)},
-    Command.MODEL: {"model": (str,), "digest": (str,), "files": (list,)},
-    Command.NEED: {"job": (str,), "chunk": (int,), "start": (int,), "count": (int,)},
-    Command.CANCEL: {"job": (str,)},
+#: Each command's header struct.
+HEADERS: dict[Command, type[Header]] = {
+    Command.READY: messages.Ready, Command.TASK: messages.Task, Command.RESULT: messages.Result,
+    Command.FAILED: messages.Failed, Command.SUBMIT: messages.Submit, Command.DATA: messages.Data,
+    Command.DONE: messages.Done, Command.ERROR: messages.Error, Command.INFO: messages.Info,
+    Command.HEARTBEAT: messages.Heartbeat, Command.DISCONNECT: messages.Disconnect,
+    Command.FETCH: messages.Fetch, Command.MODEL: messages.Model, Command.NEED: messages.Need,
+    Command.CANCEL: messages.Cancel,
 }
+_COMMANDS = {kind: command for command, kind in HEADERS.items()}
+_DECODERS = {command: msgspec.msgpack.Decoder(kind) for command, kind in HEADERS.items()}
 
 #: Commands whose payload is an array described by dtype/item_shape/count.
 _ARRAY_COMMANDS = frozenset({Command.TASK, Command.RESULT, Command.DATA})
@@ -115,25 +100,23 @@ _DOCUMENT_COMMANDS = frozenset({Command.INFO, Command.DONE, Command.CANCEL})
 
 @dataclass
 class Message:
-    """A decoded message: command, validated header and raw payload frames."""
+    """A decoded message: command, its typed header (``HEADERS[command]``) and raw payload
+    frames."""
 
     command: Command
-    header: dict[str, Any]
+    header: Header
     payload: list[Any] = field(default_factory=list)
 
-    def document(self) -> dict[str, Any]:
-        """The document frame as a dict ({} if there is none); ProtocolError if malformed."""
+    def document(self, kind: type[D]) -> D | None:
+        """The document frame decoded as ``kind`` (None if there is none); ProtocolError if
+        malformed."""
         if not self.payload:
-            return {}
+            return None
         try:
-            document = msgpack.unpackb(_buffer(self.payload[0]), raw=False,
-                                       strict_map_key=True, **_DOCUMENT_LIMITS)
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise ProtocolError(f"{self.command.name} document is not valid msgpack: "
-                                f"{exc}") from exc
-        if not isinstance(document, dict):
-            raise ProtocolError(f"{self.command.name} document must be a map")
-        return document
+            document: D = msgspec.msgpack.decode(_buffer(self.payload[0]), type=kind)
+            return document
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError included
+            raise ProtocolError(f"{self.command.name} document: {exc}") from None
 
     def array(self, dtype: str, item_shape: Sequence[int]) -> np.ndarray:
         """The payload as one array of ``(count, *item_shape)``, zero-copy when it is one frame."""
@@ -151,24 +134,24 @@ def _frame_size(frame: Any) -> int:
     return _buffer(frame).nbytes
 
 
-def limit_socket(socket: Any, linger_ms: int = 0) -> None:
-    """Bound what a peer can make this socket hold: frame size and queued messages."""
-    socket.setsockopt(zmq.LINGER, linger_ms)
-    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    socket.setsockopt(zmq.RCVHWM, QUEUE_LIMIT)
-    socket.setsockopt(zmq.SNDHWM, QUEUE_LIMIT)
+def command_of(header: Header) -> Command:
+    """The command a header struct belongs to."""
+    return _COMMANDS[type(header)]
 
 
-def encode(command: Command, header: dict[str, Any] | None = None,
+def encode(command: Command, header: Header | Mapping[str, Any] | None = None,
            payload: Sequence[Any] = ()) -> list[Any]:
-    """Frames for one message; payload frames are passed through untouched."""
-    packed = msgpack.packb(header or {}, use_bin_type=True)
-    return [SIGNATURE, command.value, packed, *payload]
+    """Frames for one message; payload frames are passed through untouched.  ``header``: the
+    command's struct, or a map of its fields (checked by the receiver)."""
+    if isinstance(header, Header) and type(header) is not HEADERS[command]:
+        raise TypeError(f"a {type(header).__name__} header cannot go with {command.name}")
+    return [SIGNATURE, command.value, _encoder.encode({} if header is None else header),
+            *payload]
 
 
-def document_frames(document: dict[str, Any]) -> list[bytes]:
+def document_frames(document: Any) -> list[bytes]:
     """Payload for a document (a snapshot, a summary): one msgpack frame."""
-    return [msgpack.packb(document, use_bin_type=True)]
+    return [_encoder.encode(document)]
 
 
 def array_frames(array: np.ndarray) -> list[Any]:
@@ -214,54 +197,47 @@ def _decode_command(raw: bytes) -> Command:
         raise ProtocolError(f"unknown command {raw[:8]!r}") from None
 
 
-def _decode_header(raw: memoryview, command: Command) -> dict[str, Any]:
+def _decode_header(raw: memoryview, command: Command) -> Header:
     if raw.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"header is not valid msgpack: {exc}") from exc
-    if not isinstance(header, dict):
-        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
-    for name, types in _SCHEMAS[command].items():
-        value = header.get(name)
-        if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
-            raise ProtocolError(f"{command.name} header field {name!r} missing or not "
-                                f"{'/'.join(t.__name__ for t in types)}")
-    return header
+        return _DECODERS[command].decode(raw)
+    except msgspec.ValidationError as exc:  # names the field: "... - at `$.count`"
+        raise ProtocolError(f"{command.name} header: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"{command.name} header is nested too deeply") from None
 
 
 def _check_array(message: Message) -> None:
     """Check dtype against the allow-list and the declared shape against the byte count."""
     header = message.header
-    count = header["count"]
-    if not 0 < count <= MAX_ITEMS:
-        raise ProtocolError(f"item count {count} out of range")
-    if header.get("start", 0) < 0:
-        raise ProtocolError("negative start")
+    assert isinstance(header, (messages.Task, messages.Result, messages.Data))
     if message.command is not Command.RESULT and sum(
             _frame_size(frame) for frame in message.payload) > MAX_TASK_BYTES:
         raise ProtocolError(f"{message.command.name} carries more than {MAX_TASK_BYTES} bytes")
-    if message.command is Command.DATA:
+    if isinstance(header, messages.Data):
         return  # dtype and item shape were declared by the job's SUBMIT; checked by the broker
-    item_bytes = check_array_spec(header["dtype"], header["item_shape"])
-    expected = count * item_bytes
+    item_bytes = check_array_spec(header.dtype, header.item_shape)
+    expected = header.count * item_bytes
     actual = sum(_frame_size(frame) for frame in message.payload)
     if actual != expected:
-        raise ProtocolError(f"payload is {actual} bytes, header declares {count} x "
-                            f"{header['item_shape']} {header['dtype']} = {expected}")
+        raise ProtocolError(f"payload is {actual} bytes, header declares {header.count} x "
+                            f"{list(header.item_shape)} {header.dtype} = {expected}")
 
 
 def _check_files(message: Message) -> None:
     """One payload frame per listed file, each of the size the header gives."""
-    files = message.header["files"]
-    if len(files) != len(message.payload):
-        raise ProtocolError(f"{len(files)} files listed, {len(message.payload)} frames sent")
-    for entry, frame in zip(files, message.payload):
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], int)
-                and entry[1] == _frame_size(frame)):
-            raise ProtocolError(f"file entry {reprlib.repr(entry)} does not describe its frame "
-                                f"({_frame_size(frame)} bytes)")
+    header = message.header
+    assert isinstance(header, messages.Model)
+    if len(header.files) != len(message.payload):
+        raise ProtocolError(f"{len(header.files)} files listed, {len(message.payload)} frames "
+                            f"sent")
+    for (name, size, _), frame in zip(header.files, message.payload):
+        if size != _frame_size(frame):
+            raise ProtocolError(f"file {reprlib.repr(name)} is listed as {size} bytes, its "
+                                f"frame has {_frame_size(frame)}")
 
 
 def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:

@@ -21,14 +21,13 @@ result lands.
 
 from __future__ import annotations
 
-import json
-import math
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 from matplotlib import rc_context
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -37,9 +36,11 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import StrMethodFormatter
 
 from farm.status import table
-from farm.trace import TRACE_FORMAT
+from farm.trace import TRACE_FORMAT, ChunkTrace, Trace
 
-_CHUNK_TIMES = ("assigned", "sent", "started", "finished", "received")
+__all__ = ["TRACE_FORMAT", "Breakdown", "Trace", "TraceError", "WorkerLine", "analyse",
+           "load_trace", "plot", "throughput"]
+
 _PARTS = (("start", "workers idle before their first chunk started"),
           ("barrier", "result handed back, waiting for the scheduler to assign the next chunk"),
           ("messaging", "inputs and results in transit between chunks"),
@@ -53,56 +54,15 @@ class TraceError(ValueError):
 
 # -- reading ---------------------------------------------------------------------------------
 
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
-
-
-def _check_record(name: str, where: str, record: Any, text: tuple[str, ...],
-                  numbers: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
-    """Raise TraceError unless record is an object with these string and number fields."""
-    if not isinstance(record, dict):
-        raise TraceError(f"{name}: {where} is not an object")
-    for key in text:
-        if not isinstance(record.get(key), str):
-            raise TraceError(f"{name}: {where} has no text field {key!r}")
-    for key in numbers:
-        if not _is_number(record.get(key)):
-            raise TraceError(f"{name}: {where} has no number field {key!r}")
-    for key in optional:
-        if key in record and not _is_number(record[key]):
-            raise TraceError(f"{name}: {where} field {key!r} is not a number")
-
-
-def load_trace(path: str | Path) -> dict:
-    """Read and validate a trace file; TraceError (naming the file) on anything wrong."""
-    name = str(path)
+def load_trace(path: str | Path) -> Trace:
+    """Read a trace file, every field's type checked; TraceError naming the file (and the
+    field) on anything wrong."""
     try:
-        trace = json.loads(Path(path).read_text(encoding="utf-8"))
+        return msgspec.json.decode(Path(path).read_bytes(), type=Trace)
     except OSError as error:
-        raise TraceError(f"{name}: cannot read ({error.strerror or error})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TraceError(f"{name}: not a farm trace (invalid JSON: {error})") from None
-    if not isinstance(trace, dict):
-        raise TraceError(f"{name}: not a farm trace (not a JSON object)")
-    if trace.get("format") != TRACE_FORMAT:
-        raise TraceError(f"{name}: not a farm trace (format {trace.get('format')!r}, "
-                         f"expected {TRACE_FORMAT!r})")
-    for key in ("workers", "chunks"):
-        if not isinstance(trace.get(key), list):
-            raise TraceError(f"{name}: not a farm trace (no {key!r} list)")
-    if not isinstance(trace.get("failed", []), list):
-        raise TraceError(f"{name}: not a farm trace ('failed' is not a list)")
-    _check_record(name, "the trace", trace, (), ("items", "broker_seconds"), ("client_seconds",))
-    if trace.get("cancelled") is not None and not isinstance(trace["cancelled"], str):
-        raise TraceError(f"{name}: the trace field 'cancelled' is not text")
-    for i, worker in enumerate(trace["workers"]):
-        _check_record(name, f"workers[{i}]", worker, ("name",), (),
-                      ("items", "chunks", "compute_s", "standalone_rate"))
-    for i, chunk in enumerate(trace["chunks"]):
-        _check_record(name, f"chunks[{i}]", chunk, ("worker",), ("count",) + _CHUNK_TIMES,
-                      ("start", "attempt", "delivered", "arrived"))
-    return trace
+        raise TraceError(f"{path}: cannot read ({error.strerror or error})") from None
+    except msgspec.DecodeError as error:  # ValidationError included: "... - at `$.chunks`"
+        raise TraceError(f"{path}: not a farm trace ({error})") from None
 
 
 # -- analysis --------------------------------------------------------------------------------
@@ -167,18 +127,18 @@ class Breakdown:
         return "\n".join(lines)
 
 
-def _by_worker(trace: dict) -> dict[str, list[dict]]:
+def _by_worker(trace: Trace) -> dict[str, list[ChunkTrace]]:
     """Chunks of each worker (listed or not), sorted by start of compute; rows sorted by name."""
-    names = {w["name"] for w in trace["workers"]} | {c["worker"] for c in trace["chunks"]}
-    rows: dict[str, list[dict]] = {name: [] for name in sorted(names)}
-    for chunk in trace["chunks"]:
-        rows[chunk["worker"]].append(chunk)
+    names = {w.name for w in trace.workers} | {c.worker for c in trace.chunks}
+    rows: dict[str, list[ChunkTrace]] = {name: [] for name in sorted(names)}
+    for chunk in trace.chunks:
+        rows[chunk.worker].append(chunk)
     for chunks in rows.values():
-        chunks.sort(key=lambda c: c["started"])
+        chunks.sort(key=lambda c: c.started)
     return rows
 
 
-def _idle(chunks: list[dict], seconds: float) -> tuple[float, float, float, float, float]:
+def _idle(chunks: list[ChunkTrace], seconds: float) -> tuple[float, float, float, float, float]:
     """(busy, start, barrier, messaging, tail) seconds of one worker; chunks sorted by started."""
     def clip(t: float) -> float:
         return min(max(t, 0.0), seconds)
@@ -187,36 +147,35 @@ def _idle(chunks: list[dict], seconds: float) -> tuple[float, float, float, floa
         return 0.0, seconds, 0.0, 0.0, 0.0
     busy = barrier = messaging = 0.0
     first = chunks[0]
-    begin = clip(first["started"])
-    end = max(begin, clip(first["finished"]))
-    received = first["received"]
+    begin = clip(first.started)
+    end = max(begin, clip(first.finished))
+    received = first.received
     start = begin
     for chunk in chunks[1:]:
-        started, finished = clip(chunk["started"]), clip(chunk["finished"])
+        started, finished = clip(chunk.started), clip(chunk.finished)
         if started <= end:  # overlaps the current busy stretch: merge
             if finished > end:
-                end, received = finished, chunk["received"]
+                end, received = finished, chunk.received
             continue
         busy += end - begin
-        wait = max(0.0, min(started, chunk["assigned"]) - max(end, received))
+        wait = max(0.0, min(started, chunk.assigned) - max(end, received))
         barrier += wait
         messaging += started - end - wait
-        begin, end, received = started, max(started, finished), chunk["received"]
+        begin, end, received = started, max(started, finished), chunk.received
     busy += end - begin
     return busy, start, barrier, messaging, seconds - end
 
 
-def _worker_lines(trace: dict, seconds: float) -> tuple[WorkerLine, ...]:
-    listed = {w["name"]: w for w in trace["workers"]}
+def _worker_lines(trace: Trace, seconds: float) -> tuple[WorkerLine, ...]:
+    listed = {w.name: w for w in trace.workers}
     lines = []
     for name, chunks in _by_worker(trace).items():
-        info = listed.get(name, {})
-        items = info.get("items", sum(c["count"] for c in chunks))
-        compute = info.get("compute_s", 0.0)
-        rate = info.get("standalone_rate", items / compute if compute > 0 else 0.0)
+        share = listed.get(name)  # a worker missing from the list ran chunks at no known speed
+        items, count, rate = ((share.items, share.chunks, share.rate) if share else
+                              (sum(c.count for c in chunks), len(chunks), 0.0))
         busy, start, barrier, messaging, tail = _idle(chunks, seconds)
-        lines.append(WorkerLine(name, int(items), int(info.get("chunks", len(chunks))), busy,
-                                start, barrier, messaging, tail, float(rate)))
+        lines.append(WorkerLine(name, items, count, busy, start, barrier, messaging, tail,
+                                float(rate)))
     return tuple(lines)
 
 
@@ -225,12 +184,11 @@ def _percent(fraction: float) -> str:
     return f"{0.0 if abs(fraction) < 0.0005 else fraction:.1%}"
 
 
-def analyse(trace: dict) -> Breakdown:
+def analyse(trace: Trace) -> Breakdown:
     """The job's rate, waste, and the waste split into start, barrier, messaging, tail, other."""
-    seconds = max(float(trace["broker_seconds"]), 0.0)
-    total = int(trace["items"])
-    items = total - sum(int(f.get("count", 0)) for f in trace.get("failed", [])
-                        if isinstance(f, dict))
+    seconds = max(trace.broker_seconds, 0.0)
+    total = trace.items
+    items = total - sum(f.count for f in trace.failed)
     workers = _worker_lines(trace, seconds)
     theoretical = sum(w.standalone_rate for w in workers)
     capacity = theoretical * seconds  # images the workers could have done in T
@@ -241,21 +199,18 @@ def analyse(trace: dict) -> Breakdown:
     waste = share(capacity - items)  # == (theoretical - rate) / theoretical when T > 0
     parts = [share(sum(w.standalone_rate * getattr(w, field) for w in workers))
              for field in ("idle_start_s", "barrier_s", "messaging_s", "tail_s")]
-    cancelled = trace.get("cancelled")
     return Breakdown(items, seconds, items / seconds if seconds > 0 else 0.0, theoretical,
                      waste, *parts, waste - sum(parts), workers,
-                     str(trace.get("model", "?")), str(trace.get("policy", "?")),
-                     cancelled if isinstance(cancelled, str) and cancelled else None, total,
-                     trace.get("shared") is True)
+                     trace.model, trace.policy, trace.cancelled or None, total, trace.shared)
 
 
-def _span(trace: dict) -> float:
+def _span(trace: Trace) -> float:
     """Seconds the figure covers: the job's span, or longer if a chunk came back later."""
-    return max([float(trace["broker_seconds"]), 0.01]
-               + [c[key] for c in trace["chunks"] for key in ("finished", "received")])
+    return max([trace.broker_seconds, 0.01]
+               + [moment for c in trace.chunks for moment in (c.finished, c.received)])
 
 
-def throughput(trace: dict, bins: int | Sequence[float] = 100) -> tuple[np.ndarray, np.ndarray]:
+def throughput(trace: Trace, bins: int | Sequence[float] = 100) -> tuple[np.ndarray, np.ndarray]:
     """(edges, rates): images/s computed by all workers together, averaged within each bin.
 
     A chunk counts count / (finished - started) images/s over [started, finished]; each bin gets
@@ -270,12 +225,12 @@ def throughput(trace: dict, bins: int | Sequence[float] = 100) -> tuple[np.ndarr
         if edges.ndim != 1 or len(edges) < 2 or np.any(np.diff(edges) <= 0):
             raise ValueError("bins: need at least two increasing edges")
     done = np.zeros_like(edges)  # images computed by each edge
-    for c in trace["chunks"]:
-        took = c["finished"] - c["started"]
+    for c in trace.chunks:
+        took = c.finished - c.started
         if took > 0:
-            done += c["count"] * np.clip((edges - c["started"]) / took, 0.0, 1.0)
+            done += c.count * np.clip((edges - c.started) / took, 0.0, 1.0)
         else:
-            done += c["count"] * (edges >= c["started"])
+            done += c.count * (edges >= c.started)
     return edges, np.diff(done) / np.diff(edges)
 
 
@@ -286,22 +241,23 @@ _TRANSFER = "#e07b00"
 _RECEIVED = "#9a9a9a"
 
 
-def _arrived(chunk: dict) -> float:
+def _arrived(chunk: ChunkTrace) -> float:
     """When the chunk reached its worker, within [sent, started]; older traces: when sent."""
-    return min(max(chunk.get("arrived", chunk["sent"]), chunk["sent"]), chunk["started"])
+    arrived = chunk.sent if chunk.arrived is None else chunk.arrived
+    return min(max(arrived, chunk.sent), chunk.started)
 
 
-def _draw_timeline(ax: Any, trace: dict, wide: bool) -> None:
+def _draw_timeline(ax: Any, trace: Trace, wide: bool) -> None:
     rows = _by_worker(trace)
     height = 0.8
     for y, chunks in enumerate(rows.values()):
-        spans = [(c["started"], max(c["finished"] - c["started"], 0.0)) for c in chunks]
+        spans = [(c.started, max(c.finished - c.started, 0.0)) for c in chunks]
         colors = [_SHADES[i % 2] for i in range(len(spans))]
         ax.broken_barh(spans, (y - height / 2, height), facecolors=colors, linewidth=0,
                        zorder=2)
         # a thin strip in the row's middle, on top (an edge line keeps a 1 ms transfer visible)
         transfers = [(a, b - a) for c in chunks
-                     for a, b in ((c["sent"], _arrived(c)), (c["finished"], c["received"]))
+                     for a, b in ((c.sent, _arrived(c)), (c.finished, c.received))
                      if b > a]
         ax.broken_barh(transfers, (y - height / 14, height / 7), facecolors=_TRANSFER,
                        edgecolors=_TRANSFER, linewidth=0.6, zorder=3)
@@ -323,18 +279,17 @@ def _draw_timeline(ax: Any, trace: dict, wide: bool) -> None:
               fontsize="small", frameon=False)
 
 
-def _draw_throughput(ax: Any, trace: dict, breakdown: Breakdown, wide: bool) -> None:
+def _draw_throughput(ax: Any, trace: Trace, breakdown: Breakdown, wide: bool) -> None:
     edges, rates = throughput(trace, 100)
     span = edges[-1]
     ax.stairs(rates, edges, fill=True, color=_SHADES[1], alpha=0.25, linewidth=0)
     ax.stairs(rates, edges, color=_SHADES[0], linewidth=1.5, zorder=3,
               label="images/s computed (all workers)")
     top_axes = ax  # the legend goes on the topmost axes, over the curves of both
-    if trace["chunks"] and breakdown.items > 0:  # when results came back, on its own scale
+    if trace.chunks and breakdown.items > 0:  # when results came back, on its own scale
         back = top_axes = ax.twinx()
-        times = np.sort([c["received"] for c in trace["chunks"]])
-        counts = np.cumsum([c["count"] for c in sorted(trace["chunks"],
-                                                       key=lambda c: c["received"])])
+        times = np.sort([c.received for c in trace.chunks])
+        counts = np.cumsum([c.count for c in sorted(trace.chunks, key=lambda c: c.received)])
         back.step(np.r_[0.0, times, span], np.r_[0, counts, counts[-1]] / breakdown.items,
                   where="post", color=_RECEIVED, linewidth=1, alpha=0.8)
         back.set_ylim(0.0, 1.45 if wide else 2.2)
@@ -366,7 +321,7 @@ def _title(b: Breakdown, columns: int) -> str:
     return "\n".join(wrapped for line in lines for wrapped in textwrap.wrap(line, columns))
 
 
-def plot(trace: dict, path: str | Path, width: int = 1200, height: int = 800) -> None:
+def plot(trace: Trace, path: str | Path, width: int = 1200, height: int = 800) -> None:
     """Write a PNG of exactly width x height pixels: worker timeline over throughput."""
     b = analyse(trace)
     wide = width >= 900

@@ -111,10 +111,6 @@ class ModelSpec:
             files[relative(self.preprocess.mean_file)] = self.preprocess.mean_file
         return files
 
-    def summary(self) -> dict[str, Any]:
-        """What a worker advertises about the model to the broker."""
-        return {"input_shape": list(self.item_shape)}
-
 
 def search_path(extra: Sequence[str | os.PathLike] = ()) -> list[Path]:
     """Model folders to search: explicit ones, then ``$FARM_MODELS``, then the bundled ones."""

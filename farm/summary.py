@@ -10,36 +10,34 @@ that ran none of the job counts at the speed it showed on the model before.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+import msgspec
 
 
-@dataclass(frozen=True)
-class WorkerShare:
+class WorkerShare(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's part in a job, and its standalone speed on the job's model."""
+
     name: str
     device: str
     items: int
     chunks: int
     compute_s: float
-    rate: float  # standalone speed, images per second of compute
+    rate: float = msgspec.field(name="standalone_rate")  # images per second of compute
 
 
-@dataclass(frozen=True)
-class JobSummary:
+class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """A job's figures: the broker's account of it (the document of its DONE or CANCEL),
+    with the client's wall time added by the client."""
+
+    total: int  # images in the job
     items: int  # images done (all of them, unless the job stopped early)
-    seconds: float  # client's wall time, submit to last result
-    policy: str
-    workers: tuple[WorkerShare, ...]
-    total: int = 0  # images in the job
+    policy: str = "?"
+    workers: tuple[WorkerShare, ...] = ()
     shared: bool = False  # other jobs ran on the farm at the same time
-
-    @classmethod
-    def from_broker(cls, summary: dict[str, Any], seconds: float) -> JobSummary:
-        shares = tuple(WorkerShare(w["name"], w["device"], int(w["items"]), int(w["chunks"]),
-                                   float(w["compute_s"]), float(w["standalone_rate"]))
-                       for w in summary.get("workers", []))
-        total = int(summary["items"])
-        return cls(int(summary.get("done", total)), seconds, str(summary.get("policy", "?")),
-                   shares, total, bool(summary.get("shared", False)))
+    failed_items: int = 0  # images given up after their attempts
+    failed_attempts: int = 0
+    broker_seconds: float = 0.0  # submission to the last result, on the broker's clock
+    seconds: float = 0.0  # the client's wall time, submit to last result
 
     @property
     def rate(self) -> float:
@@ -76,3 +74,12 @@ class JobSummary:
             lines.append(f"  {share.name:<36} {part:>7.1%} {share.items:>8,} "
                          f"{share.chunks:>6} {share.rate:>9,.0f}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class FailedItems:
+    """Items ``[start, start + count)`` that did not come back, and why."""
+
+    start: int
+    count: int
+    error: str

@@ -19,9 +19,47 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-TRACE_FORMAT = "farm-trace/1"
+import msgspec
+
+from farm.messages import Result
+from farm.summary import FailedItems, JobSummary, WorkerShare
+
+TRACE_FORMAT: Literal["farm-trace/1"] = "farm-trace/1"
+
+
+class ChunkTrace(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One chunk's journey, in seconds since the job's first submission."""
+
+    worker: str
+    start: int  # the chunk's first item, in the job
+    count: int
+    attempt: int
+    assigned: float
+    sent: float
+    arrived: float | None = None  # older traces lack it
+    started: float
+    finished: float
+    received: float
+    delivered: float  # on the client's clock
+
+
+class Trace(msgspec.Struct, kw_only=True):
+    """A job's trace, as ``farm submit --trace`` writes it."""
+
+    format: Literal["farm-trace/1"]
+    job: str = ""
+    model: str = "?"
+    items: int  # images in the job
+    policy: str = "?"
+    broker_seconds: float
+    shared: bool = False
+    client_seconds: float | None = None
+    cancelled: str | None = None
+    workers: tuple[WorkerShare, ...]
+    chunks: list[ChunkTrace]
+    failed: list[FailedItems] = []
 
 
 @dataclass
@@ -30,45 +68,37 @@ class TraceRecorder:
 
     started: float = field(default_factory=time.perf_counter)  # the first submission
     offset: float = 0.0  # the current submission's start, from the first
-    chunks: list[dict[str, Any]] = field(default_factory=list)
+    chunks: list[ChunkTrace] = field(default_factory=list)
 
     def new_submission(self) -> None:
         """A (re-)submission starts now: its broker times count from here."""
         self.offset = time.perf_counter() - self.started
 
-    def add(self, header: dict[str, Any], item_start: int, count: int) -> None:
+    def add(self, header: Result, item_start: int, count: int) -> None:
         """One chunk's RESULT header (``trace``, ``timings``, ``worker``, ``attempt``)."""
-        moments, timings = header.get("trace"), header.get("timings", {})
-        if not (isinstance(moments, list) and len(moments) == 3 and all(
-                isinstance(t, (int, float)) and math.isfinite(t) for t in moments)):
+        if header.trace is None:
             return  # a broker that does not trace
-        assigned, sent, received = moments
-        network = network_seconds(received - sent, timings)
-        started = sent + network / 2 + _seconds(timings.get("receive"))
-        shift = self.offset
-        self.chunks.append({
-            "worker": str(header.get("worker", "?")), "start": item_start, "count": count,
-            "attempt": header.get("attempt", 1), "assigned": assigned + shift,
-            "sent": sent + shift, "arrived": sent + network / 2 + shift,
-            "started": started + shift,
-            "finished": started + _seconds(timings.get("compute")) + shift,
-            "received": received + shift,
-            "delivered": time.perf_counter() - self.started})
+        assigned, sent, received = (moment + self.offset for moment in header.trace)
+        network = network_seconds(received - sent, header.timings)
+        started = sent + network / 2 + _seconds(header.timings.get("receive"))
+        self.chunks.append(ChunkTrace(
+            worker=header.worker or "?", start=item_start, count=count,
+            attempt=header.attempt, assigned=assigned, sent=sent, arrived=sent + network / 2,
+            started=started, finished=started + _seconds(header.timings.get("compute")),
+            received=received, delivered=time.perf_counter() - self.started))
 
-    def document(self, job: str, model: str, items: int, summary: dict[str, Any] | None,
-                 failed: list[Any], cancelled: str | None) -> dict[str, Any]:
-        """The whole trace, ready for ``json.dump``."""
+    def document(self, job: str, model: str, items: int, summary: JobSummary | None,
+                 failed: list[FailedItems], cancelled: str | None) -> Trace:
+        """The whole trace, for ``save_trace``."""
         client_seconds = time.perf_counter() - self.started
-        summary = summary or {}
-        broker_seconds = (self.offset + float(summary["broker_seconds"])
-                          if "broker_seconds" in summary else client_seconds)
-        return {"format": TRACE_FORMAT, "job": job, "model": model, "items": items,
-                "policy": summary.get("policy", "?"), "broker_seconds": broker_seconds,
-                "shared": bool(summary.get("shared", False)),
-                "client_seconds": client_seconds, "cancelled": cancelled,
-                "workers": summary.get("workers", []), "chunks": self.chunks,
-                "failed": [{"start": f.start, "count": f.count, "error": f.error}
-                           for f in failed]}
+        broker_seconds = (self.offset + summary.broker_seconds if summary is not None
+                          else client_seconds)
+        return Trace(format=TRACE_FORMAT, job=job, model=model, items=items,
+                     policy=summary.policy if summary else "?", broker_seconds=broker_seconds,
+                     shared=summary.shared if summary else False,
+                     client_seconds=client_seconds, cancelled=cancelled,
+                     workers=summary.workers if summary else (), chunks=self.chunks,
+                     failed=list(failed))
 
 
 def network_seconds(round_trip: float, timings: dict[str, Any]) -> float:
@@ -82,9 +112,11 @@ def _seconds(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
 
 
-def save_trace(trace: dict[str, Any], path: str | Path) -> None:
+def save_trace(trace: Trace, path: str | Path) -> None:
     """Write a trace as JSON, one chunk per line (diffable, and grep finds a worker's)."""
-    head = json.dumps({key: value for key, value in trace.items() if key != "chunks"}, indent=1)
-    chunks = ",\n  ".join(json.dumps(chunk) for chunk in trace["chunks"])
+    fields = msgspec.to_builtins(trace)
+    chunks = ",\n  ".join(json.dumps(chunk) for chunk in fields.pop("chunks"))
+    head = json.dumps(fields, indent=1)
     Path(path).write_text(head[:-2] + ',\n "chunks": [\n  ' + chunks + "\n ]\n}\n",
                           encoding="utf-8")
+

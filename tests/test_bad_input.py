@@ -96,9 +96,9 @@ def test_garbage_frames_get_an_error_reply(farm_two_workers, raw_socket, lenet, 
         return
     message = reply(raw_socket)
     assert message.command is Command.ERROR
-    assert message.header["error"]
+    assert message.header.error
     if frames[0] == b"FARM01":
-        assert f"this farm speaks {protocol.SIGNATURE.decode()}" in message.header["error"]
+        assert f"this farm speaks {protocol.SIGNATURE.decode()}" in message.header.error
     assert_farm_still_serves(farm_two_workers, lenet, digits)
 
 
@@ -112,12 +112,12 @@ def test_a_data_frame_that_lies_about_its_size_fails_only_its_job(farm_two_worke
                                                                   lenet, digits) -> None:
     raw_socket.send_multipart(submit_frames("liar", 10))
     need = reply(raw_socket)
-    assert need.command is Command.NEED and (need.header["start"], need.header["count"]) == (0, 10)
-    raw_socket.send_multipart(protocol.encode(Command.DATA, {"job": "liar", "chunk": need.header[
-        "chunk"], "start": 0, "count": 10}, [b"\0" * 7839]))
+    assert need.command is Command.NEED and (need.header.start, need.header.count) == (0, 10)
+    raw_socket.send_multipart(protocol.encode(Command.DATA, {
+        "job": "liar", "chunk": need.header.chunk, "start": 0, "count": 10}, [b"\0" * 7839]))
     message = reply(raw_socket)
-    assert message.command is Command.ERROR and message.header["job"] == "liar"
-    assert "7839 bytes" in message.header["error"]
+    assert message.command is Command.ERROR and message.header.job == "liar"
+    assert "7839 bytes" in message.header.error
     assert_farm_still_serves(farm_two_workers, lenet, digits)
 
 
@@ -154,7 +154,7 @@ def lone_worker() -> Iterator[tuple[zmq.Socket, bytes]]:
         assert router.poll(30_000), "worker never said READY"
         identity, *frames = router.recv_multipart()
         ready = protocol.decode(frames)
-        assert ready.command is Command.READY and "lenet" in ready.header["models"]
+        assert ready.command is Command.READY and "lenet" in ready.header.models
         yield router, identity
     finally:
         process.terminate()
@@ -198,20 +198,20 @@ def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digi
     images = digits[:5, None]
     router.send_multipart(task(identity, 1, images[:, :, :27, :27]))
     failed = next_reply(router)
-    assert failed.command is Command.FAILED and failed.header["chunk"] == 1
-    assert "does not match model 'lenet'" in failed.header["error"]
+    assert failed.command is Command.FAILED and failed.header.chunk == 1
+    assert "does not match model 'lenet'" in failed.header.error
     router.send_multipart(task(identity, 2, images, model="nope"))
     fetch = next_reply(router)
-    assert fetch.command is Command.FETCH and fetch.header["model"] == "nope"
+    assert fetch.command is Command.FETCH and fetch.header.model == "nope"
     router.send_multipart([identity, *protocol.encode(Command.MODEL, {
-        "model": "nope", "digest": fetch.header["digest"], "files": [],
+        "model": "nope", "digest": fetch.header.digest, "files": [],
         "error": "unknown model 'nope'"})])
     failed = next_reply(router)
-    assert failed.command is Command.FAILED and "unknown model 'nope'" in failed.header["error"]
+    assert failed.command is Command.FAILED and "unknown model 'nope'" in failed.header.error
     router.send_multipart(task(identity, 3, images))
     result = next_reply(router)
-    assert result.command is Command.RESULT and result.header["chunk"] == 3
-    assert set(result.header["timings"]) == {"receive", "compute", "send"}
+    assert result.command is Command.RESULT and result.header.chunk == 3
+    assert set(result.header.timings) == {"receive", "compute", "send"}
     np.testing.assert_allclose(result.array("float32", (10,)), reference_forward(lenet, images),
                                atol=1e-5)
 
@@ -243,7 +243,7 @@ def test_a_result_for_the_wrong_items_fails_the_job_with_the_reason(empty_farm, 
     try:
         task_message = worker.receive()
         assert task_message is not None and task_message.command is Command.TASK
-        header = {key: task_message.header[key] for key in ("job", "chunk", "count")}
+        header = {key: getattr(task_message.header, key) for key in ("job", "chunk", "count")}
         worker.send(Command.RESULT, {**header, "start": 2, "dtype": "float32", "item_shape": [10],
                                      "timings": {"compute": 0.001}},
                     [np.zeros((header["count"], 10), np.float32).tobytes()])
@@ -269,17 +269,18 @@ def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_fa
         client.send_multipart(submit_frames("late", 12))
         for start in (0, 4, 8):
             need = reply(client)
-            assert need.command is Command.NEED and need.header["start"] == start
+            assert need.command is Command.NEED and need.header.start == start
             assert worker.receive(300) is None  # no input yet: nothing sent
             assert reply(client, 100) is None, "a second chunk was assigned beyond the single slot"
             client.send_multipart(protocol.encode(Command.DATA, {
-                "job": "late", "chunk": need.header["chunk"], "start": start, "count": 4},
+                "job": "late", "chunk": need.header.chunk, "start": start, "count": 4},
                 [images[start:start + 4].tobytes()]))
             task_message = worker.receive()
-            assert task_message.header["start"] == start and task_message.header["attempt"] == 1
+            assert task_message.header.start == start and task_message.header.attempt == 1
             np.testing.assert_array_equal(task_message.array("uint8", (1, 28, 28)),
                                           images[start:start + 4])
-            header = {key: task_message.header[key] for key in ("job", "chunk", "start", "count")}
+            header = {key: getattr(task_message.header, key)
+                      for key in ("job", "chunk", "start", "count")}
             worker.send(Command.RESULT, {**header, "dtype": "float32", "item_shape": [10],
                                          "timings": {"compute": 0.001}},
                         [np.zeros((4, 10), np.float32).tobytes()])
@@ -310,7 +311,7 @@ def test_absurd_timings_from_a_worker_neither_wedge_a_job_nor_the_next(empty_far
     def answer(timings: dict) -> None:
         message = worker.receive()
         assert message is not None and message.command is Command.TASK
-        header = {key: message.header[key] for key in ("job", "chunk", "start", "count")}
+        header = {key: getattr(message.header, key) for key in ("job", "chunk", "start", "count")}
         worker.send(Command.RESULT, {**header, "dtype": "float32", "item_shape": [10],
                                      "timings": timings},
                     [np.zeros((header["count"], 10), np.float32).tobytes()])

@@ -1,14 +1,14 @@
 """Fuzzing: over 10 000 malformed messages at a broker and at a worker, while real work runs.
 
 Hypothesis builds the garbage from a valid message of every command (its header
-has every field of ``protocol._SCHEMAS``, its payload the size the header
-declares) and breaks it the ways a broken or hostile peer would: truncated
-frames, random bytes, a wrong msgpack type in a field, values out of range,
-payloads that lie about their size, huge declared shapes and counts, unknown
-commands, other protocol versions, too many frames, headers over the size
-limit, deep or long msgpack containers, commands sent in the wrong direction,
-and well-formed replies nobody asked for.  A fixed corpus of messages that broke
-a peer once runs first on every run.
+has every required field of the command's struct, ``protocol.HEADERS``, its
+payload the size the header declares) and breaks it the ways a broken or hostile
+peer would: truncated frames, random bytes, a wrong msgpack type in a field,
+values out of range, payloads that lie about their size, huge declared shapes
+and counts, unknown commands, other protocol versions, too many frames, headers
+over the size limit, deep or long msgpack containers, commands sent in the wrong
+direction, and well-formed replies nobody asked for.  A fixed corpus of messages
+that broke a peer once runs first on every run.
 
 Each hypothesis example is a batch of about a hundred messages, sent without
 waiting for replies; one round trip at the end of the batch proves the peer read
@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import msgpack
+import msgspec
 import numpy as np
 import zmq
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from farm import protocol
+from farm import messages, protocol
 from farm.broker.registry import WorkerEntry
 from farm.local import LocalFarm, cores, farm_command
 from farm.protocol import (MAX_HEADER_BYTES, MAX_ITEMS, MAX_PAYLOAD_FRAMES, SIGNATURE, Command,
@@ -69,7 +70,7 @@ REPLY_TIMEOUT = 30.0
 #: Commands the broker accepts (its handlers), and what a worker accepts.
 BROKER_ACCEPTS = frozenset({Command.READY, Command.RESULT, Command.FAILED, Command.SUBMIT,
                             Command.DATA, Command.INFO, Command.DISCONNECT, Command.HEARTBEAT,
-                            Command.FETCH})
+                            Command.FETCH, Command.CANCEL})
 #: A stand-in for the id of the real job running on the broker, put in at send time (the
 #: client makes its job ids with uuid4().hex: 32 characters, the placeholder's length).
 LIVE = b"L" * 32
@@ -77,6 +78,22 @@ LIVE = b"L" * 32
 LENET_DIGEST = digest_of("lenet")
 ITEM_SHAPE, ITEM_BYTES, OUTPUT_BYTES = [1, 28, 28], 784, 40  # LeNet: 1 x 28 x 28 in, 10 out
 MODEL_FILE = b"name = 'fuzz'\n"
+
+def python_types(kind: msgspec.inspect.Type) -> tuple[type, ...]:
+    """The Python types a header field of this kind takes, as msgpack decodes them."""
+    if isinstance(kind, (msgspec.inspect.ListType, msgspec.inspect.TupleType,
+                         msgspec.inspect.VarTupleType)):
+        return (list,)
+    if isinstance(kind, (msgspec.inspect.DictType, msgspec.inspect.StructType)):
+        return (dict,)
+    return {msgspec.inspect.StrType: (str,), msgspec.inspect.IntType: (int,)}[type(kind)]
+
+
+#: Each command's required header fields, and the Python types each takes.
+SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
+    command: {field.encode_name: python_types(msgspec.inspect.type_info(field.type))
+              for field in msgspec.structs.fields(kind) if field.required}
+    for command, kind in protocol.HEADERS.items()}
 
 #: A valid value of every schema field, by name; per command overrides below.
 SAMPLE: dict[str, Any] = {
@@ -98,7 +115,7 @@ def template(command: Command) -> tuple[dict[str, Any], list[bytes]]:
     """A valid header (every field of the command's schema) and the payload it declares."""
     overrides = OVERRIDES.get(command, {})
     header = {name: copy.deepcopy(overrides.get(name, SAMPLE[name]))
-              for name in protocol._SCHEMAS[command]}
+              for name in SCHEMAS[command]}
     if command in (Command.TASK, Command.DATA):
         payload = [bytes(header["count"] * ITEM_BYTES)]
     elif command is Command.RESULT:
@@ -166,7 +183,7 @@ VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=4),
 HEX64 = st.binary(min_size=32, max_size=32).map(bytes.hex)
 #: Lengths at, just under and over msgpack's 4096 limit on a header's strings.
 LONG = st.sampled_from([4095, 4096, 4097]) | st.integers(4000, 6000)
-STRING_FIELDS = sorted({name for schema in protocol._SCHEMAS.values()
+STRING_FIELDS = sorted({name for schema in SCHEMAS.values()
                         for name, types in schema.items() if types == (str,)})
 
 HUGE_COUNTS = [0, -1, -2**63, MAX_ITEMS, MAX_ITEMS + 1, 2**32, 2**63 - 1, 2**64 - 1]
@@ -200,7 +217,7 @@ BAD_VALUES: dict[str, st.SearchStrategy] = {
                                 {"compute": float("nan")}, {"compute": float("inf")}]),
     "error": st.text(max_size=20) | st.sampled_from(["e" * 4096]),
     "job": VALUES | st.just("j" * 4096),
-    # fields outside the schemas that the peers read
+    # optional fields
     "loaded": st.sampled_from([[["lenet"]], [{"a": 1}], "lenet", ["nope"], [1], None]),
     "threads": VALUES,
     "heartbeat": st.sampled_from([0, -1, 1e-9, 1e300, float("nan"), float("inf"), "1", None]),
@@ -208,7 +225,8 @@ BAD_VALUES: dict[str, st.SearchStrategy] = {
     "wait_workers": st.sampled_from([-1, 3, 10**6, 2**63, True, 1.5, "2", None, [1]]),
     "fatal": VALUES,
 }
-#: Fields outside a command's schema that its receiver reads.
+#: Optional fields of a command's header (and fields it does not have: INFO and DISCONNECT's
+#: "job").
 EXTRA_FIELDS: dict[Command, list[str]] = {
     Command.READY: ["loaded", "threads", "heartbeat"], Command.SUBMIT: ["heartbeat"],
     Command.HEARTBEAT: ["job", "interval"], Command.INFO: ["wait_workers", "job"],
@@ -220,8 +238,8 @@ UNKNOWN_COMMANDS = st.one_of(
                      b"2", b"TASK"]),
     st.binary(max_size=3).filter(lambda raw: raw[:2] not in {c.value for c in Command}))
 BAD_SIGNATURES = st.one_of(
-    st.sampled_from([b"FARM01", b"FARM99", b"FARM00", b"FARM02", b"FARM2", b"FARM", b"FARM022",
-                     b"FARM03\x00", b"farm03", b"", b"\x00" * 6, b"FARM\xff\xff"]),
+    st.sampled_from([b"FARM01", b"FARM99", b"FARM00", b"FARM02", b"FARM03", b"FARM2", b"FARM",
+                     b"FARM022", b"FARM04\x00", b"farm04", b"", b"\x00" * 6, b"FARM\xff\xff"]),
     st.binary(max_size=10).filter(lambda raw: raw != SIGNATURE))
 #: Headers that are not a map of at most 64 fields, or not msgpack at all.
 NOT_A_MAP = st.sampled_from([[], [1, 2], 5, -1, "header", b"header", None, True, 1.5])
@@ -277,7 +295,7 @@ def wrong_types(draw, commands) -> list[bytes]:
     """Fields of the wrong msgpack type, or missing, or a header that is not a map."""
     command = draw(st.sampled_from(commands))
     header, payload = template(command)
-    schema = protocol._SCHEMAS[command]
+    schema = SCHEMAS[command]
     if not schema or draw(st.integers(0, 9)) == 0:
         return build(command, draw(NOT_A_MAP), payload)
     for name in draw(st.lists(st.sampled_from(sorted(schema)), min_size=1, max_size=3,
@@ -302,7 +320,7 @@ def bad_values(draw, commands) -> list[bytes]:
 
 
 def bad_fields(command: Command) -> list[str]:
-    return [name for name in protocol._SCHEMAS[command] if name in BAD_VALUES] + \
+    return [name for name in SCHEMAS[command] if name in BAD_VALUES] + \
         EXTRA_FIELDS.get(command, [])
 
 
@@ -496,8 +514,7 @@ def harmless_to_broker(frames: Sequence[bytes]) -> bool:
             return True
         return False
     header = message.header
-    return message.command is not Command.SUBMIT or header["model"] not in MODELS \
-        or header["total"] <= 0
+    return not isinstance(header, messages.Submit) or header.model not in MODELS
 
 
 def harmless_to_worker(frames: Sequence[bytes]) -> bool:
@@ -661,8 +678,7 @@ def test_every_template_is_a_valid_message() -> None:
     """The fuzzing starts from valid messages: each command's template decodes."""
     for command in Command:
         message = protocol.decode(build(command, *template(command)))
-        assert message.command is command and set(message.header) == set(
-            protocol._SCHEMAS[command])
+        assert message.command is command and type(message.header) is protocol.HEADERS[command]
 
 
 # --------------------------------------------------------------------- worker
@@ -710,9 +726,9 @@ class WorkerFuzzer:
     def check_result(self, start: int, count: int) -> None:
         """The last real TASK came back, exact."""
         reply = self.receive(lambda m: m.command in (Command.RESULT, Command.FAILED)
-                             and m.header["job"] == self.real_job)
+                             and m.header.job == self.real_job)
         assert reply.command is Command.RESULT, f"a real TASK failed: {reply.header}"
-        assert (reply.header["chunk"], reply.header["start"], reply.header["count"]) == \
+        assert (reply.header.chunk, reply.header.start, reply.header.count) == \
             (self.real_tasks, start, count), "the RESULT of another TASK"
         np.testing.assert_allclose(reply.array("float32", (10,)),
                                    self.expected[start:start + count], atol=1e-5)
@@ -746,7 +762,8 @@ class WorkerFuzzer:
                 self.answer(identity, protocol.encode(Command.HEARTBEAT, {"interval": 1.0}))
             elif message.command is Command.FETCH:  # as a broker does for a model it lacks
                 self.answer(identity, protocol.encode(Command.MODEL, {
-                    **message.header, "files": [], "error": "no such model"}))
+                    "model": message.header.model, "digest": message.header.digest,
+                    "files": [], "error": "no such model"}))
             if wanted(message):
                 return message
 
@@ -867,7 +884,8 @@ class BrokerFuzzer:
                 assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
                     f"the broker did not answer within {REPLY_TIMEOUT} s after a batch"
                 reply = self.tally.reply(sock.recv_multipart())
-                if reply and reply.command is Command.ERROR and reply.header.get("job") == token:
+                if reply and messages.job_of(reply.header) == token \
+                        and reply.command is Command.ERROR:
                     break
         finally:
             sock.close()
@@ -882,7 +900,7 @@ class BrokerFuzzer:
             reply = protocol.decode(self.probe.recv_multipart())
             if reply.command is Command.INFO:
                 break
-        snapshot = reply.document()
+        snapshot = reply.document(dict)
         jobs = [job["job"] for job in snapshot["jobs"]
                 if isinstance(job["job"], str) and len(job["job"]) == len(LIVE)]
         if jobs:

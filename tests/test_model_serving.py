@@ -114,19 +114,19 @@ def test_a_model_whose_hash_does_not_match_is_refused(lone_worker, tmp_path, len
     contents[[f.name for f in manifest.files].index("lenet.caffemodel")][1000] ^= 0xFF
     frames = task(identity, 7, digits[:5, None], model="digits")
     header = protocol.decode(frames[1:]).header
-    header["digest"] = manifest.digest
+    header.digest = manifest.digest
     router.send_multipart([identity, *protocol.encode(Command.TASK, header, frames[4:])])
     fetch = next_reply(router)
-    assert fetch.command is Command.FETCH and fetch.header["digest"] == manifest.digest
+    assert fetch.command is Command.FETCH and fetch.header.digest == manifest.digest
     router.send_multipart([identity, *protocol.encode(Command.MODEL, manifest.header(),
                                                       [bytes(c) for c in contents])])
     failed = next_reply(router)
-    assert failed.command is Command.FAILED and failed.header["chunk"] == 7
-    assert "file lenet.caffemodel from the broker has" in failed.header["error"]
-    assert "sha256" in failed.header["error"] and "not installed" in failed.header["error"]
+    assert failed.command is Command.FAILED and failed.header.chunk == 7
+    assert "file lenet.caffemodel from the broker has" in failed.header.error
+    assert "sha256" in failed.header.error and "not installed" in failed.header.error
     router.send_multipart(task(identity, 8, digits[:5, None]))  # other models still run
     result = next_reply(router)
-    assert result.command is Command.RESULT and result.header["chunk"] == 8
+    assert result.command is Command.RESULT and result.header.chunk == 8
 
 
 def test_a_damaged_cache_entry_is_discarded(tmp_path) -> None:
@@ -177,7 +177,7 @@ def test_unsafe_model_names_never_touch_the_disk(lone_worker, digits) -> None:  
     frames = task(identity, 9, digits[:2, None], model="../../etc")
     router.send_multipart(frames)
     failed = next_reply(router)
-    assert failed.command is Command.FAILED and "refusing model name" in failed.header["error"]
+    assert failed.command is Command.FAILED and "refusing model name" in failed.header.error
     router.send_multipart(task(identity, 10, digits[:2, None]))
     assert next_reply(router).command is Command.RESULT
 
@@ -196,6 +196,6 @@ def test_models_go_to_registered_workers_only(farm_two_workers) -> None:
         assert sock.poll(10_000)
         reply = protocol.decode(sock.recv_multipart())
         assert reply.command is Command.MODEL and reply.payload == []
-        assert "registered workers only" in reply.header["error"]
+        assert "registered workers only" in reply.header.error
     finally:
         sock.close()

@@ -47,6 +47,7 @@ CLIENT_SCRIPT = '''
 import json, sys
 from dataclasses import asdict
 
+import msgspec
 import numpy as np
 
 from farm.client import Client
@@ -67,7 +68,7 @@ with Client(endpoint, timeout=60.0, heartbeat=0.2, curve=keys) as client:
                    "failed": [asdict(f) for f in result.failed],
                    "items": result.summary.items, "seconds": result.summary.seconds,
                    "rate": result.summary.rate, "waste": result.summary.waste,
-                   "workers": [asdict(w) for w in result.summary.workers]})
+                   "workers": msgspec.to_builtins(result.summary.workers)})
     say("info", client.info())
 '''
 

@@ -289,7 +289,7 @@ def test_each_job_may_bring_its_own_policy_and_a_timeout(farm, digits) -> None:
         assert sum(share.chunks for share in own.summary.workers) == 10  # not the broker's 500s
         # static cuts one chunk per worker; the broker's cap (1 s of compute) cuts it finer
         capped = client.run(repeated(digits, 60_000), "lenet", algo="static", trace=True)
-        assert len(capped.trace["chunks"]) >= 6
+        assert len(capped.trace.chunks) >= 6
         with pytest.raises(FarmError, match="takes no parameter chunk"):
             client.run(images, "lenet", algo="hat", params={"chunk": 5})
         late = client.run(repeated(digits, 200_000), "lenet", job_timeout=0.5)

@@ -6,8 +6,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from farm import protocol
+from farm import messages, protocol
 from farm.protocol import Command, ProtocolError
+from farm.summary import JobSummary, WorkerShare
 
 
 def task_header(count: int = 2, shape=(1, 28, 28), dtype: str = "uint8") -> dict:
@@ -42,15 +43,22 @@ def test_array_from_several_frames_is_joined() -> None:
     ([b"XX", b"\x02", msgpack.packb({})], "unknown protocol signature"),
     ([protocol.SIGNATURE, b"\x7f", msgpack.packb({})], "unknown command"),
     ([protocol.SIGNATURE, b"\x02", b"\xc1garbage"], "not valid msgpack"),
-    ([protocol.SIGNATURE, b"\x02", msgpack.packb([1, 2])], "must be a map"),
+    ([protocol.SIGNATURE, b"\x02", msgpack.packb([1, 2])], "Expected `object`, got `array`"),
     ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(), "count": "2"}), b"x" * 1568], "count"),
     ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(), "dtype": "float64"}), b"x" * 1568],
      "not allowed"),
     ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(), "item_shape": [1, -28, 28]}), b"x"],
-     "invalid item shape"),
+     r">= 1 - at `\$.item_shape\[1\]`"),
     ([protocol.SIGNATURE, b"\x02", msgpack.packb(task_header()), b"x" * 1567], "payload is 1567 bytes"),
     ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(), "count": 1 << 40}), b"x"],
-     "out of range"),
+     r"<= 2147483648 - at `\$.count`"),
+    ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(), "colour": "red"}), b"x" * 1568],
+     "unknown field `colour`"),
+    ([protocol.SIGNATURE, b"\x05", msgpack.packb({"job": "j" * 101})],
+     r"length <= 100 - at `\$.job`"),
+    ([protocol.SIGNATURE, b"\x0a", msgpack.packb({"interval": 0.0})], r"`\$.interval`"),
+    ([protocol.SIGNATURE, b"\x0a", b"\x81\xa3job" + b"\x91" * 3000 + b"\xc0"],
+     r"got `array` - at `\$.job`"),
     ([protocol.SIGNATURE, b"\x02", msgpack.packb({**task_header(1, [1 << 20] * 4)}), b"x"], "larger than"),
     ([protocol.SIGNATURE, b"\x05", msgpack.packb({"job": "j"})], "model"),
     ([protocol.SIGNATURE, b"\x0a", msgpack.packb({}), b"unexpected"], "carries no payload"),
@@ -93,7 +101,32 @@ def test_a_snapshot_far_beyond_the_header_limit_travels_as_a_document_frame() ->
                             for i in range(2000)], "jobs": []}
     frames = protocol.encode(Command.INFO, {}, protocol.document_frames(snapshot))
     assert len(frames[-1]) > 2 * protocol.MAX_HEADER_BYTES
-    assert protocol.decode(frames).document() == snapshot
-    with pytest.raises(ProtocolError, match="document must be a map"):
+    assert protocol.decode(frames).document(dict) == snapshot
+    with pytest.raises(ProtocolError, match="DONE document: Expected `object`, got `array`"):
         protocol.decode(protocol.encode(Command.DONE, {"job": "j"},
-                                        [msgpack.packb([1, 2])])).document()
+                                        [msgpack.packb([1, 2])])).document(JobSummary)
+
+
+def test_a_typed_header_round_trips_and_leaves_its_defaults_off_the_wire() -> None:
+    heartbeat = messages.Heartbeat(job="j")
+    frames = protocol.encode(Command.HEARTBEAT, heartbeat)
+    assert msgpack.unpackb(frames[2]) == {"job": "j"}
+    assert protocol.decode(frames).header == heartbeat
+    with pytest.raises(TypeError, match="Heartbeat header cannot go with INFO"):
+        protocol.encode(Command.INFO, heartbeat)
+
+
+def test_unknown_fields_deep_in_a_header_are_refused_without_recursing() -> None:
+    deep = b"\x81\xa1x" + b"\x91" * 3000 + b"\xc0"  # {"x": [[[...]]]}, 3 000 deep
+    with pytest.raises(ProtocolError, match="unknown field `x`"):
+        protocol.decode([protocol.SIGNATURE, Command.INFO.value, deep])
+
+
+def test_a_job_summary_travels_as_its_document() -> None:
+    summary = JobSummary(total=10, items=10, policy="fifo", broker_seconds=0.5, workers=(
+        WorkerShare(name="h:1/cpu:0", device="cpu:0", items=10, chunks=1, compute_s=0.25,
+                    rate=40.0),))
+    frames = protocol.encode(Command.DONE, messages.Done(job="j"),
+                             protocol.document_frames(summary))
+    assert msgpack.unpackb(frames[3])["workers"][0]["standalone_rate"] == 40.0
+    assert protocol.decode(frames).document(JobSummary) == summary

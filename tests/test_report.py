@@ -7,10 +7,12 @@ import math
 import struct
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
+from msgspec.structs import replace
 
-from farm.report import TRACE_FORMAT, TraceError, analyse, load_trace, plot, throughput
+from farm.report import TRACE_FORMAT, Trace, TraceError, analyse, load_trace, plot, throughput
 
 
 def chunk(worker: str, assigned: float, sent: float, started: float, finished: float,
@@ -23,23 +25,29 @@ def chunk(worker: str, assigned: float, sent: float, started: float, finished: f
 
 
 def make_trace(rates: dict[str, float], chunks: list[dict], seconds: float,
-               items: int | None = None) -> dict:
+               items: int | None = None) -> Trace:
     """A trace of these workers (name: standalone rate) and chunks, T = seconds."""
     workers = [{"name": name, "device": name.split("/")[-1],
                 "items": sum(c["count"] for c in chunks if c["worker"] == name),
                 "chunks": sum(c["worker"] == name for c in chunks),
                 "compute_s": 1.0, "standalone_rate": rate} for name, rate in rates.items()]
-    return {"format": TRACE_FORMAT, "job": "j1", "model": "lenet", "policy": "equal-finish",
-            "items": sum(c["count"] for c in chunks) if items is None else items,
-            "broker_seconds": seconds, "client_seconds": seconds + 0.1,
-            "workers": workers, "chunks": chunks, "failed": []}
+    return msgspec.convert({
+        "format": TRACE_FORMAT, "job": "j1", "model": "lenet", "policy": "equal-finish",
+        "items": sum(c["count"] for c in chunks) if items is None else items,
+        "broker_seconds": seconds, "client_seconds": seconds + 0.1,
+        "workers": workers, "chunks": chunks, "failed": []}, Trace)
+
+
+def as_json(trace: Trace, **changes: object) -> str:
+    """The trace as its file holds it, with ``changes`` to its fields."""
+    return json.dumps({**msgspec.to_builtins(trace), **changes})
 
 
 def parts(breakdown) -> tuple[float, ...]:
     return breakdown.start, breakdown.barrier, breakdown.messaging, breakdown.tail
 
 
-def known_trace() -> dict:
+def known_trace() -> Trace:
     """Worker a (100/s): idle 2 s at start, a 3 s gap (1.5 barrier), 1 s tail; b (50/s) busy."""
     return make_trace({"h:1/cpu:0": 100.0, "h:2/cpu:1": 50.0}, [
         chunk("h:1/cpu:0", 6.0, 6.5, 7.0, 9.0, 9.2, count=200),  # arrival order, not start order
@@ -144,11 +152,11 @@ def test_format_table_reads_naturally_and_stays_aligned() -> None:
 
 
 def test_cancelled_job_says_it_stopped_early(tmp_path: Path) -> None:
-    trace = {**known_trace(), "cancelled": "interrupted by the user"}
+    trace = replace(known_trace(), cancelled="interrupted by the user")
     assert analyse(trace).format().splitlines()[0].endswith(
         ", stopped early: interrupted by the user")
-    assert "stopped early" not in analyse({**known_trace(), "cancelled": None}).format()
-    assert load_trace(write(tmp_path, json.dumps(trace))) == trace
+    assert "stopped early" not in analyse(replace(known_trace(), cancelled=None)).format()
+    assert load_trace(write(tmp_path, as_json(trace))) == trace
     plot(trace, tmp_path / "run.png", 640, 480)
     assert png_size(tmp_path / "run.png") == (640, 480)
 
@@ -211,20 +219,20 @@ def write(tmp_path: Path, content: str) -> Path:
 
 def test_load_trace_round_trip(tmp_path: Path) -> None:
     trace = known_trace()
-    assert load_trace(write(tmp_path, json.dumps(trace))) == trace
+    assert load_trace(write(tmp_path, as_json(trace))) == trace
 
 
 def test_arrived_is_optional(tmp_path: Path) -> None:
     old = known_trace()  # no chunk has "arrived": an older trace
-    assert all("arrived" not in c for c in old["chunks"])
-    assert load_trace(write(tmp_path, json.dumps(old))) == old
+    assert all(c.arrived is None for c in old.chunks) and '"arrived"' not in as_json(old)
+    assert load_trace(write(tmp_path, as_json(old))) == old
     new = make_trace({"a/cpu:0": 100.0}, [
         chunk("a/cpu:0", 0.0, 0.0, 0.0, 1.0, 1.1, arrived=0.05),
         chunk("a/cpu:0", 0.0, 0.1, 1.0, 2.0, 2.1, arrived=0.3),  # queued behind the first
     ], seconds=2.1)
-    assert load_trace(write(tmp_path, json.dumps(new))) == new
-    assert analyse(new) == analyse({**new, "chunks": [
-        {k: v for k, v in c.items() if k != "arrived"} for c in new["chunks"]]})
+    assert load_trace(write(tmp_path, as_json(new))) == new
+    assert analyse(new) == analyse(replace(new, chunks=[replace(c, arrived=None)
+                                                        for c in new.chunks]))
     for trace in (old, new):
         plot(trace, tmp_path / "run.png", 640, 480)
         assert png_size(tmp_path / "run.png") == (640, 480)
@@ -232,17 +240,18 @@ def test_arrived_is_optional(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("content, message", [
     (None, "cannot read"),
-    ("{not json", "invalid JSON"),
-    ("[1, 2]", "not a JSON object"),
-    (json.dumps({**known_trace(), "format": "farm-trace/0"}), "format 'farm-trace/0'"),
-    (json.dumps({**known_trace(), "chunks": {}}), "no 'chunks' list"),
-    (json.dumps({**known_trace(), "broker_seconds": "1.0"}), "'broker_seconds'"),
-    (json.dumps({**known_trace(), "chunks": [{"worker": "a", "count": 1}]}), "chunks[0]"),
-    (json.dumps({**known_trace(), "chunks": [chunk("a", 0, 0, 1, 2, 3, arrived="soon")]}),
-     "chunks[0] field 'arrived' is not a number"),
-    (json.dumps({**known_trace(), "chunks": [chunk("a", 0, 0, 1, 2, 3, arrived=math.nan)]}),
-     "'arrived'"),
-    (json.dumps({**known_trace(), "cancelled": 1}), "'cancelled'"),
+    ("{not json", "not a farm trace (JSON is malformed"),
+    ("[1, 2]", "Expected `object`, got `array`"),
+    (as_json(known_trace(), format="farm-trace/0"), "Invalid enum value 'farm-trace/0'"),
+    (as_json(known_trace(), chunks={}), "got `object` - at `$.chunks`"),
+    (as_json(known_trace(), broker_seconds="1.0"), "got `str` - at `$.broker_seconds`"),
+    (as_json(known_trace(), chunks=[{"worker": "a", "count": 1}]),
+     "missing required field `start` - at `$.chunks[0]`"),
+    (as_json(known_trace(), chunks=[chunk("a", 0, 0, 1, 2, 3, arrived="soon")]),
+     "got `str` - at `$.chunks[0].arrived`"),
+    (as_json(known_trace(), chunks=[chunk("a", 0, 0, 1, 2, 3, arrived=math.nan)]),
+     "JSON is malformed"),  # NaN is no JSON number
+    (as_json(known_trace(), cancelled=1), "got `int` - at `$.cancelled`"),
 ])
 def test_load_trace_rejects_bad_files(tmp_path: Path, content: str | None, message: str) -> None:
     path = tmp_path / "missing.json" if content is None else write(tmp_path, content)

@@ -69,7 +69,7 @@ def test_a_chunk_goes_need_data_task_result_done() -> None:
     task = ev.SendTask(A, "j", 2, 1, 100, 50, "m", "digest", "float32", (1,), None)
     out = state.handle(done(task, 0.8, 0.1))
     assert [type(i) for i in out] == [ev.SendResult, ev.SendDone]
-    assert out[1].summary["workers"][0]["items"] == 150
+    assert out[1].summary.workers[0].items == 150
     assert state.jobs == {} and state.outcomes["done"] == 1
 
 
@@ -113,7 +113,7 @@ def test_a_chunk_failing_every_attempt_is_given_up_and_reported() -> None:
     assert out == [ev.SendFailed(CLIENT, "j", 2, 0, 10,
                                  "gave up after 2 attempts; last: host:1/cpu: bad pixels"),
                    ev.SendDone(CLIENT, "j", out[1].summary)]
-    assert out[1].summary["failed_items"] == 10
+    assert out[1].summary.failed_items == 10
 
 
 def test_a_fatal_failure_fails_the_job_and_frees_the_worker() -> None:

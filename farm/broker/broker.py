@@ -34,9 +34,11 @@ from farm import defaults, protocol
 from farm.broker import events as ev
 from farm.broker.jobs import JobOptions
 from farm.broker.models import ModelCatalog
-from farm.broker.registry import (MAX_ENGINES, MAX_HEARTBEAT, MAX_SLOTS, MIN_HEARTBEAT,
-                                   check_models, valid_heartbeat)
+from farm.broker.registry import check_models
+from farm import messages
+from farm.messages import Options, job_of
 from farm.broker.state import FarmState, SchedulingConfig
+from farm.link import limit_socket
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
 from farm.wakeup import Wakeup
@@ -72,7 +74,7 @@ class Broker:
         self.config = config
         self.clock = clock
         self.socket = context.socket(zmq.ROUTER)
-        protocol.limit_socket(self.socket)
+        limit_socket(self.socket)
         try:
             if config.curve:
                 from farm.keys import make_server
@@ -109,14 +111,10 @@ class Broker:
         self.recorded: list[tuple[ev.Event, list[ev.Instruction]]] | None = None
         self.next_heartbeat = self.clock()
         self.running = True
-        self.decoders: dict[Command, Callable[[bytes, Message, float], ev.Event | None]] = {
-            Command.READY: self.ready_event, Command.RESULT: result_event,
-            Command.FAILED: failed_event, Command.SUBMIT: self.submit_event,
-            Command.DATA: data_event, Command.INFO: self.on_info,
-            Command.DISCONNECT: disconnect_event, Command.HEARTBEAT: heartbeat_event,
-            Command.FETCH: self.on_fetch, Command.CANCEL: cancel_event,
-        }
-        self.accepted = frozenset(self.decoders)
+        #: what peers may send a broker: everything but what only the broker sends
+        self.accepted = frozenset({
+            Command.READY, Command.RESULT, Command.FAILED, Command.SUBMIT, Command.DATA,
+            Command.INFO, Command.DISCONNECT, Command.HEARTBEAT, Command.FETCH, Command.CANCEL})
 
     # ----------------------------------------------------------------- loop
 
@@ -182,15 +180,22 @@ class Broker:
         message = None
         try:
             message = protocol.decode(body, allowed=self.accepted)
-            event = self.decoders[message.command](identity, message, self.clock())
-            if event is not None:
-                self.feed(event)
+            now = self.clock()
+            match message.header:
+                case messages.Info() as info:
+                    self.on_info(identity, info, now)
+                case messages.Fetch() as fetch:
+                    self.on_fetch(identity, fetch, now)
+                case messages.Submit() as submit:
+                    self.feed(self.submitted(identity, submit, now))
+                case _:
+                    self.feed(event_of(identity, message, now))
         except ProtocolError as exc:
             self.state.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
-            job = message.header.get("job") if message else None
+            job = job_of(message.header) if message else None
             self.send(identity, Command.ERROR, {"error": str(exc), **(
-                {"job": job} if isinstance(job, str) and len(job) <= 100 else {})})
+                {"job": job} if job is not None else {})})
         except Exception:  # a bug must not take the farm down; log it and keep serving
             log.exception("error handling a message from %s", identity.hex())
 
@@ -248,21 +253,13 @@ class Broker:
 
     # ------------------------------------------------------------ decoding
 
-    def ready_event(self, identity: bytes, message: Message, now: float) -> ev.Event:
-        return ev.WorkerJoined(identity, worker_facts(message.header), now)
-
-    def submit_event(self, identity: bytes, message: Message, now: float) -> ev.Event:
-        header = message.header
-        protocol.check_array_spec(header["dtype"], header["item_shape"])
-        if not 0 < header["total"] <= protocol.MAX_ITEMS:
-            raise ProtocolError(f"job total {header['total']} out of range")
-        heartbeat = header.get("heartbeat", self.config.heartbeat)
-        if not valid_heartbeat(heartbeat):
-            raise ProtocolError(f"SUBMIT heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
-        return ev.JobSubmitted(identity, header["job"], header["model"], header["dtype"],
-                               tuple(header["item_shape"]), header["total"], float(heartbeat),
-                               JobOptions.parse(header["options"]),
-                               self.find_model(header["model"]), now)
+    def submitted(self, identity: bytes, header: messages.Submit, now: float) -> ev.Event:
+        """A SUBMIT, with what the repository says of its model."""
+        protocol.check_array_spec(header.dtype, header.item_shape)
+        return ev.JobSubmitted(identity, header.job, header.model, header.dtype,
+                               tuple(header.item_shape), header.total,
+                               header.heartbeat or self.config.heartbeat,
+                               job_options(header.options), self.find_model(header.model), now)
 
     def find_model(self, name: str) -> ev.ModelFound | str:
         """What the repository says of a job's model: its shape and digest, or why not."""
@@ -275,7 +272,7 @@ class Broker:
 
     # ---------------------------------------------------------------- files
 
-    def on_fetch(self, identity: bytes, message: Message, now: float) -> None:
+    def on_fetch(self, identity: bytes, header: messages.Fetch, now: float) -> None:
         """Send a registered worker a model's files; an error reply if it is gone or changed.
 
         The files go out memory-mapped: however many workers fetch a model at once, its
@@ -284,7 +281,7 @@ class Broker:
         entry = self.state.workers.get(identity)
         if entry is not None:
             entry.last_seen = now
-        name, digest = message.header["model"], message.header["digest"]
+        name, digest = header.model, header.digest
         try:
             if entry is None:
                 raise ModelError("models are sent to registered workers only")
@@ -309,11 +306,9 @@ class Broker:
 
     # ----------------------------------------------------------------- info
 
-    def on_info(self, identity: bytes, message: Message, now: float) -> None:
+    def on_info(self, identity: bytes, header: messages.Info, now: float) -> None:
         """A snapshot of the farm; with ``wait_workers`` it is sent once that many joined."""
-        wanted = message.header.get("wait_workers", 0)
-        if not isinstance(wanted, int) or isinstance(wanted, bool):
-            raise ProtocolError("INFO wait_workers must be an integer")
+        wanted = header.wait_workers
         if len(self.state.workers) >= wanted:
             self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
         elif len(self.info_waiters) >= MAX_INFO_WAITERS:
@@ -342,84 +337,56 @@ class Broker:
 # ---------------------------------------------------------------- decoding, one per command
 
 
-def worker_facts(header: dict[str, Any]) -> ev.WorkerFacts:
-    """Validate a READY header; ProtocolError if it is unusable."""
-    check_models(header["models"])
-    loaded = header.get("loaded", [])
-    threads = header.get("threads", 0)
-    if not isinstance(loaded, list) or not all(
-            isinstance(name, str) and name in header["models"] for name in loaded):
+def worker_facts(header: messages.Ready) -> ev.WorkerFacts:
+    """A READY header's facts; ProtocolError if its models do not fit or do not add up."""
+    check_models(header.models)
+    if not all(name in header.models for name in header.loaded):
         raise ProtocolError("READY 'loaded' must list advertised models")
-    if not 1 <= header["slots"] <= MAX_SLOTS:
-        raise ProtocolError(f"READY slots must be 1..{MAX_SLOTS}, got {header['slots']}")
-    if not isinstance(threads, int) or isinstance(threads, bool):
-        raise ProtocolError("READY 'threads' must be an integer")
-    heartbeat = header.get("heartbeat", 1.0)
-    if not valid_heartbeat(heartbeat):
-        raise ProtocolError(f"READY heartbeat must be {MIN_HEARTBEAT}..{MAX_HEARTBEAT} s")
-    return ev.WorkerFacts(header["device"], header["host"], header["pid"], header["backend"],
-                          threads, header["models"], frozenset(loaded), header["slots"],
-                          float(heartbeat), checked_engines(header.get("engines", {})))
+    return ev.WorkerFacts(header.device, header.host, header.pid, header.backend,
+                          header.threads, dict(header.models), frozenset(header.loaded),
+                          header.slots, header.heartbeat, dict(header.engines))
 
 
-def checked_engines(engines: Any) -> dict[str, str]:
-    """A worker's ``engines``: model -> engine description; ProtocolError if malformed."""
-    if not (isinstance(engines, dict) and len(engines) <= MAX_ENGINES and all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= 200 and len(v) <= 200
-            for k, v in engines.items())):
-        raise ProtocolError(f"'engines' must map at most {MAX_ENGINES} model names to "
-                            f"engine descriptions")
-    return engines
+def job_options(options: Options) -> JobOptions:
+    """SUBMIT options (types and ranges checked on decode), with the engine checked;
+    ProtocolError if the workers have no such engine."""
+    from farm.engine import job_engine  # the engines' names, not the engines: cheap
+
+    try:
+        engine = job_engine(options.engine) if options.engine is not None else None
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    params = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in options.params.items())
+    return JobOptions(options.algo, params, options.priority, options.timeout, options.client,
+                      engine)
 
 
-def checked_counters(counters: Any) -> tuple[int, float]:
-    """A heartbeat's ``computed`` counters: [images, seconds]; ProtocolError if malformed."""
-    if not (isinstance(counters, list) and len(counters) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e18
-            for v in counters)):
-        raise ProtocolError("HEARTBEAT 'computed' must be [images, seconds]")
-    return int(counters[0]), float(counters[1])
-
-
-def heartbeat_event(identity: bytes, message: Message, now: float) -> ev.Event:
-    """A client's heartbeat names its job; a worker's carries its compute counters."""
-    header = message.header
-    job_id = header.get("job")
-    if job_id is None:
-        computed = checked_counters(header["computed"]) if "computed" in header else None
-        engines = checked_engines(header["engines"]) if "engines" in header else None
-        return ev.WorkerHeard(identity, now, computed, engines)
-    if not isinstance(job_id, str) or len(job_id) > 100:
-        raise ProtocolError("HEARTBEAT 'job' must be a job id")
-    return ev.ClientHeard(identity, job_id, now)
-
-
-def result_event(identity: bytes, message: Message, now: float) -> ev.Event:
-    header = message.header
-    return ev.ChunkDone(identity, header["job"], header["chunk"], header["start"],
-                        header["count"], header["dtype"], tuple(header["item_shape"]),
-                        header["timings"], now, message.payload)
-
-
-def failed_event(identity: bytes, message: Message, now: float) -> ev.Event:
-    header = message.header
-    return ev.ChunkFailed(identity, header["job"], header["chunk"], header["error"],
-                          bool(header.get("fatal", True)), now)
-
-
-def data_event(identity: bytes, message: Message, now: float) -> ev.Event:
-    header = message.header
-    return ev.DataArrived(identity, header["job"], header["chunk"], header["start"],
-                          header["count"], payload_bytes(message.payload),
-                          len(message.payload), now, message.payload)
-
-
-def disconnect_event(identity: bytes, message: Message, now: float) -> ev.Event:
-    return ev.WorkerLeft(identity, now)
-
-
-def cancel_event(identity: bytes, message: Message, now: float) -> ev.Event:
-    return ev.JobCancelled(identity, message.header["job"], now)
+def event_of(identity: bytes, message: Message, now: float) -> ev.Event:
+    """The state's event for a message from a worker or a client; ProtocolError if its
+    facts do not add up."""
+    payload = message.payload
+    match message.header:
+        case messages.Ready() as ready:
+            return ev.WorkerJoined(identity, worker_facts(ready), now)
+        case messages.Heartbeat(job=None, computed=computed, engines=engines):
+            return ev.WorkerHeard(identity, now, computed, engines)
+        case messages.Heartbeat(job=str(job)):
+            return ev.ClientHeard(identity, job, now)
+        case messages.Result() as result:
+            return ev.ChunkDone(identity, result.job, result.chunk, result.start, result.count,
+                                result.dtype, tuple(result.item_shape), result.timings, now,
+                                payload)
+        case messages.Failed() as failed:
+            return ev.ChunkFailed(identity, failed.job, failed.chunk, failed.error,
+                                  failed.fatal, now)
+        case messages.Data() as data:
+            return ev.DataArrived(identity, data.job, data.chunk, data.start, data.count,
+                                  payload_bytes(payload), len(payload), now, payload)
+        case messages.Disconnect():
+            return ev.WorkerLeft(identity, now)
+        case messages.Cancel() as cancel:
+            return ev.JobCancelled(identity, cancel.job, now)
+    raise ProtocolError(f"{message.command.name} is not accepted here")
 
 
 def payload_bytes(frames: list[Any]) -> int:

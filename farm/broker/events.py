@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from farm.broker.jobs import JobOptions
+from farm.summary import JobSummary
 
 Peer = bytes  # a ZeroMQ identity: a worker's or a client's
 
@@ -224,7 +225,7 @@ class SendFailed:
 class SendDone:
     client: Peer
     job: str
-    summary: dict[str, Any]
+    summary: JobSummary
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ class SendCancel:
     peer: Peer
     job: str
     reason: str | None = None
-    summary: dict[str, Any] | None = None
+    summary: JobSummary | None = None
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,10 @@ from farm import defaults, protocol
 from farm.broker.registry import WorkerEntry
 from farm.policies import Chunk, Policy
 from farm.protocol import ProtocolError
+from farm.summary import JobSummary, WorkerShare
 
 if TYPE_CHECKING:
     from farm.broker.events import ChunkDone, DataArrived
-
-#: Job priorities a client may ask for: higher runs first.
-MIN_PRIORITY, MAX_PRIORITY = -100, 100
-#: Longest per-job timeout, in seconds (a week).
-MAX_TIMEOUT = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -39,39 +35,6 @@ class JobOptions:
     timeout: float | None = None
     client: str = ""
     engine: tuple[str, str] | None = None
-
-    @classmethod
-    def parse(cls, options: dict[str, Any]) -> JobOptions:
-        """Validate SUBMIT options; ProtocolError naming the bad one."""
-        unknown = sorted(map(str, set(options) - {"algo", "params", "priority", "timeout",
-                                                  "client", "engine"}))
-        if unknown:
-            raise ProtocolError(f"unknown job option(s): {', '.join(unknown)}")
-        algo, params = options.get("algo"), options.get("params", {})
-        priority, timeout = options.get("priority", 0), options.get("timeout")
-        client = options.get("client", "")
-        if algo is not None and not isinstance(algo, str):
-            raise ProtocolError("job option 'algo' must be a policy name")
-        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
-            raise ProtocolError("job option 'params' must map parameter names to values")
-        if (not isinstance(priority, int) or isinstance(priority, bool)
-                or not MIN_PRIORITY <= priority <= MAX_PRIORITY):
-            raise ProtocolError(f"job priority must be an integer {MIN_PRIORITY}..{MAX_PRIORITY}")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(
-                timeout, bool) or not 0 < timeout <= MAX_TIMEOUT):
-            raise ProtocolError(f"job timeout must be more than 0 and at most "
-                                f"{MAX_TIMEOUT:.0f} seconds")
-        if not isinstance(client, str) or len(client) > 200:
-            raise ProtocolError("job option 'client' must be a name of at most 200 characters")
-        from farm.engine import job_engine  # engines are the workers' business: load lazily
-
-        try:
-            engine = job_engine(options["engine"]) if "engine" in options else None
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from None
-        values = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())
-        return cls(algo, values, priority, None if timeout is None else float(timeout), client,
-                   engine)
 
     def policy(self, default_algo: str, default_params: dict[str, Any]) -> tuple[str, dict]:
         """The job's policy name and parameters: the broker's unless the job chose (they are
@@ -244,7 +207,7 @@ class Job:
         share.compute_s += compute
         worker.record(self.model, chunk.count, compute)
 
-    def summary(self, now: float) -> dict[str, Any]:
+    def summary(self, now: float) -> JobSummary:
         """Per-worker shares with each worker's standalone speed on this model.
 
         A worker that was offered the job but ran none of it still counts in the
@@ -256,9 +219,9 @@ class Job:
             history = worker.history.get(self.model)
             rate = (share.items / share.compute_s if share.compute_s > 0
                     else history.rate if history else 0.0)
-            workers.append({**vars(share), "standalone_rate": rate})
-        return {"items": self.total, "broker_seconds": now - self.submitted_at,
-                "done": self.done, "policy": self.algo, "workers": workers,
-                "shared": self.shared,
-                "failed_items": sum(f.stop - f.start for f in self.abandoned),
-                "failed_attempts": len(self.failures)}
+            workers.append(WorkerShare(**vars(share), rate=rate))
+        return JobSummary(total=self.total, broker_seconds=now - self.submitted_at,
+                          items=self.done, policy=self.algo, workers=tuple(workers),
+                          shared=self.shared,
+                          failed_items=sum(f.stop - f.start for f in self.abandoned),
+                          failed_attempts=len(self.failures))

@@ -7,17 +7,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from farm import defaults, protocol
-from farm.defaults import MAX_HEARTBEAT, MIN_HEARTBEAT
+from farm.messages import ModelFacts
 from farm.protocol import ProtocolError
 
 if TYPE_CHECKING:
     from farm.broker.events import WorkerFacts
     from farm.broker.jobs import ChunkRecord
 
-#: Most chunks a worker may ask to have in flight at once.
-MAX_SLOTS = 64
-#: Models whose engines one worker may report.
-MAX_ENGINES = 100
 #: Seconds behind a worker's images/s and busy share in ``farm status``.
 RECENT_WINDOW = 5.0
 #: Most heartbeat samples kept per worker (a window's worth at the fastest heartbeat).
@@ -46,7 +42,7 @@ class WorkerEntry:
     pid: int
     backend: str
     threads: int
-    models: dict[str, Any]  # name -> {"input_shape": [...]}: what it can run
+    models: dict[str, ModelFacts]  # what it can run
     loaded: set[str]  # models it has loaded
     slots: int
     engines: dict[str, str] = field(default_factory=dict)  # model -> "openvino f32 batch 64"
@@ -122,17 +118,7 @@ class WorkerEntry:
                 "compute_s": sum(h.compute_s for h in self.history.values())}
 
 
-def valid_heartbeat(value: Any) -> bool:
-    """A heartbeat interval a peer may announce: a number of seconds in range."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and MIN_HEARTBEAT <= value <= MAX_HEARTBEAT)
-
-
-def check_models(models: dict[str, Any]) -> None:
-    """Advertised models must be name -> {"input_shape": [positive ints]}."""
-    for name, facts in models.items():
-        if not isinstance(name, str):
-            raise ProtocolError("model names must be strings")
-        if not isinstance(facts, dict) or not isinstance(facts.get("input_shape"), list):
-            raise ProtocolError(f"model {name!r}: advertised without an input_shape")
-        protocol.check_array_spec("float32", facts["input_shape"])
+def check_models(models: dict[str, ModelFacts]) -> None:
+    """An advertised model's input must fit in a frame; ProtocolError if not."""
+    for facts in models.values():
+        protocol.check_array_spec("float32", facts.input_shape)

@@ -508,9 +508,9 @@ class FarmState:
             summary = job.summary(self.now)
             self.end_job(job, "done")
             log.info("job %s done: %d items in %.3f s", job.id, job.total,
-                     summary["broker_seconds"],
+                     summary.broker_seconds,
                      extra={"event": "job_ended", "job": job.id, "outcome": "done",
-                            "seconds": summary["broker_seconds"]})
+                            "seconds": summary.broker_seconds})
             self.out.append(ev.SendDone(job.client, job.id, summary))
 
     def fail_job(self, job: Job, error: str) -> None:

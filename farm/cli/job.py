@@ -121,7 +121,7 @@ def echo_result(result: JobResult, writer: NpyWriter | None, trace: str | None) 
         click.echo(f"outputs ({writer.total}, {', '.join(map(str, writer.item_shape))}) "
                    f"{writer.dtype} written to {writer.path}")
     if trace and result.trace is not None:
-        click.echo(f"trace of {len(result.trace['chunks'])} chunks written to {trace} "
+        click.echo(f"trace of {len(result.trace.chunks)} chunks written to {trace} "
                    f"(farm report {trace} -o {Path(trace).with_suffix('.png')})")
 
 

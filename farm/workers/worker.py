@@ -1,7 +1,7 @@
 """A stateless DEALER worker: receive a chunk, run the model, reply with outputs and timings.
 
 Two threads: the main thread owns the broker socket and keeps the link alive
-(the ZeroMQ guide's Paranoid Pirate worker: heartbeats out on every interval,
+(``farm.link``, the ZeroMQ guide's Paranoid Pirate: heartbeats out on every interval,
 the broker declared lost after ``liveness`` silent intervals, then a fresh
 socket and a new READY, with back-off); the compute thread runs the chunks,
 so a long chunk never silences the heartbeats.  Replies come back to the
@@ -30,13 +30,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import zmq
 
-from farm import defaults, protocol
+from farm import defaults, messages, protocol
 from farm.engine import (AUTO, GPU_BACKEND, Engine, Stopped, engine_class, job_engine,
                          limit_threads, load_engine)
+from farm.link import BrokerLink, LinkConfig
 from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError, ModelSpec, available, find, load_spec, prepare
@@ -50,9 +51,6 @@ ACCEPTED = frozenset({Command.TASK, Command.MODEL, Command.ERROR, Command.HEARTB
 
 #: Cancelled job ids a worker remembers (its chunks of them are not run).
 CANCELLED_MEMORY = 1000
-
-#: Longest wait between reconnection attempts while the broker is silent, in seconds.
-MAX_RECONNECT_INTERVAL = 32.0
 
 #: Seconds a chunk waits for its model's files before it is reported FAILED.
 FETCH_TIMEOUT = 120.0
@@ -195,12 +193,12 @@ class Worker:
                 log.warning("skipping model %s: %s", name, exc)
         return specs
 
-    def engine_key(self, header: dict[str, Any]) -> EngineKey:
+    def engine_key(self, task: messages.Task) -> EngineKey:
         """The engine a TASK runs on: its job's choice, else this worker's; ValueError for
         a malformed choice."""
-        backend, precision = (job_engine(header["engine"]) if "engine" in header
+        backend, precision = (job_engine(task.engine) if task.engine is not None
                               else (self.backend, self.config.precision))
-        return EngineKey(header["digest"], backend, precision)
+        return EngineKey(task.digest, backend, precision)
 
     def load(self, spec: ModelSpec | None, key: EngineKey) -> Engine:
         """Load a model once per digest and engine; a failure is remembered and reported
@@ -245,12 +243,16 @@ class Worker:
             self.load(spec, EngineKey(manifest_of(spec).digest, self.backend,
                                       self.config.precision))
 
-    def ready_header(self) -> dict[str, Any]:
-        return {"device": str(self.config.device), "host": socket.gethostname(),
-                "pid": os.getpid(), "backend": self.backend, "threads": self.thread_count(),
-                "models": {name: spec.summary() for name, spec in self.local_models().items()},
-                "loaded": sorted({e.spec.name for e in list(self.engines.values())}),
-                "engines": self.engine_names(), "slots": self.config.slots}
+    def ready_header(self) -> messages.Ready:
+        """The registration sent on every new connection to the broker."""
+        models = {name: messages.ModelFacts(input_shape=spec.item_shape)
+                  for name, spec in self.local_models().items()}
+        return messages.Ready(
+            device=str(self.config.device), host=socket.gethostname(), pid=os.getpid(),
+            backend=self.backend, models=models, slots=self.config.slots,
+            threads=self.thread_count(),
+            loaded=tuple(sorted({e.spec.name for e in list(self.engines.values())})),
+            engines=self.engine_names(), heartbeat=self.config.heartbeat)
 
     def engine_names(self) -> dict[str, str]:
         """Model -> the engines running it (``openvino f32 batch 64``), for ``farm status``."""
@@ -266,7 +268,10 @@ class Worker:
         """Serve chunks until stopped by a signal (``wakeup`` ends a wait at once) or
         ``max_tasks``."""
         self.preload()
-        link = BrokerLink(context, self.config, self.ready_header, self.heartbeat_header)
+        config = self.config
+        link = BrokerLink(context, LinkConfig(config.broker, config.heartbeat, config.liveness,
+                                              config.curve, config.curve_name, linger_ms=1000),
+                          self.ready_header, self.heartbeat_header)
         tasks: queue.Queue[Task | None] = queue.Queue()
         pipe = context.socket(zmq.PAIR)
         pipe.bind(f"inproc://farm-worker-{id(self)}")
@@ -288,19 +293,11 @@ class Worker:
     def io_loop(self, link: BrokerLink, pipe: zmq.Socket, tasks: queue.Queue,
                 wakeup: Wakeup | None = None) -> None:
         """The main thread: broker messages in, replies out, the link's timers."""
-        poller, watched = zmq.Poller(), []
-        poller.register(pipe, zmq.POLLIN)
+        link.poller.register(pipe, zmq.POLLIN)
         if wakeup is not None:
-            wakeup.watch(poller)
+            wakeup.watch(link.poller)
         while self.running:
-            if not watched or watched[0] is not link.socket:  # a new connection
-                for sock in watched:
-                    poller.unregister(sock)
-                watched = [link.socket] + ([link.handshakes.monitor] if link.handshakes else [])
-                for sock in watched:
-                    poller.register(sock, zmq.POLLIN)
-            events = dict(poller.poll(max(1, int(link.wait() * 1000))))
-            link.check_handshakes()
+            events = link.poll(link.wait())
             if link.socket in events:
                 self.receive(link, tasks)
             if pipe in events:
@@ -320,10 +317,11 @@ class Worker:
         except ProtocolError as exc:
             log.warning("dropped malformed message: %s", exc)
             return
-        if message.command is Command.HEARTBEAT:
-            link.broker_interval(message.header.get("interval"))
-        elif message.command is Command.CANCEL:
-            self.cancel(message.header["job"])
+        header = message.header
+        if isinstance(header, messages.Heartbeat):
+            link.heard(header.interval)
+        elif isinstance(header, messages.Cancel):
+            self.cancel(header.job)
         elif message.command is Command.DISCONNECT:
             log.warning("the broker does not know this worker (it restarted, or declared us "
                         "dead): registering again")
@@ -366,24 +364,25 @@ class Worker:
             pipe.close(linger=0)
 
     def dispatch(self, message: Message, received: float) -> list[Reply]:
-        if message.command is Command.ERROR:
-            log.error("broker refused us: %s", message.header["error"])
-        elif message.command is Command.TASK:
-            return self.on_task(message, received)
-        elif message.command is Command.MODEL:
-            return self.on_model(message)
+        match message.header:
+            case messages.Error(error=error):
+                log.error("broker refused us: %s", error)
+            case messages.Task() as task:
+                return self.on_task(message, task, received)
+            case messages.Model() as model:
+                return self.on_model(message, model)
         return []
 
-    def on_task(self, message: Message, received: float) -> list[Reply]:
+    def on_task(self, message: Message, task: messages.Task, received: float) -> list[Reply]:
         """Run a chunk now, or park it while its model's files are fetched."""
-        if message.header["job"] in self.cancelled:  # nothing to load or fetch for it
+        if task.job in self.cancelled:  # nothing to load or fetch for it
             return [self.failed(message, "job cancelled", fatal=False)]
-        model, digest = message.header["model"], message.header["digest"]
+        model, digest = task.model, task.digest
         if digest in self.waiting:
             self.waiting[digest].append((message, received))
             return []
         try:
-            key = self.engine_key(message.header)
+            key = self.engine_key(task)
         except ValueError as exc:
             return [self.failed(message, str(exc))]
         if key not in self.engines and key not in self.broken:
@@ -395,19 +394,19 @@ class Worker:
                 self.waiting[digest] = [(message, received)]
                 self.fetch_sent[digest] = time.monotonic()
                 log.info("fetching model %s (%s) from the broker", model, digest[:12])
-                return [protocol.encode(Command.FETCH, {"model": model, "digest": digest})]
+                return [protocol.encode(Command.FETCH,
+                                        messages.Fetch(model=model, digest=digest))]
             return [self.run_task(message, received, spec)]
         return [self.run_task(message, received)]
 
-    def on_model(self, message: Message) -> list[Reply]:
+    def on_model(self, message: Message, header: messages.Model) -> list[Reply]:
         """A model's files arrived: check and cache them, then run the chunks that waited."""
-        header = message.header
-        parked = self.waiting.pop(header["digest"], [])
-        self.fetch_sent.pop(header["digest"], None)
+        parked = self.waiting.pop(header.digest, [])
+        self.fetch_sent.pop(header.digest, None)
         try:
-            if "error" in header:
-                raise ModelError(f"the broker cannot send model {header['model']!r}: "
-                                 f"{header['error']}")
+            if header.error is not None:
+                raise ModelError(f"the broker cannot send model {header.model!r}: "
+                                 f"{header.error}")
             manifest = Manifest.from_header(header)
             spec = self.cache.install(manifest, message.payload)
             self.fetched[manifest.model] = self.fetched.get(manifest.model, 0) + 1
@@ -430,10 +429,13 @@ class Worker:
 
     @staticmethod
     def failed(message: Message, error: str, fatal: bool = True) -> Reply:
-        """FAILED for a chunk: ``fatal`` when no worker could run it (the model is unusable),
-        not fatal when another attempt may succeed."""
-        ids = {key: message.header[key] for key in ("job", "chunk", "start", "count")}
-        return protocol.encode(Command.FAILED, {**ids, "error": error, "fatal": fatal})
+        """FAILED for a TASK's chunk: ``fatal`` when no worker could run it (the model is
+        unusable), not fatal when another attempt may succeed."""
+        task = message.header
+        assert isinstance(task, messages.Task)  # only a TASK names a chunk to run
+        return protocol.encode(Command.FAILED, messages.Failed(
+            job=task.job, chunk=task.chunk, start=task.start, count=task.count, error=error,
+            fatal=fatal))
 
     def run_task(self, message: Message, received: float,
                  spec: ModelSpec | None = None) -> Reply:
@@ -443,48 +445,48 @@ class Worker:
         (model loading excluded), ``compute`` the forward passes, ``send`` the
         building of the reply (the socket send itself is asynchronous).
         """
-        header = message.header
-        ids = {key: header[key] for key in ("job", "chunk", "start", "count")}
+        task = message.header
+        assert isinstance(task, messages.Task)
         try:
-            key = self.engine_key(header)
+            key = self.engine_key(task)
             if key not in self.engines:
                 loading = time.perf_counter()
                 self.load(spec, key)
                 received += time.perf_counter() - loading
             engine = self.engines[key]
-            item_shape = tuple(header["item_shape"])
-            if item_shape != engine.spec.item_shape:
-                raise ValueError(f"item shape {item_shape} does not match model "
+            if task.item_shape != engine.spec.item_shape:
+                raise ValueError(f"item shape {task.item_shape} does not match model "
                                  f"{engine.spec.name!r} input {engine.spec.item_shape}")
-            images = message.array(header["dtype"], item_shape)
+            images = message.array(task.dtype, task.item_shape)
             decoded = time.perf_counter()
-            self.inject_fault(header["start"], header["count"])
-            outputs = engine.run(images, stop=lambda: header["job"] in self.cancelled,
+            self.inject_fault(task.start, task.count)
+            outputs = engine.run(images, stop=lambda: task.job in self.cancelled,
                                  tally=self.tally)
         except Stopped as exc:
             return self.failed(message, f"job cancelled ({exc})", fatal=False)
         except (ModelError, ValueError, ProtocolError) as exc:
             return self.failed(message, str(exc))
         except Exception as exc:  # backend errors and anything unforeseen: worth a retry
-            log.exception("chunk %s failed", ids)
+            log.exception("chunk %d of job %s failed", task.chunk, task.job)
             return self.failed(message, f"{type(exc).__name__}: {exc}", fatal=False)
         computed = time.perf_counter()
         self.tasks_done += 1
         frames = protocol.array_frames(outputs)
         timings = {"receive": decoded - received, "compute": computed - decoded,
                    "send": time.perf_counter() - computed}
-        return protocol.encode(Command.RESULT, {
-            **ids, "dtype": "float32", "item_shape": list(outputs.shape[1:]),
-            "timings": timings}, frames)
+        return protocol.encode(Command.RESULT, messages.Result(
+            job=task.job, chunk=task.chunk, start=task.start, count=task.count,
+            dtype="float32", item_shape=outputs.shape[1:], timings=timings), frames)
 
     def tally(self, images: int, seconds: float) -> None:
         """One compute batch done (compute thread)."""
         self.computed_images += images
         self.computed_seconds += seconds
 
-    def heartbeat_header(self) -> dict[str, Any]:
-        return {"computed": [self.computed_images, self.computed_seconds],
-                "engines": self.engine_names()}
+    def heartbeat_header(self) -> messages.Heartbeat:
+        """Every heartbeat carries the compute counters and the engines loaded."""
+        return messages.Heartbeat(computed=(self.computed_images, self.computed_seconds),
+                                  engines=self.engine_names())
 
     def rest_engines(self) -> None:
         """Idle: shrink every net that grew for large batches back to its resting batch."""
@@ -519,107 +521,6 @@ class Task:
     generation: int
     message: Message | None
     received: float
-
-
-class BrokerLink:
-    """The worker's end of the Paranoid Pirate link: socket, heartbeats, expiry, back-off.
-
-    Every message from the broker counts as a heartbeat.  When the broker has
-    been silent for ``liveness`` intervals the link closes its socket, opens a
-    fresh one and registers again; while the broker stays silent it waits
-    twice as long before each new try, up to ``MAX_RECONNECT_INTERVAL``.
-    """
-
-    def __init__(self, context: zmq.Context, config: WorkerConfig,
-                 ready_header: Callable[[], dict[str, Any]],
-                 heartbeat_header: Callable[[], dict[str, Any]] = dict) -> None:
-        self.context = context
-        self.config = config
-        self.ready_header = ready_header
-        self.heartbeat_header = heartbeat_header
-        self.generation = 0
-        self.interval = config.heartbeat  # the broker's heartbeat interval, once heard
-        self.retry_interval = self.expiry
-        self.handshakes = None
-        self.socket: zmq.Socket = self.connect()
-
-    @property
-    def expiry(self) -> float:
-        return self.config.liveness * max(self.config.heartbeat, self.interval)
-
-    def connect(self) -> zmq.Socket:
-        sock = self.context.socket(zmq.DEALER)
-        protocol.limit_socket(sock, linger_ms=1000)
-        if self.config.curve:
-            from farm.keys import Handshakes, make_client
-
-            make_client(sock, self.config.curve, self.config.curve_name)
-            self.handshakes = Handshakes(sock, self.config.curve_name)
-        sock.connect(self.config.broker)
-        self.socket = sock
-        self.send(protocol.encode(Command.READY, {**self.ready_header(),
-                                                  "heartbeat": self.config.heartbeat}))
-        now = time.monotonic()
-        self.last_heard, self.next_beat = now, now + self.config.heartbeat
-        self.deadline = now + self.retry_interval
-        return sock
-
-    def heard(self) -> None:
-        now = time.monotonic()
-        self.last_heard = now
-        self.retry_interval = self.expiry
-        self.deadline = now + self.expiry
-
-    def broker_interval(self, interval: Any) -> None:
-        if isinstance(interval, (int, float)) and 0 < interval <= 60:
-            self.interval = float(interval)
-
-    def wait(self) -> float:
-        """Seconds until the next timer."""
-        return max(0.0, min(self.next_beat, self.deadline) - time.monotonic())
-
-    def tick(self) -> bool:
-        """Heartbeat when due; reconnect when the broker is silent too long (True then)."""
-        now = time.monotonic()
-        if now >= self.next_beat:
-            self.send(protocol.encode(Command.HEARTBEAT, self.heartbeat_header()))
-            self.next_beat = now + self.config.heartbeat
-        if now < self.deadline:
-            return False
-        log.warning("no word from broker %s for %.1f s: reconnecting", self.config.broker,
-                    now - self.last_heard)
-        self.retry_interval = min(self.retry_interval * 2, MAX_RECONNECT_INTERVAL)
-        self.reconnect()
-        return True
-
-    def reconnect(self) -> None:
-        """A fresh socket and a new READY; replies for the old connection will be dropped."""
-        self.close(goodbye=False)
-        self.generation += 1
-        self.socket = self.connect()
-
-    def send(self, frames: list[Any]) -> None:
-        """Send without blocking; with no broker connection to take it, drop it (a lost
-        reply's chunk is requeued by the broker once it declares this worker gone)."""
-        try:
-            self.socket.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("no connection to the broker: a message was dropped")
-
-    def check_handshakes(self) -> None:
-        """KeysError if the broker refused this worker's CURVE key (libzmq will not retry)."""
-        if self.handshakes is not None and (refused := self.handshakes.failure()):
-            from farm.keys import KeysError
-
-            raise KeysError(f"broker {self.config.broker}: {refused}")
-
-    def close(self, goodbye: bool) -> None:
-        if goodbye:
-            self.send(protocol.encode(Command.DISCONNECT))
-        if self.handshakes is not None:
-            self.handshakes.close()
-            self.handshakes = None
-        self.socket.close(linger=1000 if goodbye else 0)
 
 
 def serve(config: WorkerConfig) -> None:

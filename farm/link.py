@@ -1,0 +1,190 @@
+"""The link from a worker or a client to the broker: the ZeroMQ guide's Paranoid Pirate.
+
+One DEALER socket (CurveZMQ when a keys folder is given), heartbeats on every
+interval whatever else happens, and an expiry: any message from the broker
+counts as a heartbeat, and once the broker has been silent for ``liveness``
+intervals (the longer of this peer's and the broker's) it counts as lost.  The
+link then closes its socket, opens a fresh one (nothing queued for the old
+connection is sent or read) and greets the broker anew: a worker registers
+again, a client submits again what it still misses.  While the broker stays
+silent each new try waits twice as long as the one before, up to a cap.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import zmq
+
+from farm import protocol
+from farm.messages import Header, Heartbeat
+from farm.protocol import Command
+
+log = logging.getLogger("farm.link")
+
+#: Longest wait between reconnection attempts while the broker is silent, in seconds.
+MAX_RECONNECT_INTERVAL = 32.0
+
+
+class BrokerRefused(ValueError):
+    """The broker refused this peer's CURVE key (libzmq does not retry such a connection)."""
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """Where the broker is, the link's timers, and the keys to connect with."""
+
+    broker: str
+    heartbeat: float = 1.0  # seconds between this peer's heartbeats
+    liveness: int = 5  # silent heartbeat intervals before the broker counts as lost
+    curve: str | None = None  # a `farm keys` folder: connect with CurveZMQ ...
+    curve_name: str = "client"  # ... as this key
+    linger_ms: int = 0  # how long a socket closed with a goodbye may still send
+    max_retry: float = MAX_RECONNECT_INTERVAL  # back-off cap (0: try again every expiry)
+
+
+class BrokerLink:
+    """One peer's end of the link: socket, poller, heartbeats, expiry, back-off.
+
+    ``greeting`` gives the header sent on every new connection (None: nothing to
+    say); ``heartbeat`` the heartbeat sent every interval (None: none now).  The
+    owner registers its own sockets or descriptors in ``poller``; the link keeps
+    its current socket, and the CURVE handshake monitor, registered there.
+    """
+
+    def __init__(self, context: zmq.Context, config: LinkConfig,
+                 greeting: Callable[[], Header | None],
+                 heartbeat: Callable[[], Heartbeat | None]) -> None:
+        self.context, self.config = context, config
+        self.greeting, self.heartbeat = greeting, heartbeat
+        self.poller = zmq.Poller()
+        self.generation = 0  # connections opened before the current one
+        self.interval = config.heartbeat  # the broker's heartbeat interval, once heard
+        self.retry_interval = self.expiry
+        self.handshakes: Any = None  # farm.keys.Handshakes, with CURVE
+        self.socket: zmq.Socket
+        self._open()
+
+    @property
+    def expiry(self) -> float:
+        """Seconds of broker silence after which the broker counts as lost."""
+        return self.config.liveness * max(self.config.heartbeat, self.interval)
+
+    def _open(self) -> None:
+        """A fresh socket, connected and greeted, with the timers started afresh."""
+        sock = self.context.socket(zmq.DEALER)
+        limit_socket(sock, linger_ms=self.config.linger_ms)
+        try:
+            if self.config.curve:
+                from farm.keys import Handshakes, make_client
+
+                make_client(sock, self.config.curve, self.config.curve_name)
+                self.handshakes = Handshakes(sock, self.config.curve_name)
+                self.poller.register(self.handshakes.monitor, zmq.POLLIN)
+            sock.connect(self.config.broker)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self.poller.register(sock, zmq.POLLIN)
+        self.socket = sock
+        now = time.monotonic()
+        self.last_heard, self.next_beat = now, now + self.config.heartbeat
+        self.deadline = now + self.retry_interval
+        greeting = self.greeting()
+        if greeting is not None:
+            self.send(protocol.encode(protocol.command_of(greeting), greeting))
+
+    def heard(self, interval: float | None = None) -> None:
+        """The broker spoke: it counts as alive for another expiry, and the back-off starts
+        over.  ``interval``: the heartbeat interval it announced (in range: its message was
+        decoded), if it did."""
+        if interval is not None:
+            self.interval = interval
+        now = time.monotonic()
+        self.last_heard = now
+        self.retry_interval = self.expiry
+        self.deadline = now + self.expiry
+
+    def restart_timers(self) -> None:
+        """A request went out: a heartbeat now, and a full expiry for the broker to answer."""
+        self.heard()
+        self.next_beat = self.last_heard
+
+    def wait(self) -> float:
+        """Seconds until the next timer: a heartbeat, or the broker's expiry."""
+        return max(0.0, min(self.next_beat, self.deadline) - time.monotonic())
+
+    def beat(self) -> None:
+        """Send a heartbeat if one is due."""
+        now = time.monotonic()
+        if now < self.next_beat:
+            return
+        header = self.heartbeat()
+        if header is not None:
+            self.send(protocol.encode(Command.HEARTBEAT, header))
+        self.next_beat = now + self.config.heartbeat
+
+    def tick(self) -> bool:
+        """Heartbeat when due; reconnect when the broker has been silent past its expiry
+        (True then), and wait longer before the next try."""
+        self.beat()
+        now = time.monotonic()
+        if now < self.deadline:
+            return False
+        log.warning("no word from broker %s for %.1f s: reconnecting", self.config.broker,
+                    now - self.last_heard)
+        self.retry_interval = min(self.retry_interval * 2,
+                                  max(self.config.max_retry, self.expiry))
+        self.reconnect()
+        return True
+
+    def reconnect(self) -> None:
+        """A fresh socket, greeted anew; replies meant for the old connection are lost."""
+        self._close(linger_ms=0)
+        self.generation += 1
+        self._open()
+
+    def send(self, frames: list[Any]) -> None:
+        """Send without blocking; with no broker connection to take it, drop it (the silence
+        that follows makes up for it: the broker requeues a lost worker's chunks, a client
+        submits again)."""
+        try:
+            self.socket.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("no connection to broker %s: a message was dropped", self.config.broker)
+
+    def poll(self, seconds: float | None) -> dict[Any, int]:
+        """Events on the poller within ``seconds`` (None: no limit).  BrokerRefused if the
+        broker refused this peer's CURVE key: libzmq will not retry, so waiting would hang."""
+        timeout = None if seconds is None else max(0, math.ceil(seconds * 1000))
+        events = dict(self.poller.poll(timeout))
+        if self.handshakes is not None and (refused := self.handshakes.failure()):
+            raise BrokerRefused(f"broker {self.config.broker}: {refused}")
+        return events
+
+    def close(self, goodbye: bool = False) -> None:
+        """Close the socket; with ``goodbye``, tell the broker first (DISCONNECT) and let the
+        socket send for up to ``linger_ms``."""
+        if goodbye:
+            self.send(protocol.encode(Command.DISCONNECT))
+        self._close(self.config.linger_ms if goodbye else 0)
+
+    def _close(self, linger_ms: int) -> None:
+        self.poller.unregister(self.socket)
+        if self.handshakes is not None:
+            self.poller.unregister(self.handshakes.monitor)
+            self.handshakes.close()
+            self.handshakes = None
+        self.socket.close(linger=linger_ms)
+
+
+def limit_socket(socket: Any, linger_ms: int = 0) -> None:
+    """Bound what a peer can make this socket hold: frame size and queued messages."""
+    socket.setsockopt(zmq.LINGER, linger_ms)
+    socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+    socket.setsockopt(zmq.RCVHWM, protocol.QUEUE_LIMIT)
+    socket.setsockopt(zmq.SNDHWM, protocol.QUEUE_LIMIT)

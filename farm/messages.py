@@ -1,0 +1,221 @@
+"""Message headers: one typed struct per command (``farm.protocol`` maps commands to them).
+
+A header is decoded with ``msgspec`` straight into its struct, so a missing
+field, a field of the wrong type, a number out of range or a string or list too
+long is refused while decoding, and the error names the field (``$.count``).
+Optional fields are left off the wire while they hold their default.  Checks
+that need more than one field, the broker's state or the model repository
+(a payload's size, a dtype's item size, a job's engine) stay with the code that
+has what they need.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Union
+
+import msgspec
+from msgspec import Meta
+
+#: Heartbeat intervals a peer may announce, in seconds.
+from farm.defaults import HEARTBEAT, MAX_HEARTBEAT, MIN_HEARTBEAT  # noqa: E402
+#: Most items in a job, a chunk or one dimension of an item.
+MAX_ITEMS = 1 << 31
+#: Most dimensions of an item.
+MAX_DIMS = 8
+#: Most chunks a worker may ask to have in flight at once.
+MAX_SLOTS = 64
+#: Models whose engines one worker may report.
+MAX_ENGINES = 100
+#: Job priorities a client may ask for: higher runs first.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+#: Longest per-job timeout, in seconds (a week).
+MAX_TIMEOUT = 7 * 24 * 3600.0
+#: Longest string, and longest list, in a header; most entries in a header's map.
+MAX_TEXT, MAX_LIST, MAX_MAP = 4096, 4096, 64
+
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Name = Annotated[str, Meta(max_length=200)]
+JobId = Annotated[str, Meta(min_length=1, max_length=100)]
+Start = Annotated[int, Meta(ge=0, le=MAX_ITEMS)]
+Count = Annotated[int, Meta(gt=0, le=MAX_ITEMS)]
+Shape = Annotated[tuple[Annotated[int, Meta(gt=0, le=MAX_ITEMS)], ...],
+                  Meta(min_length=1, max_length=MAX_DIMS)]
+Interval = Annotated[float, Meta(ge=MIN_HEARTBEAT, le=MAX_HEARTBEAT)]
+Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # no NaN, no inf
+Engine = tuple[Name, Name]  # (backend, precision), checked by ``farm.engine.job_engine``
+#: A policy parameter's value: a number, a name, a flag, or a list of them.
+Scalar = Union[bool, int, float, Text, None]
+Param = Union[Scalar, Annotated[list[Scalar], Meta(max_length=MAX_LIST)]]
+
+
+class Header(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A command's header; subclasses list its fields (build them by keyword)."""
+
+
+class ModelFacts(msgspec.Struct, frozen=True):
+    """What a worker advertises about a model it can run."""
+
+    input_shape: Shape
+
+
+class Ready(Header):
+    """worker -> broker: registration with the worker's facts."""
+
+    device: Text
+    host: Text
+    pid: int
+    backend: Text
+    models: Annotated[dict[Name, ModelFacts], Meta(max_length=MAX_MAP)]
+    slots: Annotated[int, Meta(ge=1, le=MAX_SLOTS)]
+    threads: int = 0
+    loaded: Annotated[tuple[Name, ...], Meta(max_length=MAX_MAP)] = ()
+    engines: Annotated[dict[Name, Name], Meta(max_length=MAX_ENGINES)] = {}
+    heartbeat: Interval = HEARTBEAT
+
+
+class ChunkHeader(Header):
+    """A header about one chunk: its job, its attempt's id (``chunk``) and its items."""
+
+    job: JobId
+    chunk: int
+    start: Start
+    count: Count
+
+
+class Task(ChunkHeader):
+    """broker -> worker: a chunk to run; ``engine`` the job's own, if it chose one."""
+
+    attempt: int
+    model: Text
+    digest: Text
+    dtype: Text
+    item_shape: Shape
+    engine: Engine | None = None
+
+
+class Result(ChunkHeader):
+    """worker -> broker -> client: a chunk's outputs.
+
+    ``timings`` (receive, compute, send seconds) are judged by the broker, which
+    fails the job on a bad one rather than refusing the message.  The broker adds
+    for the client: the worker's name, the attempt, and ``trace``: when the chunk
+    was assigned, sent and answered, in seconds since the job's submission.
+    """
+
+    dtype: Text
+    item_shape: Shape
+    timings: Annotated[dict[Name, Any], Meta(max_length=MAX_MAP)]
+    worker: Text = ""
+    attempt: int = 1
+    trace: tuple[Finite, Finite, Finite] | None = None
+
+
+class Failed(ChunkHeader):
+    """worker -> broker -> client: a chunk could not run; ``fatal``: no retry can help."""
+
+    error: Text
+    fatal: bool = True
+
+
+class Options(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A job's own choices, in SUBMIT: see ``farm.broker.jobs.JobOptions``."""
+
+    client: Name = ""
+    priority: Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
+    timeout: Annotated[float, Meta(gt=0, le=MAX_TIMEOUT)] | None = None
+    algo: Name | None = None
+    params: Annotated[dict[Name, Param], Meta(max_length=MAX_MAP)] = {}
+    engine: Engine | None = None
+
+
+class Submit(Header):
+    """client -> broker: a new job; ``heartbeat``: the client's interval (default the
+    broker's)."""
+
+    job: JobId
+    model: Text
+    dtype: Text
+    item_shape: Shape
+    total: Count
+    options: Options
+    heartbeat: Interval | None = None
+
+
+class Data(ChunkHeader):
+    """client -> broker: the items of one chunk (answers NEED)."""
+
+
+class Need(ChunkHeader):
+    """broker -> client: send the input of one chunk."""
+
+
+class Done(Header):
+    """broker -> client: every item of a job came back (the summary is the document)."""
+
+    job: JobId
+
+
+class Error(Header):
+    """broker -> client or worker: a request was refused; ``job`` when it concerns one,
+    ``unknown_job`` when the broker does not know it."""
+
+    error: Text
+    job: JobId | None = None
+    unknown_job: bool = False
+
+
+class Info(Header):
+    """client -> broker: a registry snapshot, once ``wait_workers`` have joined; the reply
+    carries it as its document."""
+
+    wait_workers: int = 0
+
+
+class Heartbeat(Header):
+    """Liveness, any direction.  A client names its job; the broker gives its interval;
+    a worker reports its compute counters ``(images, seconds)`` and engines."""
+
+    job: JobId | None = None
+    interval: Interval | None = None
+    computed: tuple[Annotated[int, Meta(ge=0, lt=10**18)],
+                    Annotated[float, Meta(ge=0, lt=1e18)]] | None = None
+    engines: Annotated[dict[Name, Name], Meta(max_length=MAX_ENGINES)] | None = None
+
+
+class Disconnect(Header):
+    """worker -> broker: leaving; broker -> worker: register again."""
+
+
+class Fetch(Header):
+    """worker -> broker: send me a model's files."""
+
+    model: Text
+    digest: Text
+
+
+#: One file of a MODEL message: name, size in bytes, SHA-256.
+FileEntry = tuple[Text, Annotated[int, Meta(ge=0)], Text]
+
+
+class Model(Header):
+    """broker -> worker: a model's manifest, one payload frame per file; or why not."""
+
+    model: Text
+    digest: Text
+    files: Annotated[list[FileEntry], Meta(max_length=MAX_LIST)]
+    error: Text | None = None
+
+
+class Cancel(Header):
+    """client -> broker: stop a job; broker -> client: it stopped, and why; broker ->
+    worker: drop the job's chunks."""
+
+    job: JobId
+    reason: Text | None = None
+
+
+def job_of(header: Header) -> str | None:
+    """The job a header concerns, if it names one."""
+    job = getattr(header, "job", None)
+    return job if isinstance(job, str) else None

@@ -1,0 +1,98 @@
+"""The Paranoid Pirate link (farm.link) against a real ROUTER on loopback that says nothing."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Iterator
+
+import pytest
+import zmq
+
+from farm import messages, protocol
+from farm.client import Client
+from farm.link import BrokerLink, LinkConfig
+from farm.protocol import Command
+
+HEARTBEAT, LIVENESS = 0.02, 2  # the broker counts as lost after 0.04 s of silence
+
+
+@pytest.fixture
+def silent_broker() -> Iterator[tuple[zmq.Context, zmq.Socket, str]]:
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    yield context, router, f"tcp://127.0.0.1:{port}"
+    router.close()
+    context.term()
+
+
+def greeted_by(router: zmq.Socket) -> bytes:
+    """The identity of the next peer whose greeting (an INFO here) reaches the router."""
+    while True:
+        assert router.poll(10_000), "no greeting came"
+        identity, *frames = router.recv_multipart()
+        if protocol.decode(frames).command is Command.INFO:
+            return identity
+
+
+def reconnects(link: BrokerLink, count: int) -> list[float]:
+    """Drive the link until it has reconnected ``count`` times; the seconds between tries."""
+    times: list[float] = []
+    while len(times) < count:
+        link.poll(link.wait())
+        if link.tick():
+            times.append(time.monotonic())
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def test_a_silent_broker_gets_fresh_sockets_further_and_further_apart(silent_broker) -> None:
+    context, router, endpoint = silent_broker
+    link = BrokerLink(context, LinkConfig(endpoint, HEARTBEAT, LIVENESS, max_retry=0.16),
+                      messages.Info, messages.Heartbeat)
+    try:
+        first = greeted_by(router)
+        gaps = reconnects(link, 5)
+        assert link.generation == 5
+        assert greeted_by(router) != first, "each connection is a fresh socket, greeted anew"
+        expiry = HEARTBEAT * LIVENESS
+        assert all(gap >= expiry * factor * 0.9 for gap, factor in zip(gaps, (2, 4, 4, 4)))
+        assert link.retry_interval == pytest.approx(0.16), "doubling stops at the cap"
+        link.heard()  # the broker spoke: the back-off starts over
+        assert link.retry_interval == pytest.approx(expiry)
+    finally:
+        link.close()
+
+
+def test_without_back_off_every_try_waits_one_expiry(silent_broker) -> None:
+    context, _, endpoint = silent_broker
+    link = BrokerLink(context, LinkConfig(endpoint, HEARTBEAT, LIVENESS, max_retry=0.0),
+                      lambda: None, lambda: None)
+    try:
+        reconnects(link, 3)
+        assert link.retry_interval == pytest.approx(HEARTBEAT * LIVENESS)
+    finally:
+        link.close()
+
+
+def test_the_brokers_longer_interval_stretches_the_expiry(silent_broker) -> None:
+    context, _, endpoint = silent_broker
+    link = BrokerLink(context, LinkConfig(endpoint, HEARTBEAT, LIVENESS), lambda: None,
+                      lambda: None)
+    try:
+        link.heard(interval=0.5)
+        assert link.expiry == pytest.approx(1.0) and link.wait() <= HEARTBEAT
+    finally:
+        link.close()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # pyzmq's "unclosed context"
+def test_a_client_dropped_unclosed_is_freed_at_once(silent_broker) -> None:
+    """The link holds nothing that leads back to its client, so a client nobody closed is
+    freed when dropped, not by a later garbage collection (whose teardown of the context
+    could wait forever on a socket it can no longer see)."""
+    client = Client(silent_broker[2])
+    dropped = weakref.ref(client)
+    del client
+    assert dropped() is None
