@@ -352,6 +352,7 @@ class Client:
         result = self.run(images, model, **options)
         if result.failed:
             raise FarmError(describe_failures(result.failed))
+        assert result.outputs is not None  # no sink was given: the outputs are in memory
         return result.outputs
 
     def run(self, images: np.ndarray | NpyReader, model: str,

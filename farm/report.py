@@ -197,11 +197,16 @@ def analyse(trace: Trace) -> Breakdown:
         return images / capacity if capacity > 0 else 0.0
 
     waste = share(capacity - items)  # == (theoretical - rate) / theoretical when T > 0
-    parts = [share(sum(w.standalone_rate * getattr(w, field) for w in workers))
-             for field in ("idle_start_s", "barrier_s", "messaging_s", "tail_s")]
-    return Breakdown(items, seconds, items / seconds if seconds > 0 else 0.0, theoretical,
-                     waste, *parts, waste - sum(parts), workers,
-                     trace.model, trace.policy, trace.cancelled or None, total, trace.shared)
+    start, barrier, messaging, tail = (
+        share(sum(w.standalone_rate * getattr(w, field) for w in workers))
+        for field in ("idle_start_s", "barrier_s", "messaging_s", "tail_s"))
+    return Breakdown(items=items, seconds=seconds,
+                     rate=items / seconds if seconds > 0 else 0.0,
+                     theoretical_rate=theoretical, waste=waste, start=start, barrier=barrier,
+                     messaging=messaging, tail=tail,
+                     other=waste - (start + barrier + messaging + tail), workers=workers,
+                     model=trace.model, policy=trace.policy,
+                     cancelled=trace.cancelled or None, total=total, shared=trace.shared)
 
 
 def _span(trace: Trace) -> float:
@@ -218,7 +223,7 @@ def throughput(trace: Trace, bins: int | Sequence[float] = 100) -> tuple[np.ndar
     of equal bins from 0 to the end of the job, or the increasing bin edges themselves.  A chunk
     that took no time puts all its images in the bin where it started.
     """
-    if np.ndim(bins) == 0:
+    if isinstance(bins, (int, float)):
         edges = np.linspace(0.0, _span(trace), max(int(bins), 1) + 1)
     else:
         edges = np.asarray(bins, dtype=float)
@@ -314,10 +319,10 @@ def _draw_throughput(ax: Any, trace: Trace, breakdown: Breakdown, wide: bool) ->
 def _title(b: Breakdown, columns: int) -> str:
     """Headline and where the waste went, wrapped to about `columns` characters."""
     parts = ", ".join(f"{part} {_percent(getattr(b, part))}" for part, _ in _PARTS)
-    lines = (f"{b.model}, policy {b.policy}: {b.items:,} images in {b.seconds:.3f} s, "
-             f"{b.rate:,.0f} images/s, waste {b.waste:.1%}", f"where it went: {parts}")
+    lines = [f"{b.model}, policy {b.policy}: {b.items:,} images in {b.seconds:.3f} s, "
+             f"{b.rate:,.0f} images/s, waste {b.waste:.1%}", f"where it went: {parts}"]
     if b.cancelled:
-        lines = (f"stopped early: {b.cancelled}",) + lines
+        lines.insert(0, f"stopped early: {b.cancelled}")
     return "\n".join(wrapped for line in lines for wrapped in textwrap.wrap(line, columns))
 
 

@@ -92,7 +92,7 @@ class Device:
         import torch
 
         count = torch.cuda.device_count()
-        if self.index >= count:
+        if (self.index or 0) >= count:
             raise ValueError(f"device {self}: torch {torch.__version__} sees "
                              f"{count} CUDA device(s)"
                              + ("" if count else " (a CPU-only build, or no GPU driver)"))
