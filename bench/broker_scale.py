@@ -168,12 +168,12 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
                 header = message.header
                 if message.command is Command.NEED:
                     sock.send_multipart(protocol.encode(Command.DATA, {
-                        "job": "scale", "chunk": header["chunk"], "start": header["start"],
-                        "count": header["count"]}, [pixels[:784 * header["count"]]]))
+                        "job": "scale", "chunk": header.chunk, "start": header.start,
+                        "count": header.count}, [pixels[:784 * header.count]]))
                 elif message.command is Command.TASK:
-                    count = header["count"]
+                    count = header.count
                     sock.send_multipart(protocol.encode(Command.RESULT, {
-                        "job": header["job"], "chunk": header["chunk"], "start": header["start"],
+                        "job": header.job, "chunk": header.chunk, "start": header.start,
                         "count": count, "dtype": "float32", "item_shape": [10],
                         "timings": {"compute": 1e-4 * count}}, [output[:count].data]))
                 elif message.command is Command.RESULT:
@@ -182,7 +182,7 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
                     seconds = time.perf_counter() - started
                     context.destroy(linger=0)
                     if message.command is Command.ERROR:
-                        raise RuntimeError(header["error"])
+                        raise RuntimeError(header.error)
                     return chunks, seconds
 
 

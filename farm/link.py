@@ -153,7 +153,7 @@ class BrokerLink:
         that follows makes up for it: the broker requeues a lost worker's chunks, a client
         submits again)."""
         try:
-            self.socket.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            send_frames(self.socket, frames, int(zmq.NOBLOCK))
         except zmq.Again:
             log.debug("no connection to broker %s: a message was dropped", self.config.broker)
 
@@ -188,3 +188,16 @@ def limit_socket(socket: Any, linger_ms: int = 0) -> None:
     socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
     socket.setsockopt(zmq.RCVHWM, protocol.QUEUE_LIMIT)
     socket.setsockopt(zmq.SNDHWM, protocol.QUEUE_LIMIT)
+
+
+#: ``zmq.SNDMORE`` as a plain int: pyzmq's ``send_multipart`` combines enum flags per
+#: frame, which costs more than the send itself for small frames.
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def send_frames(socket: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
+    """``send_multipart(frames, copy=False)``, frame by frame with int flags (about 12 us a
+    message less in pyzmq 27; measured by bench/broker_scale.py's real broker)."""
+    last = len(frames) - 1
+    for index, frame in enumerate(frames):
+        socket.send(frame, flags | _SNDMORE if index < last else flags, copy=False)

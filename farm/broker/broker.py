@@ -38,7 +38,7 @@ from farm.broker.registry import check_models
 from farm import messages
 from farm.messages import Options, job_of
 from farm.broker.state import FarmState, SchedulingConfig
-from farm.link import limit_socket
+from farm.link import limit_socket, send_frames
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError
 from farm.wakeup import Wakeup
@@ -248,8 +248,7 @@ class Broker:
         error = header.get("error")
         if isinstance(error, str) and len(error) > MAX_ERROR_CHARS:  # it may quote the peer
             header = {**header, "error": error[:MAX_ERROR_CHARS - 3] + "..."}
-        self.socket.send_multipart([identity, *protocol.encode(command, header, payload)],
-                                   copy=False)
+        send_frames(self.socket, [identity, *protocol.encode(command, header, payload)])
 
     # ------------------------------------------------------------ decoding
 
