@@ -235,10 +235,11 @@ class FarmSimulation:
                 answered = end + self.scenario.latency
                 self.at(answered, ev.ChunkDone(worker, job, chunk, start, count, "float32",
                                                (1,), {"compute": end - began}, answered))
-            case ev.SendResult(_, job, chunk, start, count, _, _, _, worker, _, trace):
-                began, end = self.running.pop(chunk)
-                self.runs.setdefault(job, []).append(ChunkRun(
-                    self.state_name(worker), Chunk(start, count), trace[0], began, end, now))
+            case ev.SendResult(_, result, worker, _, trace):
+                began, end = self.running.pop(result.chunk)
+                self.runs.setdefault(result.job, []).append(ChunkRun(
+                    self.state_name(worker), Chunk(result.start, result.count), trace[0],
+                    began, end, now))
             case ev.SendDone(_, job):
                 self.ended[job] = now
             case ev.SendFailed(_, job):

@@ -61,9 +61,9 @@ def test_a_chunk_goes_need_data_task_result_done() -> None:
     assert state.handle(data(need, 0.1)) == [
         ev.SendTask(A, "j", 1, 1, 0, 100, "m", "digest", "float32", (1,), None)]
     task = ev.SendTask(A, "j", 1, 1, 0, 100, "m", "digest", "float32", (1,), None)
-    out = state.handle(done(task, 0.5, 0.25))
-    assert out == [ev.SendResult(CLIENT, "j", 1, 0, 100, "float32", (1,), {"compute": 0.25},
-                                 "host:1/cpu", 1, (0.0, 0.1, 0.5)),
+    result = done(task, 0.5, 0.25)
+    out = state.handle(result)
+    assert out == [ev.SendResult(CLIENT, result, "host:1/cpu", 1, (0.0, 0.1, 0.5)),
                    ev.SendNeed(CLIENT, "j", 2, 100, 50)]
     state.handle(data(out[1], 0.6))
     task = ev.SendTask(A, "j", 2, 1, 100, 50, "m", "digest", "float32", (1,), None)

@@ -221,7 +221,7 @@ class Broker:
                           instruction.payload)
             case ev.SendResult():
                 self.send(instruction.client, Command.RESULT, result_header(instruction),
-                          instruction.payload)
+                          instruction.result.payload)
             case ev.SendFailed(client, job, chunk, start, count, error):
                 self.send(client, Command.FAILED, {"job": job, "chunk": chunk, "start": start,
                                                    "count": count, "error": error})
@@ -401,11 +401,12 @@ def task_header(task: ev.SendTask) -> dict[str, Any]:
     return header
 
 
-def result_header(result: ev.SendResult) -> dict[str, Any]:
+def result_header(forward: ev.SendResult) -> dict[str, Any]:
+    result = forward.result
     return {"job": result.job, "chunk": result.chunk, "start": result.start,
             "count": result.count, "dtype": result.dtype, "item_shape": list(result.item_shape),
-            "timings": result.timings, "worker": result.worker, "attempt": result.attempt,
-            "trace": list(result.trace)}
+            "timings": result.timings, "worker": forward.worker, "attempt": forward.attempt,
+            "trace": list(forward.trace)}
 
 
 def mapped(path: Path) -> Any:

@@ -192,21 +192,14 @@ class SendTask:
 
 @dataclass(frozen=True)
 class SendResult:
-    """A chunk's outputs, forwarded to its client; ``trace``: assigned, sent and answered,
-    seconds after the job's submission."""
+    """A chunk's outputs (the worker's ``result``), forwarded to its client; ``trace``:
+    assigned, sent and answered, seconds after the job's submission."""
 
     client: Peer
-    job: str
-    chunk: int
-    start: int
-    count: int
-    dtype: str
-    item_shape: tuple[int, ...]
-    timings: dict[str, float]
+    result: ChunkDone
     worker: str
     attempt: int
     trace: tuple[float, float, float]
-    payload: Any = ()
 
 
 @dataclass(frozen=True)

@@ -225,10 +225,8 @@ class FarmState:
         job.account(entry, chunk, compute)
         self.note_rate(job.model, entry)
         origin, sent = job.submitted_at, record.sent_at or record.assigned_at
-        self.out.append(ev.SendResult(
-            job.client, job.id, event.chunk, event.start, event.count, event.dtype,
-            event.item_shape, event.timings, entry.name, record.attempt,
-            (record.assigned_at - origin, sent - origin, event.at - origin), event.payload))
+        self.out.append(ev.SendResult(job.client, event, entry.name, record.attempt, (
+            record.assigned_at - origin, sent - origin, event.at - origin)))
         self.cap_chunks(job)  # speeds changed
         if self.observer:
             self.observer.chunk_done(entry, chunk.count, event.timings, sent - record.assigned_at,
