@@ -11,20 +11,31 @@ up, busy slots, losses, caps that move).  Every run must make the same assignmen
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
+import math
 import random
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cache
+from itertools import count
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from farm.broker.jobs import JobOptions
 from farm.broker.state import SchedulingConfig
 from farm.policies import (PAPER_PARAMETERS, POLICIES, Assign, Chunk, ChunkDone, ChunkFailed,
-                           Policy, WorkerBusy, WorkerLost, WorkerReady, make_policy)
+                           Policy, WorkerBusy, WorkerLost, WorkerReady, make_policy,
+                           proportional_split)
+from farm.policies.base import SMALL_FARM
+from farm.policies.equal_finish import EqualFinishPolicy
+from farm.policies.rounds import RoundPolicy
+from farm.policies.speeds import MeasuredPolicy
 from farm.scenarios import many_devices, paper_scenario, spread_devices
 from farm.simulator import DeviceModel, FarmSimulation, Scenario
 
@@ -119,6 +130,7 @@ class EventDriver:
     held: dict[str, list[Chunk]] = field(default_factory=dict)
     alive: set[str] = field(default_factory=set)
     log: list[Decision] = field(default_factory=list)
+    check: Callable[[EventDriver], None] | None = None  # after every event
 
     def feed(self, event: Any) -> None:
         assignments = self.policy.handle(event)
@@ -126,6 +138,8 @@ class EventDriver:
                          *[(a.worker, a.chunk.start, a.chunk.count) for a in assignments]))
         for assignment in assignments:
             self.held[assignment.worker].append(assignment.chunk)
+        if self.check:
+            self.check(self)
 
     def join(self, worker: str) -> None:
         self.alive.add(worker)
@@ -158,7 +172,7 @@ class EventDriver:
 
     def finish_one(self, action: int, busy: list[str]) -> None:
         if not busy:  # stalled (a barrier waits for a member that is gone): one comes back
-            away = sorted(set(self.policy.roster) | set(self.held) - self.alive)
+            away = sorted(set(self.policy.roster) | (set(self.held) - self.alive))
             self.join(self.rng.choice(away)) if away else self.feed(
                 WorkerReady(self.rng.choice(sorted(self.alive)), at=self.clock))
             return
@@ -173,8 +187,9 @@ class EventDriver:
         self.feed(WorkerReady(worker, at=self.clock))
 
 
-def event_decisions(algo: str, seed: int, workers: tuple[int, int] = (1, 16)) -> list[Decision]:
-    """A random event sequence of up to 3 000 events fed to a fresh policy."""
+def event_decisions(algo: str, seed: int, workers: tuple[int, int] = (1, 16), events: int = 3000,
+                    check: Callable[[EventDriver], None] | None = None) -> list[Decision]:
+    """A random event sequence of up to ``events`` events fed to a fresh policy."""
     rng = random.Random(seed)
     count = rng.randint(*workers)
     speed = {f"w{i}": 100 * 50 ** rng.random() for i in range(count)}
@@ -186,11 +201,11 @@ def event_decisions(algo: str, seed: int, workers: tuple[int, int] = (1, 16)) ->
         name, values = PAPER_PARAMETERS[algo]
         params[name] = rng.choice(values)
     policy = make_policy(algo, int(10 ** rng.uniform(1, 5.5)), roster, remembered, **params)
-    driver = EventDriver(policy, rng, speed, rng.choice([1, 2]))
+    driver = EventDriver(policy, rng, speed, rng.choice([1, 2]), check=check)
     for worker in speed:
         if worker in roster or rng.random() < 0.5:
             driver.join(worker)
-    while not policy.finished and len(driver.log) < 3000 and driver.alive:
+    while not policy.finished and len(driver.log) < events and driver.alive:
         driver.step()
     return driver.log
 
@@ -234,6 +249,134 @@ def test_decisions_are_the_ones_captured_before(kind: str, algo: str) -> None:
     assert runs
     moved = [name for name, run in runs.items() if digest(run()) != CAPTURED[name]]
     assert not moved, f"{len(moved)} of {len(runs)} runs decided differently: {moved[:5]}"
+
+
+# ------------------------------------------------------------------ bookkeeping
+
+def assert_bookkeeping(driver: EventDriver) -> None:
+    """What the policy keeps as events come equals what a scan of everything finds."""
+    policy = driver.policy
+    members = [w for w in dict.fromkeys([*policy.roster, *policy.in_flight])
+               if w in driver.alive or w not in driver.held]
+    assert policy.members == members
+    assert list(policy.idle.values()) == sorted(policy.idle.values())
+    assert policy.free == {w for w in policy.idle if not policy.in_flight[w]}
+    if isinstance(policy, RoundPolicy):
+        assert policy.free & set(policy.plan) <= policy.due
+    if isinstance(policy, MeasuredPolicy):
+        assert_ranking(policy, members)
+    if isinstance(policy, EqualFinishPolicy) and len(members) > SMALL_FARM:
+        rates = [(policy.rate(m), policy.available_at(m)) for m in members]
+        exact = sum(r for r, _ in rates), sum(r * free for r, free in rates)
+        assert policy.totals() == pytest.approx(exact, rel=1e-9)
+
+
+def assert_ranking(policy: MeasuredPolicy, members: list[str]) -> None:
+    book, ranking = policy.speeds.speeds, policy.ranking
+    known = [book[w] for w in members if w in book]
+    assert ranking.known == len(known)
+    assert ranking.fastest() == max(known, default=None)
+    assert policy.speeds.fastest() == max(book.values(), default=None)
+    assert ranking.mean() == pytest.approx(sum(known) / len(known) if known else 1.0)
+    mean = ranking.mean()
+    weight = {w: book.get(w, mean) for w in members}
+    heaviest = sorted(members, key=lambda w: (-weight[w], policy.place[w]))
+    for count in (1, 3, len(members)):
+        assert [m.worker for m in ranking.heaviest(count)] == heaviest[:count]
+
+
+@settings(max_examples=40, deadline=None)
+@given(algo=st.sampled_from(list(POLICIES)), seed=st.integers(0, 2 ** 32),
+       workers=st.sampled_from([(1, 8), (12, 40)]))
+def test_what_is_kept_as_events_come_is_what_a_scan_finds(algo, seed, workers) -> None:
+    """Random joins, rejoins, chunks done and failed, busy slots and losses: members, idle
+    workers, speeds ranked, due pieces and equal-finish's running sums stay right."""
+    event_decisions(algo, seed, workers, 400, assert_bookkeeping)
+
+
+def split_one_at_a_time(total: int, weights: dict[str, float], floor: int) -> dict[str, int]:
+    """proportional_split as it was first written: drop the lightest share until all reach
+    the floor (quadratic; the reference)."""
+    if total <= 0 or not weights:
+        return {}
+    members = [w for w in weights if weights[w] > 0] or list(weights)
+    weight = {w: weights[w] if weights[w] > 0 else 1.0 for w in members}
+    while True:
+        scale = total / sum(weight[w] for w in members)
+        exact = {w: weight[w] * scale for w in members}
+        if len(members) == 1 or min(exact.values()) >= floor:
+            break
+        members.remove(min(members, key=lambda w: (exact[w], -members.index(w))))
+    shares = {w: math.floor(exact[w]) for w in members}
+    leftover = total - sum(shares.values())
+    for w in sorted(members, key=lambda w: -(exact[w] - shares[w]))[:leftover]:
+        shares[w] += 1
+    return {w: shares[w] for w in weights if shares.get(w)}
+
+
+@settings(max_examples=400, deadline=None)
+@given(total=st.integers(0, 20_000), floor=st.integers(1, 500),
+       weights=st.lists(st.sampled_from([0.0, 1.0, 2.0, 1000.0, 1234.5]) | st.floats(0.01, 1e5),
+                        max_size=60))
+def test_split_is_the_one_of_dropping_the_lightest_one_at_a_time(total, floor, weights) -> None:
+    named = {f"w{i}": weight for i, weight in enumerate(weights)}
+    assert proportional_split(total, named, floor) == split_one_at_a_time(total, named, floor)
+
+
+# ----------------------------------------------------------------------- scale
+
+@dataclass
+class SteadyFarm:
+    """Workers with two slots each run chunks at ``rates``, answered in order of their end."""
+
+    policy: Policy
+    rates: dict[str, float]
+    running: list[tuple[float, int, Assign]] = field(default_factory=list)
+    order: Iterator[int] = field(default_factory=count)
+
+    def __post_init__(self) -> None:
+        for worker in self.rates:
+            for _ in range(2):
+                self.start(self.policy.handle(WorkerReady(worker)), 0.0)
+
+    def start(self, assignments: list[Assign], now: float) -> None:
+        for a in assignments:
+            end = now + a.chunk.count / self.rates[a.worker]
+            heapq.heappush(self.running, (end, next(self.order), a))
+
+    def run(self, chunks: int) -> None:
+        for _ in range(chunks):
+            if not self.running:
+                return
+            now, _, a = heapq.heappop(self.running)
+            seconds = a.chunk.count / self.rates[a.worker]
+            self.start(self.policy.handle(ChunkDone(a.worker, a.chunk, seconds, now)), now)
+            self.start(self.policy.handle(WorkerReady(a.worker, now)), now)
+
+
+def counted(calls: Counter[str], method: Callable[..., Any]) -> Callable[..., Any]:
+    def count(self: Policy, *args: Any) -> Any:
+        calls[method.__name__] += 1
+        return method(self, *args)
+    return count
+
+
+@pytest.mark.parametrize("algo", list(POLICIES))
+def test_a_chunk_costs_a_few_offers_with_thousands_of_workers(algo, monkeypatch) -> None:
+    """Barrier waiters and busy workers are not asked again at every event: offers and
+    equal-finish's predictions stay a handful per chunk with 3 000 workers."""
+    rng = random.Random(0)
+    rates = {f"w{i}": rng.uniform(500, 2000) for i in range(3000)}
+    policy = make_policy(algo, 10 ** 9, rates)
+    policy.max_chunk = 2000
+    farm = SteadyFarm(policy, rates)
+    farm.run(6000)  # the first rounds, which look at every worker
+    calls: Counter[str] = Counter()
+    for cls, method in ((Policy, "_offer"), (EqualFinishPolicy, "rate")):
+        monkeypatch.setattr(cls, method, counted(calls, getattr(cls, method)))
+    farm.run(3000)
+    assert calls["_offer"] <= 1.5 * 3000  # it was about 1 500 per chunk at the barriers
+    assert calls["rate"] <= 8 * 3000  # it was 6 000 per chunk (every member, every event)
 
 
 if __name__ == "__main__":
