@@ -17,7 +17,7 @@ class LazyHeap:
 
     Owners push a worker's new key and let the old entry go stale: ``valid(key, worker)``
     tells which entries are live.  Stale entries are dropped when they come to the top,
-    and all at once by ``rebuild`` when they outnumber the live ones.
+    and all at once by ``rebuild_if_stale`` when they outnumber the live ones.
     """
 
     entries: list[Entry] = field(default_factory=list)

@@ -53,6 +53,8 @@ class RoundPolicy(MeasuredPolicy):
             self.start_round()  # a round over a pool with items plans at least one piece
         if self.orphans > 0:
             return self.free_in_order()
+        if not self.due:
+            return []  # at the barrier, or every piece due is out
         ready = [w for w in self.due if w in self.free and w in self.plan]
         self.due = set(ready)
         return sorted(ready, key=self.idle.__getitem__)
