@@ -36,7 +36,7 @@ from abc import ABC, abstractmethod
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 WorkerId = str
 
@@ -148,26 +148,72 @@ def proportional_split(total: int, weights: Mapping[WorkerId, float],
     """Cut ``total`` items into integer shares proportional to ``weights``.
 
     Shares that would fall below ``floor`` are dropped and their items spread
-    over the rest (the smallest weights drop first), so every share is at
-    least ``floor`` unless ``total`` itself is smaller: then the heaviest
-    worker gets it all.  Rounding goes by largest remainder; ties by order.
+    over the rest (the smallest weights drop first, the latest of equal ones
+    first), so every share is at least ``floor`` unless ``total`` itself is
+    smaller: then the heaviest worker gets it all.  Rounding goes by largest
+    remainder; ties by order.
     """
     if total <= 0 or not weights:
         return {}
     members = [w for w in weights if weights[w] > 0] or list(weights)
-    weight = {w: weights[w] if weights[w] > 0 else 1.0 for w in members}
-    while True:
-        scale = total / sum(weight[w] for w in members)
-        exact = {w: weight[w] * scale for w in members}
-        if len(members) == 1 or min(exact.values()) >= floor:
-            break
-        members.remove(min(members, key=lambda w: (exact[w], -members.index(w))))
-    shares = {w: math.floor(exact[w]) for w in members}
+    ranked = sorted(((weights[w] if weights[w] > 0 else 1.0, -place, w)
+                     for place, w in enumerate(members)), reverse=True)
+    shares = split_ranked(total, [Ranked(w, weight, -place) for weight, place, w in ranked],
+                          floor)
+    return {w: shares[w] for w in weights if w in shares}
+
+
+class Ranked(NamedTuple):
+    """A worker's weight in a split and its place in the order the workers are listed."""
+
+    worker: WorkerId
+    weight: float
+    place: int
+
+
+def split_ranked(total: int, ranked: list[Ranked], floor: int) -> dict[WorkerId, int]:
+    """``proportional_split`` of ``total`` over workers ranked heaviest first (equal weights:
+    the first listed first), of which only the first ``total // floor + 1`` can get a share.
+
+    The workers that keep a share are the heaviest ``k``, for the largest ``k`` at which
+    the lightest of them still gets ``floor`` (every share is summed in listed order, so
+    the result is the one of dropping the lightest worker one at a time).
+    """
+    if total <= 0 or not ranked:
+        return {}
+    ranked = ranked[:total // floor + 1]
+    if len(ranked) == 1:
+        return {ranked[0].worker: total}  # w * (total / w) rounds to total, or just below
+    listed = sorted(range(len(ranked)), key=lambda rank: ranked[rank].place)
+
+    def scale(count: int) -> float:
+        return total / sum([ranked[rank].weight for rank in listed if rank < count])
+
+    def fair(count: int) -> bool:
+        return count == 1 or ranked[count - 1].weight * scale(count) >= floor
+
+    count, running = 1, 0.0
+    for rank, member in enumerate(ranked, 1):  # a guess from sums in rank order ...
+        running += member.weight
+        if member.weight * total / running >= floor:
+            count = rank
+    while count < len(ranked) and fair(count + 1):  # ... settled with sums in listed order
+        count += 1
+    while not fair(count):
+        count -= 1
+    factor = scale(count)
+    exact = {ranked[rank].worker: ranked[rank].weight * factor for rank in listed if rank < count}
+    shares = {w: math.floor(share) for w, share in exact.items()}
     leftover = total - sum(shares.values())
-    by_remainder = sorted(members, key=lambda w: -(exact[w] - shares[w]))
-    for w in by_remainder[:leftover]:
+    for w in sorted(exact, key=lambda w: shares[w] - exact[w])[:leftover]:
         shares[w] += 1
-    return {w: shares[w] for w in weights if shares.get(w)}
+    return {w: share for w, share in shares.items() if share}
+
+
+#: Up to this many members, sums over the members (equal-finish's totals, the mean known
+#: speed) are taken afresh in member order, as they always were, so that small farms make
+#: the very decisions they made before; above it they are running sums, equal up to rounding.
+SMALL_FARM = 16
 
 
 class Policy(ABC):
@@ -176,6 +222,10 @@ class Policy(ABC):
     ``prefetch``: whether a worker that already holds a chunk may be given a
     second one (to hide the round trip).  The paper's policies give work to
     idle devices only, so only fifo and our own policy prefetch.
+
+    Everything is kept as events change it, so an event costs the same with 10 or
+    10 000 workers: members by their place in the member order, idle workers by arrival,
+    and which of them hold nothing (``free``).
     """
 
     name: str = "?"
@@ -190,22 +240,26 @@ class Policy(ABC):
         self.remembered: dict[WorkerId, float] = {
             w: v for w, v in (speeds or {}).items() if v > 0}
         self.in_flight: dict[WorkerId, list[Chunk]] = {}
-        self.idle: list[WorkerId] = []  # workers waiting for work, in arrival order
-        self.lost: set[WorkerId] = set()
+        self.idle: dict[WorkerId, int] = {}  # workers waiting for work -> arrival number, in order
+        self.free: set[WorkerId] = set()  # idle workers that hold no chunk
+        self.roster_place = {w: i for i, w in enumerate(self.roster)}
+        # members -> place in the member order: the roster's first, then joiners as they came
+        self.place: dict[WorkerId, int] = dict(self.roster_place)
         self.completed = 0
         self.abandoned = 0  # items of chunks given up (counted in ``completed`` too)
         self.max_chunk: int | None = None  # the driver's cap on chunk size (message limits)
         self.holding = 0  # chunks in flight, all workers
         self.now = 0.0  # the latest event's time
         self.events = 0  # events handled: a version number for caches of derived state
+        self._arrivals = 0  # numbers the idle workers' arrivals
+        self._joins = len(self.roster)  # places of joiners
         self._members: list[WorkerId] | None = None
 
     @property
     def members(self) -> list[WorkerId]:
         """Workers this job can count on: the starting roster and any that joined, minus the lost."""
         if self._members is None:
-            known = dict.fromkeys([*self.roster, *self.in_flight])
-            self._members = [w for w in known if w not in self.lost]
+            self._members = sorted(self.place, key=self.place.__getitem__)
         return self._members
 
     @property
@@ -223,12 +277,7 @@ class Policy(ABC):
         self.now = max(self.now, event.at)
         self.events += 1
         if isinstance(event, WorkerReady):
-            if event.worker not in self.in_flight:
-                self._members = None
-            self.lost.discard(event.worker)
-            self.in_flight.setdefault(event.worker, [])
-            if event.worker not in self.idle:
-                self.idle.append(event.worker)
+            self._ready(event.worker)
         elif isinstance(event, ChunkDone):
             self._complete(event)
         elif isinstance(event, WorkerLost):
@@ -236,10 +285,42 @@ class Policy(ABC):
         elif isinstance(event, ChunkFailed):
             self._fail(event)
         elif isinstance(event, WorkerBusy):
-            if event.worker in self.idle:
-                self.idle.remove(event.worker)
+            self._leave_idle(event.worker)
             return []
         return self._assign()
+
+    def _ready(self, worker: WorkerId) -> None:
+        if worker not in self.in_flight:
+            self.in_flight[worker] = []
+            if worker not in self.place:
+                self._join(worker)
+        if worker not in self.idle:
+            self.idle[worker] = self._arrivals
+            self._arrivals += 1
+            if not self.in_flight[worker]:
+                self._set_free(worker)
+
+    def _join(self, worker: WorkerId) -> None:
+        """A new member: at its roster place if it has one, else after everyone."""
+        if worker in self.roster_place:
+            self.place[worker] = self.roster_place[worker]
+        else:
+            self.place[worker] = self._joins
+            self._joins += 1
+        self._members = None
+        self.on_member_joined(worker)
+
+    def _set_free(self, worker: WorkerId) -> None:
+        self.free.add(worker)
+        self.on_free(worker)
+
+    def _leave_idle(self, worker: WorkerId) -> None:
+        self.idle.pop(worker, None)
+        self.free.discard(worker)
+
+    def free_in_order(self) -> list[WorkerId]:
+        """Idle workers that hold nothing, in the order they became idle."""
+        return sorted(self.free, key=self.idle.__getitem__)
 
     def _release(self, worker: WorkerId, chunk: Chunk) -> None:
         """The worker no longer holds the chunk; ValueError if it never did."""
@@ -248,6 +329,8 @@ class Policy(ABC):
             raise ValueError(f"{worker} did not hold {chunk}")
         chunks.remove(chunk)
         self.holding -= 1
+        if not chunks and worker in self.idle:
+            self._set_free(worker)
 
     def _complete(self, event: ChunkDone) -> None:
         self._release(event.worker, event.chunk)
@@ -262,37 +345,48 @@ class Policy(ABC):
         else:
             self.completed += event.chunk.count
             self.abandoned += event.chunk.count
+        self.on_chunk_failed(event)
 
     def _lose(self, worker: WorkerId) -> None:
         returned = self.in_flight.pop(worker, [])
         self.holding -= len(returned)
-        self._members = None
         for chunk in reversed(returned):
             self.pool.give_back(chunk)
-        if worker in self.idle:
-            self.idle.remove(worker)
-        self.lost.add(worker)
+        self._leave_idle(worker)
+        if self.place.pop(worker, None) is not None:
+            self._members = None
+            self.on_member_left(worker)
         self.on_worker_lost(worker, returned)
 
     def _assign(self) -> list[Assign]:
-        """Offer waiting workers a chunk: workers with nothing in flight first.
+        """Offer waiting workers a chunk, in ``offer_order``, while items are left.
 
-        A worker that already holds a chunk (it asked for a second, to hide the
-        round trip) gets one only if the policy prefetches, and only while
-        enough remains for every worker to get a chunk too; near the end of a
-        job, work goes to idle workers only.
+        Another pass follows a pass that assigned something, in case one assignment
+        changed another worker's answer.
         """
         assignments: list[Assign] = []
-        while True:  # another pass if one assignment may have changed another's answer
+        while self.pool.ranges:
             made = len(assignments)
-            for worker in sorted(self.idle, key=lambda w: len(self.in_flight[w])):
+            for worker in self.offer_order():
                 if not self.pool.ranges:
                     return assignments
                 assignment = self._offer(worker)
                 if assignment:
                     assignments.append(assignment)
             if len(assignments) == made or not self.idle:
-                return assignments
+                break
+        return assignments
+
+    def offer_order(self) -> list[WorkerId]:
+        """The idle workers to offer a chunk, in turn: workers with nothing in flight first.
+
+        A worker that already holds a chunk (it asked for a second, to hide the
+        round trip) gets one only if the policy prefetches, and only while
+        enough remains for every worker to get a chunk too; near the end of a
+        job, work goes to idle workers only.  A policy may leave out workers
+        whose offer it knows would be refused without changing anything.
+        """
+        return sorted(self.idle, key=lambda w: len(self.in_flight[w]))
 
     def _offer(self, worker: WorkerId) -> Assign | None:
         busy = bool(self.in_flight[worker])
@@ -307,7 +401,7 @@ class Policy(ABC):
             return None
         chunk = self.pool.take(size, self.floor if self.max_chunk is None
                                else min(self.floor, self.max_chunk - size + 1))
-        self.idle.remove(worker)
+        self._leave_idle(worker)
         self.in_flight[worker].append(chunk)
         self.holding += 1
         self.on_assign(worker, chunk)
@@ -319,6 +413,19 @@ class Policy(ABC):
 
     def on_assign(self, worker: WorkerId, chunk: Chunk) -> None:
         """Hook: a chunk was just given to a worker."""
+
+    def on_member_joined(self, worker: WorkerId) -> None:
+        """Hook: a worker became a member after the start (it joined, or came back after it
+        was lost); the roster's members are members from the start."""
+
+    def on_member_left(self, worker: WorkerId) -> None:
+        """Hook: a member was lost."""
+
+    def on_free(self, worker: WorkerId) -> None:
+        """Hook: an idle worker holds nothing now (it just arrived, or its last chunk ended)."""
+
+    def on_chunk_failed(self, event: ChunkFailed) -> None:
+        """Hook: a chunk failed (after it went back to the pool, or was given up)."""
 
     def on_chunk_done(self, event: ChunkDone) -> None:
         """Hook: a chunk finished (speeds, barriers)."""

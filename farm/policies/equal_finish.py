@@ -6,9 +6,10 @@ import heapq
 import math
 from typing import Iterable, Mapping
 
-from farm.policies.base import (DEFAULT_FLOOR, Chunk, ChunkDone, Policy, WorkerId,
-                                require_positive)
-from farm.policies.speeds import SpeedBook
+from farm.policies.base import (DEFAULT_FLOOR, SMALL_FARM, Chunk, ChunkDone, ChunkFailed,
+                                WorkerId, require_positive)
+from farm.policies.free_times import FreeTimes
+from farm.policies.speeds import MeasuredPolicy
 
 #: Probe for a worker with no speed yet (none remembered from earlier jobs).
 DEFAULT_PROBE = 200
@@ -22,7 +23,7 @@ DEFAULT_SPEED_WINDOW = 2.0
 OVERDUE = 1.2
 
 
-class EqualFinishPolicy(Policy):
+class EqualFinishPolicy(MeasuredPolicy):
     """Asynchronous and predictive; no barrier, no fixed ratio.
 
     The policy keeps, per worker, a speed (see ``SpeedBook``) and the time it
@@ -64,13 +65,13 @@ class EqualFinishPolicy(Policy):
         require_positive(probe=probe, floor=floor)
         if overhead < 0 or not 0 < max_overhead <= 1:
             raise ValueError("overhead must be >= 0 and max_overhead within (0, 1]")
-        super().__init__(total, workers, speeds)
-        self.fraction, self.probe, self.floor = fraction, probe, floor
-        self.overhead, self.max_overhead = overhead, max_overhead
         if speed_window < 0:
             raise ValueError(f"speed_window must be >= 0, got {speed_window}")
-        self.speeds = SpeedBook.seeded(1.0, self.remembered, speed_window)
+        super().__init__(total, workers, speeds, 1.0, speed_window, seeded=True)
+        self.fraction, self.probe, self.floor = fraction, probe, floor
+        self.overhead, self.max_overhead = overhead, max_overhead
         self.started_at: dict[WorkerId, float] = {}  # when each worker began its current chunk
+        self.free_times: FreeTimes | None = None  # kept only while over SMALL_FARM members
         self._totals: tuple[int, float, float] | None = None  # (event, sum v, sum v * free)
         self._plan: tuple[int, dict[WorkerId, int]] | None = None  # (event, end-game pieces)
 
@@ -83,16 +84,20 @@ class EqualFinishPolicy(Policy):
         its speed is capped at the items of its current chunk over the time
         the chunk has run so far.
         """
-        speeds = self.speeds.speeds
-        known = speeds.get(worker)
+        known = self.speeds.speeds.get(worker)
         if known is None:
-            return max(speeds.values(), default=1.0)
+            return self.unknown_rate()
         chunks = self.in_flight.get(worker)
         if chunks:
             running = self.now - self.started_at.get(worker, self.now)
             if running > 0 and chunks[0].count * OVERDUE < known * running:
                 return chunks[0].count / running
         return known
+
+    def unknown_rate(self) -> float:
+        """The rate of a worker with no speed yet: the fastest known, else 1."""
+        fastest = self.speeds.fastest()
+        return 1.0 if fastest is None else fastest
 
     def available_at(self, worker: WorkerId) -> float:
         """When the worker will have finished what it holds (now if idle or probing)."""
@@ -104,6 +109,17 @@ class EqualFinishPolicy(Policy):
                 + sum(c.count for c in chunks) / rate + self.overhead * len(chunks))
         return max(self.now, free)
 
+    def speed(self, worker: WorkerId) -> float | None:
+        return self.speeds.get(worker)
+
+    def overdue_from(self, worker: WorkerId) -> float | None:
+        """When the chunk the worker runs will count as overdue (None if it runs none)."""
+        chunks = self.in_flight.get(worker)
+        speed = self.speeds.get(worker)
+        if not chunks or speed is None:
+            return None
+        return self.started_at.get(worker, self.now) + chunks[0].count * OVERDUE / speed
+
     def min_chunk(self, speed: float) -> int:
         return max(self.floor, math.ceil(self.overhead / self.max_overhead * speed))
 
@@ -111,7 +127,7 @@ class EqualFinishPolicy(Policy):
 
     def chunk_size(self, worker: WorkerId) -> int | None:
         left = self.remaining
-        if len(self.members) == 1:
+        if len(self.place) == 1:
             return left  # alone: nothing to balance
         speed = self.speeds.get(worker)
         if speed is None:
@@ -127,11 +143,21 @@ class EqualFinishPolicy(Policy):
         return self.end_game_piece(worker)
 
     def totals(self) -> tuple[float, float]:
-        """``sum(v_j)`` and ``sum(v_j * free_j)`` over the members, cached for one event."""
+        """``sum(v_j)`` and ``sum(v_j * free_j)`` over the members, cached for one event:
+        on small farms summed afresh in member order, as they always were, else from the
+        running sums of ``FreeTimes`` (equal up to rounding)."""
         if self._totals is None or self._totals[0] != self.events:
-            rates = [(self.rate(m), self.available_at(m)) for m in self.members]
-            self._totals = (self.events, sum(r for r, _ in rates),
-                            sum(r * free for r, free in rates))
+            if len(self.place) <= SMALL_FARM:
+                self.free_times = None
+                rates = [(self.rate(m), self.available_at(m)) for m in self.members]
+                self._totals = (self.events, sum(r for r, _ in rates),
+                                sum(r * free for r, free in rates))
+            else:
+                if self.free_times is None:
+                    self.free_times = FreeTimes.of(self, self.place)
+                unknown = len(self.place) - self.ranking.known
+                self._totals = (self.events, *self.free_times.totals(
+                    unknown * self.unknown_rate() if unknown else 0.0))
         return self._totals[1], self._totals[2]
 
     def end_game_piece(self, worker: WorkerId) -> int | None:
@@ -143,44 +169,71 @@ class EqualFinishPolicy(Policy):
         until the next event.
         """
         if self._plan is None or self._plan[0] != self.events:
-            self._plan = (self.events, self.plan_end_game())
+            self._plan = (self.events, self.plan_end_game(self.idle))
         return self._plan[1].pop(worker, None)
 
-    def plan_end_game(self) -> dict[WorkerId, int]:
-        """First piece per worker in the earliest-finish-first plan of the remaining items."""
+    def plan_end_game(self, wanted: Iterable[WorkerId]) -> dict[WorkerId, int]:
+        """First piece per worker in the earliest-finish-first plan of the remaining items,
+        planned until each ``wanted`` worker (those that may ask before the next event:
+        the idle) has its first piece."""
         left = self.remaining
-        known = [m for m in self.members if self.speeds.knows(m)]
-        heap = [(self.available_at(m) + self.piece(m, left) / self.rate(m),
-                 self.available_at(m), m) for m in known]  # (end of its next piece, start, worker)
+        rates = {m: self.rate(m) for m in self.members if self.speeds.knows(m)}  # they hold
+        smallest = {m: self.min_chunk(rate) for m, rate in rates.items()}  # still while planning
+        waiting = {w for w in wanted if w in rates}
+        heap = []  # (end of its next piece, start, worker)
+        for m, rate in rates.items():
+            start = self.available_at(m)
+            heap.append((start + self.piece(smallest[m], left) / rate, start, m))
         heapq.heapify(heap)
         firsts: dict[WorkerId, int] = {}
-        while left > 0 and heap:
+        while left > 0 and heap and waiting:
             _, start, chosen = heapq.heappop(heap)
-            size = self.piece(chosen, left)
-            end = start + size / self.rate(chosen)
+            size = self.piece(smallest[chosen], left)
+            end = start + size / rates[chosen]
             if heap and end > heap[0][0]:  # the piece grew (it took a sliver): re-queue it
                 heapq.heappush(heap, (end, start, chosen))
                 continue
             firsts.setdefault(chosen, size)
+            waiting.discard(chosen)
             left -= size
             start = end + self.overhead
-            heapq.heappush(heap, (start + self.piece(chosen, left) / self.rate(chosen), start,
-                                  chosen))
+            heapq.heappush(heap, (start + self.piece(smallest[chosen], left) / rates[chosen],
+                                  start, chosen))
         return firsts
 
-    def piece(self, worker: WorkerId, left: int) -> int:
-        """A minimum-size chunk, or everything left if less than ``floor`` would remain."""
-        size = min(self.min_chunk(self.rate(worker)), left)
+    def piece(self, smallest: int, left: int) -> int:
+        """A chunk of ``smallest`` items, or everything left if less than ``floor`` would
+        remain."""
+        size = min(smallest, left)
         return left if left - size < self.floor else size
 
     def on_assign(self, worker: WorkerId, chunk: Chunk) -> None:
         if len(self.in_flight[worker]) == 1:
             self.started_at[worker] = self.now
         self._totals = None  # the worker's free time moved
+        self.refile(worker)
 
     def on_chunk_done(self, event: ChunkDone) -> None:
-        self.speeds.update(event.worker, event.chunk.count, event.seconds)
+        self.ranking.update(event.worker, event.chunk.count, event.seconds)
         self.started_at[event.worker] = self.now  # the next chunk it holds starts now
+        self.refile(event.worker)
+
+    def on_chunk_failed(self, event: ChunkFailed) -> None:
+        self.refile(event.worker)
+
+    def on_member_joined(self, worker: WorkerId) -> None:
+        super().on_member_joined(worker)
+        self.refile(worker)
+
+    def on_member_left(self, worker: WorkerId) -> None:
+        super().on_member_left(worker)
+        if self.free_times is not None:
+            self.free_times.drop(worker)
+
+    def refile(self, worker: WorkerId) -> None:
+        """The worker's terms in the running sums changed (if they are kept)."""
+        if self.free_times is not None:
+            self.free_times.mark(worker)
 
     def on_worker_lost(self, worker: WorkerId, returned: list[Chunk]) -> None:
         self.started_at.pop(worker, None)

@@ -5,16 +5,15 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
-from farm.policies.base import (DEFAULT_FLOOR, ChunkDone, Policy, WorkerId,
-                                require_positive)
-from farm.policies.speeds import DEFAULT_SPEED_ALPHA, SpeedBook
+from farm.policies.base import DEFAULT_FLOOR, ChunkDone, WorkerId, require_positive
+from farm.policies.speeds import DEFAULT_SPEED_ALPHA, MeasuredPolicy
 
 #: Probe size ``w_s`` (SPEC.md leaves it open): large enough that per-chunk
 #: overhead is under 1% on a 10 000 images/s core, small next to real jobs.
 DEFAULT_PROBE = 500
 
 
-class FastSplitPolicy(Policy):
+class FastSplitPolicy(MeasuredPolicy):
     """The paper's best policy; no barrier.
 
     An idle worker that has no speed yet, or any idle worker while some member
@@ -34,19 +33,21 @@ class FastSplitPolicy(Policy):
         if not 0 < ratio <= 1:
             raise ValueError(f"fast-split ratio must be within (0, 1], got {ratio}")
         require_positive(probe=probe, floor=floor)
-        super().__init__(total, workers, speeds)
+        super().__init__(total, workers, speeds, speed_alpha)
         self.ratio, self.probe, self.floor = ratio, probe, floor
-        self.speeds = SpeedBook(speed_alpha)
+
+    def offer_order(self) -> list[WorkerId]:
+        """Workers that hold nothing, each of which takes a chunk (no prefetch)."""
+        return self.free_in_order()
 
     def chunk_size(self, worker: WorkerId) -> int:
-        members = self.members
-        if not all(self.speeds.knows(w) for w in members):
+        if not self.ranking.all_known():
             return self.probe
         if self.remaining < self.floor:
             return self.remaining
-        fastest = max(self.speeds.get(w) for w in members)
+        fastest = self.ranking.fastest()
         share = self.remaining * self.ratio * self.speeds.get(worker) / fastest
         return max(self.floor, math.ceil(share))
 
     def on_chunk_done(self, event: ChunkDone) -> None:
-        self.speeds.update(event.worker, event.chunk.count, event.seconds)
+        self.ranking.update(event.worker, event.chunk.count, event.seconds)

@@ -26,3 +26,13 @@ class FifoPolicy(Policy):
 
     def chunk_size(self, worker: WorkerId) -> int:
         return self.chunk
+
+    def offer_order(self) -> list[WorkerId]:
+        """Workers that hold nothing, each of which takes a chunk; then those that hold
+        some, only while a chunk for every worker remains (the same for all of them)."""
+        order = self.free_in_order()
+        size = self.chunk if self.max_chunk is None else min(self.chunk, self.max_chunk)
+        if len(self.free) < len(self.idle) and self.remaining >= size * len(self.in_flight):
+            order += sorted((w for w in self.idle if w not in self.free),
+                            key=lambda w: len(self.in_flight[w]))
+        return order

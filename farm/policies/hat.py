@@ -43,9 +43,9 @@ class HatPolicy(RoundPolicy):
             return len(times) == 1
         return (max(times) - min(times)) / max(times) <= self.tolerance
 
-    def plan_round(self, members: list[WorkerId]) -> dict[WorkerId, int]:
+    def plan_round(self) -> dict[WorkerId, int]:
         if self.round > 1:
             if self.finish_times_close() or self.remaining < 2 * self.slice:
-                return self.split(self.remaining, members)
+                return self.split(self.remaining)
             self.slice *= 2
-        return self.split(min(self.slice, self.remaining), members)
+        return self.split(min(self.slice, self.remaining))

@@ -27,9 +27,9 @@ class QuickPolicy(RoundPolicy):
         super().__init__(total, workers, speeds, floor, speed_alpha)
         self.probe = probe
 
-    def plan_round(self, members: list[WorkerId]) -> dict[WorkerId, int]:
+    def plan_round(self) -> dict[WorkerId, int]:
         if self.round == 1:
-            probes = min(self.remaining, self.probe * len(members))
-            return self.split(probes, members) if probes < self.probe * len(members) \
-                else {w: self.probe for w in members}
-        return self.split(self.remaining, members)
+            probes = min(self.remaining, self.probe * len(self.place))
+            return self.split(probes) if probes < self.probe * len(self.place) \
+                else {w: self.probe for w in self.members}
+        return self.split(self.remaining)

@@ -25,5 +25,5 @@ class SlicedPolicy(RoundPolicy):
         super().__init__(total, workers, speeds, floor, speed_alpha)
         self.slice = slice
 
-    def plan_round(self, members: list[WorkerId]) -> dict[WorkerId, int]:
-        return self.split(min(self.slice, self.remaining), members)
+    def plan_round(self) -> dict[WorkerId, int]:
+        return self.split(min(self.slice, self.remaining))

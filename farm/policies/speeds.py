@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
-from farm.policies.base import WorkerId
+from farm.policies.base import SMALL_FARM, Policy, Ranked, WorkerId
+from farm.policies.ranking import Entry, LazyHeap
 
 #: Default weight of the newest chunk's speed (see ``SpeedBook``).
 DEFAULT_SPEED_ALPHA = 0.5
@@ -33,10 +34,13 @@ class SpeedBook:
     speeds: dict[WorkerId, float] = field(default_factory=dict)
     items: dict[WorkerId, int] = field(default_factory=dict)
     seconds: dict[WorkerId, float] = field(default_factory=dict)
+    by_speed: LazyHeap = field(default_factory=LazyHeap, repr=False, compare=False)  # (-v, w)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"speed_alpha must be within 0..1, got {self.alpha}")
+        for worker, speed in self.speeds.items():
+            self.by_speed.push(-speed, worker)
 
     @classmethod
     def seeded(cls, alpha: float, remembered: Mapping[WorkerId, float],
@@ -60,6 +64,15 @@ class SpeedBook:
             self.speeds[worker] = self.items[worker] / self.seconds[worker]
         else:
             self.speeds[worker] = self.alpha * latest + (1 - self.alpha) * previous
+        if self.speeds[worker] != previous:
+            self.by_speed.push(-self.speeds[worker], worker)
+            self.by_speed.rebuild_if_stale(len(self.speeds), lambda: (
+                (-speed, w) for w, speed in self.speeds.items()))
+
+    def fastest(self) -> float | None:
+        """The highest speed in the book, None while it is empty."""
+        top = self.by_speed.first(1, lambda key, worker: self.speeds.get(worker) == -key)
+        return -top[0][0] if top else None
 
     def get(self, worker: WorkerId) -> float | None:
         return self.speeds.get(worker)
@@ -71,8 +84,120 @@ class SpeedBook:
         for table in (self.speeds, self.items, self.seconds):
             table.pop(worker, None)
 
-    def weights(self, workers: list[WorkerId]) -> dict[WorkerId, float]:
-        """Speeds for splitting among ``workers``: the unknown get the mean known speed (equal if none known)."""
-        known = [self.speeds[w] for w in workers if w in self.speeds]
-        default = sum(known) / len(known) if known else 1.0
-        return {w: self.speeds.get(w, default) for w in workers}
+
+@dataclass
+class MemberSpeeds:
+    """A job's members ranked by their speeds in ``book`` as speeds and members change.
+
+    ``place``: each member's place in the member order (the policy's own table).
+    Members with a speed are ranked fastest first, the others by place; the
+    first few of either, the fastest speed and the mean cost O(log n) each.
+    """
+
+    book: SpeedBook
+    place: dict[WorkerId, int]
+    known: int = 0  # members with a speed
+    speed_sum: float = 0.0  # running sum of their speeds
+    by_speed: LazyHeap = field(default_factory=LazyHeap, repr=False)  # ((-speed, place), worker)
+    unknown: LazyHeap = field(default_factory=LazyHeap, repr=False)  # (place, worker)
+
+    def __post_init__(self) -> None:
+        for worker in self.place:
+            self.joined(worker)
+
+    def joined(self, worker: WorkerId) -> None:
+        speed = self.book.get(worker)
+        if speed is None:
+            self.unknown.push(self.place[worker], worker)
+        else:
+            self.known += 1
+            self.speed_sum += speed
+            self.by_speed.push((-speed, self.place[worker]), worker)
+        self._tidy()
+
+    def left(self, worker: WorkerId) -> None:
+        """The worker is no longer a member (its entries go stale)."""
+        speed = self.book.get(worker)
+        if speed is not None:
+            self.known -= 1
+            self.speed_sum -= speed
+
+    def update(self, worker: WorkerId, items: int, seconds: float) -> None:
+        """Fold a finished chunk into the book, and rank the worker by its new speed."""
+        before = self.book.get(worker)
+        self.book.update(worker, items, seconds)
+        after = self.book.get(worker)
+        if worker not in self.place or after == before or after is None:
+            return
+        if before is None:
+            self.known += 1
+            self.speed_sum += after
+        else:
+            self.speed_sum += after - before
+        self.by_speed.push((-after, self.place[worker]), worker)
+        self._tidy()
+
+    def _tidy(self) -> None:
+        live = len(self.place)
+        self.by_speed.rebuild_if_stale(live, self._ranked_entries)
+        self.unknown.rebuild_if_stale(live, self._unknown_entries)
+
+    def _ranked_entries(self) -> Iterable[Entry]:
+        return (((-self.book.speeds[w], p), w) for w, p in self.place.items()
+                if self.book.knows(w))
+
+    def _unknown_entries(self) -> Iterable[Entry]:
+        return ((p, w) for w, p in self.place.items() if not self.book.knows(w))
+
+    def _live(self, key: tuple[float, int], worker: WorkerId) -> bool:
+        place = self.place.get(worker)
+        return place == key[1] and self.book.speeds.get(worker) == -key[0]
+
+    def _live_unknown(self, place: int, worker: WorkerId) -> bool:
+        return self.place.get(worker) == place and not self.book.knows(worker)
+
+    def fastest(self) -> float | None:
+        """The highest speed of a member, None if no member has one."""
+        top = self.by_speed.first(1, self._live)
+        return -top[0][0][0] if top else None
+
+    def all_known(self) -> bool:
+        """Every member has a speed."""
+        return self.known == len(self.place)
+
+    def mean(self) -> float:
+        """The members' mean speed (1 if none has one): on small farms summed in member
+        order, as it always was, else the running sum."""
+        if len(self.place) > SMALL_FARM:
+            return self.speed_sum / self.known if self.known else 1.0
+        known = [self.book.speeds[w] for w in sorted(self.place, key=self.place.__getitem__)
+                 if w in self.book.speeds]
+        return sum(known) / len(known) if known else 1.0
+
+    def heaviest(self, count: int) -> list[Ranked]:
+        """The first ``count`` members by weight, heaviest first (equal: first placed first),
+        weighing members without a speed at the mean speed."""
+        ranked = [Ranked(w, -key[0], key[1]) for key, w in self.by_speed.first(count, self._live)]
+        if self.known < len(self.place):
+            default = self.mean()
+            ranked += [Ranked(w, default, place) for place, w in self.unknown.first(
+                count, self._live_unknown)]
+            ranked.sort(key=lambda m: (-m.weight, m.place))
+        return ranked[:count]
+
+
+class MeasuredPolicy(Policy):
+    """A policy that measures its workers: a ``SpeedBook`` and its members ranked by speed."""
+
+    def __init__(self, total: int, workers: Iterable[WorkerId], speeds: Mapping[WorkerId, float]
+                 | None, alpha: float, window: float | None = None, seeded: bool = False) -> None:
+        """``seeded``: the book starts from the speeds remembered from earlier jobs."""
+        super().__init__(total, workers, speeds)
+        self.speeds = SpeedBook.seeded(alpha, self.remembered if seeded else {}, window)
+        self.ranking = MemberSpeeds(self.speeds, self.place)
+
+    def on_member_joined(self, worker: WorkerId) -> None:
+        self.ranking.joined(worker)
+
+    def on_member_left(self, worker: WorkerId) -> None:
+        self.ranking.left(worker)

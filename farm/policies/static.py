@@ -28,8 +28,8 @@ class StaticPolicy(RoundPolicy):
         super().__init__(total, workers, speeds, floor)
         self.ratio = tuple(float(r) for r in ratio)
 
-    def plan_round(self, members: list[WorkerId]) -> dict[WorkerId, int]:
+    def plan_round(self) -> dict[WorkerId, int]:
         default = sum(self.ratio) / len(self.ratio) if self.ratio else 1.0
         weights = {w: self.ratio[i] if i < len(self.ratio) else default
-                   for i, w in enumerate(members)}
+                   for i, w in enumerate(self.members)}
         return proportional_split(self.remaining, weights, self.floor)
