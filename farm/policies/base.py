@@ -401,6 +401,8 @@ class Policy(ABC):
             return None
         chunk = self.pool.take(size, self.floor if self.max_chunk is None
                                else min(self.floor, self.max_chunk - size + 1))
+        if chunk is None:  # the pool ran dry (``_assign`` checks first): nothing to give
+            return None
         self._leave_idle(worker)
         self.in_flight[worker].append(chunk)
         self.holding += 1

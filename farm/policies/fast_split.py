@@ -45,8 +45,9 @@ class FastSplitPolicy(MeasuredPolicy):
             return self.probe
         if self.remaining < self.floor:
             return self.remaining
-        fastest = self.ranking.fastest()
-        share = self.remaining * self.ratio * self.speeds.get(worker) / fastest
+        fastest, speed = self.ranking.fastest(), self.speeds.get(worker)
+        assert fastest and speed is not None  # every member has a speed (all_known)
+        share = self.remaining * self.ratio * speed / fastest
         return max(self.floor, math.ceil(share))
 
     def on_chunk_done(self, event: ChunkDone) -> None:
