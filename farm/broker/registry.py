@@ -51,6 +51,7 @@ class WorkerEntry:
     in_flight: dict[int, ChunkRecord] = field(default_factory=dict)
     history: dict[str, ModelHistory] = field(default_factory=dict)
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times its files were sent
+    offered: set[str] = field(default_factory=set)  # jobs that declined its free slot
     joined_at: float = 0.0  # broker clock when it registered
     # (broker clock, images computed, compute seconds): the worker's running counters as its
     # heartbeats reported them, over the last RECENT_WINDOW seconds and one sample before

@@ -27,6 +27,7 @@ The rules:
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -107,6 +108,8 @@ class FarmState:
         self.by_id: dict[str, WorkerEntry] = {}  # the same entries by policy worker id
         self.jobs: dict[str, Job] = {}
         self.running: dict[str, Job] = {}  # jobs with a policy (validated), by id
+        self.order: list[Job] = []  # the running jobs in the order slots are offered
+        self.placed: dict[str, tuple[int, int, int]] = {}  # each job's key in ``order``
         self.fastest: dict[str, tuple[float, str]] = {}  # model -> (rate, worker id)
         self.stats = FarmStats()
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
@@ -305,23 +308,38 @@ class FarmState:
             self.step(job, WorkerReady(entry.id, at=self.now))
             if len(entry.in_flight) > before:
                 return True
+            entry.offered.add(job.id)  # its policy keeps the worker as idle
         return False
 
     def job_order(self) -> list[Job]:
         """Running jobs in the order they are offered a free slot: highest priority first,
         then (fair sharing) the fewest chunks in flight, then the oldest."""
-        jobs = list(self.running.values())
-        if len(jobs) < 2:
-            return jobs
-        if self.config.sharing == "fair":
-            return sorted(jobs, key=lambda job: (-job.priority, job.in_flight, job.seq))
-        return sorted(jobs, key=lambda job: (-job.priority, job.seq))
+        return list(self.order)
+
+    def order_key(self, job: Job) -> tuple[int, int, int]:
+        return -job.priority, job.in_flight if self.config.sharing == "fair" else 0, job.seq
+
+    def place(self, job: Job) -> None:
+        """Put the job in ``order`` by its key now (kept in ``placed``)."""
+        self.placed[job.id] = self.order_key(job)
+        bisect.insort(self.order, job, key=self.placed_key)
+
+    def unplace(self, job: Job) -> None:
+        index = bisect.bisect_left(self.order, self.placed[job.id], key=self.placed_key)
+        del self.order[index]
+        del self.placed[job.id]
+
+    def placed_key(self, job: Job) -> tuple[int, int, int]:
+        return self.placed[job.id]
 
     def slots_taken(self, entry: WorkerEntry, taker: Job) -> None:
         """The worker's last free slot went to ``taker``: other jobs' policies that counted
-        it as idle hear it is busy."""
-        for job in list(self.running.values()):
-            if job is not taker and job.policy and entry.id in job.policy.idle:
+        it as idle (jobs it was offered to and declined) hear it is busy."""
+        offered, entry.offered = entry.offered, set()
+        for job_id in sorted(offered, key=lambda j: self.running[j].seq if j in self.running
+                             else -1):
+            job = self.running.get(job_id)
+            if job is not None and job is not taker and entry.id in job.policy.idle:
                 self.step(job, WorkerBusy(entry.id, at=self.now))
 
     def step(self, job: Job, event: Event) -> None:
@@ -331,6 +349,9 @@ class FarmState:
             return
         try:
             assignments = job.policy.handle(event)
+            if self.placed[job.id] != self.order_key(job):  # it holds more, or fewer
+                self.unplace(job)
+                self.place(job)
         except Exception as exc:
             log.exception("job %s: policy %s failed on %s", job.id, job.algo, event)
             self.fail_job(job, f"policy {job.algo} failed: {type(exc).__name__}: {exc}")
@@ -477,6 +498,7 @@ class FarmState:
             self.fail_job(job, f"job policy: {exc}")
             return False
         self.running[job.id] = job
+        self.place(job)
         for each in self.running.values():
             self.cap_chunks(each)  # a second job shortens everyone's chunks
         return True
@@ -530,7 +552,8 @@ class FarmState:
         """Forget a job.  Chunks still waiting for input are dropped; workers running its
         chunks are told to stop, and their slots free when they answer."""
         self.jobs.pop(job.id, None)
-        self.running.pop(job.id, None)
+        if self.running.pop(job.id, None) is not None:
+            self.unplace(job)
         job.outcome = outcome
         self.outcomes[outcome] += 1
         job.pending.clear()
