@@ -177,12 +177,16 @@ class MemberSpeeds:
     def heaviest(self, count: int) -> list[Ranked]:
         """The first ``count`` members by weight, heaviest first (equal: first placed first),
         weighing members without a speed at the mean speed."""
-        ranked = [Ranked(w, -key[0], key[1]) for key, w in self.by_speed.first(count, self._live)]
-        if self.known < len(self.place):
-            default = self.mean()
-            ranked += [Ranked(w, default, place) for place, w in self.unknown.first(
-                count, self._live_unknown)]
-            ranked.sort(key=lambda m: (-m.weight, m.place))
+        default = self.mean() if self.known < len(self.place) else 1.0
+        if count >= len(self.place):  # everyone: one sort beats taking them off the heaps
+            speeds = self.book.speeds
+            ranked = [Ranked(w, speeds.get(w, default), p) for w, p in self.place.items()]
+        else:
+            ranked = [Ranked(w, -key[0], key[1])
+                      for key, w in self.by_speed.first(count, self._live)]
+            ranked += [Ranked(w, default, place)
+                       for place, w in self.unknown.first(count, self._live_unknown)]
+        ranked.sort(key=lambda m: (-m.weight, m.place))
         return ranked[:count]
 
 
