@@ -339,7 +339,8 @@ class FarmState:
         for job_id in sorted(offered, key=lambda j: self.running[j].seq if j in self.running
                              else -1):
             job = self.running.get(job_id)
-            if job is not None and job is not taker and entry.id in job.policy.idle:
+            if (job is not None and job is not taker and job.policy is not None
+                    and entry.id in job.policy.idle):
                 self.step(job, WorkerBusy(entry.id, at=self.now))
 
     def step(self, job: Job, event: Event) -> None:
