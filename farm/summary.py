@@ -1,4 +1,4 @@
-"""A finished job's figures: throughput, each worker's share, and waste (SPEC.md).
+"""A finished job's figures: throughput, each worker's share, and waste (docs/scheduling.md).
 
 Waste = (theoretical - achieved) / theoretical, where theoretical is the sum
 of the standalone speeds of every worker the job was offered to.  A worker's

@@ -1,7 +1,7 @@
 """Every policy as a pure state machine: scripted events in, exact assignments out.
 
-The scripted tests are tables of numbers worked out by hand from SPEC.md's
-rules; the property tests drive every policy with random speeds, job sizes,
+The scripted tests are tables of numbers worked out by hand from the policies' rules
+(docs/scheduling.md); the property tests drive every policy with random speeds, job sizes,
 joins and losses.
 """
 

@@ -2,7 +2,7 @@
 
 Every farm here is a real local farm (``farm.local.LocalFarm``: a broker and
 pinned worker processes on loopback).  The broker keeps each policy's own
-chunks (``--max-chunk-seconds 0``), so the paper's policies run as SPEC.md
+chunks (``--max-chunk-seconds 0``), so the paper's policies run as docs/scheduling.md
 defines them; each job names its policy, so one warm farm runs them all.
 """
 

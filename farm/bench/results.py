@@ -1,6 +1,6 @@
 """What a suite run found, and how it is written: CSV tables, PNG figures, a Markdown report.
 
-Waste follows SPEC.md: (theoretical - achieved) / theoretical, where
+Waste follows docs/scheduling.md: (theoretical - achieved) / theoretical, where
 theoretical is the sum of each worker's standalone speed, each worker alone in
 a one-worker farm, measured in the same run (before every round of the sweep
 and after the last; their mean).  Beside it, the sweep's own split: the
@@ -22,7 +22,7 @@ from farm.bench.measure import Configuration, PolicyRun
 from farm.bench.peers import PeerResult
 from farm.bench.setups import SETUP_ABOUT, FarmSetup, WorkerSpec
 
-#: The paper's figures quoted beside ours (SPEC.md): fast-split's and HAT's waste.
+#: The paper's figures quoted beside ours (docs/scheduling.md): fast-split's and HAT's waste.
 PAPER_WASTE = {"fast-split": 0.094, "hat": 0.11}
 WASTE_GOAL = 0.05
 #: The standalone speeds measured in the head-to-head rounds, filed as if a setup.

@@ -2,8 +2,8 @@
 
 Names and labels follow Prometheus' conventions: a ``farm_`` prefix, base
 units (seconds), ``_total`` on counters, and ``worker``/``device``/``host``
-labels on per-worker series.  fb-caffe-exts' PooledPredictor callbacks (SPEC.md)
-map onto them: ``onJobEnqueued(queueSize, delay)`` is ``farm_chunks_waiting``
+labels on per-worker series.  The PooledPredictor callbacks of fb-caffe-exts
+(github.com/facebookarchive/fb-caffe-exts) map onto them: ``onJobEnqueued(queueSize, delay)`` is ``farm_chunks_waiting``
 and ``farm_chunk_queue_seconds``, ``onJobDequeued`` is
 ``farm_worker_chunks_in_flight``, and ``onJobProcessed(time)`` is
 ``farm_chunk_compute_seconds`` with the per-worker ``_total`` counters.

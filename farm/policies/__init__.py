@@ -1,6 +1,6 @@
 """Scheduling policies, chosen by name (``farm broker --algo NAME``).
 
-The paper's six (SPEC.md) and ours, ``equal-finish``.  Every policy is a pure
+The paper's six (docs/scheduling.md) and ours, ``equal-finish``.  Every policy is a pure
 object: events in, chunk assignments out (see ``farm.policies.base``).
 """
 
@@ -26,7 +26,7 @@ POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
     StaticPolicy, QuickPolicy, SlicedPolicy, HatPolicy, FifoPolicy, FastSplitPolicy,
     EqualFinishPolicy)}
 
-#: The paper's tried values of each policy's main parameter (SPEC.md).
+#: The paper's tried values of each policy's main parameter (docs/scheduling.md).
 PAPER_PARAMETERS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "static": ("ratio", ((),)),
     "quick": ("probe", (250, 500, 1000, 2000)),

@@ -40,7 +40,7 @@ from typing import Iterable, Mapping, NamedTuple
 
 WorkerId = str
 
-#: Chunks below this many items pay visible per-chunk overhead (SPEC.md).
+#: Chunks below this many items pay visible per-chunk overhead (docs/scheduling.md).
 DEFAULT_FLOOR = 100
 
 

@@ -13,7 +13,7 @@ from farm.policies.speeds import MeasuredPolicy
 
 #: Probe for a worker with no speed yet (none remembered from earlier jobs).
 DEFAULT_PROBE = 200
-#: Per-chunk cost the driver adds on top of compute time (SPEC.md: about 0.2 ms).
+#: Per-chunk cost the driver adds on top of compute time (the paper: about 0.2 ms).
 DEFAULT_OVERHEAD = 0.0002
 #: Largest share of a chunk's time that per-chunk overhead may take.
 DEFAULT_MAX_OVERHEAD = 0.01

@@ -1,4 +1,4 @@
-"""fast-split (SPEC.md): probe every worker, then give each idle worker a share of what remains."""
+"""fast-split (docs/scheduling.md): probe every worker, then give each idle worker a share of what remains."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Iterable, Mapping
 from farm.policies.base import DEFAULT_FLOOR, ChunkDone, WorkerId, require_positive
 from farm.policies.speeds import DEFAULT_SPEED_ALPHA, MeasuredPolicy
 
-#: Probe size ``w_s`` (SPEC.md leaves it open): large enough that per-chunk
+#: Probe size ``w_s`` (the paper leaves it open): large enough that per-chunk
 #: overhead is under 1% on a 10 000 images/s core, small next to real jobs.
 DEFAULT_PROBE = 500
 

@@ -1,4 +1,4 @@
-"""async-FIFO (SPEC.md): every idle worker at once gets ``min(chunk, remaining)``; no barrier."""
+"""async-FIFO (docs/scheduling.md): every idle worker at once gets ``min(chunk, remaining)``; no barrier."""
 
 from __future__ import annotations
 

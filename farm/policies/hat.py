@@ -1,4 +1,4 @@
-"""HAT (SPEC.md): sliced rounds whose slice doubles until the round's finish times are close."""
+"""HAT (docs/scheduling.md): sliced rounds whose slice doubles until the round's finish times are close."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from farm.policies.base import DEFAULT_FLOOR, WorkerId, require_positive
 from farm.policies.rounds import RoundPolicy
 from farm.policies.speeds import DEFAULT_SPEED_ALPHA
 
-#: Finish times within this fraction of the slowest count as "close" (SPEC.md leaves it open).
+#: Finish times within this fraction of the slowest count as "close" (the paper leaves it open).
 DEFAULT_TOLERANCE = 0.10
 
 

@@ -1,4 +1,4 @@
-"""quick (SPEC.md): a probe round of ``p`` items each, a barrier, then the rest split by speed."""
+"""quick (docs/scheduling.md): a probe round of ``p`` items each, a barrier, then the rest split by speed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""sliced (SPEC.md): rounds of one slice each, split equally first, then by measured speed."""
+"""sliced (docs/scheduling.md): rounds of one slice each, split equally first, then by measured speed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""static (SPEC.md): at the start, worker ``i`` gets ``W * r_i / sum(r)`` items in one chunk."""
+"""static (docs/scheduling.md): at the start, worker ``i`` gets ``W * r_i / sum(r)`` items in one chunk."""
 
 from __future__ import annotations
 
