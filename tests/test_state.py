@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import zmq
 from farm.broker import events as ev
 from farm.broker.jobs import JobOptions
 from farm.broker.state import FarmState, SchedulingConfig
-from farm.local import farm_command
+from farm.local import farm_command, free_port
 from farm.simulator import DeviceModel, FarmSimulation, Scenario
 
 CLIENT, OTHER = b"client-1", b"client-2"
@@ -255,3 +256,19 @@ def test_a_real_broker_run_replays_to_the_same_instructions(lenet, digits) -> No
     assert sum(isinstance(event, ev.DataArrived) for event, _ in recorded) >= 7
     for event, instructions in recorded:
         assert replay.handle(event) == instructions, event
+
+
+def test_the_scale_bench_drives_the_state_and_a_real_broker() -> None:
+    """bench/broker_scale.py's two parts, small: every chunk is counted, the broker and the
+    bare loop both finish the job."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        import broker_scale
+    finally:
+        sys.path.pop(0)
+    run = broker_scale.drive_state("equal-finish", 50, 2, 300)
+    assert run.chunks == 300 and run.us_per_chunk > 0
+    for command in (farm_command("--log-level", "ERROR", "broker", "--bind", "{}"),
+                    [sys.executable, broker_scale.__file__, "--bare", "{}"]):
+        rate, cpu = broker_scale.measure_broker(command, free_port(), 3, 200)
+        assert rate > 0 and cpu > 0
