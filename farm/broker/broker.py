@@ -328,9 +328,9 @@ class Broker:
 
     def snapshot(self) -> dict[str, Any]:
         """What ``farm status`` shows: the broker, its workers and its jobs (in slot order)."""
-        self.state.now = max(self.state.now, self.clock())
-        return {"endpoint": self.endpoint, "uptime_s": self.clock() - self.started_at,
-                "metrics": self.metrics_url, **self.state.describe()}
+        now = self.clock()
+        return {"endpoint": self.endpoint, "uptime_s": now - self.started_at,
+                "metrics": self.metrics_url, **self.state.describe(now)}
 
 
 # ---------------------------------------------------------------- decoding, one per command

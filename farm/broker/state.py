@@ -594,9 +594,8 @@ class FarmState:
 
     # ------------------------------------------------------------------------ views
 
-    def describe(self) -> dict[str, Any]:
-        """The state's part of ``farm status``: counters, workers, jobs."""
-        now = self.now
+    def describe(self, now: float) -> dict[str, Any]:
+        """The state's part of ``farm status`` at ``now``: counters, workers, jobs."""
         return {"policy": self.config.algo, "params": self.config.params,
                 "sharing": self.config.sharing, "heartbeat": self.config.heartbeat,
                 "liveness": self.config.liveness, "stats": asdict(self.stats),
