@@ -65,7 +65,7 @@ def drive_state(policy: str, workers: int, jobs: int, chunks: int, seed: int = 0
     per_job = max(1, (workers * 4 + chunks * 2) * 2000 // jobs)  # never runs dry
     running: list[tuple[float, int, ev.SendTask]] = []
     order = 0
-    timed = cpu = 0.0
+    cpu = 0.0
     done = 0
     warm = workers * 2  # the first round fills every slot: not timed
 
@@ -102,8 +102,6 @@ def drive_state(policy: str, workers: int, jobs: int, chunks: int, seed: int = 0
                                   now))
         done += 1
         carry_out(out, now)
-        timed = now
-    del timed
     return StateRun(policy, workers, jobs, max(0, done - warm), cpu)
 
 
@@ -124,7 +122,6 @@ def state_table(worker_counts: list[int], job_counts: list[int], chunks: int,
 def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int, float]:
     """Fake workers and a client in this process, against a real broker: (chunks, seconds)."""
     import numpy as np
-    import msgspec
     import zmq
 
     from farm import protocol

@@ -177,7 +177,6 @@ class FarmSimulation:
         self.ended: dict[str, float] = {}  # job -> when its DONE (or end) came
         self.failed: dict[str, list[ev.SendFailed]] = {}
         self.errors: dict[str, str] = {}
-        self.log: list[tuple[ev.Event, list[ev.Instruction]]] = []  # every step, in order
         self.speeds: dict[str, float] = {}  # device -> speed remembered from earlier jobs
         for identity, device in self.devices.items():
             self.at(0.0, ev.WorkerJoined(identity, worker_facts(self.scenario.slots), 0.0))
@@ -210,7 +209,6 @@ class FarmSimulation:
 
     def step(self, now: float, event: ev.Event) -> None:
         instructions = self.state.handle(event)
-        self.log.append((event, instructions))
         if isinstance(event, ev.WorkerJoined) and event.worker.decode() in self.speeds:
             self.seed_speed(event.worker)
         for instruction in instructions:
@@ -235,10 +233,10 @@ class FarmSimulation:
                 answered = end + self.scenario.latency
                 self.at(answered, ev.ChunkDone(worker, job, chunk, start, count, "float32",
                                                (1,), {"compute": end - began}, answered))
-            case ev.SendResult(_, result, worker, _, trace):
+            case ev.SendResult(_, result, _, _, trace):
                 began, end = self.running.pop(result.chunk)
                 self.runs.setdefault(result.job, []).append(ChunkRun(
-                    self.state_name(worker), Chunk(result.start, result.count), trace[0],
+                    result.worker.decode(), Chunk(result.start, result.count), trace[0],
                     began, end, now))
             case ev.SendDone(_, job):
                 self.ended[job] = now
@@ -249,11 +247,6 @@ class FarmSimulation:
                 self.ended[job] = now
             case ev.SendCancel(peer, job) if peer == CLIENT:
                 self.ended[job] = now
-
-    @staticmethod
-    def state_name(worker: str) -> str:
-        """The device name inside a worker's ``host:pid/device`` name."""
-        return worker.rsplit("/", 1)[-1]
 
 
 #: The simulated client's identity.

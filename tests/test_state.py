@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import pytest
 import zmq
 
 from farm.broker import events as ev

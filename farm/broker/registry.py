@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 from farm import defaults, protocol
 from farm.messages import ModelFacts
-from farm.protocol import ProtocolError
 
 if TYPE_CHECKING:
     from farm.broker.events import WorkerFacts

@@ -38,7 +38,7 @@ from farm.broker.jobs import ChunkRecord, Job
 from farm.broker.registry import WorkerEntry
 from farm.policies import (Assign, ChunkDone, ChunkFailed, Event, WorkerBusy, WorkerLost,
                            WorkerReady, make_policy)
-from farm.protocol import MAX_TASK_BYTES, ProtocolError
+from farm.protocol import ProtocolError
 
 log = logging.getLogger("farm.broker")
 
