@@ -15,8 +15,12 @@ HEARTBEAT = 1.0
 MIN_HEARTBEAT, MAX_HEARTBEAT = 0.01, 60.0
 #: Heartbeats a peer may miss before it is declared gone.
 LIVENESS = 5
-#: Attempts at a chunk (failures, or its worker lost) before its images are reported failed.
+#: Charged attempts (a FAILED, or its worker died computing it) that make a chunk suspect
+#: even on one device; a single image so charged by itself is reported failed.  Charges on
+#: two distinct devices make it suspect sooner (farm/broker/blame.py).
 MAX_ATTEMPTS = 3
+#: Runs of one item, for any reason (lost workers included), before it is given up.
+MAX_RUNS = 50
 #: How jobs of equal priority share workers: "fair" (fewest chunks held first) or "fifo".
 SHARING = "fair"
 #: Cap on a chunk, in seconds of compute once speeds are known (0: no cap).

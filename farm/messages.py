@@ -112,10 +112,13 @@ class Result(ChunkHeader):
 
 
 class Failed(ChunkHeader):
-    """worker -> broker -> client: a chunk could not run; ``fatal``: no retry can help."""
+    """worker -> broker -> client: a chunk could not run; ``fatal``: no retry can help;
+    ``charge``: the failure may be the items' fault (False: the worker's own trouble, such
+    as a cancelled job or a model fetch that timed out)."""
 
     error: Text
     fatal: bool = True
+    charge: bool = True
 
 
 class Options(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):

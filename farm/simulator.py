@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass, field
 
 
-from typing import Any
+from typing import Any, Callable
 
 from farm.broker import events as ev
 from farm.broker.jobs import JobOptions
@@ -154,21 +154,31 @@ SIM_MODEL = "sim"
 class _Pending:
     at: float
     order: int
-    event: ev.Event = field(compare=False)
+    event: ev.Event | Callable[[float], None] = field(compare=False)
 
 
 @dataclass
 class FarmSimulation:
-    """A simulated farm: ``join`` devices, ``submit`` jobs, ``lose`` workers, then ``run``."""
+    """A simulated farm: ``join`` devices, ``submit`` jobs, ``lose`` workers, then ``run``.
+
+    ``poison``: items that fail every chunk holding them (``"fail"``: the worker answers
+    FAILED; ``"crash"``: the worker dies).  ``restart``: seconds after a worker dies or
+    is lost until a new one starts on its device (None: none does).
+    """
 
     scenario: Scenario
     config: SchedulingConfig = field(default_factory=SchedulingConfig)
     seed: int = 0
+    poison: dict[int, str] = field(default_factory=dict)
+    restart: float | None = None
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.state = FarmState(self.config)
         self.devices = {d.name.encode(): d for d in self.scenario.devices}
+        self.models = {d.name: d for d in self.scenario.devices}
+        self.current = {d.name: d.name.encode() for d in self.scenario.devices}  # its worker
+        self.starts = 0  # workers started after the first ones
         self.free_at = dict.fromkeys(self.devices, 0.0)
         self.queue: list[_Pending] = []
         self.order = 0
@@ -179,9 +189,10 @@ class FarmSimulation:
         self.errors: dict[str, str] = {}
         self.speeds: dict[str, float] = {}  # device -> speed remembered from earlier jobs
         for identity, device in self.devices.items():
-            self.at(0.0, ev.WorkerJoined(identity, worker_facts(self.scenario.slots), 0.0))
+            self.at(0.0, ev.WorkerJoined(identity, worker_facts(self.scenario.slots, device.name),
+                                         0.0))
 
-    def at(self, when: float, event: ev.Event) -> None:
+    def at(self, when: float, event: ev.Event | Callable[[float], None]) -> None:
         heapq.heappush(self.queue, _Pending(when, self.order, event))
         self.order += 1
 
@@ -190,9 +201,33 @@ class FarmSimulation:
         self.at(at, ev.JobSubmitted(CLIENT, job, SIM_MODEL, "float32", (1,), total, 1.0,
                                     options, ev.ModelFound((1,), "sim"), at))
 
-    def lose(self, device: str, at: float) -> None:
-        """The device's worker leaves at ``at`` (what it computes then is lost)."""
-        self.at(at, ev.WorkerLeft(device.encode(), at, "lost in the simulation"))
+    def lose(self, device: str, at: float, crashed: bool = False) -> None:
+        """The device's worker leaves at ``at`` (what it computes then is lost); ``crashed``:
+        it died, rather than going silent or saying goodbye.  Its successor, if
+        ``restart`` is set, is a new worker on the same device."""
+        def leave(now: float) -> None:
+            if self.current[device]:  # else it died already, and a new one is on its way
+                self.step(now, ev.WorkerLeft(self.current[device], now,
+                                             "lost in the simulation", crashed))
+                if self.restart is not None:
+                    self.current[device] = b""
+                    self.start_worker(device, now + self.restart)
+
+        self.at(at, leave)
+
+    def start_worker(self, device: str, at: float) -> None:
+        """A new worker process on ``device`` at ``at`` (after its last one died)."""
+        self.starts += 1
+        identity = f"{device}#{self.starts}".encode()
+        self.devices[identity] = self.models[device]
+        self.current[device] = identity
+        self.free_at[identity] = at
+        self.at(at, ev.WorkerJoined(identity, worker_facts(self.scenario.slots, device), at))
+
+    def fault(self, start: int, count: int) -> str | None:
+        """What a chunk of these items does on any worker: None, "fail" or "crash"."""
+        hits = [kind for item, kind in self.poison.items() if start <= item < start + count]
+        return "crash" if "crash" in hits else hits[0] if hits else None
 
     def remember(self, speeds: dict[str, float]) -> None:
         """Each device's speed from earlier jobs, as the broker remembers them; before ``run``."""
@@ -204,7 +239,10 @@ class FarmSimulation:
         while self.queue:
             pending = heapq.heappop(self.queue)
             now = pending.at
-            self.step(now, pending.event)
+            if callable(pending.event):
+                pending.event(now)
+            else:
+                self.step(now, pending.event)
         return now
 
     def step(self, now: float, event: ev.Event) -> None:
@@ -231,8 +269,16 @@ class FarmSimulation:
                 self.free_at[worker] = end
                 self.running[chunk] = (began, end)
                 answered = end + self.scenario.latency
-                self.at(answered, ev.ChunkDone(worker, job, chunk, start, count, "float32",
-                                               (1,), {"compute": end - began}, answered))
+                fault = self.fault(start, count)
+                if fault == "fail":
+                    self.at(answered, ev.ChunkFailed(worker, job, chunk, "poison", False,
+                                                     answered))
+                elif fault == "crash":  # the broker hears of it as of a reply: a latency on
+                    self.crash(worker, answered)
+                else:
+                    self.at(answered, ev.ChunkDone(worker, job, chunk, start, count,
+                                                   "float32", (1,), {"compute": end - began},
+                                                   answered))
             case ev.SendResult(_, result, _, _, trace):
                 began, end = self.running.pop(result.chunk)
                 self.runs.setdefault(result.job, []).append(ChunkRun(
@@ -249,13 +295,22 @@ class FarmSimulation:
                 self.ended[job] = now
 
 
+    def crash(self, worker: bytes, at: float) -> None:
+        """The worker dies at ``at``; a new one starts on its device ``restart`` s later."""
+        self.at(at, ev.WorkerLeft(worker, at, "crashed on a poison item", crashed=True))
+        device = self.devices[worker].name
+        if self.restart is not None and self.current[device] == worker:
+            self.current[device] = b""  # one restart per death
+            self.start_worker(device, at + self.restart)
+
+
 #: The simulated client's identity.
 CLIENT = b"client"
 
 
-def worker_facts(slots: int) -> ev.WorkerFacts:
-    """A simulated worker: it runs ``SIM_MODEL`` on its device name."""
-    return ev.WorkerFacts("sim", "sim", 0, "sim", 1, {SIM_MODEL: {"input_shape": [1]}},
+def worker_facts(slots: int, device: str = "sim") -> ev.WorkerFacts:
+    """A simulated worker on ``device``: it runs ``SIM_MODEL``."""
+    return ev.WorkerFacts(device, "sim", 0, "sim", 1, {SIM_MODEL: {"input_shape": [1]}},
                           frozenset({SIM_MODEL}), slots)
 
 

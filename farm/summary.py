@@ -35,7 +35,9 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
     workers: tuple[WorkerShare, ...] = ()
     shared: bool = False  # other jobs ran on the farm at the same time
     failed_items: int = 0  # images given up after their attempts
-    failed_attempts: int = 0
+    failed_attempts: int = 0  # attempts failed, or cut short by their worker dying
+    lost_attempts: int = 0  # attempts whose worker was lost while they waited or ran
+    items_run: int = 0  # images sent to workers: the job's size plus what ran again
     broker_seconds: float = 0.0  # submission to the last result, on the broker's clock
     seconds: float = 0.0  # the client's wall time, submit to last result
 
@@ -73,6 +75,10 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
             part = share.items / self.items if self.items else 0.0
             lines.append(f"  {share.name:<36} {part:>7.1%} {share.items:>8,} "
                          f"{share.chunks:>6} {share.rate:>9,.0f}")
+        if self.failed_attempts or self.lost_attempts:
+            lines.append(f"{max(0, self.items_run - self.total):,} images ran again: "
+                         f"{self.failed_attempts} attempts failed, {self.lost_attempts} were "
+                         f"lost with their workers")
         return "\n".join(lines)
 
 

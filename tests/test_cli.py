@@ -69,8 +69,8 @@ def field_defaults(config: type) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("command, config, shared", [
-    ("broker", BrokerConfig, {"bind", "algo", "heartbeat", "liveness", "max_attempts", "sharing",
-                              "max_chunk_seconds"}),
+    ("broker", BrokerConfig, {"bind", "algo", "heartbeat", "liveness", "max_attempts", "max_runs",
+                              "sharing", "max_chunk_seconds"}),
     ("worker", WorkerConfig, {"backend", "precision", "slots", "heartbeat", "liveness",
                               "curve_name"}),
 ])

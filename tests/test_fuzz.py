@@ -920,13 +920,10 @@ def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
     log = tmp_path / "farm.log"
     with contextlib.ExitStack() as cleanup:
         with stderr_to(log):  # the broker and workers log their errors (tracebacks) there
-            # the fuzzer's READY garbage registers workers that never compute; each time
-            # one registers again or goes silent its chunks are charged an attempt (the
-            # churn rules of issue 17 will charge nothing for that), so a real chunk may
-            # meet three of them in a row: attempts are not what this test is about
+            # the fuzzer's READY garbage registers workers that never compute; one that
+            # registers again or goes silent charges its chunks nothing
             local = cleanup.enter_context(LocalFarm(
-                devices=devices, algo="fifo",
-                broker_options=["--chunk", "100", "--max-attempts", "50"],
+                devices=devices, algo="fifo", broker_options=["--chunk", "100"],
                 preload=["lenet"], log_level="ERROR"))
         fuzzer = BrokerFuzzer(local.endpoint, local.broker.pid)
         cleanup.callback(fuzzer.close)

@@ -15,11 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from farm.broker import events as ev
 from farm.broker.jobs import JobOptions
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.local import farm_command, free_port
+from farm.policies import POLICIES
 from farm.simulator import DeviceModel, FarmSimulation, Scenario
 
 CLIENT, OTHER = b"client-1", b"client-2"
@@ -88,32 +91,124 @@ def test_fair_sharing_alternates_slots_between_equal_jobs() -> None:
     assert [(i.job, i.start) for i in out] == [("first", 0), ("second", 0)]
 
 
-def test_a_lost_worker_charges_an_attempt_and_its_chunk_moves() -> None:
-    state = fifo(10)
+def test_a_worker_lost_to_silence_or_goodbye_charges_nothing_and_its_chunk_moves() -> None:
+    state = fifo(10, max_attempts=1)  # one charge would make the chunk suspect
     state.handle(ev.WorkerJoined(A, facts(), 0.0))
     state.handle(submit("j", 10))
     state.handle(data(ev.SendNeed(CLIENT, "j", 1, 0, 10), 0.1))
     assert state.handle(ev.WorkerLeft(A, 0.2)) == []
     assert state.handle(ev.WorkerJoined(B, facts(), 0.3)) == [ev.SendNeed(CLIENT, "j", 2, 0, 10)]
     out = state.handle(data(ev.SendNeed(CLIENT, "j", 2, 0, 10), 0.4))
-    assert [(i.worker, i.attempt) for i in out] == [(B, 2)]
+    assert [(i.worker, i.attempt) for i in out] == [(B, 2)]  # its second run, uncharged
     # the lost worker's late answer is dropped, and it is told to register again
     late = ev.ChunkDone(A, "j", 1, 0, 10, "float32", (1,), {"compute": 0.1}, 0.5)
     assert state.handle(late) == [ev.DropWorker(A)]
     assert state.stats.late_replies == 1
+    out = state.handle(done(out[0], 0.6, 0.1))
+    summary = out[-1].summary
+    assert (summary.failed_attempts, summary.lost_attempts, summary.items_run) == (0, 1, 20)
 
 
-def test_a_chunk_failing_every_attempt_is_given_up_and_reported() -> None:
-    state = fifo(10, max_attempts=2)
-    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+def test_a_crashed_worker_charges_only_the_chunk_it_was_computing() -> None:
+    state = fifo(10)
+    state.handle(ev.WorkerJoined(A, facts(slots=2), 0.0))
+    first, second = state.handle(submit("j", 20))
+    state.handle(data(first, 0.1))
+    state.handle(data(second, 0.2))  # queued behind the first on the worker
+    state.handle(ev.WorkerLeft(A, 0.3, "its connection closed", crashed=True))
+    marks = state.jobs["j"].evidence.marks
+    assert [(m.start, m.charged) for m in marks] == [(0, True), (10, False)]
+    assert "died while computing it" in marks[0].error
+
+
+def device(name: str, pid: int, slots: int = 1) -> ev.WorkerFacts:
+    return ev.WorkerFacts(name, "host", pid, "opencv", 1, {}, frozenset(), slots)
+
+
+def test_a_failed_chunk_runs_again_whole_on_another_device() -> None:
+    state = fifo(10)
+    state.handle(ev.WorkerJoined(A, device("cpu:0", 1), 0.0))
+    state.handle(ev.WorkerJoined(B, device("cpu:1", 2), 0.0))
+    first, second = state.handle(submit("j", 20))
+    task_a, = state.handle(data(first, 0.1))
+    task_b, = state.handle(data(second, 0.1))
+    # A fails its chunk and is free first, but the chunk waits for another device
+    assert state.handle(ev.ChunkFailed(A, "j", task_a.chunk, "oom", False, 0.2)) == []
+    out = state.handle(done(task_b, 0.3, 0.1))
+    assert [(type(i), i.start, i.count) for i in out[1:]] == [(ev.SendNeed, 0, 10)]
+    retry, = state.handle(data(out[1], 0.4))
+    assert (retry.worker, retry.attempt) == (B, 2)  # whole, not narrowed: one device failed it
+    assert state.stats.narrowed_chunks == 0
+
+
+def run_with_poison(state: FarmState, workers: dict[bytes, ev.WorkerFacts], total: int,
+                    bad: set[int]) -> tuple[list[int], list[ev.SendFailed]]:
+    """Answer every NEED and TASK at once: a chunk holding a ``bad`` item fails on any
+    worker.  The items delivered (with repeats, if any) and the FAILED sent."""
+    queue: list[ev.Event] = [ev.WorkerJoined(w, f, 0.0) for w, f in workers.items()]
+    queue.append(submit("j", total))
+    delivered: list[int] = []
+    failed: list[ev.SendFailed] = []
+    clock = 0.0
+    while queue:
+        clock += 0.01
+        for instruction in state.handle(queue.pop(0)):
+            match instruction:
+                case ev.SendNeed():
+                    queue.append(data(instruction, clock))
+                case ev.SendTask(worker, job, chunk, _, start, count):
+                    if bad & set(range(start, start + count)):
+                        queue.append(ev.ChunkFailed(worker, job, chunk, f"bad item in "
+                                                    f"{start}+{count}", False, clock))
+                    else:
+                        queue.append(done(instruction, clock, 0.001 * count))
+                case ev.SendResult(result=result):
+                    delivered += range(result.start, result.start + result.count)
+                case ev.SendFailed():
+                    failed.append(instruction)
+    return delivered, failed
+
+
+def test_a_chunk_failing_on_two_devices_is_narrowed_to_its_bad_image() -> None:
+    state = fifo(1000)
+    workers = {A: device("cpu:0", 1), B: device("cpu:1", 2)}
+    delivered, failed = run_with_poison(state, workers, 5000, {1234})
+    assert sorted(delivered) == [i for i in range(5000) if i != 1234]  # each exactly once
+    assert [(f.start, f.count) for f in failed] == [(1234, 1)]
+    assert failed[0].error.startswith("failed by itself 2 times on 2 device(s); last: ")
+    assert "bad item in 1234+1" in failed[0].error  # the error of its own last attempt
+    assert state.stats.narrowed_chunks == 10  # 1 000 items halved down to one
+    assert state.outcomes["done"] == 1
+
+
+def test_on_one_device_a_chunk_is_narrowed_after_max_attempts() -> None:
+    state = fifo(100, max_attempts=3)
+    delivered, failed = run_with_poison(state, {A: facts()}, 300, {7, 250})
+    assert sorted(delivered) == [i for i in range(300) if i not in (7, 250)]
+    assert [(f.start, f.count) for f in failed] == [(7, 1), (250, 1)]
+    assert all(f.error.startswith("failed by itself 3 times on 1 device(s)") for f in failed)
+
+
+def test_no_item_runs_more_than_max_runs_times() -> None:
+    state = fifo(10, max_runs=3)
     state.handle(submit("j", 10))
-    for attempt, chunk in ((1, 1), (2, 2)):
-        state.handle(data(ev.SendNeed(CLIENT, "j", chunk, 0, 10), attempt))
-        out = state.handle(ev.ChunkFailed(A, "j", chunk, "bad pixels", False, attempt + 0.5))
-    assert out == [ev.SendFailed(CLIENT, "j", 2, 0, 10,
-                                 "gave up after 2 attempts; last: host:1/cpu: bad pixels"),
-                   ev.SendDone(CLIENT, "j", out[1].summary)]
+    out: list[ev.Instruction] = []
+    for run in range(3):
+        worker = bytes([run])
+        need = state.handle(ev.WorkerJoined(worker, facts(), run))[0]
+        state.handle(data(need, run + 0.1))
+        out = state.handle(ev.WorkerLeft(worker, run + 0.2, "silent for 1.0 s"))
+    assert [type(i) for i in out] == [ev.SendFailed, ev.SendDone]
+    assert out[0].error.startswith("ran 3 times without a result, its workers lost or failing")
     assert out[1].summary.failed_items == 10
+
+
+def test_a_closed_client_connection_ends_its_jobs_and_stops_their_chunks() -> None:
+    state = fifo(10)
+    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    state.handle(data(state.handle(submit("j", 100))[0], 0.1))
+    assert state.handle(ev.ClientLeft(CLIENT, 0.2)) == [ev.SendCancel(A, "j")]
+    assert state.jobs == {} and state.outcomes["expired"] == 1
 
 
 def test_a_fatal_failure_fails_the_job_and_frees_the_worker() -> None:
@@ -271,3 +366,38 @@ def test_the_scale_bench_drives_the_state_and_a_real_broker() -> None:
                     [sys.executable, broker_scale.__file__, "--bare", "{}"]):
         rate, cpu = broker_scale.measure_broker(command, free_port(), 3, 200)
         assert rate > 0 and cpu > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(algo=st.sampled_from(sorted(POLICIES)), total=st.integers(1, 3000),
+       rates=st.lists(st.floats(100, 5000), min_size=1, max_size=4),
+       slots=st.integers(1, 2),
+       poison=st.dictionaries(st.integers(0, 2999), st.sampled_from(["fail", "crash"]),
+                              max_size=3),
+       losses=st.lists(st.tuples(st.floats(0, 3), st.integers(0, 3), st.booleans()),
+                       max_size=6),
+       seed=st.integers(0, 1000))
+def test_under_churn_and_poison_every_item_comes_back_once_and_only_poison_fails(
+        algo, total, rates, slots, poison, losses, seed) -> None:
+    """Every policy, in a simulated farm whose workers die (charging the chunk they compute)
+    or go silent (charging nothing) and are restarted, with items that fail or crash every
+    worker: every clean item comes back exactly once, and exactly the poison items are
+    reported, each alone."""
+    devices = tuple(DeviceModel(f"cpu{i}", rate) for i, rate in enumerate(rates))
+    poison = {item: kind for item, kind in poison.items() if item < total}
+    farm = FarmSimulation(Scenario("churn", devices, 0, latency=0.001, slots=slots),
+                          SchedulingConfig(algo=algo, max_chunk_seconds=0.2), seed,
+                          poison=poison, restart=0.05)
+    farm.submit("j", total)
+    for at, index, crashed in losses:
+        farm.lose(devices[index % len(devices)].name, at, crashed)
+    farm.run()
+    assert "j" in farm.ended and not farm.errors
+    covered = np.zeros(total, int)
+    for run in farm.runs.get("j", []):
+        covered[run.chunk.start:run.chunk.stop] += 1
+    failed = farm.failed.get("j", [])
+    assert sorted((f.start, f.count) for f in failed) == [(item, 1) for item in sorted(poison)]
+    for item in poison:
+        covered[item] += 1
+    assert (covered == 1).all()

@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from farm import defaults, protocol
 from farm.broker import events as ev
+from farm.broker.connections import Connections, source_fd
 from farm.broker.jobs import JobOptions
 from farm.broker.models import ModelCatalog
 from farm.broker.registry import check_models
@@ -87,6 +89,10 @@ class Broker:
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
+        # connections closing (a peer's process died) name their peer through ``connections``
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.connections = Connections()
         self.wakeup: Wakeup | None = None  # serve() ends the loop's wait on SIGINT/SIGTERM
         self.models = ModelCatalog(config.model_dirs)
         self.info_waiters: list[tuple[bytes, int, float]] = []  # identity, workers, since
@@ -136,6 +142,8 @@ class Broker:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close()
 
     def tick(self) -> None:
@@ -159,7 +167,8 @@ class Broker:
     def poll_once(self, timeout_ms: int) -> None:
         """Handle the messages waiting (or arriving within the timeout), at most ``MAX_BATCH``;
         a stop signal ends the wait."""
-        if self.socket not in dict(self.poller.poll(timeout_ms)):
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.socket not in ready and self.monitor not in ready:
             if self.wakeup is not None:
                 self.wakeup.drain()
             return
@@ -167,8 +176,29 @@ class Broker:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                break
             self.handle(frames)
+        if self.monitor in ready:  # after the messages: a dead worker's last result counts
+            self.take_closed_connections()
+
+    def take_closed_connections(self) -> None:
+        """Each connection that closed: its worker crashed, or its client's jobs end."""
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connection_closed(self.connections.closed(int(event["value"])))
+
+    def connection_closed(self, peer: bytes | None) -> None:
+        if peer is None:
+            return
+        now = self.clock()
+        if peer in self.state.workers:
+            self.feed(ev.WorkerLeft(peer, now, "its connection closed", crashed=True))
+        elif any(job.client == peer for job in self.state.jobs.values()):
+            self.feed(ev.ClientLeft(peer, now))
 
     def stop(self, *_: Any) -> None:
         self.running = False
@@ -181,6 +211,8 @@ class Broker:
         try:
             message = protocol.decode(body, allowed=self.accepted)
             now = self.clock()
+            if isinstance(message.header, (messages.Ready, messages.Submit)):
+                self.connection_closed(self.connections.seen(source_fd(frames[0]), identity))
             match message.header:
                 case messages.Info() as info:
                     self.on_info(identity, info, now)
@@ -377,7 +409,7 @@ def event_of(identity: bytes, message: Message, now: float) -> ev.Event:
                                 payload)
         case messages.Failed() as failed:
             return ev.ChunkFailed(identity, failed.job, failed.chunk, failed.error,
-                                  failed.fatal, now)
+                                  failed.fatal, now, failed.charge)
         case messages.Data() as data:
             return ev.DataArrived(identity, data.job, data.chunk, data.start, data.count,
                                   payload_bytes(payload), len(payload), now, payload)

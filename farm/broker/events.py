@@ -45,11 +45,13 @@ class WorkerJoined:
 
 @dataclass(frozen=True)
 class WorkerLeft:
-    """The worker said goodbye (DISCONNECT)."""
+    """The worker said goodbye (DISCONNECT), or (``crashed``) its connection closed without
+    one: its process died, and the chunk it was computing is charged an attempt."""
 
     worker: Peer
     at: float
     reason: str = "disconnected"
+    crashed: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,8 @@ class ChunkDone:
 
 @dataclass(frozen=True)
 class ChunkFailed:
-    """A worker's FAILED for attempt ``chunk``; ``fatal``: the model cannot run, fail the job."""
+    """A worker's FAILED for attempt ``chunk``; ``fatal``: the model cannot run, fail the job;
+    ``charge``: count it against the chunk's items."""
 
     worker: Peer
     job: str
@@ -88,6 +91,7 @@ class ChunkFailed:
     error: str
     fatal: bool
     at: float
+    charge: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,14 @@ class ClientHeard:
 
 
 @dataclass(frozen=True)
+class ClientLeft:
+    """A client's connection closed (its process died, or it quit): its jobs end."""
+
+    client: Peer
+    at: float
+
+
+@dataclass(frozen=True)
 class DataArrived:
     """A client's DATA: the input of one chunk, ``nbytes`` long."""
 
@@ -155,7 +167,7 @@ class Tick:
 
 
 Event = (WorkerJoined | WorkerLeft | WorkerHeard | ChunkDone | ChunkFailed | JobSubmitted
-         | JobCancelled | ClientHeard | DataArrived | Tick)
+         | JobCancelled | ClientHeard | ClientLeft | DataArrived | Tick)
 
 
 # ------------------------------------------------------------------------- instructions

@@ -4,10 +4,12 @@ shares."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from farm import defaults, protocol
+from farm.broker.blame import Evidence
 from farm.broker.registry import WorkerEntry
 from farm.policies import Chunk, Policy
 from farm.protocol import ProtocolError
@@ -52,18 +54,19 @@ class ChunkRecord:
     job: Job
     chunk: Chunk
     worker: WorkerEntry
-    attempt: int = 1
+    attempt: int = 1  # 1 + the most times any of its items ran before
     assigned_at: float = 0.0  # when the policy assigned it (the broker asked for its input)
     sent_at: float | None = None  # when the TASK went to the worker
+    sent_seq: int = 0  # the order TASKs went out: a worker computes its chunks in this order
+    retry: bool = False  # from the job's retry line, run outside its policy
 
 
 @dataclass(frozen=True)
-class FailedAttempt:
-    """An attempt at items ``[start, stop)`` that failed, and why."""
+class GivenUp:
+    """Items ``[start, stop)`` given up, and why."""
 
     start: int
     stop: int
-    attempt: int
     error: str
 
 
@@ -103,8 +106,14 @@ class Job:
     item_bytes: int = 0
     client_seen: float = 0.0
     pending: dict[int, ChunkRecord] = field(default_factory=dict)  # NEED sent, DATA not back
-    failures: list[FailedAttempt] = field(default_factory=list)
-    abandoned: list[FailedAttempt] = field(default_factory=list)  # chunks given up
+    evidence: Evidence = field(default_factory=Evidence)  # failed and lost attempts
+    abandoned: list[GivenUp] = field(default_factory=list)  # ranges given up
+    # ranges the broker runs itself, outside the policy: chunks charged a failure (to run on
+    # another device) and pieces of suspect chunks (narrowing them down)
+    retries: deque[Chunk] = field(default_factory=deque)
+    retry_items: int = 0  # items taken from the policy to retry, not yet settled
+    retry_failures: int = 0  # failed attempts at retried ranges, against RETRY_LIMIT
+    items_run: int = 0  # items of every TASK sent: the job's size plus what ran again
     shares: dict[str, Share] = field(default_factory=dict)
     eligible: dict[str, WorkerEntry] = field(default_factory=dict)  # workers offered this job
     output_shape: tuple[int, ...] | None = None
@@ -116,7 +125,13 @@ class Job:
     @property
     def done(self) -> int:
         """Items computed (or given up) so far."""
-        return self.policy.completed if self.policy else 0
+        return self.policy.completed - self.retry_items if self.policy else 0
+
+    @property
+    def finished(self) -> bool:
+        """Every item computed or given up: the policy's and every retried range."""
+        return (self.policy is not None and self.policy.finished
+                and self.retry_items == 0)
 
     @property
     def priority(self) -> int:
@@ -158,14 +173,8 @@ class Job:
         return max(1, protocol.MAX_TASK_BYTES // self.item_bytes)
 
     def attempt_of(self, chunk: Chunk) -> int:
-        """1 + the most failed attempts at any item of the chunk."""
-        return 1 + max((f.attempt for f in self.failures
-                        if f.start < chunk.stop and chunk.start < f.stop), default=0)
-
-    def note_failure(self, record: ChunkRecord, error: str) -> FailedAttempt:
-        failure = FailedAttempt(record.chunk.start, record.chunk.stop, record.attempt, error)
-        self.failures.append(failure)
-        return failure
+        """1 + the most times any item of the chunk ran without a result."""
+        return 1 + self.evidence.tally(chunk).runs
 
     def check_data(self, record: ChunkRecord, data: DataArrived) -> None:
         """A DATA message must hold exactly the chunk's items; ProtocolError if not."""
@@ -224,4 +233,6 @@ class Job:
                           items=self.done, policy=self.algo, workers=tuple(workers),
                           shared=self.shared,
                           failed_items=sum(f.stop - f.start for f in self.abandoned),
-                          failed_attempts=len(self.failures))
+                          failed_attempts=sum(m.charged for m in self.evidence.marks),
+                          lost_attempts=sum(not m.charged for m in self.evidence.marks),
+                          items_run=self.items_run)

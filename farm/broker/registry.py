@@ -63,6 +63,11 @@ class WorkerEntry:
         self.id = self.identity.hex()
         self.name = f"{self.host}:{self.pid}/{self.device}"
 
+    @property
+    def place(self) -> str:
+        """host/device: the hardware it runs on (a restarted process keeps it)."""
+        return f"{self.host}/{self.device}"
+
     @classmethod
     def from_facts(cls, identity: bytes, facts: WorkerFacts) -> WorkerEntry:
         """The entry of a worker that registered with ``facts``."""

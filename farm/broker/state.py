@@ -16,8 +16,12 @@ The rules:
 * A chunk assigned by a policy takes its worker's slot at once; the state asks
   the job's client for its input (NEED) and forwards the DATA as the TASK.
 * Each assignment is an attempt with its own id.  A reply to an attempt no
-  longer in flight is dropped, so every item is delivered once.  An item range
-  that fails ``max_attempts`` times is given up and reported (FAILED).
+  longer in flight is dropped, so every item is delivered once.
+* Only what the evidence supports is charged to a chunk's items: a FAILED, or its
+  worker dying while computing it.  A chunk charged on two devices is narrowed
+  down by halves to the images that fail by themselves, which alone are given up
+  and reported (FAILED); lost workers charge nothing, but no item runs more than
+  ``max_runs`` times (``farm/broker/blame.py``).
 * Chunks are capped at ``max_chunk_seconds`` of compute on the job's fastest
   worker (a quarter of that while jobs share the farm), and at the byte limit of
   a message.
@@ -34,10 +38,11 @@ from typing import Any, Protocol
 
 from farm import defaults
 from farm.broker import events as ev
-from farm.broker.jobs import ChunkRecord, Job
+from farm.broker.blame import Mark, halves, suspect
+from farm.broker.jobs import ChunkRecord, GivenUp, Job
 from farm.broker.registry import WorkerEntry
-from farm.policies import (Assign, ChunkDone, ChunkFailed, Event, WorkerBusy, WorkerLost,
-                           WorkerReady, make_policy)
+from farm.policies import (Assign, Chunk, ChunkDone, ChunkFailed, Event, WorkerBusy,
+                           WorkerLost, WorkerReady, make_policy)
 from farm.protocol import ProtocolError
 
 log = logging.getLogger("farm.broker")
@@ -50,6 +55,9 @@ SHARED_CHUNK_FRACTION = 0.25
 OUTCOMES = ("done", "failed", "cancelled", "timed_out", "expired")
 #: Most jobs the farm holds at once.
 MAX_JOBS = 1000
+#: Failed attempts at retried ranges a job may spend; past it, a failing range is given up
+#: whole (failures everywhere are not a few bad images).
+RETRY_LIMIT = 1000
 
 
 @dataclass(kw_only=True)
@@ -60,7 +68,8 @@ class SchedulingConfig:
     params: dict[str, Any] = field(default_factory=dict)
     heartbeat: float = defaults.HEARTBEAT  # seconds between heartbeats to workers and clients
     liveness: int = defaults.LIVENESS  # heartbeats a peer may miss before it is declared gone
-    max_attempts: int = defaults.MAX_ATTEMPTS  # attempts at an item range before it is poison
+    max_attempts: int = defaults.MAX_ATTEMPTS  # charges that make items suspect on one device
+    max_runs: int = defaults.MAX_RUNS  # runs of an item, for any reason, before it is given up
     sharing: str = defaults.SHARING  # see SHARING; priorities come first either way
     max_chunk_seconds: float = defaults.MAX_CHUNK_SECONDS  # chunk cap in compute s (0: none)
 
@@ -79,7 +88,9 @@ class FarmStats:
     late_replies: int = 0  # replies to attempts no longer in flight: dropped
     requeued_chunks: int = 0
     abandoned_chunks: int = 0
-    workers_expired: int = 0
+    narrowed_chunks: int = 0  # suspect ranges cut in two, narrowing down to bad images
+    workers_expired: int = 0  # lost to silence
+    workers_crashed: int = 0  # lost as their connection closed with no goodbye
     jobs_expired: int = 0
 
 
@@ -115,14 +126,19 @@ class FarmState:
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.next_chunk_id = first_chunk_id
         self.next_seq = 0  # submission order of jobs
+        self.next_seq_sent = 0  # the order TASKs go out
         self.now = 0.0
         self.out: list[ev.Instruction] = []
+        self.retries_added = False  # a range joined a retry line during this event
 
     def handle(self, event: ev.Event) -> list[ev.Instruction]:
         """Apply one event; return the instructions it causes, in order."""
         self.now = max(self.now, event.at)
         self.out = []
         HANDLERS[type(event)](self, event)
+        if self.retries_added:  # a retry may wait for a worker that is idle now
+            self.retries_added = False
+            self.fill_all()
         return self.out
 
     # -------------------------------------------------------------------- workers
@@ -142,7 +158,9 @@ class FarmState:
         self.fill(entry)
 
     def on_worker_left(self, event: ev.WorkerLeft) -> None:
-        self.lose_worker(event.worker, event.reason)
+        if event.crashed and event.worker in self.workers:
+            self.stats.workers_crashed += 1
+        self.lose_worker(event.worker, event.reason, event.crashed)
 
     def on_worker_heard(self, event: ev.WorkerHeard) -> None:
         entry = self.heard_worker(event.worker)
@@ -161,9 +179,10 @@ class FarmState:
             entry.last_seen = self.now
         return entry
 
-    def lose_worker(self, identity: bytes, reason: str) -> None:
-        """Forget a worker; each of its chunks counts a failed attempt and goes back to its
-        job's policy, or is given up if that was its last attempt."""
+    def lose_worker(self, identity: bytes, reason: str, crashed: bool = False) -> None:
+        """Forget a worker; its chunks go back to their jobs.  Only the one it was computing
+        when it ``crashed`` is charged an attempt: the others waited behind it, and a worker
+        lost to silence or a goodbye says nothing about its chunks."""
         entry = self.workers.pop(identity, None)
         if entry is None:
             return
@@ -172,12 +191,21 @@ class FarmState:
         entry.in_flight.clear()
         log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason, len(records),
                  extra={"event": "worker_left", "worker": entry.name, "reason": reason})
+        sent = [record for record in records if record.sent_at is not None]
+        computing = min(sent, key=lambda r: r.sent_seq) if crashed and sent else None
         for record in records:
             job = record.job
             job.pending.pop(record.id, None)
-            if job.outcome is None and job.policy:
+            if job.outcome is not None or job.policy is None:
+                continue
+            if record is computing:
+                self.attempt_failed(record, f"worker {entry.name} died while computing it "
+                                            f"({reason})", charged=True, worker_lost=True)
+            elif record.sent_at is not None:
                 self.attempt_failed(record, f"worker {entry.name} was lost ({reason})",
-                                    requeue_with_worker=True)
+                                    charged=False, worker_lost=True)
+            elif record.retry:  # it never left: back in line, uncharged
+                job.retries.appendleft(record.chunk)
         # a worker that reconnected (a new socket, the same name) keeps its metrics series
         if self.observer and all(other.name != entry.name for other in self.workers.values()):
             self.observer.worker_left(entry)
@@ -234,7 +262,10 @@ class FarmState:
         if self.observer:
             self.observer.chunk_done(entry, chunk.count, event.timings, sent - record.assigned_at,
                                      event.at - sent)
-        self.step(job, ChunkDone(entry.id, chunk, compute, at=self.now))
+        if record.retry:
+            job.retry_items -= chunk.count
+        else:
+            self.step(job, ChunkDone(entry.id, chunk, compute, at=self.now))
         self.finish_if_done(job)
         self.fill(entry)
 
@@ -248,36 +279,78 @@ class FarmState:
             self.fail_job(record.job, f"items {chunk.start}..{chunk.stop - 1} failed on "
                                       f"{record.worker.name}: {event.error}")
             return
-        self.attempt_failed(record, f"{record.worker.name}: {event.error}")
+        self.attempt_failed(record, f"{record.worker.name}: {event.error}", event.charge)
         self.fill(record.worker)
 
-    def attempt_failed(self, record: ChunkRecord, error: str,
-                       requeue_with_worker: bool = False) -> None:
-        """Retry the chunk, or give it up after ``max_attempts`` and tell the client.
+    def attempt_failed(self, record: ChunkRecord, error: str, charged: bool,
+                       worker_lost: bool = False) -> None:
+        """Mark the attempt; then run the range again, cut it, or give it up.
 
-        ``requeue_with_worker``: the worker was lost, and the policy's ``WorkerLost``
-        returns its chunks to the pool, so only a chunk given up needs an event here.
+        A charged range leaves its policy for the job's retry line, which runs it on
+        another device; a suspect one is cut in halves first.  ``worker_lost``: the
+        policy's ``WorkerLost`` (which follows) returns the worker's other chunks.
         """
         job, chunk = record.job, record.chunk
-        job.note_failure(record, error)
-        if self.observer:
+        job.evidence.add(Mark(chunk.start, chunk.stop, record.worker.place, error, charged))
+        if charged and self.observer:
             self.observer.chunk_failed(record.worker)
-        if record.attempt < self.config.max_attempts:
-            self.stats.requeued_chunks += 1
-            log.info("job %s: items %d..%d failed attempt %d (%s); retrying", job.id,
-                     chunk.start, chunk.stop - 1, record.attempt, error)
-            if not requeue_with_worker:
-                self.step(job, ChunkFailed(record.worker.id, chunk, True, at=self.now))
+        runs = job.evidence.tally(chunk).runs
+        if runs >= self.config.max_runs:
+            self.give_up(record, f"ran {runs} times without a result, its workers lost or "
+                                 f"failing each time (the images may be fine); last: {error}")
             return
+        if not record.retry:
+            if not charged:
+                self.stats.requeued_chunks += 1
+                if not worker_lost:
+                    self.step(job, ChunkFailed(record.worker.id, chunk, True, at=self.now))
+                return
+            self.step(job, ChunkFailed(record.worker.id, chunk, False, at=self.now))
+            job.retry_items += chunk.count
+        log.info("job %s: items %d..%d: attempt %d %s (%s)", job.id, chunk.start,
+                 chunk.stop - 1, record.attempt, "failed" if charged else "lost", error)
+        self.retry(record, error, charged)
+
+    def retry(self, record: ChunkRecord, error: str, charged: bool) -> None:
+        """Put a range in its job's retry line: as it is, or (suspect) in halves; a single
+        image charged by itself on two devices (or ``max_attempts`` times) is given up."""
+        job, chunk = record.job, record.chunk
+        self.stats.requeued_chunks += 1
+        self.retries_added = True
+        if not charged:
+            job.retries.appendleft(chunk)
+            return
+        job.retry_failures += 1
+        tally = job.evidence.tally(chunk, alone=chunk.count == 1)
+        if job.retry_failures > RETRY_LIMIT:
+            self.give_up(record, f"{error} (retries stopped after {RETRY_LIMIT} failed "
+                                 f"attempts: the failures are not confined to a few images)")
+        elif not suspect(tally, self.config.max_attempts):
+            job.retries.appendleft(chunk)
+        elif chunk.count == 1:
+            self.give_up(record, f"failed by itself {tally.charges} times on {tally.devices} "
+                                 f"device(s); last: {error}")
+        else:
+            self.stats.narrowed_chunks += 1
+            log.warning("job %s: items %d..%d failed on %d device(s); narrowing them down",
+                        job.id, chunk.start, chunk.stop - 1, tally.devices)
+            for piece in reversed(halves(chunk)):
+                job.retries.appendleft(piece)
+
+    def give_up(self, record: ChunkRecord, message: str) -> None:
+        """Report the record's items failed (FAILED to the client) with ``message``."""
+        job, chunk = record.job, record.chunk
         self.stats.abandoned_chunks += 1
-        message = f"gave up after {record.attempt} attempts; last: {error}"
-        job.abandoned.append(job.failures[-1])
-        log.warning("job %s: items %d..%d %s", job.id, chunk.start, chunk.stop - 1, message,
-                    extra={"event": "chunk_abandoned", "job": job.id, "start": chunk.start,
-                           "count": chunk.count})
+        job.abandoned.append(GivenUp(chunk.start, chunk.stop, message))
+        log.warning("job %s: items %d..%d given up: %s", job.id, chunk.start, chunk.stop - 1,
+                    message, extra={"event": "chunk_abandoned", "job": job.id,
+                                    "start": chunk.start, "count": chunk.count})
         self.out.append(ev.SendFailed(job.client, job.id, record.id, chunk.start, chunk.count,
                                       message))
-        self.step(job, ChunkFailed(record.worker.id, chunk, False, at=self.now))
+        if record.retry:
+            job.retry_items -= chunk.count
+        else:
+            self.step(job, ChunkFailed(record.worker.id, chunk, False, at=self.now))
         self.finish_if_done(job)
 
     # ---------------------------------------------------------------------- slots
@@ -305,6 +378,8 @@ class FarmState:
         before = len(entry.in_flight)
         for job in self.job_order():
             job.eligible[entry.id] = entry
+            if job.retries and self.run_retry(job, entry):
+                return True
             self.step(job, WorkerReady(entry.id, at=self.now))
             if len(entry.in_flight) > before:
                 return True
@@ -332,9 +407,10 @@ class FarmState:
     def placed_key(self, job: Job) -> tuple[int, int, int]:
         return self.placed[job.id]
 
-    def slots_taken(self, entry: WorkerEntry, taker: Job) -> None:
-        """The worker's last free slot went to ``taker``: other jobs' policies that counted
-        it as idle (jobs it was offered to and declined) hear it is busy."""
+    def slots_taken(self, entry: WorkerEntry, taker: Job | None) -> None:
+        """The worker's last free slot went to ``taker`` (None: a range from a retry line,
+        which no policy knows of): other jobs' policies that counted it as idle (jobs it was
+        offered to and declined) hear it is busy."""
         offered, entry.offered = entry.offered, set()
         for job_id in sorted(offered, key=lambda j: self.running[j].seq if j in self.running
                              else -1):
@@ -367,18 +443,36 @@ class FarmState:
             if entry is None:  # the policy has not heard the worker is gone yet
                 self.step(job, WorkerLost(assignment.worker, at=self.now))
                 continue
-            chunk = assignment.chunk
-            record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk),
-                                 assigned_at=self.now)
-            self.next_chunk_id += 1
-            entry.in_flight[record.id] = record
-            job.pending[record.id] = record
-            if job.started_at is None:
-                job.started_at = self.now
-            self.out.append(ev.SendNeed(job.client, job.id, record.id, chunk.start,
-                                        chunk.count))
+            self.assign(job, assignment.chunk, entry)
             if entry.free_slots <= 0 and len(self.running) > 1:
                 self.slots_taken(entry, job)
+
+    def run_retry(self, job: Job, entry: WorkerEntry) -> bool:
+        """Give the worker's free slot to the first range in the job's retry line that it
+        may run: one no worker on its device failed, unless no other device is left.
+        The job's policy, which does not know of it, hears the worker is busy if it
+        thought it idle.  False if the worker may run none."""
+        others = {other.place for other in self.workers.values()} - {entry.place}
+        for index, chunk in enumerate(job.retries):
+            blamed = job.evidence.devices_charging(chunk)
+            if entry.place not in blamed or others <= blamed:
+                del job.retries[index]
+                self.assign(job, chunk, entry, retry=True)
+                if entry.free_slots <= 0:
+                    self.slots_taken(entry, None)
+                return True
+        return False
+
+    def assign(self, job: Job, chunk: Chunk, entry: WorkerEntry, retry: bool = False) -> None:
+        """A new attempt: it takes the worker's slot now and asks the client for its input."""
+        record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk),
+                             assigned_at=self.now, retry=retry)
+        self.next_chunk_id += 1
+        entry.in_flight[record.id] = record
+        job.pending[record.id] = record
+        if job.started_at is None:
+            job.started_at = self.now
+        self.out.append(ev.SendNeed(job.client, job.id, record.id, chunk.start, chunk.count))
 
     def on_data_arrived(self, event: ev.DataArrived) -> None:
         """A chunk's input from its client: forward it to the chunk's worker as the TASK."""
@@ -397,7 +491,10 @@ class FarmState:
             self.fail_job(job, str(exc))
             return
         record.sent_at = event.at
+        record.sent_seq = self.next_seq_sent
+        self.next_seq_sent += 1
         chunk = record.chunk
+        job.items_run += chunk.count
         self.out.append(ev.SendTask(record.worker.identity, job.id, record.id, record.attempt,
                                     chunk.start, chunk.count, job.model, job.digest, job.dtype,
                                     job.item_shape, job.options.engine, event.payload))
@@ -510,6 +607,14 @@ class FarmState:
         if job is not None:
             self.cancel_job(job, "cancelled", "cancelled by the client")
 
+    def on_client_left(self, event: ev.ClientLeft) -> None:
+        """A client's connection closed: nobody takes its jobs' results any more."""
+        for job in [job for job in self.jobs.values() if job.client == event.client]:
+            self.stats.jobs_expired += 1
+            log.warning("job %s dropped: its client's connection closed", job.id,
+                        extra={"event": "job_ended", "job": job.id, "outcome": "expired"})
+            self.end_job(job, "expired")
+
     def on_client_heard(self, event: ev.ClientHeard) -> None:
         job = self.client_job(event.client, event.job)
         if job is not None:
@@ -525,7 +630,7 @@ class FarmState:
         return job
 
     def finish_if_done(self, job: Job) -> None:
-        if job.outcome is None and job.policy is not None and job.policy.finished:
+        if job.outcome is None and job.finished:
             summary = job.summary(self.now)
             self.end_job(job, "done")
             log.info("job %s done: %d items in %.3f s", job.id, job.total,
@@ -558,6 +663,7 @@ class FarmState:
         job.outcome = outcome
         self.outcomes[outcome] += 1
         job.pending.clear()
+        job.retries.clear()
         for entry in self.workers.values():
             records = [r for r in entry.in_flight.values() if r.job is job]
             for record in records:
@@ -609,6 +715,7 @@ HANDLERS: dict[type, Any] = {
     ev.WorkerHeard: FarmState.on_worker_heard, ev.ChunkDone: FarmState.on_chunk_done,
     ev.ChunkFailed: FarmState.on_chunk_failed, ev.JobSubmitted: FarmState.on_job_submitted,
     ev.JobCancelled: FarmState.on_job_cancelled, ev.ClientHeard: FarmState.on_client_heard,
+    ev.ClientLeft: FarmState.on_client_left,
     ev.DataArrived: FarmState.on_data_arrived, ev.Tick: FarmState.on_tick,
 }
 

@@ -24,8 +24,14 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 @heartbeat_options
 @click.option("--max-attempts", default=defaults.MAX_ATTEMPTS, show_default=True,
               type=click.IntRange(1),
-              help="Attempts at a chunk (failures, or its worker lost) before its images are "
-                   "reported failed to the client.")
+              help="Charged attempts (the worker failed the chunk, or died computing it) "
+                   "that make a chunk suspect on one device, and give up a single image; "
+                   "charges on two devices make it suspect sooner.  A suspect chunk is "
+                   "halved down to the images that fail by themselves.")
+@click.option("--max-runs", default=defaults.MAX_RUNS, show_default=True,
+              type=click.IntRange(1),
+              help="Runs of one image for any reason (workers lost while holding it count "
+                   "too) before it is given up as one whose workers kept being lost.")
 @curve_option("the broker's key pair and the authorized/ public keys")
 @models_dir_option("Model repository folder served to workers (repeatable; searched before "
                    "$FARM_MODELS and the bundled models).")
@@ -44,7 +50,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 @click.option("--metrics-host", default=defaults.METRICS_HOST, show_default=True,
               help="Address the metrics endpoint listens on.")
 @policy_options()
-def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve: str | None,
+def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, max_runs: int,
+           curve: str | None,
            models_dir: tuple[str, ...], sharing: str, max_chunk_seconds: float,
            metrics_port: int | None, metrics_host: str, algo: str, **options: object) -> None:
     """Run the broker: the scheduler and router of a farm.
@@ -64,7 +71,8 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, curve:
     warn_if_exposed(bind, curve)
     config = BrokerConfig(
         bind=bind, algo=algo, params=params, heartbeat=heartbeat, model_dirs=models_dir,
-        liveness=liveness, max_attempts=max_attempts, curve=curve, sharing=sharing,
+        liveness=liveness, max_attempts=max_attempts, max_runs=max_runs, curve=curve,
+        sharing=sharing,
         max_chunk_seconds=max_chunk_seconds,
         metrics=(metrics_host, metrics_port) if metrics_port is not None else None)
     try:

@@ -376,7 +376,7 @@ class Worker:
     def on_task(self, message: Message, task: messages.Task, received: float) -> list[Reply]:
         """Run a chunk now, or park it while its model's files are fetched."""
         if task.job in self.cancelled:  # nothing to load or fetch for it
-            return [self.failed(message, "job cancelled", fatal=False)]
+            return [self.failed(message, "job cancelled", fatal=False, charge=False)]
         model, digest = task.model, task.digest
         if digest in self.waiting:
             self.waiting[digest].append((message, received))
@@ -423,19 +423,20 @@ class Worker:
             if now - sent > FETCH_TIMEOUT:
                 del self.fetch_sent[digest]
                 error = f"no model files from the broker within {FETCH_TIMEOUT:.0f} s"
-                replies += [self.failed(task, error, fatal=False)
+                replies += [self.failed(task, error, fatal=False, charge=False)
                             for task, _ in self.waiting.pop(digest, [])]
         return replies
 
     @staticmethod
-    def failed(message: Message, error: str, fatal: bool = True) -> Reply:
+    def failed(message: Message, error: str, fatal: bool = True, charge: bool = True) -> Reply:
         """FAILED for a TASK's chunk: ``fatal`` when no worker could run it (the model is
-        unusable), not fatal when another attempt may succeed."""
+        unusable), not fatal when another attempt may succeed; ``charge`` False when the
+        chunk's items are not to blame (a cancelled job, a fetch that timed out)."""
         task = message.header
         assert isinstance(task, messages.Task)  # only a TASK names a chunk to run
         return protocol.encode(Command.FAILED, messages.Failed(
             job=task.job, chunk=task.chunk, start=task.start, count=task.count, error=error,
-            fatal=fatal))
+            fatal=fatal, charge=charge))
 
     def run_task(self, message: Message, received: float,
                  spec: ModelSpec | None = None) -> Reply:
@@ -463,7 +464,7 @@ class Worker:
             outputs = engine.run(images, stop=lambda: task.job in self.cancelled,
                                  tally=self.tally)
         except Stopped as exc:
-            return self.failed(message, f"job cancelled ({exc})", fatal=False)
+            return self.failed(message, f"job cancelled ({exc})", fatal=False, charge=False)
         except (ModelError, ValueError, ProtocolError) as exc:
             return self.failed(message, str(exc))
         except Exception as exc:  # backend errors and anything unforeseen: worth a retry
