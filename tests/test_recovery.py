@@ -214,3 +214,28 @@ def test_a_client_with_no_broker_gives_up_after_its_timeout(digits) -> None:
         with pytest.raises(FarmTimeout, match="no reply from broker .* in 2.0 s"):
             client.run(digits[:10], "lenet")
     assert 2.0 <= time.monotonic() - started < 10
+
+
+def test_a_killed_client_s_job_is_dropped_at_once_not_after_its_silence(digits,
+                                                                       tmp_path) -> None:
+    """The broker's heartbeat of 10 s would wait 50 s for a silent client; its closed
+    connection ends its job at once, and the workers stop computing it."""
+    np.save(tmp_path / "in.npy", np.resize(digits, (200_000, 28, 28)))
+    with LocalFarm(devices=devices(2), algo="fifo",
+                   broker_options=["--chunk", "500", "--heartbeat", "10"],
+                   preload=["lenet"]) as local:
+        client = subprocess.Popen(farm_command(
+            "--log-level", "ERROR", "submit", str(tmp_path / "in.npy"), "--broker",
+            local.endpoint, "--quiet"))
+        try:
+            with local.client() as watcher:
+                deadline = time.monotonic() + 60
+                while not any(job["done"] for job in watcher.info()["jobs"]):
+                    assert time.monotonic() < deadline, "the job never started"
+                client.kill()
+                client.wait(10)
+                after = await_stat(local, "jobs_expired", 1, timeout=20)
+                assert after["jobs_expired"] == 1
+                assert watcher.info()["jobs"] == []
+        finally:
+            client.kill()
