@@ -42,6 +42,7 @@ RANDOM_KINDS = (WORKER_KILL, WORKER_STOP, LINK_CUT)
 KINDS = (*RANDOM_KINDS, BROKER_KILL, CLIENT_KILL)
 CHUNK_LINE = re.compile(r"^(\S+) DEBUG farm\.worker pid=(\d+) computed items (\d+)\.\.(\d+) "
                         r"of job (\S+) in ")
+SUBMIT_LINE = re.compile(r"^(\S+) INFO farm\.broker pid=\d+ job (\w+): \d+ x ")
 FAILED_LINE = re.compile(r" ERROR farm\.worker pid=\d+ chunk \d+ of job \S+ failed")
 
 
@@ -439,7 +440,9 @@ class ChaosRun:
 
 
 def run_chaos(farm: ChaosFarm, job: Job, out: Path, expected: float, seed: int) -> ChaosRun:
-    """Run the job while injecting faults every U(a, b) s until its last client exits."""
+    """Run the job while injecting faults every U(a, b) s until its last client exits: the
+    random kinds in rounds (each once per round, in a seeded order), the broker and client
+    kills at their planned times."""
     config, rng = farm.config, np.random.default_rng(seed)
     plan = milestones(config, expected)
     run = ChaosRun(planned=len(plan))
@@ -447,6 +450,7 @@ def run_chaos(farm: ChaosFarm, job: Job, out: Path, expected: float, seed: int) 
     started = time.time()
     client = submit(farm, job, out, "chaos-submit-0")
     undo: Undo | None = None
+    bag: list[str] = []  # the random kinds in a seeded order, each once per round
     deadline = time.monotonic() + config.job_timeout
     while time.monotonic() < deadline:
         try:
@@ -458,7 +462,11 @@ def run_chaos(farm: ChaosFarm, job: Job, out: Path, expected: float, seed: int) 
             undo.run(farm)
             undo = None
         elapsed = time.time() - started
-        kind = plan.pop(0)[1] if plan and plan[0][0] <= elapsed else str(rng.choice(kinds))
+        if plan and plan[0][0] <= elapsed:
+            kind = plan.pop(0)[1]
+        else:
+            bag = bag or [str(kind) for kind in rng.permutation(kinds)]
+            kind = bag.pop()
         if kind == CLIENT_KILL:
             if client.process.poll() is not None:
                 break  # it finished just now
@@ -546,12 +554,25 @@ def outcome_problems(name: str, outcome: Outcome) -> list[str]:
     return problems
 
 
-def kill_waste(chunks: list[Computed], kills: list[float]) -> list[int]:
-    """Images computed for a killed client's jobs after it was killed (their results had no
-    one to reach, so its resumed submit asks for them again), one figure per kill."""
+def submitted_jobs(paths: Iterable[Path]) -> list[tuple[float, str]]:
+    """(epoch seconds, job id) of every submission the brokers' logs record."""
+    jobs = []
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            match = SUBMIT_LINE.match(line)
+            if match:
+                jobs.append((epoch(match.group(1)), match.group(2)))
+    return jobs
+
+
+def kill_waste(chunks: list[Computed], jobs: list[tuple[float, str]],
+               kills: list[float]) -> list[int]:
+    """Images computed for a killed client's jobs (those submitted before it was killed)
+    after it was killed: their results had no one to reach, so the resumed submit asks for
+    them again.  One figure per kill."""
     wasted = []
     for at in kills:
-        before = {chunk.job for chunk in chunks if chunk.time < at}
+        before = {job for when, job in jobs if when < at}
         wasted.append(sum(chunk.count for chunk in chunks
                           if chunk.time >= at and chunk.job in before))
     return wasted
@@ -608,7 +629,8 @@ def run_seed(config: ChaosConfig, seed: int, root: Path) -> SeedReport:
         problems.append(f"{out}.journal left behind after the job completed")
     report = SeedReport(seed, clean, run.outcome, run.faults,
                         sum(c.count for c in chunks) - job.count,
-                        kill_waste(chunks, run.client_kills),
+                        kill_waste(chunks, submitted_jobs(folder.glob("broker-*.log")),
+                                   run.client_kills),
                         float(np.mean([c.count for c in chunks])) if chunks else 0.0, problems)
     print_seed(report, config, sum(c.count for c in clean_chunks) - job.count)
     return report
