@@ -42,7 +42,8 @@ RANDOM_KINDS = (WORKER_KILL, WORKER_STOP, LINK_CUT)
 KINDS = (*RANDOM_KINDS, BROKER_KILL, CLIENT_KILL)
 CHUNK_LINE = re.compile(r"^(\S+) DEBUG farm\.worker pid=(\d+) computed items (\d+)\.\.(\d+) "
                         r"of job (\S+) in ")
-SUBMIT_LINE = re.compile(r"^(\S+) INFO farm\.broker pid=\d+ job (\w+): \d+ x ")
+SUBMIT_LINE = re.compile(r"^(\S+) INFO farm\.broker pid=\d+ (?:job (\w+): \d+ x |broker "
+                         r"listening on )")
 FAILED_LINE = re.compile(r" ERROR farm\.worker pid=\d+ chunk \d+ of job \S+ failed")
 
 
@@ -555,26 +556,30 @@ def outcome_problems(name: str, outcome: Outcome) -> list[str]:
 
 
 def submitted_jobs(paths: Iterable[Path]) -> list[tuple[float, str]]:
-    """(epoch seconds, job id) of every submission the brokers' logs record."""
+    """(epoch seconds, job id) of every submission the brokers' logs record, and (epoch
+    seconds, "") for every broker start."""
     jobs = []
     for path in paths:
         for line in path.read_text(errors="replace").splitlines():
             match = SUBMIT_LINE.match(line)
             if match:
-                jobs.append((epoch(match.group(1)), match.group(2)))
+                jobs.append((epoch(match.group(1)), match.group(2) or ""))
     return jobs
 
 
 def kill_waste(chunks: list[Computed], jobs: list[tuple[float, str]],
                kills: list[float]) -> list[int]:
-    """Images computed for a killed client's jobs (those submitted before it was killed)
-    after it was killed: their results had no one to reach, so the resumed submit asks for
-    them again.  One figure per kill."""
+    """Images computed for a killed client's job after it was killed: their results had no
+    one to reach, so the resumed submit asks for them again.  The client's job is the last
+    one the brokers saw submitted before the kill (one client runs at a time), unless a
+    broker started after it (that job died with its broker: a broker kill's cost, not this
+    one's).  One figure per kill."""
     wasted = []
     for at in kills:
-        before = {job for when, job in jobs if when < at}
+        earlier = [(when, job) for when, job in jobs if when < at]
+        current = max(earlier)[1] if earlier else ""
         wasted.append(sum(chunk.count for chunk in chunks
-                          if chunk.time >= at and chunk.job in before))
+                          if chunk.time >= at and current and chunk.job == current))
     return wasted
 
 
@@ -643,8 +648,8 @@ def print_seed(report: SeedReport, config: ChaosConfig, clean_recomputed: int) -
     for kind in KINDS:
         times = [f"{f.at:.1f}" for f in report.faults if f.kind == kind]
         print(f"  {kind:<12} {len(times):3d}  at {', '.join(times) or '-'} s")
-    print(f"  images recomputed: {report.recomputed:,} in the chaos run "
-          f"(fault-free run: {clean_recomputed:,})")
+    print(f"  images recomputed (computed by the workers minus the job's images): "
+          f"{report.recomputed:,} in the chaos run, {clean_recomputed:,} in the fault-free run")
     for k, wasted in enumerate(report.kill_waste, 1):
         per_worker = config.workers * report.chunk_mean
         print(f"  client kill {k}: {wasted:,} images computed twice because of it; one chunk "
