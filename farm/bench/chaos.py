@@ -352,10 +352,12 @@ class Submission:
     def wait(self, timeout: float | None = None) -> int:
         return self.process.wait(timeout)
 
-    def error_lines(self, limit: int = 6) -> list[str]:
+    def error_lines(self, limit: int = 8) -> list[str]:
+        """The failures ``farm submit`` listed, else the last lines of its stderr."""
         lines = [line for line in self.stderr.read_text(errors="replace").splitlines()
                  if line.strip()]
-        return lines[-limit:]
+        listed = [i for i, line in enumerate(lines) if line.endswith(" images failed:")]
+        return lines[listed[-1]:][:limit] if listed else lines[-limit:]
 
 
 def submit(farm: ChaosFarm, job: Job, out: Path, name: str, resume: bool = False) -> Submission:
