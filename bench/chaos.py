@@ -64,6 +64,7 @@ def chaos(args: argparse.Namespace) -> int:
                          broker_restarts=args.broker_restarts, client_kills=args.client_kills,
                          link_cut=args.link_cut, algo=args.algo, poison=args.poison)
     print(machine())
+    print("command: python bench/chaos.py " + " ".join(sys.argv[1:]))
     root = Path(tempfile.mkdtemp(prefix="farm-chaos-"))
     if config.poison is not None:
         passed = not run_poison(config, root).problems

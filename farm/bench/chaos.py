@@ -21,10 +21,11 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Iterable, Sequence
+from typing import IO
 
 import numpy as np
 
@@ -287,7 +288,7 @@ def free_port(host: str) -> int:
 def epoch(stamp: str) -> float:
     """A log line's UTC timestamp (``2026-11-23T10:04:05.123Z``) in epoch seconds."""
     return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-        tzinfo=timezone.utc).timestamp()
+        tzinfo=UTC).timestamp()
 
 
 def computed_chunks(paths: Iterable[Path], since: float = 0.0,
@@ -347,7 +348,6 @@ class Submission:
 
     process: subprocess.Popen
     stderr: Path
-    started: float  # epoch seconds
 
     def wait(self, timeout: float | None = None) -> int:
         return self.process.wait(timeout)
@@ -369,7 +369,7 @@ def submit(farm: ChaosFarm, job: Job, out: Path, name: str, resume: bool = False
                          "--broker", farm.endpoint, "--out", str(out), "--quiet",
                          *(["--resume"] if resume else [])),
             stdout=stdout, stderr=errors, start_new_session=True)
-    return Submission(process, stderr, time.time())
+    return Submission(process, stderr)
 
 
 @dataclass
@@ -381,9 +381,6 @@ class Outcome:
     failed_rows: list[int]  # images whose outputs are NaN (failed)
     max_diff: float  # over the images that did not fail
     errors: list[str]  # the last submit's stderr, when it failed
-
-    def exact(self) -> bool:
-        return self.exit_code == 0 and not self.failed_rows and self.max_diff <= ATOL
 
 
 def check_outputs(out: Path, job: Job) -> tuple[list[int], float]:
