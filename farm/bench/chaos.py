@@ -617,6 +617,8 @@ def run_seed(config: ChaosConfig, seed: int, root: Path) -> SeedReport:
         print(f"  fault-free: {clean.wall:.2f} s; chaos run from here", flush=True)
         out = folder / "chaos.npy"
         run = run_chaos(farm, job, out, clean.wall, seed)
+        crashed = [f"{slot} pid {pid(slot)} exited on its own (code {slot.process.poll()})"
+                   for slot in farm.slots if slot.process and slot.process.poll() is not None]
     finally:
         farm.stop()
         if netns:
@@ -624,7 +626,8 @@ def run_seed(config: ChaosConfig, seed: int, root: Path) -> SeedReport:
     assert run.outcome is not None
     chunks = computed_chunks(farm.worker_logs(), since=chaos_start)
     clean_chunks = computed_chunks(farm.worker_logs(), until=chaos_start)
-    problems = outcome_problems("fault-free", clean) + outcome_problems("chaos", run.outcome)
+    problems = (outcome_problems("fault-free", clean) + outcome_problems("chaos", run.outcome)
+                + crashed)
     done = sum(f.kind in (BROKER_KILL, CLIENT_KILL) for f in run.faults)
     if done < run.planned:
         problems.append(f"only {done} of {run.planned} planned broker/client kills happened "
