@@ -471,6 +471,8 @@ class Worker:
             log.exception("chunk %d of job %s failed", task.chunk, task.job)
             return self.failed(message, f"{type(exc).__name__}: {exc}", fatal=False)
         computed = time.perf_counter()
+        log.debug("computed items %d..%d of job %s in %.3f s", task.start,
+                  task.start + task.count - 1, task.job, computed - decoded)
         self.tasks_done += 1
         frames = protocol.array_frames(outputs)
         timings = {"receive": decoded - received, "compute": computed - decoded,

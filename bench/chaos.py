@@ -1,0 +1,122 @@
+"""Chaos: one real 200 000-image LeNet job through a farm under churn (issue 17).
+
+A broker (``--heartbeat 0.2 --liveness 5``) and 3 pinned workers (cores taken in
+turn) run as separate ``farm broker`` / ``farm worker`` processes; ``farm submit
+IMAGES --model lenet --out OUT.npy`` runs one job on them, first without faults
+(the baseline wall time), then under churn.  The input is the bundled LeNet
+sample's digits tiled to ``--images`` in a seeded order.
+
+Every U(0.5, 1.5) s of the chaos run (seeded) one fault: a worker SIGKILLed and
+a new one started at once on its core; a worker SIGSTOPped for one interval,
+then SIGCONT; worker 0, run in a network namespace (``ip netns``, a veth pair),
+has its link cut (veth down) for one interval.  At evenly spread points of the
+job: the broker SIGKILLed and restarted on the same address (``--broker-restarts``
+times) and the client SIGKILLed, then ``farm submit ... --resume`` started
+(``--client-kills`` times).  Without network namespaces (not root, no ``ip``)
+the link cut is skipped, saying why.
+
+Checks, per seed: the last ``farm submit`` exited 0, no image failed (no NaN),
+every output within 1e-5 of an in-process forward, the planned broker/client
+kills happened, no journal left behind.  Printed: the faults (by kind, with
+times), both wall times and their ratio, the images recomputed (chunks the
+workers' debug logs say they computed, minus the job's images) and, per client
+kill, the images computed twice because of it against one chunk per worker.
+Exit status 1 if any check failed; the run's folder (logs, inputs, outputs) is
+then kept and named.
+
+``--poison ITEM``: workers fail every chunk touching ITEM (``--fail-items``), no
+other faults; exactly that image must fail (NaN, ``farm submit`` exits 1) and
+every other equal the reference; prints the extra compute spent.
+
+    python bench/chaos.py [--images 200000] [--workers 3] [--seeds 5 | --seed S ...]
+                          [--interval 0.5,1.5] [--broker-restarts 2] [--client-kills 1]
+                          [--no-link-cut] [--poison ITEM] [--keep]
+                          [--save bench/results/DATE-chaos.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from contextlib import redirect_stdout
+from datetime import date
+from pathlib import Path
+
+from farm.bench.chaos import ChaosConfig, keep_or_remove, run_poison, run_seed
+from farm.bench.common import Tee, machine
+
+
+def interval(text: str) -> tuple[float, float]:
+    low, _, high = text.partition(",")
+    try:
+        bounds = float(low), float(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not A,B") from None
+    if not 0 < bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 < A <= B")
+    return bounds
+
+
+def chaos(args: argparse.Namespace) -> int:
+    """Run every seed (or the poison job) and print the report; the exit status."""
+    config = ChaosConfig(images=args.images, workers=args.workers, interval=args.interval,
+                         broker_restarts=args.broker_restarts, client_kills=args.client_kills,
+                         link_cut=args.link_cut, algo=args.algo, poison=args.poison)
+    print(machine())
+    print("command: python bench/chaos.py " + " ".join(sys.argv[1:]))
+    root = Path(tempfile.mkdtemp(prefix="farm-chaos-"))
+    if config.poison is not None:
+        passed = not run_poison(config, root).problems
+    else:
+        seeds = args.seed or list(range(1, args.seeds + 1))
+        print(f"chaos: {config.images:,} LeNet images, {config.workers} workers, a fault "
+              f"every U({config.interval[0]:g}, {config.interval[1]:g}) s, "
+              f"{config.broker_restarts} broker restarts, {config.client_kills} client kills; "
+              f"seeds {', '.join(map(str, seeds))}", flush=True)
+        reports = [run_seed(config, seed, root) for seed in seeds]
+        print()
+        for report in reports:
+            print(report.line())
+        failed = [report.seed for report in reports if not report.passed]
+        print(f"total: {len(reports)} seeds, {len(reports) - len(failed)} passed, "
+              f"{sum(len(r.faults) for r in reports)} faults, "
+              f"{sum(r.recomputed for r in reports):,} images recomputed"
+              + (f"; FAILED seeds {', '.join(map(str, failed))}" if failed else ""))
+        passed = not failed
+    print("PASS" if passed else "FAIL")
+    keep_or_remove(root, passed, args.keep)
+    return 0 if passed else 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=200_000)
+    parser.add_argument("--workers", type=int, default=3, help="pinned workers (cores in turn)")
+    parser.add_argument("--seeds", type=int, default=1, help="run seeds 1..N")
+    parser.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
+    parser.add_argument("--interval", type=interval, default=(0.5, 1.5),
+                        help="seconds between faults, A,B: uniform in [A, B]")
+    parser.add_argument("--broker-restarts", type=int, default=2)
+    parser.add_argument("--client-kills", type=int, default=1)
+    parser.add_argument("--no-link-cut", dest="link_cut", action="store_false",
+                        help="no network namespace, no link-cut fault")
+    parser.add_argument("--algo", help="the broker's policy [default: the broker's]")
+    parser.add_argument("--poison", type=int, metavar="ITEM",
+                        help="poison mode: this item fails on every worker, no other faults")
+    parser.add_argument("--keep", action="store_true", help="keep the run's folder even on PASS")
+    parser.add_argument("--save", type=Path,
+                        default=Path(f"bench/results/{date.today()}-chaos.txt"),
+                        help="also write the report here ('-': nowhere)")
+    args = parser.parse_args()
+    if args.poison is not None and not 0 <= args.poison < args.images:
+        parser.error("--poison must be an item of the job (0 <= ITEM < --images)")
+    if str(args.save) == "-":
+        sys.exit(chaos(args))
+    with open(args.save, "w") as handle, redirect_stdout(Tee(sys.stdout, handle)):
+        status = chaos(args)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
