@@ -713,8 +713,8 @@ def run_poison(config: ChaosConfig, root: Path, seed: int = 1) -> PoisonReport:
     print(f"  failed images {len(outcome.failed_rows):,}; max abs diff elsewhere "
           f"{outcome.max_diff:.3g}; exit {outcome.exit_code}; wall {outcome.wall:.2f} s")
     print(f"  images computed {computed:,} for a job of {job.count:,}: extra compute "
-          f"{computed - job.count:+,} (the poison image itself is never computed); failed "
-          f"chunk attempts {attempts}")
+          f"{computed - job.count:+,} ({(computed - job.count) / job.count:.2%}: the "
+          f"narrowing down to the poison image); failed chunk attempts {attempts}")
     for problem in problems:
         print(f"  FAIL: {problem}")
     print(f"poison: {'PASS' if not problems else 'FAIL'}", flush=True)

@@ -460,9 +460,11 @@ class Worker:
                                  f"{engine.spec.name!r} input {engine.spec.item_shape}")
             images = message.array(task.dtype, task.item_shape)
             decoded = time.perf_counter()
-            self.inject_fault(task.start, task.count)
             outputs = engine.run(images, stop=lambda: task.job in self.cancelled,
                                  tally=self.tally)
+            log.debug("computed items %d..%d of job %s in %.3f s", task.start,
+                      task.start + task.count - 1, task.job, time.perf_counter() - decoded)
+            self.inject_fault(task.start, task.count)  # after the compute, which it wastes
         except Stopped as exc:
             return self.failed(message, f"job cancelled ({exc})", fatal=False, charge=False)
         except (ModelError, ValueError, ProtocolError) as exc:
@@ -471,8 +473,6 @@ class Worker:
             log.exception("chunk %d of job %s failed", task.chunk, task.job)
             return self.failed(message, f"{type(exc).__name__}: {exc}", fatal=False)
         computed = time.perf_counter()
-        log.debug("computed items %d..%d of job %s in %.3f s", task.start,
-                  task.start + task.count - 1, task.job, computed - decoded)
         self.tasks_done += 1
         frames = protocol.array_frames(outputs)
         timings = {"receive": decoded - received, "compute": computed - decoded,
