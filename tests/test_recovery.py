@@ -147,6 +147,37 @@ def test_a_frozen_worker_is_declared_dead_and_its_late_result_dropped(job) -> No
             "the thawed worker's result reached the broker and was dropped"
 
 
+def test_a_worker_that_says_goodbye_mid_job_charges_its_chunks_nothing(job) -> None:
+    images, reference = job
+    with recovering_farm(2) as local:
+        leaving = local.workers[0]
+        result = run_and_act(local, images, lambda: leaving.send_signal(signal.SIGTERM))
+        assert leaving.wait(10) == 0
+        assert_exactly_once(result, images, reference)
+    assert result.summary.failed_attempts == 0
+
+
+def test_an_image_run_max_runs_times_is_given_up_as_its_own_cause(job) -> None:
+    """With --max-runs 1, a chunk held by a frozen worker is not run a second time: it is
+    reported, as lost rather than failed."""
+    images, reference = job
+    with LocalFarm(devices=devices(2), algo="fifo",
+                   broker_options=["--chunk", "200", "--max-runs", "1", *LINK],
+                   worker_options=LINK, preload=["lenet"]) as local:
+        frozen = local.workers[0]
+        try:
+            result = run_and_act(local, images, lambda: frozen.send_signal(signal.SIGSTOP))
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+    assert result.failed, "the frozen worker held no chunk"
+    assert all(f.error.startswith("ran 1 times without a result, its workers lost or failing")
+               and "silent for" in f.error for f in result.failed)
+    failed = np.zeros(len(images), bool)
+    for f in result.failed:
+        failed[f.start:f.start + f.count] = True
+    np.testing.assert_allclose(result.outputs[~failed], reference[~failed], atol=1e-5)
+
+
 def test_a_poison_chunk_is_narrowed_down_to_its_bad_images(lenet, digits) -> None:
     """Both workers fail any chunk holding items 250..260: the chunk is halved down to
     single images, and only those 11 are reported, each with its own last error."""
