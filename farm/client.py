@@ -626,7 +626,7 @@ class Client:
 
     def _output_failed(self, job: JobRun, error: OSError) -> None:
         """An output could not be written: cancel the job (``run`` then raises OutputError)."""
-        log.error("cannot write outputs (%s): cancelling the job", error)
+        log.info("cannot write outputs (%s): cancelling the job", error)
         job.output_error = error
         self._cancel_requested = True  # _collect sends CANCEL and waits for its answer
 

@@ -222,7 +222,10 @@ class JournalSink:
         self.fd = -1
         self.synced = time.monotonic()
         if writer is not None:  # resuming: append to the journal there
-            self.fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND)
+            self.fd = os.open(self.journal, os.O_RDWR | os.O_APPEND)
+            size = os.fstat(self.fd).st_size
+            if size and os.pread(self.fd, 1, size - 1) != b"\n":
+                _append(self.fd, b"\n", self.journal)  # end a torn line: the next one is whole
 
     @classmethod
     def open(cls, out: str | os.PathLike[str], job: JournalHeader) -> JournalSink:
@@ -241,24 +244,35 @@ class JournalSink:
             raise JournalMismatch(
                 f"{journal} was written for another job, not resumed: "
                 f"{'; '.join(differences)} (delete it to start afresh)")
+        return cls._resumed(out, job, header, entries)
+
+    @classmethod
+    def _resumed(cls, out: str | os.PathLike[str], job: JournalHeader, header: JournalHeader,
+                 entries: list[JournalEntry]) -> JournalSink:
+        """A sink resuming into ``out``: the journal's entries that its bytes bear out are
+        kept; afresh if ``out`` is gone or is not the journal's layout."""
+        journal = journal_path(out)
         try:
             writer = NpyWriter.update(Path(out), job.input.count)
-            if (writer.item_shape, str(writer.dtype)) != (header.output_shape,
-                                                          header.output_dtype):
-                raise NpyError(f"its layout {writer.item_shape} {writer.dtype} is not the "
-                               f"journal's {header.output_shape} {header.output_dtype}")
-        except (OSError, NpyError) as exc:
+        except (FileNotFoundError, NpyError) as exc:  # other errors: the caller's to fix
             log.warning("cannot resume into %s (%s): starting afresh", out, exc)
             return cls.afresh(out, job)
         try:
+            layout = (writer.item_shape, str(writer.dtype))
+            if layout != (header.output_shape, header.output_dtype):
+                log.warning("%s holds items of %s %s, its journal says %s %s: starting afresh",
+                            out, *layout, header.output_shape, header.output_dtype)
+                writer.close()
+                return cls.afresh(out, job)
             good = verified(Path(out), entries)
-        except (OSError, NpyError):
+            if len(good) < len(entries):
+                log.warning("%s: %d of %d journaled ranges do not match the output's bytes: "
+                            "computing them again", journal, len(entries) - len(good),
+                            len(entries))
+            return cls(out, header, writer, good)
+        except BaseException:
             writer.close()
             raise
-        if len(good) < len(entries):
-            log.warning("%s: %d of %d journaled ranges do not match the output's bytes: "
-                        "computing them again", journal, len(entries) - len(good), len(entries))
-        return cls(out, header, writer, good)
 
     @classmethod
     def afresh(cls, out: str | os.PathLike[str], job: JournalHeader) -> JournalSink:
