@@ -73,9 +73,11 @@ class ResumeRefused(FarmError):
 
 
 class OutputError(FarmError):
-    """Writing the outputs failed (disk full, EIO, read-only...): the job was cancelled."""
+    """Writing the outputs failed (disk full, EIO, read-only...); a job still running was
+    cancelled (``cancelled``)."""
 
-    def __init__(self, error: OSError, safe: int, total: int, journal: Path | None) -> None:
+    def __init__(self, error: OSError, safe: int, total: int, journal: Path | None,
+                 cancelled: bool = True) -> None:
         self.error, self.safe, self.total, self.journal = error, safe, total, journal
         name = errno.errorcode.get(error.errno or 0, "")
         where = error.filename or "the outputs"
@@ -85,7 +87,8 @@ class OutputError(FarmError):
             kept = (f"{safe:,} of {total:,} images are safely written (journal {journal}); "
                     f"free space and run again with --resume (resume= in Python)")
         super().__init__(f"cannot write {where}: {error.strerror or error}"
-                         f"{f' ({name})' if name else ''}; the job was cancelled; {kept}")
+                         f"{f' ({name})' if name else ''}"
+                         f"{'; the job was cancelled' if cancelled else ''}; {kept}")
 
 
 class ImageSource:
@@ -511,15 +514,15 @@ class Client:
     @staticmethod
     def _output_error(job: JobRun, error: OSError) -> OutputError:
         """The OutputError of a job whose outputs could not be written."""
-        sink = job.sink
+        sink, cancelled = job.sink, job.output_error is not None
         if isinstance(sink, JournalSink):
             try:
                 sink.sync()  # best effort: the journal's lines are checked on resume anyway
             except OSError:
                 pass
-            return OutputError(error, sink.safe, len(job.source), sink.journal)
+            return OutputError(error, sink.safe, len(job.source), sink.journal, cancelled)
         written = int(job.state.answered.sum()) - sum(f.count for f in job.state.failed)
-        return OutputError(error, written, len(job.source), None)
+        return OutputError(error, written, len(job.source), None, cancelled)
 
     def _collect(self, job: JobRun) -> None:
         """Serve the broker's NEEDs and take results until the job ends; submit the missing
