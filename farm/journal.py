@@ -223,9 +223,13 @@ class JournalSink:
         self.synced = time.monotonic()
         if writer is not None:  # resuming: append to the journal there
             self.fd = os.open(self.journal, os.O_RDWR | os.O_APPEND)
-            size = os.fstat(self.fd).st_size
-            if size and os.pread(self.fd, 1, size - 1) != b"\n":
-                _append(self.fd, b"\n", self.journal)  # end a torn line: the next one is whole
+            try:
+                size = os.fstat(self.fd).st_size
+                if size and os.pread(self.fd, 1, size - 1) != b"\n":
+                    _append(self.fd, b"\n", self.journal)  # end a torn line: the next is whole
+            except OSError:
+                os.close(self.fd)
+                raise
 
     @classmethod
     def open(cls, out: str | os.PathLike[str], job: JournalHeader) -> JournalSink:
