@@ -19,16 +19,24 @@ broker drops its queued chunks and says what finished; the images that did not
 come back are listed in ``JobResult.failed`` as cancelled.  A job may also
 have a ``job_timeout``, a ``priority`` among the jobs sharing the farm, and a
 policy of its own (``algo``, ``params``).
+
+``run(..., resume="out.npy")`` writes the outputs to that file with a journal
+beside it (``farm.journal``): a second call after the client was killed asks
+only for the items not safely written.  If writing an output fails (a full
+disk, EIO, a read-only file system), the client cancels its job and raises
+``OutputError``; what was journaled stays valid for a resume.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import msgspec
@@ -36,6 +44,7 @@ import numpy as np
 import zmq
 
 from farm import messages, protocol
+from farm.journal import InputIdentity, JournalHeader, JournalMismatch, JournalSink
 from farm.link import BrokerLink, BrokerRefused, LinkConfig
 from farm.npy import NpyReader, NpyWriter
 from farm.protocol import Command, ProtocolError
@@ -57,6 +66,29 @@ class FarmError(RuntimeError):
 
 class FarmTimeout(FarmError):
     """Nothing came back from the broker within the timeout."""
+
+
+class ResumeRefused(FarmError):
+    """``resume`` found a journal written for another job (input, model or engine)."""
+
+
+class OutputError(FarmError):
+    """Writing the outputs failed (disk full, EIO, read-only...); a job still running was
+    cancelled (``cancelled``)."""
+
+    def __init__(self, error: OSError, safe: int, total: int, journal: Path | None,
+                 cancelled: bool = True) -> None:
+        self.error, self.safe, self.total, self.journal = error, safe, total, journal
+        name = errno.errorcode.get(error.errno or 0, "")
+        where = error.filename or "the outputs"
+        if journal is None:
+            kept = f"{safe:,} of {total:,} images were written; run the job again"
+        else:
+            kept = (f"{safe:,} of {total:,} images are safely written (journal {journal}); "
+                    f"free space and run again with --resume (resume= in Python)")
+        super().__init__(f"cannot write {where}: {error.strerror or error}"
+                         f"{f' ({name})' if name else ''}"
+                         f"{'; the job was cancelled' if cancelled else ''}; {kept}")
 
 
 class ImageSource:
@@ -175,6 +207,7 @@ class JobResult:
     duplicates: int = 0  # duplicate results received (and ignored)
     cancelled: str | None = None  # why the job stopped early (cancel, timeout), if it did
     trace: Trace | None = None  # per-chunk timings (``run(trace=True)``)
+    resumed: int = 0  # items taken from the journal (``run(resume=...)``), not submitted
 
 
 @dataclass(frozen=True)
@@ -214,6 +247,7 @@ class JobRun:
     cancelled: str | None = None  # the broker's reason, once the job stopped early
     cancel_sent: float | None = None  # when CANCEL went out
     deadline: float | None = None  # monotonic time the job's timeout ends
+    output_error: OSError | None = None  # writing an output failed: the job is cancelled
 
     def remaining(self) -> float | None:
         """Seconds left of the job's timeout (None: it has none)."""
@@ -347,8 +381,13 @@ class Client:
         except (BlockingIOError, OSError):  # full of earlier wake-ups, or closed meanwhile
             pass
 
-    def map(self, images: np.ndarray, model: str, **options: Any) -> np.ndarray:
-        """Outputs for every image, in input order; FarmError if any image failed."""
+    def map(self, images: np.ndarray | NpyReader, model: str, **options: Any) -> np.ndarray:
+        """Outputs for every image, in input order; FarmError if any image failed.
+
+        ``resume="out.npy"`` (see ``run``) writes them to that file, journaled: after a
+        crash, the same call computes only the items missing there, and returns the whole
+        output (memory-mapped from the file).
+        """
         result = self.run(images, model, **options)
         if result.failed:
             raise FarmError(describe_failures(result.failed))
@@ -360,7 +399,8 @@ class Client:
             progress: ProgressCallback | None = None, *, priority: int = 0,
             job_timeout: float | None = None, algo: str | None = None,
             params: dict[str, Any] | None = None, trace: bool = False,
-            backend: str | None = None, precision: str | None = None) -> JobResult:
+            backend: str | None = None, precision: str | None = None,
+            resume: str | os.PathLike[str] | None = None) -> JobResult:
         """Submit a job and gather its outputs (into ``out``, an array or a sink such as
         ``NpyWriter``) and a summary; failed items are NaN in the outputs and listed.
 
@@ -370,42 +410,119 @@ class Client:
         every chunk's timings in ``JobResult.trace`` (see ``farm.trace``); ``backend``
         and ``precision``: the engine the workers run this job on, instead of their own
         (``auto`` and ``f32`` where only one is given).
+
+        ``resume``: a `.npy` path (instead of ``out``) to write the outputs to, with a
+        journal beside it (``farm.journal``).  If that journal is there, the ranges it
+        lists whose bytes check out are kept and only the other items are submitted
+        (``JobResult.resumed`` counts the kept ones; ``progress`` is first called with
+        that count); ResumeRefused if it was written for another input, model or
+        engine.  The journal is deleted once every item is back, kept otherwise (a
+        later call retries what is missing or failed).  ``JobResult.outputs`` is the
+        whole file, memory-mapped.
+
+        OutputError if writing an output fails (disk full, EIO...): the job is cancelled
+        on the broker first; what was journaled stays valid for a resume.
         """
         source = ImageSource(images)
         if len(source) == 0:
             raise FarmError("no images to run")
         if params and algo is None:
             raise FarmError("policy params need algo (the job's own policy)")
-        sink = out if out is not None and not isinstance(out, np.ndarray) \
-            else ArraySink(len(source), out)
+        if resume is not None and out is not None:
+            raise FarmError("give out or resume, not both")
         engine = None if backend is None and precision is None else \
             (backend or "auto", precision or "f32")
-        job = JobRun(model, source, sink, Progress(len(source)),
-                     SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine),
-                     progress,
-                     trace=TraceRecorder() if trace else None,
-                     deadline=None if job_timeout is None else time.monotonic() + job_timeout)
+        sink = self._open_sink(out, resume, source, model, engine)
+        try:
+            job = JobRun(model, source, sink, Progress(len(source)),
+                         SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine),
+                         progress,
+                         trace=TraceRecorder() if trace else None,
+                         deadline=None if job_timeout is None else time.monotonic() + job_timeout)
+            return self._run_job(job)
+        finally:
+            if isinstance(sink, JournalSink):
+                sink.close()
+
+    @staticmethod
+    def _open_sink(out: np.ndarray | ResultSink | None, resume: str | os.PathLike[str] | None,
+                   source: ImageSource, model: str,
+                   engine: tuple[str, str] | None) -> ResultSink:
+        """Where the outputs go: ``out``, a journaled file (``resume``), else memory."""
+        if resume is not None:
+            header = JournalHeader(model, InputIdentity.of(source.images, source.item_shape),
+                                   engine)
+            try:
+                return JournalSink.open(resume, header)
+            except JournalMismatch as exc:
+                raise ResumeRefused(str(exc)) from exc
+        if out is not None and not isinstance(out, np.ndarray):
+            return out
+        return ArraySink(len(source), out)
+
+    def _run_job(self, job: JobRun) -> JobResult:
+        """Submit what the job misses, gather it, and sum up."""
         started = time.perf_counter()
+        sink, state = job.sink, job.state
+        resumed = 0
+        if isinstance(sink, JournalSink):
+            state.answered |= sink.resumed_items()
+            resumed = int(state.answered.sum())
+            if resumed and job.progress:
+                job.progress(resumed)
+        missing = state.missing_runs()
         self._running.job = job
         try:
-            self._send(job.new_submission([(0, len(source))], self.heartbeat))
-            self._collect(job)
+            if missing:
+                self._send(job.new_submission(missing, self.heartbeat))
+                self._collect(job)
         finally:
             self._running.job = None
             self._cancel_requested = False  # the next run starts afresh
+        if job.output_error is not None:
+            raise self._output_error(job, job.output_error)
         if job.cancelled:
-            for start, count in job.state.missing_runs():
-                job.state.failed.append(FailedItems(start, count, job.cancelled))
-        for failure in job.state.failed:
-            sink.fill(failure.start, failure.count, np.nan)
+            for start, count in state.missing_runs():
+                state.failed.append(FailedItems(start, count, job.cancelled))
+        try:
+            for failure in state.failed:
+                sink.fill(failure.start, failure.count, np.nan)
+            if isinstance(sink, JournalSink):
+                sink.finish(complete=state.complete and not state.failed)
+        except OSError as exc:
+            raise self._output_error(job, exc) from exc
         elapsed = time.perf_counter() - started
+        submitted = sum(count for _, count in missing)
         summary = job.summary or JobSummary(  # the broker's last word was lost with it
-            total=len(source), items=int(job.state.answered.sum()), broker_seconds=elapsed)
-        recorded = job.trace.document(job.first_id, model, len(source), job.summary,
-                                      job.state.failed, job.cancelled) if job.trace else None
-        return JobResult(sink.array if isinstance(sink, ArraySink) else None,
-                         msgspec.structs.replace(summary, seconds=elapsed), job.state.failed,
-                         job.resubmissions, job.state.duplicates, job.cancelled, recorded)
+            total=submitted, items=int(state.answered.sum()) - resumed, broker_seconds=elapsed)
+        recorded = job.trace.document(job.first_id, job.model, len(job.source), job.summary,
+                                      state.failed, job.cancelled) if job.trace else None
+        return JobResult(self._outputs(sink),
+                         msgspec.structs.replace(summary, seconds=elapsed), state.failed,
+                         job.resubmissions, state.duplicates, job.cancelled, recorded, resumed)
+
+    @staticmethod
+    def _outputs(sink: ResultSink) -> np.ndarray | None:
+        """The outputs in memory, or memory-mapped from a journaled file; None for a
+        sink of the caller's."""
+        if isinstance(sink, ArraySink):
+            return sink.array
+        if isinstance(sink, JournalSink) and sink.path.exists():
+            return np.load(sink.path, mmap_mode="r")
+        return None
+
+    @staticmethod
+    def _output_error(job: JobRun, error: OSError) -> OutputError:
+        """The OutputError of a job whose outputs could not be written."""
+        sink, cancelled = job.sink, job.output_error is not None
+        if isinstance(sink, JournalSink):
+            try:
+                sink.sync()  # best effort: the journal's lines are checked on resume anyway
+            except OSError:
+                pass
+            return OutputError(error, sink.safe, len(job.source), sink.journal, cancelled)
+        written = int(job.state.answered.sum()) - sum(f.count for f in job.state.failed)
+        return OutputError(error, written, len(job.source), None, cancelled)
 
     def _collect(self, job: JobRun) -> None:
         """Serve the broker's NEEDs and take results until the job ends; submit the missing
@@ -490,19 +607,31 @@ class Client:
         self._send(messages.Data(job=submission.job, chunk=need.chunk, start=need.start,
                                  count=need.count), protocol.array_frames(block))
 
-    @staticmethod
-    def _take_result(job: JobRun, submission: Submission, header: messages.Result,
+    def _take_result(self, job: JobRun, submission: Submission, header: messages.Result,
                      values: np.ndarray) -> None:
+        """Write a result's items to the sink; if that fails, cancel the job (and write
+        nothing more)."""
         if len(values) != header.count:
             raise FarmError(f"result for {header.count} items holds {len(values)}")
         pieces = submission.pieces(header.start, header.count)
         for offset, item_start, count in pieces:
-            if job.state.mark(item_start, count):
-                job.sink.write(item_start, values[offset:offset + count])
+            if job.output_error is None and job.state.mark(item_start, count):
+                try:
+                    job.sink.write(item_start, values[offset:offset + count])
+                except OSError as exc:
+                    job.state.answered[item_start:item_start + count] = False
+                    self._output_failed(job, exc)
+                    continue
                 if job.progress:
                     job.progress(count)
         if job.trace and pieces:
             job.trace.add(header, pieces[0][1], header.count)
+
+    def _output_failed(self, job: JobRun, error: OSError) -> None:
+        """An output could not be written: cancel the job (``run`` then raises OutputError)."""
+        log.info("cannot write outputs (%s): cancelling the job", error)
+        job.output_error = error
+        self._cancel_requested = True  # _collect sends CANCEL and waits for its answer
 
     @staticmethod
     def _take_failure(header: messages.Failed, submission: Submission, state: Progress,
@@ -577,4 +706,4 @@ def describe_failures(failed: list[FailedItems]) -> str:
 
 
 __all__ = ["ArraySink", "Client", "FailedItems", "FarmError", "FarmTimeout", "JobResult",
-           "NpyReader", "NpyWriter"]
+           "NpyReader", "NpyWriter", "OutputError", "ResumeRefused"]

@@ -94,7 +94,8 @@ class NpyReader:
 class NpyWriter:
     """A `.npy` file of ``total`` items, written in ranges as they come.
 
-    The header is written with the first range, once the item shape is known.
+    The header is written with the first range, once the item shape is known;
+    ``update`` opens a file written before (a resumed job) instead.
     """
 
     def __init__(self, path: str | Path, total: int) -> None:
@@ -104,6 +105,22 @@ class NpyWriter:
         self.offset = 0
         self.item_shape: tuple[int, ...] | None = None
         self.dtype: np.dtype | None = None
+
+    @classmethod
+    def update(cls, path: str | Path, total: int) -> NpyWriter:
+        """An existing `.npy` file of ``total`` items opened for update: its ranges are
+        rewritten in place, the rest kept (NpyError if it does not hold ``total`` items)."""
+        reader = NpyReader.open(path)
+        try:
+            if len(reader.shape) < 1 or reader.shape[0] != total:
+                raise NpyError(f"{path} holds shape {reader.shape}, not {total} items")
+            writer = cls(path, total)
+            writer.item_shape, writer.dtype = reader.shape[1:], reader.dtype
+            writer.offset = reader.offset
+        finally:
+            reader.close()
+        writer.fd = os.open(writer.path, os.O_WRONLY)
+        return writer
 
     def _create(self, item_shape: tuple[int, ...], dtype: np.dtype) -> None:
         self.item_shape, self.dtype = item_shape, dtype
@@ -133,7 +150,15 @@ class NpyWriter:
             raise NpyError(f"outputs of shape {values.shape[1:]} {values.dtype} do not match "
                            f"earlier ones {self.item_shape} {self.dtype}")
         data = np.ascontiguousarray(values).data.cast("B")
-        _write_all(self.fd, data, self.offset + start * self.item_bytes)
+        try:
+            _write_all(self.fd, data, self.offset + start * self.item_bytes)
+        except OSError as exc:  # pwrite names no file: name it for the error message
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+
+    def sync(self) -> None:
+        """fdatasync the file (its header and every range written so far)."""
+        if self.fd >= 0:
+            os.fdatasync(self.fd)
 
     def fill(self, start: int, count: int, value: float) -> None:
         """Set items ``[start, start + count)`` to ``value`` (failed items: NaN)."""

@@ -37,14 +37,17 @@ WATCH_INTERVAL = 2.0
 @click.option("--timeout", default=defaults.CLIENT_TIMEOUT, show_default=True,
               help="Seconds of broker silence before giving up (a broker back within this "
                    "time gets the missing images submitted again).")
+@click.option("--resume", is_flag=True,
+              help="Finish the job whose outputs --out holds: keep the images its journal "
+                   "(OUT.journal) vouches for and submit only the others.")
 @backend_option("Run this job on this engine instead of the workers' own.")
 @precision_option("Run this job in this precision instead of the workers' own.")
 @client_curve_option
 @policy_options(per_job=True)
 def submit(images: str, model: str, broker_address: str, out: str | None, trace: str | None,
            quiet: bool, priority: int, job_timeout: float | None, timeout: float,
-           backend: str | None, precision: str | None, curve: str | None, curve_name: str,
-           algo: str | None, **options: object) -> None:
+           resume: bool, backend: str | None, precision: str | None, curve: str | None,
+           curve_name: str, algo: str | None, **options: object) -> None:
     """Run IMAGES (.npy, N x C x H x W or N x H x W; uint8 or float32) on a farm.
 
     IMAGES is read a chunk at a time and outputs are written as they arrive, so
@@ -53,9 +56,17 @@ def submit(images: str, model: str, broker_address: str, out: str | None, trace:
     job timed out (the failures are listed; their outputs are NaN), 130 if it
     was cancelled.
 
+    With --out, a journal (OUT.journal) lists the outputs written and their
+    CRCs until every image is back.  If the client is killed, the machine
+    reboots or the disk fills up (exit status 1, the job cancelled), the same
+    command with --resume submits only the images missing.  Without --resume
+    an unfinished job's journal is not overwritten; a resume with another
+    input, model or engine is refused (exit status 2).
+
     \b
     Examples:
       farm submit images.npy --model lenet --out scores.npy
+      farm submit images.npy --model lenet --out scores.npy --resume   # after a crash
       farm submit images.npy --trace run.json && farm report run.json -o run.png
       farm submit urgent.npy --priority 10 --job-timeout 600
       farm submit images.npy --algo fifo --chunk 1000     # this job's own policy
@@ -67,9 +78,9 @@ def submit(images: str, model: str, broker_address: str, out: str | None, trace:
         raise click.UsageError("policy parameters need --algo (the job's own policy)")
     link = BrokerLink(endpoint=broker_address, timeout=timeout, curve=curve,
                       curve_name=curve_name)
-    run_job(link, load_images(images), model, out, quiet, trace, priority=priority,
-            job_timeout=job_timeout, algo=algo, params=params, backend=backend,
-            precision=precision)
+    run_job(link, load_images(images), model, out, quiet, trace, journal=True, resume=resume,
+            priority=priority, job_timeout=job_timeout, algo=algo, params=params,
+            backend=backend, precision=precision)
 
 
 @click.command()
