@@ -484,6 +484,7 @@ class Client:
         if job.cancelled:
             for start, count in state.missing_runs():
                 state.failed.append(FailedItems(start, count, job.cancelled))
+        state.failed.sort(key=lambda failure: failure.start)  # in input order, not as they arrived
         try:
             for failure in state.failed:
                 sink.fill(failure.start, failure.count, np.nan)
