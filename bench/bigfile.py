@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import redirect_stdout
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -42,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from farm import protocol
-from farm.bench.common import Tee, machine, status_kib
+from farm.bench.common import machine, saved, status_kib
 from farm.local import LocalFarm, cores, farm_command
 from farm.npy import NpyReader, NpyWriter
 from farm.repository import find
@@ -260,11 +259,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="farm-bigfile-", dir=args.dir))
     try:
-        if str(args.save) == "-":
-            status = bigfile(args, folder)
-        else:
-            with open(args.save, "w") as handle, redirect_stdout(Tee(sys.stdout, handle)):
-                status = bigfile(args, folder)
+        status = saved(args.save, lambda: bigfile(args, folder))
     finally:
         if args.keep:
             print(f"kept {folder}")

@@ -39,12 +39,11 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from contextlib import redirect_stdout
 from datetime import date
 from pathlib import Path
 
 from farm.bench.chaos import ChaosConfig, keep_or_remove, run_poison, run_seed
-from farm.bench.common import Tee, machine
+from farm.bench.common import machine, saved
 
 
 def interval(text: str) -> tuple[float, float]:
@@ -111,11 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.poison is not None and not 0 <= args.poison < args.images:
         parser.error("--poison must be an item of the job (0 <= ITEM < --images)")
-    if str(args.save) == "-":
-        sys.exit(chaos(args))
-    with open(args.save, "w") as handle, redirect_stdout(Tee(sys.stdout, handle)):
-        status = chaos(args)
-    sys.exit(status)
+    sys.exit(saved(args.save, lambda: chaos(args)))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import redirect_stdout
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from farm.bench.common import Tee, machine, status_kib
+from farm.bench.common import machine, saved, status_kib
 from farm.local import LocalFarm, cores
 from farm.repository import find
 
@@ -243,11 +242,7 @@ def main() -> None:
         parser.error("--checkpoint must be between 0 and --jobs")
     if not 0 < args.max_size <= BASE_IMAGES:
         parser.error(f"--max-size must be between 1 and {BASE_IMAGES}")
-    if str(args.save) == "-":
-        sys.exit(soak(args))
-    with open(args.save, "w") as handle, redirect_stdout(Tee(sys.stdout, handle)):
-        status = soak(args)
-    sys.exit(status)
+    sys.exit(saved(args.save, lambda: soak(args)))
 
 
 if __name__ == "__main__":

@@ -255,7 +255,9 @@ class FarmSimulation:
     def seed_speed(self, identity: bytes) -> None:
         """A history on the model worth the remembered speed (1 000 s of it)."""
         rate = self.speeds[identity.decode()]
-        self.state.workers[identity].record(SIM_MODEL, round(rate * 1000), 1000.0)
+        entry = self.state.workers[identity]
+        entry.record(SIM_MODEL, round(rate * 1000), 1000.0)
+        self.state.note_rate(SIM_MODEL, entry)
 
     def carry_out(self, now: float, instruction: ev.Instruction) -> None:
         match instruction:

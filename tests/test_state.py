@@ -7,6 +7,7 @@ replays them) and in the simulator (the simulated farms below).
 from __future__ import annotations
 
 import ast
+import math
 import json
 import subprocess
 import sys
@@ -401,3 +402,43 @@ def test_under_churn_and_poison_every_item_comes_back_once_and_only_poison_fails
     for item in poison:
         covered[item] += 1
     assert (covered == 1).all()
+
+
+def test_chunks_shorten_while_workers_keep_dying_and_not_for_one_death() -> None:
+    """Three devices of 1 000 images/s with 1 s chunks; a crash every 0.5 s from 2 s on.
+    Ten crashes within the 30 s window call for chunks of sqrt(2 x 0.01 / (10 / 90)) =
+    0.42 s; every image still comes back once."""
+    devices = tuple(DeviceModel(f"cpu{i}", 1000.0) for i in range(3))
+    farm = FarmSimulation(Scenario("churn", devices, 0, latency=0.001, slots=2),
+                          SchedulingConfig(algo="fifo", params={"chunk": 100_000},
+                                           max_chunk_seconds=1.0), restart=0.05)
+    farm.remember({device.name: 1000.0 for device in devices})
+    farm.submit("j", 60_000)
+    crashes = [2.0 + 0.5 * k for k in range(20)]
+    for k, at in enumerate(crashes):
+        farm.lose(devices[k % 3].name, at, crashed=True)
+    farm.run()
+    runs = farm.runs["j"]
+    covered = np.zeros(60_000, int)
+    for run in runs:
+        covered[run.chunk.start:run.chunk.stop] += 1
+    assert (covered == 1).all() and "j" not in farm.failed
+    before = [r.chunk.count for r in runs if r.assigned < crashes[0]]
+    during = [r.chunk.count for r in runs if crashes[9] < r.assigned < crashes[-1]]
+    assert before and max(before) == 1000  # one second of the fastest worker
+    # chunks the policy cuts now (ranges run again keep the size they had)
+    assert during and np.median(during) <= 1000 * math.sqrt(2 * 0.01 * 90 / 10) + 1
+
+
+def test_one_death_does_not_shorten_chunks() -> None:
+    state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 100_000},
+                                       max_chunk_seconds=1.0))
+    state.handle(ev.WorkerJoined(A, device("cpu:0", 1), 0.0))
+    first, = state.handle(submit("j", 1_000_000))
+    out = state.handle(done(state.handle(data(first, 0.0))[0], 100.0, 100.0))  # 1 000 images/s
+    assert out[-1].count == 1000
+    state.handle(ev.WorkerJoined(B, device("cpu:1", 2), 100.0))
+    state.handle(ev.WorkerJoined(b"c", device("cpu:2", 3), 100.0))
+    state.handle(ev.WorkerLeft(B, 100.1, "its connection closed", crashed=True))
+    # one loss in 30 s among two workers: chunks of sqrt(2 x 0.01 x 60) = 1.1 s, over the cap
+    assert state.churn.losses and state.jobs["j"].policy.max_chunk == 1000

@@ -5,7 +5,10 @@ from __future__ import annotations
 import io
 import os
 import shutil
-from typing import Any
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any, Callable
 
 
 def status_kib(pid: int, field: str = "VmRSS") -> int:
@@ -36,3 +39,11 @@ class Tee(io.TextIOBase):
             stream.write(text)
             stream.flush()
         return len(text)
+
+
+def saved(save: Path, body: Callable[[], int]) -> int:
+    """Run ``body``, its printout copied to ``save`` as well (``-``: nowhere); its status."""
+    if str(save) == "-":
+        return body()
+    with open(save, "w") as handle, redirect_stdout(Tee(sys.stdout, handle)):
+        return body()

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 from farm import defaults
 from farm.broker import events as ev
 from farm.broker.blame import Mark, halves, suspect
+from farm.broker.churn import Churn
 from farm.broker.jobs import ChunkRecord, GivenUp, Job
 from farm.broker.registry import WorkerEntry
 from farm.policies import (Assign, Chunk, ChunkDone, ChunkFailed, Event, WorkerBusy,
@@ -123,6 +124,7 @@ class FarmState:
         self.placed: dict[str, tuple[int, int, int]] = {}  # each job's key in ``order``
         self.fastest: dict[str, tuple[float, str]] = {}  # model -> (rate, worker id)
         self.stats = FarmStats()
+        self.churn = Churn()  # recent deaths and silences: chunks shorten under churn
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.next_chunk_id = first_chunk_id
         self.next_seq = 0  # submission order of jobs
@@ -160,6 +162,7 @@ class FarmState:
     def on_worker_left(self, event: ev.WorkerLeft) -> None:
         if event.crashed and event.worker in self.workers:
             self.stats.workers_crashed += 1
+            self.churn.lost(event.at)
         self.lose_worker(event.worker, event.reason, event.crashed)
 
     def on_worker_heard(self, event: ev.WorkerHeard) -> None:
@@ -209,9 +212,11 @@ class FarmState:
         # a worker that reconnected (a new socket, the same name) keeps its metrics series
         if self.observer and all(other.name != entry.name for other in self.workers.values()):
             self.observer.worker_left(entry)
-        for model, (_, fastest) in list(self.fastest.items()):
-            if fastest == entry.id:
-                self.find_fastest(model)
+        slowed = [model for model, (_, fastest) in self.fastest.items() if fastest == entry.id]
+        for model in slowed:
+            self.find_fastest(model)
+        if slowed or self.churn.losses:
+            self.cap_all()  # the fastest worker, or the rate of losses per worker, changed
         for job in list(self.running.values()):
             self.step(job, WorkerLost(entry.id, at=self.now))
         self.fill_all()
@@ -503,10 +508,11 @@ class FarmState:
 
     def note_rate(self, model: str, entry: WorkerEntry) -> None:
         """Keep the fastest rate per model current as one worker's rate moves (O(1) unless
-        the fastest worker slowed down)."""
+        the fastest worker slowed down).  A rate of a worker since lost stands until a
+        connected worker has one: new processes must not run uncapped chunks."""
         rate = entry.history[model].rate
         best = self.fastest.get(model)
-        if best is None or rate >= best[0]:
+        if best is None or rate >= best[0] or best[1] not in self.by_id:
             self.fastest[model] = (rate, entry.id)
         elif best[1] == entry.id:
             self.find_fastest(model)
@@ -516,20 +522,26 @@ class FarmState:
                  if model in entry.history]
         if rates:
             self.fastest[model] = max(rates)
-        else:
-            self.fastest.pop(model, None)
+
+    def cap_all(self) -> None:
+        for job in self.running.values():
+            self.cap_chunks(job)
 
     def cap_chunks(self, job: Job) -> None:
         """Cap the job's chunks at its byte limit and at ``max_chunk_seconds`` of compute on
         its fastest worker, once a speed on its model is known; while several jobs share
         the farm, at ``SHARED_CHUNK_FRACTION`` of that, so every job's turn on a worker
-        comes round quickly (a chunk queued on a worker waits for the one running)."""
+        comes round quickly (a chunk queued on a worker waits for the one running); and
+        under churn, at the length that loses least to it (``farm/broker/churn.py``)."""
         assert job.policy is not None
         job.policy.max_chunk = job.max_chunk
         fastest = self.fastest.get(job.model, (0.0, ""))[0]
         seconds = self.config.max_chunk_seconds
         if len(self.running) > 1:
             seconds *= SHARED_CHUNK_FRACTION
+        churn = self.churn.chunk_seconds(len(self.workers))
+        if churn is not None and seconds > 0:
+            seconds = min(seconds, churn)
         if fastest > 0 and seconds > 0:  # min() first: a rate may be huge, even inf
             job.policy.max_chunk = max(1, int(min(job.max_chunk, fastest * seconds)))
 
@@ -597,8 +609,7 @@ class FarmState:
             return False
         self.running[job.id] = job
         self.place(job)
-        for each in self.running.values():
-            self.cap_chunks(each)  # a second job shortens everyone's chunks
+        self.cap_all()  # a second job shortens everyone's chunks
         return True
 
     def on_job_cancelled(self, event: ev.JobCancelled) -> None:
@@ -671,8 +682,7 @@ class FarmState:
                     del entry.in_flight[record.id]
             if outcome != "done" and any(r.sent_at is not None for r in records):
                 self.out.append(ev.SendCancel(entry.identity, job.id))
-        for each in self.running.values():
-            self.cap_chunks(each)  # one job fewer: longer chunks may do
+        self.cap_all()  # one job fewer: longer chunks may do
         self.fill_all()
 
     # ---------------------------------------------------------------------- timers
@@ -683,7 +693,10 @@ class FarmState:
             silent = event.at - entry.last_seen
             if silent > self.worker_expiry(entry):
                 self.stats.workers_expired += 1
+                self.churn.lost(event.at)
                 self.lose_worker(identity, f"silent for {silent:.1f} s")
+        if self.churn.forget(event.at):
+            self.cap_all()
         for job in list(self.jobs.values()):
             silent = event.at - job.client_seen
             if silent > job.client_expiry:
