@@ -72,6 +72,11 @@ class Ready(Header):
     loaded: Annotated[tuple[Name, ...], Meta(max_length=MAX_MAP)] = ()
     engines: Annotated[dict[Name, Name], Meta(max_length=MAX_ENGINES)] = {}
     heartbeat: Interval = HEARTBEAT
+    # model -> (images, compute seconds) this process ran: its speed, for a broker that
+    # (re)started after it did and would otherwise cut uncapped chunks until it measured one
+    speeds: Annotated[dict[Name, tuple[Annotated[int, Meta(ge=0)],
+                                       Annotated[float, Meta(ge=0)]]],
+                      Meta(max_length=MAX_ENGINES)] = {}
 
 
 class ChunkHeader(Header):

@@ -442,3 +442,14 @@ def test_one_death_does_not_shorten_chunks() -> None:
     state.handle(ev.WorkerLeft(B, 100.1, "its connection closed", crashed=True))
     # one loss in 30 s among two workers: chunks of sqrt(2 x 0.01 x 60) = 1.1 s, over the cap
     assert state.churn.losses and state.jobs["j"].policy.max_chunk == 1000
+
+
+def test_a_worker_brings_its_speed_and_its_first_chunk_is_capped() -> None:
+    """After a broker restart the job comes back before its workers: their READY carries
+    their speeds, so the first chunk is one second's worth, not the whole job."""
+    state = FarmState(SchedulingConfig(algo="equal-finish", max_chunk_seconds=1.0))
+    state.handle(submit("j", 100_000))
+    fast = ev.WorkerFacts("cpu:0", "host", 1, "opencv", 1, {"m": {"input_shape": [1]}},
+                          frozenset({"m"}), 1, speeds={"m": (5000, 1.0)})
+    out = state.handle(ev.WorkerJoined(A, fast, 0.0))
+    assert [(need.start, need.count) for need in out] == [(0, 5000)]

@@ -375,7 +375,9 @@ def worker_facts(header: messages.Ready) -> ev.WorkerFacts:
         raise ProtocolError("READY 'loaded' must list advertised models")
     return ev.WorkerFacts(header.device, header.host, header.pid, header.backend,
                           header.threads, dict(header.models), frozenset(header.loaded),
-                          header.slots, header.heartbeat, dict(header.engines))
+                          header.slots, header.heartbeat, dict(header.engines),
+                          {model: (images, seconds) for model, (images, seconds)
+                           in header.speeds.items() if model in header.models})
 
 
 def job_options(options: Options) -> JobOptions:

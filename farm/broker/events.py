@@ -34,6 +34,7 @@ class WorkerFacts:
     slots: int
     heartbeat: float = 1.0
     engines: dict[str, str] = field(default_factory=dict)
+    speeds: dict[str, tuple[int, float]] = field(default_factory=dict)  # images, compute s
 
 
 @dataclass(frozen=True)

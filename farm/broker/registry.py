@@ -71,10 +71,13 @@ class WorkerEntry:
     @classmethod
     def from_facts(cls, identity: bytes, facts: WorkerFacts) -> WorkerEntry:
         """The entry of a worker that registered with ``facts``."""
-        return cls(identity=identity, device=facts.device, host=facts.host, pid=facts.pid,
-                   backend=facts.backend, threads=facts.threads, models=dict(facts.models),
-                   loaded=set(facts.loaded), slots=facts.slots, heartbeat=facts.heartbeat,
-                   engines=dict(facts.engines))
+        entry = cls(identity=identity, device=facts.device, host=facts.host, pid=facts.pid,
+                    backend=facts.backend, threads=facts.threads, models=dict(facts.models),
+                    loaded=set(facts.loaded), slots=facts.slots, heartbeat=facts.heartbeat,
+                    engines=dict(facts.engines))
+        for model, (images, seconds) in facts.speeds.items():
+            entry.record(model, images, seconds)
+        return entry
 
     @property
     def free_slots(self) -> int:

@@ -151,6 +151,11 @@ class FarmState:
         entry = WorkerEntry.from_facts(event.worker, event.facts)
         entry.last_seen = entry.joined_at = event.at
         self.workers[event.worker] = self.by_id[entry.id] = entry
+        known = set(self.fastest)
+        for model in entry.history:  # the speeds it brought: chunks are capped at once
+            self.note_rate(model, entry)
+        if set(self.fastest) != known:
+            self.cap_all()
         if self.observer:
             self.observer.worker_joined(entry)
         log.info("worker %s joined (%s, %d compute thread%s; loaded: %s; can run: %s)",

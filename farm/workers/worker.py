@@ -171,6 +171,9 @@ class Worker:
     # thread) and sent with every heartbeat (I/O thread): the broker's live view
     computed_images: int = 0
     computed_seconds: float = 0.0
+    # model -> (images, compute seconds) of the chunks run: sent with READY, so a broker
+    # that (re)starts knows this worker's speed before its first chunk (compute thread)
+    speeds: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cache = (ModelCache(Path(self.config.cache_dir)) if self.config.cache_dir
@@ -252,7 +255,8 @@ class Worker:
             backend=self.backend, models=models, slots=self.config.slots,
             threads=self.thread_count(),
             loaded=tuple(sorted({e.spec.name for e in list(self.engines.values())})),
-            engines=self.engine_names(), heartbeat=self.config.heartbeat)
+            engines=self.engine_names(), heartbeat=self.config.heartbeat,
+            speeds=dict(self.speeds))
 
     def engine_names(self) -> dict[str, str]:
         """Model -> the engines running it (``openvino f32 batch 64``), for ``farm status``."""
@@ -474,6 +478,8 @@ class Worker:
             return self.failed(message, f"{type(exc).__name__}: {exc}", fatal=False)
         computed = time.perf_counter()
         self.tasks_done += 1
+        done, spent = self.speeds.get(task.model, (0, 0.0))
+        self.speeds[task.model] = (done + task.count, spent + computed - decoded)
         frames = protocol.array_frames(outputs)
         timings = {"receive": decoded - received, "compute": computed - decoded,
                    "send": time.perf_counter() - computed}
