@@ -377,9 +377,9 @@ def test_the_scale_bench_drives_the_state_and_a_real_broker() -> None:
                               max_size=3),
        losses=st.lists(st.tuples(st.floats(0, 3), st.integers(0, 3), st.booleans()),
                        max_size=6),
-       seed=st.integers(0, 1000))
+       max_attempts=st.integers(1, 3), seed=st.integers(0, 1000))
 def test_under_churn_and_poison_every_item_comes_back_once_and_only_poison_fails(
-        algo, total, rates, slots, poison, losses, seed) -> None:
+        algo, total, rates, slots, poison, losses, max_attempts, seed) -> None:
     """Every policy, in a simulated farm whose workers die (charging the chunk they compute)
     or go silent (charging nothing) and are restarted, with items that fail or crash every
     worker: every clean item comes back exactly once, and exactly the poison items are
@@ -387,11 +387,12 @@ def test_under_churn_and_poison_every_item_comes_back_once_and_only_poison_fails
     devices = tuple(DeviceModel(f"cpu{i}", rate) for i, rate in enumerate(rates))
     poison = {item: kind for item, kind in poison.items() if item < total}
     farm = FarmSimulation(Scenario("churn", devices, 0, latency=0.001, slots=slots),
-                          SchedulingConfig(algo=algo, max_chunk_seconds=0.2), seed,
+                          SchedulingConfig(algo=algo, max_chunk_seconds=0.2,
+                                           max_attempts=max_attempts), seed,
                           poison=poison, restart=0.05)
     farm.submit("j", total)
-    for at, index, crashed in losses:
-        farm.lose(devices[index % len(devices)].name, at, crashed)
+    for at, index, crashed in losses:  # with one charge allowed, a crash may fail any image
+        farm.lose(devices[index % len(devices)].name, at, crashed and max_attempts > 1)
     farm.run()
     assert "j" in farm.ended and not farm.errors
     covered = np.zeros(total, int)
@@ -453,3 +454,13 @@ def test_a_worker_brings_its_speed_and_its_first_chunk_is_capped() -> None:
                           frozenset({"m"}), 1, speeds={"m": (5000, 1.0)})
     out = state.handle(ev.WorkerJoined(A, fast, 0.0))
     assert [(need.start, need.count) for need in out] == [(0, 5000)]
+
+
+def test_a_one_image_job_failing_is_given_up_once_without_upsetting_its_policy() -> None:
+    state = fifo(10, max_attempts=1)
+    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    need = state.handle(submit("j", 1))[0]
+    task = state.handle(data(need, 0.1))[0]
+    out = state.handle(ev.ChunkFailed(A, "j", task.chunk, "bad pixels", False, 0.2))
+    assert [type(i) for i in out] == [ev.SendFailed, ev.SendDone]
+    assert out[0].error == "failed by itself 1 times on 1 device(s); last: host:1/cpu: bad pixels"

@@ -317,6 +317,7 @@ class FarmState:
                 return
             self.step(job, ChunkFailed(record.worker.id, chunk, False, at=self.now))
             job.retry_items += chunk.count
+            record.retry = True  # its range belongs to the retry line now
         log.info("job %s: items %d..%d: attempt %d %s (%s)", job.id, chunk.start,
                  chunk.stop - 1, record.attempt, "failed" if charged else "lost", error)
         self.retry(record, error, charged)
