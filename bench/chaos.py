@@ -42,7 +42,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from farm.bench.chaos import ChaosConfig, keep_or_remove, run_poison, run_seed
+from farm.bench.chaos import ChaosConfig, keep_or_remove, run_poison, run_resume, run_seed
 from farm.bench.common import machine, saved
 
 
@@ -67,6 +67,8 @@ def chaos(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="farm-chaos-"))
     if config.poison is not None:
         passed = not run_poison(config, root).problems
+    elif args.resume_only:
+        passed = not run_resume(config, root).problems
     else:
         seeds = args.seed or list(range(1, args.seeds + 1))
         print(f"chaos: {config.images:,} LeNet images, {config.workers} workers, a fault "
@@ -101,6 +103,9 @@ def main() -> None:
     parser.add_argument("--no-link-cut", dest="link_cut", action="store_false",
                         help="no network namespace, no link-cut fault")
     parser.add_argument("--algo", help="the broker's policy [default: the broker's]")
+    parser.add_argument("--resume-only", action="store_true",
+                        help="no churn: the client killed at half-way then resumed; images "
+                             "computed twice against one chunk per worker")
     parser.add_argument("--poison", type=int, metavar="ITEM",
                         help="poison mode: this item fails on every worker, no other faults")
     parser.add_argument("--keep", action="store_true", help="keep the run's folder even on PASS")

@@ -721,6 +721,72 @@ def run_poison(config: ChaosConfig, root: Path, seed: int = 1) -> PoisonReport:
     return report
 
 
+@dataclass
+class ResumeReport:
+    outcome: Outcome
+    journaled: int  # images the killed client had journaled
+    twice: int  # images computed more than once over both clients
+    bound: int  # one chunk per worker
+    problems: list[str]
+
+
+def journaled_items(out: Path, total: int) -> int:
+    """Images the journal beside ``out`` holds (0 while it has no whole header)."""
+    from farm.journal import JournalUnreadable, journal_path, read_journal
+
+    try:
+        _, entries = read_journal(journal_path(out), total)
+    except (OSError, JournalUnreadable):
+        return 0
+    return sum(entry.count for entry in entries)
+
+
+def run_resume(config: ChaosConfig, root: Path, seed: int = 1) -> ResumeReport:
+    """No other fault: ``farm submit`` killed with SIGKILL once its journal holds half the
+    job, then ``farm submit --resume``.  Every output must equal the reference, and the
+    images computed twice must be at most one chunk per worker."""
+    folder = seed_folder(root, seed)
+    job = make_job(folder, config.images, seed)
+    farm = ChaosFarm(config, folder)
+    out = folder / "resume.npy"
+    try:
+        farm.start()
+        print(f"resume: {job.count:,} images; farm submit killed at half-way, then --resume; "
+              f"broker {farm.endpoint}, " + ", ".join(str(slot) for slot in farm.slots),
+              flush=True)
+        started = time.time()
+        first = submit(farm, job, out, "resume-first")
+        deadline = time.monotonic() + config.job_timeout
+        while journaled_items(out, job.count) < job.count // 2:
+            if first.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the first farm submit ended before half-way")
+            time.sleep(0.01)  # polling a file another process writes
+        first.process.kill()
+        first.wait()
+        journaled = journaled_items(out, job.count)
+        outcome = finish(submit(farm, job, out, "resume-second", resume=True), out, job,
+                         started)
+    finally:
+        farm.stop()
+    chunks = computed_chunks(farm.worker_logs())
+    twice = sum(chunk.count for chunk in chunks) - job.count
+    bound = round(len(farm.slots) * np.mean([chunk.count for chunk in chunks]))
+    problems = outcome_problems("resumed job", outcome)
+    if twice > bound:
+        problems.append(f"{twice:,} images computed twice, over one chunk per worker "
+                        f"({bound:,})")
+    print(f"  killed with {journaled:,} of {job.count:,} images journaled; the resumed "
+          f"submit finished: exit {outcome.exit_code}, failed images "
+          f"{len(outcome.failed_rows):,}, max abs diff {outcome.max_diff:.3g}, wall "
+          f"{outcome.wall:.2f} s in all")
+    print(f"  images computed twice: {twice:,}; one chunk per worker: {bound:,} "
+          f"({len(farm.slots)} x the mean chunk)")
+    for problem in problems:
+        print(f"  FAIL: {problem}")
+    print(f"resume: {'PASS' if not problems else 'FAIL'}", flush=True)
+    return ResumeReport(outcome, journaled, twice, bound, problems)
+
+
 def keep_or_remove(root: Path, passed: bool, keep: bool) -> None:
     """Remove the run's folder unless asked to keep it or a check failed (say where)."""
     if passed and not keep:
