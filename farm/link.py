@@ -28,6 +28,8 @@ log = logging.getLogger("farm.link")
 
 #: Longest wait between reconnection attempts while the broker is silent, in seconds.
 MAX_RECONNECT_INTERVAL = 32.0
+#: Milliseconds a replaced socket may still try to deliver its goodbye.
+RECONNECT_LINGER_MS = 100
 
 
 class BrokerRefused(ValueError):
@@ -143,8 +145,11 @@ class BrokerLink:
         return True
 
     def reconnect(self) -> None:
-        """A fresh socket, greeted anew; replies meant for the old connection are lost."""
-        self._close(linger_ms=0)
+        """A fresh socket, greeted anew; replies meant for the old connection are lost.  The
+        old one says goodbye first: a broker that was only slow must not take its closing
+        for a crash (which charges the chunk being computed)."""
+        self.send(protocol.encode(Command.DISCONNECT))
+        self._close(linger_ms=RECONNECT_LINGER_MS)
         self.generation += 1
         self._open()
 

@@ -4,7 +4,7 @@ A message is a list of frames (after any ROUTER identity frame)::
 
     [SIGNATURE, command (1 byte), header (msgpack map), *payload]
 
-``SIGNATURE`` carries the protocol version (``b"FARM04"``).  The header is a
+``SIGNATURE`` carries the protocol version (``b"FARM05"``).  The header is a
 small msgpack map, decoded straight into the command's struct (``HEADERS``,
 defined in ``farm.messages``), which checks every field's type and range.  The
 payload frames are raw numpy buffers; their dtype and shape live in the header,
@@ -27,7 +27,7 @@ import numpy as np
 from farm import messages
 from farm.messages import MAX_DIMS, MAX_ITEMS, Header
 
-SIGNATURE = b"FARM04"
+SIGNATURE = b"FARM05"
 PROTOCOL_FAMILY = b"FARM"
 
 #: Dtypes that may cross the wire, by their numpy name.

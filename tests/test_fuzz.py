@@ -238,8 +238,9 @@ UNKNOWN_COMMANDS = st.one_of(
                      b"2", b"TASK"]),
     st.binary(max_size=3).filter(lambda raw: raw[:2] not in {c.value for c in Command}))
 BAD_SIGNATURES = st.one_of(
-    st.sampled_from([b"FARM01", b"FARM99", b"FARM00", b"FARM02", b"FARM03", b"FARM2", b"FARM",
-                     b"FARM022", b"FARM04\x00", b"farm04", b"", b"\x00" * 6, b"FARM\xff\xff"]),
+    st.sampled_from([b"FARM01", b"FARM99", b"FARM00", b"FARM02", b"FARM03", b"FARM04", b"FARM2",
+                     b"FARM", b"FARM022", b"FARM05\x00", b"farm05", b"", b"\x00" * 6,
+                     b"FARM\xff\xff"]),
     st.binary(max_size=10).filter(lambda raw: raw != SIGNATURE))
 #: Headers that are not a map of at most 64 fields, or not msgpack at all.
 NOT_A_MAP = st.sampled_from([[], [1, 2], 5, -1, "header", b"header", None, True, 1.5])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 from typing import Callable
 
@@ -273,3 +274,26 @@ def test_a_killed_client_s_job_is_dropped_at_once_not_after_its_silence(digits,
                 assert watcher.info()["jobs"] == []
         finally:
             client.kill()
+
+
+def test_workers_that_reconnect_while_the_broker_stalls_charge_nothing(job) -> None:
+    """The broker frozen past the workers' expiry: they say goodbye and reconnect, so
+    their old connections closing are not taken for crashes."""
+    images, reference = job
+    with recovering_farm(2) as local:
+        broker = local.running_broker()
+        thaw = threading.Timer(3 * EXPIRY, broker.send_signal, args=(signal.SIGCONT,))
+
+        def stall() -> None:
+            broker.send_signal(signal.SIGSTOP)
+            thaw.start()
+
+        try:
+            result = run_and_act(local, images, stall)
+        finally:
+            thaw.cancel()
+            broker.send_signal(signal.SIGCONT)
+        after = stats(local)
+    assert not result.failed and result.duplicates == 0
+    np.testing.assert_allclose(result.outputs, reference, atol=1e-5)
+    assert (after["workers_crashed"], after["charged_attempts"]) == (0, 0)

@@ -464,3 +464,19 @@ def test_a_one_image_job_failing_is_given_up_once_without_upsetting_its_policy()
     out = state.handle(ev.ChunkFailed(A, "j", task.chunk, "bad pixels", False, 0.2))
     assert [type(i) for i in out] == [ev.SendFailed, ev.SendDone]
     assert out[0].error == "failed by itself 1 times on 1 device(s); last: host:1/cpu: bad pixels"
+
+
+def test_a_close_names_the_peer_of_that_very_connection_not_of_its_descriptor() -> None:
+    """fd 9 carried an INFO-only connection; it closed and a worker connected on fd 9
+    before the broker read the close: the worker is not taken for dead."""
+    from farm.broker.connections import Connections
+
+    connections = Connections()
+    connections.on_accepted(9)  # `farm status`, never filed
+    connections.on_closed(9)
+    connections.on_accepted(9)  # the worker
+    connections.seen(9, A)
+    assert connections.closed_peers() == []
+    connections.on_closed(9)
+    assert connections.closed_peers() == [A]
+    assert connections.closed_peers() == []

@@ -12,8 +12,9 @@ Infrastructure faults are not the work's fault (issue 17).  So:
   a half charged again is halved, down to single images.  A single image is given up
   once it was charged by itself on two devices (or ``max_attempts`` times), with its
   own last error.
-* Every run, charged or not, counts towards ``max_runs``: a range run that often is given
-  up as one that kept losing its workers, a cause reported apart from failures.
+* Every run that ends without a result, charged or not, counts towards ``max_runs``: a
+  range run that often is given up as one that kept losing its workers, a cause
+  reported apart from failures.
 """
 
 from __future__ import annotations
@@ -45,12 +46,25 @@ class Tally:
 
 @dataclass
 class Evidence:
-    """A job's marks: what its failed and lost attempts say, range by range."""
+    """A job's marks: what its failed and lost attempts say, range by range.  Marks of
+    items that came back are dropped (``settle``), so they stay few."""
 
     marks: list[Mark] = field(default_factory=list)
+    charged: int = 0  # attempts charged, over the job
+    lost: int = 0  # attempts lost uncharged, over the job
 
     def add(self, mark: Mark) -> None:
         self.marks.append(mark)
+        if mark.charged:
+            self.charged += 1
+        else:
+            self.lost += 1
+
+    def settle(self, chunk: Chunk) -> None:
+        """The chunk's items came back: forget the marks that lie within it."""
+        if self.marks:
+            self.marks = [m for m in self.marks
+                          if not (chunk.start <= m.start and m.stop <= chunk.stop)]
 
     def tally(self, chunk: Chunk, alone: bool = False) -> Tally:
         """The worst item of ``chunk``; ``alone``: count only marks of exactly this range

@@ -90,7 +90,8 @@ class Broker:
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
         # connections closing (a peer's process died) name their peer through ``connections``
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_ACCEPTED
+                                                      | zmq.EVENT_DISCONNECTED)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.connections = Connections()
         self.wakeup: Wakeup | None = None  # serve() ends the loop's wait on SIGINT/SIGTERM
@@ -172,28 +173,31 @@ class Broker:
             if self.wakeup is not None:
                 self.wakeup.drain()
             return
+        if self.monitor in ready:
+            self.read_monitor()
         for _ in range(MAX_BATCH):
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
+            except zmq.Again:  # all read: what a dead peer sent before it died is handled
+                for peer in self.connections.closed_peers():
+                    self.connection_closed(peer)
+                return
             self.handle(frames)
-        if self.monitor in ready:  # after the messages: a dead worker's last result counts
-            self.take_closed_connections()
 
-    def take_closed_connections(self) -> None:
-        """Each connection that closed: its worker crashed, or its client's jobs end."""
+    def read_monitor(self) -> None:
+        """The connections accepted and closed since the last read, in order."""
         while True:
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self.connection_closed(self.connections.closed(int(event["value"])))
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.connections.on_accepted(int(event["value"]))
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connections.on_closed(int(event["value"]))
 
-    def connection_closed(self, peer: bytes | None) -> None:
-        if peer is None:
-            return
+    def connection_closed(self, peer: bytes) -> None:
+        """A peer's connection closed: a worker crashed, or a client's jobs end."""
         now = self.clock()
         if peer in self.state.workers:
             self.feed(ev.WorkerLeft(peer, now, "its connection closed", crashed=True))
@@ -212,7 +216,8 @@ class Broker:
             message = protocol.decode(body, allowed=self.accepted)
             now = self.clock()
             if isinstance(message.header, (messages.Ready, messages.Submit)):
-                self.connection_closed(self.connections.seen(source_fd(frames[0]), identity))
+                self.read_monitor()  # its connection's accept came before this message
+                self.connections.seen(source_fd(frames[0]), identity)
             match message.header:
                 case messages.Info() as info:
                     self.on_info(identity, info, now)
@@ -377,7 +382,8 @@ def worker_facts(header: messages.Ready) -> ev.WorkerFacts:
                           header.threads, dict(header.models), frozenset(header.loaded),
                           header.slots, header.heartbeat, dict(header.engines),
                           {model: (images, seconds) for model, (images, seconds)
-                           in header.speeds.items() if model in header.models})
+                           in header.speeds.items()
+                           if model in header.models and images > 0 and seconds > 0})
 
 
 def job_options(options: Options) -> JobOptions:

@@ -54,7 +54,7 @@ class ChunkRecord:
     job: Job
     chunk: Chunk
     worker: WorkerEntry
-    attempt: int = 1  # 1 + the most times any of its items ran before
+    attempt: int = 1  # 1 + the most times any of its items ran without a result
     assigned_at: float = 0.0  # when the policy assigned it (the broker asked for its input)
     sent_at: float | None = None  # when the TASK went to the worker
     sent_seq: int = 0  # the order TASKs went out: a worker computes its chunks in this order
@@ -145,7 +145,8 @@ class Job:
 
     @property
     def in_flight(self) -> int:
-        """Chunks assigned and not yet answered."""
+        """Chunks its policy assigned and has not seen answered (ranges on the retry line
+        aside)."""
         return self.policy.holding if self.policy else 0
 
     def state(self) -> str:
@@ -233,6 +234,6 @@ class Job:
                           items=self.done, policy=self.algo, workers=tuple(workers),
                           shared=self.shared,
                           failed_items=sum(f.stop - f.start for f in self.abandoned),
-                          failed_attempts=sum(m.charged for m in self.evidence.marks),
-                          lost_attempts=sum(not m.charged for m in self.evidence.marks),
+                          failed_attempts=self.evidence.charged,
+                          lost_attempts=self.evidence.lost,
                           items_run=self.items_run)

@@ -76,7 +76,7 @@ class WorkerEntry:
                     loaded=set(facts.loaded), slots=facts.slots, heartbeat=facts.heartbeat,
                     engines=dict(facts.engines))
         for model, (images, seconds) in facts.speeds.items():
-            entry.record(model, images, seconds)
+            entry.history[model] = ModelHistory(images, seconds)
         return entry
 
     @property

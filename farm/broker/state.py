@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -90,6 +91,8 @@ class FarmStats:
     requeued_chunks: int = 0
     abandoned_chunks: int = 0
     narrowed_chunks: int = 0  # suspect ranges cut in two, narrowing down to bad images
+    charged_attempts: int = 0  # attempts failed, or cut short by their worker dying
+    lost_attempts: int = 0  # attempts lost uncharged with their workers
     workers_expired: int = 0  # lost to silence
     workers_crashed: int = 0  # lost as their connection closed with no goodbye
     jobs_expired: int = 0
@@ -125,6 +128,7 @@ class FarmState:
         self.fastest: dict[str, tuple[float, str]] = {}  # model -> (rate, worker id)
         self.stats = FarmStats()
         self.churn = Churn()  # recent deaths and silences: chunks shorten under churn
+        self.places: Counter[str] = Counter()  # connected workers per device (host/device)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
         self.next_chunk_id = first_chunk_id
         self.next_seq = 0  # submission order of jobs
@@ -151,6 +155,7 @@ class FarmState:
         entry = WorkerEntry.from_facts(event.worker, event.facts)
         entry.last_seen = entry.joined_at = event.at
         self.workers[event.worker] = self.by_id[entry.id] = entry
+        self.places[entry.place] += 1
         known = set(self.fastest)
         for model in entry.history:  # the speeds it brought: chunks are capped at once
             self.note_rate(model, entry)
@@ -195,11 +200,15 @@ class FarmState:
         if entry is None:
             return
         del self.by_id[entry.id]
+        self.places[entry.place] -= 1
+        if not self.places[entry.place]:
+            del self.places[entry.place]
         records = list(entry.in_flight.values())
         entry.in_flight.clear()
         log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason, len(records),
                  extra={"event": "worker_left", "worker": entry.name, "reason": reason})
-        sent = [record for record in records if record.sent_at is not None]
+        sent = [record for record in records
+                if record.sent_at is not None and record.job.outcome is None]
         computing = min(sent, key=lambda r: r.sent_seq) if crashed and sent else None
         for record in records:
             job = record.job
@@ -272,6 +281,7 @@ class FarmState:
         if self.observer:
             self.observer.chunk_done(entry, chunk.count, event.timings, sent - record.assigned_at,
                                      event.at - sent)
+        job.evidence.settle(chunk)
         if record.retry:
             job.retry_items -= chunk.count
         else:
@@ -302,8 +312,12 @@ class FarmState:
         """
         job, chunk = record.job, record.chunk
         job.evidence.add(Mark(chunk.start, chunk.stop, record.worker.place, error, charged))
-        if charged and self.observer:
-            self.observer.chunk_failed(record.worker)
+        if charged:
+            self.stats.charged_attempts += 1
+            if self.observer:
+                self.observer.chunk_failed(record.worker)
+        else:
+            self.stats.lost_attempts += 1
         runs = job.evidence.tally(chunk).runs
         if runs >= self.config.max_runs:
             self.give_up(record, f"ran {runs} times without a result, its workers lost or "
@@ -326,9 +340,9 @@ class FarmState:
         """Put a range in its job's retry line: as it is, or (suspect) in halves; a single
         image charged by itself on two devices (or ``max_attempts`` times) is given up."""
         job, chunk = record.job, record.chunk
-        self.stats.requeued_chunks += 1
         self.retries_added = True
         if not charged:
+            self.stats.requeued_chunks += 1
             job.retries.appendleft(chunk)
             return
         job.retry_failures += 1
@@ -337,6 +351,7 @@ class FarmState:
             self.give_up(record, f"{error} (retries stopped after {RETRY_LIMIT} failed "
                                  f"attempts: the failures are not confined to a few images)")
         elif not suspect(tally, self.config.max_attempts):
+            self.stats.requeued_chunks += 1
             job.retries.appendleft(chunk)
         elif chunk.count == 1:
             self.give_up(record, f"failed by itself {tally.charges} times on {tally.devices} "
@@ -451,8 +466,12 @@ class FarmState:
         its input; the TASK goes out when the DATA comes back."""
         for assignment in assignments:
             entry = self.by_id.get(assignment.worker)
-            if entry is None:  # the policy has not heard the worker is gone yet
-                self.step(job, WorkerLost(assignment.worker, at=self.now))
+            if entry is None:  # the worker is being lost, and the policy hears of it next:
+                # take the chunk back and the worker out of its idle ones (a WorkerLost now
+                # would return the worker's other chunks while they are being settled)
+                self.step(job, WorkerBusy(assignment.worker, at=self.now))
+                self.step(job, ChunkFailed(assignment.worker, assignment.chunk, True,
+                                           at=self.now))
                 continue
             self.assign(job, assignment.chunk, entry)
             if entry.free_slots <= 0 and len(self.running) > 1:
@@ -463,16 +482,20 @@ class FarmState:
         may run: one no worker on its device failed, unless no other device is left.
         The job's policy, which does not know of it, hears the worker is busy if it
         thought it idle.  False if the worker may run none."""
-        others = {other.place for other in self.workers.values()} - {entry.place}
         for index, chunk in enumerate(job.retries):
             blamed = job.evidence.devices_charging(chunk)
-            if entry.place not in blamed or others <= blamed:
+            if entry.place not in blamed or not self.other_place(entry.place, blamed):
                 del job.retries[index]
                 self.assign(job, chunk, entry, retry=True)
                 if entry.free_slots <= 0:
                     self.slots_taken(entry, None)
                 return True
         return False
+
+    def other_place(self, place: str, blamed: set[str]) -> bool:
+        """Whether a connected worker runs on a device other than ``place`` and ``blamed``."""
+        others = len(self.places) - (place in self.places)
+        return others > sum(1 for p in blamed if p != place and p in self.places)
 
     def assign(self, job: Job, chunk: Chunk, entry: WorkerEntry, retry: bool = False) -> None:
         """A new attempt: it takes the worker's slot now and asks the client for its input."""
