@@ -152,10 +152,10 @@ class LocalFarm:
         stop_processes([self.broker] if self.broker is not None else [])
 
 
-def free_port() -> int:
-    """A loopback TCP port free now (the broker binds it a moment later)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the broker binds it a moment later)."""
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         return probe.getsockname()[1]
 
 

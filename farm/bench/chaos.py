@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
@@ -30,7 +29,7 @@ from typing import IO
 import numpy as np
 
 from farm.client import Client, FarmError, FarmTimeout
-from farm.local import cores, farm_command, stop_processes
+from farm.local import cores, farm_command, free_port, stop_processes
 from farm.repository import find
 
 ATOL = 1e-5
@@ -276,13 +275,6 @@ class ChaosFarm:
         stop_processes([self.broker] if self.broker else [])
         for handle in self.logs:
             handle.close()
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` now (the broker binds it a moment later)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def epoch(stamp: str) -> float:

@@ -13,7 +13,7 @@ from farm.broker.blame import Evidence
 from farm.broker.registry import WorkerEntry
 from farm.policies import Chunk, Policy
 from farm.protocol import ProtocolError
-from farm.summary import JobSummary, WorkerShare
+from farm.summary import FailedItems, JobSummary, WorkerShare
 
 if TYPE_CHECKING:
     from farm.broker.events import ChunkDone, DataArrived
@@ -61,15 +61,6 @@ class ChunkRecord:
     retry: bool = False  # from the job's retry line, run outside its policy
 
 
-@dataclass(frozen=True)
-class GivenUp:
-    """Items ``[start, stop)`` given up, and why."""
-
-    start: int
-    stop: int
-    error: str
-
-
 @dataclass
 class Share:
     """One worker's part in one job."""
@@ -107,7 +98,7 @@ class Job:
     client_seen: float = 0.0
     pending: dict[int, ChunkRecord] = field(default_factory=dict)  # NEED sent, DATA not back
     evidence: Evidence = field(default_factory=Evidence)  # failed and lost attempts
-    abandoned: list[GivenUp] = field(default_factory=list)  # ranges given up
+    abandoned: list[FailedItems] = field(default_factory=list)  # ranges given up
     # ranges the broker runs itself, outside the policy: chunks charged a failure (to run on
     # another device) and pieces of suspect chunks (narrowing them down)
     retries: deque[Chunk] = field(default_factory=deque)
@@ -158,7 +149,7 @@ class Job:
         done = self.done
         elapsed = now - self.started_at if self.started_at is not None else 0.0
         rate = done / elapsed if elapsed > 0 else 0.0
-        failed = sum(f.stop - f.start for f in self.abandoned)
+        failed = sum(f.count for f in self.abandoned)
         return {"job": self.id, "client": self.options.client, "model": self.model,
                 "policy": self.algo, "priority": self.priority, "state": self.state(),
                 "total": self.total, "done": done, "failed": failed,
@@ -233,7 +224,7 @@ class Job:
         return JobSummary(total=self.total, broker_seconds=now - self.submitted_at,
                           items=self.done, policy=self.algo, workers=tuple(workers),
                           shared=self.shared,
-                          failed_items=sum(f.stop - f.start for f in self.abandoned),
+                          failed_items=sum(f.count for f in self.abandoned),
                           failed_attempts=self.evidence.charged,
                           lost_attempts=self.evidence.lost,
                           items_run=self.items_run)

@@ -41,11 +41,12 @@ from farm import defaults
 from farm.broker import events as ev
 from farm.broker.blame import Mark, halves, suspect
 from farm.broker.churn import Churn
-from farm.broker.jobs import ChunkRecord, GivenUp, Job
+from farm.broker.jobs import ChunkRecord, Job
 from farm.broker.registry import WorkerEntry
 from farm.policies import (Assign, Chunk, ChunkDone, ChunkFailed, Event, WorkerBusy,
                            WorkerLost, WorkerReady, make_policy)
 from farm.protocol import ProtocolError
+from farm.summary import FailedItems
 
 log = logging.getLogger("farm.broker")
 
@@ -367,7 +368,7 @@ class FarmState:
         """Report the record's items failed (FAILED to the client) with ``message``."""
         job, chunk = record.job, record.chunk
         self.stats.abandoned_chunks += 1
-        job.abandoned.append(GivenUp(chunk.start, chunk.stop, message))
+        job.abandoned.append(FailedItems(chunk.start, chunk.count, message))
         log.warning("job %s: items %d..%d given up: %s", job.id, chunk.start, chunk.stop - 1,
                     message, extra={"event": "chunk_abandoned", "job": job.id,
                                     "start": chunk.start, "count": chunk.count})
