@@ -25,6 +25,10 @@ log = logging.getLogger("farm.repository")
 BUNDLED_DIR = Path(__file__).parent / "models"
 
 LAYOUTS = ("CHW", "HWC")
+#: ``[resize] crop``: one centre crop, Caffe ``classify.py``'s 10 crops, or none.
+CROPS = ("center", "oversample", "none")
+#: ``[resize] interpolation``: OpenCV's resize filters by name.
+INTERPOLATIONS = ("linear", "area", "cubic", "nearest")
 
 
 class ModelError(LookupError):
@@ -70,6 +74,54 @@ class Preprocess:
 
 
 @dataclass(frozen=True)
+class Resize:
+    """How a worker turns a decoded image file into the net's input size (``[resize]``).
+
+    ``size`` (H, W): resize to exactly this; else ``shorter_side``: resize keeping the
+    aspect ratio so the shorter side has this length; else resize to the crop itself.
+    Then ``crop``: ``center`` (the net's H x W from the middle, as Caffe's data layer
+    and ``classify.py --center_only``), ``oversample`` (10 crops: 4 corners and the
+    centre, each also mirrored, as ``classify.py``; the outputs are averaged) or
+    ``none`` (the image is resized straight to the net's input size).
+    """
+
+    size: tuple[int, int] | None = None
+    shorter_side: int | None = None
+    crop: str = "center"
+    interpolation: str = "linear"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Resize:
+        unknown = set(config) - {"size", "shorter_side", "crop", "interpolation"}
+        if unknown:
+            raise ModelError(f"[resize] has unknown keys {sorted(unknown)}")
+        if "size" in config and "shorter_side" in config:
+            raise ModelError("[resize] takes size or shorter_side, not both")
+        size = config.get("size")
+        if size is not None:
+            if (not isinstance(size, list) or len(size) != 2
+                    or not all(isinstance(n, int) and n > 0 for n in size)):
+                raise ModelError(f"[resize] size must be [height, width], got {size!r}")
+            size = (size[0], size[1])
+        shorter = config.get("shorter_side")
+        if shorter is not None and not (isinstance(shorter, int) and shorter > 0):
+            raise ModelError(f"[resize] shorter_side must be a positive integer, got {shorter!r}")
+        crop = config.get("crop", "center")
+        if crop not in CROPS:
+            raise ModelError(f"[resize] crop must be one of {CROPS}, got {crop!r}")
+        interpolation = config.get("interpolation", "linear")
+        if interpolation not in INTERPOLATIONS:
+            raise ModelError(f"[resize] interpolation must be one of {INTERPOLATIONS}, got "
+                             f"{interpolation!r}")
+        return cls(size, shorter, crop, interpolation)
+
+    @property
+    def crops(self) -> int:
+        """Inputs per image: 10 when oversampling, else 1."""
+        return 10 if self.crop == "oversample" else 1
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What a worker needs to load and feed a model."""
 
@@ -82,8 +134,11 @@ class ModelSpec:
     batch: int  # the prototxt's batch size: the net's resting shape
     output: str
     preprocess: Preprocess = field(default_factory=Preprocess)
+    resize: Resize = field(default_factory=Resize)
     description: str = ""
     labels: tuple[str, ...] = ()
+    labels_file: Path | None = None  # where ``labels`` came from, if from a file
+    softmax: bool = False  # the output blob is a Softmax layer's: probabilities already
     sample: Path | None = None
     sample_labels: Path | None = None
     generate_seed: int | None = None  # weights made from the prototxt's fillers with this seed
@@ -109,6 +164,8 @@ class ModelSpec:
                  self.weights_name or self.weights.name: self.weights}
         if self.preprocess.mean_file:
             files[relative(self.preprocess.mean_file)] = self.preprocess.mean_file
+        if self.labels_file:
+            files[relative(self.labels_file)] = self.labels_file
         return files
 
 
@@ -173,16 +230,47 @@ def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelS
     output = config.get("output", net.output)
     if output not in net.shapes:
         raise ModelError(f"output {output!r} is not a blob of {prototxt}")
+    labels, labels_file = read_labels(folder, config.get("labels", []))
+    writer = next(layer for layer in reversed(net.layers) if output in layer.tops) \
+        if output != net.input else None
     return ModelSpec(
         name=name, folder=folder, prototxt=prototxt, weights=weights, input=net.input,
         input_shape=net.input_shape[1:], batch=net.batch, output=output,
         preprocess=Preprocess.from_config(config.get("preprocess", {}), folder),
+        resize=Resize.from_config(config.get("resize", {})),
         weights_name=Path(config["weights"]).as_posix(),
-        description=config.get("description", ""), labels=tuple(config.get("labels", ())),
+        description=config.get("description", ""), labels=labels, labels_file=labels_file,
+        softmax=writer is not None and writer.type == "Softmax",
         sample=inside(folder, config["sample"]) if "sample" in config else None,
         sample_labels=(inside(folder, config["sample_labels"]) if "sample_labels" in config
                        else None),
         generate_seed=int(generate["seed"]) if generate is not None else None)
+
+
+def read_labels(folder: Path, labels: Any) -> tuple[tuple[str, ...], Path | None]:
+    """``labels`` of model.toml: a list of names, or a file of one name per line (such as
+    Caffe's ``synset_words.txt``, whose lines are ``n01440764 tench, Tinca tinca``: the
+    WordNet id is dropped).  Returns the names and the file they came from."""
+    if isinstance(labels, list):
+        return tuple(str(label) for label in labels), None
+    if not isinstance(labels, str):
+        raise ModelError(f"labels must be a list of names or a file name, got {labels!r}")
+    path = inside(folder, labels)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelError(f"cannot read labels file {path}: {exc}") from exc
+    return tuple(label_name(line) for line in lines if line.strip()), path
+
+
+def label_name(line: str) -> str:
+    """A class name from a labels file line: ``n01440764 tench, Tinca tinca`` -> ``tench,
+    Tinca tinca``; any other line as it is."""
+    line = line.strip()
+    wnid, _, rest = line.partition(" ")
+    if rest and len(wnid) == 9 and wnid[0] == "n" and wnid[1:].isdigit():
+        return rest.strip()
+    return line
 
 
 def available(extra: Sequence[str | os.PathLike] = ()) -> dict[str, Path]:
