@@ -37,13 +37,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import msgspec
 import numpy as np
 import zmq
 
 from farm import messages, protocol
+from farm.answers import AnswerSink, ModelCard
+from farm.inputs import ArraySource, FileSource, InputError, Source, find_image_files
 from farm.journal import InputIdentity, JournalHeader, JournalMismatch, JournalSink
 from farm.link import BrokerLink, BrokerRefused, LinkConfig
 from farm.npy import NpyReader, NpyWriter
@@ -89,28 +91,6 @@ class OutputError(FarmError):
         super().__init__(f"cannot write {where}: {error.strerror or error}"
                          f"{f' ({name})' if name else ''}"
                          f"{'; the job was cancelled' if cancelled else ''}; {kept}")
-
-
-class ImageSource:
-    """A job's input, read a range at a time: an array, or a `.npy` file via ``NpyReader``."""
-
-    def __init__(self, images: np.ndarray | NpyReader) -> None:
-        self.images = images
-        shape = images.shape
-        if len(shape) not in (3, 4):
-            raise FarmError(f"images must be N x C x H x W or N x H x W, got shape {shape}")
-        self.dtype = np.dtype(images.dtype)
-        self.item_shape = tuple(shape[1:]) if len(shape) == 4 else (1, *shape[1:])
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        if isinstance(self.images, NpyReader):
-            block = self.images.read(start, count)
-        else:
-            block = np.ascontiguousarray(self.images[start:start + count])
-        return block.reshape(count, *self.item_shape)
 
 
 class ResultSink(Protocol):
@@ -234,7 +214,7 @@ class JobRun:
     """One ``Client.run`` in progress: what it reads and writes, and where it stands."""
 
     model: str
-    source: ImageSource
+    source: Source
     sink: ResultSink
     state: Progress
     options: SubmitOptions
@@ -266,7 +246,7 @@ class JobRun:
             self.trace.new_submission()
         timeout = self.remaining() if self.resubmissions else self.options.job_timeout
         return messages.Submit(job=self.submission.job, model=self.model,
-                               dtype=str(self.source.dtype), item_shape=self.source.item_shape,
+                               dtype=self.source.dtype, item_shape=self.source.item_shape,
                                total=self.submission.total, options=self.options.header(timeout),
                                heartbeat=heartbeat)
 
@@ -306,6 +286,8 @@ class Running:
 
 
 ProgressCallback = Callable[[int], None]
+#: What ``Client.run`` takes as its images.
+Input = np.ndarray | NpyReader | Source | Sequence[str | os.PathLike[str]]
 
 
 class Client:
@@ -381,7 +363,7 @@ class Client:
         except (BlockingIOError, OSError):  # full of earlier wake-ups, or closed meanwhile
             pass
 
-    def map(self, images: np.ndarray | NpyReader, model: str, **options: Any) -> np.ndarray:
+    def map(self, images: Input, model: str, **options: Any) -> np.ndarray:
         """Outputs for every image, in input order; FarmError if any image failed.
 
         ``resume="out.npy"`` (see ``run``) writes them to that file, journaled: after a
@@ -394,7 +376,7 @@ class Client:
         assert result.outputs is not None  # no sink was given: the outputs are in memory
         return result.outputs
 
-    def run(self, images: np.ndarray | NpyReader, model: str,
+    def run(self, images: Input, model: str,
             out: np.ndarray | ResultSink | None = None,
             progress: ProgressCallback | None = None, *, priority: int = 0,
             job_timeout: float | None = None, algo: str | None = None,
@@ -402,7 +384,14 @@ class Client:
             backend: str | None = None, precision: str | None = None,
             resume: str | os.PathLike[str] | None = None) -> JobResult:
         """Submit a job and gather its outputs (into ``out``, an array or a sink such as
-        ``NpyWriter``) and a summary; failed items are NaN in the outputs and listed.
+        ``NpyWriter`` or ``farm.answers.AnswerSink``) and a summary; failed items are NaN
+        in the outputs and listed.
+
+        ``images``: an array (N x C x H x W, N x H x W, or N x H x W x C for an HWC model)
+        or a `.npy` ``NpyReader``; or image files: a list of files, folders, globs and
+        list files (``farm.inputs``), sent encoded and decoded by the workers as the
+        model's ``[resize]`` says.  A file that cannot be read or decoded fails alone,
+        with its reason.
 
         ``priority``: jobs of higher priority get free workers first (default 0);
         ``job_timeout``: seconds after which the broker cancels the job; ``algo`` and
@@ -423,7 +412,7 @@ class Client:
         OutputError if writing an output fails (disk full, EIO...): the job is cancelled
         on the broker first; what was journaled stays valid for a resume.
         """
-        source = ImageSource(images)
+        source = as_source(images)
         if len(source) == 0:
             raise FarmError("no images to run")
         if params and algo is None:
@@ -446,12 +435,11 @@ class Client:
 
     @staticmethod
     def _open_sink(out: np.ndarray | ResultSink | None, resume: str | os.PathLike[str] | None,
-                   source: ImageSource, model: str,
+                   source: Source, model: str,
                    engine: tuple[str, str] | None) -> ResultSink:
         """Where the outputs go: ``out``, a journaled file (``resume``), else memory."""
         if resume is not None:
-            header = JournalHeader(model, InputIdentity.of(source.images, source.item_shape),
-                                   engine)
+            header = JournalHeader(model, InputIdentity.of(source), engine)
             try:
                 return JournalSink.open(resume, header)
             except JournalMismatch as exc:
@@ -483,7 +471,7 @@ class Client:
             raise self._output_error(job, job.output_error)
         if job.cancelled:
             for start, count in state.missing_runs():
-                state.failed.append(FailedItems(start, count, job.cancelled))
+                self._record_failure(job, start, count, job.cancelled)
         state.failed.sort(key=lambda failure: failure.start)  # in input order, not as they arrived
         try:
             for failure in state.failed:
@@ -580,9 +568,10 @@ class Client:
                 self._send_input(job.source, submission, need)
             case messages.Result() as result:
                 self._take_result(job, submission, result,
-                                  message.array(result.dtype, result.item_shape))
+                                  message.array(result.dtype, result.item_shape),
+                                  message.failures())
             case messages.Failed() as failed:
-                self._take_failure(failed, submission, job.state, job.progress)
+                self._take_failure(job, failed, submission)
             case messages.Done():
                 job.summary, job.submission = message.document(JobSummary), None
             case messages.Cancel(reason=reason):
@@ -596,37 +585,56 @@ class Client:
             case messages.Error(error=error):
                 raise FarmError(error)
 
-    def _send_input(self, source: ImageSource, submission: Submission,
+    def _send_input(self, source: Source, submission: Submission,
                     need: messages.Need) -> None:
         """DATA for a NEED: the chunk's items, read from the source now."""
         pieces = submission.pieces(need.start, need.count)
         if sum(n for _, _, n in pieces) != need.count:
             raise FarmError(f"the broker asked for items {need.start}+{need.count} of a job "
                             f"of {submission.total}")
-        blocks = [source.read(item_start, n) for _, item_start, n in pieces]
-        block = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+        frames = source.frames([(item_start, n) for _, item_start, n in pieces])
         self._send(messages.Data(job=submission.job, chunk=need.chunk, start=need.start,
-                                 count=need.count), protocol.array_frames(block))
+                                 count=need.count), frames)
 
     def _take_result(self, job: JobRun, submission: Submission, header: messages.Result,
-                     values: np.ndarray) -> None:
-        """Write a result's items to the sink; if that fails, cancel the job (and write
+                     values: np.ndarray, failures: list[tuple[int, int, str]]) -> None:
+        """Write a result's items to the sink, and record those that failed on their own
+        (``failures``: offset, count, reason); if writing fails, cancel the job (and write
         nothing more)."""
         if len(values) != header.count:
             raise FarmError(f"result for {header.count} items holds {len(values)}")
         pieces = submission.pieces(header.start, header.count)
         for offset, item_start, count in pieces:
-            if job.output_error is None and job.state.mark(item_start, count):
+            if job.output_error is not None or not job.state.mark(item_start, count):
+                continue
+            for low, high, error in split_failures(offset, count, failures):
+                start = item_start + low - offset
+                if error is not None:
+                    self._record_failure(job, start, high - low, error)
+                    continue
                 try:
-                    job.sink.write(item_start, values[offset:offset + count])
+                    job.sink.write(start, values[low:high])
                 except OSError as exc:
                     job.state.answered[item_start:item_start + count] = False
                     self._output_failed(job, exc)
-                    continue
+                    break
+            else:
                 if job.progress:
                     job.progress(count)
         if job.trace and pieces:
             job.trace.add(header, pieces[0][1], header.count)
+
+    @staticmethod
+    def _record_failure(job: JobRun, start: int, count: int, error: str) -> None:
+        """Items that did not come back, and why (the client's own reason for a file it could
+        not send wins over the worker's)."""
+        problems = job.source.problems if isinstance(job.source, FileSource) else {}
+        own = [(index, 1, problems[index]) for index in sorted(problems)
+               if start <= index < start + count]
+        for low, high, reason in split_failures(start, count, own):
+            job.state.failed.append(FailedItems(low, high - low, reason or error))
+            if isinstance(job.sink, AnswerSink):
+                job.sink.fail(low, high - low, reason or error)
 
     def _output_failed(self, job: JobRun, error: OSError) -> None:
         """An output could not be written: cancel the job (``run`` then raises OutputError)."""
@@ -634,14 +642,13 @@ class Client:
         job.output_error = error
         self._cancel_requested = True  # _collect sends CANCEL and waits for its answer
 
-    @staticmethod
-    def _take_failure(header: messages.Failed, submission: Submission, state: Progress,
-                      progress: ProgressCallback | None) -> None:
+    def _take_failure(self, job: JobRun, header: messages.Failed,
+                      submission: Submission) -> None:
         for _, item_start, count in submission.pieces(header.start, header.count):
-            if state.mark(item_start, count):
-                state.failed.append(FailedItems(item_start, count, header.error))
-                if progress:
-                    progress(count)
+            if job.state.mark(item_start, count):
+                self._record_failure(job, item_start, count, header.error)
+                if job.progress:
+                    job.progress(count)
 
     def _send(self, header: messages.Header, payload: list[Any] | None = None) -> None:
         """Send without blocking: with no broker to take it, the message is dropped (the
@@ -684,6 +691,23 @@ class Client:
             if deadline is not None and time.monotonic() >= deadline:
                 raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s")
 
+    def model_card(self, model: str) -> ModelCard:
+        """The broker's word on a model's class labels and final softmax; FarmError if the
+        broker cannot use the model."""
+        self._send(messages.Info(model=model))
+        while True:
+            message = self._receive()
+            document = message.document(dict) if message.command is Command.INFO else None
+            if document and isinstance(document.get("model"), dict):
+                card = document["model"]
+                if "error" in card:
+                    raise FarmError(str(card["error"]))
+                return ModelCard(tuple(map(str, card.get("labels", ()))),
+                                 bool(card.get("softmax", False)))
+            header = message.header
+            if isinstance(header, messages.Error) and header.job is None:
+                raise FarmError(header.error)
+
     def info(self, wait_workers: int = 0) -> dict[str, Any]:
         """The broker's registry; with ``wait_workers``, once that many workers have joined."""
         self._send(messages.Info(wait_workers=wait_workers))
@@ -696,11 +720,51 @@ class Client:
                 raise FarmError(header.error)
 
 
-def describe_failures(failed: list[FailedItems]) -> str:
-    """One line per failed range, for errors and the CLI."""
+def as_source(images: Input) -> Source:
+    """A job's input: an array or `.npy` reader, a source, or image files, folders, globs
+    and lists (``farm.inputs.find_image_files``)."""
+    if isinstance(images, (ArraySource, FileSource)):
+        return images
+    if isinstance(images, (np.ndarray, NpyReader)):
+        try:
+            return ArraySource(images)
+        except InputError as exc:
+            raise FarmError(str(exc)) from None
+    try:
+        return FileSource(find_image_files([os.fspath(path) for path in images]))
+    except InputError as exc:
+        raise FarmError(str(exc)) from None
+
+
+def split_failures(offset: int, count: int, failures: list[tuple[int, int, str]]
+                   ) -> list[tuple[int, int, str | None]]:
+    """Items ``[offset, offset + count)`` of a chunk as runs ``(low, high, reason)``: reason
+    None for the items that came back, else why they failed."""
+    runs: list[tuple[int, int, str | None]] = []
+    position, stop = offset, offset + count
+    for start, length, error in failures:
+        low, high = max(start, position), min(start + length, stop)
+        if low >= high:
+            continue
+        if low > position:
+            runs.append((position, low, None))
+        runs.append((low, high, error))
+        position = high
+    if position < stop:
+        runs.append((position, stop, None))
+    return runs
+
+
+def describe_failures(failed: list[FailedItems],
+                      names: Callable[[int, int], Sequence[str]] | None = None) -> str:
+    """One line per failed range, for errors and the CLI; ``names``: what to call the items
+    (image files' paths), for a range of one."""
     count = sum(f.count for f in failed)
     lines = [f"{count} images failed:"]
-    lines += [f"  items {f.start}..{f.start + f.count - 1}: {f.error}" for f in failed[:20]]
+    for f in failed[:20]:
+        what = (names(f.start, 1)[0] if names is not None and f.count == 1
+                else f"items {f.start}..{f.start + f.count - 1}")
+        lines.append(f"  {what}: {f.error}")
     if len(failed) > 20:
         lines.append(f"  ... and {len(failed) - 20} more ranges")
     return "\n".join(lines)

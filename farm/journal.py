@@ -24,11 +24,14 @@ import time
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from farm.npy import NpyError, NpyReader, NpyWriter
+
+if TYPE_CHECKING:
+    from farm.inputs import Source
 
 log = logging.getLogger("farm.journal")
 
@@ -38,8 +41,6 @@ VERSION = 1
 SUFFIX = ".journal"
 #: Seconds between fdatasyncs of the output then the journal: what a reboot may lose.
 SYNC_INTERVAL = 2.0
-#: Input bytes hashed at a time for an in-memory array.
-HASH_BLOCK = 64 << 20
 
 
 class JournalMismatch(ValueError):
@@ -65,18 +66,10 @@ class InputIdentity:
     item_shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, images: np.ndarray | NpyReader, item_shape: tuple[int, ...]) -> InputIdentity:
-        """The identity of an input: a `.npy` file (``NpyReader``) or an array."""
-        if isinstance(images, NpyReader):
-            with open(images.path, "rb") as handle:
-                digest = hashlib.file_digest(handle, "sha256").hexdigest()
-        else:
-            hasher = hashlib.sha256()
-            per_block = max(1, HASH_BLOCK // max(1, images[:1].nbytes))
-            for start in range(0, len(images), per_block):
-                hasher.update(np.ascontiguousarray(images[start:start + per_block]).data)
-            digest = hasher.hexdigest()
-        return cls(digest, len(images), str(np.dtype(images.dtype)), tuple(item_shape))
+    def of(cls, source: Source) -> InputIdentity:
+        """The identity of a job's input: an array or `.npy` file, or image files (their
+        paths, sizes and modification times)."""
+        return cls(source.digest(), len(source), source.dtype, tuple(source.item_shape))
 
 
 @dataclass(frozen=True)

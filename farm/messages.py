@@ -103,7 +103,10 @@ class Result(ChunkHeader):
     """worker -> broker -> client: a chunk's outputs.
 
     ``timings`` (receive, compute, send seconds) are judged by the broker, which
-    fails the job on a bad one rather than refusing the message.  The broker adds
+    fails the job on a bad one rather than refusing the message.  ``failed``: items
+    that failed on their own (image files that cannot be decoded); their outputs are
+    NaN, and a last payload frame lists them with their reasons
+    (``protocol.Message.failures``).  The broker adds
     for the client: the worker's name, the attempt, and ``trace``: when the chunk
     was assigned, sent and answered, in seconds since the job's submission.
     """
@@ -111,6 +114,7 @@ class Result(ChunkHeader):
     dtype: Text
     item_shape: Shape
     timings: Annotated[dict[Name, Any], Meta(max_length=MAX_MAP)]
+    failed: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] = 0
     worker: Text = ""
     attempt: int = 1
     trace: tuple[Finite, Finite, Finite] | None = None
@@ -174,10 +178,12 @@ class Error(Header):
 
 
 class Info(Header):
-    """client -> broker: a registry snapshot, once ``wait_workers`` have joined; the reply
-    carries it as its document."""
+    """client -> broker: a registry snapshot, once ``wait_workers`` have joined; or, with
+    ``model``, that model's card (its class labels and whether it ends in a softmax).  The
+    reply carries it as its document."""
 
     wait_workers: int = 0
+    model: Text | None = None
 
 
 class Heartbeat(Header):

@@ -4,7 +4,7 @@ A message is a list of frames (after any ROUTER identity frame)::
 
     [SIGNATURE, command (1 byte), header (msgpack map), *payload]
 
-``SIGNATURE`` carries the protocol version (``b"FARM05"``).  The header is a
+``SIGNATURE`` carries the protocol version (``b"FARM06"``).  The header is a
 small msgpack map, decoded straight into the command's struct (``HEADERS``,
 defined in ``farm.messages``), which checks every field's type and range.  The
 payload frames are raw numpy buffers; their dtype and shape live in the header,
@@ -19,19 +19,28 @@ import enum
 import math
 import reprlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Annotated, Any, Mapping, Sequence, TypeVar
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
 from farm import messages
 from farm.messages import MAX_DIMS, MAX_ITEMS, Header
 
-SIGNATURE = b"FARM05"
+SIGNATURE = b"FARM06"
 PROTOCOL_FAMILY = b"FARM"
 
 #: Dtypes that may cross the wire, by their numpy name.
 ALLOWED_DTYPES = frozenset({"uint8", "float32"})
+#: The dtype of a job of image files: an item is one file's encoded bytes, at most
+#: ``item_shape[0]`` of them.  A chunk of files travels as two frames (``file_frames``): the
+#: files' sizes (little-endian uint32) and their bytes back to back.  Workers decode them.
+ENCODED = "encoded"
+#: Largest image file a job may send (a chunk's input must fit ``MAX_TASK_BYTES``).
+MAX_FILE_BYTES = 32 << 20
+#: The dtype of a file sizes frame.
+SIZES_DTYPE = np.dtype("<u4")
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_FRAMES = 64
@@ -119,10 +128,49 @@ class Message:
             raise ProtocolError(f"{self.command.name} document: {exc}") from None
 
     def array(self, dtype: str, item_shape: Sequence[int]) -> np.ndarray:
-        """The payload as one array of ``(count, *item_shape)``, zero-copy when it is one frame."""
-        buffers = [_buffer(frame) for frame in self.payload]
+        """The payload as one array of ``(count, *item_shape)``, zero-copy when it is one frame
+        (a RESULT's failures document, ``failures``, left out)."""
+        frames = self.payload
+        if isinstance(self.header, messages.Result) and self.header.failed:
+            frames = frames[:-1]
+        buffers = [_buffer(frame) for frame in frames]
         data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
         return np.frombuffer(data, dtype=dtype).reshape(-1, *item_shape)
+
+
+    def failures(self) -> list[tuple[int, int, str]]:
+        """A RESULT's items that failed on their own: ``(offset in the chunk, count, reason)``,
+        in order; [] when none did.  ProtocolError if the document is malformed."""
+        header = self.header
+        if not isinstance(header, messages.Result) or not header.failed:
+            return []
+        try:
+            failures = msgspec.msgpack.decode(_buffer(self.payload[-1]), type=FailureList)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise ProtocolError(f"RESULT failures: {exc}") from None
+        end, failed = 0, 0
+        for offset, count, _ in failures:
+            if offset < end or offset + count > header.count:
+                raise ProtocolError(f"RESULT failures: items {offset}+{count} overlap or lie "
+                                    f"outside the chunk of {header.count}")
+            end, failed = offset + count, failed + count
+        if failed != header.failed:
+            raise ProtocolError(f"RESULT failures list {failed} items, the header says "
+                                f"{header.failed}")
+        return [tuple(failure) for failure in failures]  # type: ignore[misc]
+
+    def files(self) -> list[memoryview]:
+        """A chunk of image files (dtype ``ENCODED``) as one view per file."""
+        sizes, blob = (_buffer(frame) for frame in self.payload)
+        offsets = np.cumsum(np.frombuffer(sizes, SIZES_DTYPE), dtype=np.int64)
+        starts = np.concatenate(([0], offsets[:-1]))
+        return [blob[start:stop] for start, stop in zip(starts.tolist(), offsets.tolist())]
+
+
+#: A RESULT's failures document: ``[offset, count, reason]`` per run of failed items.
+FailureList = Annotated[list[tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(gt=0)],
+                                   messages.Text]],
+                        Meta(max_length=messages.MAX_ITEMS)]
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -157,6 +205,36 @@ def document_frames(document: Any) -> list[bytes]:
 def array_frames(array: np.ndarray) -> list[Any]:
     """Payload frames for an array: its one contiguous raw buffer."""
     return [np.ascontiguousarray(array).data]
+
+
+def file_frames(files: Sequence[bytes | memoryview]) -> list[Any]:
+    """Payload frames for a chunk of image files: their sizes, then their bytes."""
+    sizes = np.fromiter((memoryview(f).nbytes for f in files), SIZES_DTYPE, len(files))
+    return [sizes.data, b"".join(files)]
+
+
+def failures_frame(failures: Sequence[tuple[int, int, str]]) -> bytes:
+    """A RESULT's failures document (see ``Message.failures``)."""
+    return _encoder.encode(list(failures))
+
+
+def check_files(frames: Sequence[Any], count: int, max_bytes: int) -> None:
+    """A chunk of ``count`` image files of at most ``max_bytes`` each, as ``file_frames``
+    makes it; ProtocolError if not."""
+    if len(frames) != 2:
+        raise ProtocolError(f"a chunk of image files is 2 frames (sizes, bytes), got "
+                            f"{len(frames)}")
+    sizes, blob = (_buffer(frame) for frame in frames)
+    if sizes.nbytes != count * SIZES_DTYPE.itemsize:
+        raise ProtocolError(f"the sizes frame has {sizes.nbytes} bytes, not {count} x "
+                            f"{SIZES_DTYPE.itemsize}")
+    values = np.frombuffer(sizes, SIZES_DTYPE)
+    if count and int(values.max()) > max_bytes:
+        raise ProtocolError(f"a file of {int(values.max())} bytes exceeds the job's largest, "
+                            f"{max_bytes}")
+    if int(values.sum(dtype=np.int64)) != blob.nbytes:
+        raise ProtocolError(f"the files' sizes add up to {int(values.sum(dtype=np.int64))} "
+                            f"bytes, the frame has {blob.nbytes}")
 
 
 def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> Message:
@@ -220,8 +298,17 @@ def _check_array(message: Message) -> None:
     if isinstance(header, messages.Data):
         return  # dtype and item shape were declared by the job's SUBMIT; checked by the broker
     item_bytes = check_array_spec(header.dtype, header.item_shape)
+    if header.dtype == ENCODED:
+        check_files(message.payload, header.count, item_bytes)
+        return
+    frames = message.payload
+    if isinstance(header, messages.Result) and header.failed:
+        if len(frames) < 2 or _frame_size(frames[-1]) > MAX_DOCUMENT_BYTES:
+            raise ProtocolError(f"a RESULT with failed items ends with one failures frame of "
+                                f"at most {MAX_DOCUMENT_BYTES} bytes")
+        frames = frames[:-1]
     expected = header.count * item_bytes
-    actual = sum(_frame_size(frame) for frame in message.payload)
+    actual = sum(_frame_size(frame) for frame in frames)
     if actual != expected:
         raise ProtocolError(f"payload is {actual} bytes, header declares {header.count} x "
                             f"{list(header.item_shape)} {header.dtype} = {expected}")
@@ -241,7 +328,14 @@ def _check_files(message: Message) -> None:
 
 
 def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:
-    """Validate a dtype name and item shape; return the bytes per item."""
+    """Validate a dtype name and item shape; return the bytes per item (for ``ENCODED``: the
+    most one file may have)."""
+    if dtype == ENCODED:
+        if (len(item_shape) != 1 or not isinstance(item_shape[0], int)
+                or not 0 < item_shape[0] <= MAX_FILE_BYTES):
+            raise ProtocolError(f"image files need an item shape of [largest file's bytes], "
+                                f"at most {MAX_FILE_BYTES}; got {reprlib.repr(item_shape)}")
+        return item_shape[0]
     if dtype not in ALLOWED_DTYPES:
         raise ProtocolError(f"dtype {reprlib.repr(dtype)} not allowed; use one of "
                             f"{sorted(ALLOWED_DTYPES)}")

@@ -240,11 +240,12 @@ def test_a_full_disk_cancels_the_job_and_resume_finishes_it(farm_two_workers, jo
 def test_a_torn_or_garbled_journal_line_is_ignored(tmp_path) -> None:
     """No farm: a journal written through JournalSink, then damaged as a kill or a full disk
     would leave it; reopening keeps exactly the whole lines whose bytes check out."""
+    from farm.inputs import ArraySource
     from farm.journal import InputIdentity, JournalHeader, JournalSink
 
     images = np.arange(1000 * 4, dtype=np.uint8).reshape(1000, 1, 2, 2)
     outputs = np.random.default_rng(0).random((1000, 3), dtype=np.float32)
-    job = JournalHeader("lenet", InputIdentity.of(images, (1, 2, 2)), ("openvino", "f16"))
+    job = JournalHeader("lenet", InputIdentity.of(ArraySource(images)), ("openvino", "f16"))
     out = tmp_path / "scores.npy"
     sink = JournalSink.open(out, job)
     for start in range(0, 500, 100):

@@ -343,9 +343,13 @@ class Broker:
     # ----------------------------------------------------------------- info
 
     def on_info(self, identity: bytes, header: messages.Info, now: float) -> None:
-        """A snapshot of the farm; with ``wait_workers`` it is sent once that many joined."""
+        """A snapshot of the farm; with ``wait_workers`` it is sent once that many joined; with
+        ``model``, that model's card at once."""
         wanted = header.wait_workers
-        if len(self.state.workers) >= wanted:
+        if header.model is not None:
+            self.send(identity, Command.INFO, {},
+                      protocol.document_frames({"model": self.model_card(header.model)}))
+        elif len(self.state.workers) >= wanted:
             self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
         elif len(self.info_waiters) >= MAX_INFO_WAITERS:
             raise ProtocolError("too many INFO requests waiting for workers")
@@ -362,6 +366,15 @@ class Broker:
                 self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
             elif since > oldest:
                 self.info_waiters.append((identity, wanted, since))
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        """What a client needs to name a model's answers: its labels and whether its output
+        is already a softmax; or why the model cannot be used."""
+        try:
+            spec, _ = self.models.lookup(name)
+        except Exception as exc:  # ModelError, or a bug: either way the client hears why
+            return {"name": name, "error": str(exc)}
+        return {"name": name, "labels": list(spec.labels), "softmax": spec.softmax}
 
     def snapshot(self) -> dict[str, Any]:
         """What ``farm status`` shows: the broker, its workers and its jobs (in slot order)."""
@@ -414,7 +427,7 @@ def event_of(identity: bytes, message: Message, now: float) -> ev.Event:
         case messages.Result() as result:
             return ev.ChunkDone(identity, result.job, result.chunk, result.start, result.count,
                                 result.dtype, tuple(result.item_shape), result.timings, now,
-                                payload)
+                                payload, result.failed)
         case messages.Failed() as failed:
             return ev.ChunkFailed(identity, failed.job, failed.chunk, failed.error,
                                   failed.fatal, now, failed.charge)
@@ -446,7 +459,7 @@ def result_header(forward: ev.SendResult) -> dict[str, Any]:
     return {"job": result.job, "chunk": result.chunk, "start": result.start,
             "count": result.count, "dtype": result.dtype, "item_shape": list(result.item_shape),
             "timings": result.timings, "worker": forward.worker, "attempt": forward.attempt,
-            "trace": list(forward.trace)}
+            "trace": list(forward.trace), **({"failed": result.failed} if result.failed else {})}
 
 
 def mapped(path: Path) -> Any:

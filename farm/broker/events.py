@@ -79,6 +79,7 @@ class ChunkDone:
     timings: dict[str, float]
     at: float
     payload: Any = ()
+    failed: int = 0  # items that failed on their own (undecodable image files)
 
 
 @dataclass(frozen=True)

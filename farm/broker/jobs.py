@@ -161,8 +161,11 @@ class Job:
 
     @property
     def max_chunk(self) -> int:
-        """The most items one chunk may hold: its input must fit ``MAX_TASK_BYTES``."""
-        return max(1, protocol.MAX_TASK_BYTES // self.item_bytes)
+        """The most items one chunk may hold: its input must fit ``MAX_TASK_BYTES`` (a file's
+        size takes 4 bytes more)."""
+        per_item = self.item_bytes + (protocol.SIZES_DTYPE.itemsize
+                                      if self.dtype == protocol.ENCODED else 0)
+        return max(1, protocol.MAX_TASK_BYTES // per_item)
 
     def attempt_of(self, chunk: Chunk) -> int:
         """1 + the most times any item of the chunk ran without a result."""
@@ -174,6 +177,11 @@ class Job:
         if (data.start, data.count) != (chunk.start, chunk.count):
             raise ProtocolError(f"job {self.id}: DATA for items {data.start}+{data.count}, "
                                 f"the broker asked for {chunk.start}+{chunk.count}")
+        if self.dtype == protocol.ENCODED:
+            protocol.check_files(data.payload, chunk.count, self.item_bytes)
+            return
+        if data.frames != 1:
+            raise ProtocolError("DATA carries exactly one frame")
         size = data.nbytes
         if size != chunk.count * self.item_bytes:
             raise ProtocolError(f"job {self.id}: DATA of {size} bytes, expected {chunk.count} x "

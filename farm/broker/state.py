@@ -45,7 +45,7 @@ from farm.broker.jobs import ChunkRecord, Job
 from farm.broker.registry import WorkerEntry
 from farm.policies import (Assign, Chunk, ChunkDone, ChunkFailed, Event, WorkerBusy,
                            WorkerLost, WorkerReady, make_policy)
-from farm.protocol import ProtocolError
+from farm.protocol import ENCODED, ProtocolError
 from farm.summary import FailedItems
 
 log = logging.getLogger("farm.broker")
@@ -519,8 +519,6 @@ class FarmState:
         if record is None or record.id not in record.worker.in_flight:
             return  # its worker was lost meanwhile: the chunk was requeued
         try:
-            if event.frames != 1:
-                raise ProtocolError("DATA carries exactly one frame")
             job.check_data(record, event)
         except ProtocolError as exc:
             self.fail_job(job, str(exc))
@@ -622,7 +620,7 @@ class FarmState:
         if isinstance(model, str):
             self.fail_job(job, model)
             return False
-        if job.item_shape != model.item_shape:
+        if job.dtype != ENCODED and job.item_shape != model.item_shape:
             layout = " (H x W x C)" if model.layout == "HWC" else ""
             self.fail_job(job, f"images of shape {job.item_shape} do not match model "
                                f"{job.model!r}, which takes {model.item_shape}{layout}")

@@ -18,8 +18,9 @@ from farm import defaults
 from farm.client import FarmError, FarmTimeout, ResumeRefused
 
 if TYPE_CHECKING:
+    from farm.answers import ModelCard
     from farm.client import Client, JobResult
-    from farm.npy import NpyReader
+    from farm.inputs import Source
 
 NO_BROKER_HINT = ("is a broker running there? --broker or FARM_BROKER give its address; a "
                   "broker started with --curve needs --curve here too")
@@ -41,14 +42,42 @@ class BrokerLink:
                       curve_name=self.curve_name)
 
 
-def load_images(path: str) -> NpyReader:
-    """A .npy file opened for reading range by range: inputs of any size, read as needed."""
-    from farm.npy import NpyError, NpyReader
+def load_input(arguments: tuple[str, ...]) -> Source:
+    """A job's input: one `.npy` file (read range by range: inputs of any size, read as
+    needed), or image files named by files, folders, globs and lists."""
+    from farm.inputs import InputError, open_input
 
     try:
-        return NpyReader.open(path)
-    except (OSError, NpyError) as exc:
-        raise click.ClickException(f"cannot read {path}: {exc}") from exc
+        return open_input(arguments)
+    except InputError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class Answers:
+    """``--top-k``: answers (named classes and probabilities) rather than raw scores."""
+
+    k: int
+    card: ModelCard | None = None  # None: ask the broker for the model's labels
+
+
+def answers_wanted(source: Source, out: str | None, top_k: int | None,
+                   card: ModelCard | None) -> Answers | None:
+    """Whether a job writes answers: with --top-k, with a .csv/.jsonl --out, or for image
+    files with no --out (named on the terminal)."""
+    from farm.answers import DEFAULT_TOP_K, FORMATS
+    from farm.inputs import FileSource
+
+    to_file = out is not None and Path(out).suffix.lower() in FORMATS
+    if out is not None and not to_file and not out.lower().endswith(".npy"):
+        raise click.UsageError(f"--out {out}: write raw scores as .npy, or answers as .csv or "
+                               f".jsonl")
+    if top_k is None and not to_file and not (out is None and isinstance(source, FileSource)):
+        return None
+    if top_k is not None and out is not None and not to_file:
+        raise click.UsageError("--top-k writes answers: give --out a .csv or .jsonl file (or "
+                               "no --out: the terminal)")
+    return Answers(top_k or (DEFAULT_TOP_K if to_file else 1), card)
 
 
 @contextlib.contextmanager
@@ -91,36 +120,37 @@ def check_journal(out: str, resume: bool) -> None:
         click.echo(f"--resume: no journal at {journal}: starting afresh", err=True)
 
 
-def run_job(link: BrokerLink, images: NpyReader, model: str, out: str | None = None,
+def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None,
             quiet: bool = False, trace: str | None = None, journal: bool = False,
-            resume: bool = False, **job_options: Any) -> np.ndarray | None:
+            resume: bool = False, answers: Answers | None = None,
+            **job_options: Any) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
 
-    ``journal``: keep ``OUT.journal`` beside ``out`` (``farm.journal``) so that a killed
-    job can be finished with ``resume``.  ``job_options``: ``Client.run``'s priority,
-    job_timeout, algo, params, backend and precision.  Returns the outputs: in memory, or
-    memory-mapped from ``out``.
+    ``journal``: keep ``OUT.journal`` beside a `.npy` ``out`` (``farm.journal``) so that a
+    killed job can be finished with ``resume``.  ``answers``: write each image's top
+    classes (to ``out``, a .csv or .jsonl, else the terminal) instead of raw scores.
+    ``job_options``: ``Client.run``'s priority, job_timeout, algo, params, backend and
+    precision.  Returns the raw outputs when they were kept: in memory, or memory-mapped
+    from ``out``.
     """
     from tqdm import tqdm
 
-    from farm.client import ArraySink
-    from farm.npy import NpyWriter
-
+    journal = journal and answers is None
     if resume and not (out and journal):
-        raise click.UsageError("--resume needs --out: the outputs of the job to resume")
+        raise click.UsageError("--resume needs --out OUT.npy: the raw outputs of the job to "
+                               "resume")
     if out and not os.access(Path(out).resolve().parent, os.W_OK):
         raise click.ClickException(f"cannot write {out}: its folder does not exist or is not "
                                    f"writable")
     if out and journal:
         check_journal(out, resume)
-    writer = NpyWriter(out, len(images)) if out and not journal else None
-    sink: dict[str, Any] = ({"resume": out} if out and journal else
-                            {"out": writer or ArraySink(len(images))})
     try:
-        with link.connect() as client, \
-                tqdm(total=len(images), unit="img", disable=quiet, file=sys.stderr,
-                     desc=model) as bar, cancel_on_interrupt(client) as interrupted:
-            result = client.run(images, model, progress=bar.update, trace=trace is not None,
+        with link.connect() as client, contextlib.ExitStack() as stack:
+            sink = stack.enter_context(job_sink(client, source, model, out, journal, answers))
+            bar = stack.enter_context(tqdm(total=len(source), unit="img", disable=quiet,
+                                           file=sys.stderr, desc=model))
+            interrupted = stack.enter_context(cancel_on_interrupt(client))
+            result = client.run(source, model, progress=bar.update, trace=trace is not None,
                                 **sink, **job_options)
     except FarmTimeout as exc:
         raise click.ClickException(f"{exc} ({NO_BROKER_HINT})") from exc
@@ -128,20 +158,45 @@ def run_job(link: BrokerLink, images: NpyReader, model: str, out: str | None = N
         raise Refused(str(exc)) from exc
     except (FarmError, OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
-    finally:
-        if writer:
-            writer.close()
     outputs = result.outputs
-    if outputs is None and out and Path(out).exists():
+    if outputs is None and out and journal and Path(out).exists():
         outputs = np.load(out, mmap_mode="r")
-    echo_result(result, out if outputs is not None else None, outputs, trace,
-                journaled=journal)
-    exit_if_incomplete(result, len(images), bool(interrupted))
+    echo_result(result, out, outputs, trace, journaled=journal, answers=answers is not None)
+    exit_if_incomplete(result, len(source), bool(interrupted), source)
     return outputs
 
 
+@contextlib.contextmanager
+def job_sink(client: Client, source: Source, model: str, out: str | None, journal: bool,
+             answers: Answers | None) -> Iterator[dict[str, Any]]:
+    """``Client.run``'s output argument: answers, a journaled `.npy`, a plain `.npy`, or
+    memory; whatever it opens is closed after the job."""
+    from farm.answers import AnswerSink, open_writer
+    from farm.client import ArraySink
+    from farm.npy import NpyWriter
+
+    if answers is not None:
+        card = answers.card or client.model_card(model)
+        writer = open_writer(out, card, answers.k)
+        sink = AnswerSink(len(source), answers.k, card, writer, source.names)
+        try:
+            yield {"out": sink}
+        finally:
+            sink.close()
+    elif out and journal:
+        yield {"resume": out}
+    elif out:
+        npy = NpyWriter(out, len(source))
+        try:
+            yield {"out": npy}
+        finally:
+            npy.close()
+    else:
+        yield {"out": ArraySink(len(source))}
+
+
 def echo_result(result: JobResult, out: str | None, outputs: np.ndarray | None,
-                trace: str | None, journaled: bool = False) -> None:
+                trace: str | None, journaled: bool = False, answers: bool = False) -> None:
     """Save the trace; say how the job went, what came from the journal, and where its
     outputs, journal and trace are."""
     from farm.journal import journal_path
@@ -157,7 +212,10 @@ def echo_result(result: JobResult, out: str | None, outputs: np.ndarray | None,
     if result.resubmissions:
         click.echo(f"the broker was lost and the missing images submitted again "
                    f"{result.resubmissions} time(s)")
-    if out and outputs is not None:
+    if out and answers:
+        click.echo(f"answers for {result.summary.items + result.resumed:,} images written to "
+                   f"{out}")
+    elif out and outputs is not None:
         click.echo(f"outputs {outputs.shape} {outputs.dtype} written to {out}")
     if out and journaled and journal_path(out).exists():
         click.echo(f"journal kept at {journal_path(out)}: --resume submits the images still "
@@ -167,8 +225,10 @@ def echo_result(result: JobResult, out: str | None, outputs: np.ndarray | None,
                    f"(farm report {trace} -o {Path(trace).with_suffix('.png')})")
 
 
-def exit_if_incomplete(result: JobResult, total: int, interrupted: bool) -> None:
-    """Exit 130 (Ctrl-C) or 1 (cancelled, timed out, failed images) when images are missing."""
+def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
+                       source: Source | None = None) -> None:
+    """Exit 130 (Ctrl-C) or 1 (cancelled, timed out, failed images) when images are missing;
+    failed image files are named."""
     from farm.client import describe_failures
 
     if result.cancelled:
@@ -177,5 +237,7 @@ def exit_if_incomplete(result: JobResult, total: int, interrupted: bool) -> None
                    f"images came back, the other {missing:,} have NaN outputs", err=True)
         raise SystemExit(130 if interrupted else 1)
     if result.failed:
-        click.echo(describe_failures(result.failed) + "\n(their outputs are NaN)", err=True)
+        names = source.names if source is not None else None
+        click.echo(describe_failures(result.failed, names) + "\n(their outputs are NaN)",
+                   err=True)
         raise SystemExit(1)

@@ -79,7 +79,16 @@ def image_out_options(function: Command) -> Command:
         "--trace", type=click.Path(dir_okay=False),
         help="Write every chunk's worker and timings here (JSON) for `farm report`.")(function)
     return click.option("--out", type=click.Path(dir_okay=False),
-                        help="Write outputs here (.npy).")(function)
+                        help="Write answers here (.csv or .jsonl: each image's top classes, "
+                             "in input order) or raw outputs (.npy).")(function)
+
+
+#: ``--top-k``: answers rather than raw scores (submit, run).
+top_k_option = click.option(
+    "--top-k", type=click.IntRange(1), metavar="K",
+    help="Name each image's K best classes with their probabilities (the model's labels; a "
+         "softmax where the net ends before one) [default: 5 in a .csv/.jsonl --out, 1 on "
+         "the terminal for image files].")
 
 #: ``--model``: the model a job runs.
 model_option = click.option("--model", default=defaults.MODEL, show_default=True,

@@ -13,10 +13,11 @@ import click
 import numpy as np
 
 from farm import defaults
-from farm.cli.job import NO_BROKER_HINT, BrokerLink, load_images, run_job
+from farm.cli.job import NO_BROKER_HINT, BrokerLink, answers_wanted, load_input, run_job
+from farm.answers import ModelCard
 from farm.cli.options import (backend_option, broker_option, client_curve_option,
                               image_out_options, model_option, models_dir_option,
-                              precision_option)
+                              precision_option, top_k_option)
 from farm.cli.policy import policy_options, policy_params
 from farm.client import FarmError, FarmTimeout
 
@@ -25,10 +26,11 @@ WATCH_INTERVAL = 2.0
 
 
 @click.command()
-@click.argument("images", type=click.Path(exists=True, dir_okay=False))
+@click.argument("images", nargs=-1, required=True)
 @model_option
 @broker_option
 @image_out_options
+@top_k_option
 @click.option("--priority", default=defaults.PRIORITY, show_default=True,
               type=click.IntRange(-100, 100),
               help="Jobs of higher priority get free workers first.")
@@ -43,12 +45,23 @@ WATCH_INTERVAL = 2.0
 @backend_option("Run this job on this engine instead of the workers' own.")
 @precision_option("Run this job in this precision instead of the workers' own.")
 @client_curve_option
+@models_dir_option("Where to find the model's class labels for --top-k (repeatable; also "
+                   "$FARM_MODELS); without it the broker's copy says.")
 @policy_options(per_job=True)
-def submit(images: str, model: str, broker_address: str, out: str | None, trace: str | None,
-           quiet: bool, priority: int, job_timeout: float | None, timeout: float,
-           resume: bool, backend: str | None, precision: str | None, curve: str | None,
-           curve_name: str, algo: str | None, **options: object) -> None:
-    """Run IMAGES (.npy, N x C x H x W or N x H x W; uint8 or float32) on a farm.
+def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | None,
+           trace: str | None, quiet: bool, top_k: int | None, priority: int,
+           job_timeout: float | None, timeout: float, resume: bool, backend: str | None,
+           precision: str | None, curve: str | None, curve_name: str,
+           models_dir: tuple[str, ...], algo: str | None, **options: object) -> None:
+    """Run IMAGES on a farm: image files, or one .npy array.
+
+    IMAGES are image files (JPEG, PNG, BMP, TIFF, WebP), folders of them (searched
+    recursively), globs, and text files listing paths; or one .npy array (N x C x H
+    x W or N x H x W, or N x H x W x C for an HWC model; uint8 or float32).  Image
+    files travel encoded and the workers decode them, resized and cropped as the
+    model's [resize] says; a file that cannot be decoded fails alone, with its
+    reason.  --out answers.csv (or .jsonl) writes each image's top classes, named,
+    in input order; --out scores.npy the raw outputs.
 
     IMAGES is read a chunk at a time and outputs are written as they arrive, so
     a file larger than memory runs in bounded memory.  Ctrl-C cancels the job:
@@ -65,6 +78,8 @@ def submit(images: str, model: str, broker_address: str, out: str | None, trace:
 
     \b
     Examples:
+      farm submit photos/ --model squeezenet --top-k 5 --out answers.csv
+      farm submit 'photos/**/*.jpg' list.txt --model squeezenet    # answers on the terminal
       farm submit images.npy --model lenet --out scores.npy
       farm submit images.npy --model lenet --out scores.npy --resume   # after a crash
       farm submit images.npy --trace run.json && farm report run.json -o run.png
@@ -78,17 +93,35 @@ def submit(images: str, model: str, broker_address: str, out: str | None, trace:
         raise click.UsageError("policy parameters need --algo (the job's own policy)")
     link = BrokerLink(endpoint=broker_address, timeout=timeout, curve=curve,
                       curve_name=curve_name)
-    run_job(link, load_images(images), model, out, quiet, trace, journal=True, resume=resume,
+    source = load_input(images)
+    run_job(link, source, model, out, quiet, trace, journal=True, resume=resume,
+            answers=answers_wanted(source, out, top_k, local_card(model, models_dir)),
             priority=priority, job_timeout=job_timeout, algo=algo, params=params,
             backend=backend, precision=precision)
 
 
+def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:
+    """The labels of a model found here (None: ask the broker)."""
+    from farm.answers import ModelCard
+    from farm.repository import ModelError, available, load_spec
+
+    folder = available(models_dir).get(model)
+    if folder is None:
+        return None
+    try:
+        spec = load_spec(folder)
+    except ModelError:
+        return None
+    return ModelCard(spec.labels, spec.softmax)
+
+
 @click.command()
-@click.argument("images", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.argument("images", nargs=-1)
 @model_option
 @click.option("--workers", type=click.IntRange(1),
               help="Pinned workers to start (default: one per core).")
 @image_out_options
+@top_k_option
 @backend_option("The workers' inference library (auto: the fastest that agrees, per model).",
                 defaults.BACKEND)
 @precision_option("The workers' compute precision.", defaults.PRECISION)
@@ -97,17 +130,19 @@ def submit(images: str, model: str, broker_address: str, out: str | None, trace:
 @models_dir_option("Model repository folder for the broker and workers (repeatable; also "
                    "$FARM_MODELS).", exists=True)
 @policy_options()
-def run(images: str | None, model: str, workers: int | None, out: str | None,
-        trace: str | None, quiet: bool, backend: str, precision: str, batch: int | None,
-        models_dir: tuple[str, ...], algo: str, **options: object) -> None:
+def run(images: tuple[str, ...], model: str, workers: int | None, out: str | None,
+        trace: str | None, quiet: bool, top_k: int | None, backend: str, precision: str,
+        batch: int | None, models_dir: tuple[str, ...], algo: str, **options: object) -> None:
     """Start a local farm (broker + one pinned worker per core), run IMAGES, stop it.
 
-    Without IMAGES, runs the model's bundled sample (and scores it when the
-    sample has labels).  Ctrl-C cancels the job and stops the farm.
+    IMAGES are image files, folders, globs and lists, or one .npy array, as for
+    `farm submit`.  Without IMAGES, runs the model's bundled sample (and scores it
+    when the sample has labels).  Ctrl-C cancels the job and stops the farm.
 
     \b
     Examples:
       farm run                                   # LeNet on its bundled sample
+      farm run photos/ --model squeezenet --top-k 5 --out answers.csv
       farm run images.npy --model lenet --out scores.npy
       farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
       farm run images.npy --model mynet --models-dir ~/models --backend openvino
@@ -120,15 +155,16 @@ def run(images: str | None, model: str, workers: int | None, out: str | None,
     except ModelError as exc:
         raise click.ClickException(str(exc)) from exc
     labels = None
-    if images is None:
+    if not images:
         if spec.sample is None:
             raise click.ClickException(f"model {model!r} has no bundled sample; give IMAGES")
-        images, labels = str(spec.sample), spec.sample_labels
+        images, labels = (str(spec.sample),), spec.sample_labels
     folders = [arg for folder in models_dir
                for arg in ("--models-dir", str(Path(folder).resolve()))]
     available = cores()
     devices = [f"cpu:{available[i % len(available)]}" for i in range(workers or len(available))]
-    array = load_images(images)
+    source = load_input(images)
+    answers = answers_wanted(source, out, top_k, ModelCard(spec.labels, spec.softmax))
     click.echo(f"starting a local farm: broker + {len(devices)} workers ({', '.join(devices)})",
                err=True)
     stop_on_hangup()
@@ -139,8 +175,8 @@ def run(images: str | None, model: str, workers: int | None, out: str | None,
                         *(["--batch", str(batch)] if batch else [])])
     try:
         with farm as local:
-            outputs = run_job(BrokerLink(endpoint=local.endpoint), array, model, out, quiet,
-                              trace)
+            outputs = run_job(BrokerLink(endpoint=local.endpoint), source, model, out, quiet,
+                              trace, answers=answers)
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc
     if labels is not None and outputs is not None:

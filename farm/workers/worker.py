@@ -30,8 +30,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import zmq
 
 from farm import defaults, messages, protocol
@@ -42,6 +43,9 @@ from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
 from farm.repository import ModelError, ModelSpec, available, find, load_spec, prepare
 from farm.wakeup import Wakeup
+
+if TYPE_CHECKING:
+    from farm.images import ImageDecoder
 
 log = logging.getLogger("farm.worker")
 
@@ -54,6 +58,9 @@ CANCELLED_MEMORY = 1000
 
 #: Seconds a chunk waits for its model's files before it is reported FAILED.
 FETCH_TIMEOUT = 120.0
+
+#: Longest reason a worker gives for one image file that failed.
+MAX_REASON = 500
 
 #: glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
@@ -174,6 +181,7 @@ class Worker:
     # model -> (images, compute seconds) of the chunks run: sent with READY, so a broker
     # that (re)starts knows this worker's speed before its first chunk (compute thread)
     speeds: dict[str, tuple[int, float]] = field(default_factory=dict)
+    decoders: dict[str, ImageDecoder] = field(default_factory=dict)  # by model digest
 
     def __post_init__(self) -> None:
         self.cache = (ModelCache(Path(self.config.cache_dir)) if self.config.cache_dir
@@ -447,7 +455,8 @@ class Worker:
         """Run one chunk; FAILED with the reason when it cannot run.
 
         Timings: ``receive`` from the start of the receive to the decoded input
-        (model loading excluded), ``compute`` the forward passes, ``send`` the
+        (model loading excluded), ``compute`` the forward passes (and the decoding of
+        image files: the policies see a worker's whole cost per image), ``send`` the
         building of the reply (the socket send itself is asynchronous).
         """
         task = message.header
@@ -459,13 +468,18 @@ class Worker:
                 self.load(spec, key)
                 received += time.perf_counter() - loading
             engine = self.engines[key]
-            if task.item_shape != engine.spec.item_shape:
-                raise ValueError(f"item shape {task.item_shape} does not match model "
-                                 f"{engine.spec.name!r} input {engine.spec.item_shape}")
-            images = message.array(task.dtype, task.item_shape)
-            decoded = time.perf_counter()
-            outputs = engine.run(images, stop=lambda: task.job in self.cancelled,
-                                 tally=self.tally)
+            failures: list[tuple[int, int, str]] = []
+            if task.dtype == protocol.ENCODED:
+                decoded = time.perf_counter()  # decoding the files counts as compute
+                outputs, failures = self.run_files(engine, message, task)
+            else:
+                if task.item_shape != engine.spec.item_shape:
+                    raise ValueError(f"item shape {task.item_shape} does not match model "
+                                     f"{engine.spec.name!r} input {engine.spec.item_shape}")
+                images = message.array(task.dtype, task.item_shape)
+                decoded = time.perf_counter()
+                outputs = engine.run(images, stop=lambda: task.job in self.cancelled,
+                                     tally=self.tally)
             log.debug("computed items %d..%d of job %s in %.3f s", task.start,
                       task.start + task.count - 1, task.job, time.perf_counter() - decoded)
             self.inject_fault(task.start, task.count)  # after the compute, which it wastes
@@ -481,11 +495,35 @@ class Worker:
         done, spent = self.speeds.get(task.model, (0, 0.0))
         self.speeds[task.model] = (done + task.count, spent + computed - decoded)
         frames = protocol.array_frames(outputs)
+        if failures:
+            frames.append(protocol.failures_frame(failures))
         timings = {"receive": decoded - received, "compute": computed - decoded,
                    "send": time.perf_counter() - computed}
         return protocol.encode(Command.RESULT, messages.Result(
             job=task.job, chunk=task.chunk, start=task.start, count=task.count,
-            dtype="float32", item_shape=outputs.shape[1:], timings=timings), frames)
+            dtype="float32", item_shape=outputs.shape[1:], timings=timings,
+            failed=sum(count for _, count, _ in failures)), frames)
+
+    def run_files(self, engine: Engine, message: Message, task: messages.Task
+                  ) -> tuple[np.ndarray, list[tuple[int, int, str]]]:
+        """Decode a chunk of image files and run the ones that decode: their outputs (NaN
+        for the others; the mean over the crops when the model oversamples), and the runs
+        of files that failed, with their reasons."""
+        decoder = self.decoders.get(task.digest)
+        if decoder is None:
+            from farm.images import ImageDecoder
+
+            decoder = self.decoders[task.digest] = ImageDecoder(engine.spec)
+        batch = decoder.decode(message.files())
+        outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
+        if len(batch.ok):
+            computed = engine.run(batch.images, stop=lambda: task.job in self.cancelled,
+                                  tally=self.tally)
+            if batch.crops > 1:
+                computed = computed.reshape(len(batch.ok), batch.crops, *engine.output_shape) \
+                    .mean(axis=1)
+            outputs[batch.ok] = computed
+        return outputs, failure_runs(batch.failures)
 
     def tally(self, images: int, seconds: float) -> None:
         """One compute batch done (compute thread)."""
@@ -512,6 +550,19 @@ class Worker:
 
     def stop(self, *_: Any) -> None:
         self.running = False
+
+
+def failure_runs(failures: list[tuple[int, str]]) -> list[tuple[int, int, str]]:
+    """Per-item failures ``(index, reason)``, in index order, as runs ``(offset, count,
+    reason)`` of consecutive items with the same reason (reasons cut to ``MAX_REASON``)."""
+    runs: list[tuple[int, int, str]] = []
+    for index, reason in failures:
+        reason = reason[:MAX_REASON]
+        if runs and runs[-1][0] + runs[-1][1] == index and runs[-1][2] == reason:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, reason)
+        else:
+            runs.append((index, 1, reason))
+    return runs
 
 
 class EngineKey(NamedTuple):
