@@ -7,12 +7,13 @@ does with ``caffe.io.load_image``), then ``farm.preprocess.Transformer``
 makes the net's input.  One file, in order:
 
 1. empty data is refused;
-2. the header alone is read, with Pillow, to learn the format and the declared
-   size: other formats, and images over ``max_pixels``, are refused before any
-   pixel is decoded;
-3. a JPEG must have an end-of-image marker after its last scan (older OpenCV
-   decodes a truncated JPEG into a grey-filled image instead of failing);
-4. OpenCV decodes it: ``cv2.imdecode(buf, flags)`` with
+2. the format comes from the file's signature: other formats are refused;
+3. a JPEG must have an end-of-image marker after its last scan: older OpenCV
+   releases decode a truncated JPEG into a part-grey image instead of failing
+   (4.14 returns nothing), and the message is clearer either way;
+4. the header alone is read, with Pillow, for the declared width x height:
+   images over ``max_pixels`` are refused before any pixel is decoded;
+5. OpenCV decodes it: ``cv2.imdecode(buf, flags)`` with
    ``flags = cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION`` for 3-channel
    nets and ``cv2.IMREAD_GRAYSCALE | cv2.IMREAD_IGNORE_ORIENTATION`` for
    1-channel nets (see ``imread_flags``).  So a grey image for a colour net is
@@ -22,9 +23,9 @@ makes the net's input.  One file, in order:
    orientation is ignored: the pixels are used as stored, as Caffe's
    ``classify.py`` (skimage/Pillow) and ``convert_imageset`` (OpenCV 2) read
    them, and as the header's width x height say.  BGR -> RGB follows;
-5. resized per ``spec.resize`` with ``cv2.resize`` and cropped (centre, or
+6. resized per ``spec.resize`` with ``cv2.resize`` and cropped (centre, or
    Caffe's 10-crop ``oversample``), see ``resized_size`` and ``crop_boxes``;
-6. laid out H x W x C for HWC models, else C x H x W.
+7. laid out H x W x C for HWC models, else C x H x W.
 """
 
 from __future__ import annotations
@@ -125,10 +126,13 @@ class ImageDecoder:
         data = bytes(data)  # Pillow's BytesIO copies anyway; bytes have find/rfind
         if not data:
             raise ImageError("empty file")
-        kind, (width, height) = probe(data)
-        _check_size(width, height, self.max_pixels)
+        kind = sniff(data)
+        if kind is None:
+            raise ImageError("not an image file (no JPEG, PNG, BMP, TIFF or WebP header)")
         if kind == "JPEG":
             check_jpeg_complete(data)
+        width, height = declared_size(data, kind)
+        _check_size(width, height, self.max_pixels)
         image = decode_pixels(data, self.flags, kind)
         image = resize(image, resized_size(image.shape[:2], self.net_size, self.spec.resize),
                        self.spec.resize.interpolation)
@@ -149,16 +153,14 @@ def _check_resize(name: str, settings: Resize, net_size: tuple[int, int]) -> Non
                          f"choose a crop")
 
 
-def probe(data: bytes) -> tuple[str, tuple[int, int]]:
-    """The format (a ``SIGNATURES`` key) and declared (width, height), from the header only."""
-    kind = sniff(data)
-    if kind is None:
-        raise ImageError("not an image file (no JPEG, PNG, BMP, TIFF or WebP header)")
+def declared_size(data: bytes, kind: str) -> tuple[int, int]:
+    """The (width, height) the header of a ``kind`` file declares, read by Pillow without
+    decoding any pixel."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "Corrupt EXIF data": OpenCV decides
             with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS[kind]) as image:
-                return kind, image.size
+                return image.size
     except UnidentifiedImageError:
         raise ImageError(f"corrupt {kind} header") from None
     except Exception as exc:  # Pillow raises many kinds on a broken header
