@@ -189,8 +189,10 @@ def check_jpeg_complete(data: bytes) -> None:
     lies before the main image's scans.  Inside scan data FF is always followed by 00 or a
     restart marker, so these pairs are real markers there.
     """
-    last_scan = data.rfind(b"\xff\xda")
-    if last_scan < 0 or data.find(b"\xff\xd9", last_scan + 2) < 0:
+    # the same as searching for an EOI after the last SOS, but a whole file's scan data is
+    # not searched backwards when it ends as it should: the last EOI is near the end
+    last_end = data.rfind(b"\xff\xd9")
+    if last_end < 0 or data.find(b"\xff\xda", last_end) >= 0 or b"\xff\xda" not in data:
         raise ImageError("truncated JPEG: no end-of-image marker after the last scan")
 
 
