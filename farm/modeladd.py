@@ -170,8 +170,9 @@ def preprocess_lines(model: NewModel, files: dict[str, str], channels: int) -> l
                   f"mean_file = {toml_string(files['mean_file'])}"]
     elif model.mean:
         if len(model.mean) not in (1, channels):
-            raise ModelError(f"--mean needs 1 or {channels} values (the net has {channels} "
-                             f"input channels), got {len(model.mean)}")
+            wanted = "1 value" if channels == 1 else f"1 or {channels} values"
+            raise ModelError(f"--mean needs {wanted} (the net has {channels} input "
+                             f"channels), got {len(model.mean)}")
         lines += ["# subtract per channel, in the net's channel order (Caffe's mean_value)",
                   f"mean = {[float(v) for v in model.mean]}"]
     if model.input_scale is not None:

@@ -9,7 +9,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import click
 import numpy as np
@@ -93,11 +93,14 @@ def check_journal(out: str, resume: bool) -> None:
 
 def run_job(link: BrokerLink, images: NpyReader, model: str, out: str | None = None,
             quiet: bool = False, trace: str | None = None, journal: bool = False,
-            resume: bool = False, **job_options: Any) -> np.ndarray | None:
+            resume: bool = False, models_dir: Sequence[str] = (),
+            **job_options: Any) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
 
     ``journal``: keep ``OUT.journal`` beside ``out`` (``farm.journal``) so that a killed
-    job can be finished with ``resume``.  ``job_options``: ``Client.run``'s priority,
+    job can be finished with ``resume``.  ``models_dir``: extra repository folders where
+    the client looks the model up (``farm.repository.find_local``), for its labels.
+    ``job_options``: ``Client.run``'s priority,
     job_timeout, algo, params, backend and precision.  Returns the outputs: in memory, or
     memory-mapped from ``out``.
     """

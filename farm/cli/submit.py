@@ -43,11 +43,14 @@ WATCH_INTERVAL = 2.0
 @backend_option("Run this job on this engine instead of the workers' own.")
 @precision_option("Run this job in this precision instead of the workers' own.")
 @client_curve_option
+@models_dir_option("Model repository folder where this client finds the model's labels "
+                   "(repeatable; also $FARM_MODELS); the broker serves the model itself.")
 @policy_options(per_job=True)
 def submit(images: str, model: str, broker_address: str, out: str | None, trace: str | None,
            quiet: bool, priority: int, job_timeout: float | None, timeout: float,
            resume: bool, backend: str | None, precision: str | None, curve: str | None,
-           curve_name: str, algo: str | None, **options: object) -> None:
+           curve_name: str, models_dir: tuple[str, ...], algo: str | None,
+           **options: object) -> None:
     """Run IMAGES (.npy, N x C x H x W or N x H x W; uint8 or float32) on a farm.
 
     IMAGES is read a chunk at a time and outputs are written as they arrive, so
@@ -80,7 +83,7 @@ def submit(images: str, model: str, broker_address: str, out: str | None, trace:
                       curve_name=curve_name)
     run_job(link, load_images(images), model, out, quiet, trace, journal=True, resume=resume,
             priority=priority, job_timeout=job_timeout, algo=algo, params=params,
-            backend=backend, precision=precision)
+            backend=backend, precision=precision, models_dir=models_dir)
 
 
 @click.command()
@@ -140,7 +143,7 @@ def run(images: str | None, model: str, workers: int | None, out: str | None,
     try:
         with farm as local:
             outputs = run_job(BrokerLink(endpoint=local.endpoint), array, model, out, quiet,
-                              trace)
+                              trace, models_dir=models_dir)
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc
     if labels is not None and outputs is not None:
