@@ -294,7 +294,7 @@ def check_files(spec: ModelSpec) -> None:
     """A broken model fails with its own error, not once per backend."""
     prepare(spec)
     try:
-        Network.load(spec.prototxt, spec.weights)
+        Network.load(spec.prototxt, spec.weights, spec.declared_input)
     except NetworkError as exc:
         raise ModelError(f"model {spec.name!r}: {exc}") from None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from google.protobuf import text_format
@@ -235,22 +235,27 @@ class Network:
     shapes: dict[str, Shape]
 
     @classmethod
-    def load(cls, prototxt: str | Path, weights: str | Path | None = None) -> Network:
-        """Parse and check a net; NetworkError names the file and what is wrong."""
+    def load(cls, prototxt: str | Path, weights: str | Path | None = None,
+             input_shape: Sequence[int] | None = None) -> Network:
+        """Parse and check a net; NetworkError names the file and what is wrong.
+
+        ``input_shape`` (C x H x W) declares the input's shape where the prototxt does not.
+        """
         prototxt = Path(prototxt)
         try:
             message = caffe_proto.parse_prototxt(prototxt)
         except CaffeFormatError as exc:
             raise NetworkError(str(exc)) from None
-        net = cls._from_message(message, prototxt)
+        net = cls._from_message(message, prototxt, input_shape)
         if weights is not None:
             net.attach_weights(Path(weights))
         return net
 
     @classmethod
-    def _from_message(cls, message: Any, source: Path) -> Network:
+    def _from_message(cls, message: Any, source: Path,
+                      declared: Sequence[int] | None = None) -> Network:
         layers = [layer for layer in message.layer if _in_test_phase(layer)]
-        input_name, input_shape = _find_input(message, layers, source)
+        input_name, input_shape = _find_input(message, layers, source, declared)
         net = cls(message.name or source.stem, source, input_name, input_shape, [], {})
         for param in layers:
             if param.type == "Input" or param.type in TRAINING_ONLY:
@@ -361,17 +366,28 @@ def _in_test_phase(layer: Any) -> bool:
     return not any(rule.HasField("phase") and rule.phase == 1 for rule in layer.exclude)
 
 
-def _find_input(message: Any, layers: list[Any], source: Path) -> tuple[str, Shape]:
-    """The one input blob and its shape: an Input layer, or the legacy input/input_dim fields."""
-    inputs = [(layer.top[0], tuple(layer.input_param.shape[0].dim)) for layer in layers
-              if layer.type == "Input" and layer.top and layer.input_param.shape]
+def _find_input(message: Any, layers: list[Any], source: Path,
+                declared: Sequence[int] | None = None) -> tuple[str, Shape]:
+    """The one input blob and its shape: an Input layer, or the legacy input/input_dim fields.
+
+    ``declared`` (C x H x W, model.toml's ``input_shape``) gives the shape of an input the
+    prototxt names without one, or replaces the prototxt's; the batch stays (else 1).
+    """
+    inputs = [(layer.top[0], tuple(layer.input_param.shape[0].dim) if layer.input_param.shape
+               else ()) for layer in layers if layer.type == "Input" and layer.top]
     if message.input:
         dims = ([tuple(s.dim) for s in message.input_shape] if message.input_shape else
                 [tuple(message.input_dim[i:i + 4]) for i in range(0, len(message.input_dim), 4)])
-        inputs += list(zip(message.input, dims))
+        inputs += [(name, dims[i] if i < len(dims) else ()) for i, name in
+                   enumerate(message.input)]
+    if declared is not None and len(inputs) == 1:
+        name, shape = inputs[0]
+        inputs = [(name, (shape[0] if shape else 1, *declared))]
+    inputs = [(name, shape) for name, shape in inputs if shape]
     if len(inputs) != 1:
         raise NetworkError(f"{source}: farm runs nets with exactly one input blob with a "
-                           f"declared shape; found {len(inputs)}")
+                           f"declared shape; found {len(inputs)} (an input without a shape "
+                           f"takes one from model.toml's input_shape = [C, H, W])")
     name, shape = inputs[0]
     if not shape or min(shape) <= 0:
         raise NetworkError(f"{source}: input {name!r} has an invalid shape {shape}")

@@ -99,7 +99,7 @@ class Engine:
         # a backend that reads a cached export needs the net's shapes, not its weights again
         weights = None if cls.reads_onnx and onnx_path(spec).is_file() else spec.weights
         try:
-            network = Network.load(spec.prototxt, weights)
+            network = Network.load(spec.prototxt, weights, spec.declared_input)
         except NetworkError as exc:
             raise ModelError(f"model {spec.name!r}: {exc}") from None
         if precision not in PRECISIONS:
@@ -212,7 +212,7 @@ def exported_onnx(spec: ModelSpec, network: Network | None = None) -> Path:
     if not path.is_file():
         from farm.onnx_export import export, save
 
-        network = network or Network.load(spec.prototxt, spec.weights)
+        network = network or Network.load(spec.prototxt, spec.weights, spec.declared_input)
         path.parent.mkdir(parents=True, exist_ok=True)
         save(export(network, spec.output), path)
     return path

@@ -202,7 +202,7 @@ class Disconnect(Header):
 
 
 class Fetch(Header):
-    """worker -> broker: send me a model's files."""
+    """worker -> broker: send me a model's files; ``digest`` "": the broker's current copy."""
 
     model: Text
     digest: Text

@@ -112,7 +112,7 @@ def export_checked(spec: ModelSpec, path: Path, inputs: np.ndarray) -> ExportChe
 
     prepare(spec)
     try:
-        network = Network.load(spec.prototxt, spec.weights)
+        network = Network.load(spec.prototxt, spec.weights, spec.declared_input)
         model = export(network, spec.output)
         shape_check(model, network, spec.output)
     except NetworkError as exc:

@@ -10,6 +10,9 @@ import numpy as np
 from farm.caffe_proto import CaffeFormatError, read_blobproto
 from farm.repository import ModelError, ModelSpec
 
+#: The first bytes of every ``.npy`` file.
+NPY_MAGIC = b"\x93NUMPY"
+
 
 @dataclass(frozen=True)
 class Transformer:
@@ -55,13 +58,41 @@ class Transformer:
 
 
 def _mean_file(spec: ModelSpec, path: Path) -> np.ndarray:
-    """The mean image a model's ``mean_file`` holds, checked against its input shape."""
+    """The mean a model's ``mean_file`` holds (a Caffe binaryproto or a ``.npy``), fitted to
+    its input: a per-channel mean as it is, a larger mean image centre-cropped as Caffe's
+    data layer and ``classify.py`` crop it (ImageNet's 256 x 256 mean on a 227 x 227 net)."""
     try:
-        mean = read_blobproto(path)
-    except CaffeFormatError as exc:
+        mean = read_mean(path)
+    except (CaffeFormatError, ValueError, OSError) as exc:
         raise ModelError(f"model {spec.name!r}: {exc}") from None
-    mean = mean.reshape(mean.shape[-3:]) if mean.ndim == 4 else mean
-    if mean.shape != spec.input_shape:
-        raise ModelError(f"model {spec.name!r}: mean file {path} has shape {mean.shape}, the "
-                         f"input is {spec.input_shape}")
-    return mean
+    channels, height, width = spec.input_shape
+    if mean.ndim == 4 and mean.shape[0] == 1:
+        mean = mean[0]
+    if mean.ndim == 1 or (mean.ndim == 3 and mean.shape[1:] == (1, 1)):
+        if mean.size != channels:
+            raise ModelError(f"model {spec.name!r}: mean file {path} has {mean.size} channel "
+                             f"means, the input has {channels} channels")
+        return mean.reshape(-1, 1, 1)
+    if mean.ndim != 3 or mean.shape[0] != channels or mean.shape[1] < height \
+            or mean.shape[2] < width:
+        raise ModelError(f"model {spec.name!r}: mean file {path} has shape {mean.shape}; the "
+                         f"input {spec.input_shape} needs {channels} x H x W with H >= {height} "
+                         f"and W >= {width} (a larger mean is centre-cropped), or {channels} "
+                         f"channel means")
+    top, left = (mean.shape[1] - height) // 2, (mean.shape[2] - width) // 2
+    return np.ascontiguousarray(mean[:, top:top + height, left:left + width])
+
+
+def read_mean(path: Path) -> np.ndarray:
+    """A mean as float32: ``.npy`` by its magic bytes (never pickled), else a binaryproto."""
+    with open(path, "rb") as handle:
+        magic = handle.read(len(NPY_MAGIC))
+    if magic == NPY_MAGIC:
+        try:
+            mean = np.load(path, allow_pickle=False)
+        except ValueError as exc:
+            raise ValueError(f"cannot read mean file {path}: {exc}") from None
+        if not np.issubdtype(mean.dtype, np.number):
+            raise ValueError(f"mean file {path} must hold numbers, not {mean.dtype}")
+        return mean.astype(np.float32)
+    return read_blobproto(path)

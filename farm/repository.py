@@ -15,7 +15,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from farm.caffe_net import Network, NetworkError
 
@@ -143,6 +143,7 @@ class ModelSpec:
     sample_labels: Path | None = None
     generate_seed: int | None = None  # weights made from the prototxt's fillers with this seed
     weights_name: str = ""  # the weights' path relative to the folder (also when generated)
+    declared_input: tuple[int, int, int] | None = None  # model.toml's input_shape: C x H x W
 
     @property
     def item_shape(self) -> tuple[int, ...]:
@@ -169,10 +170,27 @@ class ModelSpec:
         return files
 
 
+def user_models_dir() -> Path:
+    """The user's own repository: ``$XDG_DATA_HOME/farm/models`` or ``~/.local/share/farm/models``."""
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "farm" / "models"
+
+
+def env_models_dirs() -> list[Path]:
+    """The folders of ``$FARM_MODELS`` (an ``os.pathsep`` list)."""
+    return [Path(p) for p in os.environ.get("FARM_MODELS", "").split(os.pathsep) if p]
+
+
 def search_path(extra: Sequence[str | os.PathLike] = ()) -> list[Path]:
-    """Model folders to search: explicit ones, then ``$FARM_MODELS``, then the bundled ones."""
-    env = [p for p in os.environ.get("FARM_MODELS", "").split(os.pathsep) if p]
-    return [Path(p) for p in (*extra, *env)] + [BUNDLED_DIR]
+    """Model folders to search: explicit ones, then ``$FARM_MODELS``, then the user's
+    repository (``user_models_dir``), then the bundled ones."""
+    return [*map(Path, extra), *env_models_dirs(), user_models_dir(), BUNDLED_DIR]
+
+
+def add_target(extra: Sequence[str | os.PathLike] = ()) -> Path:
+    """Where ``farm models add`` writes: the first ``--models-dir``, else the first
+    ``$FARM_MODELS`` folder, else the user's repository."""
+    return next(iter([*map(Path, extra), *env_models_dirs()]), user_models_dir())
 
 
 def generated_weights_path(name: str, filename: str) -> Path:
@@ -208,17 +226,21 @@ def load_spec(folder: Path, name: str | None = None) -> ModelSpec:
 
 
 def inside(folder: Path, relative: str) -> Path:
-    """``folder / relative``, refusing absolute paths and paths that leave the folder."""
-    path = folder / relative
-    if Path(relative).is_absolute() or not path.resolve().is_relative_to(folder.resolve()):
+    """``folder / relative``, refusing absolute paths and paths that leave the folder.
+
+    The check is on the name, not on where a symbolic link in the folder points: the
+    folder's owner may link files in (``farm models add --link``).
+    """
+    if Path(relative).is_absolute() or os.path.normpath(relative).split(os.sep)[0] == "..":
         raise ModelError(f"{relative!r} is outside the model folder")
-    return path
+    return folder / relative
 
 
 def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelSpec:
     prototxt = inside(folder, config["prototxt"])
+    declared = declared_input(config.get("input_shape"))
     try:
-        net = Network.load(prototxt)
+        net = Network.load(prototxt, input_shape=declared)
     except NetworkError as exc:
         raise ModelError(str(exc)) from None
     generate = config.get("generate")
@@ -244,7 +266,18 @@ def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelS
         sample=inside(folder, config["sample"]) if "sample" in config else None,
         sample_labels=(inside(folder, config["sample_labels"]) if "sample_labels" in config
                        else None),
-        generate_seed=int(generate["seed"]) if generate is not None else None)
+        generate_seed=int(generate["seed"]) if generate is not None else None,
+        declared_input=declared)
+
+
+def declared_input(shape: Any) -> tuple[int, int, int] | None:
+    """model.toml's ``input_shape = [C, H, W]``, for a prototxt whose input has no shape."""
+    if shape is None:
+        return None
+    if (not isinstance(shape, list) or len(shape) != 3
+            or not all(isinstance(n, int) and n > 0 for n in shape)):
+        raise ModelError(f"input_shape must be [channels, height, width], got {shape!r}")
+    return shape[0], shape[1], shape[2]
 
 
 def read_labels(folder: Path, labels: Any) -> tuple[tuple[str, ...], Path | None]:
@@ -280,17 +313,32 @@ def available(extra: Sequence[str | os.PathLike] = ()) -> dict[str, Path]:
         if not root.is_dir():
             continue
         for folder in sorted(root.iterdir()):
-            if (folder / "model.toml").is_file():
+            # hidden folders are not models (``farm models add`` stages one there)
+            if not folder.name.startswith(".") and (folder / "model.toml").is_file():
                 found.setdefault(folder.name, folder)
     return found
 
 
 def find(name: str, extra: Sequence[str | os.PathLike] = ()) -> ModelSpec:
     """The spec of a model by name; raise ModelError naming the known ones."""
-    models = available(extra)
-    if name not in models:
-        raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(models)) or 'none'}")
-    return load_spec(models[name])
+    spec = find_local(name, extra)
+    if spec is None:
+        raise ModelError(unknown_model(name, available(extra)))
+    return spec
+
+
+def find_local(name: str, extra: Sequence[str | os.PathLike] = ()) -> ModelSpec | None:
+    """The model NAME from this host's repositories, or None when none holds it; ModelError
+    when its folder is broken."""
+    folder = available(extra).get(name)
+    return None if folder is None else load_spec(folder)
+
+
+def unknown_model(name: str, known: Iterable[str]) -> str:
+    """The error for a model nobody has: the known ones, and how to add one."""
+    return (f"unknown model {name!r}; known: {', '.join(sorted(known)) or 'none'}. Add it with "
+            f"`farm models add {name} --prototxt deploy.prototxt --weights {name}.caffemodel`, "
+            f"or point --models-dir or $FARM_MODELS at a folder holding {name}/model.toml")
 
 
 def prepare(spec: ModelSpec) -> Path:
@@ -305,7 +353,7 @@ def prepare(spec: ModelSpec) -> Path:
     log.info("generating weights for %s (seed %d) into %s", spec.name, spec.generate_seed,
              spec.weights)
     try:
-        net = Network.load(spec.prototxt)
+        net = Network.load(spec.prototxt, input_shape=spec.declared_input)
         layers = generated_weights(net, spec.generate_seed)
         spec.weights.parent.mkdir(parents=True, exist_ok=True)
         partial = spec.weights.with_name(f".{spec.weights.name}.{os.getpid()}.partial")

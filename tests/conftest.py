@@ -14,8 +14,10 @@ from farm.repository import ModelSpec, find
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cache(tmp_path_factory) -> None:
-    """Fetched models and generated weights go to a fresh folder, not the user's ~/.cache."""
+    """Fetched models and generated weights go to a fresh folder, not the user's ~/.cache, and
+    the user's own model repository (~/.local/share/farm/models) is left out."""
     os.environ["FARM_CACHE"] = str(tmp_path_factory.mktemp("farm-cache"))
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("data"))  # no user models
 
 
 @pytest.fixture(scope="session")

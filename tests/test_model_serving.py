@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -199,3 +200,42 @@ def test_models_go_to_registered_workers_only(farm_two_workers) -> None:
         assert "registered workers only" in reply.header.error
     finally:
         sock.close()
+
+
+def engines_of(farm: LocalFarm, model: str, timeout: float = 60.0) -> list[dict]:
+    """The workers' snapshots once one reports an engine loaded for ``model`` (heartbeats
+    carry them)."""
+    deadline = time.monotonic() + timeout
+    with farm.client() as client:
+        while time.monotonic() < deadline:
+            workers = client.info()["workers"]
+            if any(model in w["engines"] for w in workers):
+                return workers
+            time.sleep(0.2)
+    raise AssertionError(f"no worker loaded {model} within {timeout:.0f} s")
+
+
+def test_a_worker_fetches_its_model_option_from_the_broker(tmp_path, digits) -> None:
+    """`farm worker --model NAME` with NAME only on the broker: fetched by name and loaded
+    before any chunk; a --model nobody has is logged and the worker serves the rest."""
+    repository = tmp_path / "broker-models"
+    copy_model("lenet", repository / "digits")
+    log = tmp_path / "worker.log"
+    with LocalFarm(devices=[], algo="fifo",
+                   broker_options=["--chunk", "100", "--models-dir", str(repository)]) as farm:
+        with open(log, "w") as stderr:
+            farm.workers.append(subprocess.Popen(farm_command(
+                "worker", "--device", two_cpu_devices()[0], "--broker", farm.endpoint,
+                "--cache", str(tmp_path / "cache"), "--model", "digits", "--model", "nosuch"),
+                stderr=stderr, start_new_session=True))
+        farm.wait_for_workers(1)
+        assert engines_of(farm, "digits")[0]["fetched"] == {"digits": 1}  # before any job
+        with farm.client() as client:
+            outputs = client.map(digits[:200, None], model="digits")
+            worker = client.info()["workers"][0]
+    np.testing.assert_allclose(outputs, load_engine(find("lenet")).run(digits[:200, None]),
+                               atol=1e-5)
+    assert worker["fetched"] == {"digits": 1}
+    text = log.read_text()
+    assert "cannot preload --model nosuch" in text and "unknown model 'nosuch'" in text
+    assert "farm models add nosuch" in text

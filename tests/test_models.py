@@ -412,3 +412,64 @@ def test_model_files_must_stay_inside_the_model_folder(tmp_path, lenet, key) -> 
         '"deploy.prototxt"' if key == "prototxt" else '"weights.caffemodel"', target))
     with pytest.raises(ModelError, match="is outside the model folder"):
         load_spec(folder)
+
+
+def flatten_model(folder: Path, shape: str, config: str) -> Path:
+    """A net that only flattens its input: its output is the preprocessed image itself."""
+    prototxt = inline_net('layer { name: "flat" type: "Flatten" bottom: "data" top: "flat" }\n',
+                          shape)
+    return write_model(folder, prototxt, layers=[], config=config)
+
+
+@pytest.mark.parametrize("kind", ["binaryproto", "npy"])
+def test_a_larger_mean_file_is_centre_cropped_as_caffe_does(tmp_path, kind) -> None:
+    """ImageNet's 3 x 256 x 256 mean on a 227 x 227 net: the middle 227 x 227, as Caffe's data
+    layer and classify.py take it; pycaffe's ilsvrc_2012_mean.npy is float64 (3, 256, 256)."""
+    mean = np.random.default_rng(1).uniform(0, 255, (3, 256, 256))
+    name = f"mean.{kind}"
+    folder = flatten_model(tmp_path / "m", "dim: 1 dim: 3 dim: 227 dim: 227",
+                           f'[preprocess]\nmean_file = "{name}"\n')
+    if kind == "npy":
+        np.save(folder / name, mean)
+    else:
+        caffe_proto.write_blobproto(folder / name, mean[None].astype(np.float32))
+    images = np.random.default_rng(2).integers(0, 256, (2, 3, 227, 227), dtype=np.uint8)
+    expected = images - mean[:, 14:241, 14:241].astype(np.float32)  # (256 - 227) // 2 = 14
+    np.testing.assert_allclose(Transformer.for_model(load_spec(folder))(images), expected,
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(3,), (3, 1, 1)])
+def test_a_npy_mean_of_channel_values_is_a_per_channel_mean(tmp_path, shape) -> None:
+    folder = flatten_model(tmp_path / "m", "dim: 1 dim: 3 dim: 4 dim: 4",
+                           '[preprocess]\nmean_file = "mean.binaryproto"\n')
+    np.save(folder / "mean.npy", np.array([1.0, 2.0, 3.0]).reshape(shape))
+    (folder / "mean.npy").rename(folder / "mean.binaryproto")  # read by content, not suffix
+    images = np.full((1, 3, 4, 4), 10, np.uint8)
+    np.testing.assert_array_equal(Transformer.for_model(load_spec(folder))(images)[0, :, 0, 0],
+                                  [9, 8, 7])
+
+
+def test_a_smaller_mean_file_is_refused(tmp_path) -> None:
+    folder = flatten_model(tmp_path / "m", "dim: 1 dim: 3 dim: 8 dim: 8",
+                           '[preprocess]\nmean_file = "mean.npy"\n')
+    np.save(folder / "mean.npy", np.zeros((3, 6, 8)))
+    with pytest.raises(ModelError, match=r"has shape \(3, 6, 8\); the input \(3, 8, 8\) needs "
+                                         r"3 x H x W with H >= 8 and W >= 8"):
+        Transformer.for_model(load_spec(folder))
+
+
+def test_model_toml_gives_an_input_without_a_shape_its_shape(tmp_path, lenet, digits) -> None:
+    """A prototxt naming its input without dimensions loads with input_shape = [C, H, W]."""
+    folder = Path(shutil.copytree(lenet.folder, tmp_path / "bare"))
+    text = (folder / "deploy.prototxt").read_text()
+    start = text.index("layer {", text.index('type: "Input"'))
+    (folder / "deploy.prototxt").write_text('input: "data"\n' + text[start:])  # no dimensions
+    with pytest.raises(ModelError, match="input_shape"):
+        load_spec(folder)
+    config = folder / "model.toml"
+    config.write_text("input_shape = [1, 28, 28]\n" + config.read_text())
+    spec = load_spec(folder)
+    assert spec.input_shape == (1, 28, 28) and spec.batch == 1
+    np.testing.assert_allclose(load_engine(spec, "opencv").run(digits[:5, None]),
+                               load_engine(lenet, "opencv").run(digits[:5, None]), atol=1e-6)

@@ -311,6 +311,9 @@ class Broker:
     def on_fetch(self, identity: bytes, header: messages.Fetch, now: float) -> None:
         """Send a registered worker a model's files; an error reply if it is gone or changed.
 
+        An empty digest asks for the broker's current copy (a worker preloading a model by
+        name); the reply's manifest carries its digest.
+
         The files go out memory-mapped: however many workers fetch a model at once, its
         bytes are in memory once, in the page cache.
         """
@@ -322,7 +325,7 @@ class Broker:
             if entry is None:
                 raise ModelError("models are sent to registered workers only")
             spec, manifest = self.models.lookup(name)
-            if manifest.digest != digest:
+            if digest and manifest.digest != digest:  # "": whatever the broker has now
                 raise ModelError(f"model {name!r} changed on the broker (now {manifest.digest[:12]}"
                                  f", asked for {digest[:12]})")
             size = sum(f.size for f in manifest.files)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import click
 from click.core import ParameterSource
 
 from farm import defaults
+from farm.cli.options import models_dir_option
 from farm.deploy import default_farm_command, plan, render
 from farm.policies import POLICIES
 
@@ -54,6 +56,8 @@ def deploy() -> None:
 @click.option("--algo", default=defaults.POLICY, show_default=True,
               type=click.Choice(list(POLICIES)), help="Scheduling policy of the broker.")
 @click.option("--model", "models", multiple=True, help="Model workers load at start (repeatable).")
+@models_dir_option("Model repository folder for the broker and workers (repeatable; "
+                   "written as an absolute path).")
 @click.option("--run-dir", default=defaults.RUN_DIR, show_default=True,
               type=click.Path(file_okay=False),
               help="Folder of supervisord's socket, pidfile and every log.")
@@ -74,7 +78,8 @@ def deploy() -> None:
               help="Write the configuration here [default: stdout].")
 @click.pass_context
 def supervisord(ctx: click.Context, cpus: str | None, gpus: str, bind: str,
-                connect: str | None, algo: str, models: tuple[str, ...], run_dir: str,
+                connect: str | None, algo: str, models: tuple[str, ...],
+                models_dir: tuple[str, ...], run_dir: str,
                 broker_args: tuple[str, ...], worker_args: tuple[str, ...], curve: str | None,
                 no_broker: bool, farm_command: str, output: str | None) -> None:
     """Write a supervisord configuration: a broker and one pinned worker per core and GPU.
@@ -89,6 +94,9 @@ def supervisord(ctx: click.Context, cpus: str | None, gpus: str, bind: str,
     if no_broker and connect is None:
         raise click.UsageError("--no-broker: give --connect, the broker's endpoint as seen "
                                "from this host")
+    folders = tuple(arg for folder in models_dir
+                    for arg in ("--models-dir", os.path.abspath(folder)))
+    broker_args, worker_args = (*folders, *broker_args), (*folders, *worker_args)
     try:
         deployment = plan(cpus=cpus, gpus=gpus, bind=bind, connect=connect, algo=algo,
                           models=models, run_dir=run_dir, broker_args=broker_args,

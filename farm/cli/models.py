@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from farm.modelcheck import BackendCheck
     from farm.repository import ModelSpec
 
+#: ``--channel-order`` and ``--crop`` of ``farm models add`` (farm.modeladd.CHANNEL_ORDERS and
+#: farm.repository.CROPS, kept here so the CLI starts without importing them).
+CHANNEL_ORDER_CHOICES = ("bgr", "rgb")
+CROP_CHOICES = ("center", "oversample", "none")
+
 #: ``--models-dir`` of every ``farm models`` command.
 extra_models_option = models_dir_option(
     "Extra model repository folder (repeatable; also $FARM_MODELS).")
@@ -32,6 +37,7 @@ def models() -> None:
       farm models check lenet
       farm models export lenet --onnx lenet.onnx
       farm models prepare caffenet
+      farm models add mynet --prototxt deploy.prototxt --weights mynet.caffemodel
     """
 
 
@@ -88,7 +94,7 @@ def show_model(name: str, models_dir: tuple[str, ...]) -> None:
     from farm.caffe_net import Network
 
     spec = find_model(name, models_dir)
-    net = Network.load(spec.prototxt)
+    net = Network.load(spec.prototxt, input_shape=spec.declared_input)
     click.echo("\n".join([*model_lines(spec, net), *layer_lines(net)]))
 
 
@@ -153,10 +159,25 @@ def check_model_command(name: str, count: int, precision: str, threads: int,
       farm models check cifar10_quick --precision bf16
     """
     from farm.autoselect import choose
-    from farm.modelcheck import check_inputs, check_model
     from farm.repository import ModelError
 
     spec = find_model(name, models_dir)
+    problem = run_check(spec, count, precision, threads)
+    try:
+        choice = choose(spec, "cpu", threads, precision)
+        click.echo(f"auto on {threads} thread(s): {choice.describe()}")
+    except ModelError as exc:
+        click.echo(f"auto: {exc}")
+    if problem:
+        raise click.ClickException(problem)
+
+
+def run_check(spec: ModelSpec, count: int, precision: str = defaults.PRECISION,
+              threads: int = 1) -> str | None:
+    """Run and print ``farm models check``'s comparison of every backend; why it failed, if
+    it did (every backend's outputs within the tolerance, and at least one ran)."""
+    from farm.modelcheck import check_inputs, check_model
+
     inputs = check_inputs(spec, count)
     checks = check_model(spec, inputs, threads=threads, precision=precision)
     click.echo(f"{spec.name}: {len(inputs)} images {shape_text(inputs.shape[1:])} "
@@ -164,13 +185,13 @@ def check_model_command(name: str, count: int, precision: str, threads: int,
                f"reference's largest output")
     for check in checks:
         click.echo(check_line(check, len(inputs)))
-    try:
-        choice = choose(spec, "cpu", threads, precision)
-        click.echo(f"auto on {threads} thread(s): {choice.describe()}")
-    except ModelError as exc:
-        click.echo(f"auto: {exc}")
-    if not all(check.ok for check in checks):
-        raise click.ClickException(f"model {spec.name!r} failed its check")
+    failed = [check for check in checks if not check.ok]
+    if failed:
+        return (f"model {spec.name!r} failed its check: {failed[0].backend}: "
+                f"{failed[0].problem or 'outputs differ from the reference'}")
+    if all(check.skipped for check in checks):
+        return f"model {spec.name!r}: no backend is installed to run it"
+    return None
 
 
 def check_line(check: BackendCheck, count: int) -> str:
@@ -248,3 +269,121 @@ def prepare_models(names: tuple[str, ...], models_dir: tuple[str, ...]) -> None:
                 raise click.ClickException(str(exc)) from exc
             bar.write(f"{spec.name:<16} {path} ({path.stat().st_size / 1e6:.1f} MB)",
                       file=sys.stdout)
+
+
+def numbers(text: str, separator: str, kind: type, what: str, counts: tuple[int, ...]) -> tuple:
+    """``1,2,3`` or ``3x227x227`` as numbers; click.BadParameter says the form wanted."""
+    try:
+        values = tuple(kind(part) for part in text.split(separator))
+    except ValueError:
+        values = ()
+    if len(values) not in counts or (kind is int and min(values) <= 0):
+        raise click.BadParameter(f"{text!r} is not {what}")
+    return values
+
+
+def labels_option(text: str | None) -> tuple[Path | None, tuple[str, ...]]:
+    """``--labels``: a file of one class per line, else a comma-separated list of names."""
+    if text is None:
+        return None, ()
+    if Path(text).is_file():
+        return Path(text), ()
+    if "," not in text:
+        raise click.BadParameter(f"{text!r} is not a file (and not a comma-separated list of "
+                                 f"class names)", param_hint="--labels")
+    return None, tuple(label.strip() for label in text.split(","))
+
+
+@models.command("add")
+@click.argument("name")
+@click.option("--prototxt", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="The deploy prototxt.")
+@click.option("--weights", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="The trained .caffemodel.")
+@click.option("--mean-file", type=click.Path(exists=True, dir_okay=False),
+              help="Mean image to subtract: a Caffe .binaryproto or a .npy (C x H x W, "
+                   "centre-cropped when larger than the input; or C channel means).")
+@click.option("--mean", "mean_text", metavar="B,G,R",
+              help="Channel means to subtract, in the net's channel order (Caffe's "
+                   "mean_value), e.g. 104,117,123.")
+@click.option("--scale", type=float, help="Multiply after the mean (Caffe's transform_param "
+                                          "scale), e.g. 0.017.")
+@click.option("--raw-scale", type=float, help="Multiply the 0-255 pixels first (Caffe's "
+                                              "raw_scale).")
+@click.option("--labels", "labels_text", metavar="FILE|A,B,...",
+              help="Class names: a file with one per line (synset_words.txt), or a comma list.")
+@click.option("--channel-order", type=click.Choice(CHANNEL_ORDER_CHOICES), default="bgr",
+              show_default=True, help="The channel order the net was trained on (images "
+                                      "arrive RGB).")
+@click.option("--resize", "resize_text", metavar="N|HxW",
+              help="Resize image files: the shorter side to N, or to exactly H x W.")
+@click.option("--crop", type=click.Choice(CROP_CHOICES),
+              help="Then crop the net's input size: center, oversample (10 crops) or none.")
+@click.option("--input-size", "input_text", metavar="CxHxW",
+              help="The input's shape, for a prototxt that does not state it.")
+@click.option("--description", default="", help="One line for `farm models list`.")
+@click.option("--link", is_flag=True, help="Symlink the files instead of copying them.")
+@click.option("--force", is_flag=True, help="Replace a model of this name.")
+@click.option("--count", default=4, show_default=True, type=click.IntRange(1),
+              help="Images the check compares the backends on.")
+@models_dir_option("Write the model into this repository folder [default: the first "
+                   "$FARM_MODELS folder, else ~/.local/share/farm/models].")
+def add_model(name: str, prototxt: str, weights: str, mean_file: str | None,
+              mean_text: str | None, scale: float | None, raw_scale: float | None,
+              labels_text: str | None, channel_order: str, resize_text: str | None,
+              crop: str | None, input_text: str | None, description: str, link: bool,
+              force: bool, count: int, models_dir: tuple[str, ...]) -> None:
+    """Add a Caffe model to the repository as NAME, and check it on every backend.
+
+    The files are copied (or linked) into REPOSITORY/NAME with a model.toml;
+    images are taken as H x W x C RGB.  A failing check removes what was written.
+
+    \b
+    Examples:
+      farm models add squeezenet --prototxt deploy.prototxt \\
+          --weights squeezenet_v1.0.caffemodel --mean 104,117,123 --labels synset_words.txt
+      farm models add alexnet --prototxt deploy.prototxt --weights bvlc_alexnet.caffemodel \\
+          --mean-file imagenet_mean.binaryproto --resize 256 --crop center
+    """
+    from farm.modeladd import NewModel, commit, discard, stage
+    from farm.repository import ModelError, add_target
+
+    if mean_file and mean_text:
+        raise click.UsageError("give --mean-file or --mean, not both")
+    labels_file, labels = labels_option(labels_text)
+    model = NewModel(
+        name=name, prototxt=Path(prototxt), weights=Path(weights),
+        mean_file=Path(mean_file) if mean_file else None,
+        mean=numbers(mean_text, ",", float, "B,G,R channel means", (1, 3, 4)) if mean_text
+        else (), input_scale=scale, raw_scale=raw_scale, labels_file=labels_file,
+        labels=labels, channel_order=channel_order,
+        resize=(numbers(resize_text, "x", int, "N or HxW", (1, 2)) if resize_text else ()),
+        crop=crop, description=description,
+        input_size=numbers(input_text, "x", int, "CxHxW", (3,)) if input_text else None)
+    try:
+        staged = stage(model, add_target(models_dir), force=force, link=link)
+    except ModelError as exc:
+        raise click.ClickException(f"not added: {exc}") from exc
+    assert staged.spec is not None
+    problem = run_check(staged.spec, count)
+    if problem:
+        discard(staged)
+        raise click.ClickException(f"{problem}; nothing was added")
+    spec = commit(staged)
+    click.echo(added_text(spec))
+
+
+def added_text(spec: ModelSpec) -> str:
+    """What ``farm models add`` wrote, and what to run next."""
+    files = [f"    {name:<28} {size_text(path.stat().st_size):>9}"
+             f"{' -> ' + str(path.resolve()) if path.is_symlink() else ''}"
+             for name, path in spec.files().items()]
+    return "\n".join([f"added model {spec.name!r} in {spec.folder}:", *files,
+                      f"  images {shape_text(spec.item_shape)} ({spec.preprocess.layout})"
+                      f"{f', {len(spec.labels)} labels' if spec.labels else ''}",
+                      f"next: farm run photos/ --model {spec.name} --top-k 5"])
+
+
+def size_text(size: int) -> str:
+    """Bytes for people: ``5.0 MB``, ``31.7 kB``."""
+    return f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"

@@ -103,16 +103,13 @@ def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | 
 def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:
     """The labels of a model found here (None: ask the broker)."""
     from farm.answers import ModelCard
-    from farm.repository import ModelError, available, load_spec
+    from farm.repository import ModelError, find_local
 
-    folder = available(models_dir).get(model)
-    if folder is None:
-        return None
     try:
-        spec = load_spec(folder)
+        spec = find_local(model, models_dir)
     except ModelError:
-        return None
-    return ModelCard(spec.labels, spec.softmax)
+        return None  # broken here: the broker's copy may be fine
+    return None if spec is None else ModelCard(spec.labels, spec.softmax)
 
 
 @click.command()

@@ -36,7 +36,9 @@ class ItemRange(click.ParamType):
                 defaults.BACKEND)
 @precision_option("Compute precision; f16/bf16 where the engine and device offer them.",
                   defaults.PRECISION)
-@click.option("--model", "preload", multiple=True, help="Load this model at start (repeatable).")
+@click.option("--model", "preload", multiple=True,
+              help="Load this model at start (repeatable); one this host lacks is fetched from "
+                   "the broker once connected.")
 @models_dir_option("Local model folder used when its files match the job's (repeatable; also "
                    "$FARM_MODELS); other models are fetched from the broker.")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False), envvar="FARM_CACHE_MODELS",

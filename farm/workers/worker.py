@@ -41,7 +41,7 @@ from farm.engine import (AUTO, GPU_BACKEND, Engine, Stopped, engine_class, job_e
 from farm.link import BrokerLink, LinkConfig
 from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
-from farm.repository import ModelError, ModelSpec, available, find, load_spec, prepare
+from farm.repository import ModelError, ModelSpec, available, find_local, load_spec, prepare
 from farm.wakeup import Wakeup
 
 if TYPE_CHECKING:
@@ -170,6 +170,9 @@ class Worker:
     waiting: dict[str, list[tuple[Message, float]]] = field(default_factory=dict)
     fetch_sent: dict[str, float] = field(default_factory=dict)  # digest -> when FETCH went out
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times fetched
+    # --model names this host lacks: asked of the broker by name on every new connection
+    # until it answers (compute thread)
+    preloading: set[str] = field(default_factory=set)
     tasks_done: int = 0
     running: bool = True
     # jobs the broker cancelled, oldest first: written by the I/O thread, read by compute
@@ -248,11 +251,26 @@ class Worker:
         return self.cache.lookup(model, digest)
 
     def preload(self) -> None:
+        """Load the ``--model`` models this host has; the others are fetched from the broker
+        once connected (``preload_fetches``)."""
         for name in self.config.preload:
-            spec = find(name, self.config.model_dirs)
+            spec = find_local(name, self.config.model_dirs)
+            if spec is None:
+                log.info("model %s is not on this host: fetching it from the broker", name)
+                self.preloading.add(name)
+                continue
             prepare(spec)
-            self.load(spec, EngineKey(manifest_of(spec).digest, self.backend,
-                                      self.config.precision))
+            self.load_preloaded(spec, manifest_of(spec).digest)
+
+    def load_preloaded(self, spec: ModelSpec, digest: str) -> None:
+        """Load a ``--model`` model on this worker's own engine, before any chunk needs it."""
+        self.load(spec, EngineKey(digest, self.backend, self.config.precision))
+
+    def preload_fetches(self) -> list[Reply]:
+        """FETCH by name (empty digest: the broker's current copy) for each ``--model`` model
+        still missing."""
+        return [protocol.encode(Command.FETCH, messages.Fetch(model=name, digest=""))
+                for name in sorted(self.preloading)]
 
     def ready_header(self) -> messages.Ready:
         """The registration sent on every new connection to the broker."""
@@ -354,6 +372,8 @@ class Worker:
         pipe = context.socket(zmq.PAIR)
         pipe.connect(address)
         try:
+            for reply in self.preload_fetches():
+                pipe.send_multipart(reply, copy=False)
             while self.running:
                 for reply in self.expire_fetches():
                     pipe.send_multipart(reply, copy=False)
@@ -367,6 +387,8 @@ class Worker:
                 if task.message is None:  # a new connection: parked chunks and fetches are void
                     self.waiting.clear()
                     self.fetch_sent.clear()
+                    for reply in self.preload_fetches():
+                        pipe.send_multipart(reply, copy=False)
                     continue
                 if task.generation != link.generation:
                     continue  # sent over a connection that was replaced: the broker requeued it
@@ -423,8 +445,19 @@ class Worker:
             spec = self.cache.install(manifest, message.payload)
             self.fetched[manifest.model] = self.fetched.get(manifest.model, 0) + 1
         except ModelError as exc:  # not remembered: the next chunk of the model fetches again
-            log.error("%s", exc)
+            if not header.digest and header.model in self.preloading:
+                self.preloading.discard(header.model)
+                log.error("cannot preload --model %s: %s; serving other models", header.model,
+                          exc)
+            else:
+                log.error("%s", exc)
             return [self.failed(task, str(exc)) for task, _ in parked]
+        if header.model in self.preloading:
+            self.preloading.discard(header.model)
+            try:
+                self.load_preloaded(spec, manifest.digest)
+            except ModelError as exc:
+                log.error("cannot preload --model %s: %s", header.model, exc)
         now = time.perf_counter()
         return [self.run_task(task, now, spec) for task, _ in parked]
 
