@@ -188,6 +188,7 @@ class JobResult:
     cancelled: str | None = None  # why the job stopped early (cancel, timeout), if it did
     trace: Trace | None = None  # per-chunk timings (``run(trace=True)``)
     resumed: int = 0  # items taken from the journal (``run(resume=...)``), not submitted
+    input_bytes: int = 0  # bytes of input the client sent (DATA payloads): files or pixels
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ class JobRun:
     cancel_sent: float | None = None  # when CANCEL went out
     deadline: float | None = None  # monotonic time the job's timeout ends
     output_error: OSError | None = None  # writing an output failed: the job is cancelled
+    input_bytes: int = 0  # DATA payload bytes sent
 
     def remaining(self) -> float | None:
         """Seconds left of the job's timeout (None: it has none)."""
@@ -488,7 +490,8 @@ class Client:
                                       state.failed, job.cancelled) if job.trace else None
         return JobResult(self._outputs(sink),
                          msgspec.structs.replace(summary, seconds=elapsed), state.failed,
-                         job.resubmissions, state.duplicates, job.cancelled, recorded, resumed)
+                         job.resubmissions, state.duplicates, job.cancelled, recorded, resumed,
+                         job.input_bytes)
 
     @staticmethod
     def _outputs(sink: ResultSink) -> np.ndarray | None:
@@ -565,7 +568,7 @@ class Client:
         """One message about the job's current submission."""
         match message.header:
             case messages.Need() as need:
-                self._send_input(job.source, submission, need)
+                self._send_input(job, submission, need)
             case messages.Result() as result:
                 self._take_result(job, submission, result,
                                   message.array(result.dtype, result.item_shape),
@@ -585,14 +588,14 @@ class Client:
             case messages.Error(error=error):
                 raise FarmError(error)
 
-    def _send_input(self, source: Source, submission: Submission,
-                    need: messages.Need) -> None:
+    def _send_input(self, job: JobRun, submission: Submission, need: messages.Need) -> None:
         """DATA for a NEED: the chunk's items, read from the source now."""
         pieces = submission.pieces(need.start, need.count)
         if sum(n for _, _, n in pieces) != need.count:
             raise FarmError(f"the broker asked for items {need.start}+{need.count} of a job "
                             f"of {submission.total}")
-        frames = source.frames([(item_start, n) for _, item_start, n in pieces])
+        frames = job.source.frames([(item_start, n) for _, item_start, n in pieces])
+        job.input_bytes += sum(memoryview(frame).nbytes for frame in frames)
         self._send(messages.Data(job=submission.job, chunk=need.chunk, start=need.start,
                                  count=need.count), frames)
 

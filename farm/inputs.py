@@ -21,7 +21,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -117,7 +117,7 @@ class ArraySource:
             block = np.ascontiguousarray(self.images[start:start + count])
         return block.reshape(count, *self.item_shape)
 
-    def frames(self, ranges: Sequence[tuple[int, int]]) -> list[object]:
+    def frames(self, ranges: Sequence[tuple[int, int]]) -> list[Any]:
         """DATA's payload for these ranges of items, in order: one raw array frame."""
         blocks = [self.read(start, count) for start, count in ranges]
         return [np.ascontiguousarray(blocks[0] if len(blocks) == 1
@@ -193,7 +193,7 @@ class FileSource:
         self.problems.pop(index, None)
         return data
 
-    def frames(self, ranges: Sequence[tuple[int, int]]) -> list[object]:
+    def frames(self, ranges: Sequence[tuple[int, int]]) -> list[Any]:
         """DATA's payload for these ranges of files: their sizes, then their bytes."""
         from farm.protocol import file_frames
 

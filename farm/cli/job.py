@@ -162,7 +162,7 @@ def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None
     if outputs is None and out and journal and Path(out).exists():
         outputs = np.load(out, mmap_mode="r")
     echo_result(result, out, outputs, trace, journaled=journal, answers=answers is not None)
-    exit_if_incomplete(result, len(source), bool(interrupted), source)
+    exit_if_incomplete(result, len(source), bool(interrupted), source, answers is not None)
     return outputs
 
 
@@ -226,7 +226,7 @@ def echo_result(result: JobResult, out: str | None, outputs: np.ndarray | None,
 
 
 def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
-                       source: Source | None = None) -> None:
+                       source: Source | None = None, answers: bool = False) -> None:
     """Exit 130 (Ctrl-C) or 1 (cancelled, timed out, failed images) when images are missing;
     failed image files are named."""
     from farm.client import describe_failures
@@ -234,10 +234,12 @@ def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
     if result.cancelled:
         missing = sum(f.count for f in result.failed)
         click.echo(f"job stopped: {result.cancelled}; {total - missing:,} of {total:,} "
-                   f"images came back, the other {missing:,} have NaN outputs", err=True)
+                   f"images came back, the other {missing:,} "
+                   f"{'have rows with the reason' if answers else 'have NaN outputs'}",
+                   err=True)
         raise SystemExit(130 if interrupted else 1)
     if result.failed:
         names = source.names if source is not None else None
-        click.echo(describe_failures(result.failed, names) + "\n(their outputs are NaN)",
-                   err=True)
+        click.echo(describe_failures(result.failed, names)
+                   + ("" if answers else "\n(their outputs are NaN)"), err=True)
         raise SystemExit(1)
