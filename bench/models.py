@@ -39,9 +39,9 @@ os.environ["FARM_MODELS"] = os.pathsep.join(
 #: Compute batches tried, and images per measurement, by model.
 BATCHES = {"lenet": (1, 16, 64, 256), "cifar10_quick": (1, 16, 64, 256),
            "caffenet": (1, 4, 10, 32), "googlenet": (1, 4, 16), "mobilenet_v2": (1, 4, 16),
-           "resnet50": (1, 4, 8)}
+           "resnet50": (1, 4, 8), "densenet121": (1, 4, 8)}
 IMAGES = {"lenet": 6000, "cifar10_quick": 3000, "caffenet": 64, "googlenet": 32,
-          "mobilenet_v2": 48, "resnet50": 16}
+          "mobilenet_v2": 48, "resnet50": 16, "densenet121": 16}
 BUNDLED = ("lenet", "cifar10_quick", "caffenet")
 
 

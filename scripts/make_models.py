@@ -3,8 +3,9 @@
 No CIFAR-10 images are available offline, so the weights come from Caffe's
 ``xavier`` filler (seeded) and the sample is 64 synthetic 32x32 RGB pictures
 (coloured discs and bars on graded backgrounds).  The mean file is the mean of
-those pictures in the net's BGR, C x H x W order, as Caffe's
-``compute_image_mean`` writes it.  (LeNet is trained: scripts/train_lenet.py.
+those pictures in the net's RGB, C x H x W order, as Caffe's
+``compute_image_mean`` writes it from the CIFAR-10 LMDB (whose records keep the
+binary files' R, G, B planes: examples/cifar10/convert_cifar_data.cpp).  (LeNet is trained: scripts/train_lenet.py.
 CaffeNet's weights are made on first use: ``farm models prepare caffenet``.)
 
     python scripts/make_models.py
@@ -46,8 +47,8 @@ def main() -> None:
     write_caffemodel(FOLDER / "cifar10_quick.caffemodel", net.name, generated_weights(net, 10))
     pictures = synthetic_pictures(64, rng)
     np.save(FOLDER / "images.npy", pictures)
-    bgr_chw = pictures[..., ::-1].transpose(0, 3, 1, 2).astype(np.float32)
-    write_blobproto(FOLDER / "mean.binaryproto", bgr_chw.mean(axis=0, keepdims=True))
+    rgb_chw = pictures.transpose(0, 3, 1, 2).astype(np.float32)
+    write_blobproto(FOLDER / "mean.binaryproto", rgb_chw.mean(axis=0, keepdims=True))
     print(f"wrote {FOLDER}")
 
 

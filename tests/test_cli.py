@@ -123,7 +123,7 @@ def test_models_list_shows_every_bundled_model() -> None:
 def test_models_show_lists_layers_and_shapes() -> None:
     result = CliRunner().invoke(main, ["models", "show", "cifar10_quick"])
     assert result.exit_code == 0, result.output
-    assert "mean file mean.binaryproto" in result.output and "channel_swap [2, 1, 0]" in result.output
+    assert "mean file mean.binaryproto" in result.output and "channel_swap none" in result.output
     assert any(line.split()[:4] == ["ip1", "InnerProduct", "64", "64x1024,"]
                for line in result.output.splitlines())
 

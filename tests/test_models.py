@@ -248,6 +248,26 @@ def test_transformer_follows_caffe_order(tmp_path) -> None:
                                expected.reshape(5, -1), rtol=1e-6)
 
 
+def test_cifar10_quick_takes_rgb_as_caffe_stored_cifar10() -> None:
+    """No channel swap: Caffe trained the net on RGB.  BVLC/caffe
+    examples/cifar10/convert_cifar_data.cpp (commit 037b724) reads each record's 3072 bytes
+    as they come (read_image, lines 30-36) and stores them unchanged in the datum
+    (``datum.set_data(str_buffer, kCIFARImageNBytes)``, line 62); the binary files hold an
+    R plane, a G plane, then a B plane, so channel 0 of the LMDB, of the mean image
+    ``compute_image_mean`` makes from it and of the net's input is red."""
+    spec = find("cifar10_quick")
+    transformer = Transformer.for_model(spec)
+    assert transformer.channel_swap == ()
+    image = np.empty((1, 32, 32, 3), np.uint8)
+    image[...] = (200, 100, 50)  # R, G, B
+    mean = caffe_proto.read_blobproto(spec.preprocess.mean_file).reshape(3, 32, 32)
+    np.testing.assert_allclose(transformer(image)[0], np.array([200, 100, 50],
+                               np.float32)[:, None, None] - mean)
+    # the mean image is the bundled sample's, in the same RGB order
+    sample = np.load(spec.sample).transpose(0, 3, 1, 2).astype(np.float64)
+    np.testing.assert_allclose(mean, sample.mean(axis=0), rtol=1e-6)
+
+
 @pytest.mark.parametrize("damage, message", [
     ("truncate", "is not a Caffe NetParameter"),
     ("unknown_layer", "layer 'odd' has type 'Crop', which farm does not support"),

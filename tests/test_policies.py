@@ -167,7 +167,10 @@ def test_equal_finish_probes_unknown_workers() -> None:
 def test_equal_finish_leaves_the_end_to_the_worker_that_finishes_first() -> None:
     policy = make_policy("equal-finish", 150, ["a", "b"], {"a": 1000.0, "b": 10.0})
     assert policy.handle(WorkerReady("b")) == []  # b would need 15 s, a 0.15 s
-    assert policy.handle(WorkerReady("a")) == give("a", 0, 150)
+    # pieces of at most the even share (75), which a job this small is cut to
+    assert policy.handle(WorkerReady("a")) == give("a", 0, 75)
+    assert policy.handle(done("a", 0, 75, 0.075, at=0.075)) == []  # b still waits
+    assert policy.handle(WorkerReady("a", at=0.075)) == give("a", 75, 75)
 
 
 def test_equal_finish_prefetches_while_its_share_lasts() -> None:
@@ -190,6 +193,61 @@ def test_equal_finish_caps_the_speed_of_an_overdue_worker() -> None:
     assert policy.rate("a") == 1000.0
     policy.handle(WorkerReady("a", at=50.0))  # still not done at 50 s: at most 500/s
     assert policy.rate("a") == first.count / 50.0
+
+
+# ------------------------------------------------------------ tiny jobs
+
+#: A fixed chunk larger than N / W cannot, by definition, reach every worker.
+SPLITS_A_TINY_JOB = [name for name in POLICIES if name != "fifo"]
+
+
+def first_shares(name: str, total: int, workers: int, **params) -> dict[str, int]:
+    """Items each of ``workers`` free workers gets when they all ask at the start."""
+    names = [f"w{i}" for i in range(workers)]
+    policy = make_policy(name, total, names, **params)
+    shares: dict[str, int] = {}
+    for worker in names:
+        for a in policy.handle(WorkerReady(worker)):
+            shares[a.worker] = shares.get(a.worker, 0) + a.chunk.count
+    return shares
+
+
+@pytest.mark.parametrize("name", SPLITS_A_TINY_JOB)
+@pytest.mark.parametrize("total, workers", [(9, 2), (2, 2), (10, 3), (150, 2), (800, 2),
+                                            (1000, 16), (64, 64)])
+def test_a_job_smaller_than_the_first_round_reaches_every_free_worker(name, total,
+                                                                      workers) -> None:
+    """9 images on two workers used to go whole to one of them: a floor (100), a probe
+    (500 / 200) or a minimum chunk per worker was more than the job.  These are cut to the
+    job's even share now, so every worker gets a piece of the first round."""
+    shares = first_shares(name, total, workers)
+    assert len(shares) == workers and sum(shares.values()) <= total
+    if total < 100 * workers:  # smaller than a round of floor-sized chunks: it all goes out
+        assert sum(shares.values()) == total and min(shares.values()) >= total // workers
+
+
+@pytest.mark.parametrize("speeds, first", [({"a": 6000.0, "b": 6000.0}, 4),
+                                           ({"a": 5900.0, "b": 6100.0}, 5)])
+def test_equal_finish_with_remembered_speeds_splits_a_tiny_job(speeds, first) -> None:
+    """Pieces of the even share, each to the worker that would finish it first; a worker
+    three times slower than the other still waits (it would finish later: by definition)."""
+    policy = make_policy("equal-finish", 9, ["a", "b"], speeds)
+    assert policy.handle(WorkerReady("a")) + policy.handle(WorkerReady("b")) == [
+        *give("a", 0, first), *give("b", first, 9 - first)]
+    slow = make_policy("equal-finish", 9, ["a", "b"], {"a": 1000.0, "b": 3000.0})
+    assert slow.handle(WorkerReady("a")) == []
+
+
+def test_a_tiny_job_keeps_the_floor_for_a_lone_worker_and_fifo_its_chunk() -> None:
+    assert first_shares("static", 9, 1) == {"w0": 9}
+    assert first_shares("fifo", 9, 2) == {"w0": 9}  # chunk 500: by definition all to one
+    assert first_shares("fifo", 9, 2, chunk=4) == {"w0": 4, "w1": 4}
+    assert first_shares("static", 9, 2, ratio=(1, 3)) == {"w0": 2, "w1": 7}
+
+
+def test_a_job_big_enough_for_the_floor_keeps_it() -> None:
+    policy = make_policy("sliced", 100_000, ["a", "b", "c"], slice=250)
+    assert [a.chunk.count for w in "abc" for a in policy.handle(WorkerReady(w))] == [125, 125]
 
 
 # ------------------------------------------------------------ properties
@@ -234,13 +292,16 @@ def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots
     issued: set[Chunk] = set()
     completed: list[Chunk] = []
     alive: set[str] = set()
+    most_members = len(names)
     clock = 0.0
 
     def apply(assignments: list[Assign]) -> None:
         for a in assignments:
             assert a.worker in alive
             chunk = a.chunk
-            smallest = min(params.get("chunk", floor), policy.max_chunk or total)
+            # the floor is lowered only for a job too small to give every member that much
+            assert policy.cut_floor() == policy.floor or total < floor * most_members
+            smallest = min(params.get("chunk", policy.cut_floor()), policy.max_chunk or total)
             assert policy.max_chunk is None or chunk.count <= policy.max_chunk
             assert chunk.count >= smallest or chunk.stop == total or chunk in issued, \
                 f"{chunk} is below the floor {smallest}"
@@ -274,6 +335,7 @@ def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots
         if action == 1 and len(held) < 10:
             newcomer = f"w{len(held)}"
             speed[newcomer] = data.draw(st.floats(10, 20_000))
+            most_members = max(most_members, len(alive) + 1)
             join(newcomer)
             continue
         if action == 4:  # another job took the worker's free slot, then gave it back

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -309,6 +310,23 @@ def test_simulated_farm_runs_several_jobs_through_a_lost_worker_with_caps() -> N
         assert (covered == 1).all()  # every item once: the lost worker's chunks were rerun
     assert not any(r.worker == "doomed" and r.finished > 2.0 for r in farm.runs["a"])
     assert farm.ended["b"] < farm.ended["a"]  # priority
+
+
+@pytest.mark.parametrize("algo", [name for name in POLICIES if name != "fifo"])
+@pytest.mark.parametrize("remembered", [False, True])
+def test_a_nine_item_job_runs_on_both_workers_of_a_simulated_farm(algo, remembered) -> None:
+    """The broker's own state, its slots filled breadth-first: a job smaller than the farm's
+    first round is still split over every free worker (fifo's fixed chunk cannot be)."""
+    devices = (DeviceModel("cpu0", 6000.0, 0.0002), DeviceModel("cpu1", 6000.0, 0.0002))
+    farm = FarmSimulation(Scenario("two", devices, 0, slots=2), SchedulingConfig(algo=algo))
+    if remembered:
+        farm.remember({"cpu0": 6000.0, "cpu1": 6000.0})
+    farm.submit("tiny", 9)
+    farm.run()
+    shares = {}
+    for run in farm.runs["tiny"]:
+        shares[run.worker] = shares.get(run.worker, 0) + run.chunk.count
+    assert sorted(shares.values()) == [4, 5]
 
 
 # --------------------------------------------------------------- the broker runs this state

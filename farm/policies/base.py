@@ -399,8 +399,9 @@ class Policy(ABC):
             size = min(size, self.max_chunk)
         if busy and self.pool.remaining < size * len(self.in_flight):
             return None
-        chunk = self.pool.take(size, self.floor if self.max_chunk is None
-                               else min(self.floor, self.max_chunk - size + 1))
+        floor = self.cut_floor()
+        chunk = self.pool.take(size, floor if self.max_chunk is None
+                               else min(floor, self.max_chunk - size + 1))
         if chunk is None:  # the pool ran dry (``_assign`` checks first): nothing to give
             return None
         self._leave_idle(worker)
@@ -408,6 +409,20 @@ class Policy(ABC):
         self.holding += 1
         self.on_assign(worker, chunk)
         return Assign(worker, chunk)
+
+    def least_share(self) -> int:
+        """The smallest share of the whole job a member gets when it is split among the
+        members now: ``total // members`` (at least 1).  No policy's first chunk for a
+        member is bigger, so a job smaller than the farm's first round still reaches every
+        member."""
+        return max(1, self.total // max(1, len(self.place)))
+
+    def cut_floor(self) -> int:
+        """``floor``, lowered to ``least_share`` for a job too small to give every member a
+        floor's worth (a lone member keeps ``floor``)."""
+        if len(self.place) <= 1:
+            return self.floor
+        return min(self.floor, self.least_share())
 
     @abstractmethod
     def chunk_size(self, worker: WorkerId) -> int | None:

@@ -121,7 +121,11 @@ class EqualFinishPolicy(MeasuredPolicy):
         return self.started_at.get(worker, self.now) + chunks[0].count * OVERDUE / speed
 
     def min_chunk(self, speed: float) -> int:
-        return max(self.floor, math.ceil(self.overhead / self.max_overhead * speed))
+        """The smallest chunk worth its overhead, at least ``floor``; but no more than
+        ``least_share``, so a job too small for a minimum chunk per member still reaches
+        every member."""
+        smallest = max(self.floor, math.ceil(self.overhead / self.max_overhead * speed))
+        return smallest if len(self.place) <= 1 else min(smallest, self.least_share())
 
     # ---------------------------------------------------------------- policy
 
@@ -131,14 +135,14 @@ class EqualFinishPolicy(MeasuredPolicy):
             return left  # alone: nothing to balance
         speed = self.speeds.get(worker)
         if speed is None:
-            return min(self.probe, left)
+            return min(self.probe, self.least_share(), left)
         rate_sum, weighted_free = self.totals()
         finish = (left + weighted_free) / rate_sum
         share = speed * (finish - self.available_at(worker))
         if share <= 0:
             return None
         size = math.ceil(self.fraction * share)
-        if size >= self.min_chunk(speed) and size < left - self.floor:
+        if size >= self.min_chunk(speed) and size < left - self.cut_floor():
             return size  # a share of the work, with slack for later chunks to correct
         return self.end_game_piece(worker)
 
@@ -205,7 +209,7 @@ class EqualFinishPolicy(MeasuredPolicy):
         """A chunk of ``smallest`` items, or everything left if less than ``floor`` would
         remain."""
         size = min(smallest, left)
-        return left if left - size < self.floor else size
+        return left if left - size < self.cut_floor() else size
 
     def on_assign(self, worker: WorkerId, chunk: Chunk) -> None:
         if len(self.in_flight[worker]) == 1:

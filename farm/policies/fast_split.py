@@ -17,7 +17,8 @@ class FastSplitPolicy(MeasuredPolicy):
     """The paper's best policy; no barrier.
 
     An idle worker that has no speed yet, or any idle worker while some member
-    has none, gets a probe of ``probe`` items.  Once every member has a speed,
+    has none, gets a probe of ``probe`` items (at most ``least_share``, so a job
+    smaller than a probe per member still reaches every member).  Once every member has a speed,
     an idle worker gets ``remaining * ratio * v_i / max(v)`` items (at least
     ``floor``) while ``remaining >= floor``, else all that remains.  Speeds are
     refreshed at every finished chunk (see ``SpeedBook`` for the averaging).
@@ -42,13 +43,14 @@ class FastSplitPolicy(MeasuredPolicy):
 
     def chunk_size(self, worker: WorkerId) -> int:
         if not self.ranking.all_known():
-            return self.probe
-        if self.remaining < self.floor:
+            return min(self.probe, self.least_share())
+        floor = self.cut_floor()
+        if self.remaining < floor:
             return self.remaining
         fastest, speed = self.ranking.fastest(), self.speeds.get(worker)
         assert fastest and speed is not None  # every member has a speed (all_known)
         share = self.remaining * self.ratio * speed / fastest
-        return max(self.floor, math.ceil(share))
+        return max(floor, math.ceil(share))
 
     def on_chunk_done(self, event: ChunkDone) -> None:
         self.ranking.update(event.worker, event.chunk.count, event.seconds)

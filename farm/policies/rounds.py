@@ -37,6 +37,7 @@ class RoundPolicy(MeasuredPolicy):
         self.orphans = 0  # items of this round that lost workers left behind
         self.round_seconds: dict[WorkerId, float] = {}  # compute time per worker this round
         self.last_round_seconds: dict[WorkerId, float] = {}
+        self.round_floor = floor  # the floor this round is cut with (``cut_floor`` at its start)
 
     @property
     def round_open(self) -> bool:
@@ -73,9 +74,15 @@ class RoundPolicy(MeasuredPolicy):
     def start_round(self) -> None:
         self.last_round_seconds, self.round_seconds = self.round_seconds, {}
         self.round += 1
+        self.round_floor = super().cut_floor()
         self.plan = self.plan_round()
         fewer, more = sorted((self.plan, self.free), key=len)
         self.due = {w for w in fewer if w in more}
+
+    def cut_floor(self) -> int:
+        """The floor fixed when the round started, so its pieces are cut as they were
+        planned."""
+        return self.round_floor
 
     @abstractmethod
     def plan_round(self) -> dict[WorkerId, int]:
@@ -99,7 +106,7 @@ class RoundPolicy(MeasuredPolicy):
 
     def split(self, items: int) -> dict[WorkerId, int]:
         """``items`` split by measured speed (unknown speeds count as the mean known one,
-        equal while none is known), no piece below the floor.  Only the heaviest
+        equal while none is known), no piece below the round's floor.  Only the heaviest
         ``items // floor + 1`` members can get a piece: only they are looked at."""
-        heaviest = self.ranking.heaviest(min(len(self.place), items // self.floor + 1))
-        return split_ranked(items, heaviest, self.floor)
+        heaviest = self.ranking.heaviest(min(len(self.place), items // self.round_floor + 1))
+        return split_ranked(items, heaviest, self.round_floor)

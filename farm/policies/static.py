@@ -28,8 +28,18 @@ class StaticPolicy(RoundPolicy):
         super().__init__(total, workers, speeds, floor)
         self.ratio = tuple(float(r) for r in ratio)
 
-    def plan_round(self) -> dict[WorkerId, int]:
+    def weights(self) -> dict[WorkerId, float]:
+        """Each member's ratio, by its place in the member order."""
         default = sum(self.ratio) / len(self.ratio) if self.ratio else 1.0
-        weights = {w: self.ratio[i] if i < len(self.ratio) else default
-                   for i, w in enumerate(self.members)}
-        return proportional_split(self.remaining, weights, self.floor)
+        return {w: self.ratio[i] if i < len(self.ratio) else default
+                for i, w in enumerate(self.members)}
+
+    def least_share(self) -> int:
+        """The smallest member's share of the whole job by ratio (at least 1)."""
+        weights = self.weights().values()
+        if not weights:
+            return max(1, self.total)
+        return max(1, int(self.total * min(weights) / sum(weights)))
+
+    def plan_round(self) -> dict[WorkerId, int]:
+        return proportional_split(self.remaining, self.weights(), self.round_floor)
