@@ -27,7 +27,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from farm.bench.common import machine, saved
+from farm.bench.common import machine, saved, shared_squeezenet
 from farm.client import Client
 from farm.images import ImageDecoder
 from farm.inputs import find_image_files
@@ -37,19 +37,6 @@ from farm.repository import find
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "squeezenet_v1.0"
 SIZE = 227
-
-
-def squeezenet(root: Path) -> Path:
-    """A repository folder holding the shared SqueezeNet, as ``farm models add`` makes it."""
-    folder = root / "squeezenet_v1.0"
-    folder.mkdir(parents=True)
-    for name in ("deploy.prototxt", "squeezenet_v1.0.caffemodel", "synset_words.txt"):
-        shutil.copy(SHARED / name, folder / name)
-    (folder / "model.toml").write_text(
-        'prototxt = "deploy.prototxt"\nweights = "squeezenet_v1.0.caffemodel"\n'
-        'labels = "synset_words.txt"\n[preprocess]\nlayout = "HWC"\nchannel_swap = [2, 1, 0]\n'
-        'mean = [104.0, 117.0, 123.0]\n')
-    return root
 
 
 def make_images(folder: Path, count: int) -> np.ndarray:
@@ -102,7 +89,11 @@ def main(arguments: argparse.Namespace) -> int:
     print(machine())
     work = Path(tempfile.mkdtemp(prefix="farm-images-"))
     try:
-        models = squeezenet(work / "models") if arguments.model == "squeezenet_v1.0" else None
+        models = work / "models"
+        if arguments.model == "squeezenet_v1.0":
+            shared_squeezenet(models, SHARED)
+        else:
+            models = None
         folder = work / "photos"
         folder.mkdir()
         decoded = make_images(folder, arguments.images)

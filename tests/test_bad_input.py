@@ -225,16 +225,18 @@ def empty_farm() -> Iterator:
         yield local
 
 
-def test_a_result_for_the_wrong_items_fails_the_job_with_the_reason(empty_farm, digits) -> None:
+def error_after_scripted_result(farm, images: np.ndarray, reply_to) -> str:
+    """The FarmError a job of ``images`` ends with when its one (scripted) worker answers its
+    first TASK as ``reply_to(worker, task_header)`` does."""
     from tests.peers import ScriptedWorker
 
-    worker = ScriptedWorker(empty_farm.endpoint)
+    worker = ScriptedWorker(farm.endpoint)
     outcome: dict = {}
 
     def submit() -> None:
-        with empty_farm.client(timeout=20) as client:
+        with farm.client(timeout=20) as client:
             try:
-                client.map(digits[:8], model="lenet")
+                client.map(images, model="lenet")
             except FarmError as exc:
                 outcome["error"] = str(exc)
 
@@ -243,15 +245,37 @@ def test_a_result_for_the_wrong_items_fails_the_job_with_the_reason(empty_farm, 
     try:
         task_message = worker.receive()
         assert task_message is not None and task_message.command is Command.TASK
-        header = {key: getattr(task_message.header, key) for key in ("job", "chunk", "count")}
-        worker.send(Command.RESULT, {**header, "start": 2, "dtype": "float32", "item_shape": [10],
-                                     "timings": {"compute": 0.001}},
-                    [np.zeros((header["count"], 10), np.float32).tobytes()])
+        reply_to(worker, {key: getattr(task_message.header, key)
+                          for key in ("job", "chunk", "start", "count")})
         thread.join(30)
     finally:
         worker.close()
-    assert "returned a bad result for items 0..3" in outcome["error"]
-    assert "answers items 2+4" in outcome["error"]
+    return outcome["error"]
+
+
+def test_a_result_for_the_wrong_items_fails_the_job_with_the_reason(empty_farm, digits) -> None:
+    def wrong_items(worker, header: dict) -> None:
+        worker.send(Command.RESULT, {**header, "start": 2, "dtype": "float32", "item_shape": [10],
+                                     "timings": {"compute": 0.001}},
+                    [np.zeros((header["count"], 10), np.float32).tobytes()])
+
+    error = error_after_scripted_result(empty_farm, digits[:8], wrong_items)
+    assert "returned a bad result for items 0..3" in error
+    assert "answers items 2+4" in error
+
+
+def test_a_result_whose_failures_list_lies_fails_the_job_with_the_reason(empty_farm,
+                                                                         digits) -> None:
+    """A worker says 1 image failed on its own but lists 3: the client is not fed it."""
+    def lying_failures(worker, header: dict) -> None:
+        worker.send(Command.RESULT, {**header, "dtype": "float32", "item_shape": [10],
+                                     "timings": {"compute": 0.001}, "failed": 1},
+                    [np.zeros((header["count"], 10), np.float32).tobytes(),
+                     protocol.failures_frame([(0, 3, "no")])])
+
+    error = error_after_scripted_result(empty_farm, digits[:4], lying_failures)
+    assert "returned a bad result for items 0..3" in error
+    assert "RESULT failures list 3 items, the header says 1" in error
 
 
 def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_farm,
@@ -331,3 +355,4 @@ def test_absurd_timings_from_a_worker_neither_wedge_a_job_nor_the_next(empty_far
     assert outcomes[0].summary.items == 8 and not outcomes[0].failed
     assert "receive time 'x' is not a time" in outcomes[1]
     assert outcomes[2].summary.items == 4
+

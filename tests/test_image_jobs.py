@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
-import struct
 import subprocess
-import zlib
 from pathlib import Path
 
 import cv2
@@ -23,6 +21,7 @@ from PIL import Image
 
 from farm import protocol
 from farm.answers import AnswerSink, ModelCard, top_k
+from farm.bench.common import shared_squeezenet
 from farm.client import Client, split_failures
 from farm.inputs import FileSource, InputError, find_image_files
 from farm.local import LocalFarm, cores, farm_command
@@ -31,21 +30,11 @@ from farm.protocol import Command
 from farm.repository import find
 from tests.conftest import reference_forward
 from tests.test_bad_input import raw_socket, reply  # noqa: F401 (a fixture)
+from tests.test_images import png_declaring
 
 #: The real ImageNet SqueezeNet this workplace shares (see its README).
 SQUEEZENET = Path(__file__).resolve().parents[2] / "shared" / "models" / "squeezenet_v1.0"
 DIGITS = 300
-
-
-def png_bytes_declaring(width: int, height: int) -> bytes:
-    """A PNG whose header declares ``width`` x ``height`` with one tiny IDAT: a bomb's shape."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data)))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b""))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +67,7 @@ def test_each_bad_file_fails_alone_with_its_reason(farm_two_workers, lenet, digi
         "01_truncated.jpg": jpeg[:len(jpeg) // 2],
         "02_not_an_image.png": b"just some text, not pixels\n",
         "03_empty.jpg": b"",
-        "04_bomb.png": png_bytes_declaring(50_000, 50_000),
+        "04_bomb.png": png_declaring(50_000, 50_000),
         "05_sixteen_bit.png": cv2.imencode(".png", good[1].astype(np.uint16) * 257)[1].tobytes(),
         "06_cmyk.jpg": b"",  # written below with Pillow
         "07_colour_for_a_grey_net.png": cv2.imencode(".png", colour)[1].tobytes(),
@@ -215,22 +204,11 @@ def test_a_files_frame_that_lies_about_its_sizes_fails_only_its_job(farm_two_wor
 
 
 def squeezenet_folder(root: Path) -> Path:
-    """A model folder for the shared SqueezeNet, written as the docs say (copied, not
-    linked: model files must lie inside their folder)."""
-    import shutil
-
+    """A model folder for the shared SqueezeNet (copied: model files lie in their folder)."""
     if not (SQUEEZENET / "squeezenet_v1.0.caffemodel").is_file():
         pytest.skip(f"the real SqueezeNet is not at {SQUEEZENET} (this workplace's shared "
                     f"models); its weights are not in the repository")
-    folder = root / "squeezenet_v1.0"
-    folder.mkdir(parents=True)
-    for name in ("deploy.prototxt", "squeezenet_v1.0.caffemodel", "synset_words.txt"):
-        shutil.copy(SQUEEZENET / name, folder / name)
-    (folder / "model.toml").write_text(
-        'prototxt = "deploy.prototxt"\nweights = "squeezenet_v1.0.caffemodel"\n'
-        'labels = "synset_words.txt"\n[preprocess]\nlayout = "HWC"\nchannel_swap = [2, 1, 0]\n'
-        'mean = [104.0, 117.0, 123.0]\n[resize]\nshorter_side = 256\ncrop = "center"\n')
-    return folder
+    return shared_squeezenet(root, SQUEEZENET, resize=True)
 
 
 def opencv_reference(spec, path: Path) -> np.ndarray:

@@ -47,3 +47,19 @@ def saved(save: Path, body: Callable[[], int]) -> int:
         return body()
     with open(save, "w") as handle, redirect_stdout(Tee(sys.stdout, handle)):
         return body()
+
+
+def shared_squeezenet(root: Path, source: Path, resize: bool = False) -> Path:
+    """A repository folder under ``root`` holding the shared ImageNet SqueezeNet v1.0 from
+    ``source`` (copied: its weights may not enter the repository), BGR minus Caffe's channel
+    means; ``resize``: shorter side 256 and a centre crop for image files of any size."""
+    folder = root / "squeezenet_v1.0"
+    folder.mkdir(parents=True)
+    for name in ("deploy.prototxt", "squeezenet_v1.0.caffemodel", "synset_words.txt"):
+        shutil.copy(source / name, folder / name)
+    (folder / "model.toml").write_text(
+        'prototxt = "deploy.prototxt"\nweights = "squeezenet_v1.0.caffemodel"\n'
+        'labels = "synset_words.txt"\n[preprocess]\nlayout = "HWC"\nchannel_swap = [2, 1, 0]\n'
+        'mean = [104.0, 117.0, 123.0]\n'
+        + ('[resize]\nshorter_side = 256\ncrop = "center"\n' if resize else ""))
+    return folder

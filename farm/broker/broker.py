@@ -428,9 +428,14 @@ def event_of(identity: bytes, message: Message, now: float) -> ev.Event:
         case messages.Heartbeat(job=str(job)):
             return ev.ClientHeard(identity, job, now)
         case messages.Result() as result:
+            try:
+                message.failures()  # the client relies on it: a bad list fails the job here
+                problem = None
+            except ProtocolError as exc:
+                problem = str(exc)
             return ev.ChunkDone(identity, result.job, result.chunk, result.start, result.count,
                                 result.dtype, tuple(result.item_shape), result.timings, now,
-                                payload, result.failed)
+                                payload, result.failed, problem)
         case messages.Failed() as failed:
             return ev.ChunkFailed(identity, failed.job, failed.chunk, failed.error,
                                   failed.fatal, now, failed.charge)

@@ -80,6 +80,7 @@ class ChunkDone:
     at: float
     payload: Any = ()
     failed: int = 0  # items that failed on their own (undecodable image files)
+    problem: str | None = None  # why the result cannot be taken (a malformed failures list)
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,8 @@ class Job:
         chunk = record.chunk
         if (result.start, result.count) != (chunk.start, chunk.count):
             return f"answers items {result.start}+{result.count}, not the chunk's"
+        if result.problem is not None:
+            return result.problem
         if result.dtype != "float32":
             return f"outputs are {result.dtype}, not float32"
         shape = tuple(result.item_shape)
