@@ -239,7 +239,9 @@ def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
                    err=True)
         raise SystemExit(130 if interrupted else 1)
     if result.failed:
-        names = source.names if source is not None else None
+        from farm.inputs import FileSource
+
+        names = source.names if isinstance(source, FileSource) else None  # files by path
         click.echo(describe_failures(result.failed, names)
                    + ("" if answers else "\n(their outputs are NaN)"), err=True)
         raise SystemExit(1)
