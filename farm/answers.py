@@ -118,8 +118,9 @@ class JsonlAnswers:
 
 @dataclass
 class TerminalAnswers:
-    """``photos/cat.jpg: tabby 0.412, tiger cat 0.301, ...`` per image, on stdout (above
-    any progress bar)."""
+    """``photos/cat.jpg: tabby 41.2%; tiger cat 30.1%; ...`` per image, on stdout (above
+    any progress bar; ``;`` between classes, as names such as ``tabby, tabby cat`` hold
+    commas)."""
 
     card: ModelCard
     handle: IO[str] = field(default_factory=lambda: sys.stdout)
@@ -130,7 +131,7 @@ class TerminalAnswers:
         if answer.error is not None:
             text = f"FAILED: {answer.error}"
         else:
-            text = ", ".join(f"{self.card.name(class_id)} {probability:.3f}"
+            text = "; ".join(f"{self.card.name(class_id)} {probability:.1%}"
                              for class_id, probability in zip(answer.ids, answer.probabilities))
         tqdm.write(f"{answer.name}: {text}", file=self.handle)
 

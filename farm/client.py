@@ -763,7 +763,7 @@ def describe_failures(failed: list[FailedItems],
     """One line per failed range, for errors and the CLI; ``names``: what to call the items
     (image files' paths), for a range of one."""
     count = sum(f.count for f in failed)
-    lines = [f"{count} images failed:"]
+    lines = [f"{count} image{'' if count == 1 else 's'} failed:"]
     for f in failed[:20]:
         what = (names(f.start, 1)[0] if names is not None and f.count == 1
                 else f"items {f.start}..{f.start + f.count - 1}")

@@ -157,7 +157,7 @@ def test_labels_come_from_the_broker_when_the_client_lacks_the_model(tmp_path, d
             capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     digit = int(reference_forward(lenet, digits[1:2]).argmax())
-    assert f"0001.png: digit {digit} " in done.stdout, done.stdout
+    assert f"0001.png: digit {digit} 100.0%; " in done.stdout, done.stdout
 
 
 def test_image_files_resume_after_an_interrupted_job(farm_two_workers, digit_folder, lenet,
