@@ -45,7 +45,7 @@ import zmq
 
 from farm import messages, protocol
 from farm.answers import AnswerSink, ModelCard
-from farm.inputs import ArraySource, FileSource, InputError, Source, find_image_files
+from farm.inputs import ArraySource, FileSource, InputError, Source, open_input
 from farm.journal import InputIdentity, JournalHeader, JournalMismatch, JournalSink
 from farm.link import BrokerLink, BrokerRefused, LinkConfig
 from farm.npy import NpyReader, NpyWriter
@@ -372,9 +372,11 @@ class Client:
         crash, the same call computes only the items missing there, and returns the whole
         output (memory-mapped from the file).
         """
-        result = self.run(images, model, **options)
+        source = as_source(images)
+        result = self.run(source, model, **options)
         if result.failed:
-            raise FarmError(describe_failures(result.failed))
+            names = source.names if isinstance(source, FileSource) else None
+            raise FarmError(describe_failures(result.failed, names))
         assert result.outputs is not None  # no sink was given: the outputs are in memory
         return result.outputs
 
@@ -617,8 +619,8 @@ class Client:
                     continue
                 try:
                     job.sink.write(start, values[low:high])
-                except OSError as exc:
-                    job.state.answered[item_start:item_start + count] = False
+                except OSError as exc:  # this run and the piece's later ones are not written
+                    job.state.answered[start:item_start + count] = False
                     self._output_failed(job, exc)
                     break
             else:
@@ -728,13 +730,12 @@ def as_source(images: Input) -> Source:
     and lists (``farm.inputs.find_image_files``)."""
     if isinstance(images, (ArraySource, FileSource)):
         return images
-    if isinstance(images, (np.ndarray, NpyReader)):
-        try:
-            return ArraySource(images)
-        except InputError as exc:
-            raise FarmError(str(exc)) from None
     try:
-        return FileSource(find_image_files([os.fspath(path) for path in images]))
+        if isinstance(images, (np.ndarray, NpyReader)):
+            return ArraySource(images)
+        if isinstance(images, (str, os.PathLike)):
+            images = [images]  # one file, folder, glob or list
+        return open_input([os.fspath(path) for path in images])
     except InputError as exc:
         raise FarmError(str(exc)) from None
 

@@ -91,7 +91,10 @@ class ImageDecoder:
         if channels not in (1, 3):
             raise ModelError(f"model {spec.name!r}: image files need a 1- or 3-channel input, "
                              f"its input is {spec.input_shape}")
-        _check_resize(spec.name, spec.resize, (height, width))
+        try:
+            spec.resize.check((height, width))
+        except ModelError as exc:
+            raise ModelError(f"model {spec.name!r}: {exc}") from None
         self.spec = spec
         self.max_pixels = max_pixels
         self.net_size = (height, width)
@@ -117,6 +120,9 @@ class ImageDecoder:
                 self._decode_into(data, images[start:start + self.crops])
             except ImageError as exc:
                 failures.append((index, str(exc)))
+            except (cv2.error, MemoryError) as exc:  # the file's fault, not its chunk's
+                failures.append((index, f"cannot decode: {type(exc).__name__}: "
+                                        f"{str(exc).strip()[:200]}"))
             else:
                 ok.append(index)
         return DecodedBatch(images[:len(ok) * self.crops], np.array(ok, np.int64), failures,
@@ -134,23 +140,15 @@ class ImageDecoder:
         width, height = declared_size(data, kind)
         _check_size(width, height, self.max_pixels)
         image = decode_pixels(data, self.flags, kind)
-        image = resize(image, resized_size(image.shape[:2], self.net_size, self.spec.resize),
-                       self.spec.resize.interpolation)
+        target = resized_size(image.shape[:2], self.net_size, self.spec.resize)
+        if target[0] * target[1] > self.max_pixels:  # a 1 x 100 000 strip at shorter_side 256
+            raise ImageError(f"a {width} x {height} image would be resized to {target[1]} x "
+                             f"{target[0]}, over the limit of {self.max_pixels:,} pixels")
+        image = resize(image, target, self.spec.resize.interpolation)
         if image.ndim == 3:
             cv2.cvtColor(image, cv2.COLOR_BGR2RGB, dst=image)
         boxes = crop_boxes(image.shape[:2], self.net_size, self.spec.resize.crop)
         lay_out(cropped(image, boxes, self.net_size), out, self.hwc)
-
-
-def _check_resize(name: str, settings: Resize, net_size: tuple[int, int]) -> None:
-    """``crop = "none"`` resizes straight to the net's input: a size or shorter side that
-    says otherwise would be silently ignored, so it is refused."""
-    if settings.crop != "none":
-        return
-    if settings.shorter_side is not None or settings.size not in (None, net_size):
-        raise ModelError(f"model {name!r}: [resize] crop = \"none\" resizes straight to the "
-                         f"input's {net_size[0]} x {net_size[1]}; drop size/shorter_side or "
-                         f"choose a crop")
 
 
 def declared_size(data: bytes, kind: str) -> tuple[int, int]:

@@ -151,6 +151,8 @@ class FileSource:
     paths: list[Path]
     sizes: np.ndarray = field(init=False)
     problems: dict[int, str] = field(default_factory=dict)
+    #: (the most bytes one file may have,): the largest file, within ``MAX_FILE_BYTES``
+    item_shape: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -161,34 +163,30 @@ class FileSource:
                 self.sizes[index] = path.stat().st_size
             except OSError as exc:
                 self.problems[index] = f"cannot read {path}: {exc.strerror or exc}"
+        self.item_shape = (int(max(1, min(int(self.sizes.max()), MAX_FILE_BYTES))),)
 
     @property
     def dtype(self) -> str:
         return ENCODED
-
-    @property
-    def item_shape(self) -> tuple[int, ...]:
-        """(the most bytes one file may have,): the largest file, within the limit."""
-        return (int(max(1, min(int(self.sizes.max()), MAX_FILE_BYTES))),)
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def read_file(self, index: int) -> bytes:
         """One file's bytes; b"" (and the reason in ``problems``) if it cannot be sent."""
-        path = self.paths[index]
+        path, limit = self.paths[index], self.item_shape[0]
+        if self.sizes[index] > MAX_FILE_BYTES:
+            self.problems[index] = (f"{path} has {int(self.sizes[index]):,} bytes, more than "
+                                    f"the {MAX_FILE_BYTES >> 20} MiB a file may have")
+            return b""
         try:
             with open(path, "rb") as handle:
-                data = handle.read(self.item_shape[0] + 1)
+                data = handle.read(limit + 1)
         except OSError as exc:
             self.problems[index] = f"cannot read {path}: {exc.strerror or exc}"
             return b""
-        if len(data) > self.item_shape[0]:
-            self.problems[index] = (f"{path} grew past {self.item_shape[0]:,} bytes "
-                                    f"after the job was submitted"
-                                    if self.sizes[index] <= MAX_FILE_BYTES else
-                                    f"{path} has {int(self.sizes[index]):,} bytes, more than "
-                                    f"the {MAX_FILE_BYTES >> 20} MiB a file may have")
+        if len(data) > limit:
+            self.problems[index] = f"{path} grew past {limit:,} bytes after the job was submitted"
             return b""
         self.problems.pop(index, None)
         return data
@@ -222,6 +220,10 @@ def open_input(arguments: Sequence[str]) -> Source:
     """A source for command-line arguments: one `.npy` file, else image files."""
     from farm.npy import NpyError
 
+    arrays = [argument for argument in arguments if argument.lower().endswith(".npy")]
+    if arrays and len(arguments) > 1:
+        raise InputError(f"a .npy array is a job of its own: give {arrays[0]} alone (image "
+                         f"files, folders, globs and lists may be mixed)")
     if is_array_input(arguments):
         try:
             return ArraySource(NpyReader.open(arguments[0]))

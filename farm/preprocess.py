@@ -60,7 +60,9 @@ class Transformer:
 def _mean_file(spec: ModelSpec, path: Path) -> np.ndarray:
     """The mean a model's ``mean_file`` holds (a Caffe binaryproto or a ``.npy``), fitted to
     its input: a per-channel mean as it is, a larger mean image centre-cropped as Caffe's
-    data layer and ``classify.py`` crop it (ImageNet's 256 x 256 mean on a 227 x 227 net)."""
+    data layer crops it at test time (ImageNet's 256 x 256 mean on a 227 x 227 net).  Each
+    of ``oversample``'s crops subtracts this same centre; Caffe's data layer would take the
+    mean at the crop's own offsets (a small difference)."""
     try:
         mean = read_mean(path)
     except (CaffeFormatError, ValueError, OSError) as exc:

@@ -11,6 +11,7 @@ and cached (``farm models prepare NAME``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -119,6 +120,15 @@ class Resize:
     def crops(self) -> int:
         """Inputs per image: 10 when oversampling, else 1."""
         return 10 if self.crop == "oversample" else 1
+
+    def check(self, net_size: tuple[int, int]) -> None:
+        """``crop = "none"`` resizes straight to the net's H x W: a size or shorter side
+        that says otherwise would be silently ignored, so it is refused (ModelError)."""
+        if self.crop == "none" and (self.shorter_side is not None
+                                    or self.size not in (None, net_size)):
+            raise ModelError(f"[resize] crop = \"none\" resizes straight to the input's "
+                             f"{net_size[0]} x {net_size[1]}; drop size/shorter_side or choose "
+                             f"a crop")
 
 
 @dataclass(frozen=True)
@@ -253,13 +263,19 @@ def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelS
     if output not in net.shapes:
         raise ModelError(f"output {output!r} is not a blob of {prototxt}")
     labels, labels_file = read_labels(folder, config.get("labels", []))
+    resize = Resize.from_config(config.get("resize", {}))
+    resize.check((net.input_shape[-2], net.input_shape[-1]))
+    classes = math.prod(net.shapes[output][1:])
+    if labels and len(labels) != classes:
+        raise ModelError(f"labels name {len(labels)} classes, the output {output!r} has "
+                         f"{classes} values")
     writer = next(layer for layer in reversed(net.layers) if output in layer.tops) \
         if output != net.input else None
     return ModelSpec(
         name=name, folder=folder, prototxt=prototxt, weights=weights, input=net.input,
         input_shape=net.input_shape[1:], batch=net.batch, output=output,
         preprocess=Preprocess.from_config(config.get("preprocess", {}), folder),
-        resize=Resize.from_config(config.get("resize", {})),
+        resize=resize,
         weights_name=Path(config["weights"]).as_posix(),
         description=config.get("description", ""), labels=labels, labels_file=labels_file,
         softmax=writer is not None and writer.type == "Softmax",

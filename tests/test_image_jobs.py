@@ -306,3 +306,69 @@ def test_split_failures_cuts_a_chunk_into_good_and_failed_runs() -> None:
     assert split_failures(0, 6, [(1, 2, "x"), (4, 1, "y")]) == \
         [(0, 1, None), (1, 3, "x"), (3, 4, None), (4, 5, "y"), (5, 6, None)]
     assert split_failures(2, 2, [(0, 3, "x")]) == [(2, 3, "x"), (3, 4, None)]
+
+
+def test_oversampled_files_answer_the_mean_of_ten_crops(tmp_path) -> None:
+    """``crop = "oversample"``: each file runs as Caffe's 10 crops (corners and centre, and
+    their mirrors), and its output is their mean."""
+    import shutil
+
+    models = tmp_path / "models"
+    shutil.copytree(find("cifar10_quick").folder, models / "cifar10_ten")
+    toml = models / "cifar10_ten" / "model.toml"
+    toml.write_text(toml.read_text() + '\n[resize]\nsize = [40, 44]\ncrop = "oversample"\n')
+    spec = find("cifar10_ten", [str(models)])
+    rng = np.random.default_rng(3)
+    pictures = [rng.integers(0, 256, (50, 60, 3), dtype=np.uint8) for _ in range(3)]
+    for index, picture in enumerate(pictures):
+        cv2.imwrite(str(tmp_path / f"{index}.png"), picture)
+    with LocalFarm(devices=[f"cpu:{cores()[0]}"], algo="fifo",
+                   broker_options=["--models-dir", str(models)]) as local, \
+            Client(local.endpoint) as client:
+        outputs = client.map([tmp_path / f"{index}.png" for index in range(3)], "cifar10_ten")
+    net = cv2.dnn.readNetFromCaffe(str(spec.prototxt), str(spec.weights))
+    for picture, output in zip(pictures, outputs):
+        rgb = cv2.resize(picture, (44, 40), interpolation=cv2.INTER_LINEAR)[..., ::-1]
+        crops = [rgb[top:top + 32, left:left + 32] for top in (0, 4, 8) for left in (0, 6, 12)
+                 if (top, left) in {(0, 0), (0, 12), (8, 0), (8, 12), (4, 6)}]
+        crops += [crop[:, ::-1] for crop in crops]
+        net.setInput(Transformer.for_model(spec)(np.stack(crops)))
+        expected = net.forward(spec.output).reshape(10, -1).mean(axis=0)
+        np.testing.assert_allclose(output.reshape(-1), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_model_settings_that_image_files_cannot_meet_are_refused_when_loaded(tmp_path) -> None:
+    import shutil
+
+    from farm.repository import ModelError, load_spec
+
+    for extra, reason in [('[resize]\nshorter_side = 40\ncrop = "none"\n', 'crop = "none"'),
+                          ('', "labels name 3 classes, the output 'prob' has 10 values")]:
+        folder = tmp_path / f"model{len(extra)}"
+        shutil.copytree(find("lenet").folder, folder)
+        toml = folder / "model.toml"
+        lines = ['labels = ["a", "b", "c"]' if line.startswith("labels") and not extra else line
+                 for line in toml.read_text().splitlines()]
+        toml.write_text("\n".join(lines) + "\n" + extra)
+        with pytest.raises(ModelError, match=reason):
+            load_spec(folder)
+
+
+def test_a_chunk_of_image_files_is_capped_by_its_decoded_size() -> None:
+    from farm.broker.jobs import Job
+
+    job = Job("j", b"c", "m", protocol.ENCODED, (1,), 10**6, 0.0)  # 1-byte files, said a client
+    job.decoded_bytes = 227 * 227 * 3 * 10  # SqueezeNet's input, oversampled
+    assert job.max_chunk == protocol.MAX_TASK_BYTES // job.decoded_bytes == 43
+
+
+def test_one_path_is_one_input_and_arrays_do_not_mix_with_files(tmp_path, digits) -> None:
+    from farm.client import as_source
+    from farm.inputs import ArraySource, open_input
+
+    cv2.imwrite(str(tmp_path / "0.png"), digits[0])
+    np.save(tmp_path / "a.npy", digits[:3])
+    assert len(as_source(str(tmp_path))) == 1 and len(as_source(tmp_path / "0.png")) == 1
+    assert isinstance(as_source(str(tmp_path / "a.npy")), ArraySource)
+    with pytest.raises(InputError, match="a .npy array is a job of its own"):
+        open_input([str(tmp_path / "a.npy"), str(tmp_path / "0.png")])

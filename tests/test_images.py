@@ -417,3 +417,13 @@ def test_split_files_refuses_sizes_that_do_not_add_up():
         split_files(sizes, b"abcdef")
     with pytest.raises(ValueError):
         split_files(np.array([-1, 8]), b"abcdefg")
+
+
+def test_a_thin_strip_is_refused_before_a_huge_resize(cifar):
+    """1 x 20 000 pixels pass the pixel limit, but a shorter side of 256 would make
+    256 x 5 120 000 of them: refused, alone."""
+    strip = cv2.imencode(".png", np.zeros((1, 20_000, 3), np.uint8))[1].tobytes()
+    decoder = ImageDecoder(with_resize(cifar, shorter_side=256), max_pixels=10_000_000)
+    batch = decoder.decode([strip, cv2.imencode(".png", np.zeros((40, 40, 3), np.uint8))[1]])
+    assert batch.ok.tolist() == [1]
+    assert "would be resized to 5120000 x 256, over the limit" in batch.failures[0][1]

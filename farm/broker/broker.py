@@ -304,7 +304,8 @@ class Broker:
         except Exception as exc:  # ModelError, or a bug: either way the client hears why
             return (str(exc) if isinstance(exc, ModelError) else
                     f"cannot use model {name!r}: {type(exc).__name__}: {exc}")
-        return ev.ModelFound(tuple(spec.item_shape), manifest.digest, spec.preprocess.layout)
+        return ev.ModelFound(tuple(spec.item_shape), manifest.digest, spec.preprocess.layout,
+                             spec.resize.crops)
 
     # ---------------------------------------------------------------- files
 
@@ -373,8 +374,10 @@ class Broker:
     def model_card(self, name: str) -> dict[str, Any]:
         """What a client needs to name a model's answers: its labels and whether its output
         is already a softmax; or why the model cannot be used."""
+        from farm.repository import find
+
         try:
-            spec, _ = self.models.lookup(name)
+            spec = find(name, self.config.model_dirs)  # no weights made, no files hashed
         except Exception as exc:  # ModelError, or a bug: either way the client hears why
             return {"name": name, "error": str(exc)}
         return {"name": name, "labels": list(spec.labels), "softmax": spec.softmax}

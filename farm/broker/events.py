@@ -104,6 +104,7 @@ class ModelFound:
     item_shape: tuple[int, ...]
     digest: str
     layout: str = "CHW"
+    crops: int = 1  # inputs per image file (10 when the model oversamples)
 
 
 @dataclass(frozen=True)

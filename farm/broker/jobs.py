@@ -95,6 +95,7 @@ class Job:
     policy: Policy | None = None  # made when the job is validated, for the workers then eligible
     digest: str = ""  # the content hash of the model's files, set when the job is validated
     item_bytes: int = 0
+    decoded_bytes: int = 0  # an image file's decoded pixels (all its crops), once validated
     client_seen: float = 0.0
     pending: dict[int, ChunkRecord] = field(default_factory=dict)  # NEED sent, DATA not back
     evidence: Evidence = field(default_factory=Evidence)  # failed and lost attempts
@@ -161,10 +162,11 @@ class Job:
 
     @property
     def max_chunk(self) -> int:
-        """The most items one chunk may hold: its input must fit ``MAX_TASK_BYTES`` (a file's
-        size takes 4 bytes more)."""
-        per_item = self.item_bytes + (protocol.SIZES_DTYPE.itemsize
-                                      if self.dtype == protocol.ENCODED else 0)
+        """The most items one chunk may hold: its input must fit ``MAX_TASK_BYTES``; for image
+        files, both as sent (a file's size takes 4 bytes more) and as decoded."""
+        per_item = self.item_bytes
+        if self.dtype == protocol.ENCODED:
+            per_item = max(per_item + protocol.SIZES_DTYPE.itemsize, self.decoded_bytes)
         return max(1, protocol.MAX_TASK_BYTES // per_item)
 
     def attempt_of(self, chunk: Chunk) -> int:

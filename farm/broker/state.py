@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -620,7 +621,14 @@ class FarmState:
         if isinstance(model, str):
             self.fail_job(job, model)
             return False
-        if job.dtype != ENCODED and job.item_shape != model.item_shape:
+        if job.dtype == ENCODED:
+            channels = model.item_shape[-1 if model.layout == "HWC" else 0]
+            if channels not in (1, 3):
+                self.fail_job(job, f"model {job.model!r} takes {channels} channels: image "
+                                   f"files give 1 (grey) or 3 (colour)")
+                return False
+            job.decoded_bytes = math.prod(model.item_shape) * model.crops
+        elif job.item_shape != model.item_shape:
             layout = " (H x W x C)" if model.layout == "HWC" else ""
             self.fail_job(job, f"images of shape {job.item_shape} do not match model "
                                f"{job.model!r}, which takes {model.item_shape}{layout}")

@@ -137,8 +137,9 @@ def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None
 
     journal = journal and answers is None
     if resume and not (out and journal):
-        raise click.UsageError("--resume needs --out OUT.npy: the raw outputs of the job to "
-                               "resume")
+        raise click.UsageError("--resume needs --out OUT.npy: only raw outputs are journaled "
+                               "(answers files are written in one go)" if answers is not None
+                               else "--resume needs --out: the outputs of the job to resume")
     if out and not os.access(Path(out).resolve().parent, os.W_OK):
         raise click.ClickException(f"cannot write {out}: its folder does not exist or is not "
                                    f"writable")

@@ -45,8 +45,8 @@ WATCH_INTERVAL = 2.0
 @backend_option("Run this job on this engine instead of the workers' own.")
 @precision_option("Run this job in this precision instead of the workers' own.")
 @client_curve_option
-@models_dir_option("Where to find the model's class labels for --top-k (repeatable; also "
-                   "$FARM_MODELS); without it the broker's copy says.")
+@models_dir_option("Name answers with the labels of the model in this folder (repeatable); "
+                   "without it the broker's copy of the model names them.")
 @policy_options(per_job=True)
 def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | None,
            trace: str | None, quiet: bool, top_k: int | None, priority: int,
@@ -101,15 +101,19 @@ def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | 
 
 
 def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:
-    """The labels of a model found here (None: ask the broker)."""
+    """The labels of the model in the ``--models-dir`` folders given (None: none given, ask
+    the broker, whose copy runs the job)."""
     from farm.answers import ModelCard
-    from farm.repository import ModelError, find_local
+    from farm.repository import ModelError, available, load_spec
 
+    folder = available(models_dir).get(model) if models_dir else None
+    if folder is None or folder.parent.resolve() not in {Path(d).resolve() for d in models_dir}:
+        return None
     try:
-        spec = find_local(model, models_dir)
-    except ModelError:
-        return None  # broken here: the broker's copy may be fine
-    return None if spec is None else ModelCard(spec.labels, spec.softmax)
+        spec = load_spec(folder)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from exc
+    return ModelCard(spec.labels, spec.softmax)
 
 
 @click.command()
