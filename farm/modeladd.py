@@ -8,7 +8,6 @@ then ``commit`` moves it into place, or ``discard`` removes every trace of it.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -88,7 +87,6 @@ def stage(model: NewModel, root: Path, force: bool = False, link: bool = False) 
         names = {role: name for role, (name, _) in sources.items()}
         (folder / "model.toml").write_text(model_toml(model, names, input_channels(model)))
         staged.spec = load_spec(folder, model.name)
-        check_labels(staged.spec)
     except (ModelError, OSError) as exc:
         discard(staged)
         raise ModelError(str(exc)) from None
@@ -202,17 +200,6 @@ def resize_lines(model: NewModel) -> list[str]:
 def toml_string(text: str) -> str:
     """A TOML basic string (JSON's escapes are TOML's)."""
     return json.dumps(text, ensure_ascii=False)
-
-
-def check_labels(spec: ModelSpec) -> None:
-    """As many labels as the output has values, if labels were given."""
-    if not spec.labels:
-        return
-    net = Network.load(spec.prototxt, input_shape=spec.declared_input)
-    outputs = math.prod(net.shapes[spec.output][1:])
-    if len(spec.labels) != outputs:
-        raise ModelError(f"{len(spec.labels)} labels, but the output {spec.output!r} has "
-                         f"{outputs} values: give one label per class")
 
 
 def commit(staged: Staged) -> ModelSpec:

@@ -12,6 +12,13 @@ from farm.local import LocalFarm, cores
 from farm.repository import ModelSpec, find
 
 
+def available_bundled() -> list[str]:
+    """The names of the models bundled with farm, whatever else this machine's user has."""
+    from farm.repository import BUNDLED_DIR
+
+    return [folder.name for folder in BUNDLED_DIR.iterdir() if (folder / "model.toml").is_file()]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cache(tmp_path_factory) -> None:
     """Fetched models and generated weights go to a fresh folder, not the user's ~/.cache, and

@@ -23,9 +23,11 @@ from farm.modelcheck import TOLERANCE, check_inputs, check_model, relative_diffe
 from farm.caffe_net import Network, NetworkError
 from farm.onnx_export import export, save
 from farm.repository import ModelError, available, find, load_spec
+from tests.conftest import available_bundled
 from tests.test_models import EVERY_LAYER, inline_net, needs_torch, write_model
 
-BUNDLED = sorted(available())
+#: The models shipped in farm/models (not the user's nor $FARM_MODELS').
+BUNDLED = sorted(available_bundled())
 ONNX_BACKENDS = ("onnxruntime", "openvino")
 
 

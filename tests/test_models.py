@@ -15,8 +15,10 @@ from farm.modelcheck import TOLERANCE, check_inputs, check_model
 from farm.caffe_net import Network, generated_weights
 from farm.preprocess import Transformer
 from farm.repository import ModelError, available, find, load_spec
+from tests.conftest import available_bundled
 
-BUNDLED = sorted(available())
+#: The models shipped in farm/models (not the user's nor $FARM_MODELS').
+BUNDLED = sorted(available_bundled())
 
 #: Every supported layer type in one small net (two branches, so Concat and Eltwise have
 #: something to join), with the parameters that change what a backend must compute.

@@ -61,7 +61,7 @@ def test_add_links_and_the_linked_model_serves(tmp_path, lenet) -> None:
 
 @pytest.mark.parametrize("args, error", [
     (["../up"], "model name '../up' is not allowed"),
-    (["digits", "--labels", "a,b,c"], "3 labels, but the output 'prob' has 10 values"),
+    (["digits", "--labels", "a,b,c"], "labels name 3 classes, the output 'prob' has 10 values"),
     (["digits", "--weights-of", "cifar10_quick"], "failed its check: opencv: "),
     (["digits", "--mean", "1,2,3"], "--mean needs 1 value (the net has 1 input channels), got 3"),
 ])
