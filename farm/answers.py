@@ -5,7 +5,7 @@ they arrive (in any order), keeps only each image's top-k classes and their
 probabilities (a softmax is applied where the net ends before one), and writes one
 row per image in input order as soon as every earlier image is answered: to a
 CSV file, a JSON Lines file, or the terminal.  A failed image gets a row with its
-reason.  A second sink (raw scores to a `.npy`) may take the same outputs.
+reason.
 """
 
 from __future__ import annotations
@@ -155,44 +155,33 @@ def open_writer(path: str | None, card: ModelCard, k: int) -> AnswerWriter:
 class AnswerSink:
     """A client sink that writes answers in input order as results arrive.
 
-    ``names(start, count)`` names items (their paths); ``scores`` also takes the raw
-    outputs (a `.npy` sink), if given.  Rows wait in memory only until the images
-    before them are answered: top-k ids and probabilities, not whole outputs.
+    ``names(start, count)`` names items (their paths).  Rows wait in memory only until
+    the images before them are answered: top-k ids and probabilities, not whole outputs.
     """
 
-    total: int
     k: int
     card: ModelCard
     writer: AnswerWriter
     names: Callable[[int, int], Sequence[str]]
-    scores: Any = None  # a ResultSink for the raw outputs
     waiting: dict[int, Answer] = field(default_factory=dict)
     next_row: int = 0
-    answered: int = 0
-    failed: int = 0
 
     def write(self, start: int, values: np.ndarray) -> None:
-        if self.scores is not None:
-            self.scores.write(start, values)
         ids, probabilities = top_k(values, self.k, not self.card.softmax)
         names = self.names(start, len(values))
         for offset in range(len(values)):
             self.waiting[start + offset] = Answer(start + offset, names[offset],
                                                   tuple(ids[offset].tolist()),
                                                   tuple(probabilities[offset].tolist()))
-        self.answered += len(values)
         self.flush()
 
     def fill(self, start: int, count: int, value: float) -> None:
         """Failed items: their rows come from ``fail``, with the reason."""
-        if self.scores is not None:
-            self.scores.fill(start, count, value)
 
     def fail(self, start: int, count: int, error: str) -> None:
         """Items that did not come back, and why: rows with the reason."""
         for offset, name in enumerate(self.names(start, count)):
             self.waiting[start + offset] = Answer(start + offset, name, error=error)
-        self.failed += count
         self.flush()
 
     def flush(self) -> None:

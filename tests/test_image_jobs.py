@@ -289,8 +289,8 @@ def test_answers_wait_for_earlier_rows_and_name_failures() -> None:
             pass
 
     rows = Rows()
-    sink = AnswerSink(5, 2, ModelCard(("a", "b", "c")), rows, lambda s, n: [f"f{i}" for i in
-                                                                           range(s, s + n)])
+    sink = AnswerSink(2, ModelCard(("a", "b", "c")), rows, lambda s, n: [f"f{i}" for i in
+                                                                        range(s, s + n)])
     sink.write(2, np.array([[0.0, 5.0, 1.0], [3.0, 2.0, 1.0]], np.float32))
     assert rows.rows == [], "rows wait for the files before them"
     sink.fail(0, 2, "broken")

@@ -179,7 +179,7 @@ def job_sink(client: Client, source: Source, model: str, out: str | None, journa
     if answers is not None:
         card = answers.card or client.model_card(model)
         writer = open_writer(out, card, answers.k)
-        sink = AnswerSink(len(source), answers.k, card, writer, source.names)
+        sink = AnswerSink(answers.k, card, writer, source.names)
         try:
             yield {"out": sink}
         finally:
