@@ -44,8 +44,10 @@ log = logging.getLogger("farm.autoselect")
 #: the hundreds); a layer computed wrongly differs by 1e-2 or more.
 TOLERANCES = {"f32": 1e-3, "f16": 5e-2, "bf16": 1e-1}
 
-#: Compute batches tried (plus the prototxt's own), while one forward stays short.
+#: Compute batches tried (plus the prototxt's own), while one forward stays short; a GPU
+#: also tries larger ones (a small net keeps an H100 busy only from a few hundred images).
 BATCHES = (1, 8, 32, 128)
+GPU_BATCHES = (256, 1024)
 #: Seconds of timing per backend, shared among its batch sizes.
 BUDGET = 0.3
 #: The two fastest are timed again in turn, this many times, for this many seconds each.
@@ -256,7 +258,7 @@ def time_backends(spec: ModelSpec, device: str, threads: int | None, precision: 
                              f"{TOLERANCES[precision]:g})")
             continue
         trial.rates = time_batches(engine, images, (batch,) if batch else
-                                   candidate_batches(spec.batch))
+                                   candidate_batches(spec.batch, device))
         leaders = sorted([*leaders, (trial, engine)], key=lambda pair: -pair[0].best_rate)[:2]
         del engine
     release_free_memory()
@@ -349,8 +351,9 @@ def relative_difference(outputs: np.ndarray, reference: np.ndarray) -> float:
     return difference / scale if scale > 0 else difference
 
 
-def candidate_batches(resting: int) -> tuple[int, ...]:
-    return tuple(sorted({*BATCHES, resting}))
+def candidate_batches(resting: int, device: str = "cpu") -> tuple[int, ...]:
+    larger = GPU_BATCHES if device.startswith("cuda") else ()
+    return tuple(sorted({*BATCHES, *larger, resting}))
 
 
 def time_batches(engine: Engine, images: np.ndarray, batches: tuple[int, ...],

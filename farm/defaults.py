@@ -27,8 +27,10 @@ SHARING = "fair"
 MAX_CHUNK_SECONDS = 1.0
 #: Address the broker's Prometheus endpoint listens on, when it has a port.
 METRICS_HOST = "127.0.0.1"
-#: Chunks the broker may keep in flight to one worker.
-SLOTS = 2
+#: Chunks the broker may keep in flight to one worker: one computing and one waiting on a
+#: core; a GPU worker gets one more, so that a chunk is queued even while the reply of the
+#: last one and the request for the next are on the wire.
+SLOTS, GPU_SLOTS = 2, 3
 #: A worker's inference library: auto times the installed ones and keeps the fastest.
 BACKEND = "auto"
 #: Compute precision of workers and engines.

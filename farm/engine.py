@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
@@ -46,6 +47,16 @@ GPU_BACKEND = "torch"
 #: Compute precisions; f32 is the default (``defaults.PRECISION``), the others are opt-in
 #: where engine and device support them.
 PRECISIONS = ("f32", "f16", "bf16")
+
+
+@dataclass
+class RunStats:
+    """Where one ``Engine.run``'s time went: seconds the device computed (preprocessing
+    included), and seconds of copies between host and GPU (measured by CUDA events; zero
+    where the device is the host)."""
+
+    device: float = 0.0
+    copy: float = 0.0
 
 
 class Stopped(Exception):
@@ -90,6 +101,7 @@ class Engine:
         self.transform = Transformer.for_model(spec)
         self.output_shape: tuple[int, ...] = ()
         self.allocated = 0  # the largest batch the buffers were sized for since the last rest
+        self.last_run = RunStats()  # the latest ``run``'s device and copy seconds
 
     @classmethod
     def load(cls, spec: ModelSpec, batch: int | None = None, device: str = "cpu",
@@ -172,14 +184,17 @@ class Engine:
         """
         count = images.shape[0]
         outputs = np.empty((count, *self.output_shape), dtype=np.float32)
+        self.last_run = stats = RunStats()
         for begin in range(0, count, self.batch):
             if stop is not None and stop():
                 raise Stopped(f"stopped after {begin} of {count} images")
             end = min(begin + self.batch, count)
             started = time.perf_counter()
             outputs[begin:end] = self.forward(self.transform(images[begin:end]))
+            seconds = time.perf_counter() - started
+            stats.device += seconds
             if tally is not None:
-                tally(end - begin, time.perf_counter() - started)
+                tally(end - begin, seconds)
             self.allocated = max(self.allocated, end - begin)
         return outputs
 

@@ -51,6 +51,8 @@ class LocalFarm:
     broker_options: Sequence[str] = ()
     worker_options: Sequence[str] = ()
     device_options: Sequence[Sequence[str]] = ()  # more options for the i-th device's worker
+    # a prefix for the i-th device's worker command (taskset -c 15: a GPU worker's own core)
+    device_launchers: Sequence[Sequence[str]] = ()
     preload: Sequence[str] = ()
     log_level: str = defaults.LOG_LEVEL
     ready_timeout: float = 60.0
@@ -67,8 +69,10 @@ class LocalFarm:
             self.endpoint = f"tcp://127.0.0.1:{free_port()}"
             self.launch_broker(self.endpoint)
             for i, device in enumerate(self.devices):
+                launcher = self.device_launchers[i] if i < len(self.device_launchers) else ()
                 self.start_worker(device, *(self.device_options[i]
-                                            if i < len(self.device_options) else ()))
+                                            if i < len(self.device_options) else ()),
+                                  launcher=launcher)
             self.read_endpoint()
             self.wait_for_workers(len(self.devices))
         except BaseException:
@@ -114,9 +118,10 @@ class LocalFarm:
             raise FarmError("the local farm's broker was not started")
         return self.broker
 
-    def start_worker(self, device: str, *options: str) -> subprocess.Popen:
+    def start_worker(self, device: str, *options: str,
+                     launcher: Sequence[str] = ()) -> subprocess.Popen:
         preload = [arg for name in self.preload for arg in ("--model", name)]
-        process = subprocess.Popen([*self.launcher, *farm_command(
+        process = subprocess.Popen([*self.launcher, *launcher, *farm_command(
             "--log-level", self.log_level, "worker", "--device", device, "--broker",
             self.endpoint, *preload, *self.curve_options, *self.worker_options, *options)],
             start_new_session=True)

@@ -25,7 +25,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import msgspec
 import numpy as np
@@ -78,6 +78,12 @@ class WorkerLine:
     messaging_s: float
     tail_s: float
     standalone_rate: float  # images per second of compute
+    device_s: float | None = None  # seconds the device computed, where the worker said
+    copy_s: float | None = None  # seconds of host-GPU copies, where the worker said
+
+    def device_share(self, seconds: float) -> float | None:
+        """The share of ``seconds`` the device computed (a GPU's busy share)."""
+        return None if self.device_s is None or seconds <= 0 else self.device_s / seconds
 
 
 @dataclass(frozen=True)
@@ -117,10 +123,11 @@ class Breakdown:
                             "in the trace)")
         lines += [f"  {part:<9} {_percent(getattr(self, part)):>6}  {meaning}"
                   for part, meaning in _PARTS]
-        header = ("worker", "images", "chunks", "busy", "idle: start", "barrier", "messaging",
-                  "tail (s)")
+        header = ("worker", "images", "chunks", "busy", "device", "idle: start", "barrier",
+                  "messaging", "tail (s)")
         rows = [(w.name, f"{w.items:,}", f"{w.chunks:,}",
                  f"{w.busy_s / self.seconds if self.seconds > 0 else 0.0:.1%}",
+                 _optional_percent(w.device_share(self.seconds)),
                  *(f"{s:.3f}" for s in (w.idle_start_s, w.barrier_s, w.messaging_s, w.tail_s)))
                 for w in self.workers]
         lines += ["  " + line for line in table(header, rows, set(range(1, len(header))))]
@@ -175,13 +182,24 @@ def _worker_lines(trace: Trace, seconds: float) -> tuple[WorkerLine, ...]:
                               (sum(c.count for c in chunks), len(chunks), 0.0))
         busy, start, barrier, messaging, tail = _idle(chunks, seconds)
         lines.append(WorkerLine(name, items, count, busy, start, barrier, messaging, tail,
-                                float(rate)))
+                                float(rate), _reported(c.device for c in chunks),
+                                _reported(c.copy for c in chunks)))
     return tuple(lines)
+
+
+def _reported(values: Iterable[float | None]) -> float | None:
+    """The sum of the values reported, or None when no chunk reported one."""
+    known = [value for value in values if value is not None]
+    return sum(known) if known else None
 
 
 def _percent(fraction: float) -> str:
     """A fraction as a percentage, with no "-0.0%" for rounding noise."""
     return f"{0.0 if abs(fraction) < 0.0005 else fraction:.1%}"
+
+
+def _optional_percent(fraction: float | None) -> str:
+    return "-" if fraction is None else _percent(fraction)
 
 
 def analyse(trace: Trace) -> Breakdown:

@@ -5,7 +5,8 @@ chunk was assigned (the broker asked for its input), sent to its worker,
 arrived there, started and finished computing (between arrival and start it
 waited behind the worker's previous chunk), and was received back by the
 broker; plus when the client got it (client clock).  The worker reports how long it spent
-receiving, computing and replying; the network time left over is split
+receiving, computing and replying, and how much of its computing the device
+itself was busy (for a GPU, measured by CUDA events), with its host-GPU copies; the network time left over is split
 evenly between the two directions to place the compute on the broker's clock
 (as NTP does), so a trace from several hosts needs no synchronised clocks.
 
@@ -43,6 +44,8 @@ class ChunkTrace(msgspec.Struct, kw_only=True, omit_defaults=True):
     finished: float
     received: float
     delivered: float  # on the client's clock
+    device: float | None = None  # seconds its device computed (a GPU's, by CUDA events)
+    copy: float | None = None  # seconds of host-GPU copies, overlapped with computing
 
 
 class Trace(msgspec.Struct, kw_only=True):
@@ -85,7 +88,9 @@ class TraceRecorder:
             worker=header.worker or "?", start=item_start, count=count,
             attempt=header.attempt, assigned=assigned, sent=sent, arrived=sent + network / 2,
             started=started, finished=started + _seconds(header.timings.get("compute")),
-            received=received, delivered=time.perf_counter() - self.started))
+            received=received, delivered=time.perf_counter() - self.started,
+            device=_optional_seconds(header.timings.get("device")),
+            copy=_optional_seconds(header.timings.get("copy"))))
 
     def document(self, job: str, model: str, items: int, summary: JobSummary | None,
                  failed: list[FailedItems], cancelled: str | None) -> Trace:
@@ -110,6 +115,11 @@ def network_seconds(round_trip: float, timings: dict[str, Any]) -> float:
 
 def _seconds(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
+
+
+def _optional_seconds(value: Any) -> float | None:
+    """A time a worker may not report (older workers): None when absent."""
+    return None if value is None else _seconds(value)
 
 
 def save_trace(trace: Trace, path: str | Path) -> None:

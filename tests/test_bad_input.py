@@ -211,7 +211,9 @@ def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digi
     router.send_multipart(task(identity, 3, images))
     result = next_reply(router)
     assert result.command is Command.RESULT and result.header.chunk == 3
-    assert set(result.header.timings) == {"receive", "compute", "send"}
+    timings = result.header.timings
+    assert set(timings) == {"receive", "compute", "send", "device", "copy"}
+    assert 0 < timings["device"] <= timings["compute"] and timings["copy"] == 0.0
     np.testing.assert_allclose(result.array("float32", (10,)), reference_forward(lenet, images),
                                atol=1e-5)
 

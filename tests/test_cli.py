@@ -71,8 +71,8 @@ def field_defaults(config: type) -> dict[str, Any]:
 @pytest.mark.parametrize("command, config, shared", [
     ("broker", BrokerConfig, {"bind", "algo", "heartbeat", "liveness", "max_attempts", "max_runs",
                               "sharing", "max_chunk_seconds"}),
-    ("worker", WorkerConfig, {"backend", "precision", "slots", "heartbeat", "liveness",
-                              "curve_name"}),
+    # slots: none on either side, each device has its own (test_gpu_worker.py)
+    ("worker", WorkerConfig, {"backend", "precision", "heartbeat", "liveness", "curve_name"}),
 ])
 def test_command_defaults_are_the_configs_defaults(command, config, shared) -> None:
     options, fields = option_defaults(main.commands[command]), field_defaults(config)
@@ -96,8 +96,8 @@ def test_configs_are_built_by_keyword_only() -> None:
         WorkerConfig(defaults.BROKER_ENDPOINT, Device.parse("cpu"))
     with pytest.raises(TypeError):
         LocalFarm(["cpu"])
-    assert WorkerConfig(broker=defaults.BROKER_ENDPOINT, device=Device.parse("cpu")).slots == \
-        defaults.SLOTS
+    config = WorkerConfig(broker=defaults.BROKER_ENDPOINT, device=Device.parse("cpu"))
+    assert config.slots is None and config.device.default_slots == defaults.SLOTS
 
 
 def test_choices_kept_in_the_cli_match_the_modules_they_name() -> None:

@@ -141,8 +141,8 @@ def test_format_table_reads_naturally_and_stays_aligned() -> None:
     ], seconds=3.0)
     lines = analyse(trace).format().splitlines()
     header = next(line for line in lines if line.lstrip().startswith("worker"))
-    assert header.split() == ["worker", "images", "chunks", "busy", "idle:", "start", "barrier",
-                              "messaging", "tail", "(s)"]
+    assert header.split() == ["worker", "images", "chunks", "busy", "device", "idle:", "start",
+                              "barrier", "messaging", "tail", "(s)"]
     rows = lines[lines.index(header) + 1:]
     assert [row.split()[:2] for row in rows] == [["a/cpu:0", "1,234,567"], [long, "29,482"]]
     assert len({len(line) for line in [header] + rows}) == 1  # every column lines up
@@ -258,3 +258,19 @@ def test_load_trace_rejects_bad_files(tmp_path: Path, content: str | None, messa
     with pytest.raises(TraceError) as error:
         load_trace(path)
     assert str(path) in str(error.value) and message in str(error.value)
+
+
+def test_device_share_sums_the_device_seconds_workers_report() -> None:
+    gpu, cpu = "h/gpu:0", "h/cpu:0"
+    chunks = [{**chunk(gpu, 0.0, 0.0, 0.1, 1.0, 1.0), "device": 0.8, "copy": 0.1},
+              {**chunk(gpu, 1.0, 1.0, 1.0, 2.0, 2.0), "device": 0.9, "copy": 0.1},
+              chunk(cpu, 0.0, 0.0, 0.0, 2.0, 2.0)]  # an older worker reports no device time
+    lines = {line.name: line for line in analyse(make_trace({gpu: 100.0, cpu: 50.0}, chunks,
+                                                            seconds=2.0)).workers}
+    assert lines[gpu].device_s == pytest.approx(1.7) and lines[gpu].copy_s == pytest.approx(0.2)
+    assert lines[gpu].device_share(2.0) == pytest.approx(0.85)
+    assert lines[cpu].device_s is None and lines[cpu].device_share(2.0) is None
+    rows = {row.split()[0]: row.split() for row in
+            analyse(make_trace({gpu: 100.0, cpu: 50.0}, chunks, seconds=2.0)).format()
+            .splitlines() if row.strip().startswith("h/")}
+    assert rows[gpu][4] == "85.0%" and rows[cpu][4] == "-"

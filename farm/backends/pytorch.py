@@ -99,21 +99,33 @@ def _lrn(q: Any) -> Op:
     import torch.nn.functional as F
 
     size, alpha, beta, k = q.local_size, q.alpha, q.beta, q.k
+    # computed in f32 whatever the net's precision: squares of activations above 256
+    # overflow f16
     if q.norm_region == 0:  # ACROSS_CHANNELS: Caffe and torch share the formula
-        return lambda x, w: F.local_response_norm(x[0], size, alpha, beta, k)
+        return lambda x, w: F.local_response_norm(x[0].float(), size, alpha, beta,
+                                                  k).to(x[0].dtype)
     pad = (size - 1) // 2  # WITHIN_CHANNEL: Caffe's average of squares over a size x size window
 
     def within(x: list[Any], w: list[Any]) -> Any:
-        square_mean = F.avg_pool2d(x[0] * x[0], size, 1, pad, count_include_pad=True)
-        return x[0] * (1 + alpha * square_mean).pow(-beta)
+        wide = x[0].float()
+        square_mean = F.avg_pool2d(wide * wide, size, 1, pad, count_include_pad=True)
+        return (wide * (1 + alpha * square_mean).pow(-beta)).to(x[0].dtype)
     return within
 
 
+def fold_batch_norm(blobs: list[np.ndarray]) -> list[np.ndarray]:
+    """Caffe's BatchNorm blobs (mean and variance sums, and the scale factor they are divided
+    by; 0 means no statistics) as the mean and variance themselves, with a factor of 1.
+    Folded once, in f32: the sums overflow f16, and the forward pass does not repeat it."""
+    mean, var, scale = (np.asarray(blob, np.float32) for blob in blobs[:3])
+    factor = np.float32(0.0 if scale.reshape(-1)[0] == 0 else 1.0 / scale.reshape(-1)[0])
+    return [mean * factor, var * factor, np.ones_like(scale)]
+
+
 def _batch_norm(x: Any, w: list[Any], eps: float) -> Any:
-    """Caffe's BatchNorm at test time: stored mean and variance, divided by the scale factor."""
-    factor = 0.0 if float(w[2].reshape(-1)[0]) == 0 else 1.0 / float(w[2].reshape(-1)[0])
-    mean = _axis_view(w[0] * factor, 1, x.dim())
-    var = _axis_view(w[1] * factor, 1, x.dim())
+    """Caffe's BatchNorm at test time, on blobs folded by ``fold_batch_norm``."""
+    mean = _axis_view(w[0], 1, x.dim())
+    var = _axis_view(w[1], 1, x.dim())
     return (x - mean) / (var + eps).sqrt()
 
 
@@ -165,21 +177,30 @@ def build_module(network: Network, trainable: bool = False) -> Any:
             self.steps: list[tuple[Layer, Op, list[int]]] = []
             for layer in network.layers:
                 blobs = layer.blobs or [np.zeros(s, np.float32) for s in layer.blob_shapes]
+                if layer.type == "BatchNorm":
+                    blobs = fold_batch_norm(blobs)
                 indices = []
                 for blob in blobs:
                     indices.append(len(self.weights))
                     self.weights.append(torch.nn.Parameter(torch.from_numpy(blob.copy()),
                                                            requires_grad=trainable))
                 self.steps.append((layer, make_op(layer, network.shapes), indices))
+            # the last step that reads each blob: after it, the blob is dropped, so a batch
+            # holds a few blobs at a time, not the whole net's (GoogLeNet's: 27 MB an image)
+            self.last_read = {name: i for i, (layer, _, _) in enumerate(self.steps)
+                              for name in layer.bottoms}
 
         def forward(self, x: Any, until: str | None = None) -> Any:
             """The blob ``until`` (default: the net's output) after its last writer has run."""
             target = until or network.output
             last = max(i for i, (layer, _, _) in enumerate(self.steps) if target in layer.tops)
             blobs = {network.input: x}
-            for layer, op, indices in self.steps[:last + 1]:
+            for i, (layer, op, indices) in enumerate(self.steps[:last + 1]):
                 blobs[layer.tops[0]] = op([blobs[name] for name in layer.bottoms],
                                           [self.weights[i] for i in indices])
+                for name in layer.bottoms:
+                    if self.last_read[name] == i and name not in layer.tops and name != target:
+                        blobs.pop(name, None)
             return blobs[target]
 
         def caffe_blobs(self) -> list[tuple[str, str, list[np.ndarray]]]:
@@ -192,25 +213,85 @@ def build_module(network: Network, trainable: bool = False) -> Any:
 
 
 class TorchEngine(Engine):
+    """The net as a torch module; ``run`` feeds it through ``farm.backends.torchfeed``
+    (pinned memory, a copy stream and preprocessing on the GPU when on CUDA), ``forward``
+    takes batches already preprocessed on the host (``autoselect`` times it so)."""
+
     backend = "torch"
+
+    def precisions(self) -> tuple[str, ...]:
+        if not self.device.startswith("cuda"):
+            return ("f32",)
+        import torch
+
+        return ("f32", "f16", "bf16") if torch.cuda.is_bf16_supported() else ("f32", "f16")
+
+    def precision_note(self) -> str:
+        return "" if self.device.startswith("cuda") else \
+            " (farm's torch backend computes in f32 on the CPU)"
 
     def build(self) -> None:
         import torch
 
+        from farm.backends.torchfeed import DeviceTransform, Feeder
+
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        on_gpu = self.device.startswith("cuda")
+        if on_gpu and not torch.cuda.is_available():
             raise ModelError(f"device {self.device} asked for, but this torch "
                              f"({torch.__version__}) sees no CUDA device")
+        if on_gpu and self.precision == "f32":
+            exact_f32(torch)
         self.torch = torch
-        self.module = build_module(self.network).to(self.device).eval()
+        self.dtype = DTYPES[self.precision](torch)
+        module = build_module(self.network).to(self.device, self.dtype).eval()
+        if on_gpu:
+            module = module.to(memory_format=torch.channels_last)
+        self.module = module
+        self.feeder = Feeder(self.call, DeviceTransform.on(self.transform, self.device),
+                             self.device, self.dtype)
+
+    def call(self, batch: Any) -> Any:
+        """The module on one preprocessed batch already on the device."""
+        return self.module(batch, until=self.spec.output)
 
     def forward(self, batch: np.ndarray) -> np.ndarray:
         with self.torch.inference_mode():
-            out = self.module(self.torch.from_numpy(batch).to(self.device, non_blocking=True),
-                              until=self.spec.output)
-            return out.cpu().numpy()
+            tensor = self.torch.from_numpy(batch).to(self.device, self.dtype, non_blocking=True)
+            return self.call(tensor).float().cpu().numpy()
+
+    def run(self, images: np.ndarray, stop: Callable[[], bool] | None = None,
+            tally: Callable[[int, float], None] | None = None) -> np.ndarray:
+        """Outputs for ``images`` as clients send them; preprocessing runs on the device."""
+        outputs = np.empty((images.shape[0], *self.output_shape), dtype=np.float32)
+        stats = self.feeder.run(images, self.batch, outputs, stop, tally)
+        self.last_run = stats
+        self.allocated = max(self.allocated, min(self.batch, images.shape[0]))
+        return outputs
 
     def shrink(self) -> None:
-        if self.device.startswith("cuda"):
-            self.torch.cuda.empty_cache()
+        """On the CPU, free what the feeder holds; a GPU worker keeps its pinned buffers and
+        the GPU's memory cache (the GPU is its own, and reallocating them would make the
+        next job's first batches wait)."""
+        if not self.device.startswith("cuda"):
+            self.feeder.release()
+
+
+def exact_f32(torch: Any) -> None:
+    """f32 means f32 on a GPU: no TensorFloat-32 (a 10-bit mantissa) in convolutions and
+    matrix products (f16 and bf16 are there for speed).  torch 2.9 and later name it
+    ``fp32_precision``; earlier ones ``allow_tf32``."""
+    if hasattr(torch.backends.cudnn, "conv") and \
+            hasattr(torch.backends.cudnn.conv, "fp32_precision"):
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    else:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+#: Compute precision -> the torch dtype (read from torch once it is imported).
+DTYPES: dict[str, Callable[[Any], Any]] = {"f32": lambda torch: torch.float32,
+                                           "f16": lambda torch: torch.float16,
+                                           "bf16": lambda torch: torch.bfloat16}

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from farm.deploy import Layout
 from farm.engine import AUTO, available_backends
 from farm.local import cores
 from farm.repository import find
@@ -74,8 +75,8 @@ SETUP_ABOUT = {
              "(the default farm)",
     "mixed": "pinned single-thread workers, OpenCV and torch on alternate cores "
              "(unequal speeds)",
-    "gpu": "one pinned worker per core and one worker per GPU, each on the backend auto "
-           "picks",
+    "gpu": "one worker per GPU and one pinned worker per core but those kept to feed the "
+           "GPUs, each on the backend auto picks",
 }
 
 
@@ -111,17 +112,23 @@ def farm_setups(wanted: tuple[str, ...] = SETUP_NAMES) -> tuple[list[FarmSetup],
         if not gpus:
             skipped.append("gpu: no CUDA device " + ("(torch is not installed)"
                                                      if torch_problem else "visible to torch"))
-        else:
-            workers = default + tuple(WorkerSpec(f"gpu:{i}") for i in range(len(gpus)))
+        else:  # a core per GPU feeds it, as farm deploy supervisord lays it out
+            layout = Layout.plan(tuple(here), tuple(range(len(gpus))))
+            workers = tuple(WorkerSpec(f"cpu:{core}") for core in layout.cpu_cores) + \
+                tuple(WorkerSpec(f"gpu:{gpu}") for gpu, _ in layout.gpus)
             built.append(FarmSetup("gpu", SETUP_ABOUT["gpu"], workers))
     return built, skipped
 
 
 def make_images(model: str, count: int) -> np.ndarray:
-    """``count`` images for ``model``: its bundled sample, repeated (deterministic)."""
+    """``count`` images for ``model``: its bundled sample, repeated, or for a model with
+    none (the ImageNet nets, whose weights are seeded), uint8 pixels from a fixed seed;
+    either way the same on every call."""
     spec = find(model)
     if spec.sample is None:
-        raise ValueError(f"model {model!r} has no bundled sample to benchmark with")
+        pixels = np.random.default_rng(0).integers(0, 256, (min(count, 64), *spec.item_shape),
+                                                   dtype=np.uint8)
+        return np.resize(pixels, (count, *spec.item_shape))
     return np.resize(np.load(spec.sample), (count, *spec.item_shape))
 
 

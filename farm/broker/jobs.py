@@ -202,7 +202,7 @@ class Job:
         if self.output_shape not in (None, shape):
             return f"output shape {shape} differs from earlier chunks' {self.output_shape}"
         timings = result.timings
-        for key in ("compute", "receive", "send"):
+        for key in ("compute", "receive", "send", "device", "copy"):
             value = timings.get(key, 0.0)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 return f"{key} time {value!r} is not a time"

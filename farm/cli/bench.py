@@ -44,7 +44,7 @@ def comma_list(choices: Sequence[str]) -> Callable[[click.Context, click.Paramet
 @click.option("--setups", default=",".join(SETUP_CHOICES), show_default=True,
               callback=comma_list(SETUP_CHOICES),
               help="Farms to build: cores (one worker per core on auto), mixed (OpenCV and "
-                   "torch on alternate cores), gpu (cores plus one worker per GPU); those this "
+                   "torch on alternate cores), gpu (one worker per GPU, each fed by a core of its own, and the other cores); those this "
                    "machine cannot build are skipped and named.")
 @click.option("--peers", "peer_names", default=",".join(PEER_CHOICES), show_default=True,
               callback=comma_list(PEER_CHOICES),

@@ -47,8 +47,9 @@ class ItemRange(click.ParamType):
 @click.option("--batch", type=click.IntRange(1),
               help="Compute batch: chunks run in batches of this many images "
                    "[default: the batch size in each model's prototxt].")
-@click.option("--slots", default=defaults.SLOTS, show_default=True, type=click.IntRange(1),
-              help="Chunks the broker may keep in flight to this worker.")
+@click.option("--slots", type=click.IntRange(1),
+              help=f"Chunks the broker may keep in flight to this worker [default: "
+                   f"{defaults.SLOTS} on a core, {defaults.GPU_SLOTS} on a GPU].")
 @click.option("--max-tasks", type=click.IntRange(1), help="Exit after this many chunks.")
 @heartbeat_options
 @curve_option("the broker's public key and this worker's secret key", defaults.WORKER_KEY)
@@ -56,7 +57,7 @@ class ItemRange(click.ParamType):
               help="Fault injection for chaos tests: chunks touching items A-B fail.")
 def worker(device: str, broker_address: str, backend: str, precision: str,
            preload: tuple[str, ...], models_dir: tuple[str, ...], cache_dir: str | None,
-           batch: int | None, slots: int, max_tasks: int | None, heartbeat: float,
+           batch: int | None, slots: int | None, max_tasks: int | None, heartbeat: float,
            liveness: int, curve: str | None, curve_name: str,
            fail_items: tuple[int, int] | None) -> None:
     """Run one worker: one per pinned core, one per GPU.
@@ -72,9 +73,10 @@ def worker(device: str, broker_address: str, backend: str, precision: str,
     from farm.workers.worker import Device, WorkerConfig, serve
 
     try:
+        parsed = Device.parse(device)
         config = WorkerConfig(
-            broker=broker_address, device=Device.parse(device), batch=batch,
-            model_dirs=models_dir, preload=preload, slots=slots, max_tasks=max_tasks,
+            broker=broker_address, device=parsed, batch=batch, model_dirs=models_dir,
+            preload=preload, slots=slots, max_tasks=max_tasks,
             backend=backend, cache_dir=cache_dir, heartbeat=heartbeat, liveness=liveness,
             curve=curve, curve_name=curve_name, fail_items=fail_items, precision=precision)
         serve(config)

@@ -36,8 +36,8 @@ import numpy as np
 import zmq
 
 from farm import defaults, messages, protocol
-from farm.engine import (AUTO, GPU_BACKEND, Engine, Stopped, engine_class, job_engine,
-                         limit_threads, load_engine)
+from farm.engine import (AUTO, GPU_BACKEND, Engine, RunStats, Stopped, engine_class,
+                         job_engine, limit_threads, load_engine)
 from farm.link import BrokerLink, LinkConfig
 from farm.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
@@ -85,6 +85,10 @@ class Device:
     @property
     def pinned(self) -> bool:
         return self.kind == "cpu" and self.index is not None
+
+    @property
+    def default_slots(self) -> int:
+        return defaults.GPU_SLOTS if self.kind == "gpu" else defaults.SLOTS
 
     @property
     def engine_device(self) -> str:
@@ -139,7 +143,7 @@ class WorkerConfig:
     batch: int | None = None  # None: each model's own prototxt batch
     model_dirs: tuple[str, ...] = ()
     preload: tuple[str, ...] = ()
-    slots: int = defaults.SLOTS
+    slots: int | None = None  # None: the device's default (Device.default_slots)
     max_tasks: int | None = None  # exit after this many chunks (tests, benchmarks)
     backend: str = defaults.BACKEND  # auto: the fastest agreeing backend, chosen per model
     cache_dir: str | None = None  # None: $FARM_CACHE/models or ~/.cache/farm/models
@@ -278,7 +282,8 @@ class Worker:
                   for name, spec in self.local_models().items()}
         return messages.Ready(
             device=str(self.config.device), host=socket.gethostname(), pid=os.getpid(),
-            backend=self.backend, models=models, slots=self.config.slots,
+            backend=self.backend, models=models,
+            slots=self.config.slots or self.config.device.default_slots,
             threads=self.thread_count(),
             loaded=tuple(sorted({e.spec.name for e in list(self.engines.values())})),
             engines=self.engine_names(), heartbeat=self.config.heartbeat,
@@ -490,7 +495,9 @@ class Worker:
         Timings: ``receive`` from the start of the receive to the decoded input
         (model loading excluded), ``compute`` the forward passes (and the decoding of
         image files: the policies see a worker's whole cost per image), ``send`` the
-        building of the reply (the socket send itself is asynchronous).
+        building of the reply (the socket send itself is asynchronous); ``device`` the
+        part of ``compute`` the device spent computing (a GPU's, from CUDA events) and
+        ``copy`` the host-device copies (a trace's GPU busy share comes from these).
         """
         task = message.header
         assert isinstance(task, messages.Task)
@@ -501,6 +508,7 @@ class Worker:
                 self.load(spec, key)
                 received += time.perf_counter() - loading
             engine = self.engines[key]
+            engine.last_run = RunStats()  # a chunk whose every file fails computes nothing
             failures: list[tuple[int, int, str]] = []
             if task.dtype == protocol.ENCODED:
                 decoded = time.perf_counter()  # decoding the files counts as compute
@@ -531,6 +539,7 @@ class Worker:
         if failures:
             frames.append(protocol.failures_frame(failures))
         timings = {"receive": decoded - received, "compute": computed - decoded,
+                   "device": engine.last_run.device, "copy": engine.last_run.copy,
                    "send": time.perf_counter() - computed}
         return protocol.encode(Command.RESULT, messages.Result(
             job=task.job, chunk=task.chunk, start=task.start, count=task.count,

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# CPU cores and a GPU in one farm: every GPU measurement in one go, in under 10 minutes.
+#
+#   bench/gpu.sh RESULTS_DIR [--stand-in] [bench/gpu.py options]
+#   bench/gpu.sh --download          # here, with PyPI: fetch bench/gpu-wheels.txt's wheels
+#
+# On the GPU machine (no package registry) it first installs what farm lacks there from
+# bench/wheels/, then runs bench/gpu.py with this repository on the path, stopped with
+# SIGINT after $FARM_GPU_LIMIT seconds (565) if its own budget (--budget, 520) overruns.
+# --stand-in runs the same measurements with a CPU worker in the GPU worker's place.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-python3}
+wheels=$root/bench/wheels
+
+if [ "${1:-}" = "--download" ]; then
+    platforms=()
+    for tag in manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_17 manylinux2014 \
+               manylinux1; do
+        platforms+=(--platform "${tag}_x86_64")
+    done
+    "$python" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp "${platforms[@]}" -d "$wheels" -r "$root/bench/gpu-wheels.txt"
+    exit 0
+fi
+
+out=${1:?usage: bench/gpu.sh RESULTS_DIR [--stand-in] [options], or bench/gpu.sh --download}
+shift
+mkdir -p "$out"
+if ! "$python" -c 'import zmq, msgspec, supervisor' 2>/dev/null; then
+    if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
+        echo "bench/gpu.sh: pyzmq, msgspec or supervisor is missing and $wheels holds no" \
+             "wheels: run bench/gpu.sh --download where pip reaches PyPI" >&2
+        exit 2
+    fi
+    site=$(mktemp -d /tmp/farm-gpu-site.XXXXXX)
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$site" "$wheels"/*.whl
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+# a hard stop short of 10 minutes: SIGINT, on which bench/gpu.py writes what it has
+limit=${FARM_GPU_LIMIT:-565}
+timeout -s INT -k 30 "$limit" "$python" "$root/bench/gpu.py" "$out" "$@" 2>&1 \
+    | tee "$out/log.txt"
