@@ -23,7 +23,8 @@ from tests.conftest import reference_forward
 COMMANDS = [[], ["broker"], ["worker"], ["submit"], ["run"], ["models"], ["models", "list"],
             ["models", "show"], ["models", "check"], ["models", "export"],
             ["models", "prepare"], ["models", "add"], ["status"], ["report"], ["bench"], ["keys"], ["keys", "init"],
-            ["keys", "add"], ["keys", "list"], ["deploy"], ["deploy", "supervisord"]]
+            ["keys", "add"], ["keys", "list"], ["deploy"], ["deploy", "supervisord"],
+            ["deploy", "slurm"]]
 #: Libraries no command may load before it runs: ``farm broker --help`` stays fast.
 HEAVY = ("cv2", "torch", "onnx", "onnxruntime", "openvino", "matplotlib", "tqdm",
          "farm.engine")

@@ -359,3 +359,109 @@ def test_supervised_farm_runs_a_job_through_a_kill_9_and_restarts_the_worker(
                           **{f"farm-workers:{program}": "RUNNING" for program in workers}}
     finally:
         farm.shutdown()
+
+
+# ----------------------------------------------------------------- slurm
+
+SLURM_EXAMPLE = REPO / "deploy" / "farm.sbatch"
+SLURM_EXAMPLE_ARGS = ["--nodes", "2", "--gpus-per-node", "1", "--model", "lenet",
+                      "--farm-command", "farm", "--sbatch=--time=1:00:00", "--submit",
+                      "farm submit images.npy --model lenet --out out.npy",
+                      "-o", "deploy/farm.sbatch"]
+
+
+def slurm_script(*args: str) -> str:
+    result = CliRunner().invoke(deploy, ["slurm", *args], prog_name="farm deploy")
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_a_slurm_script_asks_for_cores_and_gpus_and_runs_a_step_for_each() -> None:
+    text = slurm_script("--nodes", "2", "--cores-per-node", "16", "--gpus-per-node", "2",
+                        "--model", "lenet", "--sbatch=--time=2:00:00", "--submit",
+                        "farm submit a.npy --model lenet --out 'o u t.npy'")
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert directives == ["#SBATCH --job-name=farm", "#SBATCH --nodes=2",
+                          "#SBATCH --output=farm-%j.out", "#SBATCH --ntasks-per-node=16",
+                          "#SBATCH --cpus-per-task=1", "#SBATCH --gres=gpu:2",
+                          "#SBATCH --time=2:00:00"]
+    assert "GPUS_PER_NODE=2\n" in text and "MODELS=(--model lenet)\n" in text
+    assert "worker --device cpu:bound" in text and "--cpu-bind=cores" in text
+    assert "--gres=gpu:1" in text and "worker --device gpu:0" in text
+    assert "( farm submit a.npy --model lenet --out 'o u t.npy' ) || status=$?\n" in text
+    assert 'farm keys init "$JOB_DIR/keys"' in text  # keys made per job by default
+
+
+def test_a_workers_only_script_joins_a_broker_and_serves() -> None:
+    text = slurm_script("--connect", "tcp://node7:5555", "--curve", "/shared/keys")
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    assert "export FARM_BROKER=tcp://node7:5555\n" in text
+    assert "export FARM_CURVE=/shared/keys\n" in text
+    assert " broker --bind" not in text and "keys init" not in text
+    assert 'wait ${WORKER_PIDS[@]}' in text and "#SBATCH --exclusive" in text
+    assert "CURVE_ARGS=()" in slurm_script("--no-curve")
+
+
+def test_the_script_reads_slurms_cpu_counts_per_node() -> None:
+    from farm.slurm import FUNCTIONS
+
+    shell = "\n".join(FUNCTIONS) + '\nexpand_counts "16(x2),8,4(x1)"\n'
+    done = subprocess.run(["bash"], input=shell, capture_output=True, text=True)
+    assert done.stdout.strip() == "16 16 8 4"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cores-per-node", "2", "--gpus-per-node", "3"], "needs a core each to feed it"),
+    (["--connect", "tcp://h:1"], "give the broker's keys folder with --curve DIR"),
+    (["--connect", "tcp://h:1", "--no-curve", "--submit", "farm status"],
+     "not in a workers-only job"),
+    (["--curve", "k", "--no-curve"], "contradict"),
+    (["--submit", "farm submit a\nrm -rf b"], "must be one line"),
+    (["--job-name", "a b"], "--job-name 'a b'"),
+])
+def test_a_slurm_script_that_could_not_run_is_refused(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(deploy, ["slurm", *args], prog_name="farm deploy")
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_the_committed_slurm_example_is_what_the_command_writes(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "farm.sbatch"
+    args = [*SLURM_EXAMPLE_ARGS[:-1], str(out)]
+    slurm_script(*args)
+    written = out.read_text().replace(str(out), "deploy/farm.sbatch")
+    assert written == SLURM_EXAMPLE.read_text(), \
+        "deploy/farm.sbatch is stale: farm deploy slurm " + " ".join(SLURM_EXAMPLE_ARGS)
+    assert os.access(out, os.X_OK)
+
+
+def test_status_waits_for_workers_and_says_how_many_came(tmp_path: Path) -> None:
+    from farm.local import LocalFarm, farm_command
+
+    with LocalFarm(devices=[]) as local:
+        started = time.monotonic()
+        done = subprocess.run(farm_command("status", "--broker", local.endpoint,
+                                           "--wait-workers", "2", "--timeout", "1"),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and "0 of 2 workers registered within 1 s" in done.stderr
+        assert time.monotonic() - started < 30
+        local.start_worker("cpu:0")
+        done = subprocess.run(farm_command("status", "--broker", local.endpoint,
+                                           "--wait-workers", "1", "--timeout", "60"),
+                              capture_output=True, text=True, timeout=90)
+        assert done.returncode == 0 and "cpu:0" in done.stdout, done.stderr
+
+
+def test_a_bound_worker_pins_itself_to_the_core_it_was_given() -> None:
+    from farm.workers.worker import Device
+
+    device = Device.parse("cpu:bound")
+    assert device.pinned and device.index == min(os.sched_getaffinity(0))
+    done = subprocess.run(["taskset", "-c", "1", sys.executable, "-c",
+                           "from farm.workers.worker import Device; "
+                           "print(Device.parse('cpu:bound'))"],
+                          capture_output=True, text=True, cwd=REPO)
+    if len(os.sched_getaffinity(0)) > 1:
+        assert done.stdout.strip() == "cpu:1", done.stderr

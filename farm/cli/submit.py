@@ -19,7 +19,7 @@ from farm.cli.options import (backend_option, broker_option, client_curve_option
                               image_out_options, model_option, models_dir_option,
                               precision_option, top_k_option)
 from farm.cli.policy import policy_options, policy_params
-from farm.client import FarmError, FarmTimeout
+from farm.client import Client, FarmError, FarmTimeout
 
 #: ``farm status --watch`` without SECONDS: redraw this often.
 WATCH_INTERVAL = 2.0
@@ -205,6 +205,32 @@ def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[s
                f"({correct} of {len(labels)} against {labels_path.name})")
 
 
+def await_workers(client: Client, count: int, timeout: float) -> None:
+    """Return once ``count`` workers have registered; ClickException (exit 1) after
+    ``timeout`` seconds, naming how many have.  The request is renewed every
+    ``WAIT_ROUND`` seconds (a broker forgets a request left waiting for long)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        client.timeout = max(0.1, min(WAIT_ROUND, deadline - time.monotonic()))
+        try:
+            client.info(wait_workers=count)
+            return
+        except FarmTimeout:
+            if time.monotonic() >= deadline:
+                break
+    client.timeout = 5.0
+    try:
+        joined = len(client.info().get("workers", []))
+    except FarmTimeout as exc:
+        raise click.ClickException(f"{exc} ({NO_BROKER_HINT})") from exc
+    raise click.ClickException(f"{joined} of {count} workers registered within "
+                               f"{timeout:g} s")
+
+
+#: Seconds of one request of ``farm status --wait-workers`` (below the broker's limit).
+WAIT_ROUND = 60.0
+
+
 @click.command()
 @broker_option
 @click.option("--json", "as_json", is_flag=True, help="The broker's snapshot as JSON, for scripts.")
@@ -212,10 +238,13 @@ def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[s
               help=f"Redraw every SECONDS ({WATCH_INTERVAL:g} if not given) until Ctrl-C.",
               metavar="[SECONDS]")
 @click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(0.1),
-              help="Seconds to wait for the broker's answer.")
+              help="Seconds to wait for the broker's answer (and for --wait-workers).")
+@click.option("--wait-workers", type=click.IntRange(1), metavar="N",
+              help="First wait, up to --timeout, until N workers have registered; exit 1 "
+                   "if they have not (scripts starting a farm).")
 @client_curve_option
 def status(broker_address: str, as_json: bool, watch: float | None, timeout: float,
-           curve: str | None, curve_name: str) -> None:
+           wait_workers: int | None, curve: str | None, curve_name: str) -> None:
     """Show the farm: its workers and jobs, read from the broker over its own socket.
 
     Workers: name (host:pid/device), backend, state, images/s and busy share over
@@ -228,12 +257,15 @@ def status(broker_address: str, as_json: bool, watch: float | None, timeout: flo
       farm status
       farm status --watch            # redraw every 2 s; --watch 0.5 for faster
       farm status --json | jq '.workers[] | {name, rate, busy_share}'
+      farm status --wait-workers 64 --timeout 300   # until 64 workers have joined
     """
     from farm.status import format_status
 
     link = BrokerLink(endpoint=broker_address, timeout=timeout, curve=curve,
                       curve_name=curve_name)
     with link.connect() as client:
+        if wait_workers:
+            await_workers(client, wait_workers, timeout)
         while True:
             try:
                 snapshot = client.info()

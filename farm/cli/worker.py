@@ -28,8 +28,9 @@ class ItemRange(click.ParamType):
 
 @click.command()
 @click.option("--device", default="cpu", show_default=True,
-              help="cpu (all cores, all threads), cpu:N (pinned to core N, one thread) or "
-                   "gpu:N (CUDA device N, torch backend).")
+              help="cpu (all cores, all threads), cpu:N (pinned to core N, one thread), "
+                   "cpu:bound (pinned to the core srun or taskset bound it to) or gpu:N (CUDA "
+                   "device N, torch backend).")
 @broker_option
 @backend_option("Inference library; auto times each installed one on each model when it "
                 "loads and keeps the fastest whose outputs agree (remembered on disk).",

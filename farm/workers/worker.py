@@ -66,9 +66,15 @@ MAX_REASON = 500
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 
 
+#: ``--device cpu:bound``: the core this process was bound to (by ``srun --cpu-bind``).
+BOUND = "bound"
+
+
 @dataclass(frozen=True)
 class Device:
-    """``cpu`` (all cores), ``cpu:N`` (pinned to core N) or ``gpu:N`` (CUDA device N)."""
+    """``cpu`` (all cores), ``cpu:N`` (pinned to core N), ``cpu:bound`` (pinned to the core
+    this process was bound to: the first, if hyperthreads make it several) or ``gpu:N``
+    (CUDA device N)."""
 
     kind: str
     index: int | None = None
@@ -77,7 +83,10 @@ class Device:
     def parse(cls, text: str) -> Device:
         kind, _, index = text.partition(":")
         if kind not in ("cpu", "gpu"):
-            raise ValueError(f"unsupported device {text!r}; use cpu, cpu:N or gpu:N")
+            raise ValueError(f"unsupported device {text!r}; use cpu, cpu:N, cpu:bound or "
+                             f"gpu:N")
+        if kind == "cpu" and index == BOUND:
+            return cls("cpu", min(os.sched_getaffinity(0)))
         if index and not index.isdigit():
             raise ValueError(f"bad device number in {text!r}")
         return cls(kind, int(index) if index else (0 if kind == "gpu" else None))
