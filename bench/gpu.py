@@ -263,8 +263,10 @@ def farm_for(layout: Layout, devices: list[str], model: str, run: ModelRun) -> L
 @contextlib.contextmanager
 def started(farms: list[LocalFarm]) -> Iterator[list[LocalFarm]]:
     """Start every farm at once (their start costs one farm's), stop them all after."""
-    with contextlib.ExitStack() as stack, \
-            concurrent.futures.ThreadPoolExecutor(len(farms)) as pool:
+    # the stops run before the pool waits for its threads: an interrupt while farms start
+    # stops them, and the threads starting them give up at once
+    with concurrent.futures.ThreadPoolExecutor(len(farms)) as pool, \
+            contextlib.ExitStack() as stack:
         for farm in farms:  # first: one farm failing to start stops the others too
             stack.callback(farm.stop)
         yield list(pool.map(lambda farm: farm.__enter__(), farms))

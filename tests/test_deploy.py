@@ -383,13 +383,14 @@ def test_a_slurm_script_asks_for_cores_and_gpus_and_runs_a_step_for_each() -> No
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     assert directives == ["#SBATCH --job-name=farm", "#SBATCH --nodes=2",
-                          "#SBATCH --output=farm-%j.out", "#SBATCH --ntasks-per-node=16",
+                          "#SBATCH --output=farm-%j.out", "#SBATCH --signal=B:TERM@60",
+                          "#SBATCH --ntasks-per-node=16",
                           "#SBATCH --cpus-per-task=1", "#SBATCH --gres=gpu:2",
                           "#SBATCH --time=2:00:00"]
     assert "GPUS_PER_NODE=2\n" in text and "MODELS=(--model lenet)\n" in text
     assert "worker --device cpu:bound" in text and "--cpu-bind=cores" in text
     assert "--gres=gpu:1" in text and "worker --device gpu:0" in text
-    assert "( farm submit a.npy --model lenet --out 'o u t.npy' ) || status=$?\n" in text
+    assert "(\nfarm submit a.npy --model lenet --out 'o u t.npy'\n) &\n" in text
     assert 'farm keys init "$JOB_DIR/keys"' in text  # keys made per job by default
 
 
@@ -419,6 +420,9 @@ def test_the_script_reads_slurms_cpu_counts_per_node() -> None:
     (["--curve", "k", "--no-curve"], "contradict"),
     (["--submit", "farm submit a\nrm -rf b"], "must be one line"),
     (["--job-name", "a b"], "--job-name 'a b'"),
+    (["--connect", "tcp://h:1", "--no-curve", "--port", "5555"], "a workers-only job"),
+    (["--model", "a\nb"], "must be one line"),
+    (["--submit", "farm submit a.npy )"], "the script would not run: bash says"),
 ])
 def test_a_slurm_script_that_could_not_run_is_refused(args: list[str], message: str) -> None:
     result = CliRunner().invoke(deploy, ["slurm", *args], prog_name="farm deploy")
@@ -458,10 +462,50 @@ def test_a_bound_worker_pins_itself_to_the_core_it_was_given() -> None:
     from farm.workers.worker import Device
 
     device = Device.parse("cpu:bound")
-    assert device.pinned and device.index == min(os.sched_getaffinity(0))
-    done = subprocess.run(["taskset", "-c", "1", sys.executable, "-c",
-                           "from farm.workers.worker import Device; "
-                           "print(Device.parse('cpu:bound'))"],
-                          capture_output=True, text=True, cwd=REPO)
-    if len(os.sched_getaffinity(0)) > 1:
-        assert done.stdout.strip() == "cpu:1", done.stderr
+    assert device.pinned and device.index in os.sched_getaffinity(0)
+
+    def bound(cores: str, local: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "SLURM_LOCALID"}
+        env.update({"SLURM_LOCALID": local} if local is not None else {})
+        done = subprocess.run(["taskset", "-c", cores, sys.executable, "-c",
+                               "from farm.workers.worker import Device; "
+                               "print(Device.parse('cpu:bound'))"],
+                              capture_output=True, text=True, cwd=REPO, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert bound("1", None) == bound("1", "0") == "cpu:1"  # the one core it was given
+    # two Slurm tasks given the same two CPUs (a core's hyperthreads) take one each
+    assert (bound("0,1", "0"), bound("0,1", "1"), bound("0,1", "2")) == \
+        ("cpu:0", "cpu:1", "cpu:0")
+    assert bound("0,1", None) == "cpu:0"  # taskset with several: the first
+
+
+def run_script_part(text: str, tail: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """The generated script's definitions (up to its first Slurm command), then ``tail``,
+    run by bash with ``tmp_path`` first on PATH."""
+    head = text[:text.index("trap 'on_signal 143' TERM")]
+    return subprocess.run(["bash", "-c", head + tail], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60,
+                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
+                               "SLURM_JOB_ID": "7", "FARM_CURVE": "/elsewhere"})
+
+
+def test_a_farm_command_named_farm_runs_the_program_not_the_function(tmp_path: Path) -> None:
+    program = tmp_path / "farm"
+    program.write_text('#!/bin/sh\necho "the farm program: $*"\n')
+    program.chmod(0o755)
+    text = slurm_script("--farm-command", "farm", "--submit", "farm status")
+    done = run_script_part(text, 'farm status --json; echo "curve: ${FARM_CURVE-unset}"\n',
+                           tmp_path)
+    assert done.stdout.splitlines() == ["the farm program: status --json", "curve: unset"], \
+        done.stderr
+    assert (tmp_path / "farm-7").is_dir()  # the job's folder, beside its output
+
+
+def test_the_jobs_exit_status_is_the_first_failing_lines(tmp_path: Path) -> None:
+    text = slurm_script("--submit", "true", "--submit", "exit 3", "--submit", "exit 5",
+                        "--submit", "true")
+    body = text[text.index("status=0\n"):text.index("stop_farm\nsay \"done")]
+    done = run_script_part(text, body + 'echo "status $status"\n', tmp_path)
+    assert done.stdout.splitlines()[-1] == "status 3", done.stdout + done.stderr

@@ -107,7 +107,7 @@ def test_at_the_time_limit_it_writes_what_it_has(tmp_path) -> None:
     done = subprocess.run(["bash", str(SCRIPT), str(out), "--stand-in", "--models",
                            "lenet,cifar10_quick", "--images", "3000", "--quick"],
                           capture_output=True, text=True, timeout=200,
-                          env={**os.environ, "PYTHON": sys.executable, "FARM_GPU_LIMIT": "25"})
+                          env={**os.environ, "PYTHON": sys.executable, "FARM_GPU_LIMIT": "35"})
     assert done.returncode == 124, done.stdout[-2000:]  # timeout's code: the limit was hit
     report = (out / "report.md").read_text()
     assert "interrupted: the time limit was reached" in report

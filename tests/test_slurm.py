@@ -70,6 +70,12 @@ def wait_for(check, seconds: float, what: str):
     raise AssertionError(f"{what}: not within {seconds} s")
 
 
+def assert_stopped_cleanly(job_dir: Path, workers: int) -> None:
+    """Every worker said goodbye to the broker: none was killed."""
+    log = (job_dir / "broker.log").read_text()
+    assert log.count("left (disconnected)") == workers, log[-2000:]
+
+
 def assert_nothing_left(cluster: SlurmCluster, folder: Path) -> None:
     """squeue empty, and no process of this test's farm alive."""
     wait_for(lambda: cluster.squeue() == "", 60, "squeue empty")
@@ -115,6 +121,7 @@ def test_sbatch_runs_a_job_exactly_and_leaves_nothing(cluster, tmp_path, lenet,
     assert stat.S_IMODE(keys.stat().st_mode) == 0o700
     for key in [*keys.glob("*.key*"), *keys.glob("authorized/*")]:
         assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
+    assert_stopped_cleanly(tmp_path / f"farm-{job}", 4)
     assert_nothing_left(cluster, tmp_path)
 
 
@@ -139,6 +146,9 @@ def test_a_node_lost_mid_job_costs_only_time(cluster, tmp_path, lenet, digits) -
                  .splitlines())
     subprocess.run(["scancel", steps["farm-workers-n2"]], env=cluster.env, check=True,
                    timeout=30)
+    wait_for(lambda: "farm-workers-n2" not in cluster.squeue("-s", "-j", job, "-o", "%j"),
+             30, "n2's worker step gone")
+    assert farm_status(job_dir)["jobs"][0]["done"] < 200_000  # lost while the job ran
     assert submitted.wait(timeout=400) == 0, (tmp_path / f"farm-{job}.out").read_text()
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected(lenet, digits, 200_000),
                                atol=1e-5)
@@ -146,26 +156,32 @@ def test_a_node_lost_mid_job_costs_only_time(cluster, tmp_path, lenet, digits) -
     lost = [line for line in (job_dir / "broker.log").read_text().splitlines()
             if "left (its connection closed)" in line]  # SIGKILL: no goodbye
     assert len(lost) == 2
-    assert "farm-workers-n2" not in cluster.squeue("-s", "-o", "%j")
+    assert_stopped_cleanly(job_dir, 2)  # n1's two, at the end
     assert_nothing_left(cluster, tmp_path)
 
 
 def test_a_standing_farm_takes_workers_from_another_job(cluster, tmp_path, lenet,
                                                         digits) -> None:
-    """A broker job with no submit lines serves until cancelled; a workers-only job
-    (``--connect``) on the other node joins it, and a client's job runs on both."""
+    """A broker job with no submit lines serves until stopped; a workers-only job
+    (``--connect``) on the other node joins it, and a client's job runs on both.  The
+    joiner leaves at a plain scancel; the standing farm stops cleanly at scancel -b -s TERM."""
     broker_dir, joiner_dir = tmp_path / "broker", tmp_path / "joiner"
     broker_dir.mkdir()
     joiner_dir.mkdir()
     standing = job_id(sbatch(cluster, deploy(broker_dir, "--nodes", "1", "--model", "lenet"),
                              wait=False))
     job_dir = broker_dir / f"farm-{standing}"
-    wait_for(lambda: (job_dir / "status.txt").is_file(), 120, "the standing farm's workers")
+    log = broker_dir / f"farm-{standing}.out"
+    wait_for(lambda: log.is_file() and "workers registered" in log.read_text(), 120,
+             "the standing farm's workers")
     endpoint = (job_dir / "endpoint").read_text().strip()
     joiner = job_id(sbatch(cluster, deploy(joiner_dir, "--nodes", "1", "--connect", endpoint,
                                            "--curve", str(job_dir / "keys"), "--model",
                                            "lenet"), wait=False))
-    wait_for(lambda: len(farm_status(job_dir)["workers"]) == 4, 120, "four workers")
+    joined = joiner_dir / f"farm-{joiner}.out"
+    wait_for(lambda: joined.is_file() and "2 workers registered" in joined.read_text(), 120,
+             "the joiner's two workers")
+    assert len(farm_status(job_dir)["workers"]) == 4
     from farm.client import Client
 
     _, images = save_images(tmp_path, digits, 20_000)
@@ -174,7 +190,10 @@ def test_a_standing_farm_takes_workers_from_another_job(cluster, tmp_path, lenet
     np.testing.assert_allclose(result.outputs, expected(lenet, digits, 20_000), atol=1e-5)
     assert {share.device.split(":")[0] for share in result.summary.workers} == {"cpu"}
     assert len(result.summary.workers) == 4
-    subprocess.run(["scancel", joiner, standing], env=cluster.env, check=True, timeout=30)
+    subprocess.run(["scancel", joiner], env=cluster.env, check=True, timeout=30)
+    wait_for(lambda: len(farm_status(job_dir)["workers"]) == 2, 60, "the joiner's workers gone")
+    subprocess.run(["scancel", "-b", "-s", "TERM", standing], env=cluster.env, check=True,
+                   timeout=30)
     assert_nothing_left(cluster, tmp_path)
-    log = (broker_dir / f"farm-{standing}.out").read_text()
-    assert "stopping: the job was cancelled" in log
+    assert "stopping: signalled" in log.read_text()
+    assert_stopped_cleanly(job_dir, 4)  # scancel SIGTERMs the joiner's workers: goodbyes too

@@ -70,11 +70,22 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 BOUND = "bound"
 
 
+def bound_core() -> int:
+    """The core a ``cpu:bound`` worker pins itself to: the one it was bound to; of several
+    (a core's hyperthreads shared by two tasks, or a whole step's cores where Slurm binds
+    nothing), the one at its task's index on the node (``SLURM_LOCALID``), so that tasks
+    sharing a set spread over it; else the first."""
+    allowed = sorted(os.sched_getaffinity(0))
+    local = os.environ.get("SLURM_LOCALID", "")
+    if len(allowed) > 1 and local.isdigit():
+        return allowed[int(local) % len(allowed)]
+    return allowed[0]
+
+
 @dataclass(frozen=True)
 class Device:
     """``cpu`` (all cores), ``cpu:N`` (pinned to core N), ``cpu:bound`` (pinned to the core
-    this process was bound to: the first, if hyperthreads make it several) or ``gpu:N``
-    (CUDA device N)."""
+    this process was bound to: ``bound_core``) or ``gpu:N`` (CUDA device N)."""
 
     kind: str
     index: int | None = None
@@ -86,7 +97,7 @@ class Device:
             raise ValueError(f"unsupported device {text!r}; use cpu, cpu:N, cpu:bound or "
                              f"gpu:N")
         if kind == "cpu" and index == BOUND:
-            return cls("cpu", min(os.sched_getaffinity(0)))
+            return cls("cpu", bound_core())
         if index and not index.isdigit():
             raise ValueError(f"bad device number in {text!r}")
         return cls(kind, int(index) if index else (0 if kind == "gpu" else None))
