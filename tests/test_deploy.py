@@ -400,7 +400,7 @@ def test_a_workers_only_script_joins_a_broker_and_serves() -> None:
     assert "export FARM_BROKER=tcp://node7:5555\n" in text
     assert "export FARM_CURVE=/shared/keys\n" in text
     assert " broker --bind" not in text and "keys init" not in text
-    assert 'wait ${WORKER_PIDS[@]}' in text and "#SBATCH --exclusive" in text
+    assert 'wait "${WORKER_PIDS[@]}"' in text and "#SBATCH --exclusive" in text
     assert "CURVE_ARGS=()" in slurm_script("--no-curve")
 
 
