@@ -89,7 +89,7 @@ class SlurmCluster:
                               capture_output=True, text=True, timeout=30)
         self.started_munge = done.returncode == 0
         deadline = time.monotonic() + 10
-        while not munge_works():
+        while not munge_works():  # munged forks into the background: only its socket tells
             if time.monotonic() > deadline:
                 return f"munged did not start: {done.stderr.strip()[-300:]}"
             time.sleep(0.1)
@@ -154,6 +154,7 @@ class SlurmCluster:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 15
+        # daemons are not this process's children: there is no exit to wait on, only polls
         while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in pids:
