@@ -49,10 +49,11 @@ from typing import Any, Callable, Iterator
 import msgspec
 import numpy as np
 
+from farm.autoselect import relative_difference
 from farm.bench.measure import (BROKER_OPTIONS, Configuration, in_fresh_process,
-                                paper_configurations)
+                                paper_configurations, timed_job)
 from farm.bench.setups import describe_machine, make_images
-from farm.client import Client, FarmError
+from farm.client import FarmError
 from farm.local import LocalFarm, cores
 from farm.protocol import MAX_TASK_BYTES
 from farm.repository import find
@@ -210,7 +211,8 @@ def engine_choice(model: str, device: str, threads: int | None, backend: str,
             if precision != "f32":
                 reference = load_engine(spec, backend, None, device, threads, "f32")
                 images = make_images(model, 64)
-                row["difference"] = relative(engine.run(images), reference.run(images))
+                row["difference"] = relative_difference(engine.run(images),
+                                                        reference.run(images))
     except ModelError as exc:
         row["problem"] = str(exc)
         return row
@@ -236,11 +238,6 @@ def best_batch(engine: Any, images: np.ndarray) -> int:
         engine.run(images)
         rates[batch] = len(images) / (time.perf_counter() - started)
     return max(rates, key=lambda batch: rates[batch])
-
-
-def relative(outputs: np.ndarray, reference: np.ndarray) -> float:
-    scale = float(np.abs(reference).max()) or 1.0
-    return float(np.abs(outputs.astype(np.float64) - reference).max()) / scale
 
 
 # ---- farms ----------------------------------------------------------------------------------
@@ -272,16 +269,6 @@ def started(farms: list[LocalFarm]) -> Iterator[list[LocalFarm]]:
         yield list(pool.map(lambda farm: farm.__enter__(), farms))
 
 
-def job(client: Client, images: np.ndarray, model: str, config: Configuration,
-        trace: bool = False) -> Any:
-    """One whole job; a job that lost images is an error, not a figure."""
-    result = client.run(images, model, algo=config.algo, params=config.params, trace=trace)
-    if result.failed:
-        raise FarmError(f"{config.label}: {len(result.failed)} ranges of images failed: "
-                        f"{result.failed[0].error}")
-    return result
-
-
 def sized(rate: float, seconds: float, least: int, most: int) -> int:
     return int(min(most, max(least, rate * seconds)))
 
@@ -301,8 +288,8 @@ def standalone(layout: Layout, model: str, run: ModelRun, args: argparse.Namespa
             chunk = Configuration("fifo", {"chunk": max(1, count // 4)})
             images = make_images(model, count)
             with farm.client(timeout=JOB_TIMEOUT) as client:
-                job(client, images[:max(1, count // 4)], model, chunk)  # warm-up
-                run.standalone[device] = job(client, images, model, chunk).summary.rate
+                timed_job(client, images[:max(1, count // 4)], model, chunk)  # warm-up
+                run.standalone[device] = timed_job(client, images, model, chunk).summary.rate
     say(f"{model}: alone: gpu {run.standalone[layout.gpu]:,.0f}/s, cores "
         f"{sum(v for d, v in run.standalone.items() if d != layout.gpu):,.0f}/s in all")
 
@@ -327,7 +314,7 @@ def sweep(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
     farm = farm_for(layout, layout.workers(), model, run)
     with started([farm]), farm.client(timeout=JOB_TIMEOUT) as client:
         warm = max(1, int(run.rates["cpu"] * 0.5))  # about half a second a CPU worker
-        job(client, images[:min(count, warm * len(layout.workers()))], model,
+        timed_job(client, images[:min(count, warm * len(layout.workers()))], model,
             Configuration("fifo", {"chunk": warm}))
         gpu_process = farm.workers[-1]
         best_rate = 0.0
@@ -335,7 +322,7 @@ def sweep(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
             clock.check(f"{model}: {config.label} and the policies after it",
                         STEP_FLOOR + 1.5 * expected_seconds(config, count, run))
             before = cpu_seconds(gpu_process.pid)
-            result = job(client, images, model, config, trace=True)
+            result = timed_job(client, images, model, config, trace=True)
             feeder = cpu_seconds(gpu_process.pid) - before
             row = policy_row(layout, model, config, result, run, feeder)
             run.policies.append(row)
@@ -453,7 +440,7 @@ def table2(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
                     else:
                         most = min(100_000, size * MAX_TABLE2_CHUNKS)
                         count = sized(rate, TABLE2_SECONDS, size, most) // size * size
-                        result = job(client, make_images(model, count), model,
+                        result = timed_job(client, make_images(model, count), model,
                                      Configuration("fifo", {"chunk": size}))
                         row.update(images=count, images_per_s=result.summary.rate)
                     run.table2.append(row)

@@ -89,9 +89,10 @@ def bench_farm(workers: Sequence[WorkerSpec], model: str,
 
 
 def timed_job(client: Client, images: np.ndarray, model: str,
-              config: Configuration) -> JobResult:
-    """One whole job under ``config``; a job that lost images is an error, not a figure."""
-    result = client.run(images, model, algo=config.algo, params=config.params)
+              config: Configuration, trace: bool = False) -> JobResult:
+    """One whole job under ``config`` (``trace``: with every chunk's timings); a job that
+    lost images is an error, not a figure."""
+    result = client.run(images, model, algo=config.algo, params=config.params, trace=trace)
     if result.failed:
         first = result.failed[0]
         raise FarmError(f"{config.label}: {len(result.failed)} ranges of images failed, "
