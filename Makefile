@@ -21,7 +21,7 @@ $(BIN)/farm: pyproject.toml
 install: $(BIN)/farm
 
 demo: install
-	$(BIN)/farm run --model lenet --out scores.npy
+	$(BIN)/farm run --model lenet --repeat 40 --out scores.npy
 
 test: install
 	$(BIN)/python -m mypy farm

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,14 @@ def top_k(outputs: np.ndarray, k: int, softmax: bool) -> tuple[np.ndarray, np.nd
     return ids, np.take_along_axis(scores, ids, axis=1)
 
 
+class TextFile(Protocol):
+    """Where an answers file's text goes: an open text file, or a ``CountedFile``."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class AnswerWriter(Protocol):
     """Where answers go, one row per image, in input order."""
 
@@ -71,18 +80,21 @@ class AnswerWriter(Protocol):
 
 @dataclass
 class CsvAnswers:
-    """``path,id_1,name_1,probability_1,...,error``: one row per image."""
+    """``path,id_1,name_1,probability_1,...,error``: one row per image, after a heading row
+    (``heading``: False for a file that has it, resumed)."""
 
-    handle: IO[str]
+    handle: TextFile
     card: ModelCard
     k: int
     writer: Any = field(init=False)
+    heading: bool = True
 
     def __post_init__(self) -> None:
         self.writer = csv.writer(self.handle)
         ranks = [f"{what}_{rank}" for rank in range(1, self.k + 1)
                  for what in ("id", "name", "probability")]
-        self.writer.writerow(["path", *ranks, "error"])
+        if self.heading:
+            self.writer.writerow(["path", *ranks, "error"])
 
     def row(self, answer: Answer) -> None:
         cells: list[Any] = []
@@ -99,7 +111,7 @@ class CsvAnswers:
 class JsonlAnswers:
     """``{"path": ..., "top": [{"id", "name", "probability"}...]}`` (or ``"error"``) per line."""
 
-    handle: IO[str]
+    handle: TextFile
     card: ModelCard
 
     def row(self, answer: Answer) -> None:
@@ -139,15 +151,23 @@ class TerminalAnswers:
         self.handle.flush()
 
 
-def open_writer(path: str | None, card: ModelCard, k: int) -> AnswerWriter:
-    """A writer for an answers file by its suffix (.csv, .jsonl); None: the terminal.
-    ValueError for another suffix."""
-    if path is None:
-        return TerminalAnswers(card)
+def answers_format(path: str | os.PathLike[str]) -> str:
+    """An answers file's format by its suffix: csv or jsonl; ValueError for another."""
     kind = FORMATS.get(Path(path).suffix.lower())
     if kind is None:
         raise ValueError(f"{path}: answers are written as .csv or .jsonl (raw scores as .npy)")
-    handle = open(path, "w", newline="" if kind == "csv" else None, encoding="utf-8")
+    return kind
+
+
+def open_writer(path: str | None, card: ModelCard, k: int,
+                file: str | os.PathLike[str] | None = None) -> AnswerWriter:
+    """A writer for an answers file by its suffix (.csv, .jsonl); None: the terminal.
+    ``file``: where to write it instead (``path``'s ``.partial`` file).  ValueError for
+    another suffix."""
+    if path is None:
+        return TerminalAnswers(card)
+    kind = answers_format(path)
+    handle = open(file or path, "w", newline="" if kind == "csv" else None, encoding="utf-8")
     return CsvAnswers(handle, card, k) if kind == "csv" else JsonlAnswers(handle, card)
 
 

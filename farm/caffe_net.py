@@ -28,6 +28,10 @@ class NetworkError(ValueError):
     """A prototxt or weights file that farm cannot run, with the reason."""
 
 
+class InputShapeError(NetworkError):
+    """The net's one input has no shape, or an invalid one: a declared shape would fix it."""
+
+
 @dataclass
 class Layer:
     """One layer: its type, the blobs it reads and writes, its parameters and weights."""
@@ -383,13 +387,16 @@ def _find_input(message: Any, layers: list[Any], source: Path,
     if declared is not None and len(inputs) == 1:
         name, shape = inputs[0]
         inputs = [(name, (shape[0] if shape else 1, *declared))]
+    if len(inputs) == 1 and (not inputs[0][1] or min(inputs[0][1]) <= 0):
+        name, shape = inputs[0]
+        raise InputShapeError(f"{source}: input {name!r} has "
+                              f"{f'an invalid shape {shape}' if shape else 'no shape'}")
     inputs = [(name, shape) for name, shape in inputs if shape]
     if len(inputs) != 1:
         raise NetworkError(f"{source}: farm runs nets with exactly one input blob with a "
-                           f"declared shape; found {len(inputs)} (an input without a shape "
-                           f"takes one from model.toml's input_shape = [C, H, W])")
+                           f"declared shape; found {len(inputs)}")
     name, shape = inputs[0]
-    if not shape or min(shape) <= 0:
+    if min(shape) <= 0:
         raise NetworkError(f"{source}: input {name!r} has an invalid shape {shape}")
     return name, tuple(int(d) for d in shape)
 

@@ -20,11 +20,12 @@ come back are listed in ``JobResult.failed`` as cancelled.  A job may also
 have a ``job_timeout``, a ``priority`` among the jobs sharing the farm, and a
 policy of its own (``algo``, ``params``).
 
-``run(..., resume="out.npy")`` writes the outputs to that file with a journal
-beside it (``farm.journal``): a second call after the client was killed asks
-only for the items not safely written.  If writing an output fails (a full
-disk, EIO, a read-only file system), the client cancels its job and raises
-``OutputError``; what was journaled stays valid for a resume.
+``run(..., resume="out.npy")`` writes the outputs to ``out.npy.partial`` with
+a journal beside it (``farm.journal``), renamed to ``out.npy`` when the job
+ends: a second call after the client was killed asks only for the items not
+safely written.  If writing an output fails (a full disk, EIO, a read-only
+file system), the client cancels its job and raises ``OutputError``; what was
+journaled stays valid for a resume.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ import zmq
 from farm import messages, protocol
 from farm.answers import AnswerSink, ModelCard
 from farm.inputs import ArraySource, FileSource, InputError, Source, open_input
-from farm.journal import InputIdentity, JournalHeader, JournalMismatch, JournalSink
-from farm.link import BrokerLink, BrokerRefused, LinkConfig
+from farm.journal import InputIdentity, Journaled, JournalHeader, JournalMismatch, JournalSink
+from farm.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint
 from farm.npy import NpyReader, NpyWriter
 from farm.protocol import Command, ProtocolError
 from farm.summary import FailedItems, JobSummary
@@ -56,6 +57,11 @@ from farm.trace import Trace, TraceRecorder
 log = logging.getLogger("farm.client")
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+#: Seconds a job waits for a broker that never answered before it is given up (at most the
+#: client's timeout): a wrong address or a broker not started should not cost a minute.
+FIRST_CONTACT_TIMEOUT = 8.0
+#: Seconds with no worker connected before the client says so, and between repeats.
+NO_WORKER_NOTICE, NO_WORKER_REPEAT = 3.0, 30.0
 
 #: Commands a client accepts from the broker.
 ACCEPTED = frozenset({Command.NEED, Command.RESULT, Command.FAILED, Command.DONE, Command.ERROR,
@@ -68,6 +74,10 @@ class FarmError(RuntimeError):
 
 class FarmTimeout(FarmError):
     """Nothing came back from the broker within the timeout."""
+
+
+class NoWorker(FarmTimeout):
+    """No worker was connected to the broker for the client's timeout."""
 
 
 class ResumeRefused(FarmError):
@@ -230,6 +240,11 @@ class JobRun:
     deadline: float | None = None  # monotonic time the job's timeout ends
     output_error: OSError | None = None  # writing an output failed: the job is cancelled
     input_bytes: int = 0  # DATA payload bytes sent
+    notice: Callable[[str], None] = log.warning  # what the user should hear while it waits
+    answered: bool = False  # whether the broker has ever answered this client
+    started: float = field(default_factory=time.monotonic)
+    no_workers_since: float | None = None  # since when the broker has reported no worker
+    next_notice: float = 0.0  # when a notice about the wait may be repeated
 
     def remaining(self) -> float | None:
         """Seconds left of the job's timeout (None: it has none)."""
@@ -277,8 +292,9 @@ class Running:
             return None
         if not missing:
             return None  # the broker was lost after the last result
-        log.warning("submitting the %d missing images again",
-                    job.state.total - job.state.answered.sum())
+        log.log(logging.WARNING if job.answered else logging.DEBUG,  # never there: not news
+                "submitting the %d missing images again",
+                job.state.total - job.state.answered.sum())
         return job.new_submission(missing, self.heartbeat)
 
     def heartbeat_header(self) -> messages.Heartbeat | None:
@@ -305,7 +321,10 @@ class Client:
                  context: zmq.Context | None = None, heartbeat: float = 1.0,
                  liveness: int = 5, curve: str | None = None,
                  curve_name: str = "client") -> None:
-        self.broker = broker
+        try:
+            self.broker = broker = parse_endpoint(broker)  # HOST:PORT is tcp://HOST:PORT
+        except ValueError as exc:
+            raise FarmError(str(exc)) from None
         self.timeout = timeout
         self.heartbeat = heartbeat
         self._own_context = context is None
@@ -386,10 +405,13 @@ class Client:
             job_timeout: float | None = None, algo: str | None = None,
             params: dict[str, Any] | None = None, trace: bool = False,
             backend: str | None = None, precision: str | None = None,
-            resume: str | os.PathLike[str] | None = None) -> JobResult:
+            resume: str | os.PathLike[str] | None = None,
+            notice: Callable[[str], None] | None = None) -> JobResult:
         """Submit a job and gather its outputs (into ``out``, an array or a sink such as
-        ``NpyWriter`` or ``farm.answers.AnswerSink``) and a summary; failed items are NaN
-        in the outputs and listed.
+        ``NpyWriter`` or ``farm.answers.AnswerSink``, written where the caller said) and a
+        summary; failed items are NaN in the outputs and listed.  A
+        ``farm.journal.Journaled`` sink (``farm.answerjournal.AnswersJournal``) resumes and
+        ends as ``resume`` does.
 
         ``images``: an array (N x C x H x W, N x H x W, or N x H x W x C for an HWC model)
         or a `.npy` ``NpyReader``; or image files: a list of files, folders, globs and
@@ -405,33 +427,43 @@ class Client:
         (``auto`` and ``f32`` where only one is given).
 
         ``resume``: a `.npy` path (instead of ``out``) to write the outputs to, with a
-        journal beside it (``farm.journal``).  If that journal is there, the ranges it
-        lists whose bytes check out are kept and only the other items are submitted
-        (``JobResult.resumed`` counts the kept ones; ``progress`` is first called with
-        that count); ResumeRefused if it was written for another input, model or
-        engine.  The journal is deleted once every item is back, kept otherwise (a
-        later call retries what is missing or failed).  ``JobResult.outputs`` is the
-        whole file, memory-mapped.
+        journal beside it (``farm.journal``).  They are written to ``PATH.partial``,
+        renamed to ``PATH`` when the job ends with every item written or NaN-filled (a
+        killed client leaves ``PATH.partial``; a file at ``PATH`` stays until then).  If
+        the journal is there, the ranges it lists whose bytes check out are kept and
+        only the other items are submitted (``JobResult.resumed`` counts the kept
+        ones; ``progress`` is first called with that count); ResumeRefused if it was
+        written for another input, model or engine.  The journal is deleted once every
+        item is back, kept otherwise (a later call retries what is missing or failed,
+        taking ``PATH`` back as ``PATH.partial`` meanwhile).  ``JobResult.outputs`` is
+        the whole file, memory-mapped (None if no item came back: no file).
 
         OutputError if writing an output fails (disk full, EIO...): the job is cancelled
         on the broker first; what was journaled stays valid for a resume.
+
+        ``notice``: called with a line for the user while the job waits (no worker is
+        connected; default: a logged warning).  FarmTimeout if no broker ever answers
+        within ``FIRST_CONTACT_TIMEOUT`` seconds (or the client's timeout); NoWorker
+        if no worker is connected to the broker for ``timeout`` seconds.
         """
         source = as_source(images)
         if len(source) == 0:
             raise FarmError("no images to run")
+        for line in source.notices:  # an array converted, files skipped
+            log.info("%s", line)
         if params and algo is None:
             raise FarmError("policy params need algo (the job's own policy)")
         if resume is not None and out is not None:
             raise FarmError("give out or resume, not both")
-        engine = None if backend is None and precision is None else \
-            (backend or "auto", precision or "f32")
+        engine = job_engine(backend, precision)
         sink = self._open_sink(out, resume, source, model, engine)
         try:
             job = JobRun(model, source, sink, Progress(len(source)),
                          SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine),
                          progress,
                          trace=TraceRecorder() if trace else None,
-                         deadline=None if job_timeout is None else time.monotonic() + job_timeout)
+                         deadline=None if job_timeout is None else time.monotonic() + job_timeout,
+                         notice=notice or log.warning, answered=self.link.answered)
             return self._run_job(job)
         finally:
             if isinstance(sink, JournalSink):
@@ -457,7 +489,7 @@ class Client:
         started = time.perf_counter()
         sink, state = job.sink, job.state
         resumed = 0
-        if isinstance(sink, JournalSink):
+        if isinstance(sink, Journaled):
             state.answered |= sink.resumed_items()
             resumed = int(state.answered.sum())
             if resumed and job.progress:
@@ -474,13 +506,15 @@ class Client:
         if job.output_error is not None:
             raise self._output_error(job, job.output_error)
         if job.cancelled:
+            if isinstance(sink, Journaled):
+                sink.stop_journal()  # what did not come back is retried by a resume
             for start, count in state.missing_runs():
                 self._record_failure(job, start, count, job.cancelled)
         state.failed.sort(key=lambda failure: failure.start)  # in input order, not as they arrived
         try:
             for failure in state.failed:
                 sink.fill(failure.start, failure.count, np.nan)
-            if isinstance(sink, JournalSink):
+            if isinstance(sink, Journaled):
                 sink.finish(complete=state.complete and not state.failed)
         except OSError as exc:
             raise self._output_error(job, exc) from exc
@@ -497,11 +531,11 @@ class Client:
 
     @staticmethod
     def _outputs(sink: ResultSink) -> np.ndarray | None:
-        """The outputs in memory, or memory-mapped from a journaled file; None for a
-        sink of the caller's."""
+        """The outputs in memory, or memory-mapped from a journaled file this job wrote; None
+        for a sink of the caller's."""
         if isinstance(sink, ArraySink):
             return sink.array
-        if isinstance(sink, JournalSink) and sink.path.exists():
+        if isinstance(sink, JournalSink) and sink.published:
             return np.load(sink.path, mmap_mode="r")
         return None
 
@@ -509,7 +543,7 @@ class Client:
     def _output_error(job: JobRun, error: OSError) -> OutputError:
         """The OutputError of a job whose outputs could not be written."""
         sink, cancelled = job.sink, job.output_error is not None
-        if isinstance(sink, JournalSink):
+        if isinstance(sink, Journaled):
             try:
                 sink.sync()  # best effort: the journal's lines are checked on resume anyway
             except OSError:
@@ -536,6 +570,7 @@ class Client:
                 self._take(job, message)
             elif self._gave_up(job, last_heard):
                 return
+            self._check_workers(job)
             if job.submission is not None and job.cancel_sent is None:
                 self.link.tick()  # after an expiry of silence: a fresh socket, a resubmission
             elif job.submission is not None:
@@ -548,17 +583,45 @@ class Client:
         if job.cancel_sent is not None and now - job.cancel_sent > self.link.expiry:
             job.cancelled = "cancelled (the broker did not confirm)"
             return True
+        if (not job.answered and now - job.started > FIRST_CONTACT_TIMEOUT
+                and (self.timeout is None or self.timeout > FIRST_CONTACT_TIMEOUT)):
+            raise FarmTimeout(f"no broker answered at {self.broker} within "
+                              f"{FIRST_CONTACT_TIMEOUT:g} s")
         if self.timeout is not None and now - last_heard > self.timeout:
             raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s; "
                               f"{int(job.state.answered.sum())} of {job.state.total} "
                               f"images came back")
         return False
 
+    def _check_workers(self, job: JobRun) -> None:
+        """While the broker reports no worker connected: a notice after ``NO_WORKER_NOTICE``
+        seconds, repeated every ``NO_WORKER_REPEAT``; NoWorker after the timeout."""
+        if job.no_workers_since is None or job.submission is None:
+            return
+        now = time.monotonic()
+        waited = now - max(job.no_workers_since, job.started)
+        if self.timeout is not None and waited > self.timeout:
+            raise NoWorker(f"no worker connected to broker {self.broker} in {self.timeout:g} "
+                           f"s; {int(job.state.answered.sum()):,} of {job.state.total:,} "
+                           f"images came back (start workers with: farm worker --broker "
+                           f"{self.broker} --device cpu:0)")
+        if waited >= NO_WORKER_NOTICE and now >= job.next_notice:
+            job.notice(f"waiting for a worker: none is connected to {self.broker} "
+                       f"({waited:.0f} s so far; start one with: farm worker --broker "
+                       f"{self.broker} --device cpu:0)")
+            job.next_notice = now + NO_WORKER_REPEAT
+
     def _take(self, job: JobRun, message: protocol.Message) -> None:
         """One message from the broker: liveness, a refusal, or news of the current
         submission (anything about an earlier one is stale)."""
         header = message.header
         self.link.heard(header.interval if isinstance(header, messages.Heartbeat) else None)
+        job.answered = True
+        if isinstance(header, messages.Heartbeat) and header.workers is not None:
+            if header.workers:
+                job.no_workers_since = None
+            elif job.no_workers_since is None:
+                job.no_workers_since = time.monotonic()
         if isinstance(header, messages.Error) and header.job is None:
             raise FarmError(f"the broker refused a request: {header.error}")
         submission = job.submission
@@ -725,6 +788,13 @@ class Client:
                 raise FarmError(header.error)
 
 
+def job_engine(backend: str | None, precision: str | None) -> tuple[str, str] | None:
+    """The engine ``(backend, precision)`` a job asks for (None: the workers' own)."""
+    if backend is None and precision is None:
+        return None
+    return backend or "auto", precision or "f32"
+
+
 def as_source(images: Input) -> Source:
     """A job's input: an array or `.npy` reader, a source, or image files, folders, globs
     and lists (``farm.inputs.find_image_files``)."""
@@ -767,6 +837,7 @@ def describe_failures(failed: list[FailedItems],
     lines = [f"{count} image{'' if count == 1 else 's'} failed:"]
     for f in failed[:20]:
         what = (names(f.start, 1)[0] if names is not None and f.count == 1
+                else f"item {f.start}" if f.count == 1
                 else f"items {f.start}..{f.start + f.count - 1}")
         lines.append(f"  {what}: {f.error}")
     if len(failed) > 20:
@@ -775,4 +846,4 @@ def describe_failures(failed: list[FailedItems],
 
 
 __all__ = ["ArraySink", "Client", "FailedItems", "FarmError", "FarmTimeout", "JobResult",
-           "NpyReader", "NpyWriter", "OutputError", "ResumeRefused"]
+           "NoWorker", "NpyReader", "NpyWriter", "OutputError", "ResumeRefused"]

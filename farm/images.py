@@ -1,4 +1,5 @@
-"""Encoded image files (JPEG, PNG, BMP, TIFF, WebP) -> the arrays a client would send.
+"""Encoded image files (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM) -> the arrays a client would
+send.
 
 A worker decodes each file into exactly what a client sending decoded arrays
 sends for the model: ``spec.item_shape`` uint8, colour in **RGB** order (the
@@ -19,7 +20,10 @@ makes the net's input.  One file, in order:
    1-channel nets (see ``imread_flags``).  So a grey image for a colour net is
    replicated to 3 channels, a colour image for a grey net is converted to grey
    by OpenCV, 16-bit samples become 8-bit (``value >> 8``), CMYK JPEGs become
-   colour, alpha is dropped (not blended) and palettes are expanded.  EXIF
+   colour, alpha is dropped (not blended) and palettes are expanded.  A GIF is
+   decoded by Pillow instead (OpenCV reads GIF only from 4.11 on): its first frame,
+   the palette expanded to RGB (a transparent pixel keeps its palette colour), then
+   converted by OpenCV as a decoded PNG would be (``decode_gif``).  EXIF
    orientation is ignored: the pixels are used as stored, as Caffe's
    ``classify.py`` (skimage/Pillow) and ``convert_imageset`` (OpenCV 2) read
    them, and as the header's width x height say.  BGR -> RGB follows;
@@ -39,6 +43,7 @@ import cv2
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from farm.imagefiles import DECODED_FORMATS
 from farm.repository import ModelError, ModelSpec, Resize
 
 #: Default refusal threshold on the declared width x height.  A file of a few kilobytes
@@ -53,11 +58,14 @@ Image.MAX_IMAGE_PIXELS = None
 
 #: The formats decoded, by the name messages use: their file signatures, and Pillow's
 #: names for them (MPO is a camera JPEG with a second, preview image; OpenCV decodes the
-#: first image like any JPEG).
+#: first image like any JPEG).  PNM is PBM, PGM and PPM, ASCII or binary.
 SIGNATURES = {"JPEG": (b"\xff\xd8\xff",), "PNG": (b"\x89PNG\r\n\x1a\n",), "BMP": (b"BM",),
-              "TIFF": (b"II*\x00", b"MM\x00*"), "WebP": (b"RIFF",)}
+              "TIFF": (b"II*\x00", b"MM\x00*"), "WebP": (b"RIFF",),
+              "GIF": (b"GIF87a", b"GIF89a"), "PNM": tuple(b"P%d" % n for n in range(1, 7))}
 PILLOW_FORMATS = {"JPEG": ["JPEG", "MPO"], "PNG": ["PNG"], "BMP": ["BMP"], "TIFF": ["TIFF"],
-                  "WebP": ["WEBP"]}
+                  "WebP": ["WEBP"], "GIF": ["GIF"], "PNM": ["PPM"]}
+NOT_AN_IMAGE = (f"not an image file (no {', '.join(DECODED_FORMATS[:-1])} or "
+                f"{DECODED_FORMATS[-1]} header)")
 
 INTERPOLATION = {"linear": cv2.INTER_LINEAR, "area": cv2.INTER_AREA, "cubic": cv2.INTER_CUBIC,
                  "nearest": cv2.INTER_NEAREST}
@@ -134,7 +142,7 @@ class ImageDecoder:
             raise ImageError("empty file")
         kind = sniff(data)
         if kind is None:
-            raise ImageError("not an image file (no JPEG, PNG, BMP, TIFF or WebP header)")
+            raise ImageError(NOT_AN_IMAGE)
         if kind == "JPEG":
             check_jpeg_complete(data)
         width, height = declared_size(data, kind)
@@ -169,8 +177,11 @@ def sniff(data: bytes) -> str | None:
     """The format whose signature ``data`` starts with, or None."""
     for kind, signatures in SIGNATURES.items():
         if data.startswith(signatures):
-            if kind != "WebP" or data[8:12] == b"WEBP":
-                return kind
+            if kind == "WebP" and data[8:12] != b"WEBP":
+                continue
+            if kind == "PNM" and not data[2:3].isspace():
+                continue
+            return kind
     return None
 
 
@@ -196,6 +207,8 @@ def check_jpeg_complete(data: bytes) -> None:
 
 def decode_pixels(data: bytes, flags: int, kind: str) -> np.ndarray:
     """OpenCV's decoding: H x W x 3 BGR or H x W grey, uint8."""
+    if kind == "GIF":
+        return decode_gif(data, grey=not flags & cv2.IMREAD_COLOR)
     try:
         image = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
     except cv2.error as exc:
@@ -205,6 +218,21 @@ def decode_pixels(data: bytes, flags: int, kind: str) -> np.ndarray:
     if image.dtype != np.uint8:  # not expected without IMREAD_ANYDEPTH
         raise ImageError(f"unsupported {kind}: {image.dtype} samples")
     return image
+
+
+def decode_gif(data: bytes, grey: bool) -> np.ndarray:
+    """A GIF's first frame as ``decode_pixels`` gives other formats: H x W x 3 BGR or H x W
+    grey, uint8.  Pillow decodes it, the palette expanded to RGB; OpenCV converts that."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. transparency in a palette image
+            with Image.open(io.BytesIO(data), formats=["GIF"]) as image:
+                rgb = np.asarray(image.convert("RGB"))
+    except UnidentifiedImageError:
+        raise ImageError("corrupt GIF") from None
+    except Exception as exc:  # Pillow raises many kinds on a broken file
+        raise ImageError(f"corrupt GIF: {exc}") from None
+    return cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY if grey else cv2.COLOR_RGB2BGR)
 
 
 def resized_size(image_size: tuple[int, int], net_size: tuple[int, int],

@@ -1,17 +1,25 @@
 """A journal beside a job's `.npy` output, so that a killed client resumes where it was.
 
+While the job runs its outputs go to ``OUT.partial`` (``farm.npy.partial_path``),
+renamed to ``OUT`` when the job ends with every row written or NaN-filled: a
+killed client leaves ``OUT.partial``, never an ``OUT`` that reads as complete,
+and an ``OUT`` of an earlier job stays until the rename replaces it.
+
 ``OUT.journal`` is a small text file.  Its first line is a JSON header naming
 the job: the input (sha256 digest, item count, dtype, item shape), the model,
-the engine chosen for the job, and the output's item shape and dtype.  Then
-one line ``start count crc32`` per range of outputs written, appended (one
-plain write each) as results are written; both files are fdatasync'ed every
-``SYNC_INTERVAL`` seconds and at the end.
+the engine chosen for the job, the output format, and the output's item shape
+and dtype.  Then one line ``start count crc32`` per range of outputs written,
+appended (one plain write each) as results are written; both files are
+fdatasync'ed every ``SYNC_INTERVAL`` seconds and at the end.
 
 On resume every journaled range is checked against the output file's bytes
 (CRC-32), so a line whose data never reached the disk (a reboot), a torn last
 line (a kill mid-write, a full disk) or a damaged range costs only recomputing
 those items.  Failed items are NaN-filled in the output but never journaled,
-so a resume retries them.  A job that got every item back deletes its journal.
+so a resume retries them: it takes ``OUT`` back as ``OUT.partial`` while it
+does, so that ``OUT`` only ever exists whole.  A job that got every item back
+deletes its journal.  Answers files (.csv, .jsonl) keep a journal of the same
+header and their own lines (``farm.answerjournal``).
 """
 
 from __future__ import annotations
@@ -24,11 +32,11 @@ import time
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from farm.npy import NpyError, NpyReader, NpyWriter
+from farm.npy import NpyError, NpyReader, NpyWriter, partial_path, publish, sync_folder
 
 if TYPE_CHECKING:
     from farm.inputs import Source
@@ -82,6 +90,8 @@ class JournalHeader:
     output_shape: tuple[int, ...] | None = None  # one output item's shape, once known
     output_dtype: str | None = None
     version: int = VERSION
+    format: str = "npy"  # the output file's: npy, or answers as csv or jsonl
+    top_k: int | None = None  # classes per answer (answers files only)
 
     def line(self) -> bytes:
         document = {"version": self.version, "model": self.model,
@@ -90,7 +100,8 @@ class JournalHeader:
                               "item_shape": list(self.input.item_shape)},
                     "engine": list(self.engine) if self.engine else None,
                     "output": {"item_shape": list(self.output_shape or ()),
-                               "dtype": self.output_dtype}}
+                               "dtype": self.output_dtype, "format": self.format,
+                               "top_k": self.top_k}}
         return (json.dumps(document) + "\n").encode()
 
     @classmethod
@@ -107,7 +118,9 @@ class JournalHeader:
                        engine=None if engine is None else (str(engine[0]), str(engine[1])),
                        output_shape=tuple(int(n) for n in output["item_shape"]),
                        output_dtype=output["dtype"] and str(output["dtype"]),
-                       version=int(document["version"]))
+                       version=int(document["version"]),
+                       format=str(output.get("format", "npy")),
+                       top_k=None if output.get("top_k") is None else int(output["top_k"]))
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise JournalUnreadable(f"its header is not a journal header ({exc})") from exc
 
@@ -120,7 +133,8 @@ class JournalHeader:
                   ("input dtype", mine.dtype, theirs.dtype),
                   ("input item shape", mine.item_shape, theirs.item_shape),
                   ("input sha256", mine.digest, theirs.digest),
-                  ("engine (backend, precision)", self.engine, job.engine)]
+                  ("engine (backend, precision)", self.engine, job.engine),
+                  ("output format", self.format, job.format), ("top-k", self.top_k, job.top_k)]
         return [f"{what}: {now!r} here, {before!r} in the journal"
                 for what, before, now in checks if before != now]
 
@@ -157,14 +171,20 @@ def crc32(values: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(values).data.cast("B"))
 
 
-def read_journal(path: Path, total: int) -> tuple[JournalHeader, list[JournalEntry]]:
-    """A journal's header and its entries: a last line with no newline (killed mid-write)
-    is ignored.  JournalUnreadable if the header cannot be read."""
+def read_lines(path: Path) -> tuple[JournalHeader, list[bytes]]:
+    """A journal's header and its other whole lines: a last line with no newline (killed
+    mid-write) is ignored.  JournalUnreadable if the header cannot be read."""
     lines = path.read_bytes().split(b"\n")
     whole = lines[:-1]  # the part after the last newline is empty, or a torn line
     if not whole:
         raise JournalUnreadable("it holds no whole header line")
-    return JournalHeader.parse(whole[0]), parse_entries(whole[1:], total)
+    return JournalHeader.parse(whole[0]), whole[1:]
+
+
+def read_journal(path: Path, total: int) -> tuple[JournalHeader, list[JournalEntry]]:
+    """A `.npy` output's journal: its header and its well-formed entries."""
+    header, lines = read_lines(path)
+    return header, parse_entries(lines, total)
 
 
 def verified(out: Path, entries: list[JournalEntry]) -> list[JournalEntry]:
@@ -177,7 +197,7 @@ def verified(out: Path, entries: list[JournalEntry]) -> list[JournalEntry]:
         reader.close()
 
 
-def _append(fd: int, data: bytes, path: Path) -> None:
+def append(fd: int, data: bytes, path: Path) -> None:
     """Append ``data`` to a journal opened with O_APPEND (OSError naming the journal)."""
     try:
         while data:
@@ -186,18 +206,55 @@ def _append(fd: int, data: bytes, path: Path) -> None:
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
-def _sync_folder(path: Path) -> None:
-    """fsync the folder holding ``path``, so that a reboot keeps its entry."""
-    fd = os.open(path.parent, os.O_RDONLY)
+def open_for_append(journal: Path) -> int:
+    """A journal reopened to append to (O_APPEND); a torn last line is ended first, so that
+    the next line is whole."""
+    fd = os.open(journal, os.O_RDWR | os.O_APPEND)
     try:
-        os.fsync(fd)
-    finally:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            append(fd, b"\n", journal)
+    except OSError:
         os.close(fd)
+        raise
+    return fd
+
+
+@runtime_checkable
+class Journaled(Protocol):
+    """A sink that journals what it writes, so that a killed job resumes (``Client.run``
+    asks it what it resumed and tells it how the job ended)."""
+
+    path: Path  # the output, once published
+    journal: Path
+    published: bool  # whether the job's end renamed the partial file to ``path``
+
+    def resumed_items(self) -> np.ndarray:
+        """A bitmap of the items resumed from the journal (not to be asked for)."""
+        ...
+
+    def stop_journal(self) -> None:
+        """The job stopped early: what is written from now on (the items that did not come
+        back) is not journaled, so that a resume retries it."""
+        ...
+
+    def sync(self) -> None: ...
+
+    def finish(self, complete: bool) -> None:
+        """The job ended, every row written or filled: publish the output; delete the journal
+        if ``complete``."""
+        ...
+
+    @property
+    def safe(self) -> int:
+        """Items journaled with their outputs: kept on resume."""
+        ...
 
 
 class JournalSink:
     """A ``ResultSink`` writing a job's outputs to a `.npy` file and journaling each range.
 
+    The outputs are written to ``OUT.partial`` and renamed to ``out`` by ``finish``.
     ``open`` resumes from the output's journal when there is one for the same job;
     ``resumed`` are then the entries it verified (their items need not be asked for
     again).  Call ``finish`` when the job ends and ``close`` in any case.
@@ -207,22 +264,17 @@ class JournalSink:
                  writer: NpyWriter | None = None,
                  resumed: list[JournalEntry] | None = None) -> None:
         self.path = Path(out)
+        self.partial = partial_path(out)
         self.journal = journal_path(out)
         self.header = header
-        self.writer = writer or NpyWriter(self.path, header.input.count)
+        self.writer = writer or NpyWriter(self.partial, header.input.count)
         self.resumed = resumed or []
         self.written = 0  # items journaled by this run
+        self.published = False
         self.fd = -1
         self.synced = time.monotonic()
         if writer is not None:  # resuming: append to the journal there
-            self.fd = os.open(self.journal, os.O_RDWR | os.O_APPEND)
-            try:
-                size = os.fstat(self.fd).st_size
-                if size and os.pread(self.fd, 1, size - 1) != b"\n":
-                    _append(self.fd, b"\n", self.journal)  # end a torn line: the next is whole
-            except OSError:
-                os.close(self.fd)
-                raise
+            self.fd = open_for_append(self.journal)
 
     @classmethod
     def open(cls, out: str | os.PathLike[str], job: JournalHeader) -> JournalSink:
@@ -246,26 +298,32 @@ class JournalSink:
     @classmethod
     def _resumed(cls, out: str | os.PathLike[str], job: JournalHeader, header: JournalHeader,
                  entries: list[JournalEntry]) -> JournalSink:
-        """A sink resuming into ``out``: the journal's entries that its bytes bear out are
-        kept; afresh if ``out`` is gone or is not the journal's layout."""
-        journal = journal_path(out)
+        """A sink resuming into ``OUT.partial`` (a killed job's), else into ``out`` (a job
+        that ended with failed items: taken back as ``OUT.partial`` while they are retried):
+        the journal's entries that its bytes bear out are kept; afresh if neither file is
+        there or is not the journal's layout (``out`` then stays until the rename)."""
+        journal, partial = journal_path(out), partial_path(out)
+        found = partial if partial.exists() else Path(out)
         try:
-            writer = NpyWriter.update(Path(out), job.input.count)
+            writer = NpyWriter.update(found, job.input.count)
         except (FileNotFoundError, NpyError) as exc:  # other errors: the caller's to fix
-            log.warning("cannot resume into %s (%s): starting afresh", out, exc)
+            log.warning("cannot resume into %s (%s): starting afresh", found, exc)
             return cls.afresh(out, job)
         try:
             layout = (writer.item_shape, str(writer.dtype))
             if layout != (header.output_shape, header.output_dtype):
                 log.warning("%s holds items of %s %s, its journal says %s %s: starting afresh",
-                            out, *layout, header.output_shape, header.output_dtype)
+                            found, *layout, header.output_shape, header.output_dtype)
                 writer.close()
                 return cls.afresh(out, job)
-            good = verified(Path(out), entries)
+            good = verified(found, entries)
             if len(good) < len(entries):
                 log.warning("%s: %d of %d journaled ranges do not match the output's bytes: "
                             "computing them again", journal, len(entries) - len(good),
                             len(entries))
+            if found != partial:
+                os.replace(found, partial)
+                writer.path = partial
             return cls(out, header, writer, good)
         except BaseException:
             writer.close()
@@ -291,7 +349,7 @@ class JournalSink:
         if self.fd < 0:
             self._start_journal()
         crc = crc32(values)
-        _append(self.fd, JournalEntry(start, len(values), crc).line(), self.journal)
+        append(self.fd, JournalEntry(start, len(values), crc).line(), self.journal)
         self.written += len(values)
         if time.monotonic() - self.synced >= SYNC_INTERVAL:
             self.sync()
@@ -302,10 +360,10 @@ class JournalSink:
         self.header = replace(self.header, output_shape=shape, output_dtype=str(dtype))
         self.fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
                           0o644)
-        _append(self.fd, self.header.line(), self.journal)
+        append(self.fd, self.header.line(), self.journal)
         self.writer.sync()
         os.fdatasync(self.fd)
-        _sync_folder(self.journal)
+        sync_folder(self.journal)
 
     def fill(self, start: int, count: int, value: float) -> None:
         """Fill failed items (NaN): written, never journaled, so a resume retries them."""
@@ -318,9 +376,16 @@ class JournalSink:
             os.fdatasync(self.fd)
         self.synced = time.monotonic()
 
+    def stop_journal(self) -> None:
+        """Nothing to do: NaN fills are never journaled."""
+
     def finish(self, complete: bool) -> None:
-        """Sync both files; delete the journal if ``complete`` (every item came back)."""
+        """Sync both files, rename ``OUT.partial`` (every row written or NaN-filled) to
+        ``out``; delete the journal if ``complete`` (every item came back)."""
         self.sync()
+        if self.writer.fd >= 0:  # else no row was written, nor filled: no file
+            publish(self.partial, self.path)
+            self.writer.path, self.published = self.path, True
         if complete:
             self.journal.unlink(missing_ok=True)
 

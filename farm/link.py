@@ -32,6 +32,33 @@ MAX_RECONNECT_INTERVAL = 32.0
 RECONNECT_LINGER_MS = 100
 
 
+#: Transports a farm endpoint may name (ZeroMQ's own; tcp:// is what HOST:PORT means).
+TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+
+def parse_endpoint(text: str, bind: bool = False) -> str:
+    """A ZeroMQ endpoint from what a user typed: ``HOST:PORT`` means ``tcp://HOST:PORT``;
+    ValueError, saying what is expected, for anything ZeroMQ would refuse.  ``bind``: a
+    port may be ``*`` (any free one) and the host ``*`` (every interface)."""
+    text = text.strip()
+    expected = (f"{text!r} is not an endpoint: give tcp://HOST:PORT (or HOST:PORT), e.g. "
+                f"{'tcp://127.0.0.1:5555' if not bind else 'tcp://*:5555'}")
+    if text.startswith(("ipc://", "inproc://")):
+        if len(text.split("://", 1)[1]) == 0:
+            raise ValueError(expected)
+        return text
+    if "://" in text and not text.startswith("tcp://"):
+        raise ValueError(f"{text!r}: farm speaks {', '.join(TRANSPORTS)}, not "
+                         f"{text.split('://', 1)[0]}://")
+    address = text.removeprefix("tcp://")
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or host.startswith("[") != host.endswith("]"):
+        raise ValueError(expected)
+    if not (bind and port == "*") and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"{text!r}: port {port!r} is not a number from 1 to 65535")
+    return f"tcp://{address}"
+
+
 class BrokerRefused(ValueError):
     """The broker refused this peer's CURVE key (libzmq does not retry such a connection)."""
 
@@ -67,6 +94,7 @@ class BrokerLink:
         self.generation = 0  # connections opened before the current one
         self.interval = config.heartbeat  # the broker's heartbeat interval, once heard
         self.retry_interval = self.expiry
+        self.answered = False  # whether the broker ever spoke on this link
         self.handshakes: Any = None  # farm.keys.Handshakes, with CURVE
         self.socket: zmq.Socket
         self._open()
@@ -106,6 +134,11 @@ class BrokerLink:
         decoded), if it did."""
         if interval is not None:
             self.interval = interval
+        self.answered = True
+        self._start_expiry()
+
+    def _start_expiry(self) -> None:
+        """A full expiry from now, and the back-off from the start."""
         now = time.monotonic()
         self.last_heard = now
         self.retry_interval = self.expiry
@@ -113,7 +146,7 @@ class BrokerLink:
 
     def restart_timers(self) -> None:
         """A request went out: a heartbeat now, and a full expiry for the broker to answer."""
-        self.heard()
+        self._start_expiry()
         self.next_beat = self.last_heard
 
     def wait(self) -> float:
@@ -137,8 +170,10 @@ class BrokerLink:
         now = time.monotonic()
         if now < self.deadline:
             return False
-        log.warning("no word from broker %s for %.1f s: reconnecting", self.config.broker,
-                    now - self.last_heard)
+        # a broker that never answered is not news yet: its owner says so once, clearly
+        log.log(logging.WARNING if self.answered else logging.DEBUG,
+                "no word from broker %s for %.1f s: reconnecting", self.config.broker,
+                now - self.last_heard)
         self.retry_interval = min(self.retry_interval * 2,
                                   max(self.config.max_retry, self.expiry))
         self.reconnect()

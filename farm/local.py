@@ -61,8 +61,11 @@ class LocalFarm:
     endpoint: str = ""
     broker: subprocess.Popen | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
+    start_seconds: float = 0.0  # from launch to every worker registered (models preloaded)
+    registered: dict[str, Any] = field(default_factory=dict)  # the broker's INFO then
 
     def __enter__(self) -> LocalFarm:
+        started = time.monotonic()
         try:
             # the workers start beside the broker, not after it: they connect to the port
             # picked here and their READY waits in their socket until the broker binds it
@@ -74,11 +77,24 @@ class LocalFarm:
                                             if i < len(self.device_options) else ()),
                                   launcher=launcher)
             self.read_endpoint()
-            self.wait_for_workers(len(self.devices))
+            self.registered = self.wait_for_workers(len(self.devices))
         except BaseException:
             self.stop()
             raise
+        self.start_seconds = time.monotonic() - started
         return self
+
+    def engines(self, model: str) -> str:
+        """How the workers registered run ``model``: ``openvino f32 batch 64 on 2 workers``
+        (each engine and the workers running it); empty if none reported it."""
+        running: dict[str, list[str]] = {}
+        for worker in self.registered.get("workers", []):
+            engine = worker.get("engines", {}).get(model)
+            if engine:
+                running.setdefault(engine, []).append(str(worker.get("device", "?")))
+        everyone = len(self.registered.get("workers", []))
+        return "; ".join(f"{engine} on {'every worker' if len(devices) == everyone > 1 else ', '.join(devices)}"
+                         for engine, devices in running.items())
 
     def __exit__(self, *_: Any) -> None:
         self.stop()

@@ -104,11 +104,11 @@ class Result(ChunkHeader):
 
     ``timings`` (receive, compute, send seconds) are judged by the broker, which
     fails the job on a bad one rather than refusing the message.  ``failed``: items
-    that failed on their own (image files that cannot be decoded); their outputs are
-    NaN, and a last payload frame lists them with their reasons
-    (``protocol.Message.failures``).  The broker adds
-    for the client: the worker's name, the attempt, and ``trace``: when the chunk
-    was assigned, sent and answered, in seconds since the job's submission.
+    that failed on their own (image files that cannot be decoded, float32 images with a
+    NaN or infinite pixel); their outputs are NaN, and a last payload frame lists them
+    with their reasons (``protocol.Message.failures``).  The broker adds for the
+    client: the worker's name, the attempt, and ``trace``: when the chunk was
+    assigned, sent and answered, in seconds since the job's submission.
     """
 
     dtype: Text
@@ -187,11 +187,13 @@ class Info(Header):
 
 
 class Heartbeat(Header):
-    """Liveness, any direction.  A client names its job; the broker gives its interval;
-    a worker reports its compute counters ``(images, seconds)`` and engines."""
+    """Liveness, any direction.  A client names its job; the broker gives its interval
+    (and tells a client how many workers are connected); a worker reports its compute
+    counters ``(images, seconds)`` and engines."""
 
     job: JobId | None = None
     interval: Interval | None = None
+    workers: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] | None = None
     computed: tuple[Annotated[int, Meta(ge=0, lt=10**18)],
                     Annotated[float, Meta(ge=0, lt=1e18)]] | None = None
     engines: Annotated[dict[Name, Name], Meta(max_length=MAX_ENGINES)] | None = None

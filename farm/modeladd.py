@@ -13,10 +13,12 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
-from farm.caffe_net import Network, NetworkError
+from farm.caffe_net import InputShapeError, Network, NetworkError
 from farm.modelstore import SAFE_NAME
-from farm.repository import CROPS, ModelError, ModelSpec, load_spec
+from farm.repository import (CROPS, ModelError, ModelSpec, add_target, load_spec, model_folders,
+                             origin)
 
 #: ``--channel-order``: the order the net was trained in; images arrive RGB.
 CHANNEL_ORDERS = ("bgr", "rgb")
@@ -51,6 +53,16 @@ class Staged:
     folder: Path  # where it is staged
     spec: ModelSpec | None = None  # once model.toml is written and read back
     created: list[Path] = field(default_factory=list)  # folders made for it, innermost first
+    sources: dict[str, Path] = field(default_factory=dict)  # file in the folder -> user's file
+    shadows: list[Path] = field(default_factory=list)  # folders of this name it will hide
+
+    def user_paths(self, text: str) -> str:
+        """``text`` (an error) naming the user's own files, not their staged copies, and no
+        staging folder."""
+        for name in sorted(self.sources, key=len, reverse=True):  # "a.txt" after "a.txt.gz"
+            text = text.replace(str(self.folder / name), str(self.sources[name]))
+        text = text.replace(f"{self.folder / 'model.toml'}: ", "")  # written from the options
+        return text.replace(str(self.folder), str(self.target))
 
 
 def check_name(name: str) -> str:
@@ -67,17 +79,27 @@ def safe_file_name(path: Path) -> str:
     return name if name[:1].isalnum() else f"f{name}"
 
 
-def stage(model: NewModel, root: Path, force: bool = False, link: bool = False) -> Staged:
-    """Copy (or symlink) the files into a staging folder under ``root`` and write model.toml;
-    ModelError (with nothing left behind) if the name is taken or a file is unusable."""
+def stage(model: NewModel, models_dir: Sequence[str | os.PathLike] = (), force: bool = False,
+          link: bool = False) -> Staged:
+    """Copy (or symlink) the files into a staging folder in the repository ``add_target``
+    picks and write model.toml; ModelError (with nothing left behind, naming the user's files)
+    if the name is taken or shadows another model's (both allowed by ``force``), or a file or
+    option is unusable."""
     check_name(model.name)
+    root = add_target(models_dir)
     target = root / model.name
     if target.exists() and not force:
         raise ModelError(f"model folder {target} already exists: choose another name, or "
                          f"replace it with --force")
+    shadows = [folder for folder in model_folders(models_dir).get(model.name, [])
+               if folder.resolve() != target.resolve()]
+    if shadows and not force:
+        raise ModelError(f"{model.name!r} would shadow {origin(shadows[0])}: choose another "
+                         f"name, or shadow it with --force")
     sources = source_files(model)
     folder = root / f".{model.name}.adding-{os.getpid()}"
-    staged = Staged(model, target, folder, created=missing_folders(root))
+    staged = Staged(model, target, folder, created=missing_folders(root), shadows=shadows,
+                    sources={name: source for name, source in sources.values()})
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
@@ -85,11 +107,11 @@ def stage(model: NewModel, root: Path, force: bool = False, link: bool = False) 
         for name, source in sources.values():
             place(source, folder / name, link)
         names = {role: name for role, (name, _) in sources.items()}
-        (folder / "model.toml").write_text(model_toml(model, names, input_channels(model)))
+        (folder / "model.toml").write_text(model_toml(model, names, input_shape(model)))
         staged.spec = load_spec(folder, model.name)
     except (ModelError, OSError) as exc:
         discard(staged)
-        raise ModelError(str(exc)) from None
+        raise ModelError(staged.user_paths(str(exc))) from None
     return staged
 
 
@@ -125,17 +147,19 @@ def place(source: Path, destination: Path, link: bool) -> None:
         shutil.copyfile(source, destination)
 
 
-def input_channels(model: NewModel) -> int:
-    """The net's input channels, from the prototxt (or ``--input-size``)."""
+def input_shape(model: NewModel) -> tuple[int, ...]:
+    """The net's input C x H x W, from the prototxt (or ``--input-size``)."""
     try:
-        return Network.load(model.prototxt, input_shape=model.input_size).input_shape[1]
+        return Network.load(model.prototxt, input_shape=model.input_size).input_shape[1:]
+    except InputShapeError as exc:
+        raise ModelError(f"{exc}: give it one with --input-size CxHxW") from None
     except NetworkError as exc:
-        raise ModelError(f"{exc}; if the prototxt's input has no shape, give --input-size "
-                         f"CxHxW") from None
+        raise ModelError(str(exc)) from None
 
 
-def model_toml(model: NewModel, files: dict[str, str], channels: int) -> str:
-    """A commented model.toml for the model; ``files``: role -> file name in the folder."""
+def model_toml(model: NewModel, files: dict[str, str], shape: tuple[int, ...]) -> str:
+    """A commented model.toml for the model; ``files``: role -> file name in the folder;
+    ``shape``: the net's input C x H x W."""
     lines = ["# Written by `farm models add`; see docs/models.md for every key.",
              f"description = {toml_string(model.description or model.name)}",
              f"prototxt = {toml_string(files['prototxt'])}",
@@ -148,8 +172,8 @@ def model_toml(model: NewModel, files: dict[str, str], channels: int) -> str:
                   f"labels = {toml_string(files['labels'])}"]
     elif model.labels:
         lines.append(f"labels = [{', '.join(toml_string(label) for label in model.labels)}]")
-    return "\n".join([*lines, "", *preprocess_lines(model, files, channels),
-                      *resize_lines(model)]) + "\n"
+    return "\n".join([*lines, "", *preprocess_lines(model, files, shape[0]),
+                      *resize_lines(model, (shape[1], shape[2]))]) + "\n"
 
 
 def preprocess_lines(model: NewModel, files: dict[str, str], channels: int) -> list[str]:
@@ -179,10 +203,13 @@ def preprocess_lines(model: NewModel, files: dict[str, str], channels: int) -> l
     return lines
 
 
-def resize_lines(model: NewModel) -> list[str]:
-    """``[resize]``: how image files are brought to the net's input size, if asked."""
+def resize_lines(model: NewModel, net_size: tuple[int, int]) -> list[str]:
+    """``[resize]``: how image files are brought to the net's input size (H, W), if asked."""
     if not model.resize and model.crop is None:
         return []
+    if model.crop == "none" and model.resize not in ((), net_size):
+        raise ModelError(f"--crop none resizes straight to the net's input size, "
+                         f"{net_size[0]}x{net_size[1]}: drop --resize, or choose another --crop")
     lines = ["", "[resize]"]
     if len(model.resize) == 1:
         lines += ["# resize so the shorter side has this length, keeping the aspect ratio",

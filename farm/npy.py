@@ -5,6 +5,13 @@ chunk's items into a fresh buffer and nothing stays mapped, so the process's
 resident memory does not grow with the file (a memory map's pages would count
 in its RSS until the kernel reclaims them).  Outputs are written where they
 belong as they arrive.
+
+The command line writes a job's outputs to ``OUT.partial`` and renames it to
+``OUT`` (``publish``) once every row is written or NaN-filled, so a killed
+client never leaves a file at ``OUT`` that reads as complete (the rows it never
+got would read as zeros: class 0).  Why not NaN-prefill ``OUT`` instead: for a
+40 GB output (10 million images x 1 000 classes float32) a NaN prefill writes
+40 GB before the first result; a rename costs nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +24,39 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 
+#: Appended to an output's path while its job runs (``publish`` renames it).
+PARTIAL = ".partial"
+
+
 class NpyError(ValueError):
     """A file that is not a plain C-order .npy array."""
+
+
+def partial_path(out: str | os.PathLike[str]) -> Path:
+    """Where output ``out`` is written while its job runs: its path with ``.partial``."""
+    return Path(os.fspath(out) + PARTIAL)
+
+
+def sync_folder(path: Path) -> None:
+    """fsync the folder holding ``path``, so that a reboot keeps its entry."""
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(partial: Path, out: Path) -> None:
+    """Rename a finished job's ``partial`` file to ``out``, replacing an earlier file there:
+    its data fdatasync'ed first and the folder after, so that ``out`` is, even after a
+    reboot, the earlier file or the whole new one."""
+    fd = os.open(partial, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, out)
+    sync_folder(out)
 
 
 def _read_exact(fd: int, size: int, offset: int) -> bytearray:
@@ -95,12 +133,16 @@ class NpyWriter:
     """A `.npy` file of ``total`` items, written in ranges as they come.
 
     The header is written with the first range, once the item shape is known;
-    ``update`` opens a file written before (a resumed job) instead.
+    ``update`` opens a file written before (a resumed job) instead.  ``nan_shape``:
+    one output's shape (float32), for a job whose every item failed: ``fill`` then
+    writes the file of NaN rows that no result came to shape.
     """
 
-    def __init__(self, path: str | Path, total: int) -> None:
+    def __init__(self, path: str | Path, total: int,
+                 nan_shape: tuple[int, ...] | None = None) -> None:
         self.path = Path(path)
         self.total = total
+        self.nan_shape = nan_shape
         self.fd = -1
         self.offset = 0
         self.item_shape: tuple[int, ...] | None = None
@@ -161,9 +203,12 @@ class NpyWriter:
             os.fdatasync(self.fd)
 
     def fill(self, start: int, count: int, value: float) -> None:
-        """Set items ``[start, start + count)`` to ``value`` (failed items: NaN)."""
+        """Set items ``[start, start + count)`` to ``value`` (failed items: NaN); before any
+        result, only with ``nan_shape`` (else nothing is written)."""
         if self.fd < 0:
-            return
+            if self.nan_shape is None:
+                return
+            self._create(self.nan_shape, np.dtype(np.float32))
         shape, dtype = self.layout()
         per_block = max(1, (16 << 20) // self.item_bytes)
         for first in range(start, start + count, per_block):

@@ -36,6 +36,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import StrMethodFormatter
 
 from farm.status import table
+from farm.summary import plural
 from farm.trace import TRACE_FORMAT, ChunkTrace, Trace
 
 __all__ = ["TRACE_FORMAT", "Breakdown", "Trace", "TraceError", "WorkerLine", "analyse",
@@ -108,7 +109,7 @@ class Breakdown:
     def format(self) -> str:
         """A few aligned lines for the terminal: totals, where the waste went, each worker."""
         stopped = f", stopped early: {self.cancelled}" if self.cancelled else ""
-        done = (f"{self.items:,} images" if self.items >= self.total
+        done = (plural(self.items, "image") if self.items >= self.total
                 else f"{self.items:,} of {self.total:,} images")
         lines = [f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
                  f"(model {self.model}, policy {self.policy}){stopped}",

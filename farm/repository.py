@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from farm.caffe_net import Network, NetworkError
+from farm.caffe_net import InputShapeError, Network, NetworkError
 
 log = logging.getLogger("farm.repository")
 
@@ -251,6 +251,8 @@ def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelS
     declared = declared_input(config.get("input_shape"))
     try:
         net = Network.load(prototxt, input_shape=declared)
+    except InputShapeError as exc:
+        raise ModelError(f"{exc} (model.toml's input_shape = [C, H, W] gives it one)") from None
     except NetworkError as exc:
         raise ModelError(str(exc)) from None
     generate = config.get("generate")
@@ -267,7 +269,8 @@ def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelS
     resize.check((net.input_shape[-2], net.input_shape[-1]))
     classes = math.prod(net.shapes[output][1:])
     if labels and len(labels) != classes:
-        raise ModelError(f"labels name {len(labels)} classes, the output {output!r} has "
+        named = f"labels file {labels_file} names" if labels_file else "labels name"
+        raise ModelError(f"{named} {len(labels)} classes, the output {output!r} has "
                          f"{classes} values")
     writer = next(layer for layer in reversed(net.layers) if output in layer.tops) \
         if output != net.input else None
@@ -324,15 +327,44 @@ def label_name(line: str) -> str:
 
 def available(extra: Sequence[str | os.PathLike] = ()) -> dict[str, Path]:
     """Model name -> folder, the first folder on the search path winning."""
-    found: dict[str, Path] = {}
+    return {name: folders[0] for name, folders in model_folders(extra).items()}
+
+
+def model_folders(extra: Sequence[str | os.PathLike] = ()) -> dict[str, list[Path]]:
+    """Model name -> every folder on the search path that holds it: the one farm uses, then
+    the ones it shadows."""
+    found: dict[str, list[Path]] = {}
+    roots: set[Path] = set()
     for root in search_path(extra):
-        if not root.is_dir():
+        if not root.is_dir() or root.resolve() in roots:
             continue
+        roots.add(root.resolve())
         for folder in sorted(root.iterdir()):
             # hidden folders are not models (``farm models add`` stages one there)
             if not folder.name.startswith(".") and (folder / "model.toml").is_file():
-                found.setdefault(folder.name, folder)
+                found.setdefault(folder.name, []).append(folder)
     return found
+
+
+def shown(path: Path) -> str:
+    """A path for people: one under the home folder as ``~/...``."""
+    try:
+        return f"~/{path.relative_to(Path.home()).as_posix()}"
+    except ValueError:
+        return str(path)
+
+
+def is_bundled(folder: Path) -> bool:
+    """Whether a model folder is one of the models bundled with farm."""
+    return folder.parent.resolve() == BUNDLED_DIR.resolve()
+
+
+def origin(folder: Path) -> str:
+    """Where a model folder is, for people: ``the bundled model NAME (PATH)`` or
+    ``the model in PATH``."""
+    if is_bundled(folder):
+        return f"the bundled model {folder.name} ({shown(folder)})"
+    return f"the model in {shown(folder)}"
 
 
 def find(name: str, extra: Sequence[str | os.PathLike] = ()) -> ModelSpec:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from farm.simulator import DeviceModel, Scenario
+from farm.simulator import DeviceModel, Scenario, steady
 
 #: Table 2: images/second on 10 000 images by how many are submitted at once.
 TABLE2_SIZES = (10_000, 1_000, 100, 10, 1)
@@ -98,7 +98,7 @@ def spread_devices(count: int = 8, spread: float = 10.0, total: int = JOB_SIZE,
     """``count`` workers whose speeds spread log-uniformly over ``spread`` times (100..100*spread/s)."""
     rng = np.random.default_rng(seed)
     rates = 100.0 * spread ** rng.random(count)
-    devices = tuple(DeviceModel(f"w{i}", float(rate), 0.0002, noise)
+    devices = tuple(DeviceModel(f"w{i}", steady(float(rate)), 0.0002, noise)
                     for i, rate in enumerate(rates))
     return Scenario(f"{count} devices, speeds x{spread:g} apart", devices, total)
 

@@ -13,6 +13,16 @@ from dataclasses import dataclass
 
 import msgspec
 
+#: A job whose work, at the sum of the workers' standalone speeds, takes less than this
+#: many seconds gets no waste figure of its own: fixed costs (a chunk's round trips, the
+#: last result's way back) weigh as much as scheduling there.
+SHORT_JOB_SECONDS = 0.5
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 image``, ``2 images``, ``1,000 images``."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
 
 class WorkerShare(msgspec.Struct, frozen=True, kw_only=True):
     """One worker's part in a job, and its standalone speed on the job's model."""
@@ -23,6 +33,7 @@ class WorkerShare(msgspec.Struct, frozen=True, kw_only=True):
     chunks: int
     compute_s: float
     rate: float = msgspec.field(name="standalone_rate")  # images per second of compute
+    load_s: float = 0.0  # seconds its chunks waited for the model's files and engine
 
 
 class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,32 +62,54 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
         return sum(share.rate for share in self.workers)
 
     @property
+    def load_seconds(self) -> float:
+        """Seconds the job waited for engines on fresh workers (they load side by side)."""
+        return max((share.load_s for share in self.workers), default=0.0)
+
+    @property
     def waste(self) -> float:
+        """1 - images done / what the workers could have done in the job's time, each at
+        its standalone speed, minus the time it spent loading the model."""
+        capacity = sum(share.rate * max(0.0, self.seconds - share.load_s)
+                       for share in self.workers)
+        return (capacity - self.items) / capacity if capacity > 0 else 0.0
+
+    @property
+    def work_seconds(self) -> float:
+        """The job's work at the sum of the standalone speeds: its ideal length."""
         theoretical = self.theoretical_rate
-        return (theoretical - self.rate) / theoretical if theoretical > 0 else 0.0
+        return self.total / theoretical if theoretical > 0 else 0.0
 
     def waste_text(self) -> str:
         if self.items < self.total:
             return "no waste figure: the job stopped early"
+        if self.work_seconds < SHORT_JOB_SECONDS:
+            return (f"waste {self.waste:.0%}, not meaningful: the job is "
+                    f"{self.work_seconds * 1000:.0f} ms of work, and in so short a job a "
+                    f"chunk's round trips weigh as much as scheduling")
         if self.shared:
             return f"waste {self.waste:.1%} (other jobs shared the workers meanwhile)"
         return f"waste {self.waste:.1%}"
 
     def format(self) -> str:
         """A few aligned lines for the terminal."""
-        done = (f"{self.items:,} images" if self.items >= self.total else
-                f"{self.items:,} of {self.total:,} images (stopped early)")
+        done = (plural(self.items, "image") if self.items >= self.total else
+                f"{self.items:,} of {plural(self.total, 'image')} (stopped early)")
         lines = [f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
-                 f"(policy {self.policy})",
-                 f"theoretical {self.theoretical_rate:,.0f} images/s (sum of standalone "
-                 f"worker speeds), " + self.waste_text(),
-                 f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}"]
+                 f"(policy {self.policy})"]
+        loading = self.load_seconds
+        if loading > 0.001 * self.seconds and loading < self.seconds:
+            lines.append(f"{loading:.3f} s of it went to loading the model on fresh workers; "
+                         f"{self.items / (self.seconds - loading):,.0f} images/s once loaded")
+        lines += [f"theoretical {self.theoretical_rate:,.0f} images/s (sum of standalone "
+                  f"worker speeds), " + self.waste_text(),
+                  f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}"]
         for share in sorted(self.workers, key=lambda s: s.name):
             part = share.items / self.items if self.items else 0.0
             lines.append(f"  {share.name:<36} {part:>7.1%} {share.items:>8,} "
                          f"{share.chunks:>6} {share.rate:>9,.0f}")
         if self.failed_attempts or self.lost_attempts:
-            lines.append(f"{max(0, self.items_run - self.total):,} images ran again: "
+            lines.append(f"{plural(max(0, self.items_run - self.total), 'image')} ran again: "
                          f"{self.failed_attempts} attempts failed, {self.lost_attempts} were "
                          f"lost with their workers")
         return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
@@ -52,12 +53,14 @@ def assert_farm_still_serves(local, lenet, digits) -> None:
 
 
 @pytest.mark.parametrize("images, model, reason", [
-    (np.zeros((10, 28, 28)), "lenet", "dtype 'float64' not allowed"),
-    (np.zeros((10, 28, 28), np.int32), "lenet", "dtype 'int32' not allowed"),
+    (np.zeros((10, 28, 28), np.complex64), "lenet", "complex64 images cannot be sent"),
+    (np.zeros((10, 28, 28), bool), "lenet", "bool images cannot be sent"),
+    (np.full((10, 28, 28), 1e300), "lenet", r"item 0 holds 1e\+300, beyond float32's range"),
     (np.zeros((10, 3, 32, 32), np.float32), "lenet", r"shape \(3, 32, 32\) do not match"),
     (np.zeros((10, 1, 28, 29), np.uint8), "lenet", "do not match model 'lenet'"),
     (np.zeros((10, 28, 28), np.uint8), "no-such-model", "unknown model 'no-such-model'"),
-], ids=["float64", "int32", "cifar-shape", "off-by-one", "unknown-model"])
+], ids=["complex", "bool", "float64-beyond-float32", "cifar-shape", "off-by-one",
+        "unknown-model"])
 def test_a_bad_job_gets_a_clear_error(farm_two_workers, lenet, digits, images, model,
                                       reason) -> None:
     with farm_two_workers.client() as client, pytest.raises(FarmError, match=reason):
@@ -100,6 +103,32 @@ def test_garbage_frames_get_an_error_reply(farm_two_workers, raw_socket, lenet, 
     if frames[0] == b"FARM01":
         assert f"this farm speaks {protocol.SIGNATURE.decode()}" in message.header.error
     assert_farm_still_serves(farm_two_workers, lenet, digits)
+
+
+def bad_message_count(local) -> int:
+    """``farm status --json``'s count of malformed messages the broker recovered from."""
+    done = subprocess.run(farm_command("status", "--json", "--broker", local.endpoint),
+                          capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(done.stdout)["stats"]["bad_messages"]
+
+
+@pytest.mark.parametrize("dtype", ["float64", ">f4", "int16"])
+def test_a_submit_of_a_dtype_the_wire_refuses_is_an_error_not_a_bad_message(
+        farm_two_workers, raw_socket, dtype) -> None:
+    """A well-formed SUBMIT the broker will not take is refused with an ERROR for its job;
+    the counter of malformed messages does not move (a malformed one does move it)."""
+    before = bad_message_count(farm_two_workers)
+    raw_socket.send_multipart(protocol.encode(Command.SUBMIT, {
+        "job": f"wide-{dtype}", "model": "lenet", "dtype": dtype, "item_shape": [1, 28, 28],
+        "total": 10, "options": {}}))
+    message = reply(raw_socket)
+    assert message.command is Command.ERROR and message.header.job == f"wide-{dtype}"
+    assert f"dtype '{dtype}' not allowed; use one of ['float32', 'uint8']" in \
+        message.header.error
+    assert bad_message_count(farm_two_workers) == before
+    raw_socket.send_multipart(GARBAGE[5])  # truncated msgpack: malformed
+    assert reply(raw_socket).command is Command.ERROR
+    assert bad_message_count(farm_two_workers) == before + 1
 
 
 def submit_frames(job: str, total: int) -> list:
@@ -212,8 +241,9 @@ def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digi
     result = next_reply(router)
     assert result.command is Command.RESULT and result.header.chunk == 3
     timings = result.header.timings
-    assert set(timings) == {"receive", "compute", "send", "device", "copy"}
+    assert set(timings) == {"load", "receive", "compute", "send", "device", "copy"}
     assert 0 < timings["device"] <= timings["compute"] and timings["copy"] == 0.0
+    assert timings["load"] == 0.0  # the engine was loaded for chunk 1
     np.testing.assert_allclose(result.array("float32", (10,)), reference_forward(lenet, images),
                                atol=1e-5)
 

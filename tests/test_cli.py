@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, Iterator
 
 import click
@@ -16,7 +20,11 @@ from click.testing import CliRunner
 from farm import defaults
 from farm.broker.broker import BrokerConfig
 from farm.cli import main
+from farm.cli.job import BrokerLink, output_shape, run_job
+from farm.inputs import ArraySource
+from farm.journal import journal_path
 from farm.local import LocalFarm, cores, farm_command
+from farm.npy import partial_path
 from farm.workers.worker import Device, WorkerConfig
 from tests.conftest import reference_forward
 
@@ -180,6 +188,61 @@ def test_submit_reports_a_user_mistake_without_a_traceback(farm_two_workers, tmp
     assert "Traceback" not in done.stderr
 
 
+def test_submit_converts_float64_and_big_endian_arrays_to_float32(farm_two_workers, lenet,
+                                                                 digits, tmp_path) -> None:
+    """numpy's default float64 and a big-endian float32 run as the float32 array does, each
+    with one notice; the broker sees float32 (nothing it refuses)."""
+    images = digits[:200].astype(np.float32)
+    outputs = {}
+    for name, dtype in [("f32", "<f4"), ("f64", "<f8"), ("big", ">f4")]:
+        path, out = tmp_path / f"{name}.npy", tmp_path / f"{name}-scores.npy"
+        np.save(path, images.astype(dtype))
+        done = subprocess.run(farm_command("submit", str(path), "--model", "lenet", "--broker",
+                                           farm_two_workers.endpoint, "--out", str(out),
+                                           "--quiet"),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        notices = [line for line in done.stderr.splitlines() if "converted" in line]
+        assert notices == {"f32": [],
+                           "f64": [f"{path}: float64 converted to float32 on the client"],
+                           "big": [f"{path}: big-endian float32 (>f4) converted to native "
+                                   f"float32 on the client"]}[name]
+        outputs[name] = np.load(out)
+    np.testing.assert_allclose(outputs["f32"], reference_forward(lenet, images), atol=1e-5)
+    for name in ("f64", "big"):
+        np.testing.assert_allclose(outputs[name], outputs["f32"], rtol=0, atol=1e-6)
+
+
+def test_submit_refuses_a_value_float32_cannot_hold_before_submitting(tmp_path) -> None:
+    """The refusal comes before any broker is asked: none listens at this address."""
+    images = np.zeros((5, 28, 28))
+    images[3, 4, 5] = 1e300
+    images[1, 0, 0], images[2, 0, 0] = np.inf, np.nan  # the workers' business, not refused
+    path = tmp_path / "wide.npy"
+    np.save(path, images)
+    result = CliRunner().invoke(main, ["submit", str(path), "--model", "lenet", "--broker",
+                                       "tcp://127.0.0.1:9", "--timeout", "5", "--quiet"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"Error: {path}: item 3 holds 1e+300, beyond float32's range (±3.4e+38): float64 "
+        f"cannot be converted to float32 without losing it; nothing was submitted")
+
+
+@pytest.mark.parametrize("images, reason", [
+    (np.zeros((4, 28, 28), np.complex128), "complex128 images cannot be sent: farm takes "
+                                           "numbers"),
+    (np.zeros((4, 3, 32, 32), np.float32), "images of shape (3, 32, 32) do not match model "
+                                           "'lenet', which takes (1, 28, 28)"),
+], ids=["complex", "shape"])
+def test_run_refuses_bad_input_before_starting_a_farm(tmp_path, images, reason) -> None:
+    path = tmp_path / "bad.npy"
+    np.save(path, images)
+    result = CliRunner().invoke(main, ["run", str(path), "--model", "lenet", "--quiet"])
+    assert result.exit_code == 1, result.output
+    assert reason in result.stderr and "Traceback" not in result.output
+    assert "starting a local farm" not in result.output
+
+
 def test_run_starts_a_local_farm_on_the_bundled_sample(lenet, digits, tmp_path) -> None:
     out = tmp_path / "scores.npy"
     done = subprocess.run(farm_command("--log-level", "WARNING", "run", "--out", str(out),
@@ -233,3 +296,71 @@ def test_worker_rejects_a_device_it_cannot_use(device, reason) -> None:
                           text=True, timeout=60)
     assert done.returncode == 1
     assert reason in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def farm_without_workers() -> Iterator[LocalFarm]:
+    """A broker alone: a job waits there, and no result can ever come back."""
+    with LocalFarm(devices=[], algo="fifo") as local:
+        yield local
+
+
+def job_queued(local: LocalFarm) -> bool:
+    with local.client() as client:
+        return bool(client.info()["jobs"])
+
+
+def interrupt_once_queued(local: LocalFarm, pid: int) -> threading.Thread:
+    """A thread that sends SIGINT to ``pid`` once the broker holds a job (its client installed
+    its Ctrl-C handler before it submitted)."""
+    def wait_and_interrupt() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if job_queued(local):  # each check is a round trip to the broker
+                os.kill(pid, signal.SIGINT)
+                return
+
+    thread = threading.Thread(target=wait_and_interrupt, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_run_cancelled_before_its_first_result_writes_its_nan_rows(
+        farm_without_workers, lenet, digits, tmp_path, capsys) -> None:
+    """``farm run``'s path (a plain .npy, the local model's output shape): Ctrl-C before any
+    image came back still writes the file it says it writes."""
+    out = tmp_path / "s.npy"
+    thread = interrupt_once_queued(farm_without_workers, os.getpid())
+    with pytest.raises(SystemExit) as stopped:
+        run_job(BrokerLink(endpoint=farm_without_workers.endpoint), ArraySource(digits[:200]),
+                "lenet", str(out), quiet=True, nan_shape=output_shape(lenet))
+    thread.join()
+    assert stopped.value.code == 130
+    err = capsys.readouterr().err
+    assert "0 of 200 images came back, the other 200 have NaN outputs" in err
+    outputs = np.load(out)
+    assert outputs.shape == (200, 10) and np.isnan(outputs).all()
+    assert not partial_path(out).exists()
+
+
+def test_a_submit_cancelled_before_its_first_result_says_nothing_was_written(
+        farm_without_workers, digits, tmp_path) -> None:
+    """Without the output shape (the broker's model, a journaled .npy), nothing is written,
+    and the message says so."""
+    images, out = tmp_path / "images.npy", tmp_path / "s.npy"
+    np.save(images, digits[:200])
+    process = subprocess.Popen(farm_command("submit", str(images), "--model", "lenet",
+                                            "--broker", farm_without_workers.endpoint,
+                                            "--out", str(out), "--quiet"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        interrupt_once_queued(farm_without_workers, process.pid).join()
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stderr
+    assert "no outputs were written: none of the 200 images came back" in stderr
+    assert not out.exists() and not partial_path(out).exists()
+    assert not journal_path(out).exists()

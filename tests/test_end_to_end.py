@@ -11,7 +11,7 @@ import pytest
 
 from farm.client import Client, FarmError
 from farm.npy import NpyReader, NpyWriter
-from farm.local import LocalFarm
+from farm.local import LocalFarm, cores
 from tests.conftest import reference_forward
 
 
@@ -109,12 +109,16 @@ def test_an_unpinned_worker_serves_too(lenet, digits) -> None:
 
 def test_a_chunk_longer_than_the_client_timeout_still_completes(lenet, digits) -> None:
     """The broker heartbeats the client while a job runs, so only silence times out."""
-    images = np.resize(digits, (40_000, 28, 28))
-    with LocalFarm(devices=["cpu"], algo="fifo",
-                   broker_options=["--chunk", "40000", "--heartbeat", "0.1"]) as local, \
-            local.client(timeout=1.0) as client:
-        result = client.run(images, "lenet")
-    assert result.summary.seconds > 1.0, "the job was too short to show anything"
+    timeout = 1.0
+    with LocalFarm(devices=[f"cpu:{core}" for core in cores()[:1]] or ["cpu"], algo="fifo",
+                   broker_options=["--heartbeat", "0.1", "--max-chunk-seconds", "0"]) as local:
+        with local.client() as client:  # the worker's speed here sizes the chunk
+            warm_up = client.run(np.resize(digits, (5000, 28, 28)), "lenet")
+        count = int(3 * timeout * warm_up.summary.workers[0].rate)  # 3 timeouts of compute
+        with local.client(timeout=timeout) as client:
+            result = client.run(np.resize(digits, (count, 28, 28)), "lenet", algo="fifo",
+                                params={"chunk": count})
+    assert result.summary.seconds > timeout, "the job was too short to show anything"
     assert [share.chunks for share in result.summary.workers] == [1]
     np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits),
                                atol=1e-5)

@@ -171,7 +171,8 @@ def test_export_is_checked_and_runs_alike_in_both_engines(tmp_path, lenet, digit
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     by_ort = session.run(None, {"data": batch})[0]
     core = openvino.Core()
-    by_openvino = core.compile_model(core.read_model(str(path)), "CPU")(batch)[0]
+    by_openvino = core.compile_model(core.read_model(str(path)), "CPU",
+                                     {"INFERENCE_PRECISION_HINT": "f32"})(batch)[0]
     reference = load_engine(lenet, "opencv").run(digits[:37, None])
     assert by_ort.shape == by_openvino.shape == (37, 10)
     assert relative_difference(by_ort, reference) <= TOLERANCE
@@ -313,6 +314,48 @@ def test_reduced_precision_is_offered_or_refused_with_the_reason(lenet) -> None:
         return
     checks = check_model(lenet, check_inputs(lenet, 16), ("opencv", "openvino"), 1, "bf16")
     assert checks[1].ok and checks[1].top1_agreement >= 0.9
+
+
+def test_openvino_runs_f32_whatever_the_cpu_default(lenet, digits, monkeypatch) -> None:
+    """On a CPU with bf16, OpenVINO's default precision is bf16: farm's engine states f32
+    (and checks what was compiled), so a Core whose default is bf16 changes nothing."""
+    from farm.backends import openvino as backend
+
+    def core_defaulting_to_bf16() -> openvino.Core:
+        core = openvino.Core()
+        core.set_property("CPU", {"INFERENCE_PRECISION_HINT": "bf16"})
+        return core
+
+    images = digits[:64, None]
+    reference = load_engine(lenet, "opencv").run(images)
+    monkeypatch.setattr(backend, "new_core", core_defaulting_to_bf16)
+    engine = load_engine(lenet, "openvino", threads=1)
+    assert backend.compiled_precision(engine.compiled) == "f32"
+    assert relative_difference(engine.run(images), reference) <= 1e-5
+
+
+def test_every_openvino_compile_states_its_precision() -> None:
+    """farm, its benchmarks' peers and its tests never compile with OpenVINO's default
+    precision (bf16 on some CPUs): each function calling ``compile_model`` names the hint."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    calls = []
+    for path in [*root.glob("farm/**/*.py"), *root.glob("bench/**/*.py"),
+                 *root.glob("tests/*.py")]:
+        text = path.read_text()
+        for function in ast.walk(ast.parse(text)):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            compiles = [node for node in ast.walk(function) if isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "compile_model"]
+            if compiles:
+                source = ast.get_source_segment(text, function) or ""
+                calls.append((f"{path.relative_to(root)}:{function.name}",
+                              "INFERENCE_PRECISION_HINT" in source))
+    assert len(calls) >= 4, calls  # the engine, two peers, the export test
+    assert all(stated for _, stated in calls), [name for name, stated in calls if not stated]
 
 
 def test_choice_round_trips_through_json(lenet) -> None:

@@ -101,13 +101,17 @@ def test_without_a_gpu_it_says_to_add_the_stand_in(tmp_path) -> None:
     assert "--stand-in" in done.stdout
 
 
-def test_at_the_time_limit_it_writes_what_it_has(tmp_path) -> None:
-    """SIGINT from gpu.sh's hard limit: the report says so, the steps done are kept."""
+def test_at_the_time_limit_it_writes_what_it_has(dry_run, tmp_path) -> None:
+    """SIGINT from gpu.sh's hard limit: the report says so, the steps done are kept.  The
+    limit is half the dry run's time on one model here, so it falls on any CPU after the
+    first step (a fifth of that time or less) and before two models are done."""
+    limit = round(json.loads((dry_run / "results.json").read_text())["seconds"] / 2)
     out = tmp_path / "out"
     done = subprocess.run(["bash", str(SCRIPT), str(out), "--stand-in", "--models",
                            "lenet,cifar10_quick", "--images", "3000", "--quick"],
-                          capture_output=True, text=True, timeout=200,
-                          env={**os.environ, "PYTHON": sys.executable, "FARM_GPU_LIMIT": "35"})
+                          capture_output=True, text=True, timeout=limit + 120,
+                          env={**os.environ, "PYTHON": sys.executable,
+                               "FARM_GPU_LIMIT": str(limit)})
     assert done.returncode == 124, done.stdout[-2000:]  # timeout's code: the limit was hit
     report = (out / "report.md").read_text()
     assert "interrupted: the time limit was reached" in report

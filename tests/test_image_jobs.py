@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -97,6 +98,85 @@ def test_each_bad_file_fails_alone_with_its_reason(farm_two_workers, lenet, digi
     assert np.abs(cmyk.astype(int) - good[2]).mean() < 8, "CMYK decodes to the picture"
     np.testing.assert_allclose(result.outputs[6], reference_forward(lenet, cmyk[None])[0],
                                atol=1e-5)
+
+
+def submit_on_the_terminal(local: LocalFarm, *images: Path) -> subprocess.CompletedProcess:
+    """``farm submit IMAGES --model lenet``, answers on the terminal."""
+    return subprocess.run(farm_command("submit", *map(str, images), "--model", "lenet",
+                                       "--broker", local.endpoint, "--quiet"),
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def failure_lines(stderr: str) -> list[str]:
+    """The failure list's lines (``  path: reason``) under "N images failed:"."""
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.endswith("failed:"))
+    return [line.strip() for line in lines[start + 1:] if line.startswith("  ")]
+
+
+def test_a_folder_names_every_file_it_holds(farm_two_workers, lenet, digits,
+                                            tmp_path) -> None:
+    """A folder's broken links and unsupported images fail, each named once with its reason;
+    a GIF runs; its other files are skipped and counted; the rest of the job is unharmed."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    cv2.imwrite(str(folder / "a_good.png"), digits[0])
+    Image.fromarray(digits[1]).save(folder / "b_digit.gif")  # grey palette: exact pixels
+    (folder / "c_dangling.jpg").symlink_to("gone.jpg")
+    (folder / "d_loop.jpg").symlink_to("d_loop.jpg")
+    (folder / "e_phone.heic").write_bytes(b"\0\0\0\x18ftypheic")
+    (folder / "notes.txt").write_text("not an image\n")
+
+    done = submit_on_the_terminal(farm_two_workers, folder)
+
+    assert done.returncode == 1, done.stderr
+    assert f"{folder}: skipped 1 file that is not an image (.txt)" in done.stderr
+    assert "Traceback" not in done.stderr
+    top = reference_forward(lenet, digits[:2]).argmax(axis=1)
+    answers = dict(line.split(": ", 1) for line in done.stdout.splitlines()
+                   if line.startswith(str(folder)))
+    assert list(answers) == [str(folder / name) for name in (
+        "a_good.png", "b_digit.gif", "c_dangling.jpg", "d_loop.jpg", "e_phone.heic")]
+    for name, digit in [("a_good.png", 0), ("b_digit.gif", 1)]:
+        assert answers[str(folder / name)].startswith(f"{lenet.labels[top[digit]]} ")
+    reasons = {"c_dangling.jpg": "dangling symbolic link to gone.jpg",
+               "d_loop.jpg": "symbolic link loop",
+               "e_phone.heic": "unsupported format: HEIC (the workers decode JPEG, PNG, "
+                               "BMP, TIFF, WebP, GIF and PNM)"}
+    assert "3 images failed:" in done.stderr
+    assert failure_lines(done.stderr) == [f"{folder / name}: {reason}"
+                                          for name, reason in reasons.items()]
+    for name, reason in reasons.items():
+        assert answers[str(folder / name)] == f"FAILED: {reason}"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file, whatever its permissions: "
+                                              "no file is unreadable to this test")
+def test_an_unreadable_file_fails_alone(farm_two_workers, lenet, digits, tmp_path) -> None:
+    for index in range(3):
+        cv2.imwrite(str(tmp_path / f"{index}.png"), digits[index])
+    (tmp_path / "1.png").chmod(0)
+    done = submit_on_the_terminal(farm_two_workers, tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert failure_lines(done.stderr) == [f"{tmp_path / '1.png'}: permission denied"]
+    top = reference_forward(lenet, digits[:3]).argmax(axis=1)
+    for index in (0, 2):
+        assert f"{tmp_path / f'{index}.png'}: {lenet.labels[top[index]]} " in done.stdout
+
+
+def test_a_symlink_loop_on_the_command_line_fails_that_input(farm_two_workers, lenet, digits,
+                                                             tmp_path) -> None:
+    loop, good = tmp_path / "loop.jpg", tmp_path / "good.png"
+    loop.symlink_to(loop.name)
+    cv2.imwrite(str(good), digits[0])
+    done = submit_on_the_terminal(farm_two_workers, loop, good)
+    assert done.returncode == 1, done.stderr
+    assert failure_lines(done.stderr) == [f"{loop}: symbolic link loop"]
+    top = reference_forward(lenet, digits[:1]).argmax(axis=1)
+    assert f"{good}: {lenet.labels[top[0]]} " in done.stdout
+    alone = submit_on_the_terminal(farm_two_workers, loop)  # nothing left to run: refused
+    assert alone.returncode == 1
+    assert alone.stderr.strip() == f"Error: {loop}: symbolic link loop"
 
 
 def test_a_grey_file_for_a_colour_net_is_replicated(farm_two_workers, tmp_path) -> None:
@@ -275,6 +355,39 @@ def test_files_folders_globs_and_lists_are_found_in_order(tmp_path) -> None:
             find_image_files([str(tmp_path / missing)])
     source = FileSource(found)
     assert source.item_shape == (1,) and len(source) == 6
+
+
+def test_every_path_a_folder_or_glob_yields_is_an_input_or_told_of(tmp_path) -> None:
+    from farm.inputs import find_inputs
+
+    folder = tmp_path / "photos"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("b.png", "sub/c.jpg", "notes.txt", ".DS_Store", "sub/meta.json", "LICENSE"):
+        (folder / name).write_bytes(b"x")
+    (folder / "a_loop").symlink_to("a_loop")
+    (folder / "d.jpg").symlink_to(tmp_path / "gone" / "d.jpg")
+    (folder / "linked").symlink_to("sub")
+    os.mkfifo(folder / "pipe")
+    found = find_inputs([str(folder)])
+    assert [p.relative_to(folder).as_posix() for p in found.paths] == \
+        ["a_loop", "b.png", "d.jpg", "sub/c.jpg"]
+    assert found.refused == {0: "symbolic link loop",
+                             2: f"dangling symbolic link to {tmp_path / 'gone' / 'd.jpg'}"}
+    assert found.notices == [f"{folder}: skipped 5 files that are not images (.DS_Store, "
+                             f".json, .txt, no suffix, special files) and 1 link to a folder "
+                             f"(not followed)"]
+    matched = find_inputs([str(folder / "*")])
+    assert [p.name for p in matched.paths] == ["LICENSE", "a_loop", "b.png", "d.jpg",
+                                              "notes.txt"]
+    assert matched.refused == {1: "symbolic link loop", 3: found.refused[2]}
+    assert matched.notices == [f"{folder / '*'}: skipped the 2 folders it matches (give a "
+                               f"folder itself to run the images under it)"]
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "README.txt").write_text("x")
+    with pytest.raises(InputError, match="texts: no image files .* under this folder"):
+        find_inputs([str(tmp_path / "texts")])
+    with pytest.raises(InputError, match="none of the 2 files can be read .*a_loop: symbolic"):
+        find_inputs([str(folder / "a_loop"), str(folder / "d.jpg")])
 
 
 def test_answers_wait_for_earlier_rows_and_name_failures() -> None:

@@ -340,13 +340,45 @@ def test_thumbnail_end_marker_does_not_hide_a_truncation(tmp_path, cifar):
 def test_other_refusals(tmp_path, cifar):
     decoder = ImageDecoder(cifar)
     assert refusal(decoder, b"") == "empty file"
-    not_image = "not an image file (no JPEG, PNG, BMP, TIFF or WebP header)"
+    not_image = "not an image file (no JPEG, PNG, BMP, TIFF, WebP, GIF or PNM header)"
     assert refusal(decoder, b"label,value\ncat,1\n") == not_image
-    assert refusal(decoder, save(tmp_path, photo(8, 8), "a.gif")) == not_image
+    assert refusal(decoder, b"P5x not a PGM") == not_image
+    gif = save(tmp_path, photo(30, 40), "a.gif")
+    assert refusal(decoder, gif[:len(gif) // 2]).startswith("corrupt GIF: image file is truncated")
     png = save(tmp_path, photo(40, 40), "a.png")
     corrupt = png[:60] + bytes(200) + png[260:]
     assert refusal(decoder, corrupt) == "corrupt or unsupported PNG: OpenCV could not decode it"
     assert refusal(decoder, png[:16]).startswith("corrupt PNG header")
+
+
+def test_a_gif_is_its_first_frame_decoded_by_pillow(tmp_path, cifar, lenet):
+    """OpenCV reads GIF only from 4.11 on: Pillow decodes it, the palette expanded (a
+    transparent pixel keeps its colour); a grey net gets OpenCV's grey of it."""
+    first, second = coordinates(32, 32), photo(32, 32)
+    frames = [Image.fromarray(first).quantize(256), Image.fromarray(second).quantize(256)]
+    data = save(tmp_path, frames[0], "a.gif", save_all=True, append_images=frames[1:],
+                duration=100, transparency=0)
+    assert data.startswith(b"GIF89a")
+    with Image.open(tmp_path / "a.gif") as image:
+        assert image.n_frames == 2
+        expected = np.asarray(image.convert("RGB"))  # the first frame
+    np.testing.assert_array_equal(expected, np.asarray(frames[0].convert("RGB")))
+    np.testing.assert_array_equal(ImageDecoder(cifar).decode_one(data)[0], expected)
+    grey = cv2.cvtColor(expected, cv2.COLOR_RGB2GRAY)
+    resized = cv2.resize(grey, (28, 28), interpolation=cv2.INTER_LINEAR)
+    np.testing.assert_array_equal(ImageDecoder(lenet).decode_one(data)[0, 0], resized)
+
+
+@pytest.mark.parametrize("suffix, channels", [(".pgm", 1), (".ppm", 3), (".pbm", 1)])
+def test_pnm_files_decode_as_opencv_reads_them(cifar, suffix, channels):
+    picture = photo(32, 32)[..., ::-1]  # BGR, as cv2.imencode takes it
+    if channels == 1:
+        picture = cv2.cvtColor(picture, cv2.COLOR_BGR2GRAY)
+    if suffix == ".pbm":
+        picture = np.where(picture > 128, 255, 0).astype(np.uint8)
+    data = cv2.imencode(suffix, picture)[1].tobytes()
+    np.testing.assert_array_equal(ImageDecoder(cifar).decode_one(data)[0],
+                                  by_hand(data, COLOUR, (32, 32), (32, 32)))
 
 
 def test_decompression_bomb_is_refused_from_its_header(cifar):

@@ -2,7 +2,8 @@
 
 ``tests/policy_decisions.json`` holds a hash of every assignment made in a set of seeded
 runs, captured with the policies as they were before (``python tests/test_policy_scale.py``
-writes it again): simulations of the paper's farms and of random farms of 2 to 16 devices
+writes it again; every value drawn through exp, log or pow is ``steady``, so that the runs
+are the same on every CPU): simulations of the paper's farms and of random farms of 2 to 16 devices
 (noise, drift, latency, two slots, chunk caps, a lost worker, a second job), and random
 event sequences fed to each policy directly (joins, rejoins, chunks done, failed and given
 up, busy slots, losses, caps that move).  Every run must make the same assignments.
@@ -42,7 +43,7 @@ from farm.policies.equal_finish import EqualFinishPolicy
 from farm.policies.rounds import RoundPolicy
 from farm.policies.speeds import MeasuredPolicy
 from farm.scenarios import many_devices, paper_scenario, spread_devices
-from farm.simulator import DeviceModel, FarmSimulation, Scenario
+from farm.simulator import DeviceModel, FarmSimulation, Scenario, steady
 
 FIXTURE = Path(__file__).with_name("policy_decisions.json")
 
@@ -73,7 +74,8 @@ def random_farm(seed: int, devices: tuple[int, int] = (2, 16)) -> Scenario:
     models = []
     for i in range(count):
         drift = rng.random() < 0.3
-        models.append(DeviceModel(f"d{i}", 100 * 50 ** rng.random(), rng.choice([0, 2e-4, 5e-3]),
+        models.append(DeviceModel(f"d{i}", steady(100 * 50 ** rng.random()),
+                                  rng.choice([0, 2e-4, 5e-3]),
                                   noise, rng.uniform(1, 20) if drift else None,
                                   rng.uniform(0.2, 3) if drift else 1.0))
     return Scenario(f"random {seed}", tuple(models), rng.randint(500, 150_000),
@@ -156,7 +158,7 @@ class EventDriver:
         """One random event (and the WorkerReady a driver sends after a chunk)."""
         rng, names = self.rng, sorted(self.alive)
         action = rng.randrange(40)
-        self.clock += rng.choice([0.0, 0.0, rng.expovariate(2.0)])
+        self.clock += rng.choice([0.0, 0.0, steady(rng.expovariate(2.0))])
         if rng.random() < 0.02:
             self.policy.max_chunk = rng.choice([None, rng.randint(1, 4000)])
         if action == 0 and len(names) > 1:
@@ -166,7 +168,7 @@ class EventDriver:
             self.feed(WorkerLost(lost, at=self.clock))
         elif action == 1:
             newcomer = rng.choice([f"w{len(self.speed)}", *sorted(set(self.held) - self.alive)])
-            self.speed.setdefault(newcomer, 100 * 50 ** rng.random())
+            self.speed.setdefault(newcomer, steady(100 * 50 ** rng.random()))
             self.join(newcomer)
         elif action == 2:
             taken = rng.choice(names)
@@ -197,7 +199,7 @@ def event_decisions(algo: str, seed: int, workers: tuple[int, int] = (1, 16), ev
     """A random event sequence of up to ``events`` events fed to a fresh policy."""
     rng = random.Random(seed)
     count = rng.randint(*workers)
-    speed = {f"w{i}": 100 * 50 ** rng.random() for i in range(count)}
+    speed = {f"w{i}": steady(100 * 50 ** rng.random()) for i in range(count)}
     roster = list(speed)[:rng.randint(0, count)]
     remembered = {w: v * rng.uniform(0.5, 2) for w, v in speed.items() if rng.random() < 0.5}
     floor = rng.choice([1, 50, 100])
@@ -205,7 +207,8 @@ def event_decisions(algo: str, seed: int, workers: tuple[int, int] = (1, 16), ev
     if algo in PAPER_PARAMETERS and algo != "static":
         name, values = PAPER_PARAMETERS[algo]
         params[name] = rng.choice(values)
-    policy = make_policy(algo, int(10 ** rng.uniform(1, 5.5)), roster, remembered, **params)
+    policy = make_policy(algo, int(steady(10 ** rng.uniform(1, 5.5))), roster, remembered,
+                         **params)
     driver = EventDriver(policy, rng, speed, rng.choice([1, 2]), check=check)
     for worker in speed:
         if worker in roster or rng.random() < 0.5:

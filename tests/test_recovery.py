@@ -190,7 +190,7 @@ def test_a_poison_chunk_is_narrowed_down_to_its_bad_images(lenet, digits) -> Non
     with recovering_farm(2, "--fail-items", "250-260") as local:
         with Client(local.endpoint, timeout=60, heartbeat=0.2) as client:
             result = client.run(images, "lenet")
-            with pytest.raises(FarmError, match=r"items 250\.\.250: failed by itself 2 times "
+            with pytest.raises(FarmError, match=r"item 250: failed by itself 2 times "
                                                 r"on 2 device\(s\)"):
                 client.map(images, "lenet")
         after = stats(local)
@@ -228,7 +228,7 @@ def test_farm_submit_lists_failed_images_and_exits_1(lenet, digits, tmp_path) ->
                                            "--out", str(tmp_path / "out.npy"), "--quiet"),
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
-    assert ("2 images failed:\n  items 250..250: failed by itself 2 times on 2 device(s); "
+    assert ("2 images failed:\n  item 250: failed by itself 2 times on 2 device(s); "
             "last: ") in done.stderr
     assert "Traceback" not in done.stderr
     outputs = np.load(tmp_path / "out.npy")

@@ -1,26 +1,32 @@
 """A killed client resumes from its journal; an output that cannot be written stops the job.
 
 Real broker and worker processes (LeNet, fifo chunks of 100), real `farm submit`
-processes killed with SIGKILL, real files: a journal line whose range was
-damaged, a tmpfs that fills up mid-job.  Outputs are compared to OpenCV run
-in-process on the whole array.
+and `farm run` processes killed with SIGKILL, real files: a journal line whose
+range was damaged, a torn answers row, a tmpfs that fills up mid-job.  Outputs
+are compared to OpenCV run in-process on the whole array, answers files to an
+uninterrupted run's, byte for byte.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
 
+from farm.answerjournal import AnswersJournal, parse_marks
+from farm.answers import ModelCard
 from farm.client import Client, FarmError, JobResult
-from farm.journal import journal_path, read_journal
-from farm.local import LocalFarm, farm_command
-from farm.npy import NpyReader
+from farm.inputs import ArraySource
+from farm.journal import InputIdentity, JournalHeader, journal_path, read_journal, read_lines
+from farm.local import LocalFarm, cores, farm_command
+from farm.npy import NpyReader, partial_path
 from tests.conftest import reference_forward
 
 TOTAL = 30_000
@@ -62,6 +68,32 @@ def journaled_items(out: Path) -> int:
         return 0
 
 
+def journaled_rows(out: Path) -> int:
+    """The rows an answers file's journal vouches for (0 while it has no whole header)."""
+    try:
+        _, lines = read_lines(journal_path(out))
+    except (OSError, ValueError):
+        return 0
+    marks = parse_marks(lines, TOTAL)
+    return marks[-1].rows if marks else 0
+
+
+def kill_when(process: subprocess.Popen, ready: Callable[[], bool]) -> str:
+    """SIGKILL ``process`` once ``ready()`` holds; its stderr.  Fails if it ended first."""
+    try:
+        deadline = time.monotonic() + 120
+        while not ready() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)  # polling a file for a condition, with a deadline
+        process.send_signal(signal.SIGKILL)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGKILL, f"the job ended before the kill:\n{stderr}"
+    return stderr
+
+
 def number(pattern: str, text: str) -> int:
     """The figure (1,234) that ``pattern``'s group matches in ``text``."""
     found = re.search(pattern, text)
@@ -89,26 +121,24 @@ def broker_view(local: LocalFarm) -> dict:
         return client.info()
 
 
+@pytest.mark.parametrize("earlier", [False, True], ids=["no-earlier-file", "earlier-file"])
 def test_a_killed_submit_resumes_with_only_the_missing_images(farm_two_workers, job,
-                                                              images_file, tmp_path) -> None:
+                                                              images_file, tmp_path,
+                                                              earlier) -> None:
+    """The killed job leaves ``OUT.partial`` and its journal, never an ``OUT`` that reads as
+    complete (an earlier job's ``OUT`` stays as it was until the resume's rename)."""
     reference = job[1]
     out = tmp_path / "scores.npy"
+    if earlier:
+        np.save(out, reference[::-1])
+    before = out.read_bytes() if earlier else None
     process = subprocess.Popen(submit(farm_two_workers, images_file, out),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while (journaled_items(out) < TOTAL // 2 and process.poll() is None
-               and time.monotonic() < deadline):
-            time.sleep(0.002)  # polling a file for a condition, with a deadline
-        process.send_signal(signal.SIGKILL)
-        _, stderr = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == -signal.SIGKILL, f"the job ended before the kill:\n{stderr}"
+    kill_when(process, lambda: journaled_items(out) >= TOTAL // 2)
     kept = journaled_items(out)
     assert TOTAL // 2 <= kept < TOTAL
+    assert (out.read_bytes() if out.exists() else None) == before, "OUT untouched"
+    assert partial_path(out).exists() and journal_path(out).exists()
 
     done = run(submit(farm_two_workers, images_file, out, "--resume"))
     assert done.returncode == 0, done.stderr
@@ -119,6 +149,7 @@ def test_a_killed_submit_resumes_with_only_the_missing_images(farm_two_workers, 
         "only the missing images"
     np.testing.assert_allclose(np.load(out), reference, atol=1e-5)
     assert not journal_path(out).exists(), "a complete job's journal is deleted"
+    assert not partial_path(out).exists(), "renamed to OUT"
 
 
 def test_a_damaged_range_is_recomputed_on_resume(farm_two_workers, job, tmp_path) -> None:
@@ -218,7 +249,8 @@ def test_a_full_disk_cancels_the_job_and_resume_finishes_it(farm_two_workers, jo
         failed = run(submit(farm_two_workers, images_file, out))
         assert failed.returncode == 1, failed.stderr
         assert "Traceback" not in failed.stderr
-        assert f"cannot write {out}: No space left on device (ENOSPC)" in failed.stderr
+        assert f"cannot write {out}.partial: No space left on device (ENOSPC)" in failed.stderr
+        assert not out.exists(), "a job that could not write every row leaves no OUT"
         assert "free space and run again with --resume" in failed.stderr
         safe = number(rf"([\d,]+) of {TOTAL:,} images are safely written", failed.stderr)
         assert 0 < safe < TOTAL
@@ -265,3 +297,179 @@ def test_a_torn_or_garbled_journal_line_is_ignored(tmp_path) -> None:
     sink.close()
     np.testing.assert_array_equal(np.load(out), outputs)
     assert not journal_path(out).exists()
+
+
+@pytest.fixture(scope="module")
+def shared_images(job, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("answers") / "images.npy"
+    np.save(path, job[0])
+    return path
+
+
+@pytest.fixture(scope="module")
+def farm_one_batch_per_chunk() -> Iterator[LocalFarm]:
+    """As ``farm_two_workers``, but each chunk of 100 computed as one batch of 100, whichever
+    worker takes it: the same chunk gives the same bits, so answers files compare byte
+    for byte (a worker's own batch choice may differ from the other's in the last bit)."""
+    devices = [f"cpu:{core}" for core in cores()[:2]] or ["cpu"]
+    with LocalFarm(devices=devices, algo="fifo", broker_options=["--chunk", "100"],
+                   worker_options=["--batch", "100"], preload=["lenet"]) as local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+def fresh_answers(farm_one_batch_per_chunk, shared_images, tmp_path_factory
+                  ) -> dict[str, bytes]:
+    """The answers files of uninterrupted jobs (top 5), by suffix."""
+    folder = tmp_path_factory.mktemp("fresh")
+    files = {}
+    for suffix in ("csv", "jsonl"):
+        out = folder / f"answers.{suffix}"
+        done = run(submit(farm_one_batch_per_chunk, shared_images, out))
+        assert done.returncode == 0, done.stderr
+        assert not journal_path(out).exists() and not partial_path(out).exists()
+        files[suffix] = out.read_bytes()
+    return files
+
+
+@pytest.mark.parametrize("suffix", ["csv", "jsonl"])
+def test_a_killed_answers_job_resumes_to_the_same_bytes(farm_one_batch_per_chunk,
+                                                        shared_images, fresh_answers,
+                                                        tmp_path, suffix) -> None:
+    farm = farm_one_batch_per_chunk
+    out = tmp_path / f"answers.{suffix}"
+    process = subprocess.Popen(submit(farm, shared_images, out),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    kill_when(process, lambda: journaled_rows(out) >= TOTAL // 2)
+    kept = journaled_rows(out)
+    assert TOTAL // 2 <= kept < TOTAL
+    assert not out.exists() and partial_path(out).exists() and journal_path(out).exists()
+    before = partial_path(out).read_bytes(), journal_path(out).read_bytes()
+
+    refused = run(submit(farm, shared_images, out))
+    assert refused.returncode == 2, refused.stderr
+    assert f"({partial_path(out)} holds its outputs so far)" in refused.stderr
+    assert "add --resume to finish that job" in refused.stderr
+    refused = run(submit(farm, shared_images, out, "--resume", "--top-k", "3"))
+    assert refused.returncode == 2, refused.stderr
+    assert "top-k: 3 here, 5 in the journal" in refused.stderr
+    assert (partial_path(out).read_bytes(), journal_path(out).read_bytes()) == before
+
+    done = run(submit(farm, shared_images, out, "--resume"))
+    assert done.returncode == 0, done.stderr
+    assert number(r"([\d,]+) images resumed from", done.stdout) == kept
+    assert number(r"^([\d,]+) images in", done.stdout) == TOTAL - kept, "only the rest ran"
+    assert out.read_bytes() == fresh_answers[suffix]
+    assert not journal_path(out).exists() and not partial_path(out).exists()
+
+
+def test_a_stopped_answers_job_is_whole_and_its_resume_retries_the_rest(
+        farm_one_batch_per_chunk, shared_images, fresh_answers, lenet, tmp_path) -> None:
+    """Cancelled at half-way: ``OUT`` is renamed whole (the rest's rows say why), its journal
+    vouches only for the rows that came back; ``--resume`` takes ``OUT`` back and finishes
+    it as an uninterrupted job would have."""
+    farm = farm_one_batch_per_chunk
+    out = tmp_path / "answers.csv"
+    source = ArraySource(NpyReader.open(shared_images))
+    header = JournalHeader("lenet", InputIdentity.of(source), None, format="csv", top_k=5)
+    sink = AnswersJournal.open(out, header, ModelCard(lenet.labels, lenet.softmax),
+                               source.names)
+    with Client(farm.endpoint, timeout=60) as client:
+        done = [0]
+
+        def progress(count: int) -> None:
+            done[0] += count
+            if done[0] >= TOTAL // 2:
+                client.cancel()
+
+        try:
+            result = client.run(source, "lenet", out=sink, progress=progress)
+        finally:
+            sink.close()
+    assert result.cancelled and result.failed
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1 + TOTAL and lines[-1].endswith(",cancelled by the client")
+    kept = journaled_rows(out)  # the rows written in order before the cancel
+    assert 0 < kept < TOTAL and not partial_path(out).exists()
+
+    resumed = run(submit(farm, shared_images, out, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert number(r"([\d,]+) images resumed from", resumed.stdout) == kept
+    assert out.read_bytes() == fresh_answers["csv"]
+    assert not journal_path(out).exists()
+
+
+def test_a_torn_answers_row_is_cut_on_resume(tmp_path) -> None:
+    """No farm: answers journaled through AnswersJournal, then a row torn and a journal line
+    garbled as a kill would leave them; the resume cuts the file at the last row its journal
+    vouches for, and the file ends as one written in one go."""
+    images = np.zeros((10, 1, 2, 2), np.uint8)
+    scores = np.random.default_rng(0).random((10, 3), dtype=np.float32)
+    source = ArraySource(images)
+    card = ModelCard(("zero", "one", "two"))
+    header = JournalHeader("net", InputIdentity.of(source), None, format="csv", top_k=2)
+    out, whole = tmp_path / "answers.csv", tmp_path / "whole.csv"
+    for path in (out, whole):
+        sink = AnswersJournal.open(path, header, card, source.names)
+        sink.write(0, scores[:4])
+        if path == whole:
+            sink.write(4, scores[4:])
+            sink.finish(complete=True)
+        sink.close()
+    assert not journal_path(whole).exists() and whole.read_text().count("\n") == 11
+    with open(partial_path(out), "ab") as handle:
+        handle.write(b"4,0,zero,0.4")  # a torn row
+    with open(journal_path(out), "ab") as handle:
+        handle.write(b"5 99x 12\n")  # garbled
+        handle.write(b"6 100000 12\n")  # past the file's end: its rows never reached it
+
+    sink = AnswersJournal.open(out, header, card, source.names)
+    assert sink.resumed_items().sum() == 4 and sink.safe == 4
+    sink.write(4, scores[4:])
+    sink.finish(complete=True)
+    sink.close()
+    assert out.read_bytes() == whole.read_bytes()
+    assert not journal_path(out).exists() and not partial_path(out).exists()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a local farm's broker and workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # not a process, or gone
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_farm_run_leaves_only_its_partial_file(images_file, tmp_path) -> None:
+    """``farm run --out x.npy`` (no journal): killed mid-job, it leaves ``x.npy.partial``;
+    the earlier ``x.npy`` is as it was."""
+    out = tmp_path / "x.npy"
+    np.save(out, np.arange(3))
+    before = out.read_bytes()
+    with open(tmp_path / "run.log", "w") as log:  # not a pipe: the orphans would hold it
+        process = subprocess.Popen(
+            farm_command("--log-level", "WARNING", "run", str(images_file), "--model",
+                         "lenet", "--out", str(out), "--quiet", "--workers", "1", "--algo",
+                         "fifo", "--chunk", "100"),
+            stdout=log, stderr=subprocess.STDOUT, text=True)
+    farm: list[int] = []
+
+    def first_result_written() -> bool:
+        if partial_path(out).exists():
+            farm.extend(children(process.pid))  # before the kill orphans them
+            return True
+        return False
+
+    try:
+        kill_when(process, first_result_written)
+    finally:
+        for pid in farm:
+            os.kill(pid, signal.SIGKILL)
+    assert farm, (tmp_path / "run.log").read_text()
+    assert out.read_bytes() == before
+    assert partial_path(out).exists() and not journal_path(out).exists()

@@ -8,7 +8,6 @@ defines them; each job names its policy, so one warm farm runs them all.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import multiprocessing
 import time
@@ -69,10 +68,43 @@ def paper_configurations(quick: bool = False) -> list[Configuration]:
 
 
 def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` in a new spawned process (nothing inherited from this one)."""
+    """``function(*args)`` in a new spawned process (nothing inherited from this one).
+
+    An interrupt here (bench/gpu.sh's time limit) ends that process at once: a process
+    pool interrupted before its shutdown leaves its worker waiting for more work, and
+    Python's exit then waits for that worker forever.
+    """
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(function, *args).result()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=run_and_send, args=(sender, function, args), daemon=True)
+    process.start()
+    sender.close()
+    try:
+        outcome, value = receiver.recv()
+        process.join()
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"{function.__name__} died in its process (exit code "
+                           f"{process.exitcode})") from None
+    finally:
+        if process.is_alive():
+            process.terminate()
+            process.join()
+        receiver.close()
+    if outcome == "error":
+        raise value
+    return value
+
+
+def run_and_send(sender: Any, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """In the fresh process: send back ``("ok", result)`` or ``("error", exception)``."""
+    try:
+        sender.send(("ok", function(*args)))
+    except BaseException as exc:  # KeyboardInterrupt too: the caller decides
+        try:
+            sender.send(("error", exc))
+        except Exception:  # an exception that cannot be pickled: its text
+            sender.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
 @contextlib.contextmanager

@@ -245,7 +245,8 @@ class _OpenVINOQueue:
         self.transform = Transformer.for_model(spec)
         core = openvino.Core()
         self.compiled = core.compile_model(core.read_model(str(exported_onnx(spec))), "CPU", {
-            "PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_NUM_THREADS": cores})
+            "PERFORMANCE_HINT": "THROUGHPUT", "INFERENCE_NUM_THREADS": cores,
+            "INFERENCE_PRECISION_HINT": "f32"})  # stated: a bf16 CPU's default is bf16
         self.jobs = int(self.compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
         self.streams = int(self.compiled.get_property("NUM_STREAMS"))
         self.queue = openvino.AsyncInferQueue(self.compiled, self.jobs)

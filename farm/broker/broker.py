@@ -162,8 +162,10 @@ class Broker:
         interval = self.config.heartbeat
         for identity in self.state.workers:
             self.send(identity, Command.HEARTBEAT, {"interval": interval})
+        workers = len(self.state.workers)  # a client waiting on none says so to its user
         for job in self.state.jobs.values():
-            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "interval": interval})
+            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "interval": interval,
+                                                      "workers": workers})
 
     def poll_once(self, timeout_ms: int) -> None:
         """Handle the messages waiting (or arriving within the timeout), at most ``MAX_BATCH``;
@@ -224,7 +226,7 @@ class Broker:
                 case messages.Fetch() as fetch:
                     self.on_fetch(identity, fetch, now)
                 case messages.Submit() as submit:
-                    self.feed(self.submitted(identity, submit, now))
+                    self.on_submit(identity, submit, now)
                 case _:
                     self.feed(event_of(identity, message, now))
         except ProtocolError as exc:
@@ -289,9 +291,19 @@ class Broker:
 
     # ------------------------------------------------------------ decoding
 
+    def on_submit(self, identity: bytes, header: messages.Submit, now: float) -> None:
+        """A SUBMIT becomes a job; one whose dtype or item shape cannot cross the wire is
+        refused with an ERROR: a well-formed request refused, not a bad message."""
+        try:
+            protocol.check_array_spec(header.dtype, header.item_shape)
+        except ProtocolError as exc:
+            log.info("job %s refused: %s", header.job, exc)
+            self.send(identity, Command.ERROR, {"error": str(exc), "job": header.job})
+            return
+        self.feed(self.submitted(identity, header, now))
+
     def submitted(self, identity: bytes, header: messages.Submit, now: float) -> ev.Event:
         """A SUBMIT, with what the repository says of its model."""
-        protocol.check_array_spec(header.dtype, header.item_shape)
         return ev.JobSubmitted(identity, header.job, header.model, header.dtype,
                                tuple(header.item_shape), header.total,
                                header.heartbeat or self.config.heartbeat,

@@ -79,7 +79,7 @@ class ChunkDone:
     timings: dict[str, float]
     at: float
     payload: Any = ()
-    failed: int = 0  # items that failed on their own (undecodable image files)
+    failed: int = 0  # items that failed on their own (undecodable files, NaN pixels)
     problem: str | None = None  # why the result cannot be taken (a malformed failures list)
 
 

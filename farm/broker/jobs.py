@@ -70,6 +70,7 @@ class Share:
     items: int = 0
     chunks: int = 0
     compute_s: float = 0.0
+    load_s: float = 0.0  # waiting for the model's files and engine (a fresh worker)
 
 
 @dataclass
@@ -202,7 +203,7 @@ class Job:
         if self.output_shape not in (None, shape):
             return f"output shape {shape} differs from earlier chunks' {self.output_shape}"
         timings = result.timings
-        for key in ("compute", "receive", "send", "device", "copy"):
+        for key in ("compute", "receive", "send", "device", "copy", "load"):
             value = timings.get(key, 0.0)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 return f"{key} time {value!r} is not a time"
@@ -211,13 +212,15 @@ class Job:
         self.output_shape = shape
         return None
 
-    def account(self, worker: WorkerEntry, chunk: Chunk, compute: float) -> None:
+    def account(self, worker: WorkerEntry, chunk: Chunk, compute: float,
+                load: float = 0.0) -> None:
         share = self.shares.get(worker.id)
         if share is None:
             share = self.shares[worker.id] = Share(worker.name, worker.device)
         share.items += chunk.count
         share.chunks += 1
         share.compute_s += compute
+        share.load_s += load
         worker.record(self.model, chunk.count, compute)
 
     def summary(self, now: float) -> JobSummary:

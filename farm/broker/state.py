@@ -274,7 +274,7 @@ class FarmState:
                                f"{chunk.start}..{chunk.stop - 1}: {problem}")
             return
         compute = float(event.timings["compute"])
-        job.account(entry, chunk, compute)
+        job.account(entry, chunk, compute, float(event.timings.get("load", 0.0)))
         self.note_rate(job.model, entry)
         origin, sent = job.submitted_at, record.sent_at or record.assigned_at
         self.out.append(ev.SendResult(job.client, event, entry.name, record.attempt, (

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from farm import defaults
-from farm.cli.options import curve_option, heartbeat_options, models_dir_option
+from farm.cli.options import curve_option, endpoint_value, heartbeat_options, models_dir_option
 from farm.cli.policy import policy_options, policy_params
 
 if TYPE_CHECKING:
@@ -19,8 +19,9 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 @click.command()
 @click.option("--bind", default=defaults.BROKER_ENDPOINT, show_default=True, envvar="FARM_BIND",
-              show_envvar=True,
-              help="ZeroMQ endpoint to bind; tcp://127.0.0.1:* picks a free port.")
+              show_envvar=True, callback=endpoint_value,
+              help="ZeroMQ endpoint to bind (HOST:PORT means tcp://HOST:PORT); "
+                   "tcp://127.0.0.1:* picks a free port.")
 @heartbeat_options
 @click.option("--max-attempts", default=defaults.MAX_ATTEMPTS, show_default=True,
               type=click.IntRange(1),

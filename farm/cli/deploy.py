@@ -11,7 +11,7 @@ import click
 from click.core import ParameterSource
 
 from farm import defaults
-from farm.cli.options import models_dir_option
+from farm.cli.options import endpoint_value, models_dir_option
 from farm.deploy import default_farm_command, plan, render
 from farm.policies import POLICIES
 
@@ -69,9 +69,10 @@ def deploy() -> None:
 @click.option("--gpus", default="", help="GPUs to run a worker on, like 0,1 [default: none]; "
                                          "each takes the highest free core to feed it.")
 @click.option("--bind", default=defaults.BROKER_ENDPOINT, show_default=True,
-              help="Endpoint the broker binds.")
-@click.option("--connect", help="Endpoint workers connect to [default: --bind's port on "
-                                "127.0.0.1 when it binds every interface].")
+              callback=endpoint_value, help="Endpoint the broker binds.")
+@click.option("--connect", callback=endpoint_value,
+              help="Endpoint workers connect to [default: --bind's port on 127.0.0.1 when it "
+                   "binds every interface].")
 @algo_option
 @preload_option
 @models_dir_option("Model repository folder for the broker and workers (repeatable; "

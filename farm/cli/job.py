@@ -15,12 +15,13 @@ import click
 import numpy as np
 
 from farm import defaults
-from farm.client import FarmError, FarmTimeout, ResumeRefused
+from farm.client import FarmError, FarmTimeout, NoWorker, ResumeRefused
 
 if TYPE_CHECKING:
-    from farm.answers import ModelCard
+    from farm.answers import AnswerSink, ModelCard
     from farm.client import Client, JobResult
     from farm.inputs import Source
+    from farm.repository import ModelSpec
 
 NO_BROKER_HINT = ("is a broker running there? --broker or FARM_BROKER give its address; a "
                   "broker started with --curve needs --curve here too")
@@ -44,13 +45,17 @@ class BrokerLink:
 
 def load_input(arguments: tuple[str, ...]) -> Source:
     """A job's input: one `.npy` file (read range by range: inputs of any size, read as
-    needed), or image files named by files, folders, globs and lists."""
+    needed), or image files named by files, folders, globs and lists.  Its notices (an
+    array converted to float32, files skipped) go to stderr, one line each."""
     from farm.inputs import InputError, open_input
 
     try:
-        return open_input(arguments)
+        source = open_input(arguments)
     except InputError as exc:
         raise click.ClickException(str(exc)) from exc
+    for notice in source.notices:
+        click.echo(notice, err=True)
+    return source
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,18 @@ def answers_wanted(source: Source, out: str | None, top_k: int | None,
         raise click.UsageError("--top-k writes answers: give --out a .csv or .jsonl file (or "
                                "no --out: the terminal)")
     return Answers(top_k or (DEFAULT_TOP_K if to_file else 1), card)
+
+
+def output_shape(spec: ModelSpec) -> tuple[int, ...] | None:
+    """One output's shape as the model's prototxt gives it (None if it cannot be read):
+    ``run_job``'s ``nan_shape``."""
+    from farm.caffe_net import Network, NetworkError
+
+    try:
+        net = Network.load(spec.prototxt, input_shape=spec.declared_input)
+    except NetworkError:
+        return None
+    return tuple(net.shapes[spec.output][1:])
 
 
 @contextlib.contextmanager
@@ -108,14 +125,19 @@ class Refused(click.ClickException):
 
 
 def check_journal(out: str, resume: bool) -> None:
-    """Refuse to overwrite an unfinished job's outputs without ``--resume``; with it and no
-    journal, say that the job starts afresh."""
+    """Refuse to overwrite an unfinished job's outputs (``OUT.partial`` of a killed job, or
+    ``OUT`` of one that stopped early) without ``--resume``; with it and no journal, say
+    that the job starts afresh."""
     from farm.journal import journal_path
+    from farm.npy import partial_path
 
     journal = journal_path(out)
     if journal.exists() and not resume:
-        raise Refused(f"{journal} is there: {out} holds an unfinished job's outputs; add "
-                      f"--resume to finish that job, or delete {journal} to start afresh")
+        partial = partial_path(out)
+        held = (f"{partial} holds its outputs so far" if partial.exists()
+                else f"{out} lacks the images that did not come back")
+        raise Refused(f"{journal} is there: the job writing {out} did not finish ({held}); "
+                      f"add --resume to finish that job, or delete {journal} to start afresh")
     if resume and not journal.exists():
         click.echo(f"--resume: no journal at {journal}: starting afresh", err=True)
 
@@ -123,23 +145,27 @@ def check_journal(out: str, resume: bool) -> None:
 def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None,
             quiet: bool = False, trace: str | None = None, journal: bool = False,
             resume: bool = False, answers: Answers | None = None,
-            **job_options: Any) -> np.ndarray | None:
+            nan_shape: tuple[int, ...] | None = None, **job_options: Any) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
 
-    ``journal``: keep ``OUT.journal`` beside a `.npy` ``out`` (``farm.journal``) so that a
-    killed job can be finished with ``resume``.  ``answers``: write each image's top
-    classes (to ``out``, a .csv or .jsonl, else the terminal) instead of raw scores.
-    ``job_options``: ``Client.run``'s priority, job_timeout, algo, params, backend and
-    precision.  Returns the raw outputs when they were kept: in memory, or memory-mapped
-    from ``out``.
+    ``out`` is written as ``OUT.partial``, renamed to ``out`` when the job ends with every
+    row written (or NaN-filled, or a row with the reason): a killed client leaves no
+    ``out`` that reads as complete, and an earlier job's ``out`` stays until then.
+    ``journal``: keep ``OUT.journal`` beside ``out`` (``farm.journal``) so that a killed
+    job can be finished with ``resume``.  ``answers``: write each image's top classes (to
+    ``out``, a .csv or .jsonl, else the terminal) instead of raw scores.  ``nan_shape``:
+    one output's shape, so that a `.npy` ``out`` of a job whose every image failed is
+    written too (NaN rows; without it, none).  ``job_options``: ``Client.run``'s
+    priority, job_timeout, algo, params, backend and precision.  Returns the raw outputs
+    when they were kept: in memory, or memory-mapped from ``out``.
     """
     from tqdm import tqdm
 
-    journal = journal and answers is None
-    if resume and not (out and journal):
-        raise click.UsageError("--resume needs --out OUT.npy: only raw outputs are journaled "
-                               "(answers files are written in one go)" if answers is not None
-                               else "--resume needs --out: the outputs of the job to resume")
+    from farm.client import job_engine
+
+    journal = journal and out is not None
+    if resume and not journal:
+        raise click.UsageError("--resume needs --out: the outputs of the job to resume")
     if out and not os.access(Path(out).resolve().parent, os.W_OK):
         raise click.ClickException(f"cannot write {out}: its folder does not exist or is not "
                                    f"writable")
@@ -147,12 +173,17 @@ def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None
         check_journal(out, resume)
     try:
         with link.connect() as client, contextlib.ExitStack() as stack:
-            sink = stack.enter_context(job_sink(client, source, model, out, journal, answers))
+            output = stack.enter_context(job_sink(
+                client, source, model, out, journal, answers, nan_shape,
+                job_engine(job_options.get("backend"), job_options.get("precision"))))
             bar = stack.enter_context(tqdm(total=len(source), unit="img", disable=quiet,
                                            file=sys.stderr, desc=model))
             interrupted = stack.enter_context(cancel_on_interrupt(client))
             result = client.run(source, model, progress=bar.update, trace=trace is not None,
-                                **sink, **job_options)
+                                notice=lambda line: bar.write(line, file=sys.stderr),
+                                **output.arguments, **job_options)
+    except NoWorker as exc:
+        raise click.ClickException(str(exc)) from exc
     except FarmTimeout as exc:
         raise click.ClickException(f"{exc} ({NO_BROKER_HINT})") from exc
     except ResumeRefused as exc:
@@ -160,40 +191,83 @@ def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None
     except (FarmError, OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     outputs = result.outputs
-    if outputs is None and out and journal and Path(out).exists():
+    written = output.written or outputs is not None  # a journaled .npy: mapped if written
+    if outputs is None and out and written and answers is None:
         outputs = np.load(out, mmap_mode="r")
     echo_result(result, out, outputs, trace, journaled=journal, answers=answers is not None)
-    exit_if_incomplete(result, len(source), bool(interrupted), source, answers is not None)
+    exit_if_incomplete(result, len(source), bool(interrupted), source, answers is not None,
+                       written)
     return outputs
+
+
+@dataclass
+class JobOutput:
+    """``Client.run``'s output argument, and whether the job wrote ``out`` (its ``.partial``
+    file renamed to it)."""
+
+    arguments: dict[str, Any]
+    written: bool = False
 
 
 @contextlib.contextmanager
 def job_sink(client: Client, source: Source, model: str, out: str | None, journal: bool,
-             answers: Answers | None) -> Iterator[dict[str, Any]]:
-    """``Client.run``'s output argument: answers, a journaled `.npy`, a plain `.npy`, or
-    memory; whatever it opens is closed after the job."""
+             answers: Answers | None, nan_shape: tuple[int, ...] | None = None,
+             engine: tuple[str, str] | None = None) -> Iterator[JobOutput]:
+    """``Client.run``'s output argument: answers (journaled, to a file, or on the terminal),
+    a journaled `.npy`, a plain `.npy`, or memory.  A file is written as ``OUT.partial``
+    and renamed to ``out`` once the job has written its every row (journaled: by
+    ``Client.run``); whatever it opens is closed after the job."""
     from farm.answers import AnswerSink, open_writer
     from farm.client import ArraySink
-    from farm.npy import NpyWriter
+    from farm.journal import Journaled
+    from farm.npy import NpyWriter, partial_path, publish
 
+    partial = partial_path(out) if out else None
     if answers is not None:
         card = answers.card or client.model_card(model)
-        writer = open_writer(out, card, answers.k)
-        sink = AnswerSink(answers.k, card, writer, source.names)
+        sink = (answers_journal(out, source, model, engine, answers.k, card)
+                if out and journal else
+                AnswerSink(answers.k, card, open_writer(out, card, answers.k, partial),
+                           source.names))
+        output = JobOutput({"out": sink})
         try:
-            yield {"out": sink}
+            yield output
         finally:
             sink.close()
+        output.written = isinstance(sink, Journaled) and sink.published
+        if out and partial and not journal and sink.next_row == len(source):
+            publish(partial, Path(out))
+            output.written = True
     elif out and journal:
-        yield {"resume": out}
-    elif out:
-        npy = NpyWriter(out, len(source))
+        yield JobOutput({"resume": out})  # Client.run renames it
+    elif out and partial:
+        npy = NpyWriter(partial, len(source), nan_shape)
+        output = JobOutput({"out": npy})
         try:
-            yield {"out": npy}
+            yield output
         finally:
             npy.close()
+        if npy.item_shape is not None:  # else no row was written, nor filled: no file
+            publish(partial, Path(out))
+            output.written = True
     else:
-        yield {"out": ArraySink(len(source))}
+        yield JobOutput({"out": ArraySink(len(source))})
+
+
+def answers_journal(out: str, source: Source, model: str, engine: tuple[str, str] | None,
+                    k: int, card: ModelCard) -> AnswerSink:
+    """A journaled answers file (``farm.answerjournal``), resumed if its journal is there;
+    ResumeRefused if that journal is another job's."""
+    from farm.answerjournal import AnswersJournal
+    from farm.answers import answers_format
+    from farm.journal import InputIdentity, JournalHeader, JournalMismatch
+
+    header = JournalHeader(model, InputIdentity.of(source), engine,
+                           format=answers_format(out), top_k=k)
+    try:
+        return AnswersJournal.open(out, header, card, source.names)
+    except JournalMismatch as exc:
+        raise ResumeRefused(str(exc)) from exc
 
 
 def echo_result(result: JobResult, out: str | None, outputs: np.ndarray | None,
@@ -227,22 +301,27 @@ def echo_result(result: JobResult, out: str | None, outputs: np.ndarray | None,
 
 
 def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
-                       source: Source | None = None, answers: bool = False) -> None:
+                       source: Source | None = None, answers: bool = False,
+                       written: bool = True) -> None:
     """Exit 130 (Ctrl-C) or 1 (cancelled, timed out, failed images) when images are missing;
-    failed image files are named."""
+    failed image files are named.  ``written``: whether raw outputs were written (no file
+    when no image came back and their shape was not known)."""
     from farm.client import describe_failures
 
     if result.cancelled:
         missing = sum(f.count for f in result.failed)
-        click.echo(f"job stopped: {result.cancelled}; {total - missing:,} of {total:,} "
-                   f"images came back, the other {missing:,} "
-                   f"{'have rows with the reason' if answers else 'have NaN outputs'}",
-                   err=True)
+        if answers or written:
+            rest = (f"{total - missing:,} of {total:,} images came back, the other "
+                    f"{missing:,} {'have rows with the reason' if answers else 'have NaN outputs'}")
+        else:
+            rest = f"no outputs were written: none of the {total:,} images came back"
+        click.echo(f"job stopped: {result.cancelled}; {rest}", err=True)
         raise SystemExit(130 if interrupted else 1)
     if result.failed:
         from farm.inputs import FileSource
 
         names = source.names if isinstance(source, FileSource) else None  # files by path
-        click.echo(describe_failures(result.failed, names)
-                   + ("" if answers else "\n(their outputs are NaN)"), err=True)
+        note = ("" if answers else "\n(their outputs are NaN)" if written
+                else "\n(no outputs were written: no image came back)")
+        click.echo(describe_failures(result.failed, names) + note, err=True)
         raise SystemExit(1)

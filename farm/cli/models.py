@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import click
 
@@ -61,24 +61,37 @@ def shape_text(shape: tuple[int, ...]) -> str:
 def list_models(models_dir: tuple[str, ...]) -> None:
     """List the models in the repository.
 
+    A model that another folder of the same name shadows (one earlier on the search
+    path: --models-dir, $FARM_MODELS, the user's repository, the bundled models) is
+    listed after it, marked as shadowed.
+
     \b
     Examples:
       farm models list
       farm models list --models-dir ~/models     # or FARM_MODELS=~/models
     """
-    from farm.repository import ModelError, available, load_spec
+    from farm.repository import is_bundled, model_folders, shown
 
     click.echo(f"{'model':<16} {'images':<12} {'layout':<6} {'weights':<22} description")
-    for name, folder in available(models_dir).items():
-        try:
-            spec = load_spec(Path(folder))
-        except ModelError as exc:
-            click.echo(f"{name:<16} BROKEN: {exc}")
-            continue
-        weights = (f"{spec.weights.stat().st_size / 1e6:.1f} MB" if spec.weights.is_file()
-                   else "made on first use")
-        click.echo(f"{name:<16} {shape_text(spec.item_shape):<12} "
-                   f"{spec.preprocess.layout:<6} {weights:<22} {spec.description}")
+    for name, folders in model_folders(models_dir).items():
+        click.echo(model_row(name, folders[0]))
+        for hidden in folders[1:]:
+            where = "bundled" if is_bundled(hidden) else f"in {shown(hidden.parent)}"
+            click.echo(model_row(name, hidden, f"({where}, shadowed by {shown(folders[0])}) "))
+
+
+def model_row(name: str, folder: Path, note: str = "") -> str:
+    """One line of ``farm models list``, ``note`` before the description."""
+    from farm.repository import ModelError, load_spec
+
+    try:
+        spec = load_spec(folder)
+    except ModelError as exc:
+        return f"{name:<16} {note}BROKEN: {exc}"
+    weights = (f"{spec.weights.stat().st_size / 1e6:.1f} MB" if spec.weights.is_file()
+               else "made on first use")
+    return (f"{name:<16} {shape_text(spec.item_shape):<12} {spec.preprocess.layout:<6} "
+            f"{weights:<22} {note}{spec.description}")
 
 
 @models.command("show")
@@ -92,10 +105,13 @@ def show_model(name: str, models_dir: tuple[str, ...]) -> None:
       farm models show lenet
     """
     from farm.caffe_net import Network
+    from farm.repository import model_folders, origin
 
     spec = find_model(name, models_dir)
     net = Network.load(spec.prototxt, input_shape=spec.declared_input)
-    click.echo("\n".join([*model_lines(spec, net), *layer_lines(net)]))
+    shadows = [f"  shadows     {origin(hidden)}"
+               for hidden in model_folders(models_dir).get(name, [])[1:]]
+    click.echo("\n".join([*model_lines(spec, net), *shadows, *layer_lines(net)]))
 
 
 def model_lines(spec: ModelSpec, net: Network) -> list[str]:
@@ -173,13 +189,16 @@ def check_model_command(name: str, count: int, precision: str, threads: int,
 
 
 def run_check(spec: ModelSpec, count: int, precision: str = defaults.PRECISION,
-              threads: int = 1) -> str | None:
+              threads: int = 1, paths: Callable[[str], str] = str) -> str | None:
     """Run and print ``farm models check``'s comparison of every backend; why it failed, if
-    it did (every backend's outputs within the tolerance, and at least one ran)."""
+    it did (every backend's outputs within the tolerance, and at least one ran).  ``paths``
+    rewrites each problem (``farm models add``: to name the user's files)."""
     from farm.modelcheck import check_inputs, check_model
 
     inputs = check_inputs(spec, count)
     checks = check_model(spec, inputs, threads=threads, precision=precision)
+    for check in checks:
+        check.problem = paths(check.problem) if check.problem else check.problem
     click.echo(f"{spec.name}: {len(inputs)} images {shape_text(inputs.shape[1:])} "
                f"{inputs.dtype}; outputs must agree within {checks[-1].tolerance:g} of the "
                f"reference's largest output")
@@ -323,7 +342,8 @@ def labels_option(text: str | None) -> tuple[Path | None, tuple[str, ...]]:
               help="The input's shape, for a prototxt that does not state it.")
 @click.option("--description", default="", help="One line for `farm models list`.")
 @click.option("--link", is_flag=True, help="Symlink the files instead of copying them.")
-@click.option("--force", is_flag=True, help="Replace a model of this name.")
+@click.option("--force", is_flag=True, help="Replace a model of this name in the repository, "
+                                            "or shadow a bundled (or other) one.")
 @click.option("--count", default=4, show_default=True, type=click.IntRange(1),
               help="Images the check compares the backends on.")
 @models_dir_option("Write the model into this repository folder [default: the first "
@@ -337,6 +357,7 @@ def add_model(name: str, prototxt: str, weights: str, mean_file: str | None,
 
     The files are copied (or linked) into REPOSITORY/NAME with a model.toml;
     images are taken as H x W x C RGB.  A failing check removes what was written.
+    A NAME that a bundled model (or another on the search path) has needs --force.
 
     \b
     Examples:
@@ -346,7 +367,7 @@ def add_model(name: str, prototxt: str, weights: str, mean_file: str | None,
           --mean-file imagenet_mean.binaryproto --resize 256 --crop center
     """
     from farm.modeladd import NewModel, commit, discard, stage
-    from farm.repository import ModelError, add_target
+    from farm.repository import ModelError, origin
 
     if mean_file and mean_text:
         raise click.UsageError("give --mean-file or --mean, not both")
@@ -361,16 +382,22 @@ def add_model(name: str, prototxt: str, weights: str, mean_file: str | None,
         crop=crop, description=description,
         input_size=numbers(input_text, "x", int, "CxHxW", (3,)) if input_text else None)
     try:
-        staged = stage(model, add_target(models_dir), force=force, link=link)
+        staged = stage(model, models_dir, force=force, link=link)
     except ModelError as exc:
         raise click.ClickException(f"not added: {exc}") from exc
     assert staged.spec is not None
-    problem = run_check(staged.spec, count)
+    try:
+        problem = run_check(staged.spec, count, paths=staged.user_paths)
+    except BaseException:  # Ctrl-C, or a backend's crash: nothing is left behind either
+        discard(staged)
+        raise
     if problem:
         discard(staged)
         raise click.ClickException(f"{problem}; nothing was added")
     spec = commit(staged)
     click.echo(added_text(spec))
+    for hidden in staged.shadows:
+        click.echo(f"  it shadows {origin(hidden)}: `farm models list` shows both")
 
 
 def added_text(spec: ModelSpec) -> str:

@@ -48,10 +48,25 @@ def curve_option(what: str, default_name: str | None = None) -> Decorator:
 client_curve_option = curve_option("the broker's public key and this client's secret key",
                                    defaults.CLIENT_KEY)
 
+def endpoint_value(context: click.Context, parameter: click.Parameter, value: str | None
+                   ) -> str | None:
+    """An endpoint option's value: ``HOST:PORT`` as ``tcp://HOST:PORT``; a usage error in
+    one line for anything else that is not an endpoint."""
+    from farm.link import parse_endpoint
+
+    if value is None:
+        return None
+    try:
+        return parse_endpoint(value, bind=parameter.name == "bind")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), context, parameter) from None
+
+
 #: ``--broker``: where a client or worker finds the broker.
 broker_option = click.option(
     "--broker", "broker_address", default=defaults.BROKER_ENDPOINT, show_default=True,
-    envvar="FARM_BROKER", show_envvar=True, help="Broker endpoint to connect to.")
+    envvar="FARM_BROKER", show_envvar=True, callback=endpoint_value,
+    help="Broker endpoint to connect to (tcp://HOST:PORT, or HOST:PORT).")
 
 
 def models_dir_option(text: str, exists: bool = False) -> Decorator:

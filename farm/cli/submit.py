@@ -7,19 +7,25 @@ import json
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
 
 from farm import defaults
-from farm.cli.job import NO_BROKER_HINT, BrokerLink, answers_wanted, load_input, run_job
+from farm.cli.job import (NO_BROKER_HINT, BrokerLink, answers_wanted, load_input,
+                          output_shape, run_job)
 from farm.answers import ModelCard
 from farm.cli.options import (backend_option, broker_option, client_curve_option,
                               image_out_options, model_option, models_dir_option,
                               precision_option, top_k_option)
 from farm.cli.policy import policy_options, policy_params
 from farm.client import Client, FarmError, FarmTimeout
+from farm.summary import plural
+
+if TYPE_CHECKING:
+    from farm.inputs import Source
+    from farm.repository import ModelSpec
 
 #: ``farm status --watch`` without SECONDS: redraw this often.
 WATCH_INTERVAL = 2.0
@@ -37,11 +43,13 @@ WATCH_INTERVAL = 2.0
 @click.option("--job-timeout", type=click.FloatRange(0, min_open=True),
               help="Seconds after which the broker cancels the job [default: none].")
 @click.option("--timeout", default=defaults.CLIENT_TIMEOUT, show_default=True,
-              help="Seconds of broker silence before giving up (a broker back within this "
-                   "time gets the missing images submitted again).")
+              help="Seconds of broker silence, or with no worker connected, before giving "
+                   "up (a broker back within this time gets the missing images submitted "
+                   "again; a broker that never answered is given up after 8 s).")
 @click.option("--resume", is_flag=True,
-              help="Finish the job whose outputs --out holds: keep the images its journal "
-                   "(OUT.journal) vouches for and submit only the others.")
+              help="Finish the killed or stopped job writing --out (.npy, .csv or .jsonl): "
+                   "keep the rows its journal (OUT.journal) vouches for and submit only the "
+                   "other images.")
 @backend_option("Run this job on this engine instead of the workers' own.")
 @precision_option("Run this job in this precision instead of the workers' own.")
 @client_curve_option
@@ -55,13 +63,16 @@ def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | 
            models_dir: tuple[str, ...], algo: str | None, **options: object) -> None:
     """Run IMAGES on a farm: image files, or one .npy array.
 
-    IMAGES are image files (JPEG, PNG, BMP, TIFF, WebP), folders of them (searched
-    recursively), globs, and text files listing paths; or one .npy array (N x C x H
-    x W or N x H x W, or N x H x W x C for an HWC model; uint8 or float32).  Image
+    IMAGES are image files (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM), folders of them
+    (searched recursively; other files are skipped and counted), globs, and text
+    files listing paths; or one .npy array (N x C x H x W or N x H x W, or N x H x
+    W x C for an HWC model; uint8 or float32, other numbers converted to float32
+    on the client).  Image
     files travel encoded and the workers decode them, resized and cropped as the
-    model's [resize] says; a file that cannot be decoded fails alone, with its
-    reason.  --out answers.csv (or .jsonl) writes each image's top classes, named,
-    in input order; --out scores.npy the raw outputs.
+    model's [resize] says; a file that cannot be decoded, or a float32 image with a
+    NaN or infinite pixel, fails alone, with its reason.  --out answers.csv (or
+    .jsonl) writes each image's top classes, named, in input order; --out scores.npy
+    the raw outputs.
 
     IMAGES is read a chunk at a time and outputs are written as they arrive, so
     a file larger than memory runs in bounded memory.  Ctrl-C cancels the job:
@@ -69,12 +80,18 @@ def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | 
     job timed out (the failures are listed; their outputs are NaN), 130 if it
     was cancelled.
 
-    With --out, a journal (OUT.journal) lists the outputs written and their
-    CRCs until every image is back.  If the client is killed, the machine
-    reboots or the disk fills up (exit status 1, the job cancelled), the same
-    command with --resume submits only the images missing.  Without --resume
-    an unfinished job's journal is not overwritten; a resume with another
-    input, model or engine is refused (exit status 2).
+    --out is written as OUT.partial, renamed to OUT when the job ends with
+    every row written: a killed client leaves OUT.partial, never an OUT that
+    reads as complete, and an earlier OUT stays until the rename.  Beside it a
+    journal (OUT.journal) lists the rows written and their CRCs until every
+    image is back.  If the client is killed, the machine reboots or the disk
+    fills up (exit status 1, the job cancelled), the same command with --resume
+    submits only the images missing.  A .npy resume also retries failed images
+    (NaN rows); an answers file keeps its rows, failed ones with their reason,
+    and retries the images a stopped job (cancelled, timed out) did not get.
+    Without --resume an unfinished job's journal is not overwritten; a resume
+    with another input, model, engine, format or --top-k is refused (exit
+    status 2).
 
     \b
     Examples:
@@ -128,12 +145,16 @@ def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:
 @precision_option("The workers' compute precision.", defaults.PRECISION)
 @click.option("--batch", type=click.IntRange(1),
               help="The workers' compute batch [default: auto's choice, else the prototxt's].")
+@click.option("--repeat", default=1, show_default=True, type=click.IntRange(1), metavar="N",
+              help="Run IMAGES N times over, as one job: long enough to measure the farm "
+                   "(throughput, waste) on a small input; the outputs hold every pass.")
 @models_dir_option("Model repository folder for the broker and workers (repeatable; also "
                    "$FARM_MODELS).", exists=True)
 @policy_options()
 def run(images: tuple[str, ...], model: str, workers: int | None, out: str | None,
         trace: str | None, quiet: bool, top_k: int | None, backend: str, precision: str,
-        batch: int | None, models_dir: tuple[str, ...], algo: str, **options: object) -> None:
+        batch: int | None, repeat: int, models_dir: tuple[str, ...], algo: str,
+        **options: object) -> None:
     """Start a local farm (broker + one pinned worker per core), run IMAGES, stop it.
 
     IMAGES are image files, folders, globs and lists, or one .npy array, as for
@@ -143,11 +164,13 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
     \b
     Examples:
       farm run                                   # LeNet on its bundled sample
+      farm run --repeat 40                       # ... 40 times over: the farm measured
       farm run photos/ --model squeezenet --top-k 5 --out answers.csv
       farm run images.npy --model lenet --out scores.npy
       farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
       farm run images.npy --model mynet --models-dir ~/models --backend openvino
     """
+    from farm.inputs import repeated
     from farm.local import LocalFarm, cores, policy_arguments
     from farm.repository import ModelError, find
 
@@ -158,16 +181,22 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
     labels = None
     if not images:
         if spec.sample is None:
-            raise click.ClickException(f"model {model!r} has no bundled sample; give IMAGES")
+            raise click.ClickException(no_sample(spec, models_dir))
         images, labels = (str(spec.sample),), spec.sample_labels
     folders = [arg for folder in models_dir
                for arg in ("--models-dir", str(Path(folder).resolve()))]
     available = cores()
-    devices = [f"cpu:{available[i % len(available)]}" for i in range(workers or len(available))]
-    source = load_input(images)
+    if workers is not None and workers > len(available):
+        raise click.UsageError(f"--workers {workers}: this process may use {len(available)} "
+                               f"core{'s' if len(available) > 1 else ''} "
+                               f"({', '.join(map(str, available))}), and each worker is pinned "
+                               f"to a core of its own")
+    devices = [f"cpu:{core}" for core in available[:workers or len(available)]]
+    source = repeated(load_input(images), repeat)
+    check_model_input(source, spec)
     answers = answers_wanted(source, out, top_k, ModelCard(spec.labels, spec.softmax))
-    click.echo(f"starting a local farm: broker + {len(devices)} workers ({', '.join(devices)})",
-               err=True)
+    click.echo(f"starting a local farm: broker + {plural(len(devices), 'worker')} "
+               f"({', '.join(devices)})", err=True)
     stop_on_hangup()
     farm = LocalFarm(
         devices=devices, algo=algo, preload=[model],
@@ -176,12 +205,49 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
                         *(["--batch", str(batch)] if batch else [])])
     try:
         with farm as local:
+            engines = local.engines(model)
+            click.echo(f"farm ready in {local.start_seconds:.2f} s (not counted in the job): "
+                       f"{model} on {engines or 'its engine'}", err=True)
             outputs = run_job(BrokerLink(endpoint=local.endpoint), source, model, out, quiet,
-                              trace, answers=answers)
+                              trace, answers=answers, nan_shape=output_shape(spec))
+            stopping = time.monotonic()
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc
+    if outputs is None and out and out.lower().endswith(".npy") and Path(out).is_file():
+        outputs = np.load(out, mmap_mode="r")  # written as they came: read back to score
     if labels is not None and outputs is not None:
-        report_accuracy(outputs, labels, spec.labels)
+        report_accuracy(outputs, labels, spec.labels, repeat)
+    click.echo(f"farm stopped in {time.monotonic() - stopping:.2f} s", err=True)
+
+
+def no_sample(spec: ModelSpec, models_dir: tuple[str, ...]) -> str:
+    """``farm run``'s error for a model without a sample: its folder, and the model it
+    shadows (which may have one)."""
+    from farm.repository import ModelError, load_spec, model_folders, origin, shown
+
+    text = f"model {spec.name!r} ({shown(spec.folder)}) has no sample"
+    for hidden in model_folders(models_dir).get(spec.name, [])[1:2]:
+        try:
+            sampled = load_spec(hidden).sample is not None
+        except ModelError:
+            sampled = False
+        text += f"; it shadows {origin(hidden)}{', which has one' if sampled else ''}"
+    return f"{text}; give IMAGES"
+
+
+def check_model_input(source: Source, spec: ModelSpec) -> None:
+    """Refuse, before a local farm starts, what the model cannot take (its broker would
+    refuse it in the same words)."""
+    from farm.inputs import ArraySource
+
+    channels = spec.input_shape[0]
+    if isinstance(source, ArraySource) and tuple(source.item_shape) != tuple(spec.item_shape):
+        layout = " (H x W x C)" if spec.preprocess.layout == "HWC" else ""
+        raise click.ClickException(f"images of shape {source.item_shape} do not match model "
+                                   f"{spec.name!r}, which takes {spec.item_shape}{layout}")
+    if not isinstance(source, ArraySource) and channels not in (1, 3):
+        raise click.ClickException(f"model {spec.name!r} takes {channels} channels: image "
+                                   f"files give 1 (grey) or 3 (colour)")
 
 
 def stop_on_hangup() -> None:
@@ -193,16 +259,23 @@ def stop_on_hangup() -> None:
         signal.signal(hangup, stop)
 
 
-def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[str, ...]) -> None:
-    """Top-1 accuracy of the outputs against the sample's labels, and a few predictions."""
+def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[str, ...],
+                    passes: int = 1) -> None:
+    """Top-1 accuracy of the outputs against the sample's labels, a few predictions, and
+    whether every pass over the sample answered alike."""
     labels = np.load(labels_path)
-    predicted = outputs.reshape(len(outputs), -1).argmax(axis=1)
-    correct = int((predicted == labels).sum())
+    predicted = outputs.reshape(len(outputs), -1).argmax(axis=1).reshape(passes, len(labels))
+    correct = int((predicted[0] == labels).sum())
     names = class_names or tuple(map(str, range(outputs.shape[1])))
-    shown = ", ".join(names[p] for p in predicted[:10])
+    shown = ", ".join(names[p] for p in predicted[0, :10])
     click.echo(f"first predictions: {shown} ...")
+    agree = ""
+    if passes > 1:
+        same = int((predicted == predicted[0]).all(axis=0).sum())
+        agree = (f"; the {passes} passes agree" if same == len(labels) else
+                 f"; the {passes} passes disagree on {len(labels) - same:,} images")
     click.echo(f"accuracy on the bundled sample: {correct / len(labels):.2%} "
-               f"({correct} of {len(labels)} against {labels_path.name})")
+               f"({correct:,} of {len(labels):,} against {labels_path.name}{agree})")
 
 
 def await_workers(client: Client, count: int, timeout: float) -> None:

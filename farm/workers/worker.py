@@ -62,6 +62,9 @@ FETCH_TIMEOUT = 120.0
 #: Longest reason a worker gives for one image file that failed.
 MAX_REASON = 500
 
+#: Why a float32 item with a NaN or infinite pixel fails (its outputs are NaN).
+NON_FINITE = "NaN or infinite pixels"
+
 #: glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 
@@ -484,7 +487,9 @@ class Worker:
             except ModelError as exc:
                 log.error("cannot preload --model %s: %s", header.model, exc)
         now = time.perf_counter()
-        return [self.run_task(task, now, spec) for task, _ in parked]
+        # the wait for the files counts as loading, as the engine's build does
+        return [self.run_task(task, now, spec, waited=now - received)
+                for task, received in parked]
 
     def expire_fetches(self) -> list[Reply]:
         """FAILED for the chunks parked on a FETCH the broker has not answered in time."""
@@ -509,11 +514,13 @@ class Worker:
             fatal=fatal, charge=charge))
 
     def run_task(self, message: Message, received: float,
-                 spec: ModelSpec | None = None) -> Reply:
+                 spec: ModelSpec | None = None, waited: float = 0.0) -> Reply:
         """Run one chunk; FAILED with the reason when it cannot run.
 
-        Timings: ``receive`` from the start of the receive to the decoded input
-        (model loading excluded), ``compute`` the forward passes (and the decoding of
+        Timings: ``load`` the seconds the chunk waited for its model's files
+        (``waited``) and engine (a fresh worker's first chunk of a model: ``auto``
+        times the engines then), ``receive`` from the start of the receive to the
+        decoded input (model loading excluded), ``compute`` the forward passes (and the decoding of
         image files: the policies see a worker's whole cost per image), ``send`` the
         building of the reply (the socket send itself is asynchronous); ``device`` the
         part of ``compute`` the device spent computing (a GPU's, from CUDA events) and
@@ -526,6 +533,7 @@ class Worker:
             if key not in self.engines:
                 loading = time.perf_counter()
                 self.load(spec, key)
+                waited += time.perf_counter() - loading
                 received += time.perf_counter() - loading
             engine = self.engines[key]
             engine.last_run = RunStats()  # a chunk whose every file fails computes nothing
@@ -539,8 +547,7 @@ class Worker:
                                      f"{engine.spec.name!r} input {engine.spec.item_shape}")
                 images = message.array(task.dtype, task.item_shape)
                 decoded = time.perf_counter()
-                outputs = engine.run(images, stop=lambda: task.job in self.cancelled,
-                                     tally=self.tally)
+                outputs, failures = self.run_array(engine, images, task)
             log.debug("computed items %d..%d of job %s in %.3f s", task.start,
                       task.start + task.count - 1, task.job, time.perf_counter() - decoded)
             self.inject_fault(task.start, task.count)  # after the compute, which it wastes
@@ -558,7 +565,7 @@ class Worker:
         frames = protocol.array_frames(outputs)
         if failures:
             frames.append(protocol.failures_frame(failures))
-        timings = {"receive": decoded - received, "compute": computed - decoded,
+        timings = {"load": waited, "receive": decoded - received, "compute": computed - decoded,
                    "device": engine.last_run.device, "copy": engine.last_run.copy,
                    "send": time.perf_counter() - computed}
         return protocol.encode(Command.RESULT, messages.Result(
@@ -587,6 +594,21 @@ class Worker:
             outputs[batch.ok] = computed
         return outputs, failure_runs(batch.failures)
 
+    def run_array(self, engine: Engine, images: np.ndarray, task: messages.Task
+                  ) -> tuple[np.ndarray, list[tuple[int, int, str]]]:
+        """Run a chunk of pixels: the outputs of its finite items (NaN for the others), and
+        the runs of float32 items that hold a NaN or an infinite pixel."""
+        finite = finite_items(images)
+        if finite.all():
+            return engine.run(images, stop=lambda: task.job in self.cancelled,
+                              tally=self.tally), []
+        outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
+        if finite.any():
+            outputs[finite] = engine.run(images[finite], stop=lambda: task.job in self.cancelled,
+                                         tally=self.tally)
+        bad = np.flatnonzero(~finite).tolist()
+        return outputs, failure_runs([(index, NON_FINITE) for index in bad])
+
     def tally(self, images: int, seconds: float) -> None:
         """One compute batch done (compute thread)."""
         self.computed_images += images
@@ -612,6 +634,13 @@ class Worker:
 
     def stop(self, *_: Any) -> None:
         self.running = False
+
+
+def finite_items(images: np.ndarray) -> np.ndarray:
+    """Which items of a chunk hold finite pixels only (uint8 ones always do): one pass."""
+    if images.dtype.kind != "f":
+        return np.ones(len(images), dtype=bool)
+    return np.isfinite(images.reshape(len(images), -1)).all(axis=1)
 
 
 def failure_runs(failures: list[tuple[int, str]]) -> list[tuple[int, int, str]]:
