@@ -76,7 +76,7 @@ def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
     """
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=run_and_send, args=(sender, function, args), daemon=True)
+    process = context.Process(target=run_and_send, args=(sender, function, args))
     process.start()
     sender.close()
     try:

@@ -213,8 +213,6 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
             stopping = time.monotonic()
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc
-    if outputs is None and out and out.lower().endswith(".npy") and Path(out).is_file():
-        outputs = np.load(out, mmap_mode="r")  # written as they came: read back to score
     if labels is not None and outputs is not None:
         report_accuracy(outputs, labels, spec.labels, repeat)
     click.echo(f"farm stopped in {time.monotonic() - stopping:.2f} s", err=True)
