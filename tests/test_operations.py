@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from farm import defaults
 from farm.client import Client, FarmError, JobResult
 from farm.local import LocalFarm, cores, farm_command
 from farm.npy import NpyReader
@@ -70,13 +71,14 @@ def expected(reference: np.ndarray, count: int) -> np.ndarray:
 
 class JobThread:
     """A job run by a client of its own in a thread; ``started`` is set at its first
-    result."""
+    result, ``reached`` once ``threshold`` images are back (or the job ended)."""
 
     def __init__(self, local: LocalFarm, images: np.ndarray | NpyReader,
-                 **options: Any) -> None:
+                 threshold: int | None = None, **options: Any) -> None:
         self.client = local.client()
         self.images, self.options = images, options
-        self.started = threading.Event()
+        self.threshold = len(images) if threshold is None else threshold
+        self.started, self.reached = threading.Event(), threading.Event()
         self.answered = 0
         self.result: JobResult | None = None
         self.error: BaseException | None = None
@@ -86,6 +88,8 @@ class JobThread:
     def progress(self, count: int) -> None:
         self.answered += count
         self.started.set()
+        if self.answered >= self.threshold:
+            self.reached.set()
 
     def run(self) -> None:
         try:
@@ -96,6 +100,7 @@ class JobThread:
         finally:
             self.finished_at = time.monotonic()
             self.started.set()
+            self.reached.set()
 
     def __enter__(self) -> JobThread:
         self.thread.start()
@@ -144,22 +149,16 @@ def total_of(metrics: dict[tuple[str, tuple], float], name: str, **labels: str) 
                if sample == name and set(labels.items()) <= set(sample_labels))
 
 
-def await_counted_work(local: LocalFarm) -> None:
-    """Until every worker's heartbeats have counted compute: a busy share and a rate."""
-    deadline = time.monotonic() + 60
-    with local.client() as client:
-        while not all(w["busy_share"] > 0 and w["rate"] > 0 for w in client.info()["workers"]):
-            assert time.monotonic() < deadline, "no heartbeat counted the job's work"
-            time.sleep(0.05)  # heartbeats come once a second: no need to ask more often
-
-
 def test_status_json_lists_every_worker_and_job_with_their_states(farm, speed,
                                                                   tmp_path) -> None:
     # 20 s of the whole farm's compute: it runs on past the snapshot, then it is cancelled
     images = blank(tmp_path, int(20 * speed * len(farm.devices)))
     before = status_json(farm)
-    with JobThread(farm, images, priority=3) as running:
-        await_counted_work(farm)
+    # three heartbeats' worth of the farm's work back: every worker's heartbeats counted it
+    counted = int(3 * defaults.HEARTBEAT * speed * len(farm.devices))
+    with JobThread(farm, images, threshold=counted, priority=3) as running:
+        assert running.reached.wait(60)
+        assert running.answered < len(images), "the job ended before it was counted"
         seen = running.answered
         snapshot = status_json(farm)
         running.client.cancel()
