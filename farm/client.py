@@ -51,7 +51,7 @@ from farm.journal import InputIdentity, Journaled, JournalHeader, JournalMismatc
 from farm.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint
 from farm.npy import NpyReader, NpyWriter
 from farm.protocol import Command, ProtocolError
-from farm.summary import FailedItems, JobSummary
+from farm.summary import FailedItems, JobSummary, plural
 from farm.trace import Trace, TraceRecorder
 
 log = logging.getLogger("farm.client")
@@ -241,7 +241,6 @@ class JobRun:
     output_error: OSError | None = None  # writing an output failed: the job is cancelled
     input_bytes: int = 0  # DATA payload bytes sent
     notice: Callable[[str], None] = log.warning  # what the user should hear while it waits
-    answered: bool = False  # whether the broker has ever answered this client
     started: float = field(default_factory=time.monotonic)
     no_workers_since: float | None = None  # since when the broker has reported no worker
     next_notice: float = 0.0  # when a notice about the wait may be repeated
@@ -276,6 +275,7 @@ class Running:
 
     heartbeat: float  # the client's heartbeat interval, sent with every SUBMIT
     job: JobRun | None = None
+    link: BrokerLink | None = None  # the link calling it, once made (has the broker spoken?)
 
     def resubmission(self) -> messages.Submit | None:
         """The SUBMIT of the items the job still misses (None: no job running, or none
@@ -292,7 +292,8 @@ class Running:
             return None
         if not missing:
             return None  # the broker was lost after the last result
-        log.log(logging.WARNING if job.answered else logging.DEBUG,  # never there: not news
+        answered = self.link is not None and self.link.answered
+        log.log(logging.WARNING if answered else logging.DEBUG,  # never there: not news
                 "submitting the %d missing images again",
                 job.state.total - job.state.answered.sum())
         return job.new_submission(missing, self.heartbeat)
@@ -342,6 +343,7 @@ class Client:
         except BaseException:
             self._close_pipe()
             raise
+        self._running.link = self.link
         self.link.poller.register(self._wake_read, zmq.POLLIN)
 
     def __enter__(self) -> Client:
@@ -463,7 +465,7 @@ class Client:
                          progress,
                          trace=TraceRecorder() if trace else None,
                          deadline=None if job_timeout is None else time.monotonic() + job_timeout,
-                         notice=notice or log.warning, answered=self.link.answered)
+                         notice=notice or log.warning)
             return self._run_job(job)
         finally:
             if isinstance(sink, JournalSink):
@@ -583,7 +585,7 @@ class Client:
         if job.cancel_sent is not None and now - job.cancel_sent > self.link.expiry:
             job.cancelled = "cancelled (the broker did not confirm)"
             return True
-        if (not job.answered and now - job.started > FIRST_CONTACT_TIMEOUT
+        if (not self.link.answered and now - job.started > FIRST_CONTACT_TIMEOUT
                 and (self.timeout is None or self.timeout > FIRST_CONTACT_TIMEOUT)):
             raise FarmTimeout(f"no broker answered at {self.broker} within "
                               f"{FIRST_CONTACT_TIMEOUT:g} s")
@@ -616,7 +618,6 @@ class Client:
         submission (anything about an earlier one is stale)."""
         header = message.header
         self.link.heard(header.interval if isinstance(header, messages.Heartbeat) else None)
-        job.answered = True
         if isinstance(header, messages.Heartbeat) and header.workers is not None:
             if header.workers:
                 job.no_workers_since = None
@@ -834,7 +835,7 @@ def describe_failures(failed: list[FailedItems],
     """One line per failed range, for errors and the CLI; ``names``: what to call the items
     (image files' paths), for a range of one."""
     count = sum(f.count for f in failed)
-    lines = [f"{count} image{'' if count == 1 else 's'} failed:"]
+    lines = [f"{plural(count, 'image')} failed:"]
     for f in failed[:20]:
         what = (names(f.start, 1)[0] if names is not None and f.count == 1
                 else f"item {f.start}" if f.count == 1

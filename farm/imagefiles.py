@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from farm.summary import plural
+
 #: The formats the workers decode (``farm.images``), as messages name them.
 DECODED_FORMATS = ("JPEG", "PNG", "BMP", "TIFF", "WebP", "GIF", "PNM")
 #: Suffixes of the files a folder contributes (any case).
@@ -241,8 +243,3 @@ def nothing_to_run(found: FoundFiles) -> str:
     if len(found.paths) == 1:
         return reason
     return f"none of the {len(found.paths):,} files can be read (the first: {reason})"
-
-
-def plural(count: int, noun: str) -> str:
-    """"1 file", "2 files"."""
-    return f"{count:,} {noun}{'' if count == 1 else 's'}"

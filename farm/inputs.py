@@ -15,9 +15,10 @@ is submitted.  bool, complex, string, object and structured arrays are refused.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -137,8 +138,11 @@ class ArraySource:
         """The sha256 of the input (a `.npy` file's bytes, or an array's items), and the
         number of passes when there are several."""
         if self.passes > 1:
-            return hashlib.sha256(f"{replace(self, passes=1).digest()} x{self.passes}"
-                                  .encode()).hexdigest()
+            return hashlib.sha256(f"{self.items_digest()} x{self.passes}".encode()).hexdigest()
+        return self.items_digest()
+
+    def items_digest(self) -> str:
+        """The sha256 of one pass: a `.npy` file's bytes, or an array's items."""
         if isinstance(self.images, NpyReader):
             with open(self.images.path, "rb") as handle:
                 return hashlib.file_digest(handle, "sha256").hexdigest()
@@ -242,7 +246,9 @@ def repeated(source: Source, passes: int) -> Source:
     if passes == 1:
         return source
     if isinstance(source, ArraySource):
-        return replace(source, passes=passes)
+        longer = copy.copy(source)  # not checked again: replace() would read it all again
+        longer.passes = passes
+        return longer
     count = len(source.paths)
     return FileSource(source.paths * passes, notices=source.notices,
                       refused={index + count * lap: reason for lap in range(passes)

@@ -269,6 +269,7 @@ class JournalSink:
         self.header = header
         self.writer = writer or NpyWriter(self.partial, header.input.count)
         self.resumed = resumed or []
+        self.resumed_count = int(self.resumed_items().sum())  # once: safe is asked often
         self.written = 0  # items journaled by this run
         self.published = False
         self.fd = -1
@@ -398,4 +399,4 @@ class JournalSink:
     @property
     def safe(self) -> int:
         """Items journaled with their outputs (resumed or written here): kept on resume."""
-        return int(self.resumed_items().sum()) + self.written
+        return self.resumed_count + self.written

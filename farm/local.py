@@ -93,8 +93,9 @@ class LocalFarm:
             if engine:
                 running.setdefault(engine, []).append(str(worker.get("device", "?")))
         everyone = len(self.registered.get("workers", []))
-        return "; ".join(f"{engine} on {'every worker' if len(devices) == everyone > 1 else ', '.join(devices)}"
-                         for engine, devices in running.items())
+        return "; ".join(
+            f"{engine} on {'every worker' if len(devices) == everyone > 1 else ', '.join(devices)}"
+            for engine, devices in running.items())
 
     def __exit__(self, *_: Any) -> None:
         self.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from numpy.lib import format as npy_format
@@ -134,12 +135,12 @@ class NpyWriter:
 
     The header is written with the first range, once the item shape is known;
     ``update`` opens a file written before (a resumed job) instead.  ``nan_shape``:
-    one output's shape (float32), for a job whose every item failed: ``fill`` then
-    writes the file of NaN rows that no result came to shape.
+    gives one output's shape (float32), asked only for a job whose every item failed:
+    ``fill`` then writes the file of NaN rows that no result came to shape.
     """
 
     def __init__(self, path: str | Path, total: int,
-                 nan_shape: tuple[int, ...] | None = None) -> None:
+                 nan_shape: Callable[[], tuple[int, ...] | None] | None = None) -> None:
         self.path = Path(path)
         self.total = total
         self.nan_shape = nan_shape
@@ -206,9 +207,10 @@ class NpyWriter:
         """Set items ``[start, start + count)`` to ``value`` (failed items: NaN); before any
         result, only with ``nan_shape`` (else nothing is written)."""
         if self.fd < 0:
-            if self.nan_shape is None:
+            shape = self.nan_shape() if self.nan_shape is not None else None
+            if shape is None:
                 return
-            self._create(self.nan_shape, np.dtype(np.float32))
+            self._create(shape, np.dtype(np.float32))
         shape, dtype = self.layout()
         per_block = max(1, (16 << 20) // self.item_bytes)
         for first in range(start, start + count, per_block):

@@ -327,6 +327,24 @@ def _check_files(message: Message) -> None:
                                 f"frame has {_frame_size(frame)}")
 
 
+def input_mismatch(model: str, model_shape: tuple[int, ...], layout: str, dtype: str,
+                   item_shape: tuple[int, ...]) -> str | None:
+    """Why a job's images cannot feed ``model`` (None: they can): image files give 1 or 3
+    channels; an array's items must have the model's shape (``layout`` CHW or HWC).  The
+    broker refuses such a job, and ``farm run`` before it starts a farm, in these words."""
+    if dtype == ENCODED:
+        channels = model_shape[-1 if layout == "HWC" else 0]
+        if channels not in (1, 3):
+            return (f"model {model!r} takes {channels} channels: image files give 1 (grey) "
+                    f"or 3 (colour)")
+        return None
+    if tuple(item_shape) != tuple(model_shape):
+        hwc = " (H x W x C)" if layout == "HWC" else ""
+        return (f"images of shape {tuple(item_shape)} do not match model {model!r}, which "
+                f"takes {tuple(model_shape)}{hwc}")
+    return None
+
+
 def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:
     """Validate a dtype name and item shape; return the bytes per item (for ``ENCODED``: the
     most one file may have)."""

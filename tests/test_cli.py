@@ -333,7 +333,7 @@ def test_a_run_cancelled_before_its_first_result_writes_its_nan_rows(
     thread = interrupt_once_queued(farm_without_workers, os.getpid())
     with pytest.raises(SystemExit) as stopped:
         run_job(BrokerLink(endpoint=farm_without_workers.endpoint), ArraySource(digits[:200]),
-                "lenet", str(out), quiet=True, nan_shape=output_shape(lenet))
+                "lenet", str(out), quiet=True, nan_shape=lambda: output_shape(lenet))
     thread.join()
     assert stopped.value.code == 130
     err = capsys.readouterr().err

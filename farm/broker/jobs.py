@@ -70,7 +70,7 @@ class Share:
     items: int = 0
     chunks: int = 0
     compute_s: float = 0.0
-    load_s: float = 0.0  # waiting for the model's files and engine (a fresh worker)
+    load_s: float = 0.0  # the longest wait of a chunk for the model's files and engine
 
 
 @dataclass
@@ -220,7 +220,7 @@ class Job:
         share.items += chunk.count
         share.chunks += 1
         share.compute_s += compute
-        share.load_s += load
+        share.load_s = max(share.load_s, load)  # chunks parked on one load overlap
         worker.record(self.model, chunk.count, compute)
 
     def summary(self, now: float) -> JobSummary:

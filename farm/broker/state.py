@@ -46,7 +46,7 @@ from farm.broker.jobs import ChunkRecord, Job
 from farm.broker.registry import WorkerEntry
 from farm.policies import (Assign, Chunk, ChunkDone, ChunkFailed, Event, WorkerBusy,
                            WorkerLost, WorkerReady, make_policy)
-from farm.protocol import ENCODED, ProtocolError
+from farm.protocol import ENCODED, ProtocolError, input_mismatch
 from farm.summary import FailedItems
 
 log = logging.getLogger("farm.broker")
@@ -621,18 +621,13 @@ class FarmState:
         if isinstance(model, str):
             self.fail_job(job, model)
             return False
-        if job.dtype == ENCODED:
-            channels = model.item_shape[-1 if model.layout == "HWC" else 0]
-            if channels not in (1, 3):
-                self.fail_job(job, f"model {job.model!r} takes {channels} channels: image "
-                                   f"files give 1 (grey) or 3 (colour)")
-                return False
-            job.decoded_bytes = math.prod(model.item_shape) * model.crops
-        elif job.item_shape != model.item_shape:
-            layout = " (H x W x C)" if model.layout == "HWC" else ""
-            self.fail_job(job, f"images of shape {job.item_shape} do not match model "
-                               f"{job.model!r}, which takes {model.item_shape}{layout}")
+        problem = input_mismatch(job.model, model.item_shape, model.layout, job.dtype,
+                                 job.item_shape)
+        if problem:
+            self.fail_job(job, problem)
             return False
+        if job.dtype == ENCODED:
+            job.decoded_bytes = math.prod(model.item_shape) * model.crops
         job.digest = model.digest
         eligible = list(self.workers.values())
         speeds = {entry.id: entry.history[job.model].rate for entry in eligible

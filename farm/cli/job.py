@@ -9,7 +9,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import click
 import numpy as np
@@ -145,7 +145,8 @@ def check_journal(out: str, resume: bool) -> None:
 def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None,
             quiet: bool = False, trace: str | None = None, journal: bool = False,
             resume: bool = False, answers: Answers | None = None,
-            nan_shape: tuple[int, ...] | None = None, **job_options: Any) -> np.ndarray | None:
+            nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
+            **job_options: Any) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
 
     ``out`` is written as ``OUT.partial``, renamed to ``out`` when the job ends with every
@@ -154,10 +155,11 @@ def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None
     ``journal``: keep ``OUT.journal`` beside ``out`` (``farm.journal``) so that a killed
     job can be finished with ``resume``.  ``answers``: write each image's top classes (to
     ``out``, a .csv or .jsonl, else the terminal) instead of raw scores.  ``nan_shape``:
-    one output's shape, so that a `.npy` ``out`` of a job whose every image failed is
-    written too (NaN rows; without it, none).  ``job_options``: ``Client.run``'s
-    priority, job_timeout, algo, params, backend and precision.  Returns the raw outputs
-    when they were kept: in memory, or memory-mapped from ``out``.
+    gives one output's shape (asked only if no result came), so that a `.npy` ``out`` of
+    a job whose every image failed is written too (NaN rows; without it, none).
+    ``job_options``: ``Client.run``'s priority, job_timeout, algo, params, backend and
+    precision.  Returns the raw outputs when they were kept: in memory, or memory-mapped
+    from ``out``.
     """
     from tqdm import tqdm
 
@@ -211,7 +213,8 @@ class JobOutput:
 
 @contextlib.contextmanager
 def job_sink(client: Client, source: Source, model: str, out: str | None, journal: bool,
-             answers: Answers | None, nan_shape: tuple[int, ...] | None = None,
+             answers: Answers | None,
+             nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
              engine: tuple[str, str] | None = None) -> Iterator[JobOutput]:
     """``Client.run``'s output argument: answers (journaled, to a file, or on the terminal),
     a journaled `.npy`, a plain `.npy`, or memory.  A file is written as ``OUT.partial``

@@ -3,6 +3,7 @@ this machine, started and stopped for it) and ``farm status`` (the broker's view
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import time
@@ -187,8 +188,8 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
                for arg in ("--models-dir", str(Path(folder).resolve()))]
     available = cores()
     if workers is not None and workers > len(available):
-        raise click.UsageError(f"--workers {workers}: this process may use {len(available)} "
-                               f"core{'s' if len(available) > 1 else ''} "
+        raise click.UsageError(f"--workers {workers}: this process may use "
+                               f"{plural(len(available), 'core')} "
                                f"({', '.join(map(str, available))}), and each worker is pinned "
                                f"to a core of its own")
     devices = [f"cpu:{core}" for core in available[:workers or len(available)]]
@@ -209,7 +210,8 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
             click.echo(f"farm ready in {local.start_seconds:.2f} s (not counted in the job): "
                        f"{model} on {engines or 'its engine'}", err=True)
             outputs = run_job(BrokerLink(endpoint=local.endpoint), source, model, out, quiet,
-                              trace, answers=answers, nan_shape=output_shape(spec))
+                              trace, answers=answers,
+                              nan_shape=functools.partial(output_shape, spec))
             stopping = time.monotonic()
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -236,16 +238,12 @@ def no_sample(spec: ModelSpec, models_dir: tuple[str, ...]) -> str:
 def check_model_input(source: Source, spec: ModelSpec) -> None:
     """Refuse, before a local farm starts, what the model cannot take (its broker would
     refuse it in the same words)."""
-    from farm.inputs import ArraySource
+    from farm.protocol import input_mismatch
 
-    channels = spec.input_shape[0]
-    if isinstance(source, ArraySource) and tuple(source.item_shape) != tuple(spec.item_shape):
-        layout = " (H x W x C)" if spec.preprocess.layout == "HWC" else ""
-        raise click.ClickException(f"images of shape {source.item_shape} do not match model "
-                                   f"{spec.name!r}, which takes {spec.item_shape}{layout}")
-    if not isinstance(source, ArraySource) and channels not in (1, 3):
-        raise click.ClickException(f"model {spec.name!r} takes {channels} channels: image "
-                                   f"files give 1 (grey) or 3 (colour)")
+    problem = input_mismatch(spec.name, spec.item_shape, spec.preprocess.layout, source.dtype,
+                             tuple(source.item_shape))
+    if problem:
+        raise click.ClickException(problem)
 
 
 def stop_on_hangup() -> None:

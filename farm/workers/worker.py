@@ -533,8 +533,8 @@ class Worker:
             if key not in self.engines:
                 loading = time.perf_counter()
                 self.load(spec, key)
-                waited += time.perf_counter() - loading
-                received += time.perf_counter() - loading
+                loaded = time.perf_counter() - loading
+                waited, received = waited + loaded, received + loaded
             engine = self.engines[key]
             engine.last_run = RunStats()  # a chunk whose every file fails computes nothing
             failures: list[tuple[int, int, str]] = []
