@@ -36,6 +36,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -275,7 +276,10 @@ class Running:
 
     heartbeat: float  # the client's heartbeat interval, sent with every SUBMIT
     job: JobRun | None = None
-    link: BrokerLink | None = None  # the link calling it, once made (has the broker spoken?)
+    # the link calling it, once made (has the broker spoken?): weak, since the link holds
+    # this; a cycle would leave a dropped client's socket open until a collection, and its
+    # context's term() waiting on that socket
+    link: weakref.ref[BrokerLink] | None = None
 
     def resubmission(self) -> messages.Submit | None:
         """The SUBMIT of the items the job still misses (None: no job running, or none
@@ -292,7 +296,8 @@ class Running:
             return None
         if not missing:
             return None  # the broker was lost after the last result
-        answered = self.link is not None and self.link.answered
+        link = self.link() if self.link is not None else None
+        answered = link is not None and link.answered
         log.log(logging.WARNING if answered else logging.DEBUG,  # never there: not news
                 "submitting the %d missing images again",
                 job.state.total - job.state.answered.sum())
@@ -343,7 +348,7 @@ class Client:
         except BaseException:
             self._close_pipe()
             raise
-        self._running.link = self.link
+        self._running.link = weakref.ref(self.link)
         self.link.poller.register(self._wake_read, zmq.POLLIN)
 
     def __enter__(self) -> Client:

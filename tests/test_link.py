@@ -94,6 +94,7 @@ def test_a_client_dropped_unclosed_is_freed_at_once(silent_broker) -> None:
     freed when dropped, not by a later garbage collection (whose teardown of the context
     could wait forever on a socket it can no longer see)."""
     client = Client(silent_broker[2])
-    dropped = weakref.ref(client)
+    dropped, its_link = weakref.ref(client), weakref.ref(client.link)
     del client
     assert dropped() is None
+    assert its_link() is None, "a cycle holds the link (and its socket) until a collection"
