@@ -42,9 +42,9 @@ import numpy as np
 
 from farm import protocol
 from farm.bench.common import machine, saved, status_kib
-from farm.local import LocalFarm, cores, farm_command
-from farm.npy import NpyReader, NpyWriter
-from farm.repository import find
+from farm.ops.local import LocalFarm, cores, farm_command
+from farm.client.npy import NpyReader, NpyWriter
+from farm.modelrepo.repository import find
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 #: Images written per block when making the input.
@@ -164,7 +164,7 @@ def submit(cgroup: MemoryCgroup, endpoint: str, images: Path, out: Path
 
 def verify(images: Path, out: Path, count: int) -> list[str]:
     """Problems with out.npy: row count, NaNs, sampled rows against in-process outputs."""
-    from farm.engine import limit_threads, load_engine
+    from farm.engines.engine import limit_threads, load_engine
 
     outputs = np.load(out, mmap_mode="r")
     if len(outputs) != count:

@@ -239,7 +239,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def broker_table(worker_counts: list[int], items: int) -> None:
-    from farm.local import farm_command, free_port
+    from farm.ops.local import farm_command, free_port
 
     print(f"\nreal broker over loopback, fake workers and client answering at once, "
           f"{items:,} one-image chunks; the bare loop is the same messages with no checks, "

@@ -42,7 +42,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from farm.bench.chaos import ChaosConfig, keep_or_remove, run_poison, run_resume, run_seed
+from faults import ChaosConfig, keep_or_remove, run_poison, run_resume, run_seed
 from farm.bench.common import machine, saved
 
 

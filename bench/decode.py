@@ -21,8 +21,8 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from farm.images import ImageDecoder, imread_flags
-from farm.repository import Resize, find
+from farm.engines.images import ImageDecoder, imread_flags
+from farm.modelrepo.repository import Resize, find
 
 
 def photos(count: int, size: int = 227) -> list[bytes]:

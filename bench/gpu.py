@@ -49,16 +49,16 @@ from typing import Any, Callable, Iterator
 import msgspec
 import numpy as np
 
-from farm.autoselect import relative_difference
+from farm.engines.autoselect import relative_difference
 from farm.bench.measure import (BROKER_OPTIONS, Configuration, in_fresh_process,
                                 paper_configurations, timed_job)
 from farm.bench.setups import describe_machine, make_images
-from farm.client import FarmError
-from farm.local import LocalFarm, cores
+from farm.client.client import FarmError
+from farm.ops.local import LocalFarm, cores
 from farm.protocol import MAX_TASK_BYTES
-from farm.repository import find
-from farm.report import analyse
-from farm.trace import Trace
+from farm.modelrepo.repository import find
+from farm.client.report import analyse
+from farm.client.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Where googlenet (and the other public nets) are found, for this process and its children.
@@ -190,9 +190,9 @@ def engine_choice(model: str, device: str, threads: int | None, backend: str,
                   precision: str, core: int) -> dict[str, Any]:
     """In a fresh process pinned to ``core``: what ``auto`` (or ``backend``) chooses, its
     speed on a chunk run as a worker runs it, and how far it is from f32."""
-    from farm.autoselect import choose
-    from farm.engine import load_engine
-    from farm.repository import ModelError, find
+    from farm.engines.autoselect import choose
+    from farm.engines.engine import load_engine
+    from farm.modelrepo.repository import ModelError, find
 
     os.sched_setaffinity(0, {core})
     row: dict[str, Any] = {"model": model, "device": device, "precision": precision,
@@ -287,7 +287,7 @@ def standalone(layout: Layout, model: str, run: ModelRun, args: argparse.Namespa
             count = sized(run.rates[kind], STANDALONE_SECONDS, 16, 200_000)
             chunk = Configuration("fifo", {"chunk": max(1, count // 4)})
             images = make_images(model, count)
-            with farm.client(timeout=JOB_TIMEOUT) as client:
+            with farm.client.client(timeout=JOB_TIMEOUT) as client:
                 timed_job(client, images[:max(1, count // 4)], model, chunk)  # warm-up
                 run.standalone[device] = timed_job(client, images, model, chunk).summary.rate
     say(f"{model}: alone: gpu {run.standalone[layout.gpu]:,.0f}/s, cores "
@@ -312,7 +312,7 @@ def sweep(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
     configs = paper_configurations(args.quick or not small)
     images = make_images(model, count)
     farm = farm_for(layout, layout.workers(), model, run)
-    with started([farm]), farm.client(timeout=JOB_TIMEOUT) as client:
+    with started([farm]), farm.client.client(timeout=JOB_TIMEOUT) as client:
         warm = max(1, int(run.rates["cpu"] * 0.5))  # about half a second a CPU worker
         timed_job(client, images[:min(count, warm * len(layout.workers()))], model,
             Configuration("fifo", {"chunk": warm}))
@@ -390,8 +390,8 @@ def alone(model: str, backend: str, device: str, threads: int | None,
           name: str) -> dict[str, Any]:
     """In a fresh process on ``allowed`` cores: the engine at each batch on ``count`` images
     (after a warm-up batch), the best kept."""
-    from farm.engine import load_engine
-    from farm.repository import ModelError, find
+    from farm.engines.engine import load_engine
+    from farm.modelrepo.repository import ModelError, find
 
     os.sched_setaffinity(0, set(allowed))
     images = make_images(model, count)
@@ -427,7 +427,7 @@ def table2(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
     with started(farms):
         for device, farm in zip(devices, farms):
             rate = run.standalone[device]
-            with farm.client(timeout=JOB_TIMEOUT) as client:
+            with farm.client.client(timeout=JOB_TIMEOUT) as client:
                 for size in TABLE2_SIZES:
                     row = {"model": model, "device": device, "chunk": size, "images": 0,
                            "images_per_s": None,

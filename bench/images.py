@@ -3,7 +3,7 @@
 ``--images`` (10 000) JPEG files of 227 x 227 (quality 90) are cut from scikit-image's
 photos (random crops, flips and colour shifts, seeded), and the same images, decoded,
 are saved as one uint8 `.npy` (N x 227 x 227 x 3, RGB).  A broker and two pinned
-workers (``farm.local.LocalFarm``) run SqueezeNet v1.0 (the real ImageNet net in
+workers (``farm.ops.local.LocalFarm``) run SqueezeNet v1.0 (the real ImageNet net in
 ``../shared``; ``--model`` names another of the repository) on both inputs, in turn,
 ``--rounds`` times, so both see the same machine.  Printed per input: images/s, the
 bytes the client sent (DATA payloads), and their ratio.  The float32 row is what a
@@ -28,12 +28,12 @@ import cv2
 import numpy as np
 
 from farm.bench.common import machine, saved, shared_squeezenet
-from farm.client import Client
-from farm.images import ImageDecoder
-from farm.inputs import find_image_files
-from farm.local import LocalFarm, cores
-from farm.npy import NpyReader
-from farm.repository import find
+from farm.client.client import Client
+from farm.engines.images import ImageDecoder
+from farm.client.inputs import find_image_files
+from farm.ops.local import LocalFarm, cores
+from farm.client.npy import NpyReader
+from farm.modelrepo.repository import find
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "squeezenet_v1.0"
 SIZE = 227

@@ -30,9 +30,9 @@ import numpy as np
 
 from farm import defaults
 from farm.bench.common import Tee, machine
-from farm.client import JobResult
-from farm.local import LocalFarm, cores
-from farm.repository import find
+from farm.client.client import JobResult
+from farm.ops.local import LocalFarm, cores
+from farm.modelrepo.repository import find
 
 
 def start_farm(algo: str, sharing: str = defaults.SHARING) -> LocalFarm:

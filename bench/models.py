@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from farm.engine import available_backends, limit_threads
-from farm.local import LocalFarm, cores
-from farm.modelcheck import check_inputs
-from farm.repository import available, find, prepare
+from farm.engines.engine import available_backends, limit_threads
+from farm.ops.local import LocalFarm, cores
+from farm.engines.modelcheck import check_inputs
+from farm.modelrepo.repository import available, find, prepare
 
 #: The public nets (prototxts from their original repositories, seeded weights).
 NETS = Path(__file__).with_name("nets")
@@ -61,7 +61,7 @@ def sweep(model: str, backend: str, device: str) -> dict[int, float]:
 
 def auto_pick(model: str, threads: int) -> dict:
     """In this (pinned) process: what ``--backend auto`` picks, timing afresh."""
-    from farm.autoselect import choose
+    from farm.engines.autoselect import choose
 
     choice = choose(find(model), "cpu", threads, use_cache=False)
     return {"backend": choice.backend, "batch": choice.batch,
@@ -71,7 +71,7 @@ def auto_pick(model: str, threads: int) -> dict:
 def shrink_memory() -> dict[str, float]:
     """CaffeNet on opencv, ``--batch 64``: resident MB after a chunk of its prototxt's batch (10),
     after a chunk of 64, and once shrunk back (as a worker does when it falls idle)."""
-    from farm.engine import load_engine
+    from farm.engines.engine import load_engine
 
     def rss_mb() -> float:
         with open("/proc/self/statm") as handle:
@@ -103,7 +103,7 @@ def through_farm(model: str, backend: str, device: str, batch: int) -> float:
     worker = ["--backend", backend, "--batch", str(batch)]
     with LocalFarm(devices=[device], algo="fifo", broker_options=["--chunk", str(chunk)],
                    worker_options=worker, preload=[model]) as farm, \
-            farm.client(timeout=600) as client:
+            farm.client.client(timeout=600) as client:
         client.run(images[:chunk], model)  # warm-up
         return max(client.run(images, model).summary.rate for _ in range(2))
 

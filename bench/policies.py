@@ -5,7 +5,7 @@ the paper's Table 2), every policy at each of the paper's parameter values:
 simulated images/s, speed relative to one CPU core (the layout of the
 paper's Tables 4 and 5, with the paper's own figure beside it) and waste.
 Then our policy against fast-split on every scenario of
-``farm.scenarios.comparison_cases``.  Writes the same as CSV and a PNG
+``farm.simulation.scenarios.comparison_cases``.  Writes the same as CSV and a PNG
 (bars like the paper's Figures 3 to 5) into the output folder.
 
     python bench/policies.py [--out bench/results] [--total 100000] [--quick]
@@ -23,9 +23,9 @@ from statistics import mean
 from typing import Any
 
 from farm.policies import PAPER_PARAMETERS, POLICIES
-from farm.scenarios import (PAPER_RELATIVE, Case, comparison_cases, cpu_core_speed,
+from farm.simulation.scenarios import (PAPER_RELATIVE, Case, comparison_cases, cpu_core_speed,
                             paper_devices, paper_scenario)
-from farm.simulator import Scenario, SimResult, simulate
+from farm.simulation.simulator import Scenario, SimResult, simulate
 
 OURS = "equal-finish"
 DATASETS = ("mnist", "cifar10")

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from farm.local import LocalFarm, cores, policy_arguments
+from farm.ops.local import LocalFarm, cores, policy_arguments
 from farm.bench.measure import paper_configurations
 from farm.policies import POLICIES
-from farm.repository import find
-from farm.simulator import DeviceModel, Scenario, simulate
+from farm.modelrepo.repository import find
+from farm.simulation.simulator import DeviceModel, Scenario, simulate
 from farm.summary import JobSummary
 
 WARM_UP = 2000

@@ -21,10 +21,10 @@ def main() -> None:
     import onnxruntime
     import openvino
 
-    from farm.engine import exported_onnx
-    from farm.modelcheck import relative_difference
-    from farm.preprocess import Transformer
-    from farm.repository import available, load_spec
+    from farm.engines.engine import exported_onnx
+    from farm.engines.modelcheck import relative_difference
+    from farm.engines.preprocess import Transformer
+    from farm.modelrepo.repository import available, load_spec
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=64)

@@ -15,8 +15,8 @@ import argparse
 
 import numpy as np
 
-from farm.local import LocalFarm, cores
-from farm.repository import find
+from farm.ops.local import LocalFarm, cores
+from farm.modelrepo.repository import find
 from farm.summary import JobSummary
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from farm.bench.common import machine, saved, status_kib
-from farm.local import LocalFarm, cores
-from farm.repository import find
+from farm.ops.local import LocalFarm, cores
+from farm.modelrepo.repository import find
 
 #: Allowed RSS growth between the checkpoint and the end.
 GROWTH_LIMIT = 0.10
@@ -62,7 +62,7 @@ def job_sizes(rng: np.random.Generator, jobs: int, max_size: int) -> np.ndarray:
 
 def reference(base: np.ndarray) -> np.ndarray:
     """LeNet outputs of ``base`` in this process: OpenCV, one thread, the prototxt's batch."""
-    from farm.engine import limit_threads, load_engine
+    from farm.engines.engine import limit_threads, load_engine
 
     limit_threads(1)
     engine = load_engine(find("lenet"), "opencv", threads=1)
@@ -81,7 +81,7 @@ def client_main(plan: ClientPlan, checkpoint: Any, finish: Any, start: Any, resu
 
 
 def run_client(plan: ClientPlan, checkpoint: Any, finish: Any, start: Any) -> dict[str, Any]:
-    from farm.client import Client
+    from farm.client.client import Client
 
     rng = np.random.default_rng(plan.seed)
     sample = np.load(find("lenet").sample)

@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
-from farm.engine import load_engine
-from farm.local import LocalFarm, cores
-from farm.repository import find
+from farm.engines.engine import load_engine
+from farm.ops.local import LocalFarm, cores
+from farm.modelrepo.repository import find
 from farm.workers.worker import Device, prepare_process
 
 CHUNKS = (1, 10, 100, 1000, 10000)

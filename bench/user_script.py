@@ -52,8 +52,8 @@ def run_openvino(path: str, batches: list[np.ndarray]) -> list[np.ndarray]:
 def main() -> None:
     engine, onnx_path, images_path, out_path, model = sys.argv[1:6]
     batch = int(sys.argv[6]) if len(sys.argv) > 6 else 64
-    from farm.preprocess import Transformer
-    from farm.repository import find
+    from farm.engines.preprocess import Transformer
+    from farm.modelrepo.repository import find
 
     transform = Transformer.for_model(find(model))
     images = np.load(images_path, mmap_mode="r")

@@ -1,4 +1,13 @@
-"""farm: Caffe-model inference spread over every core and GPU, scheduled so no device idles."""
+"""farm: Caffe-model inference spread over every core and GPU, scheduled so no device idles.
+
+The subsystems, one folder each: ``broker`` (the scheduler: a pure ``FarmState`` and the
+socket loop around it), ``policies`` (pure scheduling policies), ``workers`` (a device's
+process), ``client`` (jobs, inputs and answers on the user's side), ``engines`` (running a
+model on a backend), ``modelrepo`` (finding, reading and caching models), ``simulation``
+(policies and ``FarmState`` on simulated devices), ``ops`` (local farms, deployment, keys,
+configuration), ``cli`` and ``bench``.  The wire (``protocol``, ``messages``, ``link``) and
+``summary`` are shared by all of them.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +15,9 @@ from importlib import import_module
 from typing import Any
 
 #: The public names, loaded on first use: ``import farm.broker.state`` stays free of sockets.
-_EXPORTS = {"Client": "farm.client", "FarmError": "farm.client", "FarmTimeout": "farm.client",
-            "JobResult": "farm.client", "JobSummary": "farm.summary"}
+_EXPORTS = {"Client": "farm.client.client", "FarmError": "farm.client.client",
+            "FarmTimeout": "farm.client.client", "JobResult": "farm.client.client",
+            "JobSummary": "farm.summary"}
 
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

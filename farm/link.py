@@ -95,7 +95,7 @@ class BrokerLink:
         self.interval = config.heartbeat  # the broker's heartbeat interval, once heard
         self.retry_interval = self.expiry
         self.answered = False  # whether the broker ever spoke on this link
-        self.handshakes: Any = None  # farm.keys.Handshakes, with CURVE
+        self.handshakes: Any = None  # farm.ops.keys.Handshakes, with CURVE
         self.socket: zmq.Socket
         self._open()
 
@@ -110,7 +110,7 @@ class BrokerLink:
         limit_socket(sock, linger_ms=self.config.linger_ms)
         try:
             if self.config.curve:
-                from farm.keys import Handshakes, make_client
+                from farm.ops.keys import Handshakes, make_client
 
                 make_client(sock, self.config.curve, self.config.curve_name)
                 self.handshakes = Handshakes(sock, self.config.curve_name)

@@ -43,7 +43,7 @@ Shape = Annotated[tuple[Annotated[int, Meta(gt=0, le=MAX_ITEMS)], ...],
                   Meta(min_length=1, max_length=MAX_DIMS)]
 Interval = Annotated[float, Meta(ge=MIN_HEARTBEAT, le=MAX_HEARTBEAT)]
 Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # no NaN, no inf
-Engine = tuple[Name, Name]  # (backend, precision), checked by ``farm.engine.job_engine``
+Engine = tuple[Name, Name]  # (backend, precision), checked by ``farm.engines.engine.job_engine``
 #: A policy parameter's value: a number, a name, a flag, or a list of them.
 Scalar = Union[bool, int, float, Text, None]
 Param = Union[Scalar, Annotated[list[Scalar], Meta(max_length=MAX_LIST)]]

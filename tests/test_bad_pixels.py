@@ -8,8 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from farm.client import FailedItems, FarmError
-from farm.local import farm_command
+from farm.client.client import FailedItems, FarmError
+from farm.ops.local import farm_command
 from farm.workers.worker import NON_FINITE, finite_items
 from tests.conftest import reference_forward
 

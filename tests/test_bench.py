@@ -14,7 +14,7 @@ from farm.bench.measure import Configuration, PolicyRun, paper_configurations
 from farm.bench.peers import CANDIDATES, PEERS, missing
 from farm.bench.results import PEER_MECHANISM, ModelResults, PolicySummary, relative_table
 from farm.bench.setups import SETUP_ABOUT, WorkerSpec, farm_setups
-from farm.local import cores, farm_command
+from farm.ops.local import cores, farm_command
 from farm.policies import POLICIES
 
 pytestmark = [

@@ -10,7 +10,11 @@ reference, no image may fail, and the last ``farm submit`` must exit 0.
 
 from __future__ import annotations
 
-from farm.bench.chaos import BROKER_KILL, CLIENT_KILL, ChaosConfig, run_seed
+from tests.conftest import bench_script
+
+faults = bench_script("faults")
+BROKER_KILL, CLIENT_KILL, ChaosConfig, run_seed = (faults.BROKER_KILL, faults.CLIENT_KILL,
+                                                  faults.ChaosConfig, faults.run_seed)
 
 CONFIG = ChaosConfig(images=25_000, workers=2, interval=(0.2, 0.6), broker_restarts=1,
                      client_kills=1, job_timeout=120.0)

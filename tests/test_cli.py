@@ -21,10 +21,10 @@ from farm import defaults
 from farm.broker.broker import BrokerConfig
 from farm.cli import main
 from farm.cli.job import BrokerLink, output_shape, run_job
-from farm.inputs import ArraySource
-from farm.journal import journal_path
-from farm.local import LocalFarm, cores, farm_command
-from farm.npy import partial_path
+from farm.client.inputs import ArraySource
+from farm.client.journal import journal_path
+from farm.ops.local import LocalFarm, cores, farm_command
+from farm.client.npy import partial_path
 from farm.workers.worker import Device, WorkerConfig
 from tests.conftest import reference_forward
 
@@ -35,7 +35,7 @@ COMMANDS = [[], ["broker"], ["worker"], ["submit"], ["run"], ["models"], ["model
             ["deploy", "slurm"]]
 #: Libraries no command may load before it runs: ``farm broker --help`` stays fast.
 HEAVY = ("cv2", "torch", "onnx", "onnxruntime", "openvino", "matplotlib", "tqdm",
-         "farm.engine")
+         "farm.engines.engine")
 
 
 def command_paths(command: click.Command, path: tuple[str, ...] = ()) -> Iterator[list[str]]:
@@ -114,7 +114,7 @@ def test_choices_kept_in_the_cli_match_the_modules_they_name() -> None:
     from farm.bench.setups import SETUP_NAMES
     from farm.cli.bench import PEER_CHOICES, SETUP_CHOICES
     from farm.cli.options import BACKEND_CHOICES, PRECISION_CHOICES
-    from farm.engine import AUTO, BACKENDS, PRECISIONS
+    from farm.engines.engine import AUTO, BACKENDS, PRECISIONS
 
     assert BACKEND_CHOICES == (AUTO, *BACKENDS)
     assert PRECISION_CHOICES == PRECISIONS

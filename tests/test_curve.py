@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm.client import Client, FarmError, FarmTimeout
-from farm.local import LocalFarm, cores, farm_command
+from farm.client.client import Client, FarmError, FarmTimeout
+from farm.ops.local import LocalFarm, cores, farm_command
 from tests.conftest import reference_forward
 
 

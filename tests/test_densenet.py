@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm.caffe_net import Network
-from farm.engine import BackendUnavailable, load_engine
-from farm.repository import load_spec, prepare
+from farm.modelrepo.caffe_net import Network
+from farm.engines.engine import BackendUnavailable, load_engine
+from farm.modelrepo.repository import load_spec, prepare
 
 FOLDER = Path(__file__).resolve().parent.parent / "bench" / "nets" / "densenet121"
 

@@ -22,8 +22,8 @@ import pytest
 from click.testing import CliRunner
 
 from farm.cli.deploy import deploy
-from farm.client import Client, FarmTimeout
-from farm.deploy import Layout, parse_ids
+from farm.client.client import Client, FarmTimeout
+from farm.ops.deploy import Layout, parse_ids
 from tests.conftest import reference_forward
 
 REPO = Path(__file__).resolve().parent.parent
@@ -405,7 +405,7 @@ def test_a_workers_only_script_joins_a_broker_and_serves() -> None:
 
 
 def test_the_script_reads_slurms_cpu_counts_per_node() -> None:
-    from farm.slurm import FUNCTIONS
+    from farm.ops.slurm import FUNCTIONS
 
     shell = "\n".join(FUNCTIONS) + '\nexpand_counts "16(x2),8,4(x1)"\n'
     done = subprocess.run(["bash"], input=shell, capture_output=True, text=True)
@@ -442,7 +442,7 @@ def test_the_committed_slurm_example_is_what_the_command_writes(tmp_path: Path,
 
 
 def test_status_waits_for_workers_and_says_how_many_came(tmp_path: Path) -> None:
-    from farm.local import LocalFarm, farm_command
+    from farm.ops.local import LocalFarm, farm_command
 
     with LocalFarm(devices=[]) as local:
         started = time.monotonic()

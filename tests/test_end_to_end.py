@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm.client import Client, FarmError
-from farm.npy import NpyReader, NpyWriter
-from farm.local import LocalFarm, cores
+from farm.client.client import Client, FarmError
+from farm.client.npy import NpyReader, NpyWriter
+from farm.ops.local import LocalFarm, cores
 from tests.conftest import reference_forward
 
 

@@ -15,14 +15,15 @@ import onnxruntime
 import openvino
 import pytest
 
-from farm import autoselect, caffe_proto
-from farm.autoselect import Choice, choose
-from farm.client import FarmError
-from farm.engine import BACKENDS, PRECISIONS, load_engine
-from farm.modelcheck import TOLERANCE, check_inputs, check_model, relative_difference
-from farm.caffe_net import Network, NetworkError
-from farm.onnx_export import export, save
-from farm.repository import ModelError, available, find, load_spec
+from farm.engines import autoselect
+from farm.modelrepo import caffe_proto
+from farm.engines.autoselect import Choice, choose
+from farm.client.client import FarmError
+from farm.engines.engine import BACKENDS, PRECISIONS, load_engine
+from farm.engines.modelcheck import TOLERANCE, check_inputs, check_model, relative_difference
+from farm.modelrepo.caffe_net import Network, NetworkError
+from farm.engines.onnx_export import export, save
+from farm.modelrepo.repository import ModelError, available, find, load_spec
 from tests.conftest import available_bundled
 from tests.test_models import EVERY_LAYER, inline_net, needs_torch, write_model
 
@@ -197,7 +198,7 @@ def test_export_of_an_intermediate_blob_and_missing_weights(tmp_path, lenet) -> 
 def test_auto_picks_the_fastest_agreeing_backend_and_remembers(lenet, caplog, tmp_path,
                                                               monkeypatch) -> None:
     monkeypatch.setenv("FARM_CACHE", str(tmp_path))  # nothing remembered yet
-    caplog.set_level(logging.INFO, "farm.autoselect")
+    caplog.set_level(logging.INFO, "farm.engines.autoselect")
     choice = choose(lenet, threads=1)
     assert not choice.cached and choice.engine.backend == choice.backend
     timed = [trial for trial in choice.trials if trial.rates]
@@ -218,13 +219,13 @@ def test_auto_picks_the_fastest_agreeing_backend_and_remembers(lenet, caplog, tm
 
 def test_a_choice_made_with_other_library_versions_is_timed_again(lenet, caplog) -> None:
     choose(lenet, threads=1)
-    from farm.modelstore import manifest_of
+    from farm.modelrepo.modelstore import manifest_of
 
     path = autoselect.cache_path(lenet, manifest_of(lenet).digest, "cpu", 1, "f32")
     document = json.loads(path.read_text())
     document["versions"]["onnxruntime"] = "0.0.1"
     path.write_text(json.dumps(document))
-    caplog.set_level(logging.INFO, "farm.autoselect")
+    caplog.set_level(logging.INFO, "farm.engines.autoselect")
     choice = choose(lenet, threads=1)
     assert not choice.cached
     assert "made with other library versions (onnxruntime 0.0.1 -> " in caplog.text
@@ -238,7 +239,7 @@ def test_auto_leaves_out_a_backend_that_cannot_run_a_layer(tmp_path, caplog) -> 
                           'lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 } }\n',
                           "dim: 1 dim: 4 dim: 5 dim: 5")
     spec = load_spec(write_model(tmp_path / "lrn_k", prototxt, layers=[]))
-    caplog.set_level(logging.INFO, "farm.autoselect")
+    caplog.set_level(logging.INFO, "farm.engines.autoselect")
     choice = choose(spec, threads=1, use_cache=False)
     opencv = next(t for t in choice.trials if t.backend == "opencv")
     assert "LRN with k = 2" in opencv.problem and not opencv.rates
@@ -283,9 +284,9 @@ def test_a_missing_library_is_left_out_with_the_package_to_install(tmp_path) -> 
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('openvino is blocked here')\n")
     script = ("import json\n"
-              "from farm.autoselect import choose\n"
-              "from farm.engine import load_engine\n"
-              "from farm.repository import ModelError, find\n"
+              "from farm.engines.autoselect import choose\n"
+              "from farm.engines.engine import load_engine\n"
+              "from farm.modelrepo.repository import ModelError, find\n"
               "choice = choose(find('lenet'), threads=1, use_cache=False)\n"
               "trial = next(t for t in choice.trials if t.backend == 'openvino')\n"
               "try:\n    load_engine(find('lenet'), 'openvino')\n"
@@ -319,7 +320,7 @@ def test_reduced_precision_is_offered_or_refused_with_the_reason(lenet) -> None:
 def test_openvino_runs_f32_whatever_the_cpu_default(lenet, digits, monkeypatch) -> None:
     """On a CPU with bf16, OpenVINO's default precision is bf16: farm's engine states f32
     (and checks what was compiled), so a Core whose default is bf16 changes nothing."""
-    from farm.backends import openvino as backend
+    from farm.engines.backends import openvino as backend
 
     def core_defaulting_to_bf16() -> openvino.Core:
         core = openvino.Core()
@@ -370,7 +371,7 @@ def test_choice_round_trips_through_json(lenet) -> None:
 
 def test_workers_on_auto_report_their_choice_and_refuse_disagreeing_models(tmp_path, lenet,
                                                                           digits) -> None:
-    from farm.local import LocalFarm, cores, farm_command
+    from farm.ops.local import LocalFarm, cores, farm_command
 
     ill_conditioned_model(tmp_path / "models" / "ill")
     devices = [f"cpu:{core}" for core in cores()[:2]]
@@ -397,7 +398,7 @@ def test_workers_on_auto_report_their_choice_and_refuse_disagreeing_models(tmp_p
 
 def test_farm_run_takes_a_backend_a_precision_and_a_models_dir(tmp_path, lenet,
                                                                digits) -> None:
-    from farm.local import farm_command
+    from farm.ops.local import farm_command
 
     shutil_copy = __import__("shutil").copytree
     shutil_copy(lenet.folder, tmp_path / "models" / "mynet")

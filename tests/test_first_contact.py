@@ -9,8 +9,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from farm.client import FIRST_CONTACT_TIMEOUT
-from farm.local import LocalFarm, cores, farm_command, free_port
+from farm.client.client import FIRST_CONTACT_TIMEOUT
+from farm.ops.local import LocalFarm, cores, farm_command, free_port
 from tests.conftest import reference_forward
 
 

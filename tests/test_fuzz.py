@@ -44,10 +44,10 @@ from hypothesis import strategies as st
 
 from farm import messages, protocol
 from farm.broker.registry import WorkerEntry
-from farm.local import LocalFarm, cores, farm_command
+from farm.ops.local import LocalFarm, cores, farm_command
 from farm.protocol import (MAX_HEADER_BYTES, MAX_ITEMS, MAX_PAYLOAD_FRAMES, SIGNATURE, Command,
                            ProtocolError)
-from farm.repository import available
+from farm.modelrepo.repository import available
 from farm.workers.worker import ACCEPTED as WORKER_ACCEPTS
 from tests.conftest import reference_forward
 from tests.test_bad_input import GARBAGE, assert_farm_still_serves, digest_of

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from farm.bench.measure import paper_configurations
-from farm.local import cores
-from farm.trace import Trace
+from farm.ops.local import cores
+from farm.client.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.sh"

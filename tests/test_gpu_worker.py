@@ -1,4 +1,4 @@
-"""The GPU worker's engine path (``farm.backends.torchfeed``) on the CPU: the same feeder,
+"""The GPU worker's engine path (``farm.engines.backends.torchfeed``) on the CPU: the same feeder,
 transform and pipeline a CUDA worker runs, without streams.  Preprocessing on the device
 equals Caffe's transformer bit for bit, batches stay in order, a stop is honoured, and a
 worker reports the device seconds a trace's GPU busy share is made of."""
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from farm.bench.setups import make_images
-from farm.engine import Stopped, load_engine
-from farm.local import LocalFarm, cores
-from farm.report import analyse
-from farm.repository import find
+from farm.engines.engine import Stopped, load_engine
+from farm.ops.local import LocalFarm, cores
+from farm.client.report import analyse
+from farm.modelrepo.repository import find
 
 torch = pytest.importorskip("torch")
 
-from farm.backends.torchfeed import DeviceTransform, batch_edges  # noqa: E402
+from farm.engines.backends.torchfeed import DeviceTransform, batch_edges  # noqa: E402
 
 
 @pytest.mark.parametrize("model", ["lenet", "cifar10_quick", "caffenet"])
@@ -54,7 +54,7 @@ def test_a_stop_ends_the_chunk_between_batches(lenet, digits) -> None:
 
 
 def test_reduced_precision_is_a_gpu_option_and_refused_on_the_cpu(lenet) -> None:
-    from farm.repository import ModelError
+    from farm.modelrepo.repository import ModelError
 
     with pytest.raises(ModelError, match="f32 on the CPU"):
         load_engine(lenet, "torch", precision="f16")

@@ -1,7 +1,7 @@
 """Image files through a real farm: folders of JPEG/PNG in, named answers out, each bad file
 failing alone with its reason.
 
-The workers decode the files (``farm.images``); these tests compare what comes back with
+The workers decode the files (``farm.engines.images``); these tests compare what comes back with
 a direct OpenCV forward of the same files decoded and preprocessed as the documentation
 says.  The ImageNet test reads the real SqueezeNet from ``../shared`` (not in the
 repository: its weights carry no licence) and skips, saying so, where it is absent.
@@ -21,14 +21,14 @@ import pytest
 from PIL import Image
 
 from farm import protocol
-from farm.answers import AnswerSink, ModelCard, top_k
+from farm.client.answers import AnswerSink, ModelCard, top_k
 from farm.bench.common import shared_squeezenet
-from farm.client import Client, split_failures
-from farm.inputs import FileSource, InputError, find_image_files
-from farm.local import LocalFarm, cores, farm_command
-from farm.preprocess import Transformer
+from farm.client.client import Client, split_failures
+from farm.client.inputs import FileSource, InputError, find_image_files
+from farm.ops.local import LocalFarm, cores, farm_command
+from farm.engines.preprocess import Transformer
 from farm.protocol import Command
-from farm.repository import find
+from farm.modelrepo.repository import find
 from tests.conftest import reference_forward
 from tests.test_bad_input import raw_socket, reply  # noqa: F401 (a fixture)
 from tests.test_images import png_declaring
@@ -358,7 +358,7 @@ def test_files_folders_globs_and_lists_are_found_in_order(tmp_path) -> None:
 
 
 def test_every_path_a_folder_or_glob_yields_is_an_input_or_told_of(tmp_path) -> None:
-    from farm.inputs import find_inputs
+    from farm.client.inputs import find_inputs
 
     folder = tmp_path / "photos"
     (folder / "sub").mkdir(parents=True)
@@ -453,7 +453,7 @@ def test_oversampled_files_answer_the_mean_of_ten_crops(tmp_path) -> None:
 def test_model_settings_that_image_files_cannot_meet_are_refused_when_loaded(tmp_path) -> None:
     import shutil
 
-    from farm.repository import ModelError, load_spec
+    from farm.modelrepo.repository import ModelError, load_spec
 
     for extra, reason in [('[resize]\nshorter_side = 40\ncrop = "none"\n', 'crop = "none"'),
                           ('', "labels name 3 classes, the output 'prob' has 10 values")]:
@@ -476,8 +476,8 @@ def test_a_chunk_of_image_files_is_capped_by_its_decoded_size() -> None:
 
 
 def test_one_path_is_one_input_and_arrays_do_not_mix_with_files(tmp_path, digits) -> None:
-    from farm.client import as_source
-    from farm.inputs import ArraySource, open_input
+    from farm.client.client import as_source
+    from farm.client.inputs import ArraySource, open_input
 
     cv2.imwrite(str(tmp_path / "0.png"), digits[0])
     np.save(tmp_path / "a.npy", digits[:3])

@@ -1,4 +1,4 @@
-"""farm.images: real image files decoded into the arrays a client would send."""
+"""farm.engines.images: real image files decoded into the arrays a client would send."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from farm.images import (MAX_PIXELS, DecodedBatch, ImageDecoder, ImageError, resized_size,
+from farm.engines.images import (MAX_PIXELS, DecodedBatch, ImageDecoder, ImageError, resized_size,
                          split_files)
-from farm.repository import ModelError, ModelSpec, Resize, find
+from farm.modelrepo.repository import ModelError, ModelSpec, Resize, find
 
-#: The flags farm.images documents: what a "direct OpenCV" reading of a file does.
+#: The flags farm.engines.images documents: what a "direct OpenCV" reading of a file does.
 COLOUR = cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION
 GREY = cv2.IMREAD_GRAYSCALE | cv2.IMREAD_IGNORE_ORIENTATION
 

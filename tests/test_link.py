@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from farm import messages, protocol
-from farm.client import Client
+from farm.client.client import Client
 from farm.link import BrokerLink, LinkConfig
 from farm.protocol import Command
 

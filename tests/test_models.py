@@ -9,12 +9,12 @@ import cv2
 import numpy as np
 import pytest
 
-from farm import caffe_proto
-from farm.engine import BackendUnavailable, engine_class, load_engine
-from farm.modelcheck import TOLERANCE, check_inputs, check_model
-from farm.caffe_net import Network, generated_weights
-from farm.preprocess import Transformer
-from farm.repository import ModelError, available, find, load_spec
+from farm.modelrepo import caffe_proto
+from farm.engines.engine import BackendUnavailable, engine_class, load_engine
+from farm.engines.modelcheck import TOLERANCE, check_inputs, check_model
+from farm.modelrepo.caffe_net import Network, generated_weights
+from farm.engines.preprocess import Transformer
+from farm.modelrepo.repository import ModelError, available, find, load_spec
 from tests.conftest import available_bundled
 
 #: The models shipped in farm/models (not the user's nor $FARM_MODELS').

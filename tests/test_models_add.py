@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from farm.local import farm_command
-from farm.modelstore import manifest_of
-from farm.repository import add_target, find, search_path, shown, user_models_dir
+from farm.ops.local import farm_command
+from farm.modelrepo.modelstore import manifest_of
+from farm.modelrepo.repository import add_target, find, search_path, shown, user_models_dir
 
 #: The real SqueezeNet v1.0 (ImageNet), read from the shared folder beside the repository.
 SQUEEZENET = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "squeezenet_v1.0"

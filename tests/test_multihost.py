@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import zmq.auth
 
-from farm.local import farm_command
+from farm.ops.local import farm_command
 from tests.conftest import reference_forward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ from dataclasses import asdict
 import msgspec
 import numpy as np
 
-from farm.client import Client
+from farm.client.client import Client
 
 endpoint, keys, images_path, out_path, workers = sys.argv[1:6]
 images = np.load(images_path)

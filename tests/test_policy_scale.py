@@ -42,8 +42,8 @@ from farm.policies.base import SMALL_FARM
 from farm.policies.equal_finish import EqualFinishPolicy
 from farm.policies.rounds import RoundPolicy
 from farm.policies.speeds import MeasuredPolicy
-from farm.scenarios import many_devices, paper_scenario, spread_devices
-from farm.simulator import DeviceModel, FarmSimulation, Scenario, steady
+from farm.simulation.scenarios import many_devices, paper_scenario, spread_devices
+from farm.simulation.simulator import DeviceModel, FarmSimulation, Scenario, steady
 
 FIXTURE = Path(__file__).with_name("policy_decisions.json")
 
@@ -265,7 +265,7 @@ def test_noisy_runs_do_not_depend_on_the_last_bit_of_exp(monkeypatch) -> None:
     100 runs moved)."""
     import types
 
-    import farm.simulator as simulator
+    import farm.simulation.simulator as simulator
 
     bumped = types.SimpleNamespace(**{name: getattr(math, name) for name in dir(math)
                                       if not name.startswith("_")})

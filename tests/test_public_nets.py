@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from farm.local import farm_command
-from farm.repository import find, prepare
+from farm.ops.local import farm_command
+from farm.modelrepo.repository import find, prepare
 
 NETS = Path(__file__).resolve().parents[1] / "bench" / "nets"
 MEAN = np.array([104.0, 117.0, 123.0], np.float32)

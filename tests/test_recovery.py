@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from farm.client import Client, FarmError, FarmTimeout, JobResult
-from farm.local import LocalFarm, cores, farm_command
+from farm.client.client import Client, FarmError, FarmTimeout, JobResult
+from farm.ops.local import LocalFarm, cores, farm_command
 from tests.conftest import reference_forward
 
 LINK = ["--heartbeat", "0.2", "--liveness", "5"]

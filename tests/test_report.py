@@ -1,4 +1,4 @@
-"""farm.report: the waste breakdown of a job trace, its text, its figure, and trace validation."""
+"""farm.client.report: the waste breakdown of a job trace, its text, its figure, and trace validation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from msgspec.structs import replace
 
-from farm.report import TRACE_FORMAT, Trace, TraceError, analyse, load_trace, plot, throughput
+from farm.client.report import TRACE_FORMAT, Trace, TraceError, analyse, load_trace, plot, throughput
 
 
 def chunk(worker: str, assigned: float, sent: float, started: float, finished: float,

@@ -20,13 +20,13 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from farm.answerjournal import AnswersJournal, parse_marks
-from farm.answers import ModelCard
-from farm.client import Client, FarmError, JobResult
-from farm.inputs import ArraySource
-from farm.journal import InputIdentity, JournalHeader, journal_path, read_journal, read_lines
-from farm.local import LocalFarm, cores, farm_command
-from farm.npy import NpyReader, partial_path
+from farm.client.answerjournal import AnswersJournal, parse_marks
+from farm.client.answers import ModelCard
+from farm.client.client import Client, FarmError, JobResult
+from farm.client.inputs import ArraySource
+from farm.client.journal import InputIdentity, JournalHeader, journal_path, read_journal, read_lines
+from farm.ops.local import LocalFarm, cores, farm_command
+from farm.client.npy import NpyReader, partial_path
 from tests.conftest import reference_forward
 
 TOTAL = 30_000
@@ -272,8 +272,8 @@ def test_a_full_disk_cancels_the_job_and_resume_finishes_it(farm_two_workers, jo
 def test_a_torn_or_garbled_journal_line_is_ignored(tmp_path) -> None:
     """No farm: a journal written through JournalSink, then damaged as a kill or a full disk
     would leave it; reopening keeps exactly the whole lines whose bytes check out."""
-    from farm.inputs import ArraySource
-    from farm.journal import InputIdentity, JournalHeader, JournalSink
+    from farm.client.inputs import ArraySource
+    from farm.client.journal import InputIdentity, JournalHeader, JournalSink
 
     images = np.arange(1000 * 4, dtype=np.uint8).reshape(1000, 1, 2, 2)
     outputs = np.random.default_rng(0).random((1000, 3), dtype=np.float32)

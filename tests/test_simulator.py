@@ -10,8 +10,8 @@ from statistics import mean
 import pytest
 
 from farm.policies import PAPER_PARAMETERS
-from farm.scenarios import comparison_cases, fit_chunk_cost, paper_devices, paper_scenario
-from farm.simulator import DeviceModel, Scenario, simulate
+from farm.simulation.scenarios import comparison_cases, fit_chunk_cost, paper_devices, paper_scenario
+from farm.simulation.simulator import DeviceModel, Scenario, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 

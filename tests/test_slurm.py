@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm.local import cores, farm_command
+from farm.ops.local import cores, farm_command
 from tests.conftest import reference_forward
 from tests.slurm import SlurmCluster
 
@@ -182,7 +182,7 @@ def test_a_standing_farm_takes_workers_from_another_job(cluster, tmp_path, lenet
     wait_for(lambda: joined.is_file() and "2 workers registered" in joined.read_text(), 120,
              "the joiner's two workers")
     assert len(farm_status(job_dir)["workers"]) == 4
-    from farm.client import Client
+    from farm.client.client import Client
 
     _, images = save_images(tmp_path, digits, 20_000)
     with Client(endpoint, curve=str(job_dir / "keys")) as client:

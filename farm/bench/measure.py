@@ -1,6 +1,6 @@
 """Farm jobs the suite times: standalone speeds, Table 2, every policy at the paper's values.
 
-Every farm here is a real local farm (``farm.local.LocalFarm``: a broker and
+Every farm here is a real local farm (``farm.ops.local.LocalFarm``: a broker and
 pinned worker processes on loopback).  The broker keeps each policy's own
 chunks (``--max-chunk-seconds 0``), so the paper's policies run as docs/scheduling.md
 defines them; each job names its policy, so one warm farm runs them all.
@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from farm.bench.setups import FarmSetup, WorkerSpec
-from farm.client import Client, FarmError, JobResult
-from farm.engine import AUTO
-from farm.local import LocalFarm
+from farm.client.client import Client, FarmError, JobResult
+from farm.engines.engine import AUTO
+from farm.ops.local import LocalFarm
 from farm.policies import PAPER_PARAMETERS, POLICIES
 
 #: Broker options of every benchmark farm: the policies' own chunks, uncapped.
@@ -171,8 +171,8 @@ def _engine_rates(worker: WorkerSpec, model: str, candidates: Sequence[int],
         # pick (or recall) the backend as a worker started without --batch would, over
         # autoselect's own batches; each candidate below then loads that remembered choice
         # at its batch, as the bench's workers do with --batch
-        from farm.autoselect import choose
-        from farm.repository import find
+        from farm.engines.autoselect import choose
+        from farm.modelrepo.repository import find
 
         choose(find(model), device.engine_device, threads)
     return engine_rates(model, worker.library, device.engine_device, threads, candidates,
@@ -184,8 +184,8 @@ def engine_rates(model: str, backend: str, engine_device: str, threads: int | No
                  repeats: int = 1) -> list[tuple[int, float]]:
     """In this process: (batch, images/s of the engine on ``images``) for each candidate
     batch, after a warm-up batch; the best of ``repeats`` runs each."""
-    from farm.engine import load_engine
-    from farm.repository import find
+    from farm.engines.engine import load_engine
+    from farm.modelrepo.repository import find
 
     rates = []
     for batch in candidates:

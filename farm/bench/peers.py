@@ -4,7 +4,7 @@ Each peer runs in a fresh process (``spawn``), makes the same images from the
 model's sample, and is timed from "images in memory" to "every output in
 memory, in input order", as a farm job is.  Settings are tuned first on a
 slice of the images; the full array then runs once at the best of them.  Every
-peer computes through farm's own engine (``farm.engine``), so outputs can be
+peer computes through farm's own engine (``farm.engines.engine``), so outputs can be
 compared with the farm's and only the way work is spread differs.
 
 - ``opencv-threads``: one process, OpenCV's own thread pool on every core,
@@ -35,8 +35,8 @@ import numpy as np
 
 from farm.bench.measure import in_fresh_process
 from farm.bench.setups import make_images
-from farm.engine import Engine, load_engine
-from farm.repository import find
+from farm.engines.engine import Engine, load_engine
+from farm.modelrepo.repository import find
 
 PEERS = ("opencv-threads", "process-pool", "ray-data", "onnxruntime-threads",
          "openvino-throughput")
@@ -238,8 +238,8 @@ class _OpenVINOQueue:
     def __init__(self, model: str, cores: int) -> None:
         import openvino
 
-        from farm.engine import exported_onnx
-        from farm.preprocess import Transformer
+        from farm.engines.engine import exported_onnx
+        from farm.engines.preprocess import Transformer
 
         spec = find(model)
         self.transform = Transformer.for_model(spec)

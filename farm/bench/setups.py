@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from farm.deploy import Layout
-from farm.engine import AUTO, available_backends
-from farm.local import cores
-from farm.repository import find
+from farm.ops.deploy import Layout
+from farm.engines.engine import AUTO, available_backends
+from farm.ops.local import cores
+from farm.modelrepo.repository import find
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from farm.bench.measure import PolicyRun
 from farm.bench.results import ModelResults
 from farm.bench.setups import (SETUP_NAMES, FarmSetup, WorkerSpec, describe_machine,
                                    farm_setups, machine_slug, make_images)
-from farm.client import FarmError
-from farm.local import cores
+from farm.client.client import FarmError
+from farm.ops.local import cores
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,14 +35,14 @@ from farm import defaults, protocol
 from farm.broker import events as ev
 from farm.broker.connections import Connections, source_fd
 from farm.broker.jobs import JobOptions
-from farm.broker.models import ModelCatalog
+from farm.broker.catalog import ModelCatalog
 from farm.broker.registry import check_models
 from farm import messages
 from farm.messages import Options, job_of
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.link import limit_socket, send_frames
 from farm.protocol import Command, Message, ProtocolError
-from farm.repository import ModelError
+from farm.modelrepo.repository import ModelError
 from farm.wakeup import Wakeup
 
 log = logging.getLogger("farm.broker")
@@ -79,7 +79,7 @@ class Broker:
         limit_socket(self.socket)
         try:
             if config.curve:
-                from farm.keys import make_server
+                from farm.ops.keys import make_server
 
                 make_server(self.socket, config.curve)
             self.socket.bind(config.bind)
@@ -386,7 +386,7 @@ class Broker:
     def model_card(self, name: str) -> dict[str, Any]:
         """What a client needs to name a model's answers: its labels and whether its output
         is already a softmax; or why the model cannot be used."""
-        from farm.repository import find
+        from farm.modelrepo.repository import find
 
         try:
             spec = find(name, self.config.model_dirs)  # no weights made, no files hashed
@@ -420,7 +420,7 @@ def worker_facts(header: messages.Ready) -> ev.WorkerFacts:
 def job_options(options: Options) -> JobOptions:
     """SUBMIT options (types and ranges checked on decode), with the engine checked;
     ProtocolError if the workers have no such engine."""
-    from farm.engine import job_engine  # the engines' names, not the engines: cheap
+    from farm.engines.engine import job_engine  # the engines' names, not the engines: cheap
 
     try:
         engine = job_engine(options.engine) if options.engine is not None else None
@@ -497,7 +497,7 @@ def serve(config: BrokerConfig, on_bound: Callable[[Broker], None] | None = None
     context = zmq.Context()
     authenticator = None
     if config.curve:
-        from farm.keys import start_authenticator
+        from farm.ops.keys import start_authenticator
 
         authenticator = start_authenticator(context, config.curve)
     broker = None

@@ -23,7 +23,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
-from farm.trace import network_seconds
+from farm.client.trace import network_seconds
 
 if TYPE_CHECKING:
     from farm.broker.broker import Broker

@@ -6,7 +6,7 @@ several of them share are in ``options`` and ``policy``.  Commands import what
 they run when they run, so ``farm broker --help`` loads no inference library.
 
 Every option can also come from an environment variable (named in its help,
-else ``FARM_<COMMAND>_<OPTION>``) or a TOML file (``farm.config``), in that order
+else ``FARM_<COMMAND>_<OPTION>``) or a TOML file (``farm.ops.config``), in that order
 of precedence after the command line.
 """
 
@@ -18,7 +18,7 @@ import click
 
 from farm import defaults
 from farm.cli import bench, broker, deploy, keys, models, report, submit, worker
-from farm.client import FarmError
+from farm.client.client import FarmError
 
 #: Commands that run for a long time and log as they go: INFO by default; others WARNING.
 SERVICES = ("broker", "worker")
@@ -65,7 +65,7 @@ def main(ctx: click.Context, config_file: str | None, log_level: str | None,
       farm report run.json -o run.png
     Settings: option > environment (FARM_BROKER, ...) > farm.toml (see docs/operating.md).
     """
-    from farm.logs import setup_logging
+    from farm.ops.logs import setup_logging
 
     apply_config_file(ctx, config_file)
     default_level = (defaults.SERVICE_LOG_LEVEL if ctx.invoked_subcommand in SERVICES
@@ -78,7 +78,7 @@ def apply_config_file(ctx: click.Context, config_file: str | None) -> None:
     """The TOML file's settings become the commands' defaults, and the group's own options
     (parsed before the file was read) take the file's values where the command line and the
     environment left them unset."""
-    from farm.config import ConfigError, config_path, default_map, load_config
+    from farm.ops.config import ConfigError, config_path, default_map, load_config
 
     path = config_path(config_file)
     if path is None:

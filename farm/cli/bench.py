@@ -105,7 +105,7 @@ def render_again(folder: Path) -> None:
 
 def sampled_models(text: str) -> tuple[str, ...]:
     """``--models``: the names, each a model with a bundled sample."""
-    from farm.repository import ModelError, find
+    from farm.modelrepo.repository import ModelError, find
 
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     try:

@@ -12,7 +12,7 @@ from click.core import ParameterSource
 
 from farm import defaults
 from farm.cli.options import endpoint_value, models_dir_option
-from farm.deploy import default_farm_command, plan, render
+from farm.ops.deploy import default_farm_command, plan, render
 from farm.policies import POLICIES
 
 Command = TypeVar("Command", bound=Callable[..., Any])
@@ -187,7 +187,7 @@ def slurm(ctx: click.Context, nodes: int, cores_per_node: int | None, gpus_per_n
       farm deploy slurm --connect "$(cat farm-1234/endpoint)" --curve farm-1234/keys \\
           -o more.sbatch && sbatch --array=1-4 more.sbatch     # four more nodes
     """
-    from farm.slurm import JOB_KEYS, SlurmFarm, render
+    from farm.ops.slurm import JOB_KEYS, SlurmFarm, render
 
     if curve and no_curve:
         raise click.UsageError("--curve and --no-curve contradict each other")

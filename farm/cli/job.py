@@ -15,13 +15,13 @@ import click
 import numpy as np
 
 from farm import defaults
-from farm.client import FarmError, FarmTimeout, NoWorker, ResumeRefused
+from farm.client.client import FarmError, FarmTimeout, NoWorker, ResumeRefused
 
 if TYPE_CHECKING:
-    from farm.answers import AnswerSink, ModelCard
-    from farm.client import Client, JobResult
-    from farm.inputs import Source
-    from farm.repository import ModelSpec
+    from farm.client.answers import AnswerSink, ModelCard
+    from farm.client.client import Client, JobResult
+    from farm.client.inputs import Source
+    from farm.modelrepo.repository import ModelSpec
 
 NO_BROKER_HINT = ("is a broker running there? --broker or FARM_BROKER give its address; a "
                   "broker started with --curve needs --curve here too")
@@ -37,7 +37,7 @@ class BrokerLink:
     curve_name: str = defaults.CLIENT_KEY
 
     def connect(self) -> Client:
-        from farm.client import Client
+        from farm.client.client import Client
 
         return Client(self.endpoint, timeout=self.timeout, curve=self.curve,
                       curve_name=self.curve_name)
@@ -47,7 +47,7 @@ def load_input(arguments: tuple[str, ...]) -> Source:
     """A job's input: one `.npy` file (read range by range: inputs of any size, read as
     needed), or image files named by files, folders, globs and lists.  Its notices (an
     array converted to float32, files skipped) go to stderr, one line each."""
-    from farm.inputs import InputError, open_input
+    from farm.client.inputs import InputError, open_input
 
     try:
         source = open_input(arguments)
@@ -70,8 +70,8 @@ def answers_wanted(source: Source, out: str | None, top_k: int | None,
                    card: ModelCard | None) -> Answers | None:
     """Whether a job writes answers: with --top-k, with a .csv/.jsonl --out, or for image
     files with no --out (named on the terminal)."""
-    from farm.answers import DEFAULT_TOP_K, FORMATS
-    from farm.inputs import FileSource
+    from farm.client.answers import DEFAULT_TOP_K, FORMATS
+    from farm.client.inputs import FileSource
 
     to_file = out is not None and Path(out).suffix.lower() in FORMATS
     if out is not None and not to_file and not out.lower().endswith(".npy"):
@@ -88,7 +88,7 @@ def answers_wanted(source: Source, out: str | None, top_k: int | None,
 def output_shape(spec: ModelSpec) -> tuple[int, ...] | None:
     """One output's shape as the model's prototxt gives it (None if it cannot be read):
     ``run_job``'s ``nan_shape``."""
-    from farm.caffe_net import Network, NetworkError
+    from farm.modelrepo.caffe_net import Network, NetworkError
 
     try:
         net = Network.load(spec.prototxt, input_shape=spec.declared_input)
@@ -128,8 +128,8 @@ def check_journal(out: str, resume: bool) -> None:
     """Refuse to overwrite an unfinished job's outputs (``OUT.partial`` of a killed job, or
     ``OUT`` of one that stopped early) without ``--resume``; with it and no journal, say
     that the job starts afresh."""
-    from farm.journal import journal_path
-    from farm.npy import partial_path
+    from farm.client.journal import journal_path
+    from farm.client.npy import partial_path
 
     journal = journal_path(out)
     if journal.exists() and not resume:
@@ -152,7 +152,7 @@ def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None
     ``out`` is written as ``OUT.partial``, renamed to ``out`` when the job ends with every
     row written (or NaN-filled, or a row with the reason): a killed client leaves no
     ``out`` that reads as complete, and an earlier job's ``out`` stays until then.
-    ``journal``: keep ``OUT.journal`` beside ``out`` (``farm.journal``) so that a killed
+    ``journal``: keep ``OUT.journal`` beside ``out`` (``farm.client.journal``) so that a killed
     job can be finished with ``resume``.  ``answers``: write each image's top classes (to
     ``out``, a .csv or .jsonl, else the terminal) instead of raw scores.  ``nan_shape``:
     gives one output's shape (asked only if no result came), so that a `.npy` ``out`` of
@@ -163,7 +163,7 @@ def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None
     """
     from tqdm import tqdm
 
-    from farm.client import job_engine
+    from farm.client.client import job_engine
 
     journal = journal and out is not None
     if resume and not journal:
@@ -220,10 +220,10 @@ def job_sink(client: Client, source: Source, model: str, out: str | None, journa
     a journaled `.npy`, a plain `.npy`, or memory.  A file is written as ``OUT.partial``
     and renamed to ``out`` once the job has written its every row (journaled: by
     ``Client.run``); whatever it opens is closed after the job."""
-    from farm.answers import AnswerSink, open_writer
-    from farm.client import ArraySink
-    from farm.journal import Journaled
-    from farm.npy import NpyWriter, partial_path, publish
+    from farm.client.answers import AnswerSink, open_writer
+    from farm.client.client import ArraySink
+    from farm.client.journal import Journaled
+    from farm.client.npy import NpyWriter, partial_path, publish
 
     partial = partial_path(out) if out else None
     if answers is not None:
@@ -259,11 +259,11 @@ def job_sink(client: Client, source: Source, model: str, out: str | None, journa
 
 def answers_journal(out: str, source: Source, model: str, engine: tuple[str, str] | None,
                     k: int, card: ModelCard) -> AnswerSink:
-    """A journaled answers file (``farm.answerjournal``), resumed if its journal is there;
+    """A journaled answers file (``farm.client.answerjournal``), resumed if its journal is there;
     ResumeRefused if that journal is another job's."""
-    from farm.answerjournal import AnswersJournal
-    from farm.answers import answers_format
-    from farm.journal import InputIdentity, JournalHeader, JournalMismatch
+    from farm.client.answerjournal import AnswersJournal
+    from farm.client.answers import answers_format
+    from farm.client.journal import InputIdentity, JournalHeader, JournalMismatch
 
     header = JournalHeader(model, InputIdentity.of(source), engine,
                            format=answers_format(out), top_k=k)
@@ -277,8 +277,8 @@ def echo_result(result: JobResult, out: str | None, outputs: np.ndarray | None,
                 trace: str | None, journaled: bool = False, answers: bool = False) -> None:
     """Save the trace; say how the job went, what came from the journal, and where its
     outputs, journal and trace are."""
-    from farm.journal import journal_path
-    from farm.trace import save_trace
+    from farm.client.journal import journal_path
+    from farm.client.trace import save_trace
 
     if trace and result.trace is not None:
         save_trace(result.trace, trace)
@@ -309,7 +309,7 @@ def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
     """Exit 130 (Ctrl-C) or 1 (cancelled, timed out, failed images) when images are missing;
     failed image files are named.  ``written``: whether raw outputs were written (no file
     when no image came back and their shape was not known)."""
-    from farm.client import describe_failures
+    from farm.client.client import describe_failures
 
     if result.cancelled:
         missing = sum(f.count for f in result.failed)
@@ -321,7 +321,7 @@ def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
         click.echo(f"job stopped: {result.cancelled}; {rest}", err=True)
         raise SystemExit(130 if interrupted else 1)
     if result.failed:
-        from farm.inputs import FileSource
+        from farm.client.inputs import FileSource
 
         names = source.names if isinstance(source, FileSource) else None  # files by path
         note = ("" if answers else "\n(their outputs are NaN)" if written

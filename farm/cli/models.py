@@ -12,12 +12,12 @@ from farm import defaults
 from farm.cli.options import models_dir_option, precision_option
 
 if TYPE_CHECKING:
-    from farm.caffe_net import Network
-    from farm.modelcheck import BackendCheck
-    from farm.repository import ModelSpec
+    from farm.modelrepo.caffe_net import Network
+    from farm.engines.modelcheck import BackendCheck
+    from farm.modelrepo.repository import ModelSpec
 
-#: ``--channel-order`` and ``--crop`` of ``farm models add`` (farm.modeladd.CHANNEL_ORDERS and
-#: farm.repository.CROPS, kept here so the CLI starts without importing them).
+#: ``--channel-order`` and ``--crop`` of ``farm models add`` (farm.modelrepo.modeladd.CHANNEL_ORDERS and
+#: farm.modelrepo.repository.CROPS, kept here so the CLI starts without importing them).
 CHANNEL_ORDER_CHOICES = ("bgr", "rgb")
 CROP_CHOICES = ("center", "oversample", "none")
 
@@ -43,7 +43,7 @@ def models() -> None:
 
 def find_model(name: str, models_dir: tuple[str, ...]) -> ModelSpec:
     """The model NAME, or a one-line error."""
-    from farm.repository import ModelError, find
+    from farm.modelrepo.repository import ModelError, find
 
     try:
         return find(name, models_dir)
@@ -70,7 +70,7 @@ def list_models(models_dir: tuple[str, ...]) -> None:
       farm models list
       farm models list --models-dir ~/models     # or FARM_MODELS=~/models
     """
-    from farm.repository import is_bundled, model_folders, shown
+    from farm.modelrepo.repository import is_bundled, model_folders, shown
 
     click.echo(f"{'model':<16} {'images':<12} {'layout':<6} {'weights':<22} description")
     for name, folders in model_folders(models_dir).items():
@@ -82,7 +82,7 @@ def list_models(models_dir: tuple[str, ...]) -> None:
 
 def model_row(name: str, folder: Path, note: str = "") -> str:
     """One line of ``farm models list``, ``note`` before the description."""
-    from farm.repository import ModelError, load_spec
+    from farm.modelrepo.repository import ModelError, load_spec
 
     try:
         spec = load_spec(folder)
@@ -104,8 +104,8 @@ def show_model(name: str, models_dir: tuple[str, ...]) -> None:
     Example:
       farm models show lenet
     """
-    from farm.caffe_net import Network
-    from farm.repository import model_folders, origin
+    from farm.modelrepo.caffe_net import Network
+    from farm.modelrepo.repository import model_folders, origin
 
     spec = find_model(name, models_dir)
     net = Network.load(spec.prototxt, input_shape=spec.declared_input)
@@ -116,7 +116,7 @@ def show_model(name: str, models_dir: tuple[str, ...]) -> None:
 
 def model_lines(spec: ModelSpec, net: Network) -> list[str]:
     """``farm models show``'s head: files, input, preprocessing, output."""
-    from farm.caffe_proto import unknown_fields
+    from farm.modelrepo.caffe_proto import unknown_fields
 
     p = spec.preprocess
     weights = (f"{spec.weights} ({spec.weights.stat().st_size / 1e6:.1f} MB)"
@@ -174,8 +174,8 @@ def check_model_command(name: str, count: int, precision: str, threads: int,
       farm models check caffenet --count 2
       farm models check cifar10_quick --precision bf16
     """
-    from farm.autoselect import choose
-    from farm.repository import ModelError
+    from farm.engines.autoselect import choose
+    from farm.modelrepo.repository import ModelError
 
     spec = find_model(name, models_dir)
     problem = run_check(spec, count, precision, threads)
@@ -193,7 +193,7 @@ def run_check(spec: ModelSpec, count: int, precision: str = defaults.PRECISION,
     """Run and print ``farm models check``'s comparison of every backend; why it failed, if
     it did (every backend's outputs within the tolerance, and at least one ran).  ``paths``
     rewrites each problem (``farm models add``: to name the user's files)."""
-    from farm.modelcheck import check_inputs, check_model
+    from farm.engines.modelcheck import check_inputs, check_model
 
     inputs = check_inputs(spec, count)
     checks = check_model(spec, inputs, threads=threads, precision=precision)
@@ -244,8 +244,8 @@ def export_model(name: str, onnx_path: str, count: int, models_dir: tuple[str, .
       farm models export caffenet --onnx caffenet.onnx
       farm models export mynet --models-dir ~/models --onnx mynet.onnx
     """
-    from farm.modelcheck import check_inputs, export_checked
-    from farm.repository import ModelError
+    from farm.engines.modelcheck import check_inputs, export_checked
+    from farm.modelrepo.repository import ModelError
 
     spec = find_model(name, models_dir)
     try:
@@ -274,7 +274,7 @@ def prepare_models(names: tuple[str, ...], models_dir: tuple[str, ...]) -> None:
     """
     from tqdm import tqdm
 
-    from farm.repository import ModelError, available, load_spec, prepare
+    from farm.modelrepo.repository import ModelError, available, load_spec, prepare
 
     chosen = names or tuple(available(models_dir))
     with tqdm(chosen, unit="model", file=sys.stderr, disable=len(chosen) < 2) as bar:
@@ -366,8 +366,8 @@ def add_model(name: str, prototxt: str, weights: str, mean_file: str | None,
       farm models add alexnet --prototxt deploy.prototxt --weights bvlc_alexnet.caffemodel \\
           --mean-file imagenet_mean.binaryproto --resize 256 --crop center
     """
-    from farm.modeladd import NewModel, commit, discard, stage
-    from farm.repository import ModelError, origin
+    from farm.modelrepo.modeladd import NewModel, commit, discard, stage
+    from farm.modelrepo.repository import ModelError, origin
 
     if mean_file and mean_text:
         raise click.UsageError("give --mean-file or --mean, not both")

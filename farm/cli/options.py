@@ -11,10 +11,10 @@ from farm import defaults
 Command = TypeVar("Command", bound=Callable[..., Any])
 Decorator = Callable[[Command], Command]
 
-#: ``--backend`` values: ``auto`` and ``farm.engine.BACKENDS`` (kept here so the CLI starts
+#: ``--backend`` values: ``auto`` and ``farm.engines.engine.BACKENDS`` (kept here so the CLI starts
 #: without importing the engines' modules; a test checks they match).
 BACKEND_CHOICES = ("auto", "caffe", "opencv", "torch", "onnxruntime", "openvino")
-#: ``--precision`` values: ``farm.engine.PRECISIONS``.
+#: ``--precision`` values: ``farm.engines.engine.PRECISIONS``.
 PRECISION_CHOICES = ("f32", "f16", "bf16")
 
 

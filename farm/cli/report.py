@@ -29,7 +29,7 @@ def report(trace: str, out: str | None, width: int, height: int) -> None:
       farm report run.json -o run.png
       farm report run.json --width 1800 --height 1000
     """
-    from farm.report import TraceError, analyse, load_trace, plot
+    from farm.client.report import TraceError, analyse, load_trace, plot
 
     try:
         document = load_trace(trace)

@@ -16,17 +16,17 @@ import numpy as np
 from farm import defaults
 from farm.cli.job import (NO_BROKER_HINT, BrokerLink, answers_wanted, load_input,
                           output_shape, run_job)
-from farm.answers import ModelCard
+from farm.client.answers import ModelCard
 from farm.cli.options import (backend_option, broker_option, client_curve_option,
                               image_out_options, model_option, models_dir_option,
                               precision_option, top_k_option)
 from farm.cli.policy import policy_options, policy_params
-from farm.client import Client, FarmError, FarmTimeout
+from farm.client.client import Client, FarmError, FarmTimeout
 from farm.summary import plural
 
 if TYPE_CHECKING:
-    from farm.inputs import Source
-    from farm.repository import ModelSpec
+    from farm.client.inputs import Source
+    from farm.modelrepo.repository import ModelSpec
 
 #: ``farm status --watch`` without SECONDS: redraw this often.
 WATCH_INTERVAL = 2.0
@@ -121,8 +121,8 @@ def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | 
 def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:
     """The labels of the model in the ``--models-dir`` folders given (None: none given, ask
     the broker, whose copy runs the job)."""
-    from farm.answers import ModelCard
-    from farm.repository import ModelError, available, load_spec
+    from farm.client.answers import ModelCard
+    from farm.modelrepo.repository import ModelError, available, load_spec
 
     folder = available(models_dir).get(model) if models_dir else None
     if folder is None or folder.parent.resolve() not in {Path(d).resolve() for d in models_dir}:
@@ -171,9 +171,9 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
       farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
       farm run images.npy --model mynet --models-dir ~/models --backend openvino
     """
-    from farm.inputs import repeated
-    from farm.local import LocalFarm, cores, policy_arguments
-    from farm.repository import ModelError, find
+    from farm.client.inputs import repeated
+    from farm.ops.local import LocalFarm, cores, policy_arguments
+    from farm.modelrepo.repository import ModelError, find
 
     try:
         spec = find(model, models_dir)
@@ -223,7 +223,7 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
 def no_sample(spec: ModelSpec, models_dir: tuple[str, ...]) -> str:
     """``farm run``'s error for a model without a sample: its folder, and the model it
     shadows (which may have one)."""
-    from farm.repository import ModelError, load_spec, model_folders, origin, shown
+    from farm.modelrepo.repository import ModelError, load_spec, model_folders, origin, shown
 
     text = f"model {spec.name!r} ({shown(spec.folder)}) has no sample"
     for hidden in model_folders(models_dir).get(spec.name, [])[1:2]:
@@ -328,7 +328,7 @@ def status(broker_address: str, as_json: bool, watch: float | None, timeout: flo
       farm status --json | jq '.workers[] | {name, rate, busy_share}'
       farm status --wait-workers 64 --timeout 300   # until 64 workers have joined
     """
-    from farm.status import format_status
+    from farm.client.status import format_status
 
     link = BrokerLink(endpoint=broker_address, timeout=timeout, curve=curve,
                       curve_name=curve_name)

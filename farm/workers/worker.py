@@ -36,16 +36,16 @@ import numpy as np
 import zmq
 
 from farm import defaults, messages, protocol
-from farm.engine import (AUTO, GPU_BACKEND, Engine, RunStats, Stopped, engine_class,
+from farm.engines.engine import (AUTO, GPU_BACKEND, Engine, RunStats, Stopped, engine_class,
                          job_engine, limit_threads, load_engine)
 from farm.link import BrokerLink, LinkConfig
-from farm.modelstore import Manifest, ModelCache, manifest_of
+from farm.modelrepo.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
-from farm.repository import ModelError, ModelSpec, available, find_local, load_spec, prepare
+from farm.modelrepo.repository import ModelError, ModelSpec, available, find_local, load_spec, prepare
 from farm.wakeup import Wakeup
 
 if TYPE_CHECKING:
-    from farm.images import ImageDecoder
+    from farm.engines.images import ImageDecoder
 
 log = logging.getLogger("farm.worker")
 
@@ -580,7 +580,7 @@ class Worker:
         of files that failed, with their reasons."""
         decoder = self.decoders.get(task.digest)
         if decoder is None:
-            from farm.images import ImageDecoder
+            from farm.engines.images import ImageDecoder
 
             decoder = self.decoders[task.digest] = ImageDecoder(engine.spec)
         batch = decoder.decode(message.files())

@@ -1,0 +1,855 @@
+"""The client: submit images, feed the broker their input chunk by chunk, gather outputs.
+
+    >>> import farm
+    >>> scores = farm.Client("tcp://127.0.0.1:5555").map(images, model="lenet")
+
+The broker asks for each chunk's items when it assigns the chunk (NEED), so the
+client reads its input (an array, or a `.npy` file of any size through
+``NpyReader``) one chunk at a time and writes outputs as they come: memory is
+bounded by the chunks in flight, not by the size of the job.
+
+If the broker goes silent for ``liveness`` heartbeats, or restarts and no
+longer knows the job, the client opens a fresh socket and submits again only
+the items it has not got back (the ZeroMQ guide's Lazy Pirate idea); outputs
+already written stay written.  Every item comes back once, or is reported in
+``JobResult.failed`` with the reason.
+
+``cancel()`` (safe from another thread or a signal handler) stops the job: the
+broker drops its queued chunks and says what finished; the images that did not
+come back are listed in ``JobResult.failed`` as cancelled.  A job may also
+have a ``job_timeout``, a ``priority`` among the jobs sharing the farm, and a
+policy of its own (``algo``, ``params``).
+
+``run(..., resume="out.npy")`` writes the outputs to ``out.npy.partial`` with
+a journal beside it (``farm.client.journal``), renamed to ``out.npy`` when the job
+ends: a second call after the client was killed asks only for the items not
+safely written.  If writing an output fails (a full disk, EIO, a read-only
+file system), the client cancels its job and raises ``OutputError``; what was
+journaled stays valid for a resume.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import msgspec
+import numpy as np
+import zmq
+
+from farm import messages, protocol
+from farm.client.answers import AnswerSink, ModelCard
+from farm.client.inputs import ArraySource, FileSource, InputError, Source, open_input
+from farm.client.journal import InputIdentity, Journaled, JournalHeader, JournalMismatch, JournalSink
+from farm.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint
+from farm.client.npy import NpyReader, NpyWriter
+from farm.protocol import Command, ProtocolError
+from farm.summary import FailedItems, JobSummary, plural
+from farm.client.trace import Trace, TraceRecorder
+
+log = logging.getLogger("farm.client.client")
+
+DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+#: Seconds a job waits for a broker that never answered before it is given up (at most the
+#: client's timeout): a wrong address or a broker not started should not cost a minute.
+FIRST_CONTACT_TIMEOUT = 8.0
+#: Seconds with no worker connected before the client says so, and between repeats.
+NO_WORKER_NOTICE, NO_WORKER_REPEAT = 3.0, 30.0
+
+#: Commands a client accepts from the broker.
+ACCEPTED = frozenset({Command.NEED, Command.RESULT, Command.FAILED, Command.DONE, Command.ERROR,
+                      Command.INFO, Command.HEARTBEAT, Command.CANCEL})
+
+
+class FarmError(RuntimeError):
+    """The broker refused or failed a job; the message says why."""
+
+
+class FarmTimeout(FarmError):
+    """Nothing came back from the broker within the timeout."""
+
+
+class NoWorker(FarmTimeout):
+    """No worker was connected to the broker for the client's timeout."""
+
+
+class ResumeRefused(FarmError):
+    """``resume`` found a journal written for another job (input, model or engine)."""
+
+
+class OutputError(FarmError):
+    """Writing the outputs failed (disk full, EIO, read-only...); a job still running was
+    cancelled (``cancelled``)."""
+
+    def __init__(self, error: OSError, safe: int, total: int, journal: Path | None,
+                 cancelled: bool = True) -> None:
+        self.error, self.safe, self.total, self.journal = error, safe, total, journal
+        name = errno.errorcode.get(error.errno or 0, "")
+        where = error.filename or "the outputs"
+        if journal is None:
+            kept = f"{safe:,} of {total:,} images were written; run the job again"
+        else:
+            kept = (f"{safe:,} of {total:,} images are safely written (journal {journal}); "
+                    f"free space and run again with --resume (resume= in Python)")
+        super().__init__(f"cannot write {where}: {error.strerror or error}"
+                         f"{f' ({name})' if name else ''}"
+                         f"{'; the job was cancelled' if cancelled else ''}; {kept}")
+
+
+class ResultSink(Protocol):
+    """Where outputs go: ``write`` them by item index, ``fill`` failed items."""
+
+    def write(self, start: int, values: np.ndarray) -> None: ...
+
+    def fill(self, start: int, count: int, value: float) -> None: ...
+
+
+@dataclass
+class ArraySink:
+    """Outputs kept in memory (``array`` is made with the first result unless given)."""
+
+    total: int
+    array: np.ndarray | None = None
+
+    def write(self, start: int, values: np.ndarray) -> None:
+        if self.array is None:
+            self.array = np.empty((self.total, *values.shape[1:]), dtype=values.dtype)
+        if values.shape[1:] != self.array.shape[1:]:
+            raise FarmError(f"outputs of shape {values.shape[1:]} for items {start}+"
+                            f"{len(values)} do not match earlier ones {self.array.shape[1:]}")
+        self.array[start:start + len(values)] = values
+
+    def fill(self, start: int, count: int, value: float) -> None:
+        if self.array is not None:
+            self.array[start:start + count] = value
+
+
+@dataclass
+class Submission:
+    """One submission of a job: which of the job's items it holds, in order.
+
+    The first submission holds them all; after a broker restart a new one holds
+    only the items still missing, numbered from 0 in the broker's eyes.
+    ``runs`` are ``(job_start, item_start, count)``: the submission's items
+    ``job_start..`` are the original items ``item_start..``.
+    """
+
+    job: str
+    runs: list[tuple[int, int, int]]
+
+    @property
+    def total(self) -> int:
+        return sum(count for _, _, count in self.runs)
+
+    def pieces(self, start: int, count: int) -> list[tuple[int, int, int]]:
+        """``(offset in the range, original item start, count)`` for a range of this job."""
+        pieces, stop = [], start + count
+        for job_start, item_start, run_count in self.runs:
+            low, high = max(start, job_start), min(stop, job_start + run_count)
+            if low < high:
+                pieces.append((low - start, item_start + low - job_start, high - low))
+        return pieces
+
+
+@dataclass
+class Progress:
+    """Which items came back (or failed): what a re-submission must still ask for."""
+
+    total: int
+    answered: np.ndarray = field(init=False)
+    failed: list[FailedItems] = field(default_factory=list)
+    duplicates: int = 0  # results for items already answered: ignored
+
+    def __post_init__(self) -> None:
+        self.answered = np.zeros(self.total, dtype=bool)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.answered.all())
+
+    def mark(self, start: int, count: int) -> bool:
+        """Record items as answered; False (and counted) if any was answered before."""
+        if self.answered[start:start + count].any():
+            self.duplicates += 1
+            return False
+        self.answered[start:start + count] = True
+        return True
+
+    def missing_runs(self) -> list[tuple[int, int]]:
+        """``(start, count)`` of each run of unanswered items."""
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], ~self.answered, [0])).astype(np.int8)))
+        return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+@dataclass
+class JobResult:
+    outputs: np.ndarray | None  # None when the outputs went to a file sink
+    summary: JobSummary
+    failed: list[FailedItems] = field(default_factory=list)
+    resubmissions: int = 0  # times the job was submitted again after losing the broker
+    duplicates: int = 0  # duplicate results received (and ignored)
+    cancelled: str | None = None  # why the job stopped early (cancel, timeout), if it did
+    trace: Trace | None = None  # per-chunk timings (``run(trace=True)``)
+    resumed: int = 0  # items taken from the journal (``run(resume=...)``), not submitted
+    input_bytes: int = 0  # bytes of input the client sent (DATA payloads): files or pixels
+
+
+@dataclass(frozen=True)
+class SubmitOptions:
+    """Per-job choices sent with SUBMIT: see ``Client.run``."""
+
+    priority: int = 0
+    job_timeout: float | None = None
+    algo: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    engine: tuple[str, str] | None = None  # (backend, precision) instead of the workers' own
+
+    def header(self, remaining: float | None) -> messages.Options:
+        """SUBMIT's options; ``remaining``: what is left of the job's timeout (a
+        re-submission must not restart it)."""
+        return messages.Options(
+            client=f"{socket.gethostname()}:{os.getpid()}", priority=self.priority,
+            timeout=remaining, algo=self.algo,
+            params=dict(self.params) if self.algo is not None else {}, engine=self.engine)
+
+
+@dataclass
+class JobRun:
+    """One ``Client.run`` in progress: what it reads and writes, and where it stands."""
+
+    model: str
+    source: Source
+    sink: ResultSink
+    state: Progress
+    options: SubmitOptions
+    progress: ProgressCallback | None
+    submission: Submission | None = None  # the current one; None once the job ended
+    first_id: str = ""  # the first submission's job id (the broker's id for the job)
+    trace: TraceRecorder | None = None
+    resubmissions: int = 0
+    summary: JobSummary | None = None
+    cancelled: str | None = None  # the broker's reason, once the job stopped early
+    cancel_sent: float | None = None  # when CANCEL went out
+    deadline: float | None = None  # monotonic time the job's timeout ends
+    output_error: OSError | None = None  # writing an output failed: the job is cancelled
+    input_bytes: int = 0  # DATA payload bytes sent
+    notice: Callable[[str], None] = log.warning  # what the user should hear while it waits
+    started: float = field(default_factory=time.monotonic)
+    no_workers_since: float | None = None  # since when the broker has reported no worker
+    next_notice: float = 0.0  # when a notice about the wait may be repeated
+
+    def remaining(self) -> float | None:
+        """Seconds left of the job's timeout (None: it has none)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def new_submission(self, missing: list[tuple[int, int]], heartbeat: float) -> messages.Submit:
+        """A new submission of the ``missing`` ranges of items: recorded, and its SUBMIT
+        header returned (``heartbeat``: the client's interval)."""
+        runs, job_start = [], 0
+        for start, count in missing:
+            runs.append((job_start, start, count))
+            job_start += count
+        self.submission = Submission(uuid.uuid4().hex, runs)
+        self.first_id = self.first_id or self.submission.job
+        if self.trace:
+            self.trace.new_submission()
+        timeout = self.remaining() if self.resubmissions else self.options.job_timeout
+        return messages.Submit(job=self.submission.job, model=self.model,
+                               dtype=self.source.dtype, item_shape=self.source.item_shape,
+                               total=self.submission.total, options=self.options.header(timeout),
+                               heartbeat=heartbeat)
+
+
+@dataclass
+class Running:
+    """The job ``Client.run`` is running, if any, and what the client's link says for it: on
+    a fresh connection, a SUBMIT of what is still missing; every interval, a heartbeat.
+    (The link holds this, not the client: no reference cycle keeps a client unclosed.)"""
+
+    heartbeat: float  # the client's heartbeat interval, sent with every SUBMIT
+    job: JobRun | None = None
+    # the link calling it, once made (has the broker spoken?): weak, since the link holds
+    # this; a cycle would leave a dropped client's socket open until a collection, and its
+    # context's term() waiting on that socket
+    link: weakref.ref[BrokerLink] | None = None
+
+    def resubmission(self) -> messages.Submit | None:
+        """The SUBMIT of the items the job still misses (None: no job running, or none
+        missing, or its timeout passed)."""
+        job = self.job
+        if job is None or job.submission is None:
+            return None
+        job.resubmissions += 1
+        missing = job.state.missing_runs()
+        job.submission = None
+        remaining = job.remaining()
+        if missing and remaining is not None and remaining <= 0:
+            job.cancelled = f"the job's timeout of {job.options.job_timeout:g} s passed"
+            return None
+        if not missing:
+            return None  # the broker was lost after the last result
+        link = self.link() if self.link is not None else None
+        answered = link is not None and link.answered
+        log.log(logging.WARNING if answered else logging.DEBUG,  # never there: not news
+                "submitting the %d missing images again",
+                job.state.total - job.state.answered.sum())
+        return job.new_submission(missing, self.heartbeat)
+
+    def heartbeat_header(self) -> messages.Heartbeat | None:
+        """The heartbeat of the job's current submission, if there is one."""
+        submission = self.job.submission if self.job else None
+        return None if submission is None else messages.Heartbeat(job=submission.job)
+
+
+ProgressCallback = Callable[[int], None]
+#: What ``Client.run`` takes as its images.
+Input = np.ndarray | NpyReader | Source | Sequence[str | os.PathLike[str]]
+
+
+class Client:
+    """A connection to a broker; one job at a time per client.
+
+    ``timeout``: seconds of broker silence after which the job is given up
+    (FarmTimeout).  ``heartbeat`` and ``liveness``: the client heartbeats its
+    job every ``heartbeat`` seconds, and submits again on a fresh socket when
+    the broker has been silent for ``liveness`` of its heartbeat intervals.
+    """
+
+    def __init__(self, broker: str = DEFAULT_BROKER, timeout: float | None = 60.0,
+                 context: zmq.Context | None = None, heartbeat: float = 1.0,
+                 liveness: int = 5, curve: str | None = None,
+                 curve_name: str = "client") -> None:
+        try:
+            self.broker = broker = parse_endpoint(broker)  # HOST:PORT is tcp://HOST:PORT
+        except ValueError as exc:
+            raise FarmError(str(exc)) from None
+        self.timeout = timeout
+        self.heartbeat = heartbeat
+        self._own_context = context is None
+        self.context = context or zmq.Context()
+        self._cancel_requested = False
+        self._running = Running(heartbeat)
+        self._wake_read, self._wake_write = os.pipe()  # cancel() wakes the poll through it
+        os.set_blocking(self._wake_write, False)
+        try:
+            # no back-off: each new submission waits one expiry, as the first did
+            self.link = BrokerLink(self.context,
+                                   LinkConfig(broker, heartbeat, liveness, curve, curve_name,
+                                              max_retry=0.0),
+                                   self._running.resubmission, self._running.heartbeat_header)
+        except BaseException:
+            self._close_pipe()
+            raise
+        self._running.link = weakref.ref(self.link)
+        self.link.poller.register(self._wake_read, zmq.POLLIN)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the socket (and the context, if the client made it); a second call is a
+        no-op."""
+        if self._wake_read < 0:
+            return
+        self.link.close()
+        self._close_pipe()
+        if self._own_context:
+            self.context.term()
+
+    def _close_pipe(self) -> None:
+        read, write = self._wake_read, self._wake_write
+        self._wake_read = self._wake_write = -1
+        os.close(read)
+        os.close(write)
+
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether ``cancel`` was called for the current (or next) ``run``."""
+        return self._cancel_requested
+
+    def cancel(self) -> None:
+        """Cancel the job ``run`` is running, or is about to run (from another thread or a
+        signal handler): the broker drops its queued chunks, and ``run`` returns what came
+        back.  A no-op on a closed client."""
+        write = self._wake_write
+        if write < 0:
+            return
+        self._cancel_requested = True
+        try:
+            os.write(write, b"!")
+        except (BlockingIOError, OSError):  # full of earlier wake-ups, or closed meanwhile
+            pass
+
+    def map(self, images: Input, model: str, **options: Any) -> np.ndarray:
+        """Outputs for every image, in input order; FarmError if any image failed.
+
+        ``resume="out.npy"`` (see ``run``) writes them to that file, journaled: after a
+        crash, the same call computes only the items missing there, and returns the whole
+        output (memory-mapped from the file).
+        """
+        source = as_source(images)
+        result = self.run(source, model, **options)
+        if result.failed:
+            names = source.names if isinstance(source, FileSource) else None
+            raise FarmError(describe_failures(result.failed, names))
+        assert result.outputs is not None  # no sink was given: the outputs are in memory
+        return result.outputs
+
+    def run(self, images: Input, model: str,
+            out: np.ndarray | ResultSink | None = None,
+            progress: ProgressCallback | None = None, *, priority: int = 0,
+            job_timeout: float | None = None, algo: str | None = None,
+            params: dict[str, Any] | None = None, trace: bool = False,
+            backend: str | None = None, precision: str | None = None,
+            resume: str | os.PathLike[str] | None = None,
+            notice: Callable[[str], None] | None = None) -> JobResult:
+        """Submit a job and gather its outputs (into ``out``, an array or a sink such as
+        ``NpyWriter`` or ``farm.client.answers.AnswerSink``, written where the caller said) and a
+        summary; failed items are NaN in the outputs and listed.  A
+        ``farm.client.journal.Journaled`` sink (``farm.client.answerjournal.AnswersJournal``) resumes and
+        ends as ``resume`` does.
+
+        ``images``: an array (N x C x H x W, N x H x W, or N x H x W x C for an HWC model)
+        or a `.npy` ``NpyReader``; or image files: a list of files, folders, globs and
+        list files (``farm.client.inputs``), sent encoded and decoded by the workers as the
+        model's ``[resize]`` says.  A file that cannot be read or decoded fails alone,
+        with its reason.
+
+        ``priority``: jobs of higher priority get free workers first (default 0);
+        ``job_timeout``: seconds after which the broker cancels the job; ``algo`` and
+        ``params``: a policy for this job instead of the broker's; ``trace``: record
+        every chunk's timings in ``JobResult.trace`` (see ``farm.client.trace``); ``backend``
+        and ``precision``: the engine the workers run this job on, instead of their own
+        (``auto`` and ``f32`` where only one is given).
+
+        ``resume``: a `.npy` path (instead of ``out``) to write the outputs to, with a
+        journal beside it (``farm.client.journal``).  They are written to ``PATH.partial``,
+        renamed to ``PATH`` when the job ends with every item written or NaN-filled (a
+        killed client leaves ``PATH.partial``; a file at ``PATH`` stays until then).  If
+        the journal is there, the ranges it lists whose bytes check out are kept and
+        only the other items are submitted (``JobResult.resumed`` counts the kept
+        ones; ``progress`` is first called with that count); ResumeRefused if it was
+        written for another input, model or engine.  The journal is deleted once every
+        item is back, kept otherwise (a later call retries what is missing or failed,
+        taking ``PATH`` back as ``PATH.partial`` meanwhile).  ``JobResult.outputs`` is
+        the whole file, memory-mapped (None if no item came back: no file).
+
+        OutputError if writing an output fails (disk full, EIO...): the job is cancelled
+        on the broker first; what was journaled stays valid for a resume.
+
+        ``notice``: called with a line for the user while the job waits (no worker is
+        connected; default: a logged warning).  FarmTimeout if no broker ever answers
+        within ``FIRST_CONTACT_TIMEOUT`` seconds (or the client's timeout); NoWorker
+        if no worker is connected to the broker for ``timeout`` seconds.
+        """
+        source = as_source(images)
+        if len(source) == 0:
+            raise FarmError("no images to run")
+        for line in source.notices:  # an array converted, files skipped
+            log.info("%s", line)
+        if params and algo is None:
+            raise FarmError("policy params need algo (the job's own policy)")
+        if resume is not None and out is not None:
+            raise FarmError("give out or resume, not both")
+        engine = job_engine(backend, precision)
+        sink = self._open_sink(out, resume, source, model, engine)
+        try:
+            job = JobRun(model, source, sink, Progress(len(source)),
+                         SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine),
+                         progress,
+                         trace=TraceRecorder() if trace else None,
+                         deadline=None if job_timeout is None else time.monotonic() + job_timeout,
+                         notice=notice or log.warning)
+            return self._run_job(job)
+        finally:
+            if isinstance(sink, JournalSink):
+                sink.close()
+
+    @staticmethod
+    def _open_sink(out: np.ndarray | ResultSink | None, resume: str | os.PathLike[str] | None,
+                   source: Source, model: str,
+                   engine: tuple[str, str] | None) -> ResultSink:
+        """Where the outputs go: ``out``, a journaled file (``resume``), else memory."""
+        if resume is not None:
+            header = JournalHeader(model, InputIdentity.of(source), engine)
+            try:
+                return JournalSink.open(resume, header)
+            except JournalMismatch as exc:
+                raise ResumeRefused(str(exc)) from exc
+        if out is not None and not isinstance(out, np.ndarray):
+            return out
+        return ArraySink(len(source), out)
+
+    def _run_job(self, job: JobRun) -> JobResult:
+        """Submit what the job misses, gather it, and sum up."""
+        started = time.perf_counter()
+        sink, state = job.sink, job.state
+        resumed = 0
+        if isinstance(sink, Journaled):
+            state.answered |= sink.resumed_items()
+            resumed = int(state.answered.sum())
+            if resumed and job.progress:
+                job.progress(resumed)
+        missing = state.missing_runs()
+        self._running.job = job
+        try:
+            if missing:
+                self._send(job.new_submission(missing, self.heartbeat))
+                self._collect(job)
+        finally:
+            self._running.job = None
+            self._cancel_requested = False  # the next run starts afresh
+        if job.output_error is not None:
+            raise self._output_error(job, job.output_error)
+        if job.cancelled:
+            if isinstance(sink, Journaled):
+                sink.stop_journal()  # what did not come back is retried by a resume
+            for start, count in state.missing_runs():
+                self._record_failure(job, start, count, job.cancelled)
+        state.failed.sort(key=lambda failure: failure.start)  # in input order, not as they arrived
+        try:
+            for failure in state.failed:
+                sink.fill(failure.start, failure.count, np.nan)
+            if isinstance(sink, Journaled):
+                sink.finish(complete=state.complete and not state.failed)
+        except OSError as exc:
+            raise self._output_error(job, exc) from exc
+        elapsed = time.perf_counter() - started
+        submitted = sum(count for _, count in missing)
+        summary = job.summary or JobSummary(  # the broker's last word was lost with it
+            total=submitted, items=int(state.answered.sum()) - resumed, broker_seconds=elapsed)
+        recorded = job.trace.document(job.first_id, job.model, len(job.source), job.summary,
+                                      state.failed, job.cancelled) if job.trace else None
+        return JobResult(self._outputs(sink),
+                         msgspec.structs.replace(summary, seconds=elapsed), state.failed,
+                         job.resubmissions, state.duplicates, job.cancelled, recorded, resumed,
+                         job.input_bytes)
+
+    @staticmethod
+    def _outputs(sink: ResultSink) -> np.ndarray | None:
+        """The outputs in memory, or memory-mapped from a journaled file this job wrote; None
+        for a sink of the caller's."""
+        if isinstance(sink, ArraySink):
+            return sink.array
+        if isinstance(sink, JournalSink) and sink.published:
+            return np.load(sink.path, mmap_mode="r")
+        return None
+
+    @staticmethod
+    def _output_error(job: JobRun, error: OSError) -> OutputError:
+        """The OutputError of a job whose outputs could not be written."""
+        sink, cancelled = job.sink, job.output_error is not None
+        if isinstance(sink, Journaled):
+            try:
+                sink.sync()  # best effort: the journal's lines are checked on resume anyway
+            except OSError:
+                pass
+            return OutputError(error, sink.safe, len(job.source), sink.journal, cancelled)
+        written = int(job.state.answered.sum()) - sum(f.count for f in job.state.failed)
+        return OutputError(error, written, len(job.source), None, cancelled)
+
+    def _collect(self, job: JobRun) -> None:
+        """Serve the broker's NEEDs and take results until the job ends; submit the missing
+        items again if the broker is lost; send CANCEL when ``cancel`` was called."""
+        last_heard = time.monotonic()
+        self.link.restart_timers()
+        while job.submission is not None:
+            if self._cancel_requested and job.cancel_sent is None:
+                self._send(messages.Cancel(job=job.submission.job))
+                job.cancel_sent = time.monotonic()
+            wait = self.link.wait()
+            if self.timeout is not None:  # the timeout counts from the broker's last word
+                wait = min(wait, max(0.0, last_heard + self.timeout - time.monotonic()))
+            message = self._poll(wait)
+            if message is not None:
+                last_heard = time.monotonic()
+                self._take(job, message)
+            elif self._gave_up(job, last_heard):
+                return
+            self._check_workers(job)
+            if job.submission is not None and job.cancel_sent is None:
+                self.link.tick()  # after an expiry of silence: a fresh socket, a resubmission
+            elif job.submission is not None:
+                self.link.beat()  # a cancel waits for its answer: no resubmission
+
+    def _gave_up(self, job: JobRun, last_heard: float) -> bool:
+        """After a wait with no message: True if a cancel went unconfirmed for an expiry;
+        FarmTimeout if the broker was silent for the timeout."""
+        now = time.monotonic()
+        if job.cancel_sent is not None and now - job.cancel_sent > self.link.expiry:
+            job.cancelled = "cancelled (the broker did not confirm)"
+            return True
+        if (not self.link.answered and now - job.started > FIRST_CONTACT_TIMEOUT
+                and (self.timeout is None or self.timeout > FIRST_CONTACT_TIMEOUT)):
+            raise FarmTimeout(f"no broker answered at {self.broker} within "
+                              f"{FIRST_CONTACT_TIMEOUT:g} s")
+        if self.timeout is not None and now - last_heard > self.timeout:
+            raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s; "
+                              f"{int(job.state.answered.sum())} of {job.state.total} "
+                              f"images came back")
+        return False
+
+    def _check_workers(self, job: JobRun) -> None:
+        """While the broker reports no worker connected: a notice after ``NO_WORKER_NOTICE``
+        seconds, repeated every ``NO_WORKER_REPEAT``; NoWorker after the timeout."""
+        if job.no_workers_since is None or job.submission is None:
+            return
+        now = time.monotonic()
+        waited = now - max(job.no_workers_since, job.started)
+        if self.timeout is not None and waited > self.timeout:
+            raise NoWorker(f"no worker connected to broker {self.broker} in {self.timeout:g} "
+                           f"s; {int(job.state.answered.sum()):,} of {job.state.total:,} "
+                           f"images came back (start workers with: farm worker --broker "
+                           f"{self.broker} --device cpu:0)")
+        if waited >= NO_WORKER_NOTICE and now >= job.next_notice:
+            job.notice(f"waiting for a worker: none is connected to {self.broker} "
+                       f"({waited:.0f} s so far; start one with: farm worker --broker "
+                       f"{self.broker} --device cpu:0)")
+            job.next_notice = now + NO_WORKER_REPEAT
+
+    def _take(self, job: JobRun, message: protocol.Message) -> None:
+        """One message from the broker: liveness, a refusal, or news of the current
+        submission (anything about an earlier one is stale)."""
+        header = message.header
+        self.link.heard(header.interval if isinstance(header, messages.Heartbeat) else None)
+        if isinstance(header, messages.Heartbeat) and header.workers is not None:
+            if header.workers:
+                job.no_workers_since = None
+            elif job.no_workers_since is None:
+                job.no_workers_since = time.monotonic()
+        if isinstance(header, messages.Error) and header.job is None:
+            raise FarmError(f"the broker refused a request: {header.error}")
+        submission = job.submission
+        if (not isinstance(header, messages.Heartbeat) and submission is not None
+                and messages.job_of(header) == submission.job):
+            self._handle(job, submission, message)
+
+    def _handle(self, job: JobRun, submission: Submission, message: protocol.Message) -> None:
+        """One message about the job's current submission."""
+        match message.header:
+            case messages.Need() as need:
+                self._send_input(job, submission, need)
+            case messages.Result() as result:
+                self._take_result(job, submission, result,
+                                  message.array(result.dtype, result.item_shape),
+                                  message.failures())
+            case messages.Failed() as failed:
+                self._take_failure(job, failed, submission)
+            case messages.Done():
+                job.summary, job.submission = message.document(JobSummary), None
+            case messages.Cancel(reason=reason):
+                job.cancelled = reason or "cancelled"
+                job.summary, job.submission = message.document(JobSummary), None
+            case messages.Error(unknown_job=True) if job.cancel_sent is not None:
+                job.cancelled, job.submission = "cancelled", None  # nothing left to cancel
+            case messages.Error(unknown_job=True):  # a restarted broker: ask again
+                log.warning("broker %s lost the job (restarted?)", self.broker)
+                self.link.reconnect()
+            case messages.Error(error=error):
+                raise FarmError(error)
+
+    def _send_input(self, job: JobRun, submission: Submission, need: messages.Need) -> None:
+        """DATA for a NEED: the chunk's items, read from the source now."""
+        pieces = submission.pieces(need.start, need.count)
+        if sum(n for _, _, n in pieces) != need.count:
+            raise FarmError(f"the broker asked for items {need.start}+{need.count} of a job "
+                            f"of {submission.total}")
+        frames = job.source.frames([(item_start, n) for _, item_start, n in pieces])
+        job.input_bytes += sum(memoryview(frame).nbytes for frame in frames)
+        self._send(messages.Data(job=submission.job, chunk=need.chunk, start=need.start,
+                                 count=need.count), frames)
+
+    def _take_result(self, job: JobRun, submission: Submission, header: messages.Result,
+                     values: np.ndarray, failures: list[tuple[int, int, str]]) -> None:
+        """Write a result's items to the sink, and record those that failed on their own
+        (``failures``: offset, count, reason); if writing fails, cancel the job (and write
+        nothing more)."""
+        if len(values) != header.count:
+            raise FarmError(f"result for {header.count} items holds {len(values)}")
+        pieces = submission.pieces(header.start, header.count)
+        for offset, item_start, count in pieces:
+            if job.output_error is not None or not job.state.mark(item_start, count):
+                continue
+            for low, high, error in split_failures(offset, count, failures):
+                start = item_start + low - offset
+                if error is not None:
+                    self._record_failure(job, start, high - low, error)
+                    continue
+                try:
+                    job.sink.write(start, values[low:high])
+                except OSError as exc:  # this run and the piece's later ones are not written
+                    job.state.answered[start:item_start + count] = False
+                    self._output_failed(job, exc)
+                    break
+            else:
+                if job.progress:
+                    job.progress(count)
+        if job.trace and pieces:
+            job.trace.add(header, pieces[0][1], header.count)
+
+    @staticmethod
+    def _record_failure(job: JobRun, start: int, count: int, error: str) -> None:
+        """Items that did not come back, and why (the client's own reason for a file it could
+        not send wins over the worker's)."""
+        problems = job.source.problems if isinstance(job.source, FileSource) else {}
+        own = [(index, 1, problems[index]) for index in sorted(problems)
+               if start <= index < start + count]
+        for low, high, reason in split_failures(start, count, own):
+            job.state.failed.append(FailedItems(low, high - low, reason or error))
+            if isinstance(job.sink, AnswerSink):
+                job.sink.fail(low, high - low, reason or error)
+
+    def _output_failed(self, job: JobRun, error: OSError) -> None:
+        """An output could not be written: cancel the job (``run`` then raises OutputError)."""
+        log.info("cannot write outputs (%s): cancelling the job", error)
+        job.output_error = error
+        self._cancel_requested = True  # _collect sends CANCEL and waits for its answer
+
+    def _take_failure(self, job: JobRun, header: messages.Failed,
+                      submission: Submission) -> None:
+        for _, item_start, count in submission.pieces(header.start, header.count):
+            if job.state.mark(item_start, count):
+                self._record_failure(job, item_start, count, header.error)
+                if job.progress:
+                    job.progress(count)
+
+    def _send(self, header: messages.Header, payload: list[Any] | None = None) -> None:
+        """Send without blocking: with no broker to take it, the message is dropped (the
+        silence that follows leads to a re-submission or a timeout)."""
+        self.link.send(protocol.encode(protocol.command_of(header), header, payload or ()))
+
+    def _poll(self, seconds: float | None) -> protocol.Message | None:
+        """The next well-formed message within ``seconds`` (None: no limit), else None;
+        None at once when ``cancel`` wakes it.
+
+        FarmError at once if the broker refused this client's CURVE key.
+        """
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = self.link.poll(wait)
+            except BrokerRefused as exc:
+                raise FarmError(str(exc)) from None
+            if self._wake_read in ready:
+                os.read(self._wake_read, 4096)
+                return None  # cancel() was called: the caller acts on it
+            if self.link.socket not in ready:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            frames = self.link.socket.recv_multipart(copy=False)
+            try:
+                return protocol.decode(frames, allowed=ACCEPTED)
+            except ProtocolError as exc:
+                log.warning("dropped a malformed message from the broker: %s", exc)
+
+    def _receive(self) -> protocol.Message:
+        """The next well-formed message from the broker; FarmTimeout if none comes in time."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            message = self._poll(None if deadline is None else deadline - time.monotonic())
+            if message is not None:
+                return message
+            if deadline is not None and time.monotonic() >= deadline:
+                raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s")
+
+    def model_card(self, model: str) -> ModelCard:
+        """The broker's word on a model's class labels and final softmax; FarmError if the
+        broker cannot use the model."""
+        self._send(messages.Info(model=model))
+        while True:
+            message = self._receive()
+            document = message.document(dict) if message.command is Command.INFO else None
+            if document and isinstance(document.get("model"), dict):
+                card = document["model"]
+                if "error" in card:
+                    raise FarmError(str(card["error"]))
+                return ModelCard(tuple(map(str, card.get("labels", ()))),
+                                 bool(card.get("softmax", False)))
+            header = message.header
+            if isinstance(header, messages.Error) and header.job is None:
+                raise FarmError(header.error)
+
+    def info(self, wait_workers: int = 0) -> dict[str, Any]:
+        """The broker's registry; with ``wait_workers``, once that many workers have joined."""
+        self._send(messages.Info(wait_workers=wait_workers))
+        while True:
+            message = self._receive()
+            if message.command is Command.INFO:
+                return message.document(dict) or {}
+            header = message.header
+            if isinstance(header, messages.Error) and header.job is None:
+                raise FarmError(header.error)
+
+
+def job_engine(backend: str | None, precision: str | None) -> tuple[str, str] | None:
+    """The engine ``(backend, precision)`` a job asks for (None: the workers' own)."""
+    if backend is None and precision is None:
+        return None
+    return backend or "auto", precision or "f32"
+
+
+def as_source(images: Input) -> Source:
+    """A job's input: an array or `.npy` reader, a source, or image files, folders, globs
+    and lists (``farm.client.inputs.find_image_files``)."""
+    if isinstance(images, (ArraySource, FileSource)):
+        return images
+    try:
+        if isinstance(images, (np.ndarray, NpyReader)):
+            return ArraySource(images)
+        if isinstance(images, (str, os.PathLike)):
+            images = [images]  # one file, folder, glob or list
+        return open_input([os.fspath(path) for path in images])
+    except InputError as exc:
+        raise FarmError(str(exc)) from None
+
+
+def split_failures(offset: int, count: int, failures: list[tuple[int, int, str]]
+                   ) -> list[tuple[int, int, str | None]]:
+    """Items ``[offset, offset + count)`` of a chunk as runs ``(low, high, reason)``: reason
+    None for the items that came back, else why they failed."""
+    runs: list[tuple[int, int, str | None]] = []
+    position, stop = offset, offset + count
+    for start, length, error in failures:
+        low, high = max(start, position), min(start + length, stop)
+        if low >= high:
+            continue
+        if low > position:
+            runs.append((position, low, None))
+        runs.append((low, high, error))
+        position = high
+    if position < stop:
+        runs.append((position, stop, None))
+    return runs
+
+
+def describe_failures(failed: list[FailedItems],
+                      names: Callable[[int, int], Sequence[str]] | None = None) -> str:
+    """One line per failed range, for errors and the CLI; ``names``: what to call the items
+    (image files' paths), for a range of one."""
+    count = sum(f.count for f in failed)
+    lines = [f"{plural(count, 'image')} failed:"]
+    for f in failed[:20]:
+        what = (names(f.start, 1)[0] if names is not None and f.count == 1
+                else f"item {f.start}" if f.count == 1
+                else f"items {f.start}..{f.start + f.count - 1}")
+        lines.append(f"  {what}: {f.error}")
+    if len(failed) > 20:
+        lines.append(f"  ... and {len(failed) - 20} more ranges")
+    return "\n".join(lines)
+
+
+__all__ = ["ArraySink", "Client", "FailedItems", "FarmError", "FarmTimeout", "JobResult",
+           "NoWorker", "NpyReader", "NpyWriter", "OutputError", "ResumeRefused"]

@@ -1,0 +1,402 @@
+"""A journal beside a job's `.npy` output, so that a killed client resumes where it was.
+
+While the job runs its outputs go to ``OUT.partial`` (``farm.client.npy.partial_path``),
+renamed to ``OUT`` when the job ends with every row written or NaN-filled: a
+killed client leaves ``OUT.partial``, never an ``OUT`` that reads as complete,
+and an ``OUT`` of an earlier job stays until the rename replaces it.
+
+``OUT.journal`` is a small text file.  Its first line is a JSON header naming
+the job: the input (sha256 digest, item count, dtype, item shape), the model,
+the engine chosen for the job, the output format, and the output's item shape
+and dtype.  Then one line ``start count crc32`` per range of outputs written,
+appended (one plain write each) as results are written; both files are
+fdatasync'ed every ``SYNC_INTERVAL`` seconds and at the end.
+
+On resume every journaled range is checked against the output file's bytes
+(CRC-32), so a line whose data never reached the disk (a reboot), a torn last
+line (a kill mid-write, a full disk) or a damaged range costs only recomputing
+those items.  Failed items are NaN-filled in the output but never journaled,
+so a resume retries them: it takes ``OUT`` back as ``OUT.partial`` while it
+does, so that ``OUT`` only ever exists whole.  A job that got every item back
+deletes its journal.  Answers files (.csv, .jsonl) keep a journal of the same
+header and their own lines (``farm.client.answerjournal``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from farm.client.npy import NpyError, NpyReader, NpyWriter, partial_path, publish, sync_folder
+
+if TYPE_CHECKING:
+    from farm.client.inputs import Source
+
+log = logging.getLogger("farm.client.journal")
+
+#: The journal format this module writes and reads.
+VERSION = 1
+#: Appended to the output's path to name its journal.
+SUFFIX = ".journal"
+#: Seconds between fdatasyncs of the output then the journal: what a reboot may lose.
+SYNC_INTERVAL = 2.0
+
+
+class JournalMismatch(ValueError):
+    """A journal written for another job (input, model or engine): resuming is refused."""
+
+
+class JournalUnreadable(ValueError):
+    """A journal whose header cannot be read: not a journal, or torn before it was whole."""
+
+
+def journal_path(out: str | os.PathLike[str]) -> Path:
+    """The journal of output ``out``: its path with ``.journal`` appended."""
+    return Path(os.fspath(out) + SUFFIX)
+
+
+@dataclass(frozen=True)
+class InputIdentity:
+    """What a journal records of a job's input: a resume must read the same."""
+
+    digest: str  # sha256 of the .npy file's bytes, or of an array's items
+    count: int
+    dtype: str
+    item_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, source: Source) -> InputIdentity:
+        """The identity of a job's input: an array or `.npy` file, or image files (their
+        paths, sizes and modification times)."""
+        return cls(source.digest(), len(source), source.dtype, tuple(source.item_shape))
+
+
+@dataclass(frozen=True)
+class JournalHeader:
+    """A journal's first line: the job it belongs to, and the output's layout."""
+
+    model: str
+    input: InputIdentity
+    engine: tuple[str, str] | None  # (backend, precision) the job chose; None: the workers'
+    output_shape: tuple[int, ...] | None = None  # one output item's shape, once known
+    output_dtype: str | None = None
+    version: int = VERSION
+    format: str = "npy"  # the output file's: npy, or answers as csv or jsonl
+    top_k: int | None = None  # classes per answer (answers files only)
+
+    def line(self) -> bytes:
+        document = {"version": self.version, "model": self.model,
+                    "input": {"sha256": self.input.digest, "count": self.input.count,
+                              "dtype": self.input.dtype,
+                              "item_shape": list(self.input.item_shape)},
+                    "engine": list(self.engine) if self.engine else None,
+                    "output": {"item_shape": list(self.output_shape or ()),
+                               "dtype": self.output_dtype, "format": self.format,
+                               "top_k": self.top_k}}
+        return (json.dumps(document) + "\n").encode()
+
+    @classmethod
+    def parse(cls, line: bytes) -> JournalHeader:
+        """The header in a journal's first line; JournalUnreadable if it is not one."""
+        try:
+            document: dict[str, Any] = json.loads(line)
+            source, output = document["input"], document["output"]
+            engine = document["engine"]
+            return cls(model=str(document["model"]),
+                       input=InputIdentity(str(source["sha256"]), int(source["count"]),
+                                           str(source["dtype"]),
+                                           tuple(int(n) for n in source["item_shape"])),
+                       engine=None if engine is None else (str(engine[0]), str(engine[1])),
+                       output_shape=tuple(int(n) for n in output["item_shape"]),
+                       output_dtype=output["dtype"] and str(output["dtype"]),
+                       version=int(document["version"]),
+                       format=str(output.get("format", "npy")),
+                       top_k=None if output.get("top_k") is None else int(output["top_k"]))
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise JournalUnreadable(f"its header is not a journal header ({exc})") from exc
+
+    def differences(self, job: JournalHeader) -> list[str]:
+        """How ``job`` differs from the job this journal was written for (empty: none)."""
+        mine, theirs = self.input, job.input
+        checks = [("journal format version", self.version, job.version),
+                  ("model", self.model, job.model),
+                  ("input item count", mine.count, theirs.count),
+                  ("input dtype", mine.dtype, theirs.dtype),
+                  ("input item shape", mine.item_shape, theirs.item_shape),
+                  ("input sha256", mine.digest, theirs.digest),
+                  ("engine (backend, precision)", self.engine, job.engine),
+                  ("output format", self.format, job.format), ("top-k", self.top_k, job.top_k)]
+        return [f"{what}: {now!r} here, {before!r} in the journal"
+                for what, before, now in checks if before != now]
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One journaled range of outputs and the CRC-32 of its bytes."""
+
+    start: int
+    count: int
+    crc: int
+
+    def line(self) -> bytes:
+        return f"{self.start} {self.count} {self.crc}\n".encode()
+
+
+def parse_entries(lines: list[bytes], total: int) -> list[JournalEntry]:
+    """The well-formed entries among ``lines`` (each without its newline); others (a torn
+    or garbled line) are skipped."""
+    entries = []
+    for line in lines:
+        fields = line.split()
+        try:
+            start, count, crc = (int(field) for field in fields)
+        except ValueError:  # not three integers
+            continue
+        if 0 <= start and 0 < count and start + count <= total and 0 <= crc < 1 << 32:
+            entries.append(JournalEntry(start, count, crc))
+    return entries
+
+
+def crc32(values: np.ndarray) -> int:
+    """The CRC-32 of an array's bytes (as they lie in the `.npy` file)."""
+    return zlib.crc32(np.ascontiguousarray(values).data.cast("B"))
+
+
+def read_lines(path: Path) -> tuple[JournalHeader, list[bytes]]:
+    """A journal's header and its other whole lines: a last line with no newline (killed
+    mid-write) is ignored.  JournalUnreadable if the header cannot be read."""
+    lines = path.read_bytes().split(b"\n")
+    whole = lines[:-1]  # the part after the last newline is empty, or a torn line
+    if not whole:
+        raise JournalUnreadable("it holds no whole header line")
+    return JournalHeader.parse(whole[0]), whole[1:]
+
+
+def read_journal(path: Path, total: int) -> tuple[JournalHeader, list[JournalEntry]]:
+    """A `.npy` output's journal: its header and its well-formed entries."""
+    header, lines = read_lines(path)
+    return header, parse_entries(lines, total)
+
+
+def verified(out: Path, entries: list[JournalEntry]) -> list[JournalEntry]:
+    """The entries whose ranges of ``out`` hold the bytes they were journaled with."""
+    reader = NpyReader.open(out)
+    try:
+        return [entry for entry in entries
+                if crc32(reader.read(entry.start, entry.count)) == entry.crc]
+    finally:
+        reader.close()
+
+
+def append(fd: int, data: bytes, path: Path) -> None:
+    """Append ``data`` to a journal opened with O_APPEND (OSError naming the journal)."""
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
+def open_for_append(journal: Path) -> int:
+    """A journal reopened to append to (O_APPEND); a torn last line is ended first, so that
+    the next line is whole."""
+    fd = os.open(journal, os.O_RDWR | os.O_APPEND)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            append(fd, b"\n", journal)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+@runtime_checkable
+class Journaled(Protocol):
+    """A sink that journals what it writes, so that a killed job resumes (``Client.run``
+    asks it what it resumed and tells it how the job ended)."""
+
+    path: Path  # the output, once published
+    journal: Path
+    published: bool  # whether the job's end renamed the partial file to ``path``
+
+    def resumed_items(self) -> np.ndarray:
+        """A bitmap of the items resumed from the journal (not to be asked for)."""
+        ...
+
+    def stop_journal(self) -> None:
+        """The job stopped early: what is written from now on (the items that did not come
+        back) is not journaled, so that a resume retries it."""
+        ...
+
+    def sync(self) -> None: ...
+
+    def finish(self, complete: bool) -> None:
+        """The job ended, every row written or filled: publish the output; delete the journal
+        if ``complete``."""
+        ...
+
+    @property
+    def safe(self) -> int:
+        """Items journaled with their outputs: kept on resume."""
+        ...
+
+
+class JournalSink:
+    """A ``ResultSink`` writing a job's outputs to a `.npy` file and journaling each range.
+
+    The outputs are written to ``OUT.partial`` and renamed to ``out`` by ``finish``.
+    ``open`` resumes from the output's journal when there is one for the same job;
+    ``resumed`` are then the entries it verified (their items need not be asked for
+    again).  Call ``finish`` when the job ends and ``close`` in any case.
+    """
+
+    def __init__(self, out: str | os.PathLike[str], header: JournalHeader,
+                 writer: NpyWriter | None = None,
+                 resumed: list[JournalEntry] | None = None) -> None:
+        self.path = Path(out)
+        self.partial = partial_path(out)
+        self.journal = journal_path(out)
+        self.header = header
+        self.writer = writer or NpyWriter(self.partial, header.input.count)
+        self.resumed = resumed or []
+        self.resumed_count = int(self.resumed_items().sum())  # once: safe is asked often
+        self.written = 0  # items journaled by this run
+        self.published = False
+        self.fd = -1
+        self.synced = time.monotonic()
+        if writer is not None:  # resuming: append to the journal there
+            self.fd = open_for_append(self.journal)
+
+    @classmethod
+    def open(cls, out: str | os.PathLike[str], job: JournalHeader) -> JournalSink:
+        """A sink for ``job``'s outputs at ``out``, resumed from its journal if there is
+        one (JournalMismatch if that journal is for another job), else started afresh."""
+        journal = journal_path(out)
+        if not journal.exists():
+            return cls(out, job)
+        try:
+            header, entries = read_journal(journal, job.input.count)
+        except JournalUnreadable as exc:
+            log.warning("%s is unreadable (%s): starting afresh", journal, exc)
+            return cls.afresh(out, job)
+        differences = header.differences(job)
+        if differences:
+            raise JournalMismatch(
+                f"{journal} was written for another job, not resumed: "
+                f"{'; '.join(differences)} (delete it to start afresh)")
+        return cls._resumed(out, job, header, entries)
+
+    @classmethod
+    def _resumed(cls, out: str | os.PathLike[str], job: JournalHeader, header: JournalHeader,
+                 entries: list[JournalEntry]) -> JournalSink:
+        """A sink resuming into ``OUT.partial`` (a killed job's), else into ``out`` (a job
+        that ended with failed items: taken back as ``OUT.partial`` while they are retried):
+        the journal's entries that its bytes bear out are kept; afresh if neither file is
+        there or is not the journal's layout (``out`` then stays until the rename)."""
+        journal, partial = journal_path(out), partial_path(out)
+        found = partial if partial.exists() else Path(out)
+        try:
+            writer = NpyWriter.update(found, job.input.count)
+        except (FileNotFoundError, NpyError) as exc:  # other errors: the caller's to fix
+            log.warning("cannot resume into %s (%s): starting afresh", found, exc)
+            return cls.afresh(out, job)
+        try:
+            layout = (writer.item_shape, str(writer.dtype))
+            if layout != (header.output_shape, header.output_dtype):
+                log.warning("%s holds items of %s %s, its journal says %s %s: starting afresh",
+                            found, *layout, header.output_shape, header.output_dtype)
+                writer.close()
+                return cls.afresh(out, job)
+            good = verified(found, entries)
+            if len(good) < len(entries):
+                log.warning("%s: %d of %d journaled ranges do not match the output's bytes: "
+                            "computing them again", journal, len(entries) - len(good),
+                            len(entries))
+            if found != partial:
+                os.replace(found, partial)
+                writer.path = partial
+            return cls(out, header, writer, good)
+        except BaseException:
+            writer.close()
+            raise
+
+    @classmethod
+    def afresh(cls, out: str | os.PathLike[str], job: JournalHeader) -> JournalSink:
+        """A sink starting afresh: an unusable journal there is deleted first."""
+        journal_path(out).unlink(missing_ok=True)
+        return cls(out, job)
+
+    def resumed_items(self) -> np.ndarray:
+        """A bitmap of the items the verified entries hold (a range journaled twice
+        counts once)."""
+        done = np.zeros(self.header.input.count, dtype=bool)
+        for entry in self.resumed:
+            done[entry.start:entry.start + entry.count] = True
+        return done
+
+    def write(self, start: int, values: np.ndarray) -> None:
+        """Write a range of outputs, then journal it; sync both every ``SYNC_INTERVAL``."""
+        self.writer.write(start, values)
+        if self.fd < 0:
+            self._start_journal()
+        crc = crc32(values)
+        append(self.fd, JournalEntry(start, len(values), crc).line(), self.journal)
+        self.written += len(values)
+        if time.monotonic() - self.synced >= SYNC_INTERVAL:
+            self.sync()
+
+    def _start_journal(self) -> None:
+        """Create the journal, its header naming the output's layout (now known)."""
+        shape, dtype = self.writer.layout()
+        self.header = replace(self.header, output_shape=shape, output_dtype=str(dtype))
+        self.fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+                          0o644)
+        append(self.fd, self.header.line(), self.journal)
+        self.writer.sync()
+        os.fdatasync(self.fd)
+        sync_folder(self.journal)
+
+    def fill(self, start: int, count: int, value: float) -> None:
+        """Fill failed items (NaN): written, never journaled, so a resume retries them."""
+        self.writer.fill(start, count, value)
+
+    def sync(self) -> None:
+        """fdatasync the output, then the journal: every line synced has its data on disk."""
+        self.writer.sync()
+        if self.fd >= 0:
+            os.fdatasync(self.fd)
+        self.synced = time.monotonic()
+
+    def stop_journal(self) -> None:
+        """Nothing to do: NaN fills are never journaled."""
+
+    def finish(self, complete: bool) -> None:
+        """Sync both files, rename ``OUT.partial`` (every row written or NaN-filled) to
+        ``out``; delete the journal if ``complete`` (every item came back)."""
+        self.sync()
+        if self.writer.fd >= 0:  # else no row was written, nor filled: no file
+            publish(self.partial, self.path)
+            self.writer.path, self.published = self.path, True
+        if complete:
+            self.journal.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.writer.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    @property
+    def safe(self) -> int:
+        """Items journaled with their outputs (resumed or written here): kept on resume."""
+        return self.resumed_count + self.written

@@ -1,0 +1,76 @@
+"""The ONNX Runtime backend: farm's own ONNX export of the net, on the CPU or on CUDA.
+
+A pinned worker gets one intra-op thread and sequential execution; an
+unpinned one, ONNX Runtime's own thread pool.  On a GPU worker the TensorRT
+execution provider is tried first, then CUDA, when ``onnxruntime-gpu`` offers
+them; TensorRT also computes in f16 when asked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from farm.engines.engine import Engine, require_onnx_engine
+from farm.modelrepo.repository import ModelError
+
+INSTALL_HINT = "pip install onnxruntime onnx (on GPUs: pip install onnxruntime-gpu onnx)"
+
+
+def require() -> None:
+    require_onnx_engine("onnxruntime", "onnxruntime", "ONNX Runtime", INSTALL_HINT)
+
+
+def gpu_providers() -> list[str]:
+    """The GPU execution providers this ONNX Runtime build offers, best first."""
+    import onnxruntime
+
+    offered = onnxruntime.get_available_providers()
+    return [p for p in ("TensorrtExecutionProvider", "CUDAExecutionProvider") if p in offered]
+
+
+class OnnxRuntimeEngine(Engine):
+    backend = "onnxruntime"
+    reads_onnx = True
+
+    def precisions(self) -> tuple[str, ...]:
+        on_gpu = self.device.startswith("cuda")
+        return ("f32", "f16") if on_gpu and "TensorrtExecutionProvider" in gpu_providers() \
+            else ("f32",)
+
+    def precision_note(self) -> str:
+        return "" if self.device.startswith("cuda") else " (ONNX Runtime's CPU kernels are f32)"
+
+    def build(self) -> None:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        options.inter_op_num_threads = 1
+        if self.threads is not None:
+            options.intra_op_num_threads = self.threads
+        options.log_severity_level = 3  # warnings about unused initializers are noise here
+        self.session = onnxruntime.InferenceSession(self.onnx_file(), options,
+                                                    providers=self.providers())
+        self.input_name = self.session.get_inputs()[0].name
+        self.output_name = self.session.get_outputs()[0].name
+
+    def providers(self) -> list[object]:
+        if not self.device.startswith("cuda"):
+            return ["CPUExecutionProvider"]
+        index = int(self.device.partition(":")[2] or 0)
+        offered = gpu_providers()
+        if not offered:
+            raise ModelError(f"device {self.device}: this ONNX Runtime offers no CUDA execution "
+                             f"provider (pip install onnxruntime-gpu)")
+        chosen: list[object] = []
+        if "TensorrtExecutionProvider" in offered:
+            chosen.append(("TensorrtExecutionProvider", {
+                "device_id": index, "trt_fp16_enable": self.precision == "f16",
+                "trt_engine_cache_enable": True}))
+        if "CUDAExecutionProvider" in offered:
+            chosen.append(("CUDAExecutionProvider", {"device_id": index}))
+        return chosen
+
+    def forward(self, batch: np.ndarray) -> np.ndarray:
+        return self.session.run([self.output_name], {self.input_name: batch})[0]

@@ -1,0 +1,83 @@
+"""The OpenVINO backend: farm's own ONNX export of the net, compiled for the CPU.
+
+The graph keeps a free batch dimension (one compiled model serves every
+batch size; on this project's nets it runs as fast as a static one).  A
+pinned worker gets one inference thread and one stream, and OpenVINO's own
+thread pinning is off (the process is already pinned).  f32 is the default;
+bf16 and f16 are offered where the CPU lists them in its optimization
+capabilities.
+
+The precision is always stated when the net is compiled: on a CPU that offers
+bf16 (AVX512_BF16: AMD Zen 4 and later, Intel Sapphire Rapids and later),
+OpenVINO's own default ``INFERENCE_PRECISION_HINT`` is bf16, not f32
+(docs/precision.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from farm.engines.engine import Engine, require_onnx_engine
+from farm.modelrepo.repository import ModelError
+
+INSTALL_HINT = "pip install openvino onnx"
+
+#: farm's precision names -> the CPU capability that offers them.
+CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
+
+
+def require() -> None:
+    require_onnx_engine("openvino", "openvino", "OpenVINO", INSTALL_HINT)
+
+
+def new_core() -> Any:
+    """A fresh ``openvino.Core``: its CPU defaults are the machine's (bf16 on a bf16 CPU)."""
+    import openvino
+
+    return openvino.Core()
+
+
+def cpu_capabilities() -> list[str]:
+    return list(new_core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+
+
+def compiled_precision(compiled: Any) -> str:
+    """The precision a compiled model computes in (OpenVINO's type names are farm's: f32,
+    bf16, f16)."""
+    return str(compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name())
+
+
+class OpenVINOEngine(Engine):
+    backend = "openvino"
+    reads_onnx = True
+
+    def precisions(self) -> tuple[str, ...]:
+        if self.device != "cpu":
+            return ()
+        offered = cpu_capabilities()
+        return tuple(name for name, capability in CAPABILITIES.items()
+                     if name == "f32" or capability in offered)
+
+    def precision_note(self) -> str:
+        if self.device != "cpu":
+            return " (farm runs OpenVINO on CPUs only)"
+        return f" (this CPU offers {', '.join(cpu_capabilities())})"
+
+    def build(self) -> None:
+        if self.device != "cpu":
+            raise ModelError(f"the openvino backend runs on the CPU only, not {self.device}")
+        core = new_core()
+        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": self.precision}  # never the default
+        if self.threads is not None:
+            config.update({"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": self.threads,
+                           "NUM_STREAMS": 1, "ENABLE_CPU_PINNING": False})
+        self.compiled = core.compile_model(core.read_model(self.onnx_file()), "CPU", config)
+        if (compiled := compiled_precision(self.compiled)) != self.precision:
+            raise ModelError(f"OpenVINO compiled the net in {compiled}, not the {self.precision} "
+                             f"asked for")
+        self.request = self.compiled.create_infer_request()
+
+    def forward(self, batch: np.ndarray) -> np.ndarray:
+        return self.request.infer({0: batch}, share_inputs=True)[0].copy()

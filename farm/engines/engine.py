@@ -1,0 +1,292 @@
+"""Inference engines: one model loaded in one backend, run in compute batches.
+
+Every backend builds from the same checked ``Network`` and is fed by the same
+``Transformer``; a backend only supplies ``forward`` (one float32 N x C x H x W
+batch in, the output blob out) and ``shrink`` (drop buffers sized for a batch
+larger than the net's resting one).  Backends are imported lazily, so commands
+that never run a model start fast and the default install needs no torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import numpy as np
+
+from farm import defaults
+from farm.modelrepo.caffe_net import Network, NetworkError
+from farm.engines.preprocess import Transformer
+from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, prepare
+
+log = logging.getLogger("farm.engines.engine")
+
+#: Environment variables that cap the thread pools of OpenMP and the BLAS libraries.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                    "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+#: Backend name -> "module:class", the reference order: the first that runs a model is the one
+#: the others' outputs are checked against (pycaffe is Caffe itself; OpenCV's importer and
+#: torch are farm's older backends; the last two run farm's own ONNX export of the net).
+BACKENDS = {"caffe": "farm.engines.backends.pycaffe:CaffeEngine",
+            "opencv": "farm.engines.backends.opencv:OpenCVEngine",
+            "torch": "farm.engines.backends.pytorch:TorchEngine",
+            "onnxruntime": "farm.engines.backends.onnxruntime:OnnxRuntimeEngine",
+            "openvino": "farm.engines.backends.openvino:OpenVINOEngine"}
+#: ``auto``: time every installed backend on the model and keep the fastest that agrees.
+AUTO = "auto"
+#: What a GPU worker needs installed at least (``Device.check``).
+GPU_BACKEND = "torch"
+#: Compute precisions; f32 is the default (``defaults.PRECISION``), the others are opt-in
+#: where engine and device support them.
+PRECISIONS = ("f32", "f16", "bf16")
+
+
+@dataclass
+class RunStats:
+    """Where one ``Engine.run``'s time went: seconds the device computed (preprocessing
+    included), and seconds of copies between host and GPU (measured by CUDA events; zero
+    where the device is the host)."""
+
+    device: float = 0.0
+    copy: float = 0.0
+
+
+class Stopped(Exception):
+    """A chunk's compute was stopped between batches (its job was cancelled)."""
+
+
+class BackendUnavailable(ModelError):
+    """A backend whose library cannot be imported here; the message says how to install it."""
+
+
+def limit_threads(threads: int | None) -> None:
+    """Cap compute threads; call before OpenCV or torch is imported. None keeps the defaults."""
+    if threads is None:
+        return
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(threads)
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``); a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class Engine:
+    """A loaded model: ``run`` turns images as clients send them into the output blob."""
+
+    backend: ClassVar[str] = ""
+    #: Builds from farm's ONNX export (``onnx_file``) rather than the Caffe weights.
+    reads_onnx: ClassVar[bool] = False
+
+    def __init__(self, spec: ModelSpec, network: Network, batch: int | None, device: str,
+                 threads: int | None, precision: str = defaults.PRECISION) -> None:
+        self.spec = spec
+        self.network = network
+        self.batch = max(1, batch or spec.batch)
+        self.device = device
+        self.threads = threads
+        self.precision = precision
+        self.transform = Transformer.for_model(spec)
+        self.output_shape: tuple[int, ...] = ()
+        self.allocated = 0  # the largest batch the buffers were sized for since the last rest
+        self.last_run = RunStats()  # the latest ``run``'s device and copy seconds
+
+    @classmethod
+    def load(cls, spec: ModelSpec, batch: int | None = None, device: str = "cpu",
+             threads: int | None = None, precision: str = defaults.PRECISION) -> Engine:
+        """Check the files, build the net in this backend, probe the output with one image."""
+        prepare(spec)
+        # a backend that reads a cached export needs the net's shapes, not its weights again
+        weights = None if cls.reads_onnx and onnx_path(spec).is_file() else spec.weights
+        try:
+            network = Network.load(spec.prototxt, weights, spec.declared_input)
+        except NetworkError as exc:
+            raise ModelError(f"model {spec.name!r}: {exc}") from None
+        if precision not in PRECISIONS:
+            raise ModelError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+        started = time.perf_counter()
+        engine = cls(spec, network, batch, device, threads, precision)
+        try:
+            if precision not in engine.precisions():
+                raise ModelError(f"the {cls.backend} backend does not compute in {precision} on "
+                                 f"{device}{engine.precision_note()}; it offers "
+                                 f"{', '.join(engine.precisions())}")
+            engine.build()
+            network.drop_weights()  # the backend holds its own copy: keep one, not two
+            release_free_memory()
+            probe = engine.forward(engine.transform(np.zeros((1, *spec.item_shape), np.float32)))
+        except ModelError:
+            raise
+        except Exception as exc:  # the library's own error types: cv2.error, RuntimeError, ...
+            raise ModelError(f"model {spec.name!r}: the {cls.backend} backend cannot run it: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        engine.output_shape = probe.shape[1:]
+        engine.allocated = 1
+        log.debug("%s: %s built in %.3f s, output %s", cls.backend, spec.name,
+                 time.perf_counter() - started, engine.output_shape)
+        return engine
+
+    def build(self) -> None:
+        """Construct the backend's net from ``self.network``."""
+        raise NotImplementedError
+
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions this backend computes in on ``self.device``."""
+        return ("f32",)
+
+    def precision_note(self) -> str:
+        """Why a precision is missing here (``" (this CPU lacks bf16)"``), or nothing."""
+        return ""
+
+    def describe(self) -> str:
+        """The engine as logs and ``farm status`` show it: ``openvino f32 batch 64``."""
+        return f"{self.backend} {self.precision} batch {self.batch}"
+
+    def onnx_file(self) -> str:
+        """farm's ONNX export of the net (see ``exported_onnx``)."""
+        return str(exported_onnx(self.spec, self.network))
+
+    def clean_prototxt(self, folder: str) -> str:
+        """Write ``self.network`` as a clean deploy prototxt into ``folder``; its path."""
+        path = os.path.join(folder, "deploy.prototxt")
+        with open(path, "w") as handle:
+            handle.write(self.network.deploy_text())
+        return path
+
+    def forward(self, batch: np.ndarray) -> np.ndarray:
+        """The output blob for one preprocessed float32 batch."""
+        raise NotImplementedError
+
+    def shrink(self) -> None:
+        """Resize the backend's buffers to the net's resting batch."""
+
+    def run(self, images: np.ndarray, stop: Callable[[], bool] | None = None,
+            tally: Callable[[int, float], None] | None = None) -> np.ndarray:
+        """Outputs for ``images`` (N x item shape, uint8 or float32), in compute batches.
+
+        Batches larger than the prototxt's own batch grow the net; ``rest`` shrinks it
+        back (a worker does so when it falls idle, not between chunks: reshaping a net
+        costs more than a chunk of LeNet).  ``stop`` is asked before each batch; when it
+        says yes, ``Stopped`` is raised (a cancelled job).  ``tally`` hears each batch's
+        images and seconds as it finishes (the worker's live counters).
+        """
+        count = images.shape[0]
+        outputs = np.empty((count, *self.output_shape), dtype=np.float32)
+        self.last_run = stats = RunStats()
+        for begin in range(0, count, self.batch):
+            if stop is not None and stop():
+                raise Stopped(f"stopped after {begin} of {count} images")
+            end = min(begin + self.batch, count)
+            started = time.perf_counter()
+            outputs[begin:end] = self.forward(self.transform(images[begin:end]))
+            seconds = time.perf_counter() - started
+            stats.device += seconds
+            if tally is not None:
+                tally(end - begin, seconds)
+            self.allocated = max(self.allocated, end - begin)
+        return outputs
+
+    @property
+    def grown(self) -> bool:
+        """Whether the net holds buffers for more than its resting batch."""
+        return self.allocated > self.spec.batch
+
+    def rest(self) -> None:
+        """Shrink to the resting batch and return the freed memory to the OS."""
+        self.shrink()
+        self.allocated = self.spec.batch
+        release_free_memory()
+
+
+def onnx_path(spec: ModelSpec) -> Path:
+    """Where farm's ONNX export of a model is cached: one file per model digest."""
+    from farm.modelrepo.modelstore import manifest_of
+    from farm.engines.onnx_export import FORMAT
+
+    digest = manifest_of(spec).digest
+    return cache_root() / "onnx" / f"{spec.name}-{digest[:24]}-v{FORMAT}.onnx"
+
+
+def exported_onnx(spec: ModelSpec, network: Network | None = None) -> Path:
+    """farm's ONNX export of a model, written once per model digest into the cache
+    (``$FARM_CACHE/onnx``), so a process that starts again reads it without exporting;
+    ``network``: the model already loaded with its weights, if at hand."""
+    path = onnx_path(spec)
+    if not path.is_file():
+        from farm.engines.onnx_export import export, save
+
+        network = network or Network.load(spec.prototxt, spec.weights, spec.declared_input)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save(export(network, spec.output), path)
+    return path
+
+
+def job_engine(value: object) -> tuple[str, str]:
+    """A job's ``engine`` option, ``[backend, precision]``, checked; ValueError if not."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and value[0] in (AUTO, *BACKENDS) and value[1] in PRECISIONS):
+        raise ValueError(f"a job's engine must be [backend, precision] with a backend of "
+                         f"{AUTO}, {', '.join(BACKENDS)} and a precision of "
+                         f"{', '.join(PRECISIONS)}")
+    return value[0], value[1]
+
+
+def require_onnx_engine(backend: str, module: str, library: str, hint: str) -> None:
+    """Import an engine that runs farm's ONNX export; BackendUnavailable naming what to
+    install.  ``onnx`` is only looked up: a cached export needs no onnx."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise BackendUnavailable(f"the {backend} backend needs {library} ({exc}): {hint}") \
+            from exc
+    if importlib.util.find_spec("onnx") is None:
+        raise BackendUnavailable(f"the {backend} backend needs the onnx package for farm's "
+                                 f"export: {hint}")
+
+
+def engine_class(backend: str) -> type[Engine]:
+    """The engine class of a backend; BackendUnavailable says how to get its library."""
+    if backend not in BACKENDS:
+        raise ModelError(f"unknown backend {backend!r}; use {AUTO} or one of "
+                         f"{', '.join(BACKENDS)}")
+    module_name, class_name = BACKENDS[backend].split(":")
+    module = importlib.import_module(module_name)
+    module.require()
+    return getattr(module, class_name)
+
+
+def load_engine(spec: ModelSpec, backend: str = defaults.BACKEND, batch: int | None = None,
+                device: str = "cpu", threads: int | None = None,
+                precision: str = defaults.PRECISION,
+                digest: str | None = None) -> Engine:
+    """A loaded engine; ``auto`` picks the fastest backend that agrees (``farm.engines.autoselect``;
+    ``digest``: the model's, when the caller knows it)."""
+    if backend == AUTO:
+        from farm.engines.autoselect import choose
+
+        return choose(spec, device, threads, precision, batch, digest).loaded()
+    return engine_class(backend).load(spec, batch, device, threads, precision)
+
+
+def available_backends() -> dict[str, str | None]:
+    """Backend -> None when usable here, else why not."""
+    problems: dict[str, str | None] = {}
+    for name in BACKENDS:
+        try:
+            engine_class(name)
+            problems[name] = None
+        except BackendUnavailable as exc:
+            problems[name] = str(exc)
+    return problems
