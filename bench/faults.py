@@ -435,7 +435,7 @@ def run_chaos(farm: ChaosFarm, job: Job, out: Path, expected: float, seed: int) 
     """Run the job while injecting faults every U(a, b) s until its last client exits: the
     random kinds in rounds (each once per round, in a seeded order), the broker and client
     kills at their planned times."""
-    config, rng = farm.ops.config, np.random.default_rng(seed)
+    config, rng = farm.config, np.random.default_rng(seed)
     plan = milestones(config, expected)
     run = ChaosRun(planned=len(plan))
     kinds = [kind for kind in RANDOM_KINDS if kind != LINK_CUT or farm.netns]

@@ -287,7 +287,7 @@ def standalone(layout: Layout, model: str, run: ModelRun, args: argparse.Namespa
             count = sized(run.rates[kind], STANDALONE_SECONDS, 16, 200_000)
             chunk = Configuration("fifo", {"chunk": max(1, count // 4)})
             images = make_images(model, count)
-            with farm.client.client(timeout=JOB_TIMEOUT) as client:
+            with farm.client(timeout=JOB_TIMEOUT) as client:
                 timed_job(client, images[:max(1, count // 4)], model, chunk)  # warm-up
                 run.standalone[device] = timed_job(client, images, model, chunk).summary.rate
     say(f"{model}: alone: gpu {run.standalone[layout.gpu]:,.0f}/s, cores "
@@ -312,7 +312,7 @@ def sweep(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
     configs = paper_configurations(args.quick or not small)
     images = make_images(model, count)
     farm = farm_for(layout, layout.workers(), model, run)
-    with started([farm]), farm.client.client(timeout=JOB_TIMEOUT) as client:
+    with started([farm]), farm.client(timeout=JOB_TIMEOUT) as client:
         warm = max(1, int(run.rates["cpu"] * 0.5))  # about half a second a CPU worker
         timed_job(client, images[:min(count, warm * len(layout.workers()))], model,
             Configuration("fifo", {"chunk": warm}))
@@ -427,7 +427,7 @@ def table2(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
     with started(farms):
         for device, farm in zip(devices, farms):
             rate = run.standalone[device]
-            with farm.client.client(timeout=JOB_TIMEOUT) as client:
+            with farm.client(timeout=JOB_TIMEOUT) as client:
                 for size in TABLE2_SIZES:
                     row = {"model": model, "device": device, "chunk": size, "images": 0,
                            "images_per_s": None,

@@ -103,7 +103,7 @@ def through_farm(model: str, backend: str, device: str, batch: int) -> float:
     worker = ["--backend", backend, "--batch", str(batch)]
     with LocalFarm(devices=[device], algo="fifo", broker_options=["--chunk", str(chunk)],
                    worker_options=worker, preload=[model]) as farm, \
-            farm.client.client(timeout=600) as client:
+            farm.client(timeout=600) as client:
         client.run(images[:chunk], model)  # warm-up
         return max(client.run(images, model).summary.rate for _ in range(2))
 

@@ -46,7 +46,7 @@ def commands(model: str, folder: Path) -> dict[str, list[str]]:
     batch = str(SCRIPT_BATCH.get(model, 16))
     return {
         "farm run": farm_command("run", images, "--model", model, "--quiet",
-                                 "--out", str(folder / "farm.client.npy")),
+                                 "--out", str(folder / "farm.npy")),
         "onnxruntime script": [sys.executable, str(SCRIPT), "onnxruntime", onnx, images,
                                str(folder / "onnxruntime.npy"), model, batch],
         "openvino script": [sys.executable, str(SCRIPT), "openvino", onnx, images,
@@ -81,7 +81,7 @@ def bench_model(model: str, count: int, rounds: int, folder: Path) -> dict[str, 
                 wastes.append(float(found.group(1)))
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     best_peer = min((name for name in runs if name != "farm run"), key=medians.get)
-    farm_out = np.load(folder / "farm.client.npy")
+    farm_out = np.load(folder / "farm.npy")
     difference = max(relative_difference(farm_out, np.load(folder / f"{name.split()[0]}.npy"))
                      for name in runs if name != "farm run")
     return {"model": model, "images": count, "medians": medians, "best_peer": best_peer,

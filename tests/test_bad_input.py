@@ -266,7 +266,7 @@ def error_after_scripted_result(farm, images: np.ndarray, reply_to) -> str:
     outcome: dict = {}
 
     def submit() -> None:
-        with farm.client.client(timeout=20) as client:
+        with farm.client(timeout=20) as client:
             try:
                 client.map(images, model="lenet")
             except FarmError as exc:

@@ -72,7 +72,7 @@ def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits) -> No
             for name, outputs in results.items():
                 assert not isinstance(outputs, Exception), outputs
                 np.testing.assert_allclose(outputs, expected[name], atol=1e-5)
-        with farm.client.client() as client:
+        with farm.client() as client:
             workers = client.info()["workers"]
     assert [w["fetched"] for w in workers] == [{"digits": 1, "pictures": 1}] * 2
     for cache in caches:
@@ -150,7 +150,7 @@ def test_opencv_and_torch_workers_share_a_job(lenet, digits) -> None:
         for device, backend in zip(two_cpu_devices(), ("torch", "opencv")):
             farm.start_worker(device, "--backend", backend)
         farm.wait_for_workers(2)
-        with farm.client.client() as client:
+        with farm.client() as client:
             result = client.run(digits[:, None], model="lenet")
             workers = client.info()["workers"]
     np.testing.assert_allclose(result.outputs, load_engine(lenet).run(digits[:, None]),
@@ -208,7 +208,7 @@ def engines_of(farm: LocalFarm, model: str, timeout: float = 60.0) -> list[dict]
     """The workers' snapshots once one reports an engine loaded for ``model`` (heartbeats
     carry them)."""
     deadline = time.monotonic() + timeout
-    with farm.client.client() as client:
+    with farm.client() as client:
         while time.monotonic() < deadline:
             workers = client.info()["workers"]
             if any(model in w["engines"] for w in workers):
@@ -232,7 +232,7 @@ def test_a_worker_fetches_its_model_option_from_the_broker(tmp_path, digits) -> 
                 stderr=stderr, start_new_session=True))
         farm.wait_for_workers(1)
         assert engines_of(farm, "digits")[0]["fetched"] == {"digits": 1}  # before any job
-        with farm.client.client() as client:
+        with farm.client() as client:
             outputs = client.map(digits[:200, None], model="digits")
             worker = client.info()["workers"][0]
     np.testing.assert_allclose(outputs, load_engine(find("lenet")).run(digits[:200, None]),

@@ -48,7 +48,7 @@ def reference(lenet, digits) -> np.ndarray:
 def speed(farm, digits) -> float:
     """LeNet's images per second of compute on this farm's fastest worker, from a warm-up
     job: jobs that must last a while are sized by it, so they last as long on any CPU."""
-    with farm.client.client() as client:
+    with farm.client() as client:
         summary = client.run(repeated(digits, 20 * CHUNK), "lenet").summary
     return max(share.rate for share in summary.workers)
 
@@ -194,7 +194,7 @@ def test_status_json_lists_every_worker_and_job_with_their_states(farm, speed,
 def test_metrics_scraped_over_http_move_with_the_job_and_match_its_results(farm, digits,
                                                                             reference) -> None:
     before = scrape(farm)
-    with farm.client.client() as client:
+    with farm.client() as client:
         result = client.run(repeated(digits, 20_000), "lenet")
     after = scrape(farm)
 
@@ -268,7 +268,7 @@ def test_farm_report_draws_a_real_trace_whose_totals_match_the_job(farm, digits,
 def test_a_small_job_is_not_starved_by_a_big_one_and_both_finish(farm, digits,
                                                                  reference) -> None:
     with JobThread(farm, repeated(digits, 100_000)) as big:
-        with farm.client.client() as client:
+        with farm.client() as client:
             # 10 000 images: more than one worker computes in a big job's chunk (a quarter
             # of a second while jobs share), so the other worker frees a slot meanwhile
             small = client.run(repeated(digits, 10_000), "lenet")
@@ -288,7 +288,7 @@ def test_a_cancelled_job_frees_every_worker_within_a_second_and_costs_others_not
         farm, digits, reference) -> None:
     with JobThread(farm, repeated(digits, 100_000)) as doomed, \
             JobThread(farm, repeated(digits, 30_000)) as other:
-        with farm.client.client() as watcher:
+        with farm.client() as watcher:
             doomed_id = job_with_total(watcher.info(), 100_000)["job"]
             cancelled_at = time.monotonic()
             doomed.client.cancel()
@@ -317,7 +317,7 @@ def test_each_job_may_bring_its_own_policy_and_a_timeout(farm, speed, digits,
                                                          tmp_path) -> None:
     images = repeated(digits, 2_000)
     workers = len(farm.devices)
-    with farm.client.client() as client:
+    with farm.client() as client:
         own = client.run(images, "lenet", algo="fifo", params={"chunk": 100})
         assert own.summary.policy == "fifo"
         assert sum(share.chunks for share in own.summary.workers) == 20  # not the broker's 500s
@@ -406,7 +406,7 @@ def test_json_logs_are_one_object_per_line(tmp_path) -> None:
 
 def test_a_job_with_odd_policy_parameters_is_refused_and_the_farm_serves_on(farm,
                                                                             digits) -> None:
-    with farm.client.client() as client:
+    with farm.client() as client:
         for algo, params in (("sliced", {"slice": 2.5}), ("fifo", {"chunk": 1.5}),
                              ("hat", {"slice": "many"})):
             with pytest.raises(FarmError, match="job policy: .*slice|job policy: .*chunk"):
