@@ -1,11 +1,12 @@
 # make demo: fresh machine -> installed -> a local farm answers the bundled sample.
-# make test: fresh machine -> installed -> type check (mypy) -> the test suite.
+# make check: the fast tier: type check (mypy) and the in-process tests (tests/unit).
+# make test: fresh machine -> installed -> type check (mypy) -> every test (unit and system).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 comma := ,
 
-.PHONY: demo test install bench clean
+.PHONY: demo check test install bench clean
 
 # torch: the CPU build, pinned, unless TORCH says otherwise (TORCH= skips it; the torch
 # tests then skip). An unpinned torch pulls the newest release with GBs of CUDA packages.
@@ -22,6 +23,10 @@ install: $(BIN)/farm
 
 demo: install
 	$(BIN)/farm run --model lenet --repeat 40 --out scores.npy
+
+check: install
+	$(BIN)/python -m mypy farm
+	$(BIN)/python -m pytest tests/unit
 
 test: install
 	$(BIN)/python -m mypy farm

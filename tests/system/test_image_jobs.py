@@ -30,11 +30,11 @@ from farm.engines.preprocess import Transformer
 from farm.protocol import Command
 from farm.modelrepo.repository import find
 from tests.conftest import reference_forward
-from tests.test_bad_input import raw_socket, reply  # noqa: F401 (a fixture)
-from tests.test_images import png_declaring
+from tests.system.test_bad_input import raw_socket, reply  # noqa: F401 (a fixture)
+from tests.unit.test_images import png_declaring
 
 #: The real ImageNet SqueezeNet this workplace shares (see its README).
-SQUEEZENET = Path(__file__).resolve().parents[2] / "shared" / "models" / "squeezenet_v1.0"
+SQUEEZENET = Path(__file__).resolve().parents[3] / "shared" / "models" / "squeezenet_v1.0"
 DIGITS = 300
 
 

@@ -22,7 +22,7 @@ from farm.modelrepo.caffe_net import Network
 from farm.engines.engine import BackendUnavailable, load_engine
 from farm.modelrepo.repository import load_spec, prepare
 
-FOLDER = Path(__file__).resolve().parent.parent / "bench" / "nets" / "densenet121"
+FOLDER = Path(__file__).resolve().parents[2] / "bench" / "nets" / "densenet121"
 
 
 def caffe_pooled(size: int, kernel: int, stride: int, pad: int, ceil: bool) -> int:

@@ -1,7 +1,7 @@
 """Policies at scale: the same decisions as before their bookkeeping became incremental.
 
-``tests/policy_decisions.json`` holds a hash of every assignment made in a set of seeded
-runs, captured with the policies as they were before (``python tests/test_policy_scale.py``
+``tests/unit/policy_decisions.json`` holds a hash of every assignment made in a set of seeded
+runs, captured with the policies as they were before (``python tests/unit/test_policy_scale.py``
 writes it again; every value drawn through exp, log or pow is ``steady``, so that the runs
 are the same on every CPU): simulations of the paper's farms and of random farms of 2 to 16 devices
 (noise, drift, latency, two slots, chunk caps, a lost worker, a second job), and random

@@ -17,7 +17,7 @@ from farm.bench.measure import paper_configurations
 from farm.ops.local import cores
 from farm.client.trace import Trace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu.sh"
 
 pytestmark = [pytest.mark.skipif(len(cores()) < 2, reason="a CPU worker and the stand-in "

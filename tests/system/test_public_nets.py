@@ -21,7 +21,7 @@ from PIL import Image
 from farm.ops.local import farm_command
 from farm.modelrepo.repository import find, prepare
 
-NETS = Path(__file__).resolve().parents[1] / "bench" / "nets"
+NETS = Path(__file__).resolve().parents[2] / "bench" / "nets"
 MEAN = np.array([104.0, 117.0, 123.0], np.float32)
 
 

@@ -18,8 +18,8 @@ from farm.ops.local import LocalFarm, cores, farm_command
 from farm.modelrepo.modelstore import ModelCache, manifest_of
 from farm.protocol import Command
 from farm.modelrepo.repository import find, load_spec
-from tests.test_bad_input import lone_worker, next_reply, task  # noqa: F401 (fixture)
-from tests.test_models import break_model, needs_torch
+from tests.system.test_bad_input import lone_worker, next_reply, task  # noqa: F401 (fixture)
+from tests.unit.test_models import break_model, needs_torch
 
 
 def copy_model(source: str, folder: Path) -> Path:

@@ -14,7 +14,7 @@ from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import add_target, find, search_path, shown, user_models_dir
 
 #: The real SqueezeNet v1.0 (ImageNet), read from the shared folder beside the repository.
-SQUEEZENET = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "squeezenet_v1.0"
+SQUEEZENET = Path(__file__).resolve().parents[2] / ".." / "shared" / "models" / "squeezenet_v1.0"
 
 
 def add(repository: Path, *args: str) -> subprocess.CompletedProcess:

@@ -10,8 +10,6 @@ import pytest
 
 from farm.bench.setups import make_images
 from farm.engines.engine import Stopped, load_engine
-from farm.ops.local import LocalFarm, cores
-from farm.client.report import analyse
 from farm.modelrepo.repository import find
 
 torch = pytest.importorskip("torch")
@@ -60,25 +58,6 @@ def test_reduced_precision_is_a_gpu_option_and_refused_on_the_cpu(lenet) -> None
         load_engine(lenet, "torch", precision="f16")
 
 
-@pytest.mark.skipif(len(cores()) < 2, reason="a worker and a stand-in need two cores")
-def test_a_trace_shows_the_device_seconds_of_the_torch_worker(lenet, digits) -> None:
-    """The GPU worker's stand-in (``--device cpu`` on torch) and a pinned core: each chunk
-    reports its device seconds, within its compute time, and the report sums them."""
-    with LocalFarm(devices=["cpu", f"cpu:{cores()[0]}"], algo="fifo", preload=["lenet"],
-                   device_options=[["--backend", "torch"], []],
-                   device_launchers=[["taskset", "-c", str(cores()[-1])], []]) as local, \
-            local.client() as client:
-        result = client.run(np.resize(digits, (4000, *digits.shape[1:])), "lenet",
-                            algo="fifo", params={"chunk": 500}, trace=True)
-    assert result.trace is not None and len(result.trace.chunks) == 8
-    for chunk in result.trace.chunks:
-        assert chunk.device is not None and 0 < chunk.device <= chunk.finished - chunk.started
-        assert chunk.copy == 0.0
-    lines = {line.name.rsplit("/", 1)[1]: line for line in analyse(result.trace).workers}
-    stand_in = lines["cpu"]
-    assert stand_in.device_s == pytest.approx(sum(c.device for c in result.trace.chunks
-                                                  if c.worker.endswith("/cpu")))
-    assert 0 < stand_in.device_share(analyse(result.trace).seconds) <= 1
 
 
 def test_a_ramped_chunk_starts_with_a_small_batch(lenet, digits) -> None:

@@ -6,25 +6,16 @@ replays them) and in the simulator (the simulated farms below).
 
 from __future__ import annotations
 
-import ast
 import math
-import json
-import subprocess
-import sys
-import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import bench_script
 from farm.broker import events as ev
 from farm.broker.jobs import JobOptions
 from farm.broker.state import FarmState, SchedulingConfig
-from farm.ops.local import farm_command, free_port
 from farm.policies import POLICIES
 from farm.simulation.simulator import DeviceModel, FarmSimulation, Scenario
 
@@ -271,23 +262,6 @@ def test_unknown_jobs_and_bad_submissions_are_refused_with_reasons() -> None:
         CLIENT, "images of shape (2,) do not match model 'm', which takes (1,)", "k")]
 
 
-def test_the_state_imports_no_socket_clock_or_log_handler() -> None:
-    """Neither the state nor any farm module it loads imports zmq, time or logging.handlers,
-    and zmq is not loaded at all."""
-    code = ("import sys, json; import farm.broker.state, farm.simulation.simulator; "
-            "print(json.dumps(['zmq' in sys.modules, sorted(m.__file__ for n, m in "
-            "sys.modules.items() if n.startswith('farm'))]))")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True).stdout
-    zmq_loaded, files = json.loads(out)
-    assert not zmq_loaded
-    for path in files:
-        tree = ast.parse(open(path).read())
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                    for alias in node.names}
-        imported |= {node.module for node in ast.walk(tree)
-                     if isinstance(node, ast.ImportFrom) and node.module}
-        assert not imported & {"zmq", "time", "logging.handlers"}, path
 
 
 # ------------------------------------------------------------------------- simulated farms
@@ -333,55 +307,8 @@ def test_a_nine_item_job_runs_on_both_workers_of_a_simulated_farm(algo, remember
 # --------------------------------------------------------------- the broker runs this state
 
 
-def test_a_real_broker_run_replays_to_the_same_instructions(lenet, digits) -> None:
-    """Record a real broker's events (two jobs, real workers, one worker killed mid-job) and
-    replay them into a fresh state: it gives exactly the broker's assignments."""
-    from farm.broker.broker import Broker, BrokerConfig
-    from farm.client.client import Client
-
-    config = BrokerConfig(bind="tcp://127.0.0.1:*", algo="fifo", params={"chunk": 50},
-                          heartbeat=0.2, max_chunk_seconds=0.05)
-    context = zmq.Context()
-    broker = Broker(config, context)
-    first_id = broker.state.next_chunk_id
-    broker.recorded = []
-    thread = threading.Thread(target=broker.serve)
-    thread.start()
-    workers = [subprocess.Popen(farm_command("--log-level", "WARNING", "worker", "--device",
-                                             "cpu", "--broker", broker.endpoint, "--model",
-                                             "lenet"), start_new_session=True)
-               for _ in range(2)]
-    try:
-        with Client(broker.endpoint, timeout=60) as client:
-            client.info(wait_workers=2)
-            first = client.run(digits[:400], "lenet")
-            workers[0].kill()
-            second = client.run(digits[:300], "lenet")
-        assert first.outputs.shape[0] == 400 and second.outputs.shape[0] == 300
-    finally:
-        broker.stop()
-        thread.join()
-        for worker in workers:
-            worker.kill()
-            worker.wait()
-        context.term()
-    replay = FarmState(config, first_chunk_id=first_id)
-    recorded = broker.recorded
-    assert sum(isinstance(event, ev.DataArrived) for event, _ in recorded) >= 7
-    for event, instructions in recorded:
-        assert replay.handle(event) == instructions, event
 
 
-def test_the_scale_bench_drives_the_state_and_a_real_broker() -> None:
-    """bench/broker_scale.py's two parts, small: every chunk is counted, the broker and the
-    bare loop both finish the job."""
-    broker_scale = bench_script("broker_scale")
-    run = broker_scale.drive_state("equal-finish", 50, 2, 300)
-    assert run.chunks == 300 and run.us_per_chunk > 0
-    for command in (farm_command("--log-level", "ERROR", "broker", "--bind", "{}"),
-                    [sys.executable, broker_scale.__file__, "--bare", "{}"]):
-        rate, cpu = broker_scale.measure_broker(command, free_port(), 3, 200)
-        assert rate > 0 and cpu > 0
 
 
 @settings(max_examples=60, deadline=None)

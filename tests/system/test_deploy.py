@@ -26,7 +26,7 @@ from farm.client.client import Client, FarmTimeout
 from farm.ops.deploy import Layout, parse_ids
 from tests.conftest import reference_forward
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 #: The committed example, and the options that make it (README of deploy/).
 EXAMPLE = REPO / "deploy" / "supervisord.conf"

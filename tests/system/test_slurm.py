@@ -1,5 +1,5 @@
 """``farm deploy slurm`` against a real Slurm: Debian's slurmctld, two slurmd and munge on
-this machine (``tests/slurm.py``).  The generated script is submitted as it is: a 20 000-image
+this machine (``tests/system/slurm.py``).  The generated script is submitted as it is: a 20 000-image
 job comes back exact, a node's worker step cancelled mid-job costs nothing but time, a
 standing farm takes workers from a second job, and nothing is left behind."""
 
@@ -18,7 +18,7 @@ import pytest
 
 from farm.ops.local import cores, farm_command
 from tests.conftest import reference_forward
-from tests.slurm import SlurmCluster
+from tests.system.slurm import SlurmCluster
 
 pytestmark = [pytest.mark.skipif(len(cores()) < 2, reason="two Slurm nodes need two cores"),
               pytest.mark.timeout(600)]

@@ -33,7 +33,7 @@ import zmq.auth
 from farm.ops.local import farm_command
 from tests.conftest import reference_forward
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PORT = 5555
 HEARTBEAT, LIVENESS = "0.2", "5"  # a silent peer is declared gone after 1 s
 JOB = 20_000  # LeNet images: about a second on two cores

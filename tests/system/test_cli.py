@@ -138,7 +138,7 @@ def test_models_show_lists_layers_and_shapes() -> None:
 
 
 def test_models_check_passes_lenet_and_fails_a_broken_model(tmp_path, lenet) -> None:
-    from tests.test_models import break_model
+    from tests.unit.test_models import break_model
 
     result = CliRunner().invoke(main, ["models", "check", "lenet", "--count", "16"])
     assert result.exit_code == 0, result.output

@@ -260,7 +260,7 @@ def empty_farm() -> Iterator:
 def error_after_scripted_result(farm, images: np.ndarray, reply_to) -> str:
     """The FarmError a job of ``images`` ends with when its one (scripted) worker answers its
     first TASK as ``reply_to(worker, task_header)`` does."""
-    from tests.peers import ScriptedWorker
+    from tests.system.peers import ScriptedWorker
 
     worker = ScriptedWorker(farm.endpoint)
     outcome: dict = {}
@@ -313,7 +313,7 @@ def test_a_result_whose_failures_list_lies_fails_the_job_with_the_reason(empty_f
 def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_farm,
                                                                         digits) -> None:
     """A one-slot worker never holds two chunks, even while the client is slow with input."""
-    from tests.peers import ScriptedWorker
+    from tests.system.peers import ScriptedWorker
 
     worker = ScriptedWorker(empty_farm.endpoint, slots=1)
     context = zmq.Context()
@@ -352,7 +352,7 @@ def test_absurd_timings_from_a_worker_neither_wedge_a_job_nor_the_next(empty_far
                                                                          digits) -> None:
     """A compute time of 1e-320 s (an infinite speed) is taken and the job ends; a receive
     time that is not a time fails that job with the reason; the next job still runs."""
-    from tests.peers import ScriptedWorker
+    from tests.system.peers import ScriptedWorker
 
     worker = ScriptedWorker(empty_farm.endpoint)
     outcomes: list = []
