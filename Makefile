@@ -1,6 +1,6 @@
 # make demo: fresh machine -> installed -> a local farm answers the bundled sample.
-# make check: the fast tier: type check (mypy) and the in-process tests (tests/unit).
-# make test: fresh machine -> installed -> type check (mypy) -> every test (unit and system).
+# make check: the fast tier: lint and format (ruff), type check (mypy), in-process tests (tests/unit).
+# make test: fresh machine -> installed -> ruff -> mypy -> every test (unit and system).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -17,6 +17,7 @@ $(BIN)/farm: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(if $(TORCH),$(BIN)/pip install --quiet "$(TORCH)")
 	$(BIN)/pip install --quiet -e ".[test$(if $(TORCH),$(comma)torch)]"
+	-git config core.hooksPath .githooks 2>/dev/null  # commit subjects of 72 characters at most
 	touch $@
 
 install: $(BIN)/farm
@@ -25,10 +26,14 @@ demo: install
 	$(BIN)/farm run --model lenet --repeat 40 --out scores.npy
 
 check: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m mypy farm
 	$(BIN)/python -m pytest tests/unit
 
 test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m mypy farm
 	$(BIN)/python -m pytest
 

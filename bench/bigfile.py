@@ -164,7 +164,8 @@ def submit(cgroup: MemoryCgroup, endpoint: str, images: Path, out: Path
 
 def verify(images: Path, out: Path, count: int) -> list[str]:
     """Problems with out.npy: row count, NaNs, sampled rows against in-process outputs."""
-    from farm.engines.engine import limit_threads, load_engine
+    from farm.engines.autoselect import load_engine
+    from farm.engines.engine import limit_threads
 
     outputs = np.load(out, mmap_mode="r")
     if len(outputs) != count:

@@ -27,11 +27,10 @@ import time
 from dataclasses import dataclass
 
 from farm.broker import events as ev
-from farm.broker.jobs import JobOptions
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.policies import POLICIES
+from farm.simulation import kit
 
-MODEL = ev.ModelFound((1,), "digest")
 #: Items per chunk the policies aim at: each chunk is 1 s of compute at 1 000 items/s.
 CHUNK_SECONDS = 1.0
 
@@ -49,18 +48,13 @@ class StateRun:
         return 1e6 * self.cpu_s / max(1, self.chunks)
 
 
-def facts() -> ev.WorkerFacts:
-    return ev.WorkerFacts("cpu", "sim", 0, "sim", 1, {"m": {"input_shape": [1]}},
-                          frozenset({"m"}), 2)
-
-
 def drive_state(policy: str, workers: int, jobs: int, chunks: int, seed: int = 0) -> StateRun:
     """Feed the state a farm of ``workers`` and ``jobs`` until ``chunks`` chunks came back
     after the first round; time only ``FarmState.handle`` (one thread, nothing else runs in
     it, so its time in the state is its CPU time there, give or take preemption)."""
     rng = random.Random(seed)
-    state = FarmState(SchedulingConfig(algo=policy, max_chunk_seconds=CHUNK_SECONDS,
-                                       heartbeat=60.0))
+    driver = kit.Driver(FarmState(SchedulingConfig(algo=policy, max_chunk_seconds=CHUNK_SECONDS,
+                                                   heartbeat=60.0)), sent=None)
     rates = {f"w{i}".encode(): rng.uniform(500.0, 2000.0) for i in range(workers)}
     per_job = max(1, (workers * 4 + chunks * 2) * 2000 // jobs)  # never runs dry
     running: list[tuple[float, int, ev.SendTask]] = []
@@ -69,10 +63,10 @@ def drive_state(policy: str, workers: int, jobs: int, chunks: int, seed: int = 0
     done = 0
     warm = workers * 2  # the first round fills every slot: not timed
 
-    def handle(event: ev.Event) -> list[ev.Instruction]:
+    def handle(event: ev.FarmEvent) -> list[ev.Instruction]:
         nonlocal cpu
         start = time.perf_counter()  # a cheap clock (process_time costs 2 us a call here)
-        out = state.handle(event)
+        out = driver.feed(event)
         if done >= warm:
             cpu += time.perf_counter() - start
         return out
@@ -80,26 +74,21 @@ def drive_state(policy: str, workers: int, jobs: int, chunks: int, seed: int = 0
     def carry_out(out: list[ev.Instruction], now: float) -> None:
         nonlocal order
         for instruction in out:
-            if isinstance(instruction, ev.SendNeed):
-                carry_out(handle(ev.DataArrived(instruction.client, instruction.job,
-                                                instruction.chunk, instruction.start,
-                                                instruction.count, 4 * instruction.count, 1,
-                                                now)), now)
+            if isinstance(instruction, ev.SendNeed):  # the client answers at once
+                carry_out(handle(kit.data_for(instruction, now)), now)
             elif isinstance(instruction, ev.SendTask):
                 seconds = instruction.count / rates[instruction.worker]
                 heapq.heappush(running, (now + seconds, order, instruction))
                 order += 1
 
     for identity in rates:
-        carry_out(handle(ev.WorkerJoined(identity, facts(), 0.0)), 0.0)
+        carry_out(handle(kit.joined(identity, slots=2, host="sim", pid=0)), 0.0)
     for j in range(jobs):
-        carry_out(handle(ev.JobSubmitted(f"c{j}".encode(), f"j{j}", "m", "float32", (1,),
-                                         per_job, 60.0, JobOptions(), MODEL, 0.0)), 0.0)
+        carry_out(handle(kit.submitted(f"j{j}", per_job, client=f"c{j}".encode(),
+                                       heartbeat=60.0)), 0.0)
     while running and done < warm + chunks:
         now, _, task = heapq.heappop(running)
-        out = handle(ev.ChunkDone(task.worker, task.job, task.chunk, task.start, task.count,
-                                  "float32", (1,), {"compute": task.count / rates[task.worker]},
-                                  now))
+        out = handle(kit.result_for(task, now, task.count / rates[task.worker]))
         done += 1
         carry_out(out, now)
     return StateRun(policy, workers, jobs, max(0, done - warm), cpu)
@@ -124,7 +113,7 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
     import numpy as np
     import zmq
 
-    from farm import protocol
+    from farm import messages, protocol
     from farm.link import limit_socket
     from farm.protocol import Command
 
@@ -135,26 +124,25 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
         sock = context.socket(zmq.DEALER)
         limit_socket(sock)
         sock.connect(endpoint)
-        sock.send_multipart(protocol.encode(Command.READY, {
-            "device": f"cpu:{i}", "host": "fake", "pid": i, "backend": "fake",
-            "models": {"lenet": {"input_shape": [1, 28, 28]}}, "loaded": ["lenet"],
-            "slots": 2, "threads": 1, "heartbeat": 60.0}))
+        sock.send_multipart(protocol.encode(Command.READY, messages.Ready(
+            device=f"cpu:{i}", host="fake", pid=i, backend="fake",
+            models={"lenet": messages.ModelFacts(input_shape=(1, 28, 28))}, loaded=("lenet",),
+            slots=2, threads=1, heartbeat=60.0)))
         poller.register(sock, zmq.POLLIN)
         sockets.append(sock)
     client = context.socket(zmq.DEALER)
     limit_socket(client)
     client.connect(endpoint)
     poller.register(client, zmq.POLLIN)
-    client.send_multipart(protocol.encode(Command.INFO, {"wait_workers": workers}))
+    client.send_multipart(protocol.encode(Command.INFO, messages.Info(wait_workers=workers)))
     while protocol.decode(client.recv_multipart()).command is not Command.INFO:
         pass
     output = np.zeros((chunk, 10), np.float32)
     pixels = bytes(chunk * 784)
     started = time.perf_counter()
-    client.send_multipart(protocol.encode(Command.SUBMIT, {
-        "job": "scale", "model": "lenet", "dtype": "uint8", "item_shape": [1, 28, 28],
-        "total": items, "options": {"algo": "fifo", "params": {"chunk": chunk}},
-        "heartbeat": 60.0}))
+    client.send_multipart(protocol.encode(Command.SUBMIT, messages.Submit(
+        job="scale", model="lenet", dtype="uint8", item_shape=(1, 28, 28), total=items,
+        options=messages.Options(algo="fifo", params={"chunk": chunk}), heartbeat=60.0)))
     chunks = 0
     while True:
         for sock, _ in poller.poll(10_000):
@@ -165,15 +153,15 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
                     break
                 header = message.header
                 if message.command is Command.NEED:
-                    sock.send_multipart(protocol.encode(Command.DATA, {
-                        "job": "scale", "chunk": header.chunk, "start": header.start,
-                        "count": header.count}, [pixels[:784 * header.count]]))
+                    sock.send_multipart(protocol.encode(Command.DATA, messages.Data(
+                        job="scale", chunk=header.chunk, start=header.start,
+                        count=header.count), [pixels[:784 * header.count]]))
                 elif message.command is Command.TASK:
                     count = header.count
-                    sock.send_multipart(protocol.encode(Command.RESULT, {
-                        "job": header.job, "chunk": header.chunk, "start": header.start,
-                        "count": count, "dtype": "float32", "item_shape": [10],
-                        "timings": {"compute": 1e-4 * count}}, [output[:count].data]))
+                    sock.send_multipart(protocol.encode(Command.RESULT, messages.Result(
+                        job=header.job, chunk=header.chunk, start=header.start, count=count,
+                        dtype="float32", item_shape=(10,), timings={"compute": 1e-4 * count}),
+                        [output[:count].data]))
                 elif message.command is Command.RESULT:
                     chunks += 1
                 elif message.command in (Command.DONE, Command.ERROR):
@@ -186,13 +174,17 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
 
 def bare_broker(endpoint: str) -> None:
     """The floor: the broker's message pattern (NEED, DATA -> TASK, RESULT -> RESULT) with
-    no checks, no state machine and no policy (one-image chunks, workers in turn)."""
+    no checks, no state machine and no policy (one-image chunks, workers in turn); headers
+    stay plain maps, encoded as they are."""
     import msgspec
     import zmq
 
     from farm import protocol
     from farm.link import limit_socket
     from farm.protocol import Command
+
+    def frames(command: Command, header: dict, payload: list | tuple = ()) -> list:
+        return [protocol.SIGNATURE, command.value, msgspec.msgpack.encode(header), *payload]
 
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
@@ -209,24 +201,24 @@ def bare_broker(endpoint: str) -> None:
         if command == Command.READY.value:
             free += [identity.bytes] * header["slots"]
         elif command == Command.INFO.value:
-            router.send_multipart([identity, *protocol.encode(Command.INFO, {})])
+            router.send_multipart([identity, *frames(Command.INFO, {})])
         elif command == Command.SUBMIT.value:
             client, job, total = identity.bytes, header["job"], header["total"]
         elif command == Command.DATA.value:
             header.update(item_shape=[1, 28, 28], dtype="uint8", attempt=1, model="lenet",
                           digest="")
             router.send_multipart([owner.pop(header["chunk"]),
-                                   *protocol.encode(Command.TASK, header, payload)], copy=False)
+                                   *frames(Command.TASK, header, payload)], copy=False)
         elif command == Command.RESULT.value:
-            router.send_multipart([client, *protocol.encode(Command.RESULT, header, payload)],
+            router.send_multipart([client, *frames(Command.RESULT, header, payload)],
                                   copy=False)
             free.append(identity.bytes)
             answered += 1
             if answered == total:
-                router.send_multipart([client, *protocol.encode(Command.DONE, {"job": job})])
+                router.send_multipart([client, *frames(Command.DONE, {"job": job})])
         while client and free and next_item < total:
             owner[chunk_id] = free.pop()
-            router.send_multipart([client, *protocol.encode(Command.NEED, {
+            router.send_multipart([client, *frames(Command.NEED, {
                 "job": job, "chunk": chunk_id, "start": next_item, "count": 1})])
             chunk_id += 1
             next_item += 1

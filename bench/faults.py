@@ -328,7 +328,8 @@ def make_job(folder: Path, count: int, seed: int) -> Job:
 
 def sample_reference(sample: np.ndarray) -> np.ndarray:
     """LeNet outputs of the sample in this process: OpenCV, one thread (what a worker runs)."""
-    from farm.engines.engine import limit_threads, load_engine
+    from farm.engines.autoselect import load_engine
+    from farm.engines.engine import limit_threads
 
     limit_threads(1)
     return load_engine(find("lenet"), "opencv", threads=1).run(sample[:, np.newaxis])

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator
 import msgspec
 import numpy as np
 
-from farm.engines.autoselect import relative_difference
+from farm.engines.tolerances import relative_difference
 from farm.bench.measure import (BROKER_OPTIONS, Configuration, in_fresh_process,
                                 paper_configurations, timed_job)
 from farm.bench.setups import describe_machine, make_images
@@ -190,8 +190,7 @@ def engine_choice(model: str, device: str, threads: int | None, backend: str,
                   precision: str, core: int) -> dict[str, Any]:
     """In a fresh process pinned to ``core``: what ``auto`` (or ``backend``) chooses, its
     speed on a chunk run as a worker runs it, and how far it is from f32."""
-    from farm.engines.autoselect import choose
-    from farm.engines.engine import load_engine
+    from farm.engines.autoselect import choose, load_engine
     from farm.modelrepo.repository import ModelError, find
 
     os.sched_setaffinity(0, {core})
@@ -390,7 +389,7 @@ def alone(model: str, backend: str, device: str, threads: int | None,
           name: str) -> dict[str, Any]:
     """In a fresh process on ``allowed`` cores: the engine at each batch on ``count`` images
     (after a warm-up batch), the best kept."""
-    from farm.engines.engine import load_engine
+    from farm.engines.autoselect import load_engine
     from farm.modelrepo.repository import ModelError, find
 
     os.sched_setaffinity(0, set(allowed))

@@ -71,7 +71,7 @@ def auto_pick(model: str, threads: int) -> dict:
 def shrink_memory() -> dict[str, float]:
     """CaffeNet on opencv, ``--batch 64``: resident MB after a chunk of its prototxt's batch (10),
     after a chunk of 64, and once shrunk back (as a worker does when it falls idle)."""
-    from farm.engines.engine import load_engine
+    from farm.engines.autoselect import load_engine
 
     def rss_mb() -> float:
         with open("/proc/self/statm") as handle:

@@ -22,8 +22,8 @@ def main() -> None:
     import openvino
 
     from farm.engines.engine import exported_onnx
-    from farm.engines.modelcheck import relative_difference
     from farm.engines.preprocess import Transformer
+    from farm.engines.tolerances import relative_difference
     from farm.modelrepo.repository import available, load_spec
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

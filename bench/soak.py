@@ -62,7 +62,8 @@ def job_sizes(rng: np.random.Generator, jobs: int, max_size: int) -> np.ndarray:
 
 def reference(base: np.ndarray) -> np.ndarray:
     """LeNet outputs of ``base`` in this process: OpenCV, one thread, the prototxt's batch."""
-    from farm.engines.engine import limit_threads, load_engine
+    from farm.engines.autoselect import load_engine
+    from farm.engines.engine import limit_threads
 
     limit_threads(1)
     engine = load_engine(find("lenet"), "opencv", threads=1)

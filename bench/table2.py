@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from farm.engines.engine import load_engine
+from farm.engines.autoselect import load_engine
 from farm.ops.local import LocalFarm, cores
 from farm.modelrepo.repository import find
 from farm.workers.worker import Device, prepare_process

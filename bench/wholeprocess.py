@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from farm.ops.local import farm_command
-from farm.engines.modelcheck import check_inputs, relative_difference
+from farm.engines.modelcheck import check_inputs
+from farm.engines.tolerances import relative_difference
 from farm.modelrepo.repository import find, prepare
 
 SCRIPT = Path(__file__).with_name("user_script.py")

@@ -53,3 +53,5 @@ RUN_DIR = "/tmp/farm"
 BENCH_MODELS = ("lenet", "cifar10_quick")
 BENCH_IMAGES = 100_000
 BENCH_PEER_ROUNDS = 3
+#: The image formats the workers decode (``farm.engines.images``), as messages name them.
+DECODED_FORMATS = ("JPEG", "PNG", "BMP", "TIFF", "WebP", "GIF", "PNM")

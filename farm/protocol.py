@@ -16,39 +16,30 @@ default) anyway, because zero-copy only pays off above that size.
 from __future__ import annotations
 
 import enum
-import math
 import reprlib
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Mapping, Sequence, TypeVar
+from typing import Annotated, Any, Sequence, TypeVar
 
 import msgspec
 import numpy as np
 from msgspec import Meta
 
-from farm import messages
+from farm import messages, shapes
 from farm.messages import MAX_DIMS, MAX_ITEMS, Header
+from farm.shapes import ALLOWED_DTYPES, ENCODED, MAX_FILE_BYTES, MAX_TASK_BYTES, SIZE_BYTES
 
 SIGNATURE = b"FARM06"
 PROTOCOL_FAMILY = b"FARM"
 
-#: Dtypes that may cross the wire, by their numpy name.
-ALLOWED_DTYPES = frozenset({"uint8", "float32"})
-#: The dtype of a job of image files: an item is one file's encoded bytes, at most
-#: ``item_shape[0]`` of them.  A chunk of files travels as two frames (``file_frames``): the
-#: files' sizes (little-endian uint32) and their bytes back to back.  Workers decode them.
-ENCODED = "encoded"
-#: Largest image file a job may send (a chunk's input must fit ``MAX_TASK_BYTES``).
-MAX_FILE_BYTES = 32 << 20
-#: The dtype of a file sizes frame.
+#: The dtype of a file sizes frame (``file_frames``).
 SIZES_DTYPE = np.dtype("<u4")
+assert SIZES_DTYPE.itemsize == SIZE_BYTES
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_FRAMES = 64
 #: Largest frame a socket accepts (ZMQ_MAXMSGSIZE, which libzmq applies per frame): a peer
 #: that sends a bigger one is disconnected before the frame is allocated.
 MAX_MESSAGE_BYTES = 256 << 20
-#: Largest chunk of input the broker cuts: policies' chunks are capped to this many bytes.
-MAX_TASK_BYTES = 64 << 20
 #: Messages a socket queues per peer in each direction (ZMQ_RCVHWM, ZMQ_SNDHWM).
 QUEUE_LIMIT = 1000
 #: Largest document frame: a broker's INFO snapshot or a job's summary, which grow with the
@@ -187,14 +178,15 @@ def command_of(header: Header) -> Command:
     return _COMMANDS[type(header)]
 
 
-def encode(command: Command, header: Header | Mapping[str, Any] | None = None,
+def encode(command: Command, header: Header | None = None,
            payload: Sequence[Any] = ()) -> list[Any]:
     """Frames for one message; payload frames are passed through untouched.  ``header``: the
-    command's struct, or a map of its fields (checked by the receiver)."""
-    if isinstance(header, Header) and type(header) is not HEADERS[command]:
+    command's struct (None: its defaults, for a command whose fields all have one)."""
+    if header is None:
+        header = HEADERS[command]()
+    if type(header) is not HEADERS[command]:
         raise TypeError(f"a {type(header).__name__} header cannot go with {command.name}")
-    return [SIGNATURE, command.value, _encoder.encode({} if header is None else header),
-            *payload]
+    return [SIGNATURE, command.value, _encoder.encode(header), *payload]
 
 
 def document_frames(document: Any) -> list[bytes]:
@@ -327,24 +319,6 @@ def _check_files(message: Message) -> None:
                                 f"frame has {_frame_size(frame)}")
 
 
-def input_mismatch(model: str, model_shape: tuple[int, ...], layout: str, dtype: str,
-                   item_shape: tuple[int, ...]) -> str | None:
-    """Why a job's images cannot feed ``model`` (None: they can): image files give 1 or 3
-    channels; an array's items must have the model's shape (``layout`` CHW or HWC).  The
-    broker refuses such a job, and ``farm run`` before it starts a farm, in these words."""
-    if dtype == ENCODED:
-        channels = model_shape[-1 if layout == "HWC" else 0]
-        if channels not in (1, 3):
-            return (f"model {model!r} takes {channels} channels: image files give 1 (grey) "
-                    f"or 3 (colour)")
-        return None
-    if tuple(item_shape) != tuple(model_shape):
-        hwc = " (H x W x C)" if layout == "HWC" else ""
-        return (f"images of shape {tuple(item_shape)} do not match model {model!r}, which "
-                f"takes {tuple(model_shape)}{hwc}")
-    return None
-
-
 def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:
     """Validate a dtype name and item shape; return the bytes per item (for ``ENCODED``: the
     most one file may have)."""
@@ -360,7 +334,7 @@ def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:
     if not 0 < len(item_shape) <= MAX_DIMS or not all(
             isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_ITEMS for d in item_shape):
         raise ProtocolError(f"invalid item shape {reprlib.repr(item_shape)}")
-    item_bytes = np.dtype(dtype).itemsize * math.prod(item_shape)
+    item_bytes = shapes.item_bytes(dtype, item_shape)
     if item_bytes > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"item of shape {item_shape} is larger than {MAX_MESSAGE_BYTES} bytes")
     return item_bytes

@@ -9,7 +9,9 @@ that ran none of the job counts at the speed it showed on the model before.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -122,3 +124,15 @@ class FailedItems:
     start: int
     count: int
     error: str
+
+
+def network_seconds(round_trip: float, timings: dict[str, Any]) -> float:
+    """The part of a chunk's round trip (TASK sent to RESULT back) spent on the network, both
+    ways: what the worker's receive, compute and send times leave over."""
+    spent = sum(seconds_of(timings.get(key)) for key in ("receive", "compute", "send"))
+    return max(0.0, round_trip - spent)
+
+
+def seconds_of(value: Any) -> float:
+    """A worker's reported time in seconds; 0 for anything not a finite number."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0

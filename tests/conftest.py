@@ -1,4 +1,6 @@
-"""Fixtures: a real local farm (broker + pinned worker processes on loopback) and references."""
+"""Fixtures and helpers of both tiers: the bundled LeNet and its sample, a reference forward,
+bench scripts as modules, and a model cache of the run's own.  Farms (real processes) are
+``tests/system/conftest.py``'s."""
 
 from __future__ import annotations
 
@@ -7,14 +9,11 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
 
 import numpy as np
 import pytest
 
-from farm.ops.local import LocalFarm, cores
 from farm.modelrepo.repository import ModelSpec, find
-
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -63,12 +62,3 @@ def reference_forward(spec: ModelSpec, images: np.ndarray) -> np.ndarray:
     batch = images if images.ndim == 4 else images[:, None]
     net.setInput(batch.astype(np.float32), spec.input, spec.input_scale)
     return net.forward(spec.output).copy()
-
-
-@pytest.fixture(scope="module")
-def farm_two_workers() -> Iterator[LocalFarm]:
-    """A broker with fifo chunks of 100 and one pinned worker per core (two here)."""
-    devices = [f"cpu:{core}" for core in cores()[:2]] or ["cpu"]
-    with LocalFarm(devices=devices, algo="fifo", broker_options=["--chunk", "100"],
-                   preload=["lenet"]) as local:
-        yield local

@@ -16,11 +16,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from farm.bench.setups import FarmSetup, WorkerSpec
+from farm.bench.setups import FarmSetup, WorkerSpec, make_images
 from farm.client.client import Client, FarmError, JobResult
+from farm.engines.autoselect import choose, load_engine
 from farm.engines.engine import AUTO
+from farm.modelrepo.repository import find
 from farm.ops.local import LocalFarm
 from farm.policies import PAPER_PARAMETERS, POLICIES
+from farm.workers.worker import Device, prepare_process
 
 #: Broker options of every benchmark farm: the policies' own chunks, uncapped.
 BROKER_OPTIONS = ("--max-chunk-seconds", "0")
@@ -161,9 +164,6 @@ def best_batch(worker: WorkerSpec, model: str, count: int) -> list[tuple[int, fl
 
 def _engine_rates(worker: WorkerSpec, model: str, candidates: Sequence[int],
                   count: int) -> list[tuple[int, float]]:
-    from farm.bench.setups import make_images
-    from farm.workers.worker import Device, prepare_process
-
     device = Device.parse(worker.device)
     prepare_process(device)
     threads = 1 if device.pinned else None
@@ -171,9 +171,6 @@ def _engine_rates(worker: WorkerSpec, model: str, candidates: Sequence[int],
         # pick (or recall) the backend as a worker started without --batch would, over
         # autoselect's own batches; each candidate below then loads that remembered choice
         # at its batch, as the bench's workers do with --batch
-        from farm.engines.autoselect import choose
-        from farm.modelrepo.repository import find
-
         choose(find(model), device.engine_device, threads)
     return engine_rates(model, worker.library, device.engine_device, threads, candidates,
                         make_images(model, count))
@@ -184,9 +181,6 @@ def engine_rates(model: str, backend: str, engine_device: str, threads: int | No
                  repeats: int = 1) -> list[tuple[int, float]]:
     """In this process: (batch, images/s of the engine on ``images``) for each candidate
     batch, after a warm-up batch; the best of ``repeats`` runs each."""
-    from farm.engines.engine import load_engine
-    from farm.modelrepo.repository import find
-
     rates = []
     for batch in candidates:
         engine = load_engine(find(model), backend, batch, engine_device, threads)

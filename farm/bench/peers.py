@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import multiprocessing
 import os
 import time
@@ -35,7 +36,9 @@ import numpy as np
 
 from farm.bench.measure import in_fresh_process
 from farm.bench.setups import make_images
-from farm.engines.engine import Engine, load_engine
+from farm.engines.autoselect import load_engine
+from farm.engines.engine import Engine, exported_onnx
+from farm.engines.preprocess import Transformer
 from farm.modelrepo.repository import find
 
 PEERS = ("opencv-threads", "process-pool", "ray-data", "onnxruntime-threads",
@@ -192,8 +195,6 @@ def _ray_map(images: np.ndarray, model: str, size: int, cores: int) -> np.ndarra
 
 def _ray_data(model: str, total: int, tune: int, cores: int,
               candidates: Sequence[int]) -> PeerResult:
-    import logging
-
     import ray
 
     images = make_images(model, total)
@@ -237,9 +238,6 @@ class _OpenVINOQueue:
 
     def __init__(self, model: str, cores: int) -> None:
         import openvino
-
-        from farm.engines.engine import exported_onnx
-        from farm.engines.preprocess import Transformer
 
         spec = find(model)
         self.transform = Transformer.for_model(spec)

@@ -1,10 +1,12 @@
 """The ROUTER broker: a thin I/O loop around ``FarmState``.
 
 One ROUTER socket serves workers and clients alike.  The loop is
-socket -> decode -> event -> ``FarmState.handle`` -> carry out the instructions
--> timers.  All scheduling (registry, jobs, arbitration, attempts, caps) lives in
-``farm.broker.state``, which the simulator drives too; this module only speaks
-the protocol, reads the clock, serves model files and INFO, and heartbeats.
+socket -> decode -> event -> ``FarmState.handle`` -> instructions -> messages ->
+socket, then the timers.  All scheduling (registry, jobs, arbitration, attempts, caps)
+lives in ``farm.broker.state``, which the simulator drives too; the mapping between
+messages and the state's events and instructions, with the checks that go with it, is
+``farm.broker.wire``'s.  This module only moves frames, reads the clock, serves model
+files and INFO, and heartbeats.
 
 Liveness is the ZeroMQ guide's Paranoid Pirate pattern both ways: the broker
 heartbeats every worker and client it serves; the state drops a worker (its
@@ -26,23 +28,22 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from farm import defaults, protocol
+from farm import defaults, messages, protocol
 from farm.broker import events as ev
-from farm.broker.connections import Connections, source_fd
-from farm.broker.jobs import JobOptions
+from farm.broker import wire
 from farm.broker.catalog import ModelCatalog
-from farm.broker.registry import check_models
-from farm import messages
-from farm.messages import Options, job_of
+from farm.broker.connections import Connections, source_fd
+from farm.broker.facts import ModelFound
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.link import limit_socket, send_frames
-from farm.protocol import Command, Message, ProtocolError
+from farm.messages import Header, job_of
 from farm.modelrepo.repository import ModelError
+from farm.protocol import Command, ProtocolError
 from farm.wakeup import Wakeup
 
 log = logging.getLogger("farm.broker")
@@ -53,8 +54,6 @@ MAX_INFO_WAITERS = 1000
 MAX_BATCH = 1000
 #: Seconds an INFO request waits for workers before it is forgotten (its client gave up).
 INFO_WAIT_LIMIT = 120.0
-#: Longest error text sent: a reply must stay within the protocol's own string limits.
-MAX_ERROR_CHARS = 1000
 
 
 @dataclass(kw_only=True)
@@ -101,9 +100,9 @@ class Broker:
         self.metrics = None
         self.metrics_url = ""
         if config.metrics:
-            from farm.broker.metrics import BrokerMetrics
+            from farm.broker.metrics import BrokerMetrics  # prometheus, only when asked for
 
-            self.metrics = BrokerMetrics(self)
+            self.metrics = BrokerMetrics(self.clock, lambda: self.state.counts())
             try:
                 self.metrics_url = self.metrics.serve(*config.metrics)
             except OSError as exc:
@@ -115,7 +114,7 @@ class Broker:
         self.state = FarmState(config, first_chunk_id=secrets.randbits(48),
                                observer=self.metrics)
         # every event fed to the state and what it answered, when set to a list (tests)
-        self.recorded: list[tuple[ev.Event, list[ev.Instruction]]] | None = None
+        self.recorded: list[tuple[ev.FarmEvent, list[ev.Instruction]]] | None = None
         self.next_heartbeat = self.clock()
         self.running = True
         #: what peers may send a broker: everything but what only the broker sends
@@ -153,7 +152,7 @@ class Broker:
         if now >= self.next_heartbeat:
             self.heartbeat_peers()
             self.next_heartbeat = now + self.config.heartbeat
-        self.feed(ev.Tick(now))
+        self.feed(ev.Tick(at=now))
         if self.info_waiters and self.info_waiters[0][2] < now - INFO_WAIT_LIMIT:
             self.answer_info_waiters()
 
@@ -161,11 +160,11 @@ class Broker:
         """Tell every worker, and each client with a running job, that the broker is alive."""
         interval = self.config.heartbeat
         for identity in self.state.workers:
-            self.send(identity, Command.HEARTBEAT, {"interval": interval})
+            self.send(identity, messages.Heartbeat(interval=interval))
         workers = len(self.state.workers)  # a client waiting on none says so to its user
         for job in self.state.jobs.values():
-            self.send(job.client, Command.HEARTBEAT, {"job": job.id, "interval": interval,
-                                                      "workers": workers})
+            self.send(job.client, messages.Heartbeat(job=job.id, interval=interval,
+                                                     workers=workers))
 
     def poll_once(self, timeout_ms: int) -> None:
         """Handle the messages waiting (or arriving within the timeout), at most ``MAX_BATCH``;
@@ -202,9 +201,10 @@ class Broker:
         """A peer's connection closed: a worker crashed, or a client's jobs end."""
         now = self.clock()
         if peer in self.state.workers:
-            self.feed(ev.WorkerLeft(peer, now, "its connection closed", crashed=True))
+            self.feed(ev.WorkerLeft(worker=peer, at=now, reason="its connection closed",
+                                    crashed=True))
         elif any(job.client == peer for job in self.state.jobs.values()):
-            self.feed(ev.ClientLeft(peer, now))
+            self.feed(ev.ClientLeft(client=peer, at=now))
 
     def stop(self, *_: Any) -> None:
         self.running = False
@@ -228,96 +228,51 @@ class Broker:
                 case messages.Submit() as submit:
                     self.on_submit(identity, submit, now)
                 case _:
-                    self.feed(event_of(identity, message, now))
+                    self.feed(wire.event_of(identity, message, now, self.state))
         except ProtocolError as exc:
             self.state.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
             job = job_of(message.header) if message else None
-            self.send(identity, Command.ERROR, {"error": str(exc), **(
-                {"job": job} if job is not None else {})})
+            self.send(identity, messages.Error(error=str(exc), job=job))
         except Exception:  # a bug must not take the farm down; log it and keep serving
             log.exception("error handling a message from %s", identity.hex())
 
-    def feed(self, event: ev.Event) -> None:
-        """Give the state one event and carry out what it says."""
+    def feed(self, event: ev.FarmEvent) -> None:
+        """Give the state one event and send what it says."""
         instructions = self.state.handle(event)
         if self.recorded is not None:
             self.recorded.append((event, instructions))
         for instruction in instructions:
-            self.carry_out(instruction)
+            self.send(*wire.message_of(instruction))
         if isinstance(event, ev.WorkerJoined):
-            self.send(event.worker, Command.HEARTBEAT, {"interval": self.config.heartbeat})
+            self.send(event.worker, messages.Heartbeat(interval=self.config.heartbeat))
             self.answer_info_waiters()
 
-    def carry_out(self, instruction: ev.Instruction) -> None:
-        """Send what one instruction says."""
-        match instruction:
-            case ev.SendNeed(client, job, chunk, start, count):
-                self.send(client, Command.NEED, {"job": job, "chunk": chunk, "start": start,
-                                                 "count": count})
-            case ev.SendTask():
-                self.send(instruction.worker, Command.TASK, task_header(instruction),
-                          instruction.payload)
-            case ev.SendResult():
-                self.send(instruction.client, Command.RESULT, result_header(instruction),
-                          instruction.result.payload)
-            case ev.SendFailed(client, job, chunk, start, count, error):
-                self.send(client, Command.FAILED, {"job": job, "chunk": chunk, "start": start,
-                                                   "count": count, "error": error})
-            case ev.SendDone(client, job, summary):
-                self.send(client, Command.DONE, {"job": job}, protocol.document_frames(summary))
-            case ev.SendCancel(peer, job, reason, summary):
-                header: dict[str, Any] = {"job": job}
-                if reason is not None:
-                    header["reason"] = reason
-                self.send(peer, Command.CANCEL, header,
-                          protocol.document_frames(summary) if summary is not None else ())
-            case ev.SendError(peer, error, job, unknown_job):
-                header = {"error": error}
-                if job is not None:
-                    header["job"] = job
-                if unknown_job:
-                    header["unknown_job"] = True
-                self.send(peer, Command.ERROR, header)
-            case ev.DropWorker(worker):
-                self.send(worker, Command.DISCONNECT, {})
+    def send(self, identity: bytes, header: Header, payload: Sequence[Any] = ()) -> None:
+        send_frames(self.socket, [identity, *wire.frames(header, payload)])
 
-    def send(self, identity: bytes, command: Command, header: dict[str, Any],
-             payload: list[Any] | tuple = ()) -> None:
-        error = header.get("error")
-        if isinstance(error, str) and len(error) > MAX_ERROR_CHARS:  # it may quote the peer
-            header = {**header, "error": error[:MAX_ERROR_CHARS - 3] + "..."}
-        send_frames(self.socket, [identity, *protocol.encode(command, header, payload)])
-
-    # ------------------------------------------------------------ decoding
+    # ----------------------------------------------------------------- jobs
 
     def on_submit(self, identity: bytes, header: messages.Submit, now: float) -> None:
         """A SUBMIT becomes a job; one whose dtype or item shape cannot cross the wire is
         refused with an ERROR: a well-formed request refused, not a bad message."""
-        try:
-            protocol.check_array_spec(header.dtype, header.item_shape)
-        except ProtocolError as exc:
-            log.info("job %s refused: %s", header.job, exc)
-            self.send(identity, Command.ERROR, {"error": str(exc), "job": header.job})
+        refusal = wire.refusal(header)
+        if refusal is not None:
+            log.info("job %s refused: %s", header.job, refusal)
+            self.send(identity, messages.Error(error=refusal, job=header.job))
             return
-        self.feed(self.submitted(identity, header, now))
+        self.feed(wire.job_submitted(identity, header, now, self.config.heartbeat,
+                                     self.find_model))
 
-    def submitted(self, identity: bytes, header: messages.Submit, now: float) -> ev.Event:
-        """A SUBMIT, with what the repository says of its model."""
-        return ev.JobSubmitted(identity, header.job, header.model, header.dtype,
-                               tuple(header.item_shape), header.total,
-                               header.heartbeat or self.config.heartbeat,
-                               job_options(header.options), self.find_model(header.model), now)
-
-    def find_model(self, name: str) -> ev.ModelFound | str:
+    def find_model(self, name: str) -> ModelFound | str:
         """What the repository says of a job's model: its shape and digest, or why not."""
         try:
             spec, manifest = self.models.lookup(name)
         except Exception as exc:  # ModelError, or a bug: either way the client hears why
             return (str(exc) if isinstance(exc, ModelError) else
                     f"cannot use model {name!r}: {type(exc).__name__}: {exc}")
-        return ev.ModelFound(tuple(spec.item_shape), manifest.digest, spec.preprocess.layout,
-                             spec.resize.crops)
+        return ModelFound(item_shape=tuple(spec.item_shape), digest=manifest.digest,
+                          layout=spec.preprocess.layout, crops=spec.resize.crops)
 
     # ---------------------------------------------------------------- files
 
@@ -348,12 +303,12 @@ class Broker:
                                  f"{protocol.MAX_MESSAGE_BYTES:,}-byte frame limit")
             contents = [mapped(spec.files()[f.name]) for f in manifest.files]
         except (ModelError, OSError) as exc:
-            self.send(identity, Command.MODEL, {"model": name, "digest": digest, "files": [],
-                                                "error": str(exc)})
+            self.send(identity, messages.Model(model=name, digest=digest, files=[],
+                                               error=str(exc)))
             return None
         entry.fetched[name] = entry.fetched.get(name, 0) + 1
         log.info("sending model %s (%d bytes) to %s", name, size, entry.name)
-        self.send(identity, Command.MODEL, manifest.header(), contents)
+        self.send(identity, manifest.header(), contents)
         return None
 
     # ----------------------------------------------------------------- info
@@ -363,10 +318,10 @@ class Broker:
         ``model``, that model's card at once."""
         wanted = header.wait_workers
         if header.model is not None:
-            self.send(identity, Command.INFO, {},
+            self.send(identity, messages.Info(),
                       protocol.document_frames({"model": self.model_card(header.model)}))
         elif len(self.state.workers) >= wanted:
-            self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
+            self.send(identity, messages.Info(), protocol.document_frames(self.snapshot()))
         elif len(self.info_waiters) >= MAX_INFO_WAITERS:
             raise ProtocolError("too many INFO requests waiting for workers")
         else:
@@ -379,7 +334,7 @@ class Broker:
         oldest = self.clock() - INFO_WAIT_LIMIT
         for identity, wanted, since in waiting:
             if len(self.state.workers) >= wanted:
-                self.send(identity, Command.INFO, {}, protocol.document_frames(self.snapshot()))
+                self.send(identity, messages.Info(), protocol.document_frames(self.snapshot()))
             elif since > oldest:
                 self.info_waiters.append((identity, wanted, since))
 
@@ -399,90 +354,6 @@ class Broker:
         now = self.clock()
         return {"endpoint": self.endpoint, "uptime_s": now - self.started_at,
                 "metrics": self.metrics_url, **self.state.describe(now)}
-
-
-# ---------------------------------------------------------------- decoding, one per command
-
-
-def worker_facts(header: messages.Ready) -> ev.WorkerFacts:
-    """A READY header's facts; ProtocolError if its models do not fit or do not add up."""
-    check_models(header.models)
-    if not all(name in header.models for name in header.loaded):
-        raise ProtocolError("READY 'loaded' must list advertised models")
-    return ev.WorkerFacts(header.device, header.host, header.pid, header.backend,
-                          header.threads, dict(header.models), frozenset(header.loaded),
-                          header.slots, header.heartbeat, dict(header.engines),
-                          {model: (images, seconds) for model, (images, seconds)
-                           in header.speeds.items()
-                           if model in header.models and images > 0 and seconds > 0})
-
-
-def job_options(options: Options) -> JobOptions:
-    """SUBMIT options (types and ranges checked on decode), with the engine checked;
-    ProtocolError if the workers have no such engine."""
-    from farm.engines.engine import job_engine  # the engines' names, not the engines: cheap
-
-    try:
-        engine = job_engine(options.engine) if options.engine is not None else None
-    except ValueError as exc:
-        raise ProtocolError(str(exc)) from None
-    params = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in options.params.items())
-    return JobOptions(options.algo, params, options.priority, options.timeout, options.client,
-                      engine)
-
-
-def event_of(identity: bytes, message: Message, now: float) -> ev.Event:
-    """The state's event for a message from a worker or a client; ProtocolError if its
-    facts do not add up."""
-    payload = message.payload
-    match message.header:
-        case messages.Ready() as ready:
-            return ev.WorkerJoined(identity, worker_facts(ready), now)
-        case messages.Heartbeat(job=None, computed=computed, engines=engines):
-            return ev.WorkerHeard(identity, now, computed, engines)
-        case messages.Heartbeat(job=str(job)):
-            return ev.ClientHeard(identity, job, now)
-        case messages.Result() as result:
-            try:
-                message.failures()  # the client relies on it: a bad list fails the job here
-                problem = None
-            except ProtocolError as exc:
-                problem = str(exc)
-            return ev.ChunkDone(identity, result.job, result.chunk, result.start, result.count,
-                                result.dtype, tuple(result.item_shape), result.timings, now,
-                                payload, result.failed, problem)
-        case messages.Failed() as failed:
-            return ev.ChunkFailed(identity, failed.job, failed.chunk, failed.error,
-                                  failed.fatal, now, failed.charge)
-        case messages.Data() as data:
-            return ev.DataArrived(identity, data.job, data.chunk, data.start, data.count,
-                                  payload_bytes(payload), len(payload), now, payload)
-        case messages.Disconnect():
-            return ev.WorkerLeft(identity, now)
-        case messages.Cancel() as cancel:
-            return ev.JobCancelled(identity, cancel.job, now)
-    raise ProtocolError(f"{message.command.name} is not accepted here")
-
-
-def payload_bytes(frames: list[Any]) -> int:
-    return sum(f.buffer.nbytes if hasattr(f, "buffer") else len(f) for f in frames)
-
-
-def task_header(task: ev.SendTask) -> dict[str, Any]:
-    header = {"job": task.job, "chunk": task.chunk, "attempt": task.attempt,
-              "start": task.start, "count": task.count, "model": task.model,
-              "digest": task.digest, "dtype": task.dtype, "item_shape": list(task.item_shape)}
-    if task.engine:
-        header["engine"] = list(task.engine)
-    return header
-
-
-def result_header(forward: ev.SendResult) -> dict[str, Any]:
-    result = forward.result
-    return {"job": result.job, "chunk": result.chunk, "start": result.start,
-            "count": result.count, "dtype": result.dtype, "item_shape": list(result.item_shape),
-            "timings": result.timings, "worker": forward.worker, "attempt": forward.attempt,
-            "trace": list(forward.trace), **({"failed": result.failed} if result.failed else {})}
 
 
 def mapped(path: Path) -> Any:

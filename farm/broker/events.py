@@ -1,17 +1,19 @@
 """What goes into ``FarmState.handle`` (events) and what comes out (instructions).
 
-Events are what the broker decoded from a socket, or a timer; each carries ``at``, the
-driver's clock.  Instructions are messages to send and workers to drop; the driver (the
-broker's I/O loop, or the simulator) carries them out.  ``payload`` fields are opaque to
-the state: the broker passes zmq frames through, the simulator whatever it likes.
+Events are what the broker decoded from a socket (``farm.broker.wire`` makes them), or a
+timer; each carries ``at``, the driver's clock.  Instructions are messages to send and
+workers to drop; the driver (the broker's I/O loop, through the wire adapter, or the
+simulator) carries them out.  ``payload`` and ``header`` fields are opaque to the state:
+the broker passes zmq frames and decoded headers through, the simulator whatever it likes.
+Both are built by keyword; ``matching`` picks instructions out by their fields.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
-from farm.broker.jobs import JobOptions
+from farm.broker.facts import JobOptions, ModelFound, WorkerFacts
 from farm.summary import JobSummary
 
 Peer = bytes  # a ZeroMQ identity: a worker's or a client's
@@ -20,31 +22,14 @@ Peer = bytes  # a ZeroMQ identity: a worker's or a client's
 # ------------------------------------------------------------------------------- events
 
 
-@dataclass(frozen=True)
-class WorkerFacts:
-    """What a worker registers with (its READY header, checked)."""
-
-    device: str
-    host: str
-    pid: int
-    backend: str
-    threads: int
-    models: dict[str, Any]  # name -> {"input_shape": [...]}: what it can run
-    loaded: frozenset[str]  # models it has loaded
-    slots: int
-    heartbeat: float = 1.0
-    engines: dict[str, str] = field(default_factory=dict)
-    speeds: dict[str, tuple[int, float]] = field(default_factory=dict)  # images, compute s
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerJoined:
     worker: Peer
     facts: WorkerFacts
     at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerLeft:
     """The worker said goodbye (DISCONNECT), or (``crashed``) its connection closed without
     one: its process died, and the chunk it was computing is charged an attempt."""
@@ -55,7 +40,7 @@ class WorkerLeft:
     crashed: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerHeard:
     """A worker's heartbeat, with its running compute counters and engines if it sent them."""
 
@@ -65,26 +50,26 @@ class WorkerHeard:
     engines: dict[str, str] | None = None
 
 
-@dataclass(frozen=True)
-class ChunkDone:
-    """A worker's RESULT for attempt ``chunk`` of ``job``."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResultArrived:
+    """A worker's RESULT for attempt ``chunk`` of ``job``; ``header``: the RESULT's own
+    header, forwarded to the client with the payload (opaque to the state)."""
 
     worker: Peer
     job: str
     chunk: int
     start: int
     count: int
-    dtype: str
-    item_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
     timings: dict[str, float]
     at: float
+    header: Any = None
     payload: Any = ()
-    failed: int = 0  # items that failed on their own (undecodable files, NaN pixels)
-    problem: str | None = None  # why the result cannot be taken (a malformed failures list)
+    problem: str | None = None  # why the result cannot be taken (the wire's checks)
 
 
-@dataclass(frozen=True)
-class ChunkFailed:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FailureArrived:
     """A worker's FAILED for attempt ``chunk``; ``fatal``: the model cannot run, fail the job;
     ``charge``: count it against the chunk's items."""
 
@@ -97,17 +82,7 @@ class ChunkFailed:
     charge: bool = True
 
 
-@dataclass(frozen=True)
-class ModelFound:
-    """The broker's repository holds the job's model: its input shape and content digest."""
-
-    item_shape: tuple[int, ...]
-    digest: str
-    layout: str = "CHW"
-    crops: int = 1  # inputs per image file (10 when the model oversamples)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class JobSubmitted:
     """A client's SUBMIT; ``model`` is what the broker's repository said of its model (an
     error text if it has no such model)."""
@@ -124,14 +99,14 @@ class JobSubmitted:
     at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class JobCancelled:
     client: Peer
     job: str
     at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ClientHeard:
     """A client's heartbeat for its job."""
 
@@ -140,7 +115,7 @@ class ClientHeard:
     at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ClientLeft:
     """A client's connection closed (its process died, or it quit): its jobs end."""
 
@@ -148,36 +123,35 @@ class ClientLeft:
     at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataArrived:
-    """A client's DATA: the input of one chunk, ``nbytes`` long."""
+    """A client's DATA: the input of one chunk."""
 
     client: Peer
     job: str
     chunk: int
     start: int
     count: int
-    nbytes: int
-    frames: int
     at: float
     payload: Any = ()
+    problem: str | None = None  # why the input cannot be taken (the wire's checks)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Tick:
     """Time passed: silent workers and clients expire, job deadlines pass."""
 
     at: float
 
 
-Event = (WorkerJoined | WorkerLeft | WorkerHeard | ChunkDone | ChunkFailed | JobSubmitted
-         | JobCancelled | ClientHeard | ClientLeft | DataArrived | Tick)
+FarmEvent = (WorkerJoined | WorkerLeft | WorkerHeard | ResultArrived | FailureArrived
+             | JobSubmitted | JobCancelled | ClientHeard | ClientLeft | DataArrived | Tick)
 
 
 # ------------------------------------------------------------------------- instructions
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SendNeed:
     """Ask a client for the input of one chunk (it answers with DATA)."""
 
@@ -188,7 +162,7 @@ class SendNeed:
     count: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SendTask:
     """A chunk's input, forwarded to its worker."""
 
@@ -206,19 +180,19 @@ class SendTask:
     payload: Any = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SendResult:
     """A chunk's outputs (the worker's ``result``), forwarded to its client; ``trace``:
     assigned, sent and answered, seconds after the job's submission."""
 
     client: Peer
-    result: ChunkDone
+    result: ResultArrived
     worker: str
     attempt: int
     trace: tuple[float, float, float]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SendFailed:
     """Items given up (every attempt failed): the client fills them and reports them."""
 
@@ -230,14 +204,14 @@ class SendFailed:
     error: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SendDone:
     client: Peer
     job: str
     summary: JobSummary
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SendCancel:
     """To a client: its job stopped (``reason``, ``summary``); to a worker: drop the job's
     chunks (neither)."""
@@ -248,7 +222,7 @@ class SendCancel:
     summary: JobSummary | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SendError:
     peer: Peer
     error: str
@@ -256,7 +230,7 @@ class SendError:
     unknown_job: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DropWorker:
     """A peer the state does not know as a worker spoke like one: tell it to register again."""
 
@@ -265,3 +239,17 @@ class DropWorker:
 
 Instruction = (SendNeed | SendTask | SendResult | SendFailed | SendDone | SendCancel
                | SendError | DropWorker)
+
+
+Kind = TypeVar("Kind")
+
+
+def matching(instructions: list[Any], kind: type[Kind], **values: Any) -> list[Kind]:
+    """The instructions of type ``kind`` whose fields equal ``values``, in order."""
+    names = {f.name for f in fields(kind)}  # type: ignore[arg-type]
+    unknown = set(values) - names
+    if unknown:
+        raise TypeError(f"{kind.__name__} has no field {', '.join(sorted(unknown))}")
+    return [each for each in instructions if isinstance(each, kind)
+            and all(getattr(each, name) == value for name, value in values.items())]
+

@@ -3,47 +3,17 @@ shares."""
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from farm import defaults, protocol
+from farm import defaults
 from farm.broker.blame import Evidence
+from farm.broker.facts import JobOptions
 from farm.broker.registry import WorkerEntry
 from farm.policies import Chunk, Policy
-from farm.protocol import ProtocolError
+from farm.shapes import ENCODED, MAX_TASK_BYTES, SIZE_BYTES, item_bytes
 from farm.summary import FailedItems, JobSummary, WorkerShare
-
-if TYPE_CHECKING:
-    from farm.broker.events import ChunkDone, DataArrived
-
-
-@dataclass(frozen=True)
-class JobOptions:
-    """What a client chooses per job (the SUBMIT header's ``options``).
-
-    ``algo`` and ``params``: the job's own policy (default: the broker's);
-    ``priority``: jobs of higher priority are offered free slots first;
-    ``timeout``: seconds after submission at which the broker cancels the job;
-    ``client``: who submitted it (``host:pid``), shown by ``farm status``;
-    ``engine``: ``(backend, precision)`` the workers run this job's chunks on, instead of
-    their own.
-    """
-
-    algo: str | None = None
-    params: tuple[tuple[str, Any], ...] = ()
-    priority: int = 0
-    timeout: float | None = None
-    client: str = ""
-    engine: tuple[str, str] | None = None
-
-    def policy(self, default_algo: str, default_params: dict[str, Any]) -> tuple[str, dict]:
-        """The job's policy name and parameters: the broker's unless the job chose (they are
-        checked when the broker makes the job's policy)."""
-        if self.algo is None or (self.algo == default_algo and not self.params):
-            return default_algo, dict(default_params)
-        return self.algo, dict(self.params)
 
 
 @dataclass
@@ -53,12 +23,16 @@ class ChunkRecord:
     id: int
     job: Job
     chunk: Chunk
-    worker: WorkerEntry
+    worker: WorkerEntry[ChunkRecord]
     attempt: int = 1  # 1 + the most times any of its items ran without a result
     assigned_at: float = 0.0  # when the policy assigned it (the broker asked for its input)
     sent_at: float | None = None  # when the TASK went to the worker
     sent_seq: int = 0  # the order TASKs went out: a worker computes its chunks in this order
     retry: bool = False  # from the job's retry line, run outside its policy
+
+    @property
+    def job_id(self) -> str:
+        return self.job.id
 
 
 @dataclass
@@ -108,11 +82,12 @@ class Job:
     retry_failures: int = 0  # failed attempts at retried ranges, against RETRY_LIMIT
     items_run: int = 0  # items of every TASK sent: the job's size plus what ran again
     shares: dict[str, Share] = field(default_factory=dict)
-    eligible: dict[str, WorkerEntry] = field(default_factory=dict)  # workers offered this job
-    output_shape: tuple[int, ...] | None = None
+    # workers offered this job
+    eligible: dict[str, WorkerEntry[ChunkRecord]] = field(default_factory=dict)
+    output_shape: tuple[int, ...] | None = None  # of its chunks' outputs, once one came back
 
     def __post_init__(self) -> None:
-        self.item_bytes = protocol.check_array_spec(self.dtype, self.item_shape)
+        self.item_bytes = item_bytes(self.dtype, self.item_shape)
         self.client_seen = self.submitted_at
 
     @property
@@ -166,53 +141,15 @@ class Job:
         """The most items one chunk may hold: its input must fit ``MAX_TASK_BYTES``; for image
         files, both as sent (a file's size takes 4 bytes more) and as decoded."""
         per_item = self.item_bytes
-        if self.dtype == protocol.ENCODED:
-            per_item = max(per_item + protocol.SIZES_DTYPE.itemsize, self.decoded_bytes)
-        return max(1, protocol.MAX_TASK_BYTES // per_item)
+        if self.dtype == ENCODED:
+            per_item = max(per_item + SIZE_BYTES, self.decoded_bytes)
+        return max(1, MAX_TASK_BYTES // per_item)
 
     def attempt_of(self, chunk: Chunk) -> int:
         """1 + the most times any item of the chunk ran without a result."""
         return 1 + self.evidence.tally(chunk).runs
 
-    def check_data(self, record: ChunkRecord, data: DataArrived) -> None:
-        """A DATA message must hold exactly the chunk's items; ProtocolError if not."""
-        chunk = record.chunk
-        if (data.start, data.count) != (chunk.start, chunk.count):
-            raise ProtocolError(f"job {self.id}: DATA for items {data.start}+{data.count}, "
-                                f"the broker asked for {chunk.start}+{chunk.count}")
-        if self.dtype == protocol.ENCODED:
-            protocol.check_files(data.payload, chunk.count, self.item_bytes)
-            return
-        if data.frames != 1:
-            raise ProtocolError("DATA carries exactly one frame")
-        size = data.nbytes
-        if size != chunk.count * self.item_bytes:
-            raise ProtocolError(f"job {self.id}: DATA of {size} bytes, expected {chunk.count} x "
-                                f"{self.item_bytes}")
-
-    def check_result(self, record: ChunkRecord, result: ChunkDone) -> str | None:
-        """Why a worker's RESULT cannot be accepted for ``record``, or None."""
-        chunk = record.chunk
-        if (result.start, result.count) != (chunk.start, chunk.count):
-            return f"answers items {result.start}+{result.count}, not the chunk's"
-        if result.problem is not None:
-            return result.problem
-        if result.dtype != "float32":
-            return f"outputs are {result.dtype}, not float32"
-        shape = tuple(result.item_shape)
-        if self.output_shape not in (None, shape):
-            return f"output shape {shape} differs from earlier chunks' {self.output_shape}"
-        timings = result.timings
-        for key in ("compute", "receive", "send", "device", "copy", "load"):
-            value = timings.get(key, 0.0)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                return f"{key} time {value!r} is not a time"
-        if "compute" not in timings:
-            return "no compute time"
-        self.output_shape = shape
-        return None
-
-    def account(self, worker: WorkerEntry, chunk: Chunk, compute: float,
+    def account(self, worker: WorkerEntry[ChunkRecord], chunk: Chunk, compute: float,
                 load: float = 0.0) -> None:
         share = self.shares.get(worker.id)
         if share is None:
@@ -243,3 +180,7 @@ class Job:
                           failed_attempts=self.evidence.charged,
                           lost_attempts=self.evidence.lost,
                           items_run=self.items_run)
+
+
+#: A worker's registry entry, holding the broker's chunk records.
+Worker = WorkerEntry[ChunkRecord]

@@ -9,25 +9,25 @@ and ``farm_chunk_queue_seconds``, ``onJobDequeued`` is
 ``farm_chunk_compute_seconds`` with the per-worker ``_total`` counters.
 
 The broker loop updates counters and histograms as events happen; gauges are
-read at scrape time from the broker's state (single reads of the loop's
-dicts, atomic under the GIL).  Series of a worker that leaves are removed.
+read at scrape time through the callable the broker gives (``FarmState.counts``:
+single reads of the loop's dicts, atomic under the GIL) and the broker's clock.
+Series of a worker that leaves are removed.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
-from farm.client.trace import network_seconds
+from farm.summary import network_seconds
 
 if TYPE_CHECKING:
-    from farm.broker.broker import Broker
     from farm.broker.registry import WorkerEntry
+    from farm.broker.state import FarmCounts
 
 #: Latency buckets, in seconds: 0.5 ms to 30 s.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -39,9 +39,11 @@ JOB_STATES = ("queued", "running")
 class BrokerMetrics:
     """The broker's metrics in a registry of their own; ``serve`` starts the HTTP endpoint."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, clock: Callable[[], float], counts: Callable[[], FarmCounts]) -> None:
+        """``clock``: the broker's; ``counts``: the farm's numbers now (read at scrape time,
+        from the HTTP server's thread)."""
         disable_created_metrics()  # no *_created series: they double the output, say little
-        self.broker = broker
+        self.clock = clock
         self.registry = CollectorRegistry()
         per_worker: dict[str, Any] = {"labelnames": WORKER_LABELS, "registry": self.registry}
         self.images = Counter("farm_worker_images", "Images computed by the worker.",
@@ -71,7 +73,7 @@ class BrokerMetrics:
         self.heartbeat_age = Gauge("farm_worker_heartbeat_age_seconds",
                                    "Seconds since the broker last heard from the worker.",
                                    **per_worker)
-        self.registry.register(_LiveCollector(broker))
+        self.registry.register(_LiveCollector(counts))
         self.server: Any = None
 
     def serve(self, host: str, port: int) -> str:
@@ -90,7 +92,7 @@ class BrokerMetrics:
         labels = labels_of(entry)
         self.in_flight.labels(*labels).set_function(lambda: len(entry.in_flight))
         self.heartbeat_age.labels(*labels).set_function(
-            lambda: self.broker.clock() - entry.last_seen)
+            lambda: self.clock() - entry.last_seen)
         for counter in (self.images, self.chunks, self.compute, self.failures):
             counter.labels(*labels)  # present at 0 from the start
 
@@ -127,31 +129,31 @@ def labels_of(entry: WorkerEntry) -> tuple[str, str, str]:
 
 
 class _LiveCollector:
-    """Series read from the broker's state at scrape time: jobs by state, workers, and
+    """Series read from the farm's numbers at scrape time: jobs by state, workers, and
     the recovery counters of ``FarmStats``."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, counts: Callable[[], FarmCounts]) -> None:
+        self.counts = counts
 
     def collect(self) -> Iterator[Any]:
-        jobs = list(self.broker.state.jobs.values())
+        counts = self.counts()
         by_state = GaugeMetricFamily("farm_jobs", "Jobs the broker holds, by state.",
                                      labels=["state"])
         for state in JOB_STATES:
-            by_state.add_metric([state], sum(1 for job in jobs if job.state() == state))
+            by_state.add_metric([state], counts.jobs.get(state, 0))
         yield by_state
         yield GaugeMetricFamily("farm_workers", "Workers registered with the broker.",
-                                value=len(self.broker.state.workers))
+                                value=counts.workers)
         yield GaugeMetricFamily("farm_chunks_waiting", "Chunks assigned whose input the broker "
                                 "is still fetching from the client.",
-                                value=sum(len(job.pending) for job in jobs))
+                                value=counts.chunks_waiting)
         ended = CounterMetricFamily("farm_jobs_ended", "Jobs that ended, by outcome.",
                                     labels=["outcome"])
-        for outcome, count in list(self.broker.state.outcomes.items()):
+        for outcome, count in counts.outcomes.items():
             ended.add_metric([outcome], count)
         yield ended
         events = CounterMetricFamily("farm_broker_events", "Failures the broker saw and "
                                      "recovered from, by kind.", labels=["event"])
-        for name, value in asdict(self.broker.state.stats).items():
+        for name, value in counts.stats.items():
             events.add_metric([name], value)
         yield events

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
-from farm import defaults, protocol
-from farm.messages import ModelFacts
-
-if TYPE_CHECKING:
-    from farm.broker.events import WorkerFacts
-    from farm.broker.jobs import ChunkRecord
+from farm import defaults
+from farm.broker.facts import WorkerFacts
 
 #: Seconds behind a worker's images/s and busy share in ``farm status``.
 RECENT_WINDOW = 5.0
@@ -31,8 +27,20 @@ class ModelHistory:
         return self.items / self.compute_s if self.compute_s > 0 else 0.0
 
 
+class Attempt(Protocol):
+    """What the registry reads of a chunk in flight (``farm.broker.jobs.ChunkRecord``)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+
+#: The chunks a worker holds: ``jobs.ChunkRecord`` in the broker (the registry does not
+#: import the jobs, which hold its entries).
+A = TypeVar("A", bound=Attempt)
+
+
 @dataclass
-class WorkerEntry:
+class WorkerEntry(Generic[A]):
     """One connected worker."""
 
     identity: bytes
@@ -41,13 +49,13 @@ class WorkerEntry:
     pid: int
     backend: str
     threads: int
-    models: dict[str, ModelFacts]  # what it can run
+    models: dict[str, tuple[int, ...]]  # what it can run: name -> input shape
     loaded: set[str]  # models it has loaded
     slots: int
     engines: dict[str, str] = field(default_factory=dict)  # model -> "openvino f32 batch 64"
     heartbeat: float = defaults.HEARTBEAT  # seconds between the worker's heartbeats
     last_seen: float = 0.0  # broker clock when the worker was last heard from
-    in_flight: dict[int, ChunkRecord] = field(default_factory=dict)
+    in_flight: dict[int, A] = field(default_factory=dict)
     history: dict[str, ModelHistory] = field(default_factory=dict)
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times its files were sent
     offered: set[str] = field(default_factory=set)  # jobs that declined its free slot
@@ -69,7 +77,7 @@ class WorkerEntry:
         return f"{self.host}/{self.device}"
 
     @classmethod
-    def from_facts(cls, identity: bytes, facts: WorkerFacts) -> WorkerEntry:
+    def from_facts(cls, identity: bytes, facts: WorkerFacts) -> WorkerEntry[A]:
         """The entry of a worker that registered with ``facts``."""
         entry = cls(identity=identity, device=facts.device, host=facts.host, pid=facts.pid,
                     backend=facts.backend, threads=facts.threads, models=dict(facts.models),
@@ -120,13 +128,8 @@ class WorkerEntry:
                 "fetched": dict(self.fetched),
                 "state": "busy" if self.in_flight else "idle", "slots": self.slots,
                 "in_flight": len(self.in_flight), "rate": rate, "busy_share": busy,
-                "jobs": sorted({record.job.id for record in self.in_flight.values()}),
+                "jobs": sorted({record.job_id for record in self.in_flight.values()}),
                 "uptime_s": now - self.joined_at,
                 "items_done": sum(h.items for h in self.history.values()),
                 "compute_s": sum(h.compute_s for h in self.history.values())}
 
-
-def check_models(models: dict[str, ModelFacts]) -> None:
-    """An advertised model's input must fit in a frame; ProtocolError if not."""
-    for facts in models.values():
-        protocol.check_array_spec("float32", facts.input_shape)

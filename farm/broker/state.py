@@ -42,11 +42,11 @@ from farm import defaults
 from farm.broker import events as ev
 from farm.broker.blame import Mark, halves, suspect
 from farm.broker.churn import Churn
-from farm.broker.jobs import ChunkRecord, Job
+from farm.broker.jobs import ChunkRecord, Job, Worker
 from farm.broker.registry import WorkerEntry
 from farm.policies import (Assign, Chunk, ChunkDone, ChunkFailed, Event, WorkerBusy,
                            WorkerLost, WorkerReady, make_policy)
-from farm.protocol import ENCODED, ProtocolError, input_mismatch
+from farm.shapes import ENCODED, input_mismatch
 from farm.summary import FailedItems
 
 log = logging.getLogger("farm.broker")
@@ -100,17 +100,28 @@ class FarmStats:
     jobs_expired: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class FarmCounts:
+    """The farm's numbers at one moment (the broker's metrics read them)."""
+
+    jobs: dict[str, int]  # by state: queued, running
+    workers: int
+    chunks_waiting: int  # assigned, their input not back from the client yet
+    outcomes: dict[str, int]  # jobs ended, by outcome
+    stats: dict[str, int]  # FarmStats
+
+
 class Observer(Protocol):
     """Who hears of workers and chunks as they come and go (the broker's metrics)."""
 
-    def worker_joined(self, entry: WorkerEntry) -> None: ...
+    def worker_joined(self, entry: Worker) -> None: ...
 
-    def worker_left(self, entry: WorkerEntry) -> None: ...
+    def worker_left(self, entry: Worker) -> None: ...
 
-    def chunk_done(self, entry: WorkerEntry, items: int, timings: dict[str, float],
+    def chunk_done(self, entry: Worker, items: int, timings: dict[str, float],
                    queued_s: float, round_trip_s: float) -> None: ...
 
-    def chunk_failed(self, entry: WorkerEntry) -> None: ...
+    def chunk_failed(self, entry: Worker) -> None: ...
 
 
 class FarmState:
@@ -121,8 +132,8 @@ class FarmState:
         config.check()
         self.config = config
         self.observer = observer
-        self.workers: dict[bytes, WorkerEntry] = {}
-        self.by_id: dict[str, WorkerEntry] = {}  # the same entries by policy worker id
+        self.workers: dict[bytes, Worker] = {}
+        self.by_id: dict[str, Worker] = {}  # the same entries by policy worker id
         self.jobs: dict[str, Job] = {}
         self.running: dict[str, Job] = {}  # jobs with a policy (validated), by id
         self.order: list[Job] = []  # the running jobs in the order slots are offered
@@ -139,7 +150,7 @@ class FarmState:
         self.out: list[ev.Instruction] = []
         self.retries_added = False  # a range joined a retry line during this event
 
-    def handle(self, event: ev.Event) -> list[ev.Instruction]:
+    def handle(self, event: ev.FarmEvent) -> list[ev.Instruction]:
         """Apply one event; return the instructions it causes, in order."""
         self.now = max(self.now, event.at)
         self.out = []
@@ -154,7 +165,7 @@ class FarmState:
     def on_worker_joined(self, event: ev.WorkerJoined) -> None:
         if event.worker in self.workers:
             self.lose_worker(event.worker, "re-registered")
-        entry = WorkerEntry.from_facts(event.worker, event.facts)
+        entry: Worker = WorkerEntry.from_facts(event.worker, event.facts)
         entry.last_seen = entry.joined_at = event.at
         self.workers[event.worker] = self.by_id[entry.id] = entry
         self.places[entry.place] += 1
@@ -180,14 +191,14 @@ class FarmState:
     def on_worker_heard(self, event: ev.WorkerHeard) -> None:
         entry = self.heard_worker(event.worker)
         if entry is None:
-            self.out.append(ev.DropWorker(event.worker))  # a worker we dropped: re-register
+            self.out.append(ev.DropWorker(worker=event.worker))  # we dropped it: re-register
             return
         if event.computed is not None:
             entry.note_computed(event.computed, event.at)
         if event.engines is not None:
             entry.note_engines(event.engines)
 
-    def heard_worker(self, identity: bytes) -> WorkerEntry | None:
+    def heard_worker(self, identity: bytes) -> Worker | None:
         """The worker's entry, its silence reset; None if the state does not know it."""
         entry = self.workers.get(identity)
         if entry is not None:
@@ -258,26 +269,27 @@ class FarmState:
             log.info("dropped a reply for chunk %s from %s (late, duplicate or cancelled)",
                      chunk_id, entry.name if entry else identity.hex())
             if entry is None:
-                self.out.append(ev.DropWorker(identity))
+                self.out.append(ev.DropWorker(worker=identity))
             return None
         del entry.in_flight[record.id]
         return record
 
-    def on_chunk_done(self, event: ev.ChunkDone) -> None:
+    def on_result_arrived(self, event: ev.ResultArrived) -> None:
         record = self.answered_record(event.worker, event.job, event.chunk)
         if record is None:
             return
         job, chunk, entry = record.job, record.chunk, record.worker
-        problem = job.check_result(record, event)
-        if problem:
+        if event.problem:
             self.fail_job(job, f"worker {entry.name} returned a bad result for items "
-                               f"{chunk.start}..{chunk.stop - 1}: {problem}")
+                               f"{chunk.start}..{chunk.stop - 1}: {event.problem}")
             return
+        job.output_shape = event.output_shape
         compute = float(event.timings["compute"])
         job.account(entry, chunk, compute, float(event.timings.get("load", 0.0)))
         self.note_rate(job.model, entry)
         origin, sent = job.submitted_at, record.sent_at or record.assigned_at
-        self.out.append(ev.SendResult(job.client, event, entry.name, record.attempt, (
+        self.out.append(ev.SendResult(client=job.client, result=event, worker=entry.name,
+                                      attempt=record.attempt, trace=(
             record.assigned_at - origin, sent - origin, event.at - origin)))
         self.cap_chunks(job)  # speeds changed
         if self.observer:
@@ -291,7 +303,7 @@ class FarmState:
         self.finish_if_done(job)
         self.fill(entry)
 
-    def on_chunk_failed(self, event: ev.ChunkFailed) -> None:
+    def on_failure_arrived(self, event: ev.FailureArrived) -> None:
         """A chunk failed on its worker: a model error fails the job, anything else retries."""
         record = self.answered_record(event.worker, event.job, event.chunk)
         if record is None:
@@ -373,8 +385,8 @@ class FarmState:
         log.warning("job %s: items %d..%d given up: %s", job.id, chunk.start, chunk.stop - 1,
                     message, extra={"event": "chunk_abandoned", "job": job.id,
                                     "start": chunk.start, "count": chunk.count})
-        self.out.append(ev.SendFailed(job.client, job.id, record.id, chunk.start, chunk.count,
-                                      message))
+        self.out.append(ev.SendFailed(client=job.client, job=job.id, chunk=record.id,
+                                      start=chunk.start, count=chunk.count, error=message))
         if record.retry:
             job.retry_items -= chunk.count
         else:
@@ -383,7 +395,7 @@ class FarmState:
 
     # ---------------------------------------------------------------------- slots
 
-    def fill(self, entry: WorkerEntry) -> None:
+    def fill(self, entry: Worker) -> None:
         """Offer all of one worker's free slots to the jobs."""
         while entry.free_slots > 0 and self.offer_slot(entry):
             pass
@@ -399,7 +411,7 @@ class FarmState:
                 if entry.free_slots > 0 and self.offer_slot(entry):
                     progress = True
 
-    def offer_slot(self, entry: WorkerEntry) -> bool:
+    def offer_slot(self, entry: Worker) -> bool:
         """Offer one slot to the jobs in ``job_order``; True if one took it."""
         if entry.identity not in self.workers:
             return False
@@ -435,7 +447,7 @@ class FarmState:
     def placed_key(self, job: Job) -> tuple[int, int, int]:
         return self.placed[job.id]
 
-    def slots_taken(self, entry: WorkerEntry, taker: Job | None) -> None:
+    def slots_taken(self, entry: Worker, taker: Job | None) -> None:
         """The worker's last free slot went to ``taker`` (None: a range from a retry line,
         which no policy knows of): other jobs' policies that counted it as idle (jobs it was
         offered to and declined) hear it is busy."""
@@ -479,7 +491,7 @@ class FarmState:
             if entry.free_slots <= 0 and len(self.running) > 1:
                 self.slots_taken(entry, job)
 
-    def run_retry(self, job: Job, entry: WorkerEntry) -> bool:
+    def run_retry(self, job: Job, entry: Worker) -> bool:
         """Give the worker's free slot to the first range in the job's retry line that it
         may run: one no worker on its device failed, unless no other device is left.
         The job's policy, which does not know of it, hears the worker is busy if it
@@ -499,7 +511,7 @@ class FarmState:
         others = len(self.places) - (place in self.places)
         return others > sum(1 for p in blamed if p != place and p in self.places)
 
-    def assign(self, job: Job, chunk: Chunk, entry: WorkerEntry, retry: bool = False) -> None:
+    def assign(self, job: Job, chunk: Chunk, entry: Worker, retry: bool = False) -> None:
         """A new attempt: it takes the worker's slot now and asks the client for its input."""
         record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk),
                              assigned_at=self.now, retry=retry)
@@ -508,7 +520,8 @@ class FarmState:
         job.pending[record.id] = record
         if job.started_at is None:
             job.started_at = self.now
-        self.out.append(ev.SendNeed(job.client, job.id, record.id, chunk.start, chunk.count))
+        self.out.append(ev.SendNeed(client=job.client, job=job.id, chunk=record.id,
+                                    start=chunk.start, count=chunk.count))
 
     def on_data_arrived(self, event: ev.DataArrived) -> None:
         """A chunk's input from its client: forward it to the chunk's worker as the TASK."""
@@ -519,23 +532,23 @@ class FarmState:
         record = job.pending.pop(event.chunk, None)
         if record is None or record.id not in record.worker.in_flight:
             return  # its worker was lost meanwhile: the chunk was requeued
-        try:
-            job.check_data(record, event)
-        except ProtocolError as exc:
-            self.fail_job(job, str(exc))
+        if event.problem is not None:
+            self.fail_job(job, event.problem)
             return
         record.sent_at = event.at
         record.sent_seq = self.next_seq_sent
         self.next_seq_sent += 1
         chunk = record.chunk
         job.items_run += chunk.count
-        self.out.append(ev.SendTask(record.worker.identity, job.id, record.id, record.attempt,
-                                    chunk.start, chunk.count, job.model, job.digest, job.dtype,
-                                    job.item_shape, job.options.engine, event.payload))
+        self.out.append(ev.SendTask(worker=record.worker.identity, job=job.id, chunk=record.id,
+                                    attempt=record.attempt, start=chunk.start, count=chunk.count,
+                                    model=job.model, digest=job.digest, dtype=job.dtype,
+                                    item_shape=job.item_shape, engine=job.options.engine,
+                                    payload=event.payload))
 
     # ----------------------------------------------------------------------- caps
 
-    def note_rate(self, model: str, entry: WorkerEntry) -> None:
+    def note_rate(self, model: str, entry: Worker) -> None:
         """Keep the fastest rate per model current as one worker's rate moves (O(1) unless
         the fastest worker slowed down).  A rate of a worker since lost stands until a
         connected worker has one: new processes must not run uncapped chunks."""
@@ -580,7 +593,8 @@ class FarmState:
         refusal = self.refusal(event)
         if refusal:
             self.stats.bad_messages += 1
-            self.out.append(ev.SendError(event.client, refusal, event.job[:100] or None))
+            self.out.append(ev.SendError(peer=event.client, error=refusal,
+                                         job=event.job[:100] or None))
             return
         config = self.config
         algo, params = event.options.policy(config.algo, config.params)
@@ -666,8 +680,8 @@ class FarmState:
         """The client's job, or None after telling the client the farm has no such job."""
         job = self.jobs.get(job_id)
         if job is None or job.client != client:
-            self.out.append(ev.SendError(client, f"the broker has no job {job_id[:100]}",
-                                         job_id[:100], unknown_job=True))
+            self.out.append(ev.SendError(peer=client, error=f"the broker has no job "
+                                         f"{job_id[:100]}", job=job_id[:100], unknown_job=True))
             return None
         return job
 
@@ -679,13 +693,13 @@ class FarmState:
                      summary.broker_seconds,
                      extra={"event": "job_ended", "job": job.id, "outcome": "done",
                             "seconds": summary.broker_seconds})
-            self.out.append(ev.SendDone(job.client, job.id, summary))
+            self.out.append(ev.SendDone(client=job.client, job=job.id, summary=summary))
 
     def fail_job(self, job: Job, error: str) -> None:
         """Tell the client why its job failed; free the slots its chunks held."""
         log.warning("job %s failed: %s", job.id, error,
                     extra={"event": "job_ended", "job": job.id, "outcome": "failed"})
-        self.out.append(ev.SendError(job.client, error, job.id))
+        self.out.append(ev.SendError(peer=job.client, error=error, job=job.id))
         self.end_job(job, "failed")
 
     def cancel_job(self, job: Job, outcome: str, reason: str) -> None:
@@ -694,7 +708,7 @@ class FarmState:
                  extra={"event": "job_ended", "job": job.id, "outcome": outcome})
         summary = job.summary(self.now)
         self.end_job(job, outcome)
-        self.out.append(ev.SendCancel(job.client, job.id, reason, summary))
+        self.out.append(ev.SendCancel(peer=job.client, job=job.id, reason=reason, summary=summary))
 
     def end_job(self, job: Job, outcome: str) -> None:
         """Forget a job.  Chunks still waiting for input are dropped; workers running its
@@ -712,7 +726,7 @@ class FarmState:
                 if record.sent_at is None:
                     del entry.in_flight[record.id]
             if outcome != "done" and any(r.sent_at is not None for r in records):
-                self.out.append(ev.SendCancel(entry.identity, job.id))
+                self.out.append(ev.SendCancel(peer=entry.identity, job=job.id))
         self.cap_all()  # one job fewer: longer chunks may do
         self.fill_all()
 
@@ -739,7 +753,7 @@ class FarmState:
                 self.cancel_job(job, "timed_out",
                                 f"the job's timeout of {job.options.timeout:g} s passed")
 
-    def worker_expiry(self, entry: WorkerEntry) -> float:
+    def worker_expiry(self, entry: Worker) -> float:
         return self.config.liveness * max(self.config.heartbeat, entry.heartbeat)
 
     # ------------------------------------------------------------------------ views
@@ -753,14 +767,34 @@ class FarmState:
                 "workers": [entry.describe(now) for entry in self.workers.values()],
                 "jobs": [job.describe(now) for job in self.job_order()]}
 
+    def counts(self) -> FarmCounts:
+        """The farm's numbers now; safe to call from another thread (single reads of the
+        state's dicts, atomic under the GIL)."""
+        jobs = list(self.jobs.values())
+        return FarmCounts(jobs=Counter(job.state() for job in jobs), workers=len(self.workers),
+                          chunks_waiting=sum(len(job.pending) for job in jobs),
+                          outcomes=dict(self.outcomes), stats=asdict(self.stats))
+
+    def awaited_input(self, job_id: str, chunk_id: int) -> ChunkRecord | None:
+        """The attempt whose input (DATA) is awaited as ``chunk_id`` of ``job_id``, if any."""
+        job = self.jobs.get(job_id)
+        return job.pending.get(chunk_id) if job is not None else None
+
+    def awaited_result(self, worker: bytes, chunk_id: int) -> ChunkRecord | None:
+        """The attempt ``worker`` holds as ``chunk_id`` (a RESULT would answer it), if any."""
+        entry = self.workers.get(worker)
+        return entry.in_flight.get(chunk_id) if entry is not None else None
+
 
 HANDLERS: dict[type, Any] = {
     ev.WorkerJoined: FarmState.on_worker_joined, ev.WorkerLeft: FarmState.on_worker_left,
-    ev.WorkerHeard: FarmState.on_worker_heard, ev.ChunkDone: FarmState.on_chunk_done,
-    ev.ChunkFailed: FarmState.on_chunk_failed, ev.JobSubmitted: FarmState.on_job_submitted,
+    ev.WorkerHeard: FarmState.on_worker_heard, ev.ResultArrived: FarmState.on_result_arrived,
+    ev.FailureArrived: FarmState.on_failure_arrived,
+    ev.JobSubmitted: FarmState.on_job_submitted,
     ev.JobCancelled: FarmState.on_job_cancelled, ev.ClientHeard: FarmState.on_client_heard,
     ev.ClientLeft: FarmState.on_client_left,
     ev.DataArrived: FarmState.on_data_arrived, ev.Tick: FarmState.on_tick,
 }
 
-__all__ = ["FarmState", "FarmStats", "Observer", "SchedulingConfig", "SHARING", "OUTCOMES"]
+__all__ = ["FarmCounts", "FarmState", "FarmStats", "Observer", "SchedulingConfig", "SHARING",
+           "OUTCOMES"]

@@ -28,8 +28,8 @@ NO_BROKER_HINT = ("is a broker running there? --broker or FARM_BROKER give its a
 
 
 @dataclass(frozen=True, kw_only=True)
-class BrokerLink:
-    """How a command reaches its broker."""
+class BrokerAccess:
+    """How a command reaches its broker: where, with which keys, and how long it waits."""
 
     endpoint: str
     timeout: float = defaults.CLIENT_TIMEOUT  # seconds of broker silence before giving up
@@ -142,7 +142,7 @@ def check_journal(out: str, resume: bool) -> None:
         click.echo(f"--resume: no journal at {journal}: starting afresh", err=True)
 
 
-def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None,
+def run_job(broker: BrokerAccess, source: Source, model: str, out: str | None = None,
             quiet: bool = False, trace: str | None = None, journal: bool = False,
             resume: bool = False, answers: Answers | None = None,
             nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
@@ -174,7 +174,7 @@ def run_job(link: BrokerLink, source: Source, model: str, out: str | None = None
     if out and journal:
         check_journal(out, resume)
     try:
-        with link.connect() as client, contextlib.ExitStack() as stack:
+        with broker.connect() as client, contextlib.ExitStack() as stack:
             output = stack.enter_context(job_sink(
                 client, source, model, out, journal, answers, nan_shape,
                 job_engine(job_options.get("backend"), job_options.get("precision"))))

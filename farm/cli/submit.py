@@ -14,7 +14,7 @@ import click
 import numpy as np
 
 from farm import defaults
-from farm.cli.job import (NO_BROKER_HINT, BrokerLink, answers_wanted, load_input,
+from farm.cli.job import (NO_BROKER_HINT, BrokerAccess, answers_wanted, load_input,
                           output_shape, run_job)
 from farm.client.answers import ModelCard
 from farm.cli.options import (backend_option, broker_option, client_curve_option,
@@ -109,10 +109,10 @@ def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | 
     params = policy_params(algo, options) if algo else {}
     if not algo and any(value is not None for value in options.values()):
         raise click.UsageError("policy parameters need --algo (the job's own policy)")
-    link = BrokerLink(endpoint=broker_address, timeout=timeout, curve=curve,
-                      curve_name=curve_name)
+    broker = BrokerAccess(endpoint=broker_address, timeout=timeout, curve=curve,
+                          curve_name=curve_name)
     source = load_input(images)
-    run_job(link, source, model, out, quiet, trace, journal=True, resume=resume,
+    run_job(broker, source, model, out, quiet, trace, journal=True, resume=resume,
             answers=answers_wanted(source, out, top_k, local_card(model, models_dir)),
             priority=priority, job_timeout=job_timeout, algo=algo, params=params,
             backend=backend, precision=precision)
@@ -209,7 +209,7 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
             engines = local.engines(model)
             click.echo(f"farm ready in {local.start_seconds:.2f} s (not counted in the job): "
                        f"{model} on {engines or 'its engine'}", err=True)
-            outputs = run_job(BrokerLink(endpoint=local.endpoint), source, model, out, quiet,
+            outputs = run_job(BrokerAccess(endpoint=local.endpoint), source, model, out, quiet,
                               trace, answers=answers,
                               nan_shape=functools.partial(output_shape, spec))
             stopping = time.monotonic()
@@ -238,7 +238,7 @@ def no_sample(spec: ModelSpec, models_dir: tuple[str, ...]) -> str:
 def check_model_input(source: Source, spec: ModelSpec) -> None:
     """Refuse, before a local farm starts, what the model cannot take (its broker would
     refuse it in the same words)."""
-    from farm.protocol import input_mismatch
+    from farm.shapes import input_mismatch
 
     problem = input_mismatch(spec.name, spec.item_shape, spec.preprocess.layout, source.dtype,
                              tuple(source.item_shape))
@@ -330,9 +330,9 @@ def status(broker_address: str, as_json: bool, watch: float | None, timeout: flo
     """
     from farm.client.status import format_status
 
-    link = BrokerLink(endpoint=broker_address, timeout=timeout, curve=curve,
-                      curve_name=curve_name)
-    with link.connect() as client:
+    broker = BrokerAccess(endpoint=broker_address, timeout=timeout, curve=curve,
+                          curve_name=curve_name)
+    with broker.connect() as client:
         if wait_workers:
             await_workers(client, wait_workers, timeout)
         while True:

@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from farm.defaults import DECODED_FORMATS
 from farm.summary import plural
 
-#: The formats the workers decode (``farm.engines.images``), as messages name them.
-DECODED_FORMATS = ("JPEG", "PNG", "BMP", "TIFF", "WebP", "GIF", "PNM")
 #: Suffixes of the files a folder contributes (any case).
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".dib", ".tif", ".tiff",
                             ".webp", ".gif", ".pgm", ".ppm", ".pbm", ".pnm"})

@@ -25,8 +25,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from farm.client.imagefiles import InputError, find_image_files, find_inputs, unreadable
-from farm.client.npy import NpyReader
-from farm.protocol import ENCODED, MAX_FILE_BYTES, ProtocolError, check_array_spec
+from farm.client.npy import NpyError, NpyReader
+from farm.protocol import ENCODED, MAX_FILE_BYTES, ProtocolError, check_array_spec, file_frames
 
 __all__ = ["ArraySource", "FileSource", "InputError", "Source", "find_image_files",
            "find_inputs", "is_array_input", "open_input", "repeated"]
@@ -217,8 +217,6 @@ class FileSource:
 
     def frames(self, ranges: Sequence[tuple[int, int]]) -> list[Any]:
         """DATA's payload for these ranges of files: their sizes, then their bytes."""
-        from farm.protocol import file_frames
-
         return file_frames([self.read_file(index) for start, count in ranges
                             for index in range(start, start + count)])
 
@@ -279,8 +277,6 @@ def describe_dtype(dtype: np.dtype) -> str:
 
 def open_input(arguments: Sequence[str]) -> Source:
     """A source for command-line arguments: one `.npy` file, else image files."""
-    from farm.client.npy import NpyError
-
     arrays = [argument for argument in arguments if argument.lower().endswith(".npy")]
     if arrays and len(arguments) > 1:
         raise InputError(f"a .npy array is a job of its own: give {arrays[0]} alone (image "

@@ -16,7 +16,6 @@ evenly between the two directions to place the compute on the broker's clock
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from farm.messages import Result
-from farm.summary import FailedItems, JobSummary, WorkerShare
+from farm.summary import FailedItems, JobSummary, WorkerShare, network_seconds, seconds_of
 
 TRACE_FORMAT: Literal["farm-trace/1"] = "farm-trace/1"
 
@@ -83,11 +82,11 @@ class TraceRecorder:
             return  # a broker that does not trace
         assigned, sent, received = (moment + self.offset for moment in header.trace)
         network = network_seconds(received - sent, header.timings)
-        started = sent + network / 2 + _seconds(header.timings.get("receive"))
+        started = sent + network / 2 + seconds_of(header.timings.get("receive"))
         self.chunks.append(ChunkTrace(
             worker=header.worker or "?", start=item_start, count=count,
             attempt=header.attempt, assigned=assigned, sent=sent, arrived=sent + network / 2,
-            started=started, finished=started + _seconds(header.timings.get("compute")),
+            started=started, finished=started + seconds_of(header.timings.get("compute")),
             received=received, delivered=time.perf_counter() - self.started,
             device=_optional_seconds(header.timings.get("device")),
             copy=_optional_seconds(header.timings.get("copy"))))
@@ -106,20 +105,9 @@ class TraceRecorder:
                      failed=list(failed))
 
 
-def network_seconds(round_trip: float, timings: dict[str, Any]) -> float:
-    """The part of a chunk's round trip (TASK sent to RESULT back) spent on the network, both
-    ways: what the worker's receive, compute and send times leave over."""
-    spent = sum(_seconds(timings.get(key)) for key in ("receive", "compute", "send"))
-    return max(0.0, round_trip - spent)
-
-
-def _seconds(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
-
-
 def _optional_seconds(value: Any) -> float | None:
     """A time a worker may not report (older workers): None when absent."""
-    return None if value is None else _seconds(value)
+    return None if value is None else seconds_of(value)
 
 
 def save_trace(trace: Trace, path: str | Path) -> None:

@@ -32,17 +32,15 @@ from typing import Any
 import numpy as np
 
 from farm import defaults
-from farm.engines.engine import BACKENDS, BackendUnavailable, Engine, engine_class, release_free_memory
+from farm.engines.engine import (AUTO, BACKENDS, BackendUnavailable, Engine, engine_class,
+                                 release_free_memory)
+from farm.engines.modelcheck import check_inputs
+from farm.engines.tolerances import TOLERANCES, relative_difference
 from farm.modelrepo.caffe_net import Network, NetworkError
+from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, prepare
 
 log = logging.getLogger("farm.engines.autoselect")
-
-#: Largest output difference, relative to the reference output's largest magnitude, that
-#: counts as agreement, by precision (reduced precisions are compared with the f32 reference).
-#: In f32, correct backends differ by up to 8e-5 on a seeded ResNet-50's softmax (logits in
-#: the hundreds); a layer computed wrongly differs by 1e-2 or more.
-TOLERANCES = {"f32": 1e-3, "f16": 5e-2, "bf16": 1e-1}
 
 #: Compute batches tried (plus the prototxt's own), while one forward stays short; a GPU
 #: also tries larger ones (a small net keeps an H100 busy only from a few hundred images).
@@ -203,6 +201,16 @@ def remember(path: Path, choice: Choice) -> None:
         log.warning("cannot remember the engine choice in %s: %s", path, exc)
 
 
+def load_engine(spec: ModelSpec, backend: str = defaults.BACKEND, batch: int | None = None,
+                device: str = "cpu", threads: int | None = None,
+                precision: str = defaults.PRECISION, digest: str | None = None) -> Engine:
+    """A loaded engine: the named backend's, or for ``auto`` the fastest that agrees
+    (``digest``: the model's, when the caller knows it)."""
+    if backend == AUTO:
+        return choose(spec, device, threads, precision, batch, digest).loaded()
+    return engine_class(backend).load(spec, batch, device, threads, precision)
+
+
 def choose(spec: ModelSpec, device: str = "cpu", threads: int | None = None,
            precision: str = defaults.PRECISION, batch: int | None = None,
            digest: str | None = None, use_cache: bool = True) -> Choice:
@@ -214,8 +222,6 @@ def choose(spec: ModelSpec, device: str = "cpu", threads: int | None = None,
     reference.
     """
     if digest is None:
-        from farm.modelrepo.modelstore import manifest_of
-
         prepare(spec)
         digest = manifest_of(spec).digest
     path = cache_path(spec, digest, device, threads, precision, batch)
@@ -234,8 +240,6 @@ def choose(spec: ModelSpec, device: str = "cpu", threads: int | None = None,
 def time_backends(spec: ModelSpec, device: str, threads: int | None, precision: str,
                   batch: int | None, current: dict[str, str]) -> Choice:
     """Load, check and time every installed backend; the winner stays loaded."""
-    from farm.engines.modelcheck import check_inputs
-
     check_files(spec)
     images = check_inputs(spec, CHECK_IMAGES)
     trials: list[Trial] = []
@@ -340,15 +344,6 @@ def refuse_unconfirmed(spec: ModelSpec, trials: list[Trial],
             f"{TOLERANCES[precision]:g}) and no other backend confirms {reference[0]}'s "
             f"outputs; farm will not guess which is right. Compare them with `farm models "
             f"check {spec.name}`, or choose one with --backend")
-
-
-def relative_difference(outputs: np.ndarray, reference: np.ndarray) -> float:
-    """max |outputs - reference| over the reference's largest magnitude."""
-    if outputs.shape != reference.shape:
-        return float("inf")
-    scale = float(np.abs(reference).max())
-    difference = float(np.abs(outputs.astype(np.float64) - reference).max())
-    return difference / scale if scale > 0 else difference
 
 
 def candidate_batches(resting: int, device: str = "cpu") -> tuple[int, ...]:

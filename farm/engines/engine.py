@@ -22,8 +22,10 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from farm import defaults
-from farm.modelrepo.caffe_net import Network, NetworkError
+from farm.engines import onnx_export
 from farm.engines.preprocess import Transformer
+from farm.modelrepo.caffe_net import Network, NetworkError
+from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, prepare
 
 log = logging.getLogger("farm.engines.engine")
@@ -212,11 +214,8 @@ class Engine:
 
 def onnx_path(spec: ModelSpec) -> Path:
     """Where farm's ONNX export of a model is cached: one file per model digest."""
-    from farm.modelrepo.modelstore import manifest_of
-    from farm.engines.onnx_export import FORMAT
-
     digest = manifest_of(spec).digest
-    return cache_root() / "onnx" / f"{spec.name}-{digest[:24]}-v{FORMAT}.onnx"
+    return cache_root() / "onnx" / f"{spec.name}-{digest[:24]}-v{onnx_export.FORMAT}.onnx"
 
 
 def exported_onnx(spec: ModelSpec, network: Network | None = None) -> Path:
@@ -225,11 +224,9 @@ def exported_onnx(spec: ModelSpec, network: Network | None = None) -> Path:
     ``network``: the model already loaded with its weights, if at hand."""
     path = onnx_path(spec)
     if not path.is_file():
-        from farm.engines.onnx_export import export, save
-
         network = network or Network.load(spec.prototxt, spec.weights, spec.declared_input)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save(export(network, spec.output), path)
+        onnx_export.save(onnx_export.export(network, spec.output), path)
     return path
 
 
@@ -257,7 +254,8 @@ def require_onnx_engine(backend: str, module: str, library: str, hint: str) -> N
 
 
 def engine_class(backend: str) -> type[Engine]:
-    """The engine class of a backend; BackendUnavailable says how to get its library."""
+    """The engine class of a named backend (``auto`` is ``autoselect.load_engine``'s);
+    BackendUnavailable says how to get its library."""
     if backend not in BACKENDS:
         raise ModelError(f"unknown backend {backend!r}; use {AUTO} or one of "
                          f"{', '.join(BACKENDS)}")
@@ -265,19 +263,6 @@ def engine_class(backend: str) -> type[Engine]:
     module = importlib.import_module(module_name)
     module.require()
     return getattr(module, class_name)
-
-
-def load_engine(spec: ModelSpec, backend: str = defaults.BACKEND, batch: int | None = None,
-                device: str = "cpu", threads: int | None = None,
-                precision: str = defaults.PRECISION,
-                digest: str | None = None) -> Engine:
-    """A loaded engine; ``auto`` picks the fastest backend that agrees (``farm.engines.autoselect``;
-    ``digest``: the model's, when the caller knows it)."""
-    if backend == AUTO:
-        from farm.engines.autoselect import choose
-
-        return choose(spec, device, threads, precision, batch, digest).loaded()
-    return engine_class(backend).load(spec, batch, device, threads, precision)
 
 
 def available_backends() -> dict[str, str | None]:

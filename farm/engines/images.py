@@ -43,7 +43,7 @@ import cv2
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from farm.client.imagefiles import DECODED_FORMATS
+from farm.defaults import DECODED_FORMATS
 from farm.modelrepo.repository import ModelError, ModelSpec, Resize
 
 #: Default refusal threshold on the declared width x height.  A file of a few kilobytes

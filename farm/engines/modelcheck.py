@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from farm import defaults
-from farm.engines.autoselect import TOLERANCES, relative_difference
-from farm.engines.engine import BACKENDS, BackendUnavailable, load_engine
-from farm.modelrepo.repository import ModelError, ModelSpec
-
-#: Largest output difference, relative to the reference output's largest magnitude, that
-#: counts as the same in f32.
-TOLERANCE = TOLERANCES["f32"]
+from farm.engines.engine import BACKENDS, BackendUnavailable, engine_class
+from farm.engines.onnx_export import OPSET, export, save, shape_check
+from farm.engines.preprocess import Transformer
+from farm.engines.tolerances import TOLERANCE, TOLERANCES, relative_difference
+from farm.modelrepo.caffe_net import Network, NetworkError
+from farm.modelrepo.repository import ModelError, ModelSpec, prepare
 
 
 @dataclass
@@ -56,8 +55,8 @@ def check_model(spec: ModelSpec, inputs: np.ndarray, backends: tuple[str, ...] =
         check = BackendCheck(backend, tolerance=TOLERANCES[precision])
         checks.append(check)
         try:
-            engine = load_engine(spec, backend, threads=threads,
-                                 precision="f32" if reference is None else precision)
+            engine = engine_class(backend).load(
+                spec, threads=threads, precision="f32" if reference is None else precision)
             started = time.perf_counter()
             check.outputs = engine.run(inputs)
             check.seconds = time.perf_counter() - started
@@ -104,11 +103,6 @@ def export_checked(spec: ModelSpec, path: Path, inputs: np.ndarray) -> ExportChe
     """Write ``spec`` as ONNX at ``path`` (``onnx.checker`` passes it first), run it in ONNX
     Runtime, and compare with the first other backend that runs the model."""
     import onnxruntime
-
-    from farm.modelrepo.caffe_net import Network, NetworkError
-    from farm.engines.onnx_export import OPSET, export, save, shape_check
-    from farm.engines.preprocess import Transformer
-    from farm.modelrepo.repository import prepare
 
     prepare(spec)
     try:

@@ -71,9 +71,10 @@ class Manifest:
         lines = "".join(f"{f.name}\0{f.sha256}\n" for f in sorted(self.files, key=lambda f: f.name))
         return hashlib.sha256(lines.encode()).hexdigest()
 
-    def header(self) -> dict[str, Any]:
-        return {"model": self.model, "digest": self.digest,
-                "files": [[f.name, f.size, f.sha256] for f in self.files]}
+    def header(self) -> Model:
+        """The MODEL header that sends these files."""
+        return Model(model=self.model, digest=self.digest,
+                     files=[(f.name, f.size, f.sha256) for f in self.files])
 
     @classmethod
     def from_header(cls, header: Model) -> Manifest:

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from farm.broker import events as ev
-from farm.broker.jobs import JobOptions
+from farm.broker.facts import JobOptions
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.policies import Chunk
+from farm.simulation import kit
+from farm.simulation.kit import CLIENT
 
 
 #: Seconds over which a device's speed jitters independently (see ``DeviceModel.noise_factor``).
@@ -158,15 +160,11 @@ class SimulationStalled(RuntimeError):
     """The farm left work unassigned with nothing in flight."""
 
 
-#: The one model every simulated worker runs: one float per item.
-SIM_MODEL = "sim"
-
-
 @dataclass(order=True)
 class _Pending:
     at: float
     order: int
-    event: ev.Event | Callable[[float], None] = field(compare=False)
+    event: ev.FarmEvent | Callable[[float], None] = field(compare=False)
 
 
 @dataclass
@@ -186,7 +184,8 @@ class FarmSimulation:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
-        self.state = FarmState(self.config)
+        self.driver = kit.Driver(FarmState(self.config), sent=None)
+        self.state = self.driver.state
         self.devices = {d.name.encode(): d for d in self.scenario.devices}
         self.models = {d.name: d for d in self.scenario.devices}
         self.current = {d.name: d.name.encode() for d in self.scenario.devices}  # its worker
@@ -201,17 +200,20 @@ class FarmSimulation:
         self.errors: dict[str, str] = {}
         self.speeds: dict[str, float] = {}  # device -> speed remembered from earlier jobs
         for identity, device in self.devices.items():
-            self.at(0.0, ev.WorkerJoined(identity, worker_facts(self.scenario.slots, device.name),
-                                         0.0))
+            self.at(0.0, self.joined(identity, device.name, 0.0))
 
-    def at(self, when: float, event: ev.Event | Callable[[float], None]) -> None:
+    def joined(self, identity: bytes, device: str, at: float) -> ev.WorkerJoined:
+        """A simulated worker on ``device`` registers."""
+        return kit.joined(identity, at, slots=self.scenario.slots, device=device, host="sim",
+                          pid=0)
+
+    def at(self, when: float, event: ev.FarmEvent | Callable[[float], None]) -> None:
         heapq.heappush(self.queue, _Pending(when, self.order, event))
         self.order += 1
 
     def submit(self, job: str, total: int, at: float = 0.0,
                options: JobOptions = JobOptions()) -> None:
-        self.at(at, ev.JobSubmitted(CLIENT, job, SIM_MODEL, "float32", (1,), total, 1.0,
-                                    options, ev.ModelFound((1,), "sim"), at))
+        self.at(at, kit.submitted(job, total, at=at, options=options))
 
     def lose(self, device: str, at: float, crashed: bool = False) -> None:
         """The device's worker leaves at ``at`` (what it computes then is lost); ``crashed``:
@@ -219,8 +221,8 @@ class FarmSimulation:
         ``restart`` is set, is a new worker on the same device."""
         def leave(now: float) -> None:
             if self.current[device]:  # else it died already, and a new one is on its way
-                self.step(now, ev.WorkerLeft(self.current[device], now,
-                                             "lost in the simulation", crashed))
+                self.step(now, ev.WorkerLeft(worker=self.current[device], at=now,
+                                             reason="lost in the simulation", crashed=crashed))
                 if self.restart is not None:
                     self.current[device] = b""
                     self.start_worker(device, now + self.restart)
@@ -234,7 +236,7 @@ class FarmSimulation:
         self.devices[identity] = self.models[device]
         self.current[device] = identity
         self.free_at[identity] = at
-        self.at(at, ev.WorkerJoined(identity, worker_facts(self.scenario.slots, device), at))
+        self.at(at, self.joined(identity, device, at))
 
     def fault(self, start: int, count: int) -> str | None:
         """What a chunk of these items does on any worker: None, "fail" or "crash"."""
@@ -257,8 +259,8 @@ class FarmSimulation:
                 self.step(now, pending.event)
         return now
 
-    def step(self, now: float, event: ev.Event) -> None:
-        instructions = self.state.handle(event)
+    def step(self, now: float, event: ev.FarmEvent) -> None:
+        instructions = self.driver.feed(event)
         if isinstance(event, ev.WorkerJoined) and event.worker.decode() in self.speeds:
             self.seed_speed(event.worker)
         for instruction in instructions:
@@ -268,14 +270,14 @@ class FarmSimulation:
         """A history on the model worth the remembered speed (1 000 s of it)."""
         rate = self.speeds[identity.decode()]
         entry = self.state.workers[identity]
-        entry.record(SIM_MODEL, round(rate * 1000), 1000.0)
-        self.state.note_rate(SIM_MODEL, entry)
+        entry.record(kit.MODEL, round(rate * 1000), 1000.0)
+        self.state.note_rate(kit.MODEL, entry)
 
     def carry_out(self, now: float, instruction: ev.Instruction) -> None:
         match instruction:
-            case ev.SendNeed(client, job, chunk, start, count):
-                self.at(now, ev.DataArrived(client, job, chunk, start, count, 4 * count, 1, now))
-            case ev.SendTask(worker, job, chunk, _, start, count):
+            case ev.SendNeed():
+                self.at(now, kit.data_for(instruction, now))
+            case ev.SendTask(worker=worker, chunk=chunk, start=start, count=count):
                 device = self.devices[worker]
                 noise = device.noise_factor(count, self.rng)
                 began = max(now + self.scenario.latency, self.free_at[worker])
@@ -285,47 +287,35 @@ class FarmSimulation:
                 answered = end + self.scenario.latency
                 fault = self.fault(start, count)
                 if fault == "fail":
-                    self.at(answered, ev.ChunkFailed(worker, job, chunk, "poison", False,
-                                                     answered))
+                    self.at(answered, kit.failure_for(instruction, answered, "poison"))
                 elif fault == "crash":  # the broker hears of it as of a reply: a latency on
                     self.crash(worker, answered)
                 else:
-                    self.at(answered, ev.ChunkDone(worker, job, chunk, start, count,
-                                                   "float32", (1,), {"compute": end - began},
-                                                   answered))
-            case ev.SendResult(_, result, _, _, trace):
+                    self.at(answered, kit.result_for(instruction, answered, end - began))
+            case ev.SendResult(result=result, trace=trace):
                 began, end = self.running.pop(result.chunk)
                 self.runs.setdefault(result.job, []).append(ChunkRun(
                     result.worker.decode(), Chunk(result.start, result.count), trace[0],
                     began, end, now))
-            case ev.SendDone(_, job):
+            case ev.SendDone(job=job):
                 self.ended[job] = now
-            case ev.SendFailed(_, job):
+            case ev.SendFailed(job=job):
                 self.failed.setdefault(job, []).append(instruction)
-            case ev.SendError(_, error, job) if job is not None:
+            case ev.SendError(error=error, job=str(job)):
                 self.errors[job] = error
                 self.ended[job] = now
-            case ev.SendCancel(peer, job) if peer == CLIENT:
+            case ev.SendCancel(peer=peer, job=job) if peer == CLIENT:
                 self.ended[job] = now
 
 
     def crash(self, worker: bytes, at: float) -> None:
         """The worker dies at ``at``; a new one starts on its device ``restart`` s later."""
-        self.at(at, ev.WorkerLeft(worker, at, "crashed on a poison item", crashed=True))
+        self.at(at, ev.WorkerLeft(worker=worker, at=at, reason="crashed on a poison item",
+                                  crashed=True))
         device = self.devices[worker].name
         if self.restart is not None and self.current[device] == worker:
             self.current[device] = b""  # one restart per death
             self.start_worker(device, at + self.restart)
-
-
-#: The simulated client's identity.
-CLIENT = b"client"
-
-
-def worker_facts(slots: int, device: str = "sim") -> ev.WorkerFacts:
-    """A simulated worker on ``device``: it runs ``SIM_MODEL``."""
-    return ev.WorkerFacts(device, "sim", 0, "sim", 1, {SIM_MODEL: {"input_shape": [1]}},
-                          frozenset({SIM_MODEL}), slots)
 
 
 def simulate(scenario: Scenario, algo: str, seed: int = 0,

@@ -36,8 +36,9 @@ import numpy as np
 import zmq
 
 from farm import defaults, messages, protocol
+from farm.engines.autoselect import load_engine
 from farm.engines.engine import (AUTO, GPU_BACKEND, Engine, RunStats, Stopped, engine_class,
-                         job_engine, limit_threads, load_engine)
+                         job_engine, limit_threads)
 from farm.link import BrokerLink, LinkConfig
 from farm.modelrepo.modelstore import Manifest, ModelCache, manifest_of
 from farm.protocol import Command, Message, ProtocolError
@@ -330,7 +331,7 @@ class Worker:
         link = BrokerLink(context, LinkConfig(config.broker, config.heartbeat, config.liveness,
                                               config.curve, config.curve_name, linger_ms=1000),
                           self.ready_header, self.heartbeat_header)
-        tasks: queue.Queue[Task | None] = queue.Queue()
+        tasks: queue.Queue[QueuedMessage | None] = queue.Queue()
         pipe = context.socket(zmq.PAIR)
         pipe.bind(f"inproc://farm-worker-{id(self)}")
         compute = threading.Thread(target=self.compute_loop, name="compute", daemon=True,
@@ -362,8 +363,8 @@ class Worker:
                 link.send(pipe.recv_multipart(copy=False))
                 if self.config.max_tasks and self.tasks_done >= self.config.max_tasks:
                     return
-            if link.tick():
-                tasks.put(Task(link.generation, None, 0.0))  # the old connection's fetches died
+            if link.tick():  # a new connection: the old one's fetches died
+                tasks.put(QueuedMessage(link.generation, None, 0.0))
 
     def receive(self, link: BrokerLink, tasks: queue.Queue) -> None:
         """One message from the broker: liveness, a reconnect order, or work for compute."""
@@ -384,9 +385,9 @@ class Worker:
             log.warning("the broker does not know this worker (it restarted, or declared us "
                         "dead): registering again")
             link.reconnect()
-            tasks.put(Task(link.generation, None, 0.0))
+            tasks.put(QueuedMessage(link.generation, None, 0.0))
         else:
-            tasks.put(Task(link.generation, message, received))
+            tasks.put(QueuedMessage(link.generation, message, received))
 
     def cancel(self, job: str) -> None:
         """Remember a cancelled job: its queued chunks are not run, its running one stops."""
@@ -406,21 +407,21 @@ class Worker:
                 for reply in self.expire_fetches():
                     pipe.send_multipart(reply, copy=False)
                 try:
-                    task = tasks.get(timeout=0.25)
+                    queued = tasks.get(timeout=0.25)
                 except queue.Empty:
                     self.rest_engines()
                     continue
-                if task is None:
+                if queued is None:
                     return
-                if task.message is None:  # a new connection: parked chunks and fetches are void
+                if queued.message is None:  # a new connection: parked chunks and fetches are void
                     self.waiting.clear()
                     self.fetch_sent.clear()
                     for reply in self.preload_fetches():
                         pipe.send_multipart(reply, copy=False)
                     continue
-                if task.generation != link.generation:
+                if queued.generation != link.generation:
                     continue  # sent over a connection that was replaced: the broker requeued it
-                for reply in self.dispatch(task.message, task.received):
+                for reply in self.dispatch(queued.message, queued.received):
                     pipe.send_multipart(reply, copy=False)
         finally:
             pipe.close(linger=0)
@@ -665,7 +666,7 @@ class EngineKey(NamedTuple):
 
 
 @dataclass
-class Task:
+class QueuedMessage:
     """A message for the compute thread, from connection ``generation``; ``message`` None:
     a new connection began."""
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import zmq
 
-from farm import protocol
+from farm import messages, protocol
+from farm.messages import Header
 from farm.protocol import Command, Message
 
 
@@ -18,11 +17,12 @@ class ScriptedWorker:
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
-        self.send(Command.READY, {"device": "cpu:0", "host": "scripted", "pid": 1,
-                                  "backend": "none", "threads": 1, "slots": slots,
-                                  "models": models or {"lenet": {"input_shape": [1, 28, 28]}}})
+        lenet = {"lenet": messages.ModelFacts(input_shape=(1, 28, 28))}
+        self.send(Command.READY, messages.Ready(device="cpu:0", host="scripted", pid=1,
+                                                backend="none", threads=1, slots=slots,
+                                                models=models or lenet))
 
-    def send(self, command: Command, header: dict[str, Any], payload: list = ()) -> None:
+    def send(self, command: Command, header: Header | None = None, payload: list = ()) -> None:
         self.socket.send_multipart(protocol.encode(command, header, payload))
 
     def receive(self, timeout_ms: int = 10_000) -> Message | None:
@@ -32,7 +32,7 @@ class ScriptedWorker:
             message = protocol.decode(self.socket.recv_multipart())
             if message.command is not Command.HEARTBEAT:
                 return message
-            self.send(Command.HEARTBEAT, {})
+            self.send(Command.HEARTBEAT)
         return None
 
     def close(self) -> None:

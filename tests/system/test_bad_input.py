@@ -3,47 +3,24 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
-from typing import Iterator
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
 
-from farm import protocol
+from farm import messages, protocol
 from farm.client.client import FarmError
-from farm.ops.local import farm_command
-from farm.modelrepo.modelstore import manifest_of
+from farm.ops.local import LocalFarm, farm_command
 from farm.protocol import Command
-from farm.modelrepo.repository import ModelError, find
 from tests.conftest import reference_forward
-
-REPLY_TIMEOUT_MS = 10_000
-
-
-@pytest.fixture
-def raw_socket(farm_two_workers) -> Iterator[zmq.Socket]:
-    """A DEALER speaking to the broker frame by frame, as a broken or hostile peer would."""
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(farm_two_workers.endpoint)
-    yield sock
-    sock.close()
-    context.term()
-
-
-def reply(sock: zmq.Socket, timeout_ms: int = REPLY_TIMEOUT_MS) -> protocol.Message | None:
-    """The broker's next message other than a heartbeat; None if none came in time."""
-    while sock.poll(timeout_ms):
-        message = protocol.decode(sock.recv_multipart())
-        if message.command is not Command.HEARTBEAT:
-            return message
-    assert timeout_ms < REPLY_TIMEOUT_MS, "no reply within the timeout"
-    return None
+from tests.frames import (
+    GARBAGE,
+    next_reply,
+    reply,
+    task,
+)
 
 
 def assert_farm_still_serves(local, lenet, digits) -> None:
@@ -67,27 +44,6 @@ def test_a_bad_job_gets_a_clear_error(farm_two_workers, lenet, digits, images, m
         client.map(images, model=model)
     assert_farm_still_serves(farm_two_workers, lenet, digits)
 
-
-V = protocol.SIGNATURE
-
-GARBAGE = [
-    [b"random bytes"],
-    [V],
-    [V, b"\x05"],
-    [b"FARM01", b"\x09", msgpack.packb({})],  # an older protocol version
-    [V, b"\xff", msgpack.packb({})],
-    [V, b"\x05", b"\x93\x01"],  # truncated msgpack
-    [V, b"\x05", msgpack.packb({"job": 1, "model": ["x"]})],
-    [V, b"\x05", msgpack.packb({"job": "j", "model": "lenet", "dtype": "uint8",
-                                         "item_shape": [1, 28, 28], "total": -5,
-                                         "options": {}})],
-    [V, b"\x03", msgpack.packb({"job": "j", "chunk": 9, "start": 0, "count": 1,
-                                         "dtype": "float32", "item_shape": [10],
-                                         "timings": {}}), b"\0" * 40],  # a result nobody asked
-    [V, b"\x02", msgpack.packb({})],  # a TASK sent to the broker
-    [V, b"\x01", msgpack.packb({"device": "cpu", "host": "h", "pid": 1, "backend": "x",
-                                         "models": {"lenet": 5}, "slots": 1})],
-]
 
 
 @pytest.mark.parametrize("frames", GARBAGE, ids=range(len(GARBAGE)))
@@ -118,9 +74,9 @@ def test_a_submit_of_a_dtype_the_wire_refuses_is_an_error_not_a_bad_message(
     """A well-formed SUBMIT the broker will not take is refused with an ERROR for its job;
     the counter of malformed messages does not move (a malformed one does move it)."""
     before = bad_message_count(farm_two_workers)
-    raw_socket.send_multipart(protocol.encode(Command.SUBMIT, {
-        "job": f"wide-{dtype}", "model": "lenet", "dtype": dtype, "item_shape": [1, 28, 28],
-        "total": 10, "options": {}}))
+    raw_socket.send_multipart(protocol.encode(Command.SUBMIT, messages.Submit(
+        job=f"wide-{dtype}", model="lenet", dtype=dtype, item_shape=(1, 28, 28), total=10,
+        options=messages.Options())))
     message = reply(raw_socket)
     assert message.command is Command.ERROR and message.header.job == f"wide-{dtype}"
     assert f"dtype '{dtype}' not allowed; use one of ['float32', 'uint8']" in \
@@ -132,9 +88,9 @@ def test_a_submit_of_a_dtype_the_wire_refuses_is_an_error_not_a_bad_message(
 
 
 def submit_frames(job: str, total: int) -> list:
-    return protocol.encode(Command.SUBMIT, {"job": job, "model": "lenet", "dtype": "uint8",
-                                            "item_shape": [1, 28, 28], "total": total,
-                                            "options": {}})
+    return protocol.encode(Command.SUBMIT, messages.Submit(
+        job=job, model="lenet", dtype="uint8", item_shape=(1, 28, 28), total=total,
+        options=messages.Options()))
 
 
 def test_a_data_frame_that_lies_about_its_size_fails_only_its_job(farm_two_workers, raw_socket,
@@ -142,8 +98,8 @@ def test_a_data_frame_that_lies_about_its_size_fails_only_its_job(farm_two_worke
     raw_socket.send_multipart(submit_frames("liar", 10))
     need = reply(raw_socket)
     assert need.command is Command.NEED and (need.header.start, need.header.count) == (0, 10)
-    raw_socket.send_multipart(protocol.encode(Command.DATA, {
-        "job": "liar", "chunk": need.header.chunk, "start": 0, "count": 10}, [b"\0" * 7839]))
+    raw_socket.send_multipart(protocol.encode(Command.DATA, messages.Data(
+        job="liar", chunk=need.header.chunk, start=0, count=10), [b"\0" * 7839]))
     message = reply(raw_socket)
     assert message.command is Command.ERROR and message.header.job == "liar"
     assert "7839 bytes" in message.header.error
@@ -169,57 +125,6 @@ def test_garbage_alongside_a_running_job_leaves_it_untouched(farm_two_workers, r
     np.testing.assert_allclose(outcome["outputs"], reference_forward(lenet, images), atol=1e-5)
 
 
-@pytest.fixture
-def lone_worker() -> Iterator[tuple[zmq.Socket, bytes]]:
-    """A real worker process connected to a ROUTER the test drives by hand."""
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    process = subprocess.Popen(farm_command("--log-level", "ERROR", "worker", "--device",
-                                            f"cpu:{min(os.sched_getaffinity(0))}", "--broker",
-                                            f"tcp://127.0.0.1:{port}"))
-    try:
-        assert router.poll(30_000), "worker never said READY"
-        identity, *frames = router.recv_multipart()
-        ready = protocol.decode(frames)
-        assert ready.command is Command.READY and "lenet" in ready.header.models
-        yield router, identity
-    finally:
-        process.terminate()
-        process.wait(10)
-        router.close()
-        context.term()
-
-
-def digest_of(model: str) -> str:
-    """The content digest of a bundled model, or a made-up one for a model nobody has."""
-    try:
-        return manifest_of(find(model)).digest
-    except ModelError:
-        return "f" * 64
-
-
-def task(identity: bytes, chunk: int, images: np.ndarray, model: str = "lenet",
-         shape=None) -> list:
-    header = {"job": "j", "chunk": chunk, "attempt": 1, "start": 0, "count": len(images),
-              "model": model,
-              "digest": digest_of(model), "dtype": str(images.dtype),
-              "item_shape": list(shape or images.shape[1:])}
-    return [identity, *protocol.encode(Command.TASK, header, [images.tobytes()])]
-
-
-def next_reply(router: zmq.Socket) -> protocol.Message:
-    """The worker's next message other than a heartbeat (answered, as a broker would)."""
-    while True:
-        assert router.poll(REPLY_TIMEOUT_MS), "worker did not answer"
-        identity, *frames = router.recv_multipart()
-        message = protocol.decode(frames)
-        if message.command is not Command.HEARTBEAT:
-            return message
-        router.send_multipart([identity, *protocol.encode(Command.HEARTBEAT, {})])
-
-
 def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digits) -> None:
     router, identity = lone_worker
     for frames in GARBAGE:
@@ -232,9 +137,8 @@ def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digi
     router.send_multipart(task(identity, 2, images, model="nope"))
     fetch = next_reply(router)
     assert fetch.command is Command.FETCH and fetch.header.model == "nope"
-    router.send_multipart([identity, *protocol.encode(Command.MODEL, {
-        "model": "nope", "digest": fetch.header.digest, "files": [],
-        "error": "unknown model 'nope'"})])
+    router.send_multipart([identity, *protocol.encode(Command.MODEL, messages.Model(
+        model="nope", digest=fetch.header.digest, files=[], error="unknown model 'nope'"))])
     failed = next_reply(router)
     assert failed.command is Command.FAILED and "unknown model 'nope'" in failed.header.error
     router.send_multipart(task(identity, 3, images))
@@ -249,12 +153,9 @@ def test_worker_survives_garbage_and_reports_bad_chunks(lone_worker, lenet, digi
 
 
 @pytest.fixture
-def empty_farm() -> Iterator:
+def empty_farm(local_farm) -> LocalFarm:
     """A real broker with no worker processes: the test brings scripted workers."""
-    from farm.ops.local import LocalFarm
-
-    with LocalFarm(devices=[], algo="fifo", broker_options=["--chunk", "4"]) as local:
-        yield local
+    return local_farm(0, chunk=4)
 
 
 def error_after_scripted_result(farm, images: np.ndarray, reply_to) -> str:
@@ -287,8 +188,9 @@ def error_after_scripted_result(farm, images: np.ndarray, reply_to) -> str:
 
 def test_a_result_for_the_wrong_items_fails_the_job_with_the_reason(empty_farm, digits) -> None:
     def wrong_items(worker, header: dict) -> None:
-        worker.send(Command.RESULT, {**header, "start": 2, "dtype": "float32", "item_shape": [10],
-                                     "timings": {"compute": 0.001}},
+        worker.send(Command.RESULT, messages.Result(**{**header, "start": 2}, dtype="float32",
+                                                    item_shape=(10,),
+                                                    timings={"compute": 0.001}),
                     [np.zeros((header["count"], 10), np.float32).tobytes()])
 
     error = error_after_scripted_result(empty_farm, digits[:8], wrong_items)
@@ -300,8 +202,8 @@ def test_a_result_whose_failures_list_lies_fails_the_job_with_the_reason(empty_f
                                                                          digits) -> None:
     """A worker says 1 image failed on its own but lists 3: the client is not fed it."""
     def lying_failures(worker, header: dict) -> None:
-        worker.send(Command.RESULT, {**header, "dtype": "float32", "item_shape": [10],
-                                     "timings": {"compute": 0.001}, "failed": 1},
+        worker.send(Command.RESULT, messages.Result(**header, dtype="float32", item_shape=(10,),
+                                                    timings={"compute": 0.001}, failed=1),
                     [np.zeros((header["count"], 10), np.float32).tobytes(),
                      protocol.failures_frame([(0, 3, "no")])])
 
@@ -328,8 +230,8 @@ def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_fa
             assert need.command is Command.NEED and need.header.start == start
             assert worker.receive(300) is None  # no input yet: nothing sent
             assert reply(client, 100) is None, "a second chunk was assigned beyond the single slot"
-            client.send_multipart(protocol.encode(Command.DATA, {
-                "job": "late", "chunk": need.header.chunk, "start": start, "count": 4},
+            client.send_multipart(protocol.encode(Command.DATA, messages.Data(
+                job="late", chunk=need.header.chunk, start=start, count=4),
                 [images[start:start + 4].tobytes()]))
             task_message = worker.receive()
             assert task_message.header.start == start and task_message.header.attempt == 1
@@ -337,8 +239,9 @@ def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_fa
                                           images[start:start + 4])
             header = {key: getattr(task_message.header, key)
                       for key in ("job", "chunk", "start", "count")}
-            worker.send(Command.RESULT, {**header, "dtype": "float32", "item_shape": [10],
-                                         "timings": {"compute": 0.001}},
+            worker.send(Command.RESULT, messages.Result(**header, dtype="float32",
+                                                        item_shape=(10,),
+                                                        timings={"compute": 0.001}),
                         [np.zeros((4, 10), np.float32).tobytes()])
             assert reply(client).command is Command.RESULT
         assert reply(client).command is Command.DONE
@@ -368,8 +271,8 @@ def test_absurd_timings_from_a_worker_neither_wedge_a_job_nor_the_next(empty_far
         message = worker.receive()
         assert message is not None and message.command is Command.TASK
         header = {key: getattr(message.header, key) for key in ("job", "chunk", "start", "count")}
-        worker.send(Command.RESULT, {**header, "dtype": "float32", "item_shape": [10],
-                                     "timings": timings},
+        worker.send(Command.RESULT, messages.Result(**header, dtype="float32", item_shape=(10,),
+                                                    timings=timings),
                     [np.zeros((header["count"], 10), np.float32).tobytes()])
 
     try:

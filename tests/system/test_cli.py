@@ -20,11 +20,11 @@ from click.testing import CliRunner
 from farm import defaults
 from farm.broker.broker import BrokerConfig
 from farm.cli import main
-from farm.cli.job import BrokerLink, output_shape, run_job
+from farm.cli.job import BrokerAccess, output_shape, run_job
 from farm.client.inputs import ArraySource
 from farm.client.journal import journal_path
-from farm.ops.local import LocalFarm, cores, farm_command
 from farm.client.npy import partial_path
+from farm.ops.local import LocalFarm, cores, farm_command
 from farm.workers.worker import Device, WorkerConfig
 from tests.conftest import reference_forward
 
@@ -299,10 +299,9 @@ def test_worker_rejects_a_device_it_cannot_use(device, reason) -> None:
 
 
 @pytest.fixture(scope="module")
-def farm_without_workers() -> Iterator[LocalFarm]:
+def farm_without_workers(module_local_farm) -> LocalFarm:
     """A broker alone: a job waits there, and no result can ever come back."""
-    with LocalFarm(devices=[], algo="fifo") as local:
-        yield local
+    return module_local_farm(0)
 
 
 def job_queued(local: LocalFarm) -> bool:
@@ -332,7 +331,7 @@ def test_a_run_cancelled_before_its_first_result_writes_its_nan_rows(
     out = tmp_path / "s.npy"
     thread = interrupt_once_queued(farm_without_workers, os.getpid())
     with pytest.raises(SystemExit) as stopped:
-        run_job(BrokerLink(endpoint=farm_without_workers.endpoint), ArraySource(digits[:200]),
+        run_job(BrokerAccess(endpoint=farm_without_workers.endpoint), ArraySource(digits[:200]),
                 "lenet", str(out), quiet=True, nan_shape=lambda: output_shape(lenet))
     thread.join()
     assert stopped.value.code == 130

@@ -36,10 +36,8 @@ def strangers(tmp_path_factory, keys) -> Path:
 
 
 @pytest.fixture(scope="module")
-def curve_farm(keys):
-    with LocalFarm(devices=[f"cpu:{core}" for core in cores()[:2]], algo="fifo",
-                   broker_options=["--chunk", "100"], preload=["lenet"], curve=str(keys)) as local:
-        yield local
+def curve_farm(keys, module_local_farm) -> LocalFarm:
+    return module_local_farm(2, chunk=100, preload=["lenet"], curve=str(keys))
 
 
 def test_with_the_right_keys_the_job_runs(curve_farm, lenet, digits) -> None:

@@ -441,21 +441,23 @@ def test_the_committed_slurm_example_is_what_the_command_writes(tmp_path: Path,
     assert os.access(out, os.X_OK)
 
 
-def test_status_waits_for_workers_and_says_how_many_came(tmp_path: Path) -> None:
-    from farm.ops.local import LocalFarm, farm_command
+def test_status_waits_for_workers_and_says_how_many_came(tmp_path: Path, local_farm) -> None:
+    from farm.ops.local import farm_command
+    from tests.system.conftest import pinned_devices
 
-    with LocalFarm(devices=[]) as local:
-        started = time.monotonic()
-        done = subprocess.run(farm_command("status", "--broker", local.endpoint,
-                                           "--wait-workers", "2", "--timeout", "1"),
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 1 and "0 of 2 workers registered within 1 s" in done.stderr
-        assert time.monotonic() - started < 30
-        local.start_worker("cpu:0")
-        done = subprocess.run(farm_command("status", "--broker", local.endpoint,
-                                           "--wait-workers", "1", "--timeout", "60"),
-                              capture_output=True, text=True, timeout=90)
-        assert done.returncode == 0 and "cpu:0" in done.stdout, done.stderr
+    local = local_farm(0)
+    started = time.monotonic()
+    done = subprocess.run(farm_command("status", "--broker", local.endpoint,
+                                       "--wait-workers", "2", "--timeout", "1"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "0 of 2 workers registered within 1 s" in done.stderr
+    assert time.monotonic() - started < 30
+    [device] = pinned_devices(1)
+    local.start_worker(device)
+    done = subprocess.run(farm_command("status", "--broker", local.endpoint,
+                                       "--wait-workers", "1", "--timeout", "60"),
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0 and device in done.stdout, done.stderr
 
 
 def test_a_bound_worker_pins_itself_to_the_core_it_was_given() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from farm.client.client import Client, FarmError
 from farm.client.npy import NpyReader, NpyWriter
-from farm.ops.local import LocalFarm, cores
+from farm.ops.local import LocalFarm
 from tests.conftest import reference_forward
 
 
@@ -100,24 +100,23 @@ def test_registry_lists_every_worker(farm_two_workers) -> None:
     assert all(w["backend"] == "auto" and "lenet" in w["models"] for w in info["workers"])
 
 
-def test_an_unpinned_worker_serves_too(lenet, digits) -> None:
-    with LocalFarm(devices=["cpu"], algo="fifo", broker_options=["--chunk", "300"]) as local, \
-            local.client() as client:
+def test_an_unpinned_worker_serves_too(lenet, digits, local_farm) -> None:
+    with local_farm(devices=["cpu"], chunk=300).client() as client:
         outputs = client.map(digits, model="lenet")
     np.testing.assert_allclose(outputs, reference_forward(lenet, digits), atol=1e-5)
 
 
-def test_a_chunk_longer_than_the_client_timeout_still_completes(lenet, digits) -> None:
+def test_a_chunk_longer_than_the_client_timeout_still_completes(lenet, digits,
+                                                                local_farm) -> None:
     """The broker heartbeats the client while a job runs, so only silence times out."""
     timeout = 1.0
-    with LocalFarm(devices=[f"cpu:{core}" for core in cores()[:1]] or ["cpu"], algo="fifo",
-                   broker_options=["--heartbeat", "0.1", "--max-chunk-seconds", "0"]) as local:
-        with local.client() as client:  # the worker's speed here sizes the chunk
-            warm_up = client.run(np.resize(digits, (5000, 28, 28)), "lenet")
-        count = int(3 * timeout * warm_up.summary.workers[0].rate)  # 3 timeouts of compute
-        with local.client(timeout=timeout) as client:
-            result = client.run(np.resize(digits, (count, 28, 28)), "lenet", algo="fifo",
-                                params={"chunk": count})
+    local = local_farm(1, heartbeat=0.1, max_chunk_seconds=0)
+    with local.client() as client:  # the worker's speed here sizes the chunk
+        warm_up = client.run(np.resize(digits, (5000, 28, 28)), "lenet")
+    count = int(3 * timeout * warm_up.summary.workers[0].rate)  # 3 timeouts of compute
+    with local.client(timeout=timeout) as client:
+        result = client.run(np.resize(digits, (count, 28, 28)), "lenet", algo="fifo",
+                            params={"chunk": count})
     assert result.summary.seconds > timeout, "the job was too short to show anything"
     assert [share.chunks for share in result.summary.workers] == [1]
     np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits),
@@ -161,7 +160,7 @@ def test_summary_counts_a_worker_that_got_no_share(farm_two_workers, digits) -> 
     assert summary.theoretical_rate == pytest.approx(sum(s.rate for s in summary.workers))
 
 
-def test_a_worker_stopped_mid_job_hands_its_chunks_on(lenet, digits) -> None:
+def test_a_worker_stopped_mid_job_hands_its_chunks_on(lenet, digits, local_farm) -> None:
     """SIGTERM one of two workers mid-job: every image still comes back once, right."""
     images = np.resize(digits, (30_000, 28, 28))
     halfway = threading.Event()
@@ -173,15 +172,14 @@ def test_a_worker_stopped_mid_job_hands_its_chunks_on(lenet, digits) -> None:
         if received >= 3000:
             halfway.set()
 
-    with LocalFarm(devices=["cpu", "cpu"], algo="fifo", broker_options=["--chunk", "100"],
-                   preload=["lenet"]) as local:
-        outcome: dict = {}
-        thread = threading.Thread(target=lambda: outcome.update(
-            result=local.client().run(images, "lenet", progress=progress)))
-        thread.start()
-        assert halfway.wait(60)
-        local.workers[0].terminate()
-        thread.join(120)
+    local = local_farm(devices=["cpu", "cpu"], chunk=100, preload=["lenet"])
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(
+        result=local.client().run(images, "lenet", progress=progress)))
+    thread.start()
+    assert halfway.wait(60)
+    local.workers[0].terminate()
+    thread.join(120)
     result = outcome["result"]
     np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits),
                                atol=1e-5)

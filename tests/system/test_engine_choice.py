@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 
 from farm.client.client import FarmError
-from farm.engines.engine import BACKENDS, load_engine
-from farm.engines.modelcheck import (
-    TOLERANCE,
-    check_inputs,
-    relative_difference,
-)
+from farm.engines.autoselect import load_engine
+from farm.engines.engine import BACKENDS
+from farm.engines.modelcheck import check_inputs
+from farm.engines.tolerances import TOLERANCE, relative_difference
 from farm.modelrepo.repository import load_spec
 from tests.unit.test_engines import (
     ill_conditioned_model,
@@ -30,8 +28,7 @@ def test_a_missing_library_is_left_out_with_the_package_to_install(tmp_path) -> 
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('openvino is blocked here')\n")
     script = ("import json\n"
-              "from farm.engines.autoselect import choose\n"
-              "from farm.engines.engine import load_engine\n"
+              "from farm.engines.autoselect import choose, load_engine\n"
               "from farm.modelrepo.repository import ModelError, find\n"
               "choice = choose(find('lenet'), threads=1, use_cache=False)\n"
               "trial = next(t for t in choice.trials if t.backend == 'openvino')\n"
@@ -48,14 +45,13 @@ def test_a_missing_library_is_left_out_with_the_package_to_install(tmp_path) -> 
 
 
 def test_workers_on_auto_report_their_choice_and_refuse_disagreeing_models(tmp_path, lenet,
-                                                                          digits) -> None:
-    from farm.ops.local import LocalFarm, cores, farm_command
+                                                                          digits,
+                                                                          local_farm) -> None:
+    from farm.ops.local import farm_command
 
     ill_conditioned_model(tmp_path / "models" / "ill")
-    devices = [f"cpu:{core}" for core in cores()[:2]]
-    broker_options = ["--chunk", "100", "--models-dir", str(tmp_path / "models")]
-    with LocalFarm(devices=devices, algo="fifo", broker_options=broker_options,
-                   preload=["lenet"]) as local, local.client(timeout=60) as client:
+    local = local_farm(2, chunk=100, models_dir=tmp_path / "models", preload=["lenet"])
+    with local.client(timeout=60) as client:
         result = client.run(digits[:300, None], "lenet")
         assert not result.failed
         reference = load_engine(lenet, "opencv").run(digits[:300, None])

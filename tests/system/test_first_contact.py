@@ -9,8 +9,9 @@ import subprocess
 import numpy as np
 import pytest
 
+from farm import defaults
 from farm.client.client import FIRST_CONTACT_TIMEOUT
-from farm.ops.local import LocalFarm, cores, farm_command, free_port
+from farm.ops.local import cores, farm_command, free_port
 from tests.conftest import reference_forward
 
 
@@ -43,9 +44,10 @@ def test_no_broker_is_one_clear_error_not_a_minute_of_warnings(images) -> None:
     assert "again" not in done.stderr  # no "submitting the 200 missing images again"
 
 
-def test_a_broker_without_workers_says_so_then_gives_up_at_the_timeout(images) -> None:
-    with LocalFarm(devices=[]) as alone:
-        done = farm("submit", images, "--broker", alone.endpoint, "--timeout", "6", "--quiet")
+def test_a_broker_without_workers_says_so_then_gives_up_at_the_timeout(images,
+                                                                       local_farm) -> None:
+    alone = local_farm(0)
+    done = farm("submit", images, "--broker", alone.endpoint, "--timeout", "6", "--quiet")
     assert f"waiting for a worker: none is connected to {alone.endpoint}" in done.stderr
     assert "farm worker --broker" in done.stderr  # how to start one
     line = one_error_line(done)
@@ -97,11 +99,12 @@ def test_farm_run_reports_the_start_apart_and_scores_what_it_wrote(tmp_path) -> 
     assert "accuracy on the bundled sample: 96.70% (967 of 1,000" in done.stdout
 
 
-def test_engine_loading_on_fresh_workers_is_reported_apart_from_the_job(digits) -> None:
+def test_engine_loading_on_fresh_workers_is_reported_apart_from_the_job(digits,
+                                                                        local_farm) -> None:
     """Workers that load the model for the job's first chunks: their wait is counted as
     loading, not as the job's; once loaded, a second job has none."""
-    with LocalFarm(devices=[f"cpu:{core}" for core in cores()[:2]],
-                   worker_options=["--backend", "opencv"]) as local, local.client() as client:
+    local = local_farm(2, algo=defaults.POLICY, worker_options=["--backend", "opencv"])
+    with local.client() as client:
         first = client.run(np.resize(digits, (2000, 28, 28)), "lenet").summary
         second = client.run(np.resize(digits, (2000, 28, 28)), "lenet").summary
     ran = [share for share in first.workers if share.items]

@@ -6,18 +6,19 @@ import numpy as np
 import pytest
 
 from farm.client.report import analyse
-from farm.ops.local import LocalFarm, cores
+from farm.ops.local import cores
 from tests.unit.test_gpu_worker import torch  # noqa
 
 
 @pytest.mark.skipif(len(cores()) < 2, reason="a worker and a stand-in need two cores")
-def test_a_trace_shows_the_device_seconds_of_the_torch_worker(lenet, digits) -> None:
+def test_a_trace_shows_the_device_seconds_of_the_torch_worker(lenet, digits,
+                                                              local_farm) -> None:
     """The GPU worker's stand-in (``--device cpu`` on torch) and a pinned core: each chunk
     reports its device seconds, within its compute time, and the report sums them."""
-    with LocalFarm(devices=["cpu", f"cpu:{cores()[0]}"], algo="fifo", preload=["lenet"],
-                   device_options=[["--backend", "torch"], []],
-                   device_launchers=[["taskset", "-c", str(cores()[-1])], []]) as local, \
-            local.client() as client:
+    local = local_farm(devices=["cpu", f"cpu:{cores()[0]}"], preload=["lenet"],
+                       device_options=[["--backend", "torch"], []],
+                       device_launchers=[["taskset", "-c", str(cores()[-1])], []])
+    with local.client() as client:
         result = client.run(np.resize(digits, (4000, *digits.shape[1:])), "lenet",
                             algo="fifo", params={"chunk": 500}, trace=True)
     assert result.trace is not None and len(result.trace.chunks) == 8

@@ -20,17 +20,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from farm import protocol
-from farm.client.answers import AnswerSink, ModelCard, top_k
+from farm import messages, protocol
 from farm.bench.common import shared_squeezenet
+from farm.client.answers import AnswerSink, ModelCard, top_k
 from farm.client.client import Client, split_failures
 from farm.client.inputs import FileSource, InputError, find_image_files
-from farm.ops.local import LocalFarm, cores, farm_command
 from farm.engines.preprocess import Transformer
-from farm.protocol import Command
 from farm.modelrepo.repository import find
+from farm.ops.local import LocalFarm, farm_command
+from farm.protocol import Command
 from tests.conftest import reference_forward
-from tests.system.test_bad_input import raw_socket, reply  # noqa: F401 (a fixture)
+from tests.frames import reply
 from tests.unit.test_images import png_declaring
 
 #: The real ImageNet SqueezeNet this workplace shares (see its README).
@@ -218,7 +218,8 @@ def test_answers_are_written_in_input_order_as_csv_and_jsonl(farm_two_workers, d
 
 
 def test_labels_come_from_the_broker_when_the_client_lacks_the_model(tmp_path, digit_folder,
-                                                                     lenet, digits) -> None:
+                                                                     lenet, digits,
+                                                                     local_farm) -> None:
     """A model only the broker has (a copy of LeNet, renamed): the workers fetch it, the
     client asks the broker for its labels."""
     import shutil
@@ -229,12 +230,11 @@ def test_labels_come_from_the_broker_when_the_client_lacks_the_model(tmp_path, d
     names = [f"digit {n}" for n in range(10)]
     toml.write_text("\n".join(f"labels = {json.dumps(names)}" if line.startswith("labels")
                               else line for line in toml.read_text().splitlines()))
-    with LocalFarm(devices=[f"cpu:{cores()[0]}"], algo="fifo",
-                   broker_options=["--models-dir", str(models)]) as local:
-        done = subprocess.run(
-            farm_command("submit", str(digit_folder / "a" / "0001.png"), "--model", "digits",
-                         "--top-k", "2", "--broker", local.endpoint, "--quiet"),
-            capture_output=True, text=True, timeout=120, check=False)
+    local = local_farm(1, models_dir=models)
+    done = subprocess.run(
+        farm_command("submit", str(digit_folder / "a" / "0001.png"), "--model", "digits",
+                     "--top-k", "2", "--broker", local.endpoint, "--quiet"),
+        capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     digit = int(reference_forward(lenet, digits[1:2]).argmax())
     assert f"0001.png: digit {digit} 100.0%; " in done.stdout, done.stdout
@@ -263,14 +263,14 @@ def test_image_files_resume_after_an_interrupted_job(farm_two_workers, digit_fol
 def test_a_files_frame_that_lies_about_its_sizes_fails_only_its_job(farm_two_workers,
                                                                     raw_socket, lenet,
                                                                     digits) -> None:
-    raw_socket.send_multipart(protocol.encode(Command.SUBMIT, {
-        "job": "liar", "model": "lenet", "dtype": protocol.ENCODED, "item_shape": [100],
-        "total": 2, "options": {}}))
+    raw_socket.send_multipart(protocol.encode(Command.SUBMIT, messages.Submit(
+        job="liar", model="lenet", dtype=protocol.ENCODED, item_shape=(100,), total=2,
+        options=messages.Options())))
     need = reply(raw_socket)
     assert need.command is Command.NEED
     sizes = np.array([10, 10], np.uint32)
-    raw_socket.send_multipart(protocol.encode(Command.DATA, {
-        "job": "liar", "chunk": need.header.chunk, "start": 0, "count": 2},
+    raw_socket.send_multipart(protocol.encode(Command.DATA, messages.Data(
+        job="liar", chunk=need.header.chunk, start=0, count=2),
         [sizes.tobytes(), b"\0" * 19]))
     message = reply(raw_socket)
     assert message.command is Command.ERROR and message.header.job == "liar"
@@ -421,7 +421,7 @@ def test_split_failures_cuts_a_chunk_into_good_and_failed_runs() -> None:
     assert split_failures(2, 2, [(0, 3, "x")]) == [(2, 3, "x"), (3, 4, None)]
 
 
-def test_oversampled_files_answer_the_mean_of_ten_crops(tmp_path) -> None:
+def test_oversampled_files_answer_the_mean_of_ten_crops(tmp_path, local_farm) -> None:
     """``crop = "oversample"``: each file runs as Caffe's 10 crops (corners and centre, and
     their mirrors), and its output is their mean."""
     import shutil
@@ -435,9 +435,7 @@ def test_oversampled_files_answer_the_mean_of_ten_crops(tmp_path) -> None:
     pictures = [rng.integers(0, 256, (50, 60, 3), dtype=np.uint8) for _ in range(3)]
     for index, picture in enumerate(pictures):
         cv2.imwrite(str(tmp_path / f"{index}.png"), picture)
-    with LocalFarm(devices=[f"cpu:{cores()[0]}"], algo="fifo",
-                   broker_options=["--models-dir", str(models)]) as local, \
-            Client(local.endpoint) as client:
+    with Client(local_farm(1, models_dir=models).endpoint) as client:
         outputs = client.map([tmp_path / f"{index}.png" for index in range(3)], "cifar10_ten")
     net = cv2.dnn.readNetFromCaffe(str(spec.prototxt), str(spec.weights))
     for picture, output in zip(pictures, outputs):

@@ -11,14 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm import protocol
+from farm import messages, protocol
 from farm.client.client import FarmError
-from farm.engines.engine import load_engine
-from farm.ops.local import LocalFarm, cores, farm_command
+from farm.engines.autoselect import load_engine
 from farm.modelrepo.modelstore import ModelCache, manifest_of
-from farm.protocol import Command
 from farm.modelrepo.repository import find, load_spec
-from tests.system.test_bad_input import lone_worker, next_reply, task  # noqa: F401 (fixture)
+from farm.ops.local import LocalFarm, farm_command
+from farm.protocol import Command
+from tests.frames import next_reply, task
+from tests.system.conftest import pinned_devices
 from tests.unit.test_models import break_model, needs_torch
 
 
@@ -26,11 +27,6 @@ def copy_model(source: str, folder: Path) -> Path:
     """A bundled model under another name, so that no worker has it on its own disk."""
     shutil.copytree(find(source).folder, folder)
     return folder
-
-
-def two_cpu_devices() -> list[str]:
-    available = cores()
-    return [f"cpu:{available[i % len(available)]}" for i in range(2)]
 
 
 def run_jobs_at_once(endpoint_farm: LocalFarm, jobs: dict[str, np.ndarray]) -> dict[str, object]:
@@ -52,7 +48,7 @@ def run_jobs_at_once(endpoint_farm: LocalFarm, jobs: dict[str, np.ndarray]) -> d
     return results
 
 
-def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits) -> None:
+def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits, local_farm) -> None:
     repository = tmp_path / "broker-models"
     copy_model("lenet", repository / "digits")
     copy_model("cifar10_quick", repository / "pictures")
@@ -61,19 +57,16 @@ def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits) -> No
     expected = {name: load_engine(load_spec(repository / name)).run(images)
                 for name, images in jobs.items()}
     caches = [tmp_path / "cache-a", tmp_path / "cache-b"]
-    with LocalFarm(devices=[], algo="fifo",
-                   broker_options=["--chunk", "100", "--models-dir", str(repository)]) as farm:
-        for device, cache in zip(two_cpu_devices(), caches):
-            farm.start_worker(device, "--cache", str(cache))
-        farm.wait_for_workers(2)
-        for _ in range(2):  # the second round must run from the loaded engines
-            results = run_jobs_at_once(farm, jobs)
-            assert results.keys() == jobs.keys(), "a job never finished"
-            for name, outputs in results.items():
-                assert not isinstance(outputs, Exception), outputs
-                np.testing.assert_allclose(outputs, expected[name], atol=1e-5)
-        with farm.client() as client:
-            workers = client.info()["workers"]
+    farm = local_farm(2, device_options=[["--cache", str(cache)] for cache in caches],
+                      chunk=100, models_dir=repository)
+    for _ in range(2):  # the second round must run from the loaded engines
+        results = run_jobs_at_once(farm, jobs)
+        assert results.keys() == jobs.keys(), "a job never finished"
+        for name, outputs in results.items():
+            assert not isinstance(outputs, Exception), outputs
+            np.testing.assert_allclose(outputs, expected[name], atol=1e-5)
+    with farm.client() as client:
+        workers = client.info()["workers"]
     assert [w["fetched"] for w in workers] == [{"digits": 1, "pictures": 1}] * 2
     for cache in caches:
         assert sorted(p.name.rsplit("-", 1)[0] for p in (cache).iterdir()) == [
@@ -81,13 +74,11 @@ def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits) -> No
 
 
 @pytest.fixture(scope="module")
-def farm_with_broken_models(tmp_path_factory):
+def farm_with_broken_models(tmp_path_factory, module_local_farm) -> LocalFarm:
     repository = tmp_path_factory.mktemp("broken-models")
     for damage in ("truncate", "unknown_layer", "mismatch"):
         break_model(repository / f"bad-{damage.replace('_', '-')}", find("lenet").folder, damage)
-    with LocalFarm(devices=two_cpu_devices(), algo="fifo",
-                   broker_options=["--chunk", "100", "--models-dir", str(repository)]) as farm:
-        yield farm
+    return module_local_farm(2, chunk=100, models_dir=repository)
 
 
 @pytest.mark.parametrize("model, problem", [
@@ -106,7 +97,7 @@ def test_a_broken_model_fails_its_job_and_workers_keep_serving(farm_with_broken_
     np.testing.assert_allclose(outputs, load_engine(lenet).run(digits[:300, None]), atol=1e-5)
 
 
-def test_a_model_whose_hash_does_not_match_is_refused(lone_worker, tmp_path, lenet,  # noqa: F811
+def test_a_model_whose_hash_does_not_match_is_refused(lone_worker, tmp_path, lenet,
                                                       digits) -> None:
     router, identity = lone_worker
     spec = load_spec(copy_model("lenet", tmp_path / "digits"))
@@ -145,14 +136,12 @@ def test_a_damaged_cache_entry_is_discarded(tmp_path) -> None:
 
 
 @needs_torch
-def test_opencv_and_torch_workers_share_a_job(lenet, digits) -> None:
-    with LocalFarm(devices=[], algo="fifo", broker_options=["--chunk", "100"]) as farm:
-        for device, backend in zip(two_cpu_devices(), ("torch", "opencv")):
-            farm.start_worker(device, "--backend", backend)
-        farm.wait_for_workers(2)
-        with farm.client() as client:
-            result = client.run(digits[:, None], model="lenet")
-            workers = client.info()["workers"]
+def test_opencv_and_torch_workers_share_a_job(lenet, digits, local_farm) -> None:
+    farm = local_farm(2, device_options=[["--backend", "torch"], ["--backend", "opencv"]],
+                      chunk=100)
+    with farm.client() as client:
+        result = client.run(digits[:, None], model="lenet")
+        workers = client.info()["workers"]
     np.testing.assert_allclose(result.outputs, load_engine(lenet).run(digits[:, None]),
                                atol=1e-4)
     assert sorted(w["backend"] for w in workers) == ["opencv", "torch"]
@@ -174,7 +163,7 @@ def test_demo_reports_the_measured_accuracy(lenet, digits) -> None:
             f"of {len(labels):,} against labels.npy; the 3 passes agree)") in done.stdout
 
 
-def test_unsafe_model_names_never_touch_the_disk(lone_worker, digits) -> None:  # noqa: F811
+def test_unsafe_model_names_never_touch_the_disk(lone_worker, digits) -> None:
     """A task naming '../x' is refused; the worker answers and keeps serving."""
     router, identity = lone_worker
     frames = task(identity, 9, digits[:2, None], model="../../etc")
@@ -194,8 +183,8 @@ def test_models_go_to_registered_workers_only(farm_two_workers) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(farm_two_workers.endpoint)
     try:
-        sock.send_multipart(protocol.encode(Command.FETCH, {"model": "lenet",
-                                                            "digest": "0" * 64}))
+        sock.send_multipart(protocol.encode(Command.FETCH, messages.Fetch(model="lenet",
+                                                                          digest="0" * 64)))
         assert sock.poll(10_000)
         reply = protocol.decode(sock.recv_multipart())
         assert reply.command is Command.MODEL and reply.payload == []
@@ -227,7 +216,7 @@ def test_a_worker_fetches_its_model_option_from_the_broker(tmp_path, digits) -> 
                    broker_options=["--chunk", "100", "--models-dir", str(repository)]) as farm:
         with open(log, "w") as stderr:
             farm.workers.append(subprocess.Popen(farm_command(
-                "worker", "--device", two_cpu_devices()[0], "--broker", farm.endpoint,
+                "worker", "--device", pinned_devices(1)[0], "--broker", farm.endpoint,
                 "--cache", str(tmp_path / "cache"), "--model", "digits", "--model", "nosuch"),
                 stderr=stderr, start_new_session=True))
         farm.wait_for_workers(1)

@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,20 +23,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from farm import defaults
 from farm.client.client import Client, FarmError, JobResult
-from farm.ops.local import LocalFarm, cores, farm_command
 from farm.client.npy import NpyReader
+from farm.ops.local import LocalFarm, farm_command
 from tests.conftest import reference_forward
 
 CHUNK = 500
 
 
 @pytest.fixture(scope="module")
-def farm() -> Iterator[LocalFarm]:
-    devices = [f"cpu:{core}" for core in cores()[:2]] * (2 if len(cores()) < 2 else 1)
-    with LocalFarm(devices=devices, algo="fifo",
-                   broker_options=["--chunk", str(CHUNK), "--metrics-port", "0"],
-                   preload=["lenet"]) as local:
-        yield local
+def farm(module_local_farm) -> LocalFarm:
+    return module_local_farm(2, chunk=CHUNK, metrics_port=0, preload=["lenet"])
 
 
 @pytest.fixture(scope="module")
@@ -338,13 +334,11 @@ def test_each_job_may_bring_its_own_policy_and_a_timeout(farm, speed, digits,
     assert status_json(farm)["jobs_ended"]["timed_out"] >= 1
 
 
-def test_higher_priority_jobs_are_offered_free_workers_first(farm, digits) -> None:
+def test_higher_priority_jobs_are_offered_free_workers_first(digits, local_farm) -> None:
     """Three jobs queued behind a running one on a fifo-sharing broker: the urgent one,
     submitted last, is offered the first free slot."""
-    with LocalFarm(devices=farm.devices[:1], algo="fifo",
-                   broker_options=["--chunk", str(CHUNK), "--sharing", "fifo"],
-                   preload=["lenet"]) as local, \
-            JobThread(local, repeated(digits, 40_000)) as first:
+    local = local_farm(1, chunk=CHUNK, sharing="fifo", preload=["lenet"])
+    with JobThread(local, repeated(digits, 40_000)) as first:
         # 10 chunks each: the urgent job, running at once, is still listed when it is seen
         jobs = [JobThread(local, repeated(digits, 10 * CHUNK + n), priority=priority)
                 for n, priority in enumerate((0, 0, 10))]

@@ -14,8 +14,8 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -25,8 +25,8 @@ from farm.client.answers import ModelCard
 from farm.client.client import Client, FarmError, JobResult
 from farm.client.inputs import ArraySource
 from farm.client.journal import InputIdentity, JournalHeader, journal_path, read_journal, read_lines
-from farm.ops.local import LocalFarm, cores, farm_command
 from farm.client.npy import NpyReader, partial_path
+from farm.ops.local import LocalFarm, farm_command
 from tests.conftest import reference_forward
 
 TOTAL = 30_000
@@ -307,14 +307,11 @@ def shared_images(job, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def farm_one_batch_per_chunk() -> Iterator[LocalFarm]:
+def farm_one_batch_per_chunk(module_local_farm) -> LocalFarm:
     """As ``farm_two_workers``, but each chunk of 100 computed as one batch of 100, whichever
     worker takes it: the same chunk gives the same bits, so answers files compare byte
     for byte (a worker's own batch choice may differ from the other's in the last bit)."""
-    devices = [f"cpu:{core}" for core in cores()[:2]] or ["cpu"]
-    with LocalFarm(devices=devices, algo="fifo", broker_options=["--chunk", "100"],
-                   worker_options=["--batch", "100"], preload=["lenet"]) as local:
-        yield local
+    return module_local_farm(2, chunk=100, worker_options=["--batch", "100"], preload=["lenet"])
 
 
 @pytest.fixture(scope="module")

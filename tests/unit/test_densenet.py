@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from farm.modelrepo.caffe_net import Network
-from farm.engines.engine import BackendUnavailable, load_engine
+from farm.engines.autoselect import load_engine
+from farm.engines.engine import BackendUnavailable
 from farm.modelrepo.repository import load_spec, prepare
 
 FOLDER = Path(__file__).resolve().parents[2] / "bench" / "nets" / "densenet121"

@@ -13,15 +13,11 @@ import openvino
 import pytest
 
 from farm.engines import autoselect
-from farm.engines.autoselect import Choice, choose
-from farm.engines.engine import PRECISIONS, load_engine
-from farm.engines.modelcheck import (
-    TOLERANCE,
-    check_inputs,
-    check_model,
-    relative_difference,
-)
+from farm.engines.autoselect import Choice, choose, load_engine
+from farm.engines.engine import PRECISIONS
+from farm.engines.modelcheck import check_inputs, check_model
 from farm.engines.onnx_export import export, save
+from farm.engines.tolerances import TOLERANCE, relative_difference
 from farm.modelrepo import caffe_proto
 from farm.modelrepo.caffe_net import Network, NetworkError
 from farm.modelrepo.repository import ModelError, find, load_spec

@@ -21,41 +21,29 @@ rejects.  ``pytest -s`` prints the figures.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import hashlib
-import os
-import subprocess
-import threading
-import time
-import uuid
-from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import msgpack
 import msgspec
 import numpy as np
-import zmq
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from farm import messages, protocol
-from farm.broker.registry import WorkerEntry
+from farm.broker import wire
 from farm.modelrepo.repository import available
-from farm.ops.local import farm_command
 from farm.protocol import (
     MAX_HEADER_BYTES,
     MAX_ITEMS,
     MAX_PAYLOAD_FRAMES,
     SIGNATURE,
     Command,
-    ProtocolError,
 )
 from farm.workers.worker import ACCEPTED as WORKER_ACCEPTS
-from tests.system.test_bad_input import GARBAGE, digest_of
+from tests.frames import GARBAGE, digest_of
 
 #: Malformed messages (rejected by ``protocol.decode`` as the peer calls it) each peer must get.
 TARGET = 10_000
@@ -515,7 +503,7 @@ def harmless_to_broker(frames: Sequence[bytes]) -> bool:
         return True
     if message.command is Command.READY:
         try:
-            WorkerEntry.from_ready(b"fuzz", message.header)
+            wire.worker_facts(message.header)  # what the broker registers a worker with
         except Exception:
             return True
         return False
@@ -581,105 +569,6 @@ FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
 
 # ----------------------------------------------------------------- bookkeeping
 
-@dataclass
-class Tally:
-    """What was sent to one peer, and what came back."""
-
-    sent: int = 0
-    malformed: int = 0  # rejected by protocol.decode with the peer's accepted commands
-    batches: int = 0
-    families: Counter = field(default_factory=Counter)
-    replies: Counter = field(default_factory=Counter)
-    bad_replies: Counter = field(default_factory=Counter)  # the peer broke the protocol
-    rss_warm: int | None = None
-    rss_end: int | None = None
-
-    def count(self, item: Garbage, frames: Sequence[bytes], accepts: frozenset) -> None:
-        """Count a message about to be sent; decode must refuse it with ProtocolError or
-        accept it, never raise anything else."""
-        self.sent += 1
-        self.families[item.family] += 1
-        try:
-            protocol.decode(frames, allowed=accepts)
-        except ProtocolError:
-            self.malformed += 1
-        except Exception as exc:
-            raise AssertionError(f"protocol.decode raised {type(exc).__name__} (not "
-                                 f"ProtocolError) on {item!r}: {exc}") from exc
-
-    def reply(self, frames: Sequence[bytes]) -> protocol.Message | None:
-        """A message from the peer, which must be well-formed whatever it was sent; a
-        malformed one is counted (and reported at the end) and None returned."""
-        try:
-            message = protocol.decode(frames)
-        except ProtocolError as exc:
-            name = next((c.name for c in Command if list(frames[1:2]) == [c.value]), "?")
-            try:  # what it says, read without the limits
-                said = msgpack.unpackb(frames[2], strict_map_key=False).get("error", "")[:32]
-            except Exception:
-                said = "?"
-            self.bad_replies[f"{name} {said!r}...: {str(exc)[:100]}"] += 1
-            return None
-        self.replies[message.command.name] += 1
-        return message
-
-    def note_rss(self, pid: int, peer: str) -> None:
-        if self.rss_warm is None and self.sent >= WARMUP:
-            self.rss_warm = rss(pid, peer)
-
-    def report(self, peer: str, seconds: float) -> str:
-        growth = (self.rss_end - self.rss_warm) / 2**20
-        return (f"{peer}: {self.sent} messages in {self.batches} batches, {self.malformed} "
-                f"malformed, in {seconds:.1f} s; RSS {self.rss_warm / 2**20:.1f} MiB after "
-                f"{WARMUP} -> {self.rss_end / 2**20:.1f} MiB at the end ({growth:+.1f} MiB, "
-                f"limit {RSS_GROWTH_LIMIT >> 20}); families {dict(sorted(self.families.items()))}"
-                f"; replies {dict(sorted(self.replies.items()))}")
-
-
-def rss(pid: int, peer: str) -> int:
-    """A process' resident memory in bytes (VmRSS in /proc/PID/status)."""
-    status = Path(f"/proc/{pid}/status")
-    assert status.exists(), f"the {peer} process {pid} is gone"
-    for line in status.read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS in {status}")
-
-
-@contextlib.contextmanager
-def stderr_to(path: Path) -> Iterator[None]:
-    """Point file descriptor 2 at ``path``: processes started meanwhile write their log there."""
-    saved = os.dup(2)
-    try:
-        with open(path, "ab") as log:
-            os.dup2(log.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def bugs(log: Path, tally: Tally) -> list[str]:
-    """What the peer's own code calls a bug: the exceptions it logged (a broker logs one
-    instead of answering ERROR), each with the line that raised it, and the messages it sent
-    that the protocol rejects."""
-    found: Counter = Counter()
-    where, in_traceback = "", False
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("Traceback"):
-            where, in_traceback = "", True
-        elif in_traceback and line.lstrip().startswith("File "):
-            where = line.strip()
-        elif in_traceback and line and not line[0].isspace():
-            found[f"{line.strip()[:160]} ({where})"] += 1
-            in_traceback = False
-    for problem, count in tally.bad_replies.items():
-        found[f"sent a malformed message: {problem}"] += count
-    return [f"{count} x {problem}" for problem, count in found.most_common()]
-
-
-# ------------------------------------------------------------------- templates
-
 def test_every_template_is_a_valid_message() -> None:
     """The fuzzing starts from valid messages: each command's template decodes."""
     for command in Command:
@@ -688,191 +577,3 @@ def test_every_template_is_a_valid_message() -> None:
 
 
 # --------------------------------------------------------------------- worker
-
-class WorkerFuzzer:
-    """A ROUTER acting as the broker of one real worker process: it sends the worker garbage
-    with real TASKs among it, answers its heartbeats and FETCHes, and follows it if it
-    reconnects under a new identity."""
-
-    def __init__(self, log: Path, images: np.ndarray, expected: np.ndarray) -> None:
-        self.images, self.expected = images, expected
-        self.real_job, self.real_tasks = f"real-{uuid.uuid4().hex}", 0
-        self.context = zmq.Context()
-        self.router = self.context.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises
-        self.router.setsockopt(zmq.SNDTIMEO, int(REPLY_TIMEOUT * 1000))
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        with open(log, "ab") as stderr:
-            self.process = subprocess.Popen(farm_command(
-                "--log-level", "WARNING", "worker", "--device",
-                f"cpu:{min(os.sched_getaffinity(0))}", "--broker", f"tcp://127.0.0.1:{port}",
-                "--model", "lenet"), stderr=stderr)
-        self.identity = b""
-        self.reconnects = -1  # the first READY is the connection, not a reconnect
-        self.tally = Tally()
-        try:
-            self.receive(lambda message: message.command is Command.READY)
-        except BaseException:
-            self.close()
-            raise
-
-    def fuzz(self, item: Garbage) -> None:
-        self.tally.count(item, item.frames, WORKER_ACCEPTS)
-        self.send(item.frames)
-
-    def real_task(self, start: int, count: int) -> list[bytes]:
-        """A valid TASK for images ``start..``: a LeNet chunk as the broker would send it."""
-        self.real_tasks += 1
-        return protocol.encode(Command.TASK, {
-            "job": self.real_job, "chunk": self.real_tasks, "attempt": 1, "start": start,
-            "count": count, "model": "lenet", "digest": LENET_DIGEST, "dtype": "uint8",
-            "item_shape": ITEM_SHAPE}, [self.images[start:start + count].tobytes()])
-
-    def check_result(self, start: int, count: int) -> None:
-        """The last real TASK came back, exact."""
-        reply = self.receive(lambda m: m.command in (Command.RESULT, Command.FAILED)
-                             and m.header.job == self.real_job)
-        assert reply.command is Command.RESULT, f"a real TASK failed: {reply.header}"
-        assert (reply.header.chunk, reply.header.start, reply.header.count) == \
-            (self.real_tasks, start, count), "the RESULT of another TASK"
-        np.testing.assert_allclose(reply.array("float32", (10,)),
-                                   self.expected[start:start + count], atol=1e-5)
-
-    def send(self, frames: Sequence[bytes]) -> None:
-        """Send to the worker; if it reconnected meanwhile, wait for its READY and resend."""
-        for _ in range(3):
-            try:
-                self.router.send_multipart([self.identity, *frames])
-                return
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self.receive(lambda message: message.command is Command.READY)
-        raise AssertionError("the worker keeps reconnecting")
-
-    def receive(self, wanted) -> protocol.Message:
-        """The worker's next message that ``wanted`` accepts, serving a broker's part meanwhile."""
-        deadline = time.monotonic() + REPLY_TIMEOUT
-        while True:
-            assert self.process.poll() is None, f"the worker exited ({self.process.returncode})"
-            wait = int((deadline - time.monotonic()) * 1000)
-            assert wait > 0 and self.router.poll(wait), "the worker did not answer"
-            identity, *frames = self.router.recv_multipart()
-            message = self.tally.reply(frames)
-            if message is None:
-                continue
-            if message.command is Command.READY and identity != self.identity:
-                self.identity, self.reconnects = identity, self.reconnects + 1
-            elif message.command is Command.HEARTBEAT:
-                self.answer(identity, protocol.encode(Command.HEARTBEAT, {"interval": 1.0}))
-            elif message.command is Command.FETCH:  # as a broker does for a model it lacks
-                self.answer(identity, protocol.encode(Command.MODEL, {
-                    "model": message.header.model, "digest": message.header.digest,
-                    "files": [], "error": "no such model"}))
-            if wanted(message):
-                return message
-
-    def answer(self, identity: bytes, frames: list[bytes]) -> None:
-        """Answer a message, unless its connection is gone (the worker reconnected since it
-        was sent: a broker drops such answers too)."""
-        try:
-            self.router.send_multipart([identity, *frames])
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-
-    def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.router.close()
-        self.context.term()
-
-
-def fuzz_until_target(fuzz_round: Callable[[], None], tally: Any) -> float:
-    """Run hypothesis rounds until ``TARGET`` malformed messages were sent; the seconds taken."""
-    started = time.monotonic()
-    while tally.malformed < TARGET:
-        assert time.monotonic() - started < FUZZ_BUDGET, \
-            f"only {tally.malformed} malformed messages in {FUZZ_BUDGET} s"
-        fuzz_round()
-    return time.monotonic() - started
-
-
-
-
-# --------------------------------------------------------------------- broker
-
-class BrokerFuzzer:
-    """Sends batches to the broker, each from a fresh DEALER, and checks it still answers."""
-
-    def __init__(self, endpoint: str, pid: int) -> None:
-        self.endpoint, self.pid = endpoint, pid
-        self.context = zmq.Context()
-        self.probe = self.dealer()
-        self.tally = Tally()
-        self.live_job = b"0" * 32
-        self.in_job = 0  # messages sent while a real job was running
-        self.job_running = threading.Event()
-
-    def dealer(self, identity: bytes | None = None) -> zmq.Socket:
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, int(REPLY_TIMEOUT * 1000))  # a stuck broker fails the test
-        if identity:
-            sock.setsockopt(zmq.ROUTING_ID, identity)
-        sock.connect(self.endpoint)
-        return sock
-
-    def send_batch(self, batch: list[Garbage], identity: bytes | None) -> None:
-        """Send fire-and-forget; then a heartbeat for a made-up job, whose ERROR reply comes
-        after the broker has handled the whole batch."""
-        self.tally.batches += 1
-        sock = self.dealer(identity and identity + self.tally.batches.to_bytes(4, "big"))
-        try:
-            for item in batch:
-                frames = list(item.frames)
-                if len(frames) > 2:
-                    frames[2] = frames[2].replace(LIVE, self.live_job)
-                self.tally.count(item, frames, BROKER_ACCEPTS)
-                self.in_job += self.job_running.is_set()
-                sock.send_multipart(frames)
-            token = f"sync-{self.tally.batches}"
-            sock.send_multipart(protocol.encode(Command.HEARTBEAT, {"job": token}))
-            deadline = time.monotonic() + REPLY_TIMEOUT
-            while True:
-                assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
-                    f"the broker did not answer within {REPLY_TIMEOUT} s after a batch"
-                reply = self.tally.reply(sock.recv_multipart())
-                if reply and messages.job_of(reply.header) == token \
-                        and reply.command is Command.ERROR:
-                    break
-        finally:
-            sock.close()
-        self.snapshot()
-        self.tally.note_rss(self.pid, "broker")
-
-    def snapshot(self) -> dict[str, Any]:
-        """The broker's INFO (over a socket of its own): it serves; the real job's id."""
-        self.probe.send_multipart(protocol.encode(Command.INFO, {}))
-        while True:
-            assert self.probe.poll(int(REPLY_TIMEOUT * 1000)), "the broker stopped answering INFO"
-            reply = protocol.decode(self.probe.recv_multipart())
-            if reply.command is Command.INFO:
-                break
-        snapshot = reply.document(dict)
-        jobs = [job["job"] for job in snapshot["jobs"]
-                if isinstance(job["job"], str) and len(job["job"]) == len(LIVE)]
-        if jobs:
-            self.live_job = jobs[0].encode()
-        return snapshot
-
-    def close(self) -> None:
-        self.probe.close()
-        self.context.term()
-
-

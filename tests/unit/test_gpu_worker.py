@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from farm.bench.setups import make_images
-from farm.engines.engine import Stopped, load_engine
+from farm.engines.autoselect import load_engine
+from farm.engines.engine import Stopped
 from farm.modelrepo.repository import find
 
 torch = pytest.importorskip("torch")

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from farm.modelrepo import caffe_proto
-from farm.engines.engine import BackendUnavailable, engine_class, load_engine
-from farm.engines.modelcheck import TOLERANCE, check_inputs, check_model
+from farm.engines.autoselect import load_engine
+from farm.engines.engine import BackendUnavailable, engine_class
+from farm.engines.modelcheck import check_inputs, check_model
+from farm.engines.tolerances import TOLERANCE
 from farm.modelrepo.caffe_net import Network, generated_weights
 from farm.engines.preprocess import Transformer
-from farm.modelrepo.repository import ModelError, available, find, load_spec
+from farm.modelrepo.repository import ModelError, find, load_spec
 from tests.conftest import available_bundled
 
 #: The models shipped in farm/models (not the user's nor $FARM_MODELS').

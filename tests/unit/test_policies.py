@@ -11,9 +11,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from farm.policies import (BARRIER_POLICIES, POLICIES, Assign, Chunk, ChunkDone, ChunkFailed,
-                           WorkerBusy, WorkerLost, WorkerReady, make_policy,
-                           proportional_split)
+from farm.policies import (
+    BARRIER_POLICIES,
+    POLICIES,
+    Assign,
+    Chunk,
+    ChunkDone,
+    ChunkFailed,
+    WorkerBusy,
+    WorkerLost,
+    WorkerReady,
+    make_policy,
+    proportional_split,
+)
 
 
 def done(worker: str, start: int, count: int, seconds: float, at: float = 0.0) -> ChunkDone:
@@ -252,17 +262,27 @@ def test_a_job_big_enough_for_the_floor_keeps_it() -> None:
 
 # ------------------------------------------------------------ properties
 
-def policy_parameters(name: str, floor: int) -> st.SearchStrategy[dict]:
-    """Random but valid parameters for each policy."""
+def fewest(total: int) -> int:
+    """The smallest chunk size or cap drawn (fifo's chunk, a slice, a max_chunk) for a job of
+    ``total`` items: one that makes at most 100 chunks.  Each chunk costs a few drawn
+    events, and jobs cut into thousands (slices of 1 on 20 000 items) took most of the
+    test's time, or ran out of hypothesis's choices and were thrown away, without reaching
+    any other code."""
+    return -(-total // 100)
+
+
+def policy_parameters(name: str, floor: int, total: int) -> st.SearchStrategy[dict]:
+    """Random but valid parameters for each policy (at most 100 chunks of a fixed size)."""
     probe = st.integers(floor, 3000)
+    least = max(floor, fewest(total))
     return {
         "static": st.fixed_dictionaries({"floor": st.just(floor)}),
         "quick": st.fixed_dictionaries({"floor": st.just(floor), "probe": probe}),
         "sliced": st.fixed_dictionaries({"floor": st.just(floor),
-                                         "slice": st.integers(floor, 6000)}),
-        "hat": st.fixed_dictionaries({"floor": st.just(floor), "slice": st.integers(floor, 3000),
+                                         "slice": st.integers(least, 6000)}),
+        "hat": st.fixed_dictionaries({"floor": st.just(floor), "slice": st.integers(least, 3000),
                                       "tolerance": st.floats(0, 0.5)}),
-        "fifo": st.fixed_dictionaries({"chunk": st.integers(1, 3000)}),
+        "fifo": st.fixed_dictionaries({"chunk": st.integers(fewest(total), 3000)}),
         "fast-split": st.fixed_dictionaries({"floor": st.just(floor), "probe": probe,
                                              "ratio": st.floats(0.05, 1.0)}),
         "equal-finish": st.fixed_dictionaries({"floor": st.just(floor),
@@ -281,11 +301,11 @@ def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots
                                                       floor, data) -> None:
     """Random speeds, job sizes, joins, losses, failed chunks (retried or given up) and caps
     on chunk size: exact coverage, floors, caps and barriers hold."""
-    params = data.draw(policy_parameters(name, floor))
+    params = data.draw(policy_parameters(name, floor, total))
     names = [f"w{i}" for i in range(len(speeds))]
     speed = dict(zip(names, speeds))
     policy = make_policy(name, total, names, speed if remembered else None, **params)
-    policy.max_chunk = data.draw(st.none() | st.integers(floor, 5000))
+    policy.max_chunk = data.draw(st.none() | st.integers(max(floor, fewest(total)), 5000))
     abandoned: list[Chunk] = []
     held: dict[str, list[Chunk]] = {}
     round_of: dict[Chunk, int] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -17,9 +18,13 @@ def task_header(count: int = 2, shape=(1, 28, 28), dtype: str = "uint8") -> dict
             "dtype": dtype, "item_shape": list(shape)}
 
 
+def task(count: int = 2, shape=(1, 28, 28), dtype: str = "uint8") -> messages.Task:
+    return msgspec.convert(task_header(count, shape, dtype), messages.Task)
+
+
 def test_array_round_trip_is_zero_copy_for_one_frame() -> None:
     images = np.arange(2 * 784, dtype=np.uint8).reshape(2, 1, 28, 28)
-    signature, command, header, payload = protocol.encode(Command.TASK, task_header(),
+    signature, command, header, payload = protocol.encode(Command.TASK, task(),
                                                           protocol.array_frames(images))
     frame = bytearray(payload)
     message = protocol.decode([signature, command, header, frame])
@@ -32,7 +37,7 @@ def test_array_round_trip_is_zero_copy_for_one_frame() -> None:
 
 def test_array_from_several_frames_is_joined() -> None:
     images = np.arange(3 * 4, dtype=np.float32).reshape(3, 4)
-    frames = protocol.encode(Command.TASK, task_header(3, (4,), "float32"),
+    frames = protocol.encode(Command.TASK, task(3, (4,), "float32"),
                              [images[:1].tobytes(), images[1:].tobytes()])
     np.testing.assert_array_equal(protocol.decode(frames).array("float32", (4,)), images)
 
@@ -72,7 +77,7 @@ def test_malformed_messages_are_rejected_with_a_reason(frames, reason) -> None:
 
 def test_commands_outside_the_allowed_set_are_rejected() -> None:
     with pytest.raises(ProtocolError, match="not accepted"):
-        protocol.decode(protocol.encode(Command.SUBMIT, {}),
+        protocol.decode([protocol.SIGNATURE, Command.SUBMIT.value, msgpack.packb({})],
                         allowed=frozenset({Command.TASK}))
 
 
@@ -86,7 +91,8 @@ def test_frames_are_a_msgpack_header_and_the_raw_buffer() -> None:
     header = {"job": "j", "chunk": 0, "start": 0, "count": 1, "dtype": "float32",
               "item_shape": [10], "timings": {"compute": 0.5}}
     outputs = np.linspace(0, 1, 10, dtype=np.float32).reshape(1, 10)
-    frames = protocol.encode(Command.RESULT, header, protocol.array_frames(outputs))
+    frames = protocol.encode(Command.RESULT, msgspec.convert(header, messages.Result),
+                             protocol.array_frames(outputs))
     assert len(frames) == 4 and bytes(frames[0]) == protocol.SIGNATURE and frames[1] == b"\x03"
     assert msgpack.unpackb(frames[2]) == header  # plain msgpack, readable by any language
     assert bytes(frames[3]) == outputs.tobytes()  # the buffer itself: no pickle framing
@@ -99,11 +105,11 @@ def test_a_snapshot_far_beyond_the_header_limit_travels_as_a_document_frame() ->
     snapshot = {"workers": [{"name": f"rack{i // 64}.example.org:{40000 + i}/cpu:{i % 64}",
                              "models": ["caffenet", "cifar10_quick", "lenet"], "rate": 9000.5}
                             for i in range(2000)], "jobs": []}
-    frames = protocol.encode(Command.INFO, {}, protocol.document_frames(snapshot))
+    frames = protocol.encode(Command.INFO, messages.Info(), protocol.document_frames(snapshot))
     assert len(frames[-1]) > 2 * protocol.MAX_HEADER_BYTES
     assert protocol.decode(frames).document(dict) == snapshot
     with pytest.raises(ProtocolError, match="DONE document: Expected `object`, got `array`"):
-        protocol.decode(protocol.encode(Command.DONE, {"job": "j"},
+        protocol.decode(protocol.encode(Command.DONE, messages.Done(job="j"),
                                         [msgpack.packb([1, 2])])).document(JobSummary)
 
 
@@ -114,6 +120,16 @@ def test_a_typed_header_round_trips_and_leaves_its_defaults_off_the_wire() -> No
     assert protocol.decode(frames).header == heartbeat
     with pytest.raises(TypeError, match="Heartbeat header cannot go with INFO"):
         protocol.encode(Command.INFO, heartbeat)
+
+
+def test_only_a_commands_own_struct_is_encoded_never_a_map() -> None:
+    """A map of fields is refused (a malformed header is built by hand, as tests do); no
+    header stands for the command's defaults, where all its fields have one."""
+    with pytest.raises(TypeError, match="dict header cannot go with INFO"):
+        protocol.encode(Command.INFO, {"wait_workers": 1})  # type: ignore[arg-type]
+    assert msgpack.unpackb(protocol.encode(Command.DISCONNECT)[2]) == {}
+    with pytest.raises(TypeError):
+        protocol.encode(Command.SUBMIT)
 
 
 def test_unknown_fields_deep_in_a_header_are_refused_without_recursing() -> None:

@@ -1,12 +1,17 @@
 """FarmState in-process: events in, instructions out, no sockets and no clock.
 
-The same state runs in the broker (the last test records a real broker's events and
-replays them) and in the simulator (the simulated farms below).
+The same state runs in the broker (a system test records a real broker's events and
+replays them) and in the simulator (the simulated farms below).  Events come from the
+kit that drives the state (``farm.simulation.kit``).
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,35 +19,37 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from farm.broker import events as ev
-from farm.broker.jobs import JobOptions
+from farm.broker.events import matching
+from farm.broker.facts import JobOptions
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.policies import POLICIES
+from farm.simulation import kit
+from farm.simulation.kit import data_for, failure_for, joined, result_for, submitted
 from farm.simulation.simulator import DeviceModel, FarmSimulation, Scenario
 
 CLIENT, OTHER = b"client-1", b"client-2"
 A, B = b"worker-a", b"worker-b"
-MODEL = ev.ModelFound((1,), "digest")
-
-
-def facts(slots: int = 1) -> ev.WorkerFacts:
-    return ev.WorkerFacts("cpu", "host", 1, "opencv", 1, {"m": {"input_shape": [1]}},
-                          frozenset({"m"}), slots)
+#: The scheduling core: it speaks neither the protocol nor its messages (farm.broker.wire
+#: maps them onto its events and instructions).
+CORE = ("farm.broker.state", "farm.broker.jobs", "farm.broker.registry", "farm.broker.events",
+        "farm.broker.facts", "farm.broker.blame", "farm.broker.churn", "farm.policies")
+WIRE = {"farm.protocol", "farm.messages"}
 
 
 def submit(job: str, total: int, at: float = 0.0, client: bytes = CLIENT,
            **options) -> ev.JobSubmitted:
-    return ev.JobSubmitted(client, job, "m", "float32", (1,), total, 1.0, JobOptions(**options),
-                           MODEL, at)
+    return submitted(job, total, at=at, client=client, options=JobOptions(**options))
 
 
-def data(need: ev.SendNeed, at: float) -> ev.DataArrived:
-    return ev.DataArrived(need.client, need.job, need.chunk, need.start, need.count,
-                          4 * need.count, 1, at)
+def need(job: str, chunk: int, start: int, count: int, client: bytes = CLIENT) -> ev.SendNeed:
+    return ev.SendNeed(client=client, job=job, chunk=chunk, start=start, count=count)
 
 
-def done(task: ev.SendTask, at: float, compute: float) -> ev.ChunkDone:
-    return ev.ChunkDone(task.worker, task.job, task.chunk, task.start, task.count, "float32",
-                        (1,), {"compute": compute}, at)
+def task(worker: bytes, job: str, chunk: int, start: int, count: int,
+         attempt: int = 1) -> ev.SendTask:
+    return ev.SendTask(worker=worker, job=job, chunk=chunk, attempt=attempt, start=start,
+                       count=count, model=kit.MODEL, digest=kit.DIGEST, dtype="float32",
+                       item_shape=kit.ITEM_SHAPE, engine=None)
 
 
 def fifo(chunk: int, **config) -> FarmState:
@@ -50,21 +57,45 @@ def fifo(chunk: int, **config) -> FarmState:
                                       max_chunk_seconds=0.0, **config), first_chunk_id=1)
 
 
+def imports_of(path: str) -> set[str]:
+    """The modules a file imports (``from farm import x``: ``farm.x`` too)."""
+    tree = ast.parse(open(path).read())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_core_imports_neither_the_protocol_nor_its_messages() -> None:
+    """The state and every farm module it loads import neither ``farm.protocol`` nor
+    ``farm.messages`` (not even for types), and neither is loaded."""
+    code = ("import sys, json; import farm.broker.state, farm.simulation.kit; "
+            f"print(json.dumps([sorted(n for n in {sorted(WIRE)!r} if n in sys.modules), "
+            "{n: m.__file__ for n, m in sys.modules.items() if n.startswith('farm')}]))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    loaded, files = json.loads(out)
+    assert loaded == []
+    assert all(any(name == core or name.startswith(f"{core}.") for name in files)
+               for core in CORE)
+    for path in files.values():
+        assert not imports_of(path) & WIRE, path
+
+
 def test_a_chunk_goes_need_data_task_result_done() -> None:
     state = fifo(100)
-    assert state.handle(ev.WorkerJoined(A, facts(), 0.0)) == []
-    assert state.handle(submit("j", 150)) == [ev.SendNeed(CLIENT, "j", 1, 0, 100)]
-    need = ev.SendNeed(CLIENT, "j", 1, 0, 100)
-    assert state.handle(data(need, 0.1)) == [
-        ev.SendTask(A, "j", 1, 1, 0, 100, "m", "digest", "float32", (1,), None)]
-    task = ev.SendTask(A, "j", 1, 1, 0, 100, "m", "digest", "float32", (1,), None)
-    result = done(task, 0.5, 0.25)
+    assert state.handle(joined(A)) == []
+    assert state.handle(submit("j", 150)) == [need("j", 1, 0, 100)]
+    assert state.handle(data_for(need("j", 1, 0, 100), 0.1)) == [task(A, "j", 1, 0, 100)]
+    result = result_for(task(A, "j", 1, 0, 100), 0.5, 0.25)
     out = state.handle(result)
-    assert out == [ev.SendResult(CLIENT, result, "host:1/cpu", 1, (0.0, 0.1, 0.5)),
-                   ev.SendNeed(CLIENT, "j", 2, 100, 50)]
-    state.handle(data(out[1], 0.6))
-    task = ev.SendTask(A, "j", 2, 1, 100, 50, "m", "digest", "float32", (1,), None)
-    out = state.handle(done(task, 0.8, 0.1))
+    assert out == [ev.SendResult(client=CLIENT, result=result, worker="host:1/cpu", attempt=1,
+                                 trace=(0.0, 0.1, 0.5)),
+                   need("j", 2, 100, 50)]
+    state.handle(data_for(out[1], 0.6))
+    out = state.handle(result_for(task(A, "j", 2, 100, 50), 0.8, 0.1))
     assert [type(i) for i in out] == [ev.SendResult, ev.SendDone]
     assert out[1].summary.workers[0].items == 150
     assert state.jobs == {} and state.outcomes["done"] == 1
@@ -74,98 +105,94 @@ def test_the_higher_priority_job_takes_the_free_slot() -> None:
     state = fifo(10)
     state.handle(submit("low", 100))
     state.handle(submit("high", 100, client=OTHER, priority=5))
-    assert state.handle(ev.WorkerJoined(A, facts(), 0.0)) == [ev.SendNeed(OTHER, "high", 1, 0, 10)]
+    assert state.handle(joined(A)) == [need("high", 1, 0, 10, client=OTHER)]
 
 
 def test_fair_sharing_alternates_slots_between_equal_jobs() -> None:
     state = fifo(10)
     state.handle(submit("first", 100))
     state.handle(submit("second", 100, client=OTHER))
-    out = state.handle(ev.WorkerJoined(A, facts(slots=2), 0.0))
+    out = state.handle(joined(A, slots=2))
     assert [(i.job, i.start) for i in out] == [("first", 0), ("second", 0)]
 
 
 def test_a_worker_lost_to_silence_or_goodbye_charges_nothing_and_its_chunk_moves() -> None:
     state = fifo(10, max_attempts=1)  # one charge would make the chunk suspect
-    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    state.handle(joined(A))
     state.handle(submit("j", 10))
-    state.handle(data(ev.SendNeed(CLIENT, "j", 1, 0, 10), 0.1))
-    assert state.handle(ev.WorkerLeft(A, 0.2)) == []
-    assert state.handle(ev.WorkerJoined(B, facts(), 0.3)) == [ev.SendNeed(CLIENT, "j", 2, 0, 10)]
-    out = state.handle(data(ev.SendNeed(CLIENT, "j", 2, 0, 10), 0.4))
+    state.handle(data_for(need("j", 1, 0, 10), 0.1))
+    assert state.handle(ev.WorkerLeft(worker=A, at=0.2)) == []
+    assert state.handle(joined(B, 0.3)) == [need("j", 2, 0, 10)]
+    out = state.handle(data_for(need("j", 2, 0, 10), 0.4))
     assert [(i.worker, i.attempt) for i in out] == [(B, 2)]  # its second run, uncharged
     # the lost worker's late answer is dropped, and it is told to register again
-    late = ev.ChunkDone(A, "j", 1, 0, 10, "float32", (1,), {"compute": 0.1}, 0.5)
-    assert state.handle(late) == [ev.DropWorker(A)]
+    late = result_for(task(A, "j", 1, 0, 10), 0.5, 0.1)
+    assert state.handle(late) == [ev.DropWorker(worker=A)]
     assert state.stats.late_replies == 1
-    out = state.handle(done(out[0], 0.6, 0.1))
+    out = state.handle(result_for(out[0], 0.6, 0.1))
     summary = out[-1].summary
     assert (summary.failed_attempts, summary.lost_attempts, summary.items_run) == (0, 1, 20)
 
 
 def test_a_crashed_worker_charges_only_the_chunk_it_was_computing() -> None:
     state = fifo(10)
-    state.handle(ev.WorkerJoined(A, facts(slots=2), 0.0))
+    state.handle(joined(A, slots=2))
     first, second = state.handle(submit("j", 20))
-    state.handle(data(first, 0.1))
-    state.handle(data(second, 0.2))  # queued behind the first on the worker
-    state.handle(ev.WorkerLeft(A, 0.3, "its connection closed", crashed=True))
+    state.handle(data_for(first, 0.1))
+    state.handle(data_for(second, 0.2))  # queued behind the first on the worker
+    state.handle(ev.WorkerLeft(worker=A, at=0.3, reason="its connection closed", crashed=True))
     marks = state.jobs["j"].evidence.marks
     assert [(m.start, m.charged) for m in marks] == [(0, True), (10, False)]
     assert "died while computing it" in marks[0].error
 
 
-def device(name: str, pid: int, slots: int = 1) -> ev.WorkerFacts:
-    return ev.WorkerFacts(name, "host", pid, "opencv", 1, {}, frozenset(), slots)
-
-
 def test_a_failed_chunk_runs_again_whole_on_another_device() -> None:
     state = fifo(10)
-    state.handle(ev.WorkerJoined(A, device("cpu:0", 1), 0.0))
-    state.handle(ev.WorkerJoined(B, device("cpu:1", 2), 0.0))
+    state.handle(joined(A, device="cpu:0", pid=1))
+    state.handle(joined(B, device="cpu:1", pid=2))
     first, second = state.handle(submit("j", 20))
-    task_a, = state.handle(data(first, 0.1))
-    task_b, = state.handle(data(second, 0.1))
+    task_a, = state.handle(data_for(first, 0.1))
+    task_b, = state.handle(data_for(second, 0.1))
     # A fails its chunk and is free first, but the chunk waits for another device
-    assert state.handle(ev.ChunkFailed(A, "j", task_a.chunk, "oom", False, 0.2)) == []
-    out = state.handle(done(task_b, 0.3, 0.1))
-    assert [(type(i), i.start, i.count) for i in out[1:]] == [(ev.SendNeed, 0, 10)]
-    retry, = state.handle(data(out[1], 0.4))
+    assert state.handle(failure_for(task_a, 0.2, "oom")) == []
+    out = state.handle(result_for(task_b, 0.3, 0.1))
+    assert len(out) == 2 and matching(out, ev.SendNeed, start=0, count=10) == out[1:]
+    retry, = state.handle(data_for(out[1], 0.4))
     assert (retry.worker, retry.attempt) == (B, 2)  # whole, not narrowed: one device failed it
     assert state.stats.narrowed_chunks == 0
 
 
-def run_with_poison(state: FarmState, workers: dict[bytes, ev.WorkerFacts], total: int,
+def run_with_poison(state: FarmState, workers: dict[bytes, dict], total: int,
                     bad: set[int]) -> tuple[list[int], list[ev.SendFailed]]:
     """Answer every NEED and TASK at once: a chunk holding a ``bad`` item fails on any
-    worker.  The items delivered (with repeats, if any) and the FAILED sent."""
-    queue: list[ev.Event] = [ev.WorkerJoined(w, f, 0.0) for w, f in workers.items()]
+    worker (``workers``: each one's facts for ``kit.worker_facts``).  The items delivered
+    (with repeats, if any) and the FAILED sent."""
+    driver = kit.Driver(state)
+    queue: list[ev.FarmEvent] = [joined(w, **facts) for w, facts in workers.items()]
     queue.append(submit("j", total))
-    delivered: list[int] = []
-    failed: list[ev.SendFailed] = []
     clock = 0.0
     while queue:
         clock += 0.01
-        for instruction in state.handle(queue.pop(0)):
+        for instruction in driver.feed(queue.pop(0)):
             match instruction:
                 case ev.SendNeed():
-                    queue.append(data(instruction, clock))
-                case ev.SendTask(worker, job, chunk, _, start, count):
+                    queue.append(data_for(instruction, clock))
+                case ev.SendTask(start=start, count=count):
                     if bad & set(range(start, start + count)):
-                        queue.append(ev.ChunkFailed(worker, job, chunk, f"bad item in "
-                                                    f"{start}+{count}", False, clock))
+                        queue.append(failure_for(instruction, clock,
+                                                 f"bad item in {start}+{count}"))
                     else:
-                        queue.append(done(instruction, clock, 0.001 * count))
-                case ev.SendResult(result=result):
-                    delivered += range(result.start, result.start + result.count)
-                case ev.SendFailed():
-                    failed.append(instruction)
-    return delivered, failed
+                        queue.append(result_for(instruction, clock, 0.001 * count))
+    assert driver.sent is not None
+    delivered = [item for forward in matching(driver.sent, ev.SendResult)
+                 for item in range(forward.result.start, forward.result.start
+                                   + forward.result.count)]
+    return delivered, matching(driver.sent, ev.SendFailed)
 
 
 def test_a_chunk_failing_on_two_devices_is_narrowed_to_its_bad_image() -> None:
     state = fifo(1000)
-    workers = {A: device("cpu:0", 1), B: device("cpu:1", 2)}
+    workers = {A: {"device": "cpu:0", "pid": 1}, B: {"device": "cpu:1", "pid": 2}}
     delivered, failed = run_with_poison(state, workers, 5000, {1234})
     assert sorted(delivered) == [i for i in range(5000) if i != 1234]  # each exactly once
     assert [(f.start, f.count) for f in failed] == [(1234, 1)]
@@ -177,7 +204,7 @@ def test_a_chunk_failing_on_two_devices_is_narrowed_to_its_bad_image() -> None:
 
 def test_on_one_device_a_chunk_is_narrowed_after_max_attempts() -> None:
     state = fifo(100, max_attempts=3)
-    delivered, failed = run_with_poison(state, {A: facts()}, 300, {7, 250})
+    delivered, failed = run_with_poison(state, {A: {}}, 300, {7, 250})
     assert sorted(delivered) == [i for i in range(300) if i not in (7, 250)]
     assert [(f.start, f.count) for f in failed] == [(7, 1), (250, 1)]
     assert all(f.error.startswith("failed by itself 3 times on 1 device(s)") for f in failed)
@@ -189,9 +216,9 @@ def test_no_item_runs_more_than_max_runs_times() -> None:
     out: list[ev.Instruction] = []
     for run in range(3):
         worker = bytes([run])
-        need = state.handle(ev.WorkerJoined(worker, facts(), run))[0]
-        state.handle(data(need, run + 0.1))
-        out = state.handle(ev.WorkerLeft(worker, run + 0.2, "silent for 1.0 s"))
+        first = state.handle(joined(worker, run))[0]
+        state.handle(data_for(first, run + 0.1))
+        out = state.handle(ev.WorkerLeft(worker=worker, at=run + 0.2, reason="silent for 1.0 s"))
     assert [type(i) for i in out] == [ev.SendFailed, ev.SendDone]
     assert out[0].error.startswith("ran 3 times without a result, its workers lost or failing")
     assert out[1].summary.failed_items == 10
@@ -199,69 +226,82 @@ def test_no_item_runs_more_than_max_runs_times() -> None:
 
 def test_a_closed_client_connection_ends_its_jobs_and_stops_their_chunks() -> None:
     state = fifo(10)
-    state.handle(ev.WorkerJoined(A, facts(), 0.0))
-    state.handle(data(state.handle(submit("j", 100))[0], 0.1))
-    assert state.handle(ev.ClientLeft(CLIENT, 0.2)) == [ev.SendCancel(A, "j")]
+    state.handle(joined(A))
+    state.handle(data_for(state.handle(submit("j", 100))[0], 0.1))
+    assert state.handle(ev.ClientLeft(client=CLIENT, at=0.2)) == [ev.SendCancel(peer=A, job="j")]
     assert state.jobs == {} and state.outcomes["expired"] == 1
 
 
 def test_a_fatal_failure_fails_the_job_and_frees_the_worker() -> None:
     state = fifo(10)
-    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    state.handle(joined(A))
     state.handle(submit("j", 20))
-    state.handle(data(ev.SendNeed(CLIENT, "j", 1, 0, 10), 0.1))
-    out = state.handle(ev.ChunkFailed(A, "j", 1, "no such layer", True, 0.2))
-    assert out == [ev.SendError(CLIENT, "items 0..9 failed on host:1/cpu: no such layer", "j")]
+    state.handle(data_for(need("j", 1, 0, 10), 0.1))
+    out = state.handle(failure_for(task(A, "j", 1, 0, 10), 0.2, "no such layer", fatal=True))
+    assert out == [ev.SendError(peer=CLIENT, error="items 0..9 failed on host:1/cpu: no such "
+                                                   "layer", job="j")]
     assert state.workers[A].free_slots == 1
 
 
 def test_chunks_are_capped_at_seconds_of_the_fastest_worker_and_shorter_when_shared() -> None:
     state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 1000},
                                        max_chunk_seconds=0.5))
-    state.handle(ev.WorkerJoined(A, facts(), 0.0))
-    need = state.handle(submit("j", 10_000))[0]
-    assert need.count == 1000  # no speed known yet
-    task = state.handle(data(need, 0.0))[0]
-    out = state.handle(done(task, 1.0, 1.0))  # 1 000 items/s: chunks of 0.5 s are 500 items
+    state.handle(joined(A))
+    first = state.handle(submit("j", 10_000))[0]
+    assert first.count == 1000  # no speed known yet
+    sent = state.handle(data_for(first, 0.0))[0]
+    out = state.handle(result_for(sent, 1.0, 1.0))  # 1 000 items/s: chunks of 0.5 s are 500
     assert out[-1].count == 500
     state.handle(submit("k", 10_000, at=1.0, client=OTHER))
-    state.handle(data(out[-1], 1.1))
-    out = state.handle(done(ev.SendTask(A, "j", out[-1].chunk, 1, 1000, 500, "m", "digest",
-                                        "float32", (1,), None), 1.6, 0.5))
+    state.handle(data_for(out[-1], 1.1))
+    out = state.handle(result_for(task(A, "j", out[-1].chunk, 1000, 500), 1.6, 0.5))
     assert out[-1].count == 125  # a quarter while two jobs share the farm
 
 
 def test_silence_expires_workers_and_clients_on_the_tick() -> None:
     state = fifo(10, heartbeat=1.0, liveness=3)
-    state.handle(ev.WorkerJoined(A, facts(), 0.0))
+    state.handle(joined(A))
     state.handle(submit("j", 100))
-    state.handle(data(ev.SendNeed(CLIENT, "j", 1, 0, 10), 0.1))
-    state.handle(ev.WorkerHeard(A, 2.0))
-    assert state.handle(ev.Tick(4.5)) == [ev.SendCancel(A, "j")]  # the client: silent 4.5 s
+    state.handle(data_for(need("j", 1, 0, 10), 0.1))
+    state.handle(ev.WorkerHeard(worker=A, at=2.0))
+    # the client: silent 4.5 s
+    assert state.handle(ev.Tick(at=4.5)) == [ev.SendCancel(peer=A, job="j")]
     assert state.outcomes["expired"] == 1 and A in state.workers
-    assert state.handle(ev.Tick(5.5)) == [] and A not in state.workers
+    assert state.handle(ev.Tick(at=5.5)) == [] and A not in state.workers
 
 
 def test_a_job_past_its_timeout_is_cancelled_with_its_summary() -> None:
     state = fifo(10)
     state.handle(submit("j", 100, timeout=2.0))
-    state.handle(ev.ClientHeard(CLIENT, "j", 2.0))
-    out = state.handle(ev.Tick(2.5))
-    assert [(type(i), i.reason) for i in out] == [
-        (ev.SendCancel, "the job's timeout of 2 s passed")]
+    state.handle(ev.ClientHeard(client=CLIENT, job="j", at=2.0))
+    out = state.handle(ev.Tick(at=2.5))
+    assert len(out) == 1 and matching(out, ev.SendCancel, peer=CLIENT, job="j",
+                                      reason="the job's timeout of 2 s passed") == out
+    assert out[0].summary is not None
 
 
 def test_unknown_jobs_and_bad_submissions_are_refused_with_reasons() -> None:
     state = fifo(10)
-    assert state.handle(ev.JobCancelled(CLIENT, "nope", 0.0)) == [
-        ev.SendError(CLIENT, "the broker has no job nope", "nope", unknown_job=True)]
+    assert state.handle(ev.JobCancelled(client=CLIENT, job="nope", at=0.0)) == [
+        ev.SendError(peer=CLIENT, error="the broker has no job nope", job="nope",
+                     unknown_job=True)]
     state.handle(submit("j", 10))
-    assert state.handle(submit("j", 10)) == [ev.SendError(CLIENT, "job j already exists", "j")]
-    wrong = ev.JobSubmitted(CLIENT, "k", "m", "float32", (2,), 10, 1.0, JobOptions(), MODEL, 0.0)
+    assert state.handle(submit("j", 10)) == [
+        ev.SendError(peer=CLIENT, error="job j already exists", job="j")]
+    wrong = submitted("k", 10, client=CLIENT, item_shape=(2,))
     assert state.handle(wrong) == [ev.SendError(
-        CLIENT, "images of shape (2,) do not match model 'm', which takes (1,)", "k")]
+        peer=CLIENT, error="images of shape (2,) do not match model 'm', which takes (1,)",
+        job="k")]
 
 
+def test_matching_picks_instructions_by_type_and_fields() -> None:
+    out = [need("j", 1, 0, 10), ev.DropWorker(worker=A), need("j", 2, 10, 10),
+           need("k", 3, 0, 10)]
+    assert matching(out, ev.SendNeed, job="j") == [out[0], out[2]]
+    assert matching(out, ev.SendNeed, job="j", start=10) == [out[2]]
+    assert matching(out, ev.DropWorker) == [out[1]]
+    with pytest.raises(TypeError, match="SendNeed has no field worker"):
+        matching(out, ev.SendNeed, worker=A)
 
 
 # ------------------------------------------------------------------------- simulated farms
@@ -379,13 +419,14 @@ def test_chunks_shorten_while_workers_keep_dying_and_not_for_one_death() -> None
 def test_one_death_does_not_shorten_chunks() -> None:
     state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 100_000},
                                        max_chunk_seconds=1.0))
-    state.handle(ev.WorkerJoined(A, device("cpu:0", 1), 0.0))
+    state.handle(joined(A, device="cpu:0", pid=1))
     first, = state.handle(submit("j", 1_000_000))
-    out = state.handle(done(state.handle(data(first, 0.0))[0], 100.0, 100.0))  # 1 000 images/s
+    sent = state.handle(data_for(first, 0.0))[0]
+    out = state.handle(result_for(sent, 100.0, 100.0))  # 1 000 images/s
     assert out[-1].count == 1000
-    state.handle(ev.WorkerJoined(B, device("cpu:1", 2), 100.0))
-    state.handle(ev.WorkerJoined(b"c", device("cpu:2", 3), 100.0))
-    state.handle(ev.WorkerLeft(B, 100.1, "its connection closed", crashed=True))
+    state.handle(joined(B, 100.0, device="cpu:1", pid=2))
+    state.handle(joined(b"c", 100.0, device="cpu:2", pid=3))
+    state.handle(ev.WorkerLeft(worker=B, at=100.1, reason="its connection closed", crashed=True))
     # one loss in 30 s among two workers: chunks of sqrt(2 x 0.01 x 60) = 1.1 s, over the cap
     assert state.churn.losses and state.jobs["j"].policy.max_chunk == 1000
 
@@ -395,18 +436,16 @@ def test_a_worker_brings_its_speed_and_its_first_chunk_is_capped() -> None:
     their speeds, so the first chunk is one second's worth, not the whole job."""
     state = FarmState(SchedulingConfig(algo="equal-finish", max_chunk_seconds=1.0))
     state.handle(submit("j", 100_000))
-    fast = ev.WorkerFacts("cpu:0", "host", 1, "opencv", 1, {"m": {"input_shape": [1]}},
-                          frozenset({"m"}), 1, speeds={"m": (5000, 1.0)})
-    out = state.handle(ev.WorkerJoined(A, fast, 0.0))
+    out = state.handle(joined(A, device="cpu:0", speeds={kit.MODEL: (5000, 1.0)}))
     assert [(need.start, need.count) for need in out] == [(0, 5000)]
 
 
 def test_a_one_image_job_failing_is_given_up_once_without_upsetting_its_policy() -> None:
     state = fifo(10, max_attempts=1)
-    state.handle(ev.WorkerJoined(A, facts(), 0.0))
-    need = state.handle(submit("j", 1))[0]
-    task = state.handle(data(need, 0.1))[0]
-    out = state.handle(ev.ChunkFailed(A, "j", task.chunk, "bad pixels", False, 0.2))
+    state.handle(joined(A))
+    first = state.handle(submit("j", 1))[0]
+    sent = state.handle(data_for(first, 0.1))[0]
+    out = state.handle(failure_for(sent, 0.2, "bad pixels"))
     assert [type(i) for i in out] == [ev.SendFailed, ev.SendDone]
     assert out[0].error == "failed by itself 1 times on 1 device(s); last: host:1/cpu: bad pixels"
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from farm.engines.backends.torchfeed import DeviceTransform, Feeder
 from farm.engines.engine import BackendUnavailable, Engine
 from farm.modelrepo.caffe_net import Layer, Network, conv_geometry, pool_geometry, pools_with_ceil
 from farm.modelrepo.repository import ModelError
@@ -232,8 +233,6 @@ class TorchEngine(Engine):
 
     def build(self) -> None:
         import torch
-
-        from farm.engines.backends.torchfeed import DeviceTransform, Feeder
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)

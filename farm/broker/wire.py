@@ -1,0 +1,239 @@
+"""The broker's wire adapter: decoded messages in, events out; instructions in, messages out.
+
+The only module that maps the protocol (``farm.protocol``, ``farm.messages``) onto the
+scheduling core (``farm.broker.state`` and its events, which import neither).  Besides
+the mapping it makes the checks a message needs beyond its own decoding: a worker's
+advertised models, a job's dtype and engine, and a chunk's input (DATA) and outputs
+(RESULT) against the attempt the state awaits.  A check that fails becomes the event's
+``problem``, and the state fails the job with it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import msgspec
+
+from farm import messages, protocol
+from farm.broker import events as ev
+from farm.broker.facts import JobOptions, ModelFound, WorkerFacts
+from farm.broker.jobs import ChunkRecord
+from farm.broker.state import FarmState
+from farm.messages import Header
+from farm.protocol import Message, ProtocolError
+from farm.shapes import ENCODED
+
+#: Longest error text sent: a reply must stay within the protocol's own string limits.
+MAX_ERROR_CHARS = 1000
+#: Timings a RESULT may report, in seconds; ``compute`` it must.
+TIMINGS = ("compute", "receive", "send", "device", "copy", "load")
+
+# ------------------------------------------------------------------------- messages in
+
+
+def event_of(identity: bytes, message: Message, now: float, state: FarmState) -> ev.FarmEvent:
+    """The state's event for a message from a worker or a client (``state``: what it awaits,
+    to check a chunk against); ProtocolError if its facts do not add up."""
+    match message.header:
+        case messages.Ready() as ready:
+            return ev.WorkerJoined(worker=identity, facts=worker_facts(ready), at=now)
+        case messages.Heartbeat(job=None, computed=computed, engines=engines):
+            return ev.WorkerHeard(worker=identity, at=now, computed=computed, engines=engines)
+        case messages.Heartbeat(job=str(job)):
+            return ev.ClientHeard(client=identity, job=job, at=now)
+        case messages.Result() as result:
+            return result_arrived(identity, message, now,
+                                  state.awaited_result(identity, result.chunk))
+        case messages.Failed() as failed:
+            return ev.FailureArrived(worker=identity, job=failed.job, chunk=failed.chunk,
+                                     error=failed.error, fatal=failed.fatal, at=now,
+                                     charge=failed.charge)
+        case messages.Data() as data:
+            return ev.DataArrived(client=identity, job=data.job, chunk=data.chunk,
+                                  start=data.start, count=data.count, at=now,
+                                  payload=message.payload, problem=data_problem(
+                                      data, message.payload,
+                                      state.awaited_input(data.job, data.chunk)))
+        case messages.Disconnect():
+            return ev.WorkerLeft(worker=identity, at=now)
+        case messages.Cancel() as cancel:
+            return ev.JobCancelled(client=identity, job=cancel.job, at=now)
+    raise ProtocolError(f"{message.command.name} is not accepted here")
+
+
+def worker_facts(header: messages.Ready) -> WorkerFacts:
+    """A READY header's facts; ProtocolError if its models do not fit or do not add up."""
+    for model in header.models.values():  # an advertised model's input must fit in a frame
+        protocol.check_array_spec("float32", model.input_shape)
+    if not all(name in header.models for name in header.loaded):
+        raise ProtocolError("READY 'loaded' must list advertised models")
+    return WorkerFacts(device=header.device, host=header.host, pid=header.pid,
+                       backend=header.backend, threads=header.threads,
+                       models={name: tuple(model.input_shape)
+                               for name, model in header.models.items()},
+                       loaded=frozenset(header.loaded), slots=header.slots,
+                       heartbeat=header.heartbeat, engines=dict(header.engines),
+                       speeds={model: (images, seconds) for model, (images, seconds)
+                               in header.speeds.items()
+                               if model in header.models and images > 0 and seconds > 0})
+
+
+def refusal(submit: messages.Submit) -> str | None:
+    """Why a SUBMIT's items cannot cross the wire (its dtype or item shape), or None: the
+    job is refused, a well-formed request, not a bad message."""
+    try:
+        protocol.check_array_spec(submit.dtype, submit.item_shape)
+    except ProtocolError as exc:
+        return str(exc)
+    return None
+
+
+def job_submitted(identity: bytes, submit: messages.Submit, now: float, heartbeat: float,
+                  find_model: Callable[[str], ModelFound | str]) -> ev.JobSubmitted:
+    """A SUBMIT, with what ``find_model`` (the broker's repository) says of its model;
+    ``heartbeat``: the client's interval unless it gave one.  ProtocolError if the workers
+    have no such engine as the job asks for."""
+    options = job_options(submit.options)
+    return ev.JobSubmitted(client=identity, job=submit.job, model_name=submit.model,
+                           dtype=submit.dtype, item_shape=tuple(submit.item_shape),
+                           total=submit.total, heartbeat=submit.heartbeat or heartbeat,
+                           options=options, model=find_model(submit.model), at=now)
+
+
+def job_options(options: messages.Options) -> JobOptions:
+    """SUBMIT options (types and ranges checked on decode), with the engine checked;
+    ProtocolError if the workers have no such engine."""
+    from farm.engines.engine import job_engine  # the engines' names, not the engines: cheap
+
+    try:
+        engine = job_engine(options.engine) if options.engine is not None else None
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+    params = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in options.params.items())
+    return JobOptions(algo=options.algo, params=params, priority=options.priority,
+                      timeout=options.timeout, client=options.client, engine=engine)
+
+
+def data_problem(data: messages.Data, payload: Sequence[Any],
+                 awaited: ChunkRecord | None) -> str | None:
+    """Why a DATA cannot be the input of the ``awaited`` attempt (None: it can, or none
+    awaits it): it must hold exactly the chunk's items, in the job's dtype."""
+    if awaited is None:
+        return None  # the state drops it: nothing waits for it
+    job, chunk = awaited.job, awaited.chunk
+    if (data.start, data.count) != (chunk.start, chunk.count):
+        return (f"job {job.id}: DATA for items {data.start}+{data.count}, the broker asked "
+                f"for {chunk.start}+{chunk.count}")
+    if job.dtype == ENCODED:
+        try:
+            protocol.check_files(payload, chunk.count, job.item_bytes)
+        except ProtocolError as exc:
+            return str(exc)
+        return None
+    if len(payload) != 1:
+        return "DATA carries exactly one frame"
+    size = payload_bytes(payload)
+    if size != chunk.count * job.item_bytes:
+        return f"job {job.id}: DATA of {size} bytes, expected {chunk.count} x {job.item_bytes}"
+    return None
+
+
+def result_arrived(identity: bytes, message: Message, now: float,
+                   awaited: ChunkRecord | None) -> ev.ResultArrived:
+    """A RESULT, its header and payload carried through for the client, checked against
+    the ``awaited`` attempt."""
+    result = message.header
+    assert isinstance(result, messages.Result)
+    return ev.ResultArrived(worker=identity, job=result.job, chunk=result.chunk,
+                            start=result.start, count=result.count,
+                            output_shape=tuple(result.item_shape), timings=result.timings,
+                            at=now, header=result, payload=message.payload,
+                            problem=result_problem(message, awaited))
+
+
+def result_problem(message: Message, awaited: ChunkRecord | None) -> str | None:
+    """Why a RESULT cannot be taken for the ``awaited`` attempt (None: it can, or none awaits
+    it): the chunk's items, a well-formed list of failed items (the client relies on it),
+    float32 outputs of the shape of the job's earlier ones, and times that are times."""
+    result = message.header
+    assert isinstance(result, messages.Result)
+    if awaited is None:
+        return None  # the state drops it: a late, duplicate or unknown reply
+    chunk = awaited.chunk
+    if (result.start, result.count) != (chunk.start, chunk.count):
+        return f"answers items {result.start}+{result.count}, not the chunk's"
+    try:
+        message.failures()  # decoded here only: the broker forwards its frame untouched
+    except ProtocolError as exc:
+        return str(exc)
+    if result.dtype != "float32":
+        return f"outputs are {result.dtype}, not float32"
+    shape = tuple(result.item_shape)
+    earlier = awaited.job.output_shape
+    if earlier not in (None, shape):
+        return f"output shape {shape} differs from earlier chunks' {earlier}"
+    for key in TIMINGS:
+        value = result.timings.get(key, 0.0)
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            return f"{key} time {value!r} is not a time"
+    if "compute" not in result.timings:
+        return "no compute time"
+    return None
+
+
+def payload_bytes(frames: Sequence[Any]) -> int:
+    return sum(f.buffer.nbytes if hasattr(f, "buffer") else len(f) for f in frames)
+
+
+# ------------------------------------------------------------------------ messages out
+
+
+def message_of(instruction: ev.Instruction) -> tuple[bytes, Header, Sequence[Any]]:
+    """What one instruction sends: to whom, its header and its payload frames."""
+    match instruction:
+        case ev.SendNeed(client=client, job=job, chunk=chunk, start=start, count=count):
+            return client, messages.Need(job=job, chunk=chunk, start=start, count=count), ()
+        case ev.SendTask():
+            return instruction.worker, task_header(instruction), instruction.payload
+        case ev.SendResult():
+            return (instruction.client, result_header(instruction),
+                    instruction.result.payload)
+        case ev.SendFailed(client=client, job=job, chunk=chunk, start=start, count=count,
+                           error=error):
+            return client, messages.Failed(job=job, chunk=chunk, start=start, count=count,
+                                           error=error), ()
+        case ev.SendDone(client=client, job=job, summary=summary):
+            return client, messages.Done(job=job), protocol.document_frames(summary)
+        case ev.SendCancel(peer=peer, job=job, reason=reason, summary=summary):
+            return (peer, messages.Cancel(job=job, reason=reason),
+                    protocol.document_frames(summary) if summary is not None else ())
+        case ev.SendError(peer=peer, error=error, job=job, unknown_job=unknown_job):
+            return peer, messages.Error(error=error, job=job, unknown_job=unknown_job), ()
+        case ev.DropWorker(worker=worker):
+            return worker, messages.Disconnect(), ()
+    raise TypeError(f"not an instruction: {instruction!r}")
+
+
+def task_header(task: ev.SendTask) -> messages.Task:
+    return messages.Task(job=task.job, chunk=task.chunk, attempt=task.attempt, start=task.start,
+                         count=task.count, model=task.model, digest=task.digest,
+                         dtype=task.dtype, item_shape=task.item_shape, engine=task.engine)
+
+
+def result_header(forward: ev.SendResult) -> messages.Result:
+    """The worker's RESULT header as the client gets it: with the worker's name, the attempt
+    and the chunk's trace."""
+    header = forward.result.header
+    assert isinstance(header, messages.Result)
+    return msgspec.structs.replace(header, worker=forward.worker, attempt=forward.attempt,
+                                   trace=forward.trace)
+
+
+def frames(header: Header, payload: Sequence[Any] = ()) -> list[Any]:
+    """The frames of one message from the broker; an error text (it may quote the peer) is
+    cut to ``MAX_ERROR_CHARS``."""
+    error = getattr(header, "error", None)
+    if isinstance(error, str) and len(error) > MAX_ERROR_CHARS:
+        header = msgspec.structs.replace(header, error=error[:MAX_ERROR_CHARS - 3] + "...")
+    return protocol.encode(protocol.command_of(header), header, payload)
