@@ -42,9 +42,9 @@ import numpy as np
 
 from farm import protocol
 from farm.bench.common import machine, saved, status_kib
-from farm.ops.local import LocalFarm, cores, farm_command
 from farm.client.npy import NpyReader, NpyWriter
 from farm.modelrepo.repository import find
+from farm.ops.local import LocalFarm, cores, farm_command
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 #: Images written per block when making the input.
@@ -61,7 +61,8 @@ RUSAGE_LAUNCHER = (
     "code = subprocess.call(sys.argv[1:])\n"
     "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
     "print(f'Maximum resident set size (kbytes): {peak}', file=sys.stderr)\n"
-    "sys.exit(code)\n")
+    "sys.exit(code)\n"
+)
 
 
 @dataclass
@@ -143,21 +144,34 @@ def make_input(path: Path, count: int) -> None:
         writer.close()
 
 
-def submit(cgroup: MemoryCgroup, endpoint: str, images: Path, out: Path
-           ) -> tuple[float, int, str]:
+def submit(cgroup: MemoryCgroup, endpoint: str, images: Path, out: Path) -> tuple[float, int, str]:
     """Run ``farm submit`` in the cgroup; its wall seconds, peak RSS (KiB) and stdout."""
-    command = farm_command("--log-level", "WARNING", "submit", str(images), "--model", "lenet",
-                           "--out", str(out), "--quiet", "--broker", endpoint,
-                           "--timeout", "120")
+    command = farm_command(
+        "--log-level",
+        "WARNING",
+        "submit",
+        str(images),
+        "--model",
+        "lenet",
+        "--out",
+        str(out),
+        "--quiet",
+        "--broker",
+        endpoint,
+        "--timeout",
+        "120",
+    )
     timer = shutil.which("time")  # GNU time: "-v" prints the peak RSS
-    wrapped = [timer, "-v", *command] if timer else [sys.executable, "-c", RUSAGE_LAUNCHER,
-                                                     *command]
+    wrapped = (
+        [timer, "-v", *command] if timer else [sys.executable, "-c", RUSAGE_LAUNCHER, *command]
+    )
     started = time.perf_counter()
     done = subprocess.run(cgroup.wrap(wrapped), check=False, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if done.returncode != 0:
-        raise RuntimeError(f"farm submit failed (exit code {done.returncode}):\n"
-                           f"{done.stdout}{done.stderr}")
+        raise RuntimeError(
+            f"farm submit failed (exit code {done.returncode}):\n{done.stdout}{done.stderr}"
+        )
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
     return wall, int(peak.group(1)) if peak else 0, done.stdout
 
@@ -170,7 +184,7 @@ def verify(images: Path, out: Path, count: int) -> list[str]:
     outputs = np.load(out, mmap_mode="r")
     if len(outputs) != count:
         return [f"out.npy has {len(outputs)} rows, the input {count}"]
-    nans = sum(int(np.isnan(outputs[i:i + (1 << 20)]).sum()) for i in range(0, count, 1 << 20))
+    nans = sum(int(np.isnan(outputs[i : i + (1 << 20)]).sum()) for i in range(0, count, 1 << 20))
     rows = sorted({*range(0, count, CHECK_STRIDE), count - 1})
     reader = NpyReader.open(images)
     inputs = np.concatenate([reader.read(row, 1) for row in rows])
@@ -178,9 +192,11 @@ def verify(images: Path, out: Path, count: int) -> list[str]:
     limit_threads(1)
     expected = load_engine(find("lenet"), "opencv", threads=1).run(inputs[:, np.newaxis])
     difference = float(np.abs(outputs[rows].reshape(expected.shape) - expected).max())
-    print(f"checked: {len(outputs):,} rows, {nans} NaN values; {len(rows)} sampled rows "
-          f"(every {CHECK_STRIDE:,}th and the last) within {difference:.2g} of in-process "
-          f"outputs")
+    print(
+        f"checked: {len(outputs):,} rows, {nans} NaN values; {len(rows)} sampled rows "
+        f"(every {CHECK_STRIDE:,}th and the last) within {difference:.2g} of in-process "
+        f"outputs"
+    )
     problems = [f"{nans} NaN values in out.npy"] if nans else []
     if not difference <= ATOL:
         problems.append(f"sampled rows differ from in-process outputs by {difference:.3g}")
@@ -196,17 +212,24 @@ def bigfile(args: argparse.Namespace, folder: Path) -> int:
     started = time.perf_counter()
     make_input(images, count)
     size = images.stat().st_size
-    print(f"input: {images} {count:,} x 28 x 28 uint8, {size / MIB:,.0f} MiB, written in "
-          f"{time.perf_counter() - started:.1f} s", flush=True)
+    print(
+        f"input: {images} {count:,} x 28 x 28 uint8, {size / MIB:,.0f} MiB, written in "
+        f"{time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
     cgroup = MemoryCgroup.make(args.limit_mib * MIB)
     if cgroup.path:
         limit = cgroup.read("memory.limit_in_bytes")
-        print(f"memory cgroup {cgroup.path}: limit {limit / MIB:,.0f} MiB (the input is "
-              f"{size / limit:.1f}x that); the page cache counts")
+        print(
+            f"memory cgroup {cgroup.path}: limit {limit / MIB:,.0f} MiB (the input is "
+            f"{size / limit:.1f}x that); the page cache counts"
+        )
     else:
-        print(f"NO MEMORY LIMIT: cannot make a memory cgroup ({cgroup.why_not}); the farm runs "
-              f"unconstrained, peak RSS figures only")
-    devices = [f"cpu:{core}" for core in cores()[:args.workers]]
+        print(
+            f"NO MEMORY LIMIT: cannot make a memory cgroup ({cgroup.why_not}); the farm runs "
+            f"unconstrained, peak RSS figures only"
+        )
+    devices = [f"cpu:{core}" for core in cores()[: args.workers]]
     try:
         with LocalFarm(devices=devices, preload=["lenet"], launcher=cgroup.wrap([])) as local:
             wall, client_peak, summary = submit(cgroup, local.endpoint, images, out)
@@ -214,30 +237,38 @@ def bigfile(args: argparse.Namespace, folder: Path) -> int:
             for device, worker in zip(devices, local.workers):
                 peaks[f"worker {device}"] = status_kib(worker.pid, "VmHWM")
             peaks["client (farm submit)"] = client_peak
-            cgroup_peak, failcnt = cgroup.read("memory.max_usage_in_bytes"), \
-                cgroup.read("memory.failcnt")
+            cgroup_peak, failcnt = (
+                cgroup.read("memory.max_usage_in_bytes"),
+                cgroup.read("memory.failcnt"),
+            )
     finally:
         cgroup.remove()
     print(f"farm: broker + {len(devices)} workers ({', '.join(devices)}), policy equal-finish")
     print("farm submit's summary:")
     print("  " + summary.strip().replace("\n", "\n  "))
-    print(f"\nimages {count:,}, wall {wall:.1f} s (farm submit, start to exit), "
-          f"{count / wall:,.0f} images/s")
+    print(
+        f"\nimages {count:,}, wall {wall:.1f} s (farm submit, start to exit), "
+        f"{count / wall:,.0f} images/s"
+    )
     print(f"{'process':<22} {'peak RSS (MiB)':>15}")
     for name, peak in peaks.items():
         print(f"{name:<22} {peak / 1024:>15.1f}")
     print(f"{'sum':<22} {sum(peaks.values()) / 1024:>15.1f}")
     if cgroup_peak is not None:
-        print(f"cgroup: peak usage {cgroup_peak / MIB:,.1f} MiB of {cgroup.limit / MIB:,.0f} "
-              f"MiB (page cache included), failcnt {failcnt} (times usage hit the limit and "
-              f"the kernel reclaimed)")
+        print(
+            f"cgroup: peak usage {cgroup_peak / MIB:,.1f} MiB of {cgroup.limit / MIB:,.0f} "
+            f"MiB (page cache included), failcnt {failcnt} (times usage hit the limit and "
+            f"the kernel reclaimed)"
+        )
     chunk_items = protocol.MAX_TASK_BYTES // item_bytes
     in_flight = len(devices) * SLOTS
-    print(f"claimed bounds: chunks of at most {protocol.MAX_TASK_BYTES / MIB:.0f} MiB "
-          f"(MAX_TASK_BYTES, {chunk_items:,} images); {len(devices)} workers x {SLOTS} slots = "
-          f"{in_flight} chunks in flight, {in_flight * protocol.MAX_TASK_BYTES / MIB:.0f} MiB "
-          f"through the broker and the client, {SLOTS * protocol.MAX_TASK_BYTES / MIB:.0f} MiB "
-          f"per worker")
+    print(
+        f"claimed bounds: chunks of at most {protocol.MAX_TASK_BYTES / MIB:.0f} MiB "
+        f"(MAX_TASK_BYTES, {chunk_items:,} images); {len(devices)} workers x {SLOTS} slots = "
+        f"{in_flight} chunks in flight, {in_flight * protocol.MAX_TASK_BYTES / MIB:.0f} MiB "
+        f"through the broker and the client, {SLOTS * protocol.MAX_TASK_BYTES / MIB:.0f} MiB "
+        f"per worker"
+    )
     problems = verify(images, out, count)
     for problem in problems:
         print(f"  {problem}")
@@ -248,15 +279,26 @@ def bigfile(args: argparse.Namespace, folder: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=1.5, help="input size")
-    parser.add_argument("--limit-mib", type=int, default=768,
-                        help="memory limit of the farm's cgroup (page cache included)")
+    parser.add_argument(
+        "--limit-mib",
+        type=int,
+        default=768,
+        help="memory limit of the farm's cgroup (page cache included)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="pinned workers (one per core)")
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
-                        help="where the temporary folder for big.npy and out.npy goes")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="where the temporary folder for big.npy and out.npy goes",
+    )
     parser.add_argument("--keep", action="store_true", help="keep big.npy and out.npy")
-    parser.add_argument("--save", type=Path,
-                        default=Path(f"bench/results/{date.today()}-bigfile.txt"),
-                        help="also write the report here ('-': nowhere)")
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=Path(f"bench/results/{date.today()}-bigfile.txt"),
+        help="also write the report here ('-': nowhere)",
+    )
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="farm-bigfile-", dir=args.dir))
     try:

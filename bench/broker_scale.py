@@ -53,8 +53,10 @@ def drive_state(policy: str, workers: int, jobs: int, chunks: int, seed: int = 0
     after the first round; time only ``FarmState.handle`` (one thread, nothing else runs in
     it, so its time in the state is its CPU time there, give or take preemption)."""
     rng = random.Random(seed)
-    driver = kit.Driver(FarmState(SchedulingConfig(algo=policy, max_chunk_seconds=CHUNK_SECONDS,
-                                                   heartbeat=60.0)), sent=None)
+    driver = kit.Driver(
+        FarmState(SchedulingConfig(algo=policy, max_chunk_seconds=CHUNK_SECONDS, heartbeat=60.0)),
+        sent=None,
+    )
     rates = {f"w{i}".encode(): rng.uniform(500.0, 2000.0) for i in range(workers)}
     per_job = max(1, (workers * 4 + chunks * 2) * 2000 // jobs)  # never runs dry
     running: list[tuple[float, int, ev.SendTask]] = []
@@ -84,8 +86,9 @@ def drive_state(policy: str, workers: int, jobs: int, chunks: int, seed: int = 0
     for identity in rates:
         carry_out(handle(kit.joined(identity, slots=2, host="sim", pid=0)), 0.0)
     for j in range(jobs):
-        carry_out(handle(kit.submitted(f"j{j}", per_job, client=f"c{j}".encode(),
-                                       heartbeat=60.0)), 0.0)
+        carry_out(
+            handle(kit.submitted(f"j{j}", per_job, client=f"c{j}".encode(), heartbeat=60.0)), 0.0
+        )
     while running and done < warm + chunks:
         now, _, task = heapq.heappop(running)
         out = handle(kit.result_for(task, now, task.count / rates[task.worker]))
@@ -94,10 +97,13 @@ def drive_state(policy: str, workers: int, jobs: int, chunks: int, seed: int = 0
     return StateRun(policy, workers, jobs, max(0, done - warm), cpu)
 
 
-def state_table(worker_counts: list[int], job_counts: list[int], chunks: int,
-                policies: list[str]) -> None:
-    print(f"FarmState CPU per chunk (us), {chunks} chunks after the first round; "
-          f"rows: policy x jobs, columns: workers")
+def state_table(
+    worker_counts: list[int], job_counts: list[int], chunks: int, policies: list[str]
+) -> None:
+    print(
+        f"FarmState CPU per chunk (us), {chunks} chunks after the first round; "
+        f"rows: policy x jobs, columns: workers"
+    )
     print(f"{'policy':<14}{'jobs':>5}" + "".join(f"{n:>9,}" for n in worker_counts))
     for policy in policies:
         for jobs in job_counts:
@@ -124,10 +130,22 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
         sock = context.socket(zmq.DEALER)
         limit_socket(sock)
         sock.connect(endpoint)
-        sock.send_multipart(protocol.encode(Command.READY, messages.Ready(
-            device=f"cpu:{i}", host="fake", pid=i, backend="fake",
-            models={"lenet": messages.ModelFacts(input_shape=(1, 28, 28))}, loaded=("lenet",),
-            slots=2, threads=1, heartbeat=60.0)))
+        sock.send_multipart(
+            protocol.encode(
+                Command.READY,
+                messages.Ready(
+                    device=f"cpu:{i}",
+                    host="fake",
+                    pid=i,
+                    backend="fake",
+                    models={"lenet": messages.ModelFacts(input_shape=(1, 28, 28))},
+                    loaded=("lenet",),
+                    slots=2,
+                    threads=1,
+                    heartbeat=60.0,
+                ),
+            )
+        )
         poller.register(sock, zmq.POLLIN)
         sockets.append(sock)
     client = context.socket(zmq.DEALER)
@@ -140,9 +158,20 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
     output = np.zeros((chunk, 10), np.float32)
     pixels = bytes(chunk * 784)
     started = time.perf_counter()
-    client.send_multipart(protocol.encode(Command.SUBMIT, messages.Submit(
-        job="scale", model="lenet", dtype="uint8", item_shape=(1, 28, 28), total=items,
-        options=messages.Options(algo="fifo", params={"chunk": chunk}), heartbeat=60.0)))
+    client.send_multipart(
+        protocol.encode(
+            Command.SUBMIT,
+            messages.Submit(
+                job="scale",
+                model="lenet",
+                dtype="uint8",
+                item_shape=(1, 28, 28),
+                total=items,
+                options=messages.Options(algo="fifo", params={"chunk": chunk}),
+                heartbeat=60.0,
+            ),
+        )
+    )
     chunks = 0
     while True:
         for sock, _ in poller.poll(10_000):
@@ -153,15 +182,35 @@ def fake_farm(endpoint: str, workers: int, items: int, chunk: int) -> tuple[int,
                     break
                 header = message.header
                 if message.command is Command.NEED:
-                    sock.send_multipart(protocol.encode(Command.DATA, messages.Data(
-                        job="scale", chunk=header.chunk, start=header.start,
-                        count=header.count), [pixels[:784 * header.count]]))
+                    sock.send_multipart(
+                        protocol.encode(
+                            Command.DATA,
+                            messages.Data(
+                                job="scale",
+                                chunk=header.chunk,
+                                start=header.start,
+                                count=header.count,
+                            ),
+                            [pixels[: 784 * header.count]],
+                        )
+                    )
                 elif message.command is Command.TASK:
                     count = header.count
-                    sock.send_multipart(protocol.encode(Command.RESULT, messages.Result(
-                        job=header.job, chunk=header.chunk, start=header.start, count=count,
-                        dtype="float32", item_shape=(10,), timings={"compute": 1e-4 * count}),
-                        [output[:count].data]))
+                    sock.send_multipart(
+                        protocol.encode(
+                            Command.RESULT,
+                            messages.Result(
+                                job=header.job,
+                                chunk=header.chunk,
+                                start=header.start,
+                                count=count,
+                                dtype="float32",
+                                item_shape=(10,),
+                                timings={"compute": 1e-4 * count},
+                            ),
+                            [output[:count].data],
+                        )
+                    )
                 elif message.command is Command.RESULT:
                     chunks += 1
                 elif message.command in (Command.DONE, Command.ERROR):
@@ -205,21 +254,29 @@ def bare_broker(endpoint: str) -> None:
         elif command == Command.SUBMIT.value:
             client, job, total = identity.bytes, header["job"], header["total"]
         elif command == Command.DATA.value:
-            header.update(item_shape=[1, 28, 28], dtype="uint8", attempt=1, model="lenet",
-                          digest="")
-            router.send_multipart([owner.pop(header["chunk"]),
-                                   *frames(Command.TASK, header, payload)], copy=False)
+            header.update(
+                item_shape=[1, 28, 28], dtype="uint8", attempt=1, model="lenet", digest=""
+            )
+            router.send_multipart(
+                [owner.pop(header["chunk"]), *frames(Command.TASK, header, payload)], copy=False
+            )
         elif command == Command.RESULT.value:
-            router.send_multipart([client, *frames(Command.RESULT, header, payload)],
-                                  copy=False)
+            router.send_multipart([client, *frames(Command.RESULT, header, payload)], copy=False)
             free.append(identity.bytes)
             answered += 1
             if answered == total:
                 router.send_multipart([client, *frames(Command.DONE, {"job": job})])
         while client and free and next_item < total:
             owner[chunk_id] = free.pop()
-            router.send_multipart([client, *frames(Command.NEED, {
-                "job": job, "chunk": chunk_id, "start": next_item, "count": 1})])
+            router.send_multipart(
+                [
+                    client,
+                    *frames(
+                        Command.NEED,
+                        {"job": job, "chunk": chunk_id, "start": next_item, "count": 1},
+                    ),
+                ]
+            )
             chunk_id += 1
             next_item += 1
 
@@ -233,27 +290,48 @@ def cpu_seconds(pid: int) -> float:
 def broker_table(worker_counts: list[int], items: int) -> None:
     from farm.ops.local import farm_command, free_port
 
-    print(f"\nreal broker over loopback, fake workers and client answering at once, "
-          f"{items:,} one-image chunks; the bare loop is the same messages with no checks, "
-          f"no state machine and no policy")
-    print(f"{'workers':>8}{'chunks/s':>10}{'CPU/chunk (us)':>16}{'bare chunks/s':>15}"
-          f"{'bare CPU/chunk':>16}{'broker/bare':>13}")
+    print(
+        f"\nreal broker over loopback, fake workers and client answering at once, "
+        f"{items:,} one-image chunks; the bare loop is the same messages with no checks, "
+        f"no state machine and no policy"
+    )
+    print(
+        f"{'workers':>8}{'chunks/s':>10}{'CPU/chunk (us)':>16}{'bare chunks/s':>15}"
+        f"{'bare CPU/chunk':>16}{'broker/bare':>13}"
+    )
     for workers in worker_counts:
-        real = measure_broker(farm_command("--log-level", "ERROR", "broker", "--bind", "{}",
-                                           "--heartbeat", "5", "--algo", "fifo"),
-                              free_port(), workers, items)
-        bare = measure_broker([sys.executable, __file__, "--bare", "{}"], free_port(), workers,
-                              items)
-        print(f"{workers:>8}{real[0]:>10,.0f}{real[1]:>16.0f}{bare[0]:>15,.0f}{bare[1]:>16.0f}"
-              f"{real[0] / bare[0]:>13.2f}", flush=True)
+        real = measure_broker(
+            farm_command(
+                "--log-level",
+                "ERROR",
+                "broker",
+                "--bind",
+                "{}",
+                "--heartbeat",
+                "5",
+                "--algo",
+                "fifo",
+            ),
+            free_port(),
+            workers,
+            items,
+        )
+        bare = measure_broker(
+            [sys.executable, __file__, "--bare", "{}"], free_port(), workers, items
+        )
+        print(
+            f"{workers:>8}{real[0]:>10,.0f}{real[1]:>16.0f}{bare[0]:>15,.0f}{bare[1]:>16.0f}"
+            f"{real[0] / bare[0]:>13.2f}",
+            flush=True,
+        )
 
 
-def measure_broker(command: list[str], port: int, workers: int,
-                   items: int) -> tuple[float, float]:
+def measure_broker(command: list[str], port: int, workers: int, items: int) -> tuple[float, float]:
     """Chunks/s and the broker process's CPU microseconds per chunk."""
     endpoint = f"tcp://127.0.0.1:{port}"
-    broker = subprocess.Popen([arg.replace("{}", endpoint) for arg in command],
-                              stdout=subprocess.PIPE, text=True)
+    broker = subprocess.Popen(
+        [arg.replace("{}", endpoint) for arg in command], stdout=subprocess.PIPE, text=True
+    )
     try:
         broker.stdout.readline()
         before = cpu_seconds(broker.pid)

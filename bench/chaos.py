@@ -43,6 +43,7 @@ from datetime import date
 from pathlib import Path
 
 from faults import ChaosConfig, keep_or_remove, run_poison, run_resume, run_seed
+
 from farm.bench.common import machine, saved
 
 
@@ -59,9 +60,16 @@ def interval(text: str) -> tuple[float, float]:
 
 def chaos(args: argparse.Namespace) -> int:
     """Run every seed (or the poison job) and print the report; the exit status."""
-    config = ChaosConfig(images=args.images, workers=args.workers, interval=args.interval,
-                         broker_restarts=args.broker_restarts, client_kills=args.client_kills,
-                         link_cut=args.link_cut, algo=args.algo, poison=args.poison)
+    config = ChaosConfig(
+        images=args.images,
+        workers=args.workers,
+        interval=args.interval,
+        broker_restarts=args.broker_restarts,
+        client_kills=args.client_kills,
+        link_cut=args.link_cut,
+        algo=args.algo,
+        poison=args.poison,
+    )
     print(machine())
     print("command: python bench/chaos.py " + " ".join(sys.argv[1:]))
     root = Path(tempfile.mkdtemp(prefix="farm-chaos-"))
@@ -71,19 +79,24 @@ def chaos(args: argparse.Namespace) -> int:
         passed = not run_resume(config, root).problems
     else:
         seeds = args.seed or list(range(1, args.seeds + 1))
-        print(f"chaos: {config.images:,} LeNet images, {config.workers} workers, a fault "
-              f"every U({config.interval[0]:g}, {config.interval[1]:g}) s, "
-              f"{config.broker_restarts} broker restarts, {config.client_kills} client kills; "
-              f"seeds {', '.join(map(str, seeds))}", flush=True)
+        print(
+            f"chaos: {config.images:,} LeNet images, {config.workers} workers, a fault "
+            f"every U({config.interval[0]:g}, {config.interval[1]:g}) s, "
+            f"{config.broker_restarts} broker restarts, {config.client_kills} client kills; "
+            f"seeds {', '.join(map(str, seeds))}",
+            flush=True,
+        )
         reports = [run_seed(config, seed, root) for seed in seeds]
         print()
         for report in reports:
             print(report.line())
         failed = [report.seed for report in reports if not report.passed]
-        print(f"total: {len(reports)} seeds, {len(reports) - len(failed)} passed, "
-              f"{sum(len(r.faults) for r in reports)} faults, "
-              f"{sum(r.recomputed for r in reports):,} images recomputed"
-              + (f"; FAILED seeds {', '.join(map(str, failed))}" if failed else ""))
+        print(
+            f"total: {len(reports)} seeds, {len(reports) - len(failed)} passed, "
+            f"{sum(len(r.faults) for r in reports)} faults, "
+            f"{sum(r.recomputed for r in reports):,} images recomputed"
+            + (f"; FAILED seeds {', '.join(map(str, failed))}" if failed else "")
+        )
         passed = not failed
     print("PASS" if passed else "FAIL")
     keep_or_remove(root, passed, args.keep)
@@ -96,22 +109,40 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=3, help="pinned workers (cores in turn)")
     parser.add_argument("--seeds", type=int, default=1, help="run seeds 1..N")
     parser.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
-    parser.add_argument("--interval", type=interval, default=(0.5, 1.5),
-                        help="seconds between faults, A,B: uniform in [A, B]")
+    parser.add_argument(
+        "--interval",
+        type=interval,
+        default=(0.5, 1.5),
+        help="seconds between faults, A,B: uniform in [A, B]",
+    )
     parser.add_argument("--broker-restarts", type=int, default=2)
     parser.add_argument("--client-kills", type=int, default=1)
-    parser.add_argument("--no-link-cut", dest="link_cut", action="store_false",
-                        help="no network namespace, no link-cut fault")
+    parser.add_argument(
+        "--no-link-cut",
+        dest="link_cut",
+        action="store_false",
+        help="no network namespace, no link-cut fault",
+    )
     parser.add_argument("--algo", help="the broker's policy [default: the broker's]")
-    parser.add_argument("--resume-only", action="store_true",
-                        help="no churn: the client killed at half-way then resumed; images "
-                             "computed twice against one chunk per worker")
-    parser.add_argument("--poison", type=int, metavar="ITEM",
-                        help="poison mode: this item fails on every worker, no other faults")
+    parser.add_argument(
+        "--resume-only",
+        action="store_true",
+        help="no churn: the client killed at half-way then resumed; images "
+        "computed twice against one chunk per worker",
+    )
+    parser.add_argument(
+        "--poison",
+        type=int,
+        metavar="ITEM",
+        help="poison mode: this item fails on every worker, no other faults",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run's folder even on PASS")
-    parser.add_argument("--save", type=Path,
-                        default=Path(f"bench/results/{date.today()}-chaos.txt"),
-                        help="also write the report here ('-': nowhere)")
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=Path(f"bench/results/{date.today()}-chaos.txt"),
+        help="also write the report here ('-': nowhere)",
+    )
     args = parser.parse_args()
     if args.poison is not None and not 0 <= args.poison < args.images:
         parser.error("--poison must be an item of the job (0 <= ITEM < --images)")

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import io
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import cv2
 import numpy as np
@@ -32,8 +32,14 @@ def photos(count: int, size: int = 227) -> list[bytes]:
     files = []
     for _ in range(count):
         a, b, c = rng.uniform(1, 12, 3)
-        rgb = np.stack([np.sin(a * x + b * y), np.cos(b * x * y * 4 + c), np.sin(c * (x - y))],
-                       axis=-1) * 100 + 128 + rng.normal(0, 8, (size, size, 3))
+        rgb = (
+            np.stack(
+                [np.sin(a * x + b * y), np.cos(b * x * y * 4 + c), np.sin(c * (x - y))], axis=-1
+            )
+            * 100
+            + 128
+            + rng.normal(0, 8, (size, size, 3))
+        )
         buffer = io.BytesIO()
         Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8)).save(buffer, "JPEG", quality=90)
         files.append(buffer.getvalue())
@@ -59,17 +65,25 @@ def main() -> None:
     files = photos(args.images)
     spec = find("caffenet")  # 227 x 227 x 3 HWC; only the spec is needed, not the weights
     flags = imread_flags(3)
-    rows = [("cv2.imdecode alone", lambda: [cv2.imdecode(np.frombuffer(f, np.uint8), flags)
-                                            for f in files])]
-    for label, settings in (("shorter side 256 + centre crop 227", Resize(shorter_side=256)),
-                            ("no resize (227 x 227 as it is)", Resize())):
+    rows = [
+        (
+            "cv2.imdecode alone",
+            lambda: [cv2.imdecode(np.frombuffer(f, np.uint8), flags) for f in files],
+        )
+    ]
+    for label, settings in (
+        ("shorter side 256 + centre crop 227", Resize(shorter_side=256)),
+        ("no resize (227 x 227 as it is)", Resize()),
+    ):
         decoder = ImageDecoder(dataclasses.replace(spec, resize=settings))
         batch = decoder.decode(files)
         assert not batch.failures and batch.images.shape == (len(files), 227, 227, 3)
         rows.append((f"decode: {label}", lambda d=decoder: d.decode(files)))
     size = sum(map(len, files)) / len(files)
-    print(f"{len(files)} JPEGs of 227 x 227, quality 90, {size / 1024:.1f} KiB on average; "
-          f"1 thread, best of {args.passes} passes")
+    print(
+        f"{len(files)} JPEGs of 227 x 227, quality 90, {size / 1024:.1f} KiB on average; "
+        f"1 thread, best of {args.passes} passes"
+    )
     for label, run in rows:
         print(f"  {label:<45} {best_us(run, len(files), args.passes):8.0f} us/image")
 

@@ -29,8 +29,8 @@ from typing import IO
 import numpy as np
 
 from farm.client.client import Client, FarmError, FarmTimeout
-from farm.ops.local import cores, farm_command, free_port, stop_processes
 from farm.modelrepo.repository import find
+from farm.ops.local import cores, farm_command, free_port, stop_processes
 
 ATOL = 1e-5
 #: Seconds the farm's processes get to register.
@@ -40,10 +40,14 @@ BROKER_KILL, CLIENT_KILL = "broker kill", "client kill"
 #: Faults drawn at random on every tick; the broker and client kills come at fixed points.
 RANDOM_KINDS = (WORKER_KILL, WORKER_STOP, LINK_CUT)
 KINDS = (*RANDOM_KINDS, BROKER_KILL, CLIENT_KILL)
-CHUNK_LINE = re.compile(r"^(\S+) DEBUG farm\.worker pid=(\d+) computed items (\d+)\.\.(\d+) "
-                        r"of job (\S+) in ")
-SUBMIT_LINE = re.compile(r"^(\S+) INFO farm\.broker pid=\d+ (?:job (\w+): \d+ x |broker "
-                         r"listening on )")
+CHUNK_LINE = re.compile(
+    r"^(\S+) DEBUG farm\.worker pid=(\d+) computed items (\d+)\.\.(\d+) "
+    r"of job (\S+) in "
+)
+SUBMIT_LINE = re.compile(
+    r"^(\S+) INFO farm\.broker pid=\d+ (?:job (\w+): \d+ x |broker "
+    r"listening on )"
+)
 FAILED_LINE = re.compile(r" ERROR farm\.worker pid=\d+ chunk \d+ of job \S+ failed")
 
 
@@ -114,8 +118,13 @@ class Netns:
         base = f"10.231.{n // 64}.{(n % 64) * 4}"
         prefix = base.rsplit(".", 1)[0]
         last = int(base.rsplit(".", 1)[1])
-        netns = cls(f"farmchaos{tag}", f"fch{tag}h"[:15], f"fch{tag}n"[:15],
-                    f"{prefix}.{last + 1}", f"{prefix}.{last + 2}")
+        netns = cls(
+            f"farmchaos{tag}",
+            f"fch{tag}h"[:15],
+            f"fch{tag}n"[:15],
+            f"{prefix}.{last + 1}",
+            f"{prefix}.{last + 2}",
+        )
         ip("netns", "add", netns.name)
         try:
             ip("link", "add", netns.host_veth, "type", "veth", "peer", "name", netns.inner_veth)
@@ -181,8 +190,7 @@ class ChaosFarm:
 
     @property
     def link(self) -> list[str]:
-        return ["--heartbeat", str(self.config.heartbeat), "--liveness",
-                str(self.config.liveness)]
+        return ["--heartbeat", str(self.config.heartbeat), "--liveness", str(self.config.liveness)]
 
     def start(self) -> None:
         """Broker, then workers; returns when every worker has registered."""
@@ -190,9 +198,10 @@ class ChaosFarm:
         self.endpoint = f"tcp://{host}:{free_port(host)}"
         self.start_broker()
         available = cores()
-        self.slots = [WorkerSlot(i, f"cpu:{available[i % len(available)]}",
-                                 self.netns is not None and i == 0)
-                      for i in range(self.config.workers)]
+        self.slots = [
+            WorkerSlot(i, f"cpu:{available[i % len(available)]}", self.netns is not None and i == 0)
+            for i in range(self.config.workers)
+        ]
         for slot in self.slots:
             self.start_worker(slot)
         self.wait_for_workers(len(self.slots))
@@ -207,15 +216,29 @@ class ChaosFarm:
         algo = ["--algo", self.config.algo] if self.config.algo else []
         self.brokers_started += 1
         self.broker = subprocess.Popen(
-            farm_command("--log-level", "INFO", "--log-format", "text", "broker", "--bind",
-                         self.endpoint, *algo, *self.link),
-            stdout=subprocess.PIPE, stderr=self.log_file(f"broker-{self.brokers_started}.log"),
-            text=True, start_new_session=True)
+            farm_command(
+                "--log-level",
+                "INFO",
+                "--log-format",
+                "text",
+                "broker",
+                "--bind",
+                self.endpoint,
+                *algo,
+                *self.link,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=self.log_file(f"broker-{self.brokers_started}.log"),
+            text=True,
+            start_new_session=True,
+        )
         assert self.broker.stdout is not None
         line = self.broker.stdout.readline()
         if not line.startswith("farm broker listening on "):
-            raise FarmError(f"the broker did not start (exit code {self.broker.poll()}; "
-                            f"see {self.folder}/broker-{self.brokers_started}.log)")
+            raise FarmError(
+                f"the broker did not start (exit code {self.broker.poll()}; "
+                f"see {self.folder}/broker-{self.brokers_started}.log)"
+            )
 
     def kill_broker(self) -> None:
         """SIGKILL the broker and start a new one on the same address."""
@@ -230,12 +253,28 @@ class ChaosFarm:
         slot.started += 1
         launcher = self.netns.launcher if slot.in_netns and self.netns else []
         slot.process = subprocess.Popen(
-            [*launcher, *farm_command("--log-level", "DEBUG", "--log-format", "text", "worker",
-                                      "--device", slot.device, "--broker", self.endpoint,
-                                      "--model", "lenet", *self.link, *self.worker_options)],
+            [
+                *launcher,
+                *farm_command(
+                    "--log-level",
+                    "DEBUG",
+                    "--log-format",
+                    "text",
+                    "worker",
+                    "--device",
+                    slot.device,
+                    "--broker",
+                    self.endpoint,
+                    "--model",
+                    "lenet",
+                    *self.link,
+                    *self.worker_options,
+                ),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=self.log_file(f"worker-{slot.index}-{slot.started}.log"),
-            start_new_session=True)
+            start_new_session=True,
+        )
 
     def kill_worker(self, slot: WorkerSlot) -> None:
         """SIGKILL the slot's worker and start a new one on the same core at once."""
@@ -254,8 +293,10 @@ class ChaosFarm:
                 except FarmTimeout:
                     dead = [p.args for p in self.processes() if p.poll() is not None]
                     if dead:
-                        raise FarmError(f"a farm process exited during start: {dead[0]!r} "
-                                        f"(logs in {self.folder})") from None
+                        raise FarmError(
+                            f"a farm process exited during start: {dead[0]!r} "
+                            f"(logs in {self.folder})"
+                        ) from None
                     if time.monotonic() > deadline:
                         raise
 
@@ -279,12 +320,12 @@ class ChaosFarm:
 
 def epoch(stamp: str) -> float:
     """A log line's UTC timestamp (``2026-11-23T10:04:05.123Z``) in epoch seconds."""
-    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-        tzinfo=UTC).timestamp()
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
 
 
-def computed_chunks(paths: Iterable[Path], since: float = 0.0,
-                    until: float = float("inf")) -> list[Computed]:
+def computed_chunks(
+    paths: Iterable[Path], since: float = 0.0, until: float = float("inf")
+) -> list[Computed]:
     """Chunks the workers' logs say were computed between ``since`` and ``until``."""
     chunks = []
     for path in paths:
@@ -292,8 +333,9 @@ def computed_chunks(paths: Iterable[Path], since: float = 0.0,
             match = CHUNK_LINE.match(line)
             if match:
                 stamp, pid, first, last, job = match.groups()
-                chunk = Computed(epoch(stamp), int(pid), int(first), int(last) - int(first) + 1,
-                                 job)
+                chunk = Computed(
+                    epoch(stamp), int(pid), int(first), int(last) - int(first) + 1, job
+                )
                 if since <= chunk.time < until:
                     chunks.append(chunk)
     return sorted(chunks, key=lambda chunk: chunk.time)
@@ -301,8 +343,12 @@ def computed_chunks(paths: Iterable[Path], since: float = 0.0,
 
 def failed_attempts(paths: Iterable[Path]) -> int:
     """Chunks the workers' logs say raised (a poison chunk's attempts)."""
-    return sum(1 for path in paths for line in path.read_text(errors="replace").splitlines()
-               if FAILED_LINE.search(line))
+    return sum(
+        1
+        for path in paths
+        for line in path.read_text(errors="replace").splitlines()
+        if FAILED_LINE.search(line)
+    )
 
 
 @dataclass(frozen=True)
@@ -347,10 +393,11 @@ class Submission:
 
     def error_lines(self, limit: int = 8) -> list[str]:
         """The failures ``farm submit`` listed, else the last lines of its stderr."""
-        lines = [line for line in self.stderr.read_text(errors="replace").splitlines()
-                 if line.strip()]
+        lines = [
+            line for line in self.stderr.read_text(errors="replace").splitlines() if line.strip()
+        ]
         listed = [i for i, line in enumerate(lines) if line.endswith(" images failed:")]
-        return lines[listed[-1]:][:limit] if listed else lines[-limit:]
+        return lines[listed[-1] :][:limit] if listed else lines[-limit:]
 
 
 def submit(farm: ChaosFarm, job: Job, out: Path, name: str, resume: bool = False) -> Submission:
@@ -358,10 +405,24 @@ def submit(farm: ChaosFarm, job: Job, out: Path, name: str, resume: bool = False
     stderr = farm.folder / f"{name}.err"
     with open(farm.folder / f"{name}.out", "w") as stdout, open(stderr, "w") as errors:
         process = subprocess.Popen(
-            farm_command("--log-level", "WARNING", "submit", str(job.path), "--model", "lenet",
-                         "--broker", farm.endpoint, "--out", str(out), "--quiet",
-                         *(["--resume"] if resume else [])),
-            stdout=stdout, stderr=errors, start_new_session=True)
+            farm_command(
+                "--log-level",
+                "WARNING",
+                "submit",
+                str(job.path),
+                "--model",
+                "lenet",
+                "--broker",
+                farm.endpoint,
+                "--out",
+                str(out),
+                "--quiet",
+                *(["--resume"] if resume else []),
+            ),
+            stdout=stdout,
+            stderr=errors,
+            start_new_session=True,
+        )
     return Submission(process, stderr)
 
 
@@ -414,10 +475,13 @@ class Undo:
 def milestones(config: ChaosConfig, expected: float) -> list[tuple[float, str]]:
     """Broker and client kills, spread evenly through a job expected to last ``expected``
     seconds and interleaved by kind: (seconds after the start, kind), in order."""
-    kinds = sorted([((i + 1) / (config.broker_restarts + 1), BROKER_KILL)
-                    for i in range(config.broker_restarts)]
-                   + [((j + 1) / (config.client_kills + 1), CLIENT_KILL)
-                      for j in range(config.client_kills)])
+    kinds = sorted(
+        [
+            ((i + 1) / (config.broker_restarts + 1), BROKER_KILL)
+            for i in range(config.broker_restarts)
+        ]
+        + [((j + 1) / (config.client_kills + 1), CLIENT_KILL) for j in range(config.client_kills)]
+    )
     points = len(kinds)
     return [((m + 1) / (points + 1) * expected, kind) for m, (_, kind) in enumerate(kinds)]
 
@@ -467,8 +531,7 @@ def run_chaos(farm: ChaosFarm, job: Job, out: Path, expected: float, seed: int) 
             client.wait()
             run.client_kills.append(time.time())
             run.faults.append(Fault(elapsed, kind, f"farm submit pid {client.process.pid}"))
-            client = submit(farm, job, out, f"chaos-submit-{len(run.client_kills)}",
-                            resume=True)
+            client = submit(farm, job, out, f"chaos-submit-{len(run.client_kills)}", resume=True)
             continue
         target, undo = inject(farm, kind, rng)
         run.faults.append(Fault(elapsed, kind, target))
@@ -524,14 +587,15 @@ class SeedReport:
         return not self.problems
 
     def line(self) -> str:
-        counts = ", ".join(f"{kind} {sum(f.kind == kind for f in self.faults)}"
-                           for kind in KINDS)
-        return (f"seed {self.seed}: {'PASS' if self.passed else 'FAIL'}; fault-free "
-                f"{self.clean.wall:.1f} s, chaos {self.chaos.wall:.1f} s "
-                f"({self.chaos.wall / self.clean.wall:.2f}x); faults {len(self.faults)} "
-                f"({counts}); recomputed {self.recomputed:,}; failed "
-                f"{len(self.chaos.failed_rows):,}; max diff {self.chaos.max_diff:.2g}; "
-                f"exit {self.chaos.exit_code}")
+        counts = ", ".join(f"{kind} {sum(f.kind == kind for f in self.faults)}" for kind in KINDS)
+        return (
+            f"seed {self.seed}: {'PASS' if self.passed else 'FAIL'}; fault-free "
+            f"{self.clean.wall:.1f} s, chaos {self.chaos.wall:.1f} s "
+            f"({self.chaos.wall / self.clean.wall:.2f}x); faults {len(self.faults)} "
+            f"({counts}); recomputed {self.recomputed:,}; failed "
+            f"{len(self.chaos.failed_rows):,}; max diff {self.chaos.max_diff:.2g}; "
+            f"exit {self.chaos.exit_code}"
+        )
 
 
 def outcome_problems(name: str, outcome: Outcome) -> list[str]:
@@ -539,11 +603,14 @@ def outcome_problems(name: str, outcome: Outcome) -> list[str]:
     if outcome.exit_code != 0:
         problems.append(f"{name}: farm submit exited {outcome.exit_code}")
     if outcome.failed_rows:
-        problems.append(f"{name}: {len(outcome.failed_rows):,} images failed (NaN outputs), "
-                        f"first {outcome.failed_rows[0]}")
+        problems.append(
+            f"{name}: {len(outcome.failed_rows):,} images failed (NaN outputs), "
+            f"first {outcome.failed_rows[0]}"
+        )
     if not outcome.max_diff <= ATOL:
-        problems.append(f"{name}: outputs differ from the reference by up to "
-                        f"{outcome.max_diff:.3g}")
+        problems.append(
+            f"{name}: outputs differ from the reference by up to {outcome.max_diff:.3g}"
+        )
     return problems
 
 
@@ -559,8 +626,9 @@ def submitted_jobs(paths: Iterable[Path]) -> list[tuple[float, str]]:
     return jobs
 
 
-def kill_waste(chunks: list[Computed], jobs: list[tuple[float, str]],
-               kills: list[float]) -> list[int]:
+def kill_waste(
+    chunks: list[Computed], jobs: list[tuple[float, str]], kills: list[float]
+) -> list[int]:
     """Images computed for a killed client's job after it was killed: their results had no
     one to reach, so the resumed submit asks for them again.  The client's job is the last
     one the brokers saw submitted before the kill (one client runs at a time), unless a
@@ -570,8 +638,13 @@ def kill_waste(chunks: list[Computed], jobs: list[tuple[float, str]],
     for at in kills:
         earlier = [(when, job) for when, job in jobs if when < at]
         current = max(earlier)[1] if earlier else ""
-        wasted.append(sum(chunk.count for chunk in chunks
-                          if chunk.time >= at and current and chunk.job == current))
+        wasted.append(
+            sum(
+                chunk.count
+                for chunk in chunks
+                if chunk.time >= at and current and chunk.job == current
+            )
+        )
     return wasted
 
 
@@ -600,9 +673,11 @@ def run_seed(config: ChaosConfig, seed: int, root: Path) -> SeedReport:
     farm = ChaosFarm(config, folder, netns)
     try:
         farm.start()
-        print(f"seed {seed}: broker {farm.endpoint} (--heartbeat {config.heartbeat:g} "
-              f"--liveness {config.liveness}), "
-              + ", ".join(str(slot) for slot in farm.slots), flush=True)
+        print(
+            f"seed {seed}: broker {farm.endpoint} (--heartbeat {config.heartbeat:g} "
+            f"--liveness {config.liveness}), " + ", ".join(str(slot) for slot in farm.slots),
+            flush=True,
+        )
         clean_out = folder / "clean.npy"
         started = time.time()
         clean = finish(submit(farm, job, clean_out, "clean-submit"), clean_out, job, started)
@@ -610,8 +685,11 @@ def run_seed(config: ChaosConfig, seed: int, root: Path) -> SeedReport:
         print(f"  fault-free: {clean.wall:.2f} s; chaos run from here", flush=True)
         out = folder / "chaos.npy"
         run = run_chaos(farm, job, out, clean.wall, seed)
-        crashed = [f"{slot} pid {pid(slot)} exited on its own (code {slot.process.poll()})"
-                   for slot in farm.slots if slot.process and slot.process.poll() is not None]
+        crashed = [
+            f"{slot} pid {pid(slot)} exited on its own (code {slot.process.poll()})"
+            for slot in farm.slots
+            if slot.process and slot.process.poll() is not None
+        ]
     finally:
         farm.stop()
         if netns:
@@ -619,19 +697,27 @@ def run_seed(config: ChaosConfig, seed: int, root: Path) -> SeedReport:
     assert run.outcome is not None
     chunks = computed_chunks(farm.worker_logs(), since=chaos_start)
     clean_chunks = computed_chunks(farm.worker_logs(), until=chaos_start)
-    problems = (outcome_problems("fault-free", clean) + outcome_problems("chaos", run.outcome)
-                + crashed)
+    problems = (
+        outcome_problems("fault-free", clean) + outcome_problems("chaos", run.outcome) + crashed
+    )
     done = sum(f.kind in (BROKER_KILL, CLIENT_KILL) for f in run.faults)
     if done < run.planned:
-        problems.append(f"only {done} of {run.planned} planned broker/client kills happened "
-                        f"before the job ended")
+        problems.append(
+            f"only {done} of {run.planned} planned broker/client kills happened "
+            f"before the job ended"
+        )
     if Path(f"{out}.journal").exists() and run.outcome.exit_code == 0:
         problems.append(f"{out}.journal left behind after the job completed")
-    report = SeedReport(seed, clean, run.outcome, run.faults,
-                        sum(c.count for c in chunks) - job.count,
-                        kill_waste(chunks, submitted_jobs(folder.glob("broker-*.log")),
-                                   run.client_kills),
-                        float(np.mean([c.count for c in chunks])) if chunks else 0.0, problems)
+    report = SeedReport(
+        seed,
+        clean,
+        run.outcome,
+        run.faults,
+        sum(c.count for c in chunks) - job.count,
+        kill_waste(chunks, submitted_jobs(folder.glob("broker-*.log")), run.client_kills),
+        float(np.mean([c.count for c in chunks])) if chunks else 0.0,
+        problems,
+    )
     print_seed(report, config, sum(c.count for c in clean_chunks) - job.count)
     return report
 
@@ -643,19 +729,26 @@ def print_seed(report: SeedReport, config: ChaosConfig, clean_recomputed: int) -
     for kind in KINDS:
         times = [f"{f.at:.1f}" for f in report.faults if f.kind == kind]
         print(f"  {kind:<12} {len(times):3d}  at {', '.join(times) or '-'} s")
-    print(f"  images recomputed (computed by the workers minus the job's images): "
-          f"{report.recomputed:,} in the chaos run, {clean_recomputed:,} in the fault-free run")
+    print(
+        f"  images recomputed (computed by the workers minus the job's images): "
+        f"{report.recomputed:,} in the chaos run, {clean_recomputed:,} in the fault-free run"
+    )
     for k, wasted in enumerate(report.kill_waste, 1):
         per_worker = config.workers * report.chunk_mean
-        print(f"  client kill {k}: {wasted:,} images computed twice because of it; one chunk "
-              f"per worker would be {per_worker:,.0f} ({config.workers} x "
-              f"{report.chunk_mean:,.0f}, the mean chunk): {wasted / per_worker:.2f}x"
-              if per_worker else f"  client kill {k}: {wasted:,} images computed twice")
+        print(
+            f"  client kill {k}: {wasted:,} images computed twice because of it; one chunk "
+            f"per worker would be {per_worker:,.0f} ({config.workers} x "
+            f"{report.chunk_mean:,.0f}, the mean chunk): {wasted / per_worker:.2f}x"
+            if per_worker
+            else f"  client kill {k}: {wasted:,} images computed twice"
+        )
     chaos = report.chaos
-    print(f"  chaos job: exit {chaos.exit_code}, failed images {len(chaos.failed_rows):,}, "
-          f"max abs diff {chaos.max_diff:.3g} (limit {ATOL:g}), wall {chaos.wall:.2f} s, "
-          f"fault-free {report.clean.wall:.2f} s, overhead "
-          f"{chaos.wall / report.clean.wall:.2f}x")
+    print(
+        f"  chaos job: exit {chaos.exit_code}, failed images {len(chaos.failed_rows):,}, "
+        f"max abs diff {chaos.max_diff:.3g} (limit {ATOL:g}), wall {chaos.wall:.2f} s, "
+        f"fault-free {report.clean.wall:.2f} s, overhead "
+        f"{chaos.wall / report.clean.wall:.2f}x"
+    )
     for line in chaos.errors:
         print(f"    farm submit: {line}")
     for problem in report.problems:
@@ -681,8 +774,11 @@ def run_poison(config: ChaosConfig, root: Path, seed: int = 1) -> PoisonReport:
     farm = ChaosFarm(config, folder, worker_options=["--fail-items", f"{item}-{item}"])
     try:
         farm.start()
-        print(f"poison: item {item} of {job.count:,} fails on every worker; broker "
-              f"{farm.endpoint}, " + ", ".join(str(slot) for slot in farm.slots), flush=True)
+        print(
+            f"poison: item {item} of {job.count:,} fails on every worker; broker "
+            f"{farm.endpoint}, " + ", ".join(str(slot) for slot in farm.slots),
+            flush=True,
+        )
         out = folder / "poison.npy"
         started = time.time()
         outcome = finish(submit(farm, job, out, "poison-submit"), out, job, started)
@@ -693,21 +789,27 @@ def run_poison(config: ChaosConfig, root: Path, seed: int = 1) -> PoisonReport:
     problems = []
     if outcome.failed_rows != [item]:
         shown = outcome.failed_rows[:3] + (["..."] if len(outcome.failed_rows) > 3 else [])
-        problems.append(f"{len(outcome.failed_rows):,} images failed ({shown}), not exactly "
-                        f"item {item}")
+        problems.append(
+            f"{len(outcome.failed_rows):,} images failed ({shown}), not exactly item {item}"
+        )
     if not outcome.max_diff <= ATOL:
-        problems.append(f"the other outputs differ from the reference by up to "
-                        f"{outcome.max_diff:.3g}")
+        problems.append(
+            f"the other outputs differ from the reference by up to {outcome.max_diff:.3g}"
+        )
     if outcome.exit_code != 1:
         problems.append(f"farm submit exited {outcome.exit_code}, not 1 (images failed)")
     report = PoisonReport(outcome, computed, attempts, problems)
     for line in outcome.errors:
         print(f"    farm submit: {line}")
-    print(f"  failed images {len(outcome.failed_rows):,}; max abs diff elsewhere "
-          f"{outcome.max_diff:.3g}; exit {outcome.exit_code}; wall {outcome.wall:.2f} s")
-    print(f"  images computed {computed:,} for a job of {job.count:,}: extra compute "
-          f"{computed - job.count:+,} ({(computed - job.count) / job.count:.2%}: the "
-          f"narrowing down to the poison image); failed chunk attempts {attempts}")
+    print(
+        f"  failed images {len(outcome.failed_rows):,}; max abs diff elsewhere "
+        f"{outcome.max_diff:.3g}; exit {outcome.exit_code}; wall {outcome.wall:.2f} s"
+    )
+    print(
+        f"  images computed {computed:,} for a job of {job.count:,}: extra compute "
+        f"{computed - job.count:+,} ({(computed - job.count) / job.count:.2%}: the "
+        f"narrowing down to the poison image); failed chunk attempts {attempts}"
+    )
     for problem in problems:
         print(f"  FAIL: {problem}")
     print(f"poison: {'PASS' if not problems else 'FAIL'}", flush=True)
@@ -744,9 +846,11 @@ def run_resume(config: ChaosConfig, root: Path, seed: int = 1) -> ResumeReport:
     out = folder / "resume.npy"
     try:
         farm.start()
-        print(f"resume: {job.count:,} images; farm submit killed at half-way, then --resume; "
-              f"broker {farm.endpoint}, " + ", ".join(str(slot) for slot in farm.slots),
-              flush=True)
+        print(
+            f"resume: {job.count:,} images; farm submit killed at half-way, then --resume; "
+            f"broker {farm.endpoint}, " + ", ".join(str(slot) for slot in farm.slots),
+            flush=True,
+        )
         started = time.time()
         first = submit(farm, job, out, "resume-first")
         deadline = time.monotonic() + config.job_timeout
@@ -757,8 +861,7 @@ def run_resume(config: ChaosConfig, root: Path, seed: int = 1) -> ResumeReport:
         first.process.kill()
         first.wait()
         journaled = journaled_items(out, job.count)
-        outcome = finish(submit(farm, job, out, "resume-second", resume=True), out, job,
-                         started)
+        outcome = finish(submit(farm, job, out, "resume-second", resume=True), out, job, started)
     finally:
         farm.stop()
     chunks = computed_chunks(farm.worker_logs())
@@ -766,14 +869,17 @@ def run_resume(config: ChaosConfig, root: Path, seed: int = 1) -> ResumeReport:
     bound = round(len(farm.slots) * np.mean([chunk.count for chunk in chunks]))
     problems = outcome_problems("resumed job", outcome)
     if twice > bound:
-        problems.append(f"{twice:,} images computed twice, over one chunk per worker "
-                        f"({bound:,})")
-    print(f"  killed with {journaled:,} of {job.count:,} images journaled; the resumed "
-          f"submit finished: exit {outcome.exit_code}, failed images "
-          f"{len(outcome.failed_rows):,}, max abs diff {outcome.max_diff:.3g}, wall "
-          f"{outcome.wall:.2f} s in all")
-    print(f"  images computed twice: {twice:,}; one chunk per worker: {bound:,} "
-          f"({len(farm.slots)} x the mean chunk)")
+        problems.append(f"{twice:,} images computed twice, over one chunk per worker ({bound:,})")
+    print(
+        f"  killed with {journaled:,} of {job.count:,} images journaled; the resumed "
+        f"submit finished: exit {outcome.exit_code}, failed images "
+        f"{len(outcome.failed_rows):,}, max abs diff {outcome.max_diff:.3g}, wall "
+        f"{outcome.wall:.2f} s in all"
+    )
+    print(
+        f"  images computed twice: {twice:,}; one chunk per worker: {bound:,} "
+        f"({len(farm.slots)} x the mean chunk)"
+    )
     for problem in problems:
         print(f"  FAIL: {problem}")
     print(f"resume: {'PASS' if not problems else 'FAIL'}", flush=True)

@@ -42,23 +42,29 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
 
-from farm.engines.tolerances import relative_difference
-from farm.bench.measure import (BROKER_OPTIONS, Configuration, in_fresh_process,
-                                paper_configurations, timed_job)
+from farm.bench.measure import (
+    BROKER_OPTIONS,
+    Configuration,
+    in_fresh_process,
+    paper_configurations,
+    timed_job,
+)
 from farm.bench.setups import describe_machine, make_images
 from farm.client.client import FarmError
-from farm.ops.local import LocalFarm, cores
-from farm.protocol import MAX_TASK_BYTES
-from farm.modelrepo.repository import find
 from farm.client.report import analyse
 from farm.client.trace import Trace
+from farm.engines.tolerances import relative_difference
+from farm.modelrepo.repository import find
+from farm.ops.local import LocalFarm, cores
+from farm.protocol import MAX_TASK_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Where googlenet (and the other public nets) are found, for this process and its children.
@@ -163,55 +169,73 @@ def say(text: str) -> None:
 
 # ---- step 1: engines ------------------------------------------------------------------------
 
-def engines(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
-            clock: Clock) -> None:
+
+def engines(
+    layout: Layout, model: str, run: ModelRun, args: argparse.Namespace, clock: Clock
+) -> None:
     """The GPU worker's and a pinned core's engine choice, remembered for their workers."""
     for kind, device, threads, backend in (
-            ("gpu", layout.engine_device, None, "torch" if layout.stand_in else "auto"),
-            ("cpu", "cpu", 1, "auto")):
+        ("gpu", layout.engine_device, None, "torch" if layout.stand_in else "auto"),
+        ("cpu", "cpu", 1, "auto"),
+    ):
         core = layout.feeder if kind == "gpu" else layout.cpus[0]
         for precision in ("f32", "f16", "bf16") if kind == "gpu" else ("f32",):
             clock.check(f"{model}: {kind} engine in {precision}")
-            row = in_fresh_process(engine_choice, model, device, threads, backend, precision,
-                                   core)
+            row = in_fresh_process(engine_choice, model, device, threads, backend, precision, core)
             row["kind"] = kind
             run.engines.append(row)
             if precision == "f32":
                 if row["problem"]:
                     raise FarmError(f"{model} cannot run on the {kind} worker: {row['problem']}")
                 run.batches[kind], run.rates[kind] = row["batch"], row["rate"]
-            say(f"{model}: {kind} {precision}: " + (row["problem"] or
-                f"{row['backend']} batch {row['batch']}, {row['rate']:,.0f}/s"
-                + ("" if row["difference"] is None
-                   else f", differs from the f32 reference by {row['difference']:.1e}")))
+            say(
+                f"{model}: {kind} {precision}: "
+                + (
+                    row["problem"]
+                    or f"{row['backend']} batch {row['batch']}, {row['rate']:,.0f}/s"
+                    + (
+                        ""
+                        if row["difference"] is None
+                        else f", differs from the f32 reference by {row['difference']:.1e}"
+                    )
+                )
+            )
 
 
-def engine_choice(model: str, device: str, threads: int | None, backend: str,
-                  precision: str, core: int) -> dict[str, Any]:
+def engine_choice(
+    model: str, device: str, threads: int | None, backend: str, precision: str, core: int
+) -> dict[str, Any]:
     """In a fresh process pinned to ``core``: what ``auto`` (or ``backend``) chooses, its
     speed on a chunk run as a worker runs it, and how far it is from f32."""
     from farm.engines.autoselect import choose, load_engine
     from farm.modelrepo.repository import ModelError, find
 
     os.sched_setaffinity(0, {core})
-    row: dict[str, Any] = {"model": model, "device": device, "precision": precision,
-                           "backend": backend, "batch": 0, "rate": 0.0, "difference": None,
-                           "problem": None}
+    row: dict[str, Any] = {
+        "model": model,
+        "device": device,
+        "precision": precision,
+        "backend": backend,
+        "batch": 0,
+        "rate": 0.0,
+        "difference": None,
+        "problem": None,
+    }
     try:
         spec = find(model)
         if backend == "auto":
             choice = choose(spec, device, threads, precision)
             engine = choice.loaded()
-            row["difference"] = next(t.difference for t in choice.trials
-                                     if t.backend == choice.backend)
+            row["difference"] = next(
+                t.difference for t in choice.trials if t.backend == choice.backend
+            )
         else:
             engine = load_engine(spec, backend, None, device, threads, precision)
             engine.batch = best_batch(engine, make_images(model, 256))
             if precision != "f32":
                 reference = load_engine(spec, backend, None, device, threads, "f32")
                 images = make_images(model, 64)
-                row["difference"] = relative_difference(engine.run(images),
-                                                        reference.run(images))
+                row["difference"] = relative_difference(engine.run(images), reference.run(images))
     except ModelError as exc:
         row["problem"] = str(exc)
         return row
@@ -219,11 +243,14 @@ def engine_choice(model: str, device: str, threads: int | None, backend: str,
         row["problem"] = f"{type(exc).__name__}: {exc}"
         return row
     images = make_images(model, max(engine.batch * 4, 256))
-    engine.run(images[:engine.batch])
+    engine.run(images[: engine.batch])
     started = time.perf_counter()
     engine.run(images)
-    row.update(backend=engine.backend, batch=engine.batch,
-               rate=len(images) / (time.perf_counter() - started))
+    row.update(
+        backend=engine.backend,
+        batch=engine.batch,
+        rate=len(images) / (time.perf_counter() - started),
+    )
     return row
 
 
@@ -241,6 +268,7 @@ def best_batch(engine: Any, images: np.ndarray) -> int:
 
 # ---- farms ----------------------------------------------------------------------------------
 
+
 def farm_for(layout: Layout, devices: list[str], model: str, run: ModelRun) -> LocalFarm:
     """A local farm of ``devices`` (of the layout), each on the engine step 1 chose for its
     kind; the GPU worker started under ``taskset`` on its feeding core."""
@@ -248,12 +276,21 @@ def farm_for(layout: Layout, devices: list[str], model: str, run: ModelRun) -> L
     for device in devices:
         on_gpu = device == layout.gpu
         # auto remembers its batch with its backend; a backend named needs its batch named
-        options.append([*layout.gpu_options, "--batch", str(run.batches["gpu"])]
-                       if on_gpu and layout.stand_in else [])
+        options.append(
+            [*layout.gpu_options, "--batch", str(run.batches["gpu"])]
+            if on_gpu and layout.stand_in
+            else []
+        )
         launchers.append(["taskset", "-c", str(layout.feeder)] if on_gpu and TASKSET else [])
-    return LocalFarm(devices=devices, algo="fifo", broker_options=BROKER_OPTIONS,
-                     device_options=options, device_launchers=launchers, preload=[model],
-                     ready_timeout=300.0)
+    return LocalFarm(
+        devices=devices,
+        algo="fifo",
+        broker_options=BROKER_OPTIONS,
+        device_options=options,
+        device_launchers=launchers,
+        preload=[model],
+        ready_timeout=300.0,
+    )
 
 
 @contextlib.contextmanager
@@ -261,8 +298,7 @@ def started(farms: list[LocalFarm]) -> Iterator[list[LocalFarm]]:
     """Start every farm at once (their start costs one farm's), stop them all after."""
     # the stops run before the pool waits for its threads: an interrupt while farms start
     # stops them, and the threads starting them give up at once
-    with concurrent.futures.ThreadPoolExecutor(len(farms)) as pool, \
-            contextlib.ExitStack() as stack:
+    with concurrent.futures.ThreadPoolExecutor(len(farms)) as pool, contextlib.ExitStack() as stack:
         for farm in farms:  # first: one farm failing to start stops the others too
             stack.callback(farm.stop)
         yield list(pool.map(lambda farm: farm.__enter__(), farms))
@@ -274,8 +310,10 @@ def sized(rate: float, seconds: float, least: int, most: int) -> int:
 
 # ---- step 2: standalone speeds --------------------------------------------------------------
 
-def standalone(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
-               clock: Clock) -> None:
+
+def standalone(
+    layout: Layout, model: str, run: ModelRun, args: argparse.Namespace, clock: Clock
+) -> None:
     """Each worker alone: one-worker farms started together, then run one at a time."""
     devices = layout.workers()
     farms = [farm_for(layout, [device], model, run) for device in devices]
@@ -287,13 +325,16 @@ def standalone(layout: Layout, model: str, run: ModelRun, args: argparse.Namespa
             chunk = Configuration("fifo", {"chunk": max(1, count // 4)})
             images = make_images(model, count)
             with farm.client(timeout=JOB_TIMEOUT) as client:
-                timed_job(client, images[:max(1, count // 4)], model, chunk)  # warm-up
+                timed_job(client, images[: max(1, count // 4)], model, chunk)  # warm-up
                 run.standalone[device] = timed_job(client, images, model, chunk).summary.rate
-    say(f"{model}: alone: gpu {run.standalone[layout.gpu]:,.0f}/s, cores "
-        f"{sum(v for d, v in run.standalone.items() if d != layout.gpu):,.0f}/s in all")
+    say(
+        f"{model}: alone: gpu {run.standalone[layout.gpu]:,.0f}/s, cores "
+        f"{sum(v for d, v in run.standalone.items() if d != layout.gpu):,.0f}/s in all"
+    )
 
 
 # ---- step 3: every policy on the whole farm -------------------------------------------------
+
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process, all its threads."""
@@ -302,24 +343,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def sweep(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
-          clock: Clock) -> None:
+def sweep(
+    layout: Layout, model: str, run: ModelRun, args: argparse.Namespace, clock: Clock
+) -> None:
     """Every policy at the paper's values on the whole farm, each job traced."""
     small = model in SMALL
-    count = args.images or (SWEEP_IMAGES_SMALL if small else
-                            sized(run.theoretical, SWEEP_SECONDS, 2000, 50_000))
+    count = args.images or (
+        SWEEP_IMAGES_SMALL if small else sized(run.theoretical, SWEEP_SECONDS, 2000, 50_000)
+    )
     configs = paper_configurations(args.quick or not small)
     images = make_images(model, count)
     farm = farm_for(layout, layout.workers(), model, run)
     with started([farm]), farm.client(timeout=JOB_TIMEOUT) as client:
         warm = max(1, int(run.rates["cpu"] * 0.5))  # about half a second a CPU worker
-        timed_job(client, images[:min(count, warm * len(layout.workers()))], model,
-            Configuration("fifo", {"chunk": warm}))
+        timed_job(
+            client,
+            images[: min(count, warm * len(layout.workers()))],
+            model,
+            Configuration("fifo", {"chunk": warm}),
+        )
         gpu_process = farm.workers[-1]
         best_rate = 0.0
         for config in configs:
-            clock.check(f"{model}: {config.label} and the policies after it",
-                        STEP_FLOOR + 1.5 * expected_seconds(config, count, run))
+            clock.check(
+                f"{model}: {config.label} and the policies after it",
+                STEP_FLOOR + 1.5 * expected_seconds(config, count, run),
+            )
             before = cpu_seconds(gpu_process.pid)
             result = timed_job(client, images, model, config, trace=True)
             feeder = cpu_seconds(gpu_process.pid) - before
@@ -327,8 +376,10 @@ def sweep(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
             run.policies.append(row)
             if row["images_per_s"] > best_rate:
                 best_rate, run.best_trace = row["images_per_s"], result.trace
-            say(f"{model}: {config.label}: {row['images_per_s']:,.0f}/s, waste "
-                f"{row['waste']:.1%}, gpu busy {row['gpu_busy']:.1%}")
+            say(
+                f"{model}: {config.label}: {row['images_per_s']:,.0f}/s, waste "
+                f"{row['waste']:.1%}, gpu busy {row['gpu_busy']:.1%}"
+            )
 
 
 def expected_seconds(config: Configuration, count: int, run: ModelRun) -> float:
@@ -339,19 +390,26 @@ def expected_seconds(config: Configuration, count: int, run: ModelRun) -> float:
     return max(count / max(run.theoretical, 1.0), largest / max(run.rates["cpu"], 1.0))
 
 
-def policy_row(layout: Layout, model: str, config: Configuration, result: Any,
-               run: ModelRun, feeder_cpu: float) -> dict[str, Any]:
+def policy_row(
+    layout: Layout, model: str, config: Configuration, result: Any, run: ModelRun, feeder_cpu: float
+) -> dict[str, Any]:
     summary = result.summary
     breakdown = analyse(result.trace)
     gpu = next((w for w in breakdown.workers if w.name.endswith("/" + layout.gpu)), None)
     span = breakdown.seconds
     gpu_items = gpu.items if gpu else 0
     return {
-        "model": model, "policy": config.algo, "parameter": config.parameter,
-        "value": config.value, "images": summary.total, "seconds": summary.seconds,
-        "images_per_s": summary.rate, "theoretical": run.theoretical,
+        "model": model,
+        "policy": config.algo,
+        "parameter": config.parameter,
+        "value": config.value,
+        "images": summary.total,
+        "seconds": summary.seconds,
+        "images_per_s": summary.rate,
+        "theoretical": run.theoretical,
         "waste": 1 - summary.rate / run.theoretical if run.theoretical else 0.0,
-        "in_job_theoretical": summary.theoretical_rate, "in_job_waste": summary.waste,
+        "in_job_theoretical": summary.theoretical_rate,
+        "in_job_waste": summary.waste,
         "gpu_images": gpu_items / summary.total if summary.total else 0.0,
         "gpu_busy": (gpu.device_share(span) or 0.0) if gpu else 0.0,
         "gpu_compute": gpu.busy_s / span if gpu and span else 0.0,
@@ -364,29 +422,60 @@ def policy_row(layout: Layout, model: str, config: Configuration, result: Any,
 
 # ---- step 4: peers --------------------------------------------------------------------------
 
-def peers(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
-          clock: Clock) -> None:
+
+def peers(
+    layout: Layout, model: str, run: ModelRun, args: argparse.Namespace, clock: Clock
+) -> None:
     """torch alone on the GPU; ONNX Runtime and OpenCV on every core, in one process each."""
     count = sized(run.standalone[layout.gpu], 2 * STANDALONE_SECONDS, 256, 200_000)
-    run.peers.append(in_fresh_process(alone, model, "torch", layout.engine_device, None,
-                                      GPU_PEER_BATCHES, count, (layout.feeder,),
-                                      "torch, GPU alone"))
+    run.peers.append(
+        in_fresh_process(
+            alone,
+            model,
+            "torch",
+            layout.engine_device,
+            None,
+            GPU_PEER_BATCHES,
+            count,
+            (layout.feeder,),
+            "torch, GPU alone",
+        )
+    )
     every = (*layout.cpus, layout.feeder)
     cpu_total = sum(v for d, v in run.standalone.items() if d != layout.gpu)
     count = sized(cpu_total, 2 * STANDALONE_SECONDS, 64, 100_000)
     for backend in ("onnxruntime", "opencv"):
         clock.check(f"{model}: {backend} on every core")
-        run.peers.append(in_fresh_process(alone, model, backend, "cpu", len(every),
-                                          CPU_PEER_BATCHES, count, every,
-                                          f"{backend}, every core"))
+        run.peers.append(
+            in_fresh_process(
+                alone,
+                model,
+                backend,
+                "cpu",
+                len(every),
+                CPU_PEER_BATCHES,
+                count,
+                every,
+                f"{backend}, every core",
+            )
+        )
     for peer in run.peers:
-        say(f"{model}: {peer['peer']}: " + (peer["problem"] or
-            f"{peer['images_per_s']:,.0f}/s at batch {peer['batch']}"))
+        say(
+            f"{model}: {peer['peer']}: "
+            + (peer["problem"] or f"{peer['images_per_s']:,.0f}/s at batch {peer['batch']}")
+        )
 
 
-def alone(model: str, backend: str, device: str, threads: int | None,
-          batches: tuple[int, ...], count: int, allowed: tuple[int, ...],
-          name: str) -> dict[str, Any]:
+def alone(
+    model: str,
+    backend: str,
+    device: str,
+    threads: int | None,
+    batches: tuple[int, ...],
+    count: int,
+    allowed: tuple[int, ...],
+    name: str,
+) -> dict[str, Any]:
     """In a fresh process on ``allowed`` cores: the engine at each batch on ``count`` images
     (after a warm-up batch), the best kept."""
     from farm.engines.autoselect import load_engine
@@ -394,8 +483,14 @@ def alone(model: str, backend: str, device: str, threads: int | None,
 
     os.sched_setaffinity(0, set(allowed))
     images = make_images(model, count)
-    row: dict[str, Any] = {"model": model, "peer": name, "batch": 0, "images": count,
-                           "images_per_s": 0.0, "problem": None}
+    row: dict[str, Any] = {
+        "model": model,
+        "peer": name,
+        "batch": 0,
+        "images": count,
+        "images_per_s": 0.0,
+        "problem": None,
+    }
     for batch in batches:
         try:
             engine = load_engine(find(model), backend, batch, device, threads)
@@ -417,8 +512,10 @@ def alone(model: str, backend: str, device: str, threads: int | None,
 
 # ---- step 5: Table 2 ------------------------------------------------------------------------
 
-def table2(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
-           clock: Clock) -> None:
+
+def table2(
+    layout: Layout, model: str, run: ModelRun, args: argparse.Namespace, clock: Clock
+) -> None:
     """One GPU worker and one pinned core, alone each, images/s by chunk size."""
     devices = [layout.gpu, f"cpu:{layout.cpus[0]}"]
     farms = [farm_for(layout, [device], model, run) for device in devices]
@@ -428,10 +525,16 @@ def table2(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
             rate = run.standalone[device]
             with farm.client(timeout=JOB_TIMEOUT) as client:
                 for size in TABLE2_SIZES:
-                    row = {"model": model, "device": device, "chunk": size, "images": 0,
-                           "images_per_s": None,
-                           "note": f"chunks capped at {capped} images (64 MiB of input)"
-                           if size > capped else ""}
+                    row = {
+                        "model": model,
+                        "device": device,
+                        "chunk": size,
+                        "images": 0,
+                        "images_per_s": None,
+                        "note": f"chunks capped at {capped} images (64 MiB of input)"
+                        if size > capped
+                        else "",
+                    }
                     if size / rate > MAX_CHUNK_SECONDS:
                         row["note"] = f"one chunk takes {size / rate:.0f} s here: not run"
                     elif clock.left() < STEP_FLOOR:
@@ -439,26 +542,39 @@ def table2(layout: Layout, model: str, run: ModelRun, args: argparse.Namespace,
                     else:
                         most = min(100_000, size * MAX_TABLE2_CHUNKS)
                         count = sized(rate, TABLE2_SECONDS, size, most) // size * size
-                        result = timed_job(client, make_images(model, count), model,
-                                     Configuration("fifo", {"chunk": size}))
+                        result = timed_job(
+                            client,
+                            make_images(model, count),
+                            model,
+                            Configuration("fifo", {"chunk": size}),
+                        )
                         row.update(images=count, images_per_s=result.summary.rate)
                     run.table2.append(row)
-    say(f"{model}: Table 2: " + ", ".join(
-        f"{r['device']} chunk {r['chunk']}: {r['images_per_s'] or 0:,.0f}/s" for r in run.table2))
+    say(
+        f"{model}: Table 2: "
+        + ", ".join(
+            f"{r['device']} chunk {r['chunk']}: {r['images_per_s'] or 0:,.0f}/s" for r in run.table2
+        )
+    )
 
 
 # ---- the whole run --------------------------------------------------------------------------
 
 Step = Callable[[Layout, str, ModelRun, argparse.Namespace, Clock], None]
 #: The steps, in order; the first two are what the others are measured against.
-STEPS: tuple[tuple[str, Step], ...] = (("engines", engines), ("standalone speeds", standalone),
-                                       ("policies", sweep), ("peers", peers),
-                                       ("table 2", table2))
+STEPS: tuple[tuple[str, Step], ...] = (
+    ("engines", engines),
+    ("standalone speeds", standalone),
+    ("policies", sweep),
+    ("peers", peers),
+    ("table 2", table2),
+)
 NEEDED = ("engines", "standalone speeds")
 
 
-def measure_model(layout: Layout, run: ModelRun, args: argparse.Namespace, clock: Clock,
-                  save: Callable[[], None]) -> None:
+def measure_model(
+    layout: Layout, run: ModelRun, args: argparse.Namespace, clock: Clock, save: Callable[[], None]
+) -> None:
     """Every step on one model, saved after each; a step that fails or runs out of time is
     named in the report, and the steps after a needed one that did are not run."""
     model = run.model
@@ -487,22 +603,38 @@ def summary_rows(layout: Layout, runs: list[ModelRun]) -> list[dict[str, Any]]:
         best = max(run.policies, key=lambda row: row["images_per_s"])
         if run.standalone.get(layout.gpu) is None:
             continue
-        gpu_alone = next((p["images_per_s"] for p in run.peers
-                          if p["peer"].endswith("GPU alone") and not p["problem"]), None)
-        cores_add = (sum(v for d, v in run.standalone.items() if d != layout.gpu)
-                     / run.standalone[layout.gpu])
+        gpu_alone = next(
+            (
+                p["images_per_s"]
+                for p in run.peers
+                if p["peer"].endswith("GPU alone") and not p["problem"]
+            ),
+            None,
+        )
+        cores_add = (
+            sum(v for d, v in run.standalone.items() if d != layout.gpu)
+            / run.standalone[layout.gpu]
+        )
         beats = best["images_per_s"] / gpu_alone if gpu_alone else None
-        rows.append({
-            "model": run.model, "best": f"{best['policy']} {best['parameter']}={best['value']}"
-            if best["parameter"] else best["policy"],
-            "images_per_s": best["images_per_s"], "waste": best["waste"],
-            "in_job_waste": best["in_job_waste"], "gpu_busy": best["gpu_busy"],
-            "feeder_cpu": best["feeder_cpu"], "gpu_alone": gpu_alone, "vs_gpu_alone": beats,
-            "cores_add": cores_add,
-            "goal_waste": best["waste"] is not None and best["waste"] <= 0.03,
-            "goal_busy": best["gpu_busy"] >= 0.95,
-            "goal_beats_gpu": None if cores_add <= 0.05 or beats is None else beats > 1.0,
-        })
+        rows.append(
+            {
+                "model": run.model,
+                "best": f"{best['policy']} {best['parameter']}={best['value']}"
+                if best["parameter"]
+                else best["policy"],
+                "images_per_s": best["images_per_s"],
+                "waste": best["waste"],
+                "in_job_waste": best["in_job_waste"],
+                "gpu_busy": best["gpu_busy"],
+                "feeder_cpu": best["feeder_cpu"],
+                "gpu_alone": gpu_alone,
+                "vs_gpu_alone": beats,
+                "cores_add": cores_add,
+                "goal_waste": best["waste"] is not None and best["waste"] <= 0.03,
+                "goal_busy": best["gpu_busy"] >= 0.95,
+                "goal_beats_gpu": None if cores_add <= 0.05 or beats is None else beats > 1.0,
+            }
+        )
     return rows
 
 
@@ -534,86 +666,198 @@ def ratio(value: float | None) -> str:
 
 def goals_text(row: dict[str, Any]) -> str:
     beats = row["goal_beats_gpu"]
-    return "; ".join([f"waste {'met' if row['goal_waste'] else 'missed'}",
-                      f"busy {'met' if row['goal_busy'] else 'missed'}",
-                      "beats GPU: " + ("n/a" if beats is None else "met" if beats else "missed")])
+    return "; ".join(
+        [
+            f"waste {'met' if row['goal_waste'] else 'missed'}",
+            f"busy {'met' if row['goal_busy'] else 'missed'}",
+            "beats GPU: " + ("n/a" if beats is None else "met" if beats else "missed"),
+        ]
+    )
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return (["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-            + ["| " + " | ".join(row) + " |" for row in rows])
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + [
+        "| " + " | ".join(row) + " |" for row in rows
+    ]
 
 
-def report(layout: Layout, machine: dict[str, Any], runs: list[ModelRun],
-           skipped: list[str], command: str, seconds: float) -> str:
+def report(
+    layout: Layout,
+    machine: dict[str, Any],
+    runs: list[ModelRun],
+    skipped: list[str],
+    command: str,
+    seconds: float,
+) -> str:
     """report.md: the summary with the goals, then each model's tables."""
-    gpu_name = (f"a CPU stand-in (--device cpu on torch, core {layout.feeder})"
-                if layout.stand_in else ", ".join(machine["gpus"]) or "none found")
-    lines = [f"# CPU cores and a GPU in one farm, {machine['date']}", "",
-             f"- machine: {machine['cpu']}, {machine['cores']} cores, "
-             f"{machine['memory_gib']} GiB; GPU: {gpu_name}",
-             f"- farm: {plural(len(layout.cpus), 'pinned CPU worker')} ("
-             f"{core_range(layout.cpus)}) and the GPU worker, fed by core {layout.feeder}",
-             "- versions: " + ", ".join(f"{k} {v}" for k, v in machine["versions"].items()),
-             f"- command: `{command}` ({seconds:.0f} s)", "",
-             "Waste: 1 - images/s over the sum of the workers' standalone speeds, each "
-             "measured alone in this run; in-job: over the speeds the workers showed inside "
-             "the job. GPU busy: the seconds its CUDA events timed over the job's span. Goals: "
-             "waste at most 3%, GPU busy at least 95%, the farm above the GPU alone where the "
-             "cores add more than 5% of the GPU's speed.", "", "## Summary", ""]
+    gpu_name = (
+        f"a CPU stand-in (--device cpu on torch, core {layout.feeder})"
+        if layout.stand_in
+        else ", ".join(machine["gpus"]) or "none found"
+    )
+    lines = [
+        f"# CPU cores and a GPU in one farm, {machine['date']}",
+        "",
+        f"- machine: {machine['cpu']}, {machine['cores']} cores, "
+        f"{machine['memory_gib']} GiB; GPU: {gpu_name}",
+        f"- farm: {plural(len(layout.cpus), 'pinned CPU worker')} ("
+        f"{core_range(layout.cpus)}) and the GPU worker, fed by core {layout.feeder}",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in machine["versions"].items()),
+        f"- command: `{command}` ({seconds:.0f} s)",
+        "",
+        "Waste: 1 - images/s over the sum of the workers' standalone speeds, each "
+        "measured alone in this run; in-job: over the speeds the workers showed inside "
+        "the job. GPU busy: the seconds its CUDA events timed over the job's span. Goals: "
+        "waste at most 3%, GPU busy at least 95%, the farm above the GPU alone where the "
+        "cores add more than 5% of the GPU's speed.",
+        "",
+        "## Summary",
+        "",
+    ]
     rows = summary_rows(layout, runs)
-    lines += table(["model", "best policy", "images/s", "waste", "waste, in-job", "GPU busy",
-                    "feeding core", "GPU alone/s", "farm / GPU alone", "cores add", "goals"],
-                   [[r["model"], r["best"], f"{r['images_per_s']:,.0f}", percent(r["waste"]),
-                     percent(r["in_job_waste"]), percent(r["gpu_busy"]),
-                     percent(r["feeder_cpu"]), f"{r['gpu_alone'] or 0:,.0f}",
-                     ratio(r["vs_gpu_alone"]), percent(r["cores_add"]), goals_text(r)]
-                    for r in rows])
+    lines += table(
+        [
+            "model",
+            "best policy",
+            "images/s",
+            "waste",
+            "waste, in-job",
+            "GPU busy",
+            "feeding core",
+            "GPU alone/s",
+            "farm / GPU alone",
+            "cores add",
+            "goals",
+        ],
+        [
+            [
+                r["model"],
+                r["best"],
+                f"{r['images_per_s']:,.0f}",
+                percent(r["waste"]),
+                percent(r["in_job_waste"]),
+                percent(r["gpu_busy"]),
+                percent(r["feeder_cpu"]),
+                f"{r['gpu_alone'] or 0:,.0f}",
+                ratio(r["vs_gpu_alone"]),
+                percent(r["cores_add"]),
+                goals_text(r),
+            ]
+            for r in rows
+        ],
+    )
     for run in runs:
         lines += ["", f"## {run.model}", "", "Engines:", ""]
-        lines += table(["worker", "precision", "backend", "batch", "images/s", "vs f32",
-                        "problem"],
-                       [[e["kind"], e["precision"], e["backend"], str(e["batch"]),
-                         f"{e['rate']:,.0f}", "-" if e["difference"] is None
-                         else f"{e['difference']:.1e}", e["problem"] or ""]
-                        for e in run.engines])
+        lines += table(
+            ["worker", "precision", "backend", "batch", "images/s", "vs f32", "problem"],
+            [
+                [
+                    e["kind"],
+                    e["precision"],
+                    e["backend"],
+                    str(e["batch"]),
+                    f"{e['rate']:,.0f}",
+                    "-" if e["difference"] is None else f"{e['difference']:.1e}",
+                    e["problem"] or "",
+                ]
+                for e in run.engines
+            ],
+        )
         gpu_alone = run.standalone.get(layout.gpu, 0.0)
-        lines += ["", f"Standalone: GPU worker {gpu_alone:,.0f}/s; CPU workers "
-                      + ", ".join(f"{v:,.0f}" for d, v in run.standalone.items()
-                                  if d != layout.gpu)
-                      + f" (sum {run.theoretical:,.0f}/s)", "", "Every policy:", ""]
-        lines += table(["policy", "images", "images/s", "waste", "in-job", "GPU share",
-                        "GPU busy", "GPU copies", "GPU gaps (s)", "feeding core"],
-                       [[f"{p['policy']} {p['parameter']}={p['value']}" if p["parameter"]
-                         else p["policy"], f"{p['images']:,}", f"{p['images_per_s']:,.0f}",
-                         percent(p["waste"]), percent(p["in_job_waste"]),
-                         percent(p["gpu_images"]), percent(p["gpu_busy"]),
-                         percent(p["gpu_copy"]), f"{p['gpu_gaps_s']:.3f}",
-                         percent(p["feeder_cpu"])] for p in run.policies])
+        lines += [
+            "",
+            f"Standalone: GPU worker {gpu_alone:,.0f}/s; CPU workers "
+            + ", ".join(f"{v:,.0f}" for d, v in run.standalone.items() if d != layout.gpu)
+            + f" (sum {run.theoretical:,.0f}/s)",
+            "",
+            "Every policy:",
+            "",
+        ]
+        lines += table(
+            [
+                "policy",
+                "images",
+                "images/s",
+                "waste",
+                "in-job",
+                "GPU share",
+                "GPU busy",
+                "GPU copies",
+                "GPU gaps (s)",
+                "feeding core",
+            ],
+            [
+                [
+                    f"{p['policy']} {p['parameter']}={p['value']}"
+                    if p["parameter"]
+                    else p["policy"],
+                    f"{p['images']:,}",
+                    f"{p['images_per_s']:,.0f}",
+                    percent(p["waste"]),
+                    percent(p["in_job_waste"]),
+                    percent(p["gpu_images"]),
+                    percent(p["gpu_busy"]),
+                    percent(p["gpu_copy"]),
+                    f"{p['gpu_gaps_s']:.3f}",
+                    percent(p["feeder_cpu"]),
+                ]
+                for p in run.policies
+            ],
+        )
         lines += ["", "Peers:", ""]
-        lines += table(["peer", "batch", "images", "images/s", "problem"],
-                       [[p["peer"], str(p["batch"]), f"{p['images']:,}",
-                         f"{p['images_per_s']:,.0f}", p["problem"] or ""] for p in run.peers])
+        lines += table(
+            ["peer", "batch", "images", "images/s", "problem"],
+            [
+                [
+                    p["peer"],
+                    str(p["batch"]),
+                    f"{p['images']:,}",
+                    f"{p['images_per_s']:,.0f}",
+                    p["problem"] or "",
+                ]
+                for p in run.peers
+            ],
+        )
         lines += ["", "Table 2 (one worker alone, images/s by chunk size):", ""]
-        lines += table(["device", "chunk", "images", "images/s", "note"],
-                       [[t["device"], f"{t['chunk']:,}", f"{t['images']:,}",
-                         "-" if t["images_per_s"] is None else f"{t['images_per_s']:,.0f}",
-                         t["note"]] for t in run.table2])
+        lines += table(
+            ["device", "chunk", "images", "images/s", "note"],
+            [
+                [
+                    t["device"],
+                    f"{t['chunk']:,}",
+                    f"{t['images']:,}",
+                    "-" if t["images_per_s"] is None else f"{t['images_per_s']:,.0f}",
+                    t["note"],
+                ]
+                for t in run.table2
+            ],
+        )
     notes = skipped + [line for run in runs for line in run.skipped]
     if notes:
         lines += ["", "## Not measured", ""] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 
-def write_results(out: Path, layout: Layout, machine: dict[str, Any], runs: list[ModelRun],
-                  skipped: list[str], command: str, seconds: float) -> None:
+def write_results(
+    out: Path,
+    layout: Layout,
+    machine: dict[str, Any],
+    runs: list[ModelRun],
+    skipped: list[str],
+    command: str,
+    seconds: float,
+) -> None:
     """Every file of the results folder (written again after each model)."""
     out.mkdir(parents=True, exist_ok=True)
-    document = {"machine": machine, "layout": asdict(layout), "command": command,
-                "seconds": seconds, "skipped": skipped,
-                "summary": summary_rows(layout, runs),
-                "models": [{k: v for k, v in asdict(run).items() if k != "best_trace"}
-                           for run in runs]}
+    document = {
+        "machine": machine,
+        "layout": asdict(layout),
+        "command": command,
+        "seconds": seconds,
+        "skipped": skipped,
+        "summary": summary_rows(layout, runs),
+        "models": [{k: v for k, v in asdict(run).items() if k != "best_trace"} for run in runs],
+    }
     (out / "results.json").write_text(json.dumps(document, indent=1) + "\n")
     write_csv(out / "engines.csv", [e for run in runs for e in run.engines])
     write_csv(out / "policies.csv", [p for run in runs for p in run.policies])
@@ -627,19 +871,32 @@ def write_results(out: Path, layout: Layout, machine: dict[str, Any], runs: list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="the results folder")
-    parser.add_argument("--stand-in", action="store_true",
-                        help="no GPU: a torch worker on the last core stands in for it")
+    parser.add_argument(
+        "--stand-in",
+        action="store_true",
+        help="no GPU: a torch worker on the last core stands in for it",
+    )
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--images", type=int,
-                        help="images per policy job [default: 100 000 for the small nets, "
-                             "about 4 s of the farm's work for the others]")
-    parser.add_argument("--cpu-workers", type=int, help="CPU workers [default: every core but "
-                                                        "the one feeding the GPU]")
+    parser.add_argument(
+        "--images",
+        type=int,
+        help="images per policy job [default: 100 000 for the small nets, "
+        "about 4 s of the farm's work for the others]",
+    )
+    parser.add_argument(
+        "--cpu-workers",
+        type=int,
+        help="CPU workers [default: every core but the one feeding the GPU]",
+    )
     parser.add_argument("--quick", action="store_true", help="one value per policy")
-    parser.add_argument("--budget", type=float, default=520.0,
-                        help="seconds; a model is not started with less than "
-                             f"{MODEL_FLOOR:.0f} s left ({LARGE_MODEL_FLOOR:.0f} for an "
-                             f"ImageNet-sized one), a step or job with less than it needs")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=520.0,
+        help="seconds; a model is not started with less than "
+        f"{MODEL_FLOOR:.0f} s left ({LARGE_MODEL_FLOOR:.0f} for an "
+        f"ImageNet-sized one), a step or job with less than it needs",
+    )
     args = parser.parse_args()
     clock = Clock(args.budget)
     os.environ.setdefault("FARM_MODELS", str(NETS))
@@ -648,11 +905,15 @@ def main() -> None:
         try:
             import torch
         except ImportError as exc:
-            raise SystemExit(f"the GPU worker needs torch ({exc}): install it, or add "
-                             f"--stand-in for the CPU dry run") from None
+            raise SystemExit(
+                f"the GPU worker needs torch ({exc}): install it, or add "
+                f"--stand-in for the CPU dry run"
+            ) from None
         if not torch.cuda.is_available():
-            raise SystemExit(f"torch {torch.__version__} sees no CUDA device: run on a GPU "
-                             f"machine, or add --stand-in for the CPU dry run")
+            raise SystemExit(
+                f"torch {torch.__version__} sees no CUDA device: run on a GPU "
+                f"machine, or add --stand-in for the CPU dry run"
+            )
     machine = describe_machine()
     command = "bench/gpu.sh " + " ".join(sys.argv[1:])
     say(f"farm: {layout.workers()}, GPU worker fed by core {layout.feeder}")
@@ -660,15 +921,18 @@ def main() -> None:
     skipped: list[str] = []
 
     def save() -> None:
-        write_results(args.out, layout, machine, runs, skipped, command,
-                      time.perf_counter() - clock.started)
+        write_results(
+            args.out, layout, machine, runs, skipped, command, time.perf_counter() - clock.started
+        )
 
     try:
         for model in (name.strip() for name in args.models.split(",") if name.strip()):
             floor = MODEL_FLOOR if model in SMALL else LARGE_MODEL_FLOOR
             if clock.left() < floor:
-                skipped.append(f"{model}: not started, {clock.left():.0f} s of the budget "
-                               f"left (it needs {floor:.0f})")
+                skipped.append(
+                    f"{model}: not started, {clock.left():.0f} s of the budget "
+                    f"left (it needs {floor:.0f})"
+                )
                 continue
             runs.append(ModelRun(model))  # saved as it goes, interrupted or not
             measure_model(layout, runs[-1], args, clock, save)

@@ -29,11 +29,11 @@ import numpy as np
 
 from farm.bench.common import machine, saved, shared_squeezenet
 from farm.client.client import Client
-from farm.engines.images import ImageDecoder
 from farm.client.inputs import find_image_files
-from farm.ops.local import LocalFarm, cores
 from farm.client.npy import NpyReader
+from farm.engines.images import ImageDecoder
 from farm.modelrepo.repository import find
+from farm.ops.local import LocalFarm, cores
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "squeezenet_v1.0"
 SIZE = 227
@@ -43,15 +43,20 @@ def make_images(folder: Path, count: int) -> np.ndarray:
     """``count`` JPEGs of SIZE x SIZE in ``folder``; returns them decoded (RGB, uint8)."""
     import skimage.data
 
-    photos = [skimage.data.chelsea(), skimage.data.coffee(), skimage.data.astronaut(),
-              skimage.data.rocket(), skimage.data.immunohistochemistry()]
+    photos = [
+        skimage.data.chelsea(),
+        skimage.data.coffee(),
+        skimage.data.astronaut(),
+        skimage.data.rocket(),
+        skimage.data.immunohistochemistry(),
+    ]
     rng = np.random.default_rng(0)
     decoded = np.empty((count, SIZE, SIZE, 3), np.uint8)
     for index in range(count):
         photo = photos[index % len(photos)]
         top = rng.integers(0, photo.shape[0] - SIZE + 1)
         left = rng.integers(0, photo.shape[1] - SIZE + 1)
-        crop = photo[top:top + SIZE, left:left + SIZE]
+        crop = photo[top : top + SIZE, left : left + SIZE]
         if rng.random() < 0.5:
             crop = crop[:, ::-1]
         crop = np.clip(crop * rng.uniform(0.8, 1.2, 3), 0, 255).astype(np.uint8)
@@ -101,39 +106,53 @@ def main(arguments: argparse.Namespace) -> int:
         np.save(array_path, decoded)
         files = find_image_files([str(folder)])
         jpeg_bytes = sum(path.stat().st_size for path in files)
-        print(f"{len(files):,} JPEG files of {SIZE}x{SIZE} (quality 90), "
-              f"{jpeg_bytes / len(files) / 1024:.1f} KiB each on average; model "
-              f"{arguments.model}; 2 pinned workers")
+        print(
+            f"{len(files):,} JPEG files of {SIZE}x{SIZE} (quality 90), "
+            f"{jpeg_bytes / len(files) / 1024:.1f} KiB each on average; model "
+            f"{arguments.model}; 2 pinned workers"
+        )
         extra = ["--models-dir", str(models)] if models else []
         devices = [f"cpu:{core}" for core in cores()[:2]]
         rates: dict[str, list[float]] = {"files": [], "npy": []}
         sent: dict[str, int] = {}
-        with LocalFarm(devices=devices, preload=[arguments.model], broker_options=extra,
-                       worker_options=extra) as local:
+        with LocalFarm(
+            devices=devices, preload=[arguments.model], broker_options=extra, worker_options=extra
+        ) as local:
             timed_job(local.endpoint, [str(path) for path in files[:50]], arguments.model)
             for _ in range(arguments.rounds):
-                for kind, images in (("files", [str(folder)]),
-                                     ("npy", NpyReader.open(array_path))):
+                for kind, images in (("files", [str(folder)]), ("npy", NpyReader.open(array_path))):
                     rate, sent[kind] = timed_job(local.endpoint, images, arguments.model)
                     rates[kind].append(rate)
         files_rate, npy_rate = (statistics.median(rates[k]) for k in ("files", "npy"))
         float_bytes = decoded.size * 4
         print(f"\n{'input':<28} {'images/s':>9} {'sent by the client':>20} {'bytes/image':>12}")
-        print(f"{'JPEG files':<28} {files_rate:>9.1f} {sent['files']:>20,} "
-              f"{sent['files'] / len(files):>12,.0f}")
-        print(f"{'.npy uint8 (decoded)':<28} {npy_rate:>9.1f} {sent['npy']:>20,} "
-              f"{sent['npy'] / len(files):>12,.0f}")
-        print(f"{'float32 pixels (computed)':<28} {'':>9} {float_bytes:>20,} "
-              f"{float_bytes / len(files):>12,.0f}")
-        print(f"\nimages/s, files / npy: {files_rate / npy_rate:.3f} "
-              f"(rounds: files {', '.join(f'{r:.1f}' for r in rates['files'])}; "
-              f"npy {', '.join(f'{r:.1f}' for r in rates['npy'])})")
-        print(f"bytes sent: uint8 / files {sent['npy'] / sent['files']:.1f}x, "
-              f"float32 / files {float_bytes / sent['files']:.1f}x")
+        print(
+            f"{'JPEG files':<28} {files_rate:>9.1f} {sent['files']:>20,} "
+            f"{sent['files'] / len(files):>12,.0f}"
+        )
+        print(
+            f"{'.npy uint8 (decoded)':<28} {npy_rate:>9.1f} {sent['npy']:>20,} "
+            f"{sent['npy'] / len(files):>12,.0f}"
+        )
+        print(
+            f"{'float32 pixels (computed)':<28} {'':>9} {float_bytes:>20,} "
+            f"{float_bytes / len(files):>12,.0f}"
+        )
+        print(
+            f"\nimages/s, files / npy: {files_rate / npy_rate:.3f} "
+            f"(rounds: files {', '.join(f'{r:.1f}' for r in rates['files'])}; "
+            f"npy {', '.join(f'{r:.1f}' for r in rates['npy'])})"
+        )
+        print(
+            f"bytes sent: uint8 / files {sent['npy'] / sent['files']:.1f}x, "
+            f"float32 / files {float_bytes / sent['files']:.1f}x"
+        )
         micro = decode_time(files[:500], arguments.model, models or work)
         per_image = 2 / files_rate * 1e6  # two workers: each spends this per image
-        print(f"decode: {micro:.0f} us per file on one thread, {micro / per_image:.1%} of a "
-              f"worker's {per_image / 1000:.1f} ms per image in the files run")
+        print(
+            f"decode: {micro:.0f} us per file on one thread, {micro / per_image:.1%} of a "
+            f"worker's {per_image / 1000:.1f} ms per image in the files run"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
@@ -144,8 +163,9 @@ if __name__ == "__main__":
     parser.add_argument("--images", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--model", default="squeezenet_v1.0")
-    parser.add_argument("--save", type=Path, default=Path("-"),
-                        help="Also write the printout here.")
+    parser.add_argument(
+        "--save", type=Path, default=Path("-"), help="Also write the printout here."
+    )
     args = parser.parse_args()
     if args.model == "squeezenet_v1.0" and not SHARED.is_dir():
         sys.exit(f"the real SqueezeNet is not at {SHARED}")

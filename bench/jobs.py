@@ -31,22 +31,26 @@ import numpy as np
 from farm import defaults
 from farm.bench.common import Tee, machine
 from farm.client.client import JobResult
-from farm.ops.local import LocalFarm, cores
 from farm.modelrepo.repository import find
+from farm.ops.local import LocalFarm, cores
 
 
 def start_farm(algo: str, sharing: str = defaults.SHARING) -> LocalFarm:
     devices = [f"cpu:{core}" for core in cores()]
-    return LocalFarm(devices=devices, algo=algo, broker_options=["--sharing", sharing],
-                     preload=["lenet"])
+    return LocalFarm(
+        devices=devices, algo=algo, broker_options=["--sharing", sharing], preload=["lenet"]
+    )
 
 
 def small_behind_big(local: LocalFarm, big: np.ndarray, small: np.ndarray) -> float:
     """Seconds the small job takes when submitted at the big job's first result."""
     first_result = threading.Event()
     with local.client(timeout=600) as big_client:
-        runner = threading.Thread(target=big_client.run, args=(big, "lenet"),
-                                  kwargs={"progress": lambda count: first_result.set()})
+        runner = threading.Thread(
+            target=big_client.run,
+            args=(big, "lenet"),
+            kwargs={"progress": lambda count: first_result.set()},
+        )
         runner.start()
         first_result.wait()
         with local.client(timeout=600) as client:
@@ -87,11 +91,19 @@ def run_one_by_one(local: LocalFarm, jobs: list[np.ndarray]) -> tuple[float, lis
 def seconds_to_free_workers(local: LocalFarm, big: np.ndarray, other: np.ndarray) -> float:
     """Cancel a running job beside another; seconds until its chunks left every worker."""
     first_result = threading.Event()
-    with local.client(timeout=600) as doomed, local.client(timeout=600) as bystander, \
-            local.client() as watcher:
-        runners = [threading.Thread(target=doomed.run, args=(big, "lenet"),
-                                    kwargs={"progress": lambda count: first_result.set()}),
-                   threading.Thread(target=bystander.run, args=(other, "lenet"))]
+    with (
+        local.client(timeout=600) as doomed,
+        local.client(timeout=600) as bystander,
+        local.client() as watcher,
+    ):
+        runners = [
+            threading.Thread(
+                target=doomed.run,
+                args=(big, "lenet"),
+                kwargs={"progress": lambda count: first_result.set()},
+            ),
+            threading.Thread(target=bystander.run, args=(other, "lenet")),
+        ]
         for runner in runners:
             runner.start()
         first_result.wait()
@@ -127,16 +139,20 @@ def main() -> None:
     args = parser.parse_args()
     out = sys.stdout
     if args.save:
-        path = Path(args.save if args.save != "-" else
-                    f"bench/results/{datetime.date.today()}-jobs.txt")
+        path = Path(
+            args.save if args.save != "-" else f"bench/results/{datetime.date.today()}-jobs.txt"
+        )
         out = Tee(sys.stdout, path.open("w"))
     sample = np.load(find("lenet").sample)
     big = np.resize(sample, (args.big, *sample.shape[1:]))
     small = np.resize(sample, (args.small, *sample.shape[1:]))
     print(f"{machine()}; LeNet, {len(cores())} pinned workers", file=out)
 
-    print(f"\n1. a {args.small:,}-image job submitted at the first result of a "
-          f"{args.big:,}-image job (policy equal-finish):", file=out)
+    print(
+        f"\n1. a {args.small:,}-image job submitted at the first result of a "
+        f"{args.big:,}-image job (policy equal-finish):",
+        file=out,
+    )
     for sharing in ("fair", "fifo"):
         with start_farm("equal-finish", sharing) as local:
             with local.client(timeout=600) as client:
@@ -145,30 +161,47 @@ def main() -> None:
                 client.run(small, "lenet")
                 alone = time.perf_counter() - started
             behind = small_behind_big(local, big, small)
-        print(f"  --sharing {sharing}: {behind:6.2f} s (alone on the farm: {alone:.2f} s, "
-              f"{behind / alone:.1f}x)", file=out, flush=True)
+        print(
+            f"  --sharing {sharing}: {behind:6.2f} s (alone on the farm: {alone:.2f} s, "
+            f"{behind / alone:.1f}x)",
+            file=out,
+            flush=True,
+        )
 
     jobs = [np.resize(sample, (args.each + 17 * i, *sample.shape[1:])) for i in range(args.jobs)]
     total = sum(len(images) for images in jobs)
-    print(f"\n2. {args.jobs} jobs of about {args.each:,} images: one after another, then "
-          f"all at once from {args.jobs} clients:", file=out)
+    print(
+        f"\n2. {args.jobs} jobs of about {args.each:,} images: one after another, then "
+        f"all at once from {args.jobs} clients:",
+        file=out,
+    )
     for algo in ("hat", "equal-finish"):
         with start_farm(algo) as local:
             run_one_by_one(local, jobs[:1])  # warm-up
             for label, runner in (("one by one", run_one_by_one), ("all at once", run_together)):
                 seconds, results = runner(local, jobs)
                 rate, theoretical = total / seconds, standalone_rate(results)
-                print(f"  {algo:<13} {label:<12} {rate:>8,.0f} images/s, waste "
-                      f"{1 - rate / theoretical:6.1%} (theoretical {theoretical:,.0f})",
-                      file=out, flush=True)
+                print(
+                    f"  {algo:<13} {label:<12} {rate:>8,.0f} images/s, waste "
+                    f"{1 - rate / theoretical:6.1%} (theoretical {theoretical:,.0f})",
+                    file=out,
+                    flush=True,
+                )
 
-    print(f"\n3. a {args.big:,}-image job cancelled at its first result while a "
-          f"{args.each:,}-image job runs:", file=out)
+    print(
+        f"\n3. a {args.big:,}-image job cancelled at its first result while a "
+        f"{args.each:,}-image job runs:",
+        file=out,
+    )
     with start_farm("equal-finish") as local:
         run_one_by_one(local, jobs[:1])  # warm-up: speeds known, chunks capped
         freed = [seconds_to_free_workers(local, big, jobs[0]) for _ in range(3)]
-    print(f"  every worker free of its chunks after {', '.join(f'{s * 1000:.0f}' for s in freed)}"
-          f" ms (three runs)", file=out, flush=True)
+    print(
+        f"  every worker free of its chunks after {', '.join(f'{s * 1000:.0f}' for s in freed)}"
+        f" ms (three runs)",
+        file=out,
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -27,26 +27,41 @@ from pathlib import Path
 import numpy as np
 
 from farm.engines.engine import available_backends, limit_threads
-from farm.ops.local import LocalFarm, cores
 from farm.engines.modelcheck import check_inputs
 from farm.modelrepo.repository import available, find, prepare
+from farm.ops.local import LocalFarm, cores
 
 #: The public nets (prototxts from their original repositories, seeded weights).
 NETS = Path(__file__).with_name("nets")
 os.environ["FARM_MODELS"] = os.pathsep.join(
-    p for p in (os.environ.get("FARM_MODELS", ""), str(NETS)) if p)
+    p for p in (os.environ.get("FARM_MODELS", ""), str(NETS)) if p
+)
 
 #: Compute batches tried, and images per measurement, by model.
-BATCHES = {"lenet": (1, 16, 64, 256), "cifar10_quick": (1, 16, 64, 256),
-           "caffenet": (1, 4, 10, 32), "googlenet": (1, 4, 16), "mobilenet_v2": (1, 4, 16),
-           "resnet50": (1, 4, 8), "densenet121": (1, 4, 8)}
-IMAGES = {"lenet": 6000, "cifar10_quick": 3000, "caffenet": 64, "googlenet": 32,
-          "mobilenet_v2": 48, "resnet50": 16, "densenet121": 16}
+BATCHES = {
+    "lenet": (1, 16, 64, 256),
+    "cifar10_quick": (1, 16, 64, 256),
+    "caffenet": (1, 4, 10, 32),
+    "googlenet": (1, 4, 16),
+    "mobilenet_v2": (1, 4, 16),
+    "resnet50": (1, 4, 8),
+    "densenet121": (1, 4, 8),
+}
+IMAGES = {
+    "lenet": 6000,
+    "cifar10_quick": 3000,
+    "caffenet": 64,
+    "googlenet": 32,
+    "mobilenet_v2": 48,
+    "resnet50": 16,
+    "densenet121": 16,
+}
 BUNDLED = ("lenet", "cifar10_quick", "caffenet")
 
 
 def images_for(model: str, count: int) -> np.ndarray:
-    """``count`` images: the model's sample repeated, or seeded random ones (as ``models check``)."""
+    """``count`` images: the model's sample repeated, or seeded random ones (as ``models
+    check``)."""
     spec = find(model)
     return np.resize(check_inputs(spec, count), (count, *spec.item_shape))
 
@@ -55,8 +70,17 @@ def sweep(model: str, backend: str, device: str) -> dict[int, float]:
     """In this (pinned) process: batch -> images/s, best of two runs each."""
     from farm.bench.measure import engine_rates
 
-    return dict(engine_rates(model, backend, device, None if device != "cpu" else 1,
-                             BATCHES[model], images_for(model, IMAGES[model]), repeats=2))
+    return dict(
+        engine_rates(
+            model,
+            backend,
+            device,
+            None if device != "cpu" else 1,
+            BATCHES[model],
+            images_for(model, IMAGES[model]),
+            repeats=2,
+        )
+    )
 
 
 def auto_pick(model: str, threads: int) -> dict:
@@ -64,8 +88,11 @@ def auto_pick(model: str, threads: int) -> dict:
     from farm.engines.autoselect import choose
 
     choice = choose(find(model), "cpu", threads, use_cache=False)
-    return {"backend": choice.backend, "batch": choice.batch,
-            "left_out": {t.backend: t.problem for t in choice.trials if t.problem}}
+    return {
+        "backend": choice.backend,
+        "batch": choice.batch,
+        "left_out": {t.backend: t.problem for t in choice.trials if t.problem},
+    }
 
 
 def shrink_memory() -> dict[str, float]:
@@ -80,7 +107,7 @@ def shrink_memory() -> dict[str, float]:
     spec = find("caffenet")
     images = images_for("caffenet", 64)
     engine = load_engine(spec, "opencv", batch=64, threads=1)
-    engine.run(images[:spec.batch])
+    engine.run(images[: spec.batch])
     figures = {"resting_mb": rss_mb()}
     engine.run(images)
     figures["batch64_mb"] = rss_mb()
@@ -91,8 +118,9 @@ def shrink_memory() -> dict[str, float]:
 
 def in_child(*args: str) -> dict:
     """Run this script's ``--child`` mode in a fresh process (thread pools fixed at import)."""
-    done = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -101,9 +129,16 @@ def through_farm(model: str, backend: str, device: str, batch: int) -> float:
     images = images_for(model, IMAGES[model])
     chunk = max(4 * batch, 20)
     worker = ["--backend", backend, "--batch", str(batch)]
-    with LocalFarm(devices=[device], algo="fifo", broker_options=["--chunk", str(chunk)],
-                   worker_options=worker, preload=[model]) as farm, \
-            farm.client(timeout=600) as client:
+    with (
+        LocalFarm(
+            devices=[device],
+            algo="fifo",
+            broker_options=["--chunk", str(chunk)],
+            worker_options=worker,
+            preload=[model],
+        ) as farm,
+        farm.client(timeout=600) as client,
+    ):
         client.run(images[:chunk], model)  # warm-up
         return max(client.run(images, model).summary.rate for _ in range(2))
 
@@ -111,8 +146,9 @@ def through_farm(model: str, backend: str, device: str, batch: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu (one pinned core) or gpu:N")
-    parser.add_argument("--models", default=",".join(
-        [*BUNDLED, *sorted(set(available()) - set(BUNDLED))]))
+    parser.add_argument(
+        "--models", default=",".join([*BUNDLED, *sorted(set(available()) - set(BUNDLED))])
+    )
     parser.add_argument("--csv", help="also write the table here")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -121,44 +157,73 @@ def main() -> None:
     gpu = args.device.startswith("gpu")
     engine_device = "cuda:" + args.device.partition(":")[2] if gpu else "cpu"
     worker_device = args.device if gpu else f"cpu:{cores()[-1]}"
-    backends = ["torch"] if gpu else [b for b, problem in available_backends().items()
-                                      if problem is None]
+    backends = (
+        ["torch"] if gpu else [b for b, problem in available_backends().items() if problem is None]
+    )
     rows = []
-    skipped = [f"{b} ({problem.split(':')[0]})" for b, problem in available_backends().items()
-               if problem and not gpu]
-    print(f"one worker on {worker_device}; backends: {', '.join(backends)}"
-          + (f"; not installed: {', '.join(skipped)}" if skipped else ""))
-    print(f"{'model':<14} {'backend':<11} {'batch':>7} {'in-process/s':>13} {'worker/s':>10}   "
-          f"all batches (images/s)")
+    skipped = [
+        f"{b} ({problem.split(':')[0]})"
+        for b, problem in available_backends().items()
+        if problem and not gpu
+    ]
+    print(
+        f"one worker on {worker_device}; backends: {', '.join(backends)}"
+        + (f"; not installed: {', '.join(skipped)}" if skipped else "")
+    )
+    print(
+        f"{'model':<14} {'backend':<11} {'batch':>7} {'in-process/s':>13} {'worker/s':>10}   "
+        f"all batches (images/s)"
+    )
     for model in args.models.split(","):
         prepare(find(model))
         sweeps = {}
         for backend in backends:
             try:
-                sweeps[backend] = {int(k): v for k, v in in_child(
-                    "sweep", model, backend, engine_device, worker_device).items()}
+                sweeps[backend] = {
+                    int(k): v
+                    for k, v in in_child(
+                        "sweep", model, backend, engine_device, worker_device
+                    ).items()
+                }
             except subprocess.CalledProcessError as exc:
-                print(f"{model:<14} {backend:<11} cannot run it: "
-                      f"{exc.stderr.strip().splitlines()[-1]}")
+                print(
+                    f"{model:<14} {backend:<11} cannot run it: "
+                    f"{exc.stderr.strip().splitlines()[-1]}"
+                )
                 continue
             rates = sweeps[backend]
             best = max(rates, key=rates.get)
-            farm_rate = (through_farm(model, backend, worker_device, best)
-                         if model in BUNDLED else float("nan"))
+            farm_rate = (
+                through_farm(model, backend, worker_device, best)
+                if model in BUNDLED
+                else float("nan")
+            )
             spread = ", ".join(f"{b}: {r:,.0f}" for b, r in rates.items())
-            print(f"{model:<14} {backend:<11} {best:>7} {rates[best]:>13,.0f} "
-                  f"{farm_rate:>10,.0f}   {spread}", flush=True)
-            rows.append({"model": model, "backend": backend, "device": worker_device,
-                         "best_batch": best, "in_process_rate": round(rates[best], 1),
-                         "worker_rate": round(farm_rate, 1),
-                         **{f"batch_{b}": round(r, 1) for b, r in rates.items()}})
+            print(
+                f"{model:<14} {backend:<11} {best:>7} {rates[best]:>13,.0f} "
+                f"{farm_rate:>10,.0f}   {spread}",
+                flush=True,
+            )
+            rows.append(
+                {
+                    "model": model,
+                    "backend": backend,
+                    "device": worker_device,
+                    "best_batch": best,
+                    "in_process_rate": round(rates[best], 1),
+                    "worker_rate": round(farm_rate, 1),
+                    **{f"batch_{b}": round(r, 1) for b, r in rates.items()},
+                }
+            )
         if not gpu and sweeps:
             rows.append(auto_row(model, sweeps, worker_device))
     if "caffenet" in args.models and not gpu:
         memory = in_child("shrink", str(cores()[-1]))
-        print(f"caffenet on opencv, resident memory: {memory['resting_mb']:,.0f} MB at batch "
-              f"{find('caffenet').batch}, {memory['batch64_mb']:,.0f} MB after a batch of 64, "
-              f"{memory['after_shrink_mb']:,.0f} MB after shrinking back")
+        print(
+            f"caffenet on opencv, resident memory: {memory['resting_mb']:,.0f} MB at batch "
+            f"{find('caffenet').batch}, {memory['batch64_mb']:,.0f} MB after a batch of 64, "
+            f"{memory['after_shrink_mb']:,.0f} MB after shrinking back"
+        )
     if args.csv:
         with open(args.csv, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=sorted({k for r in rows for k in r}))
@@ -172,13 +237,25 @@ def auto_row(model: str, sweeps: dict[str, dict[int, float]], worker_device: str
     fastest = max(sweeps, key=lambda b: max(sweeps[b].values()))
     top = max(sweeps[fastest].values())
     picked = max(sweeps.get(pick["backend"], {0: 0.0}).values())
-    print(f"{model:<14} {'auto':<11} {pick['batch']:>7} picks {pick['backend']}: "
-          f"{picked / top:.2f} of the fastest ({fastest}, {top:,.0f}/s)"
-          + "".join(f"; {b} left out: {why[:80]}" for b, why in pick["left_out"].items()
-                    if not why.startswith("not installed")), flush=True)
-    return {"model": model, "backend": "auto", "device": worker_device,
-            "best_batch": pick["batch"], "auto_backend": pick["backend"],
-            "auto_share_of_fastest": round(picked / top, 3), "fastest_backend": fastest}
+    print(
+        f"{model:<14} {'auto':<11} {pick['batch']:>7} picks {pick['backend']}: "
+        f"{picked / top:.2f} of the fastest ({fastest}, {top:,.0f}/s)"
+        + "".join(
+            f"; {b} left out: {why[:80]}"
+            for b, why in pick["left_out"].items()
+            if not why.startswith("not installed")
+        ),
+        flush=True,
+    )
+    return {
+        "model": model,
+        "backend": "auto",
+        "device": worker_device,
+        "best_batch": pick["batch"],
+        "auto_backend": pick["backend"],
+        "auto_share_of_fastest": round(picked / top, 3),
+        "fastest_backend": fastest,
+    }
 
 
 def child(args: list[str]) -> dict:

@@ -23,8 +23,14 @@ from statistics import mean
 from typing import Any
 
 from farm.policies import PAPER_PARAMETERS, POLICIES
-from farm.simulation.scenarios import (PAPER_RELATIVE, Case, comparison_cases, cpu_core_speed,
-                            paper_devices, paper_scenario)
+from farm.simulation.scenarios import (
+    PAPER_RELATIVE,
+    Case,
+    comparison_cases,
+    cpu_core_speed,
+    paper_devices,
+    paper_scenario,
+)
 from farm.simulation.simulator import Scenario, SimResult, simulate
 
 OURS = "equal-finish"
@@ -43,13 +49,22 @@ class Row:
     relative: float | None = None  # speed / one CPU core - 1
 
 
-def run(scenario: Scenario, policy: str, params: dict[str, Any], seeds: tuple[int, ...],
-        speeds: dict[str, float] | None = None) -> tuple[float, float, float]:
+def run(
+    scenario: Scenario,
+    policy: str,
+    params: dict[str, Any],
+    seeds: tuple[int, ...],
+    speeds: dict[str, float] | None = None,
+) -> tuple[float, float, float]:
     """Mean images/s, waste and chunk count over the seeds."""
-    results: list[SimResult] = [simulate(scenario, policy, seed, speeds, **params)
-                                for seed in seeds]
-    return (mean(r.rate for r in results), mean(r.waste for r in results),
-            mean(len(r.chunks) for r in results))
+    results: list[SimResult] = [
+        simulate(scenario, policy, seed, speeds, **params) for seed in seeds
+    ]
+    return (
+        mean(r.rate for r in results),
+        mean(r.waste for r in results),
+        mean(len(r.chunks) for r in results),
+    )
 
 
 def measured_speeds(scenario: Scenario, policy: str) -> dict[str, float]:
@@ -74,8 +89,7 @@ def paper_rows(dataset: str, total: int) -> list[Row]:
             params = {parameter: value} if parameter and value != () else {}
             rows.append(Row(dataset, name, parameter, value, *run(scenario, name, params, (0,))))
     warm = measured_speeds(scenario, OURS)
-    rows.append(Row(dataset, OURS, "speeds", "remembered",
-                    *run(scenario, OURS, {}, (0,), warm)))
+    rows.append(Row(dataset, OURS, "speeds", "remembered", *run(scenario, OURS, {}, (0,), warm)))
     for row in rows:
         row.relative = row.rate / unit - 1
     return rows
@@ -86,8 +100,15 @@ def comparison_rows(cases: list[Case]) -> list[Row]:
     rows = []
     for case in cases:
         for ratio in PAPER_PARAMETERS["fast-split"][1]:
-            rows.append(Row(case.label, "fast-split", "ratio", ratio,
-                            *run(case.scenario, "fast-split", {"ratio": ratio}, case.seeds)))
+            rows.append(
+                Row(
+                    case.label,
+                    "fast-split",
+                    "ratio",
+                    ratio,
+                    *run(case.scenario, "fast-split", {"ratio": ratio}, case.seeds),
+                )
+            )
         rows.append(Row(case.label, OURS, "", "", *run(case.scenario, OURS, {}, case.seeds)))
     return rows
 
@@ -100,22 +121,28 @@ def value_text(value: Any) -> str:
 
 def print_paper_table(dataset: str, rows: list[Row]) -> None:
     print(f"\n{dataset}: 3 CPU workers + 1 GPU worker, simulated")
-    print(f"{'policy':<14}{'parameter':<18}{'images/s':>10}{'vs 1 core':>11}{'paper':>9}"
-          f"{'waste':>8}{'chunks':>8}")
+    print(
+        f"{'policy':<14}{'parameter':<18}{'images/s':>10}{'vs 1 core':>11}{'paper':>9}"
+        f"{'waste':>8}{'chunks':>8}"
+    )
     for row in rows:
         paper = PAPER_RELATIVE[dataset].get("gpu" if row.policy == "gpu alone" else row.policy)
         paper_text = f"{paper:+.1%}" if paper is not None else ""
         parameter = f"{row.parameter}={value_text(row.value)}" if row.parameter else ""
-        print(f"{row.policy:<14}{parameter:<18}{row.rate:>10,.0f}{row.relative:>+11.1%}"
-              f"{paper_text:>9}{row.waste:>8.1%}{row.chunks:>8.0f}")
+        print(
+            f"{row.policy:<14}{parameter:<18}{row.rate:>10,.0f}{row.relative:>+11.1%}"
+            f"{paper_text:>9}{row.waste:>8.1%}{row.chunks:>8.0f}"
+        )
     print("mean over the paper's parameter values (the paper's Tables 4/5 average the same way):")
     for name in POLICIES:
         mine = [r for r in rows if r.policy == name and r.parameter != "speeds"]
         relative = mean(r.relative for r in mine)
         waste = mean(r.waste for r in mine)
         if name in PAPER_RELATIVE[dataset]:
-            print(f"  {name:<13} {relative:+7.1%} (paper {PAPER_RELATIVE[dataset][name]:+.1%})"
-                  f"   waste {waste:5.1%} (paper {paper_waste(dataset, name):.1%})")
+            print(
+                f"  {name:<13} {relative:+7.1%} (paper {PAPER_RELATIVE[dataset][name]:+.1%})"
+                f"   waste {waste:5.1%} (paper {paper_waste(dataset, name):.1%})"
+            )
         else:
             print(f"  {name:<13} {relative:+7.1%} (ours)   waste {waste:5.1%}")
 
@@ -139,12 +166,31 @@ def print_comparison(rows: list[Row]) -> None:
 def write_csv(path: Path, rows: list[Row]) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["scenario", "policy", "parameter", "value", "images_per_s",
-                         "relative_to_one_core", "waste", "chunks"])
+        writer.writerow(
+            [
+                "scenario",
+                "policy",
+                "parameter",
+                "value",
+                "images_per_s",
+                "relative_to_one_core",
+                "waste",
+                "chunks",
+            ]
+        )
         for r in rows:
-            writer.writerow([r.scenario, r.policy, r.parameter, value_text(r.value),
-                             f"{r.rate:.1f}", "" if r.relative is None else f"{r.relative:.4f}",
-                             f"{r.waste:.5f}", f"{r.chunks:.0f}"])
+            writer.writerow(
+                [
+                    r.scenario,
+                    r.policy,
+                    r.parameter,
+                    value_text(r.value),
+                    f"{r.rate:.1f}",
+                    "" if r.relative is None else f"{r.relative:.4f}",
+                    f"{r.waste:.5f}",
+                    f"{r.chunks:.0f}",
+                ]
+            )
 
 
 def plot(path: Path, paper: dict[str, list[Row]]) -> None:
@@ -157,8 +203,7 @@ def plot(path: Path, paper: dict[str, list[Row]]) -> None:
     figure, axes = plt.subplots(1, 3, figsize=(17, 5.2))
     for axis, dataset in zip(axes[:2], DATASETS):
         rows = [r for r in paper[dataset] if r.policy != "gpu alone"]
-        labels = [f"{r.policy}\n{value_text(r.value)}" if r.parameter else r.policy
-                  for r in rows]
+        labels = [f"{r.policy}\n{value_text(r.value)}" if r.parameter else r.policy for r in rows]
         colours = [plt.cm.tab10(list(POLICIES).index(r.policy)) for r in rows]
         axis.bar(range(len(rows)), [r.rate for r in rows], color=colours)
         ideal = paper_scenario(dataset).standalone_rate
@@ -170,15 +215,25 @@ def plot(path: Path, paper: dict[str, list[Row]]) -> None:
     width = 0.38
     names = list(POLICIES)
     for offset, dataset in ((-width / 2, "mnist"), (width / 2, "cifar10")):
-        wastes = [mean(r.waste for r in paper[dataset] if r.policy == n and
-                       r.parameter != "speeds") for n in names]
-        axes[2].bar([i + offset for i in range(len(names))], [100 * w for w in wastes],
-                    width, label=f"{dataset} (simulated)")
+        wastes = [
+            mean(r.waste for r in paper[dataset] if r.policy == n and r.parameter != "speeds")
+            for n in names
+        ]
+        axes[2].bar(
+            [i + offset for i in range(len(names))],
+            [100 * w for w in wastes],
+            width,
+            label=f"{dataset} (simulated)",
+        )
     for marker, dataset in (("o", "mnist"), ("s", "cifar10")):
-        axes[2].scatter([i for i, n in enumerate(names) if n in PAPER_RELATIVE[dataset]],
-                        [100 * paper_waste(dataset, n) for n in names
-                         if n in PAPER_RELATIVE[dataset]],
-                        marker=marker, color="black", zorder=3, label=f"{dataset} (paper)")
+        axes[2].scatter(
+            [i for i, n in enumerate(names) if n in PAPER_RELATIVE[dataset]],
+            [100 * paper_waste(dataset, n) for n in names if n in PAPER_RELATIVE[dataset]],
+            marker=marker,
+            color="black",
+            zorder=3,
+            label=f"{dataset} (paper)",
+        )
     axes[2].set_xticks(range(len(names)), names, rotation=30, fontsize=8)
     axes[2].set_ylabel("waste, % (mean over parameter values)")
     axes[2].set_title("waste per policy")
@@ -192,16 +247,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--total", type=int, default=100_000, help="images per paper job")
-    parser.add_argument("--quick", action="store_true",
-                        help="skip the scenarios with 100 and 1 000 devices")
+    parser.add_argument(
+        "--quick", action="store_true", help="skip the scenarios with 100 and 1 000 devices"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     print("calibration (least squares on Table 2, t(n) = a + n/v):")
     for dataset in DATASETS:
         for kind, fit in paper_devices(dataset).items():
-            print(f"  {dataset:<8} {kind}: v = {fit.rate:7.1f} images/s, a = "
-                  f"{fit.overhead * 1e3:.3f} ms")
+            print(
+                f"  {dataset:<8} {kind}: v = {fit.rate:7.1f} images/s, a = "
+                f"{fit.overhead * 1e3:.3f} ms"
+            )
     paper = {dataset: paper_rows(dataset, args.total) for dataset in DATASETS}
     for dataset in DATASETS:
         print_paper_table(dataset, paper[dataset])

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from farm.ops.local import LocalFarm, cores, policy_arguments
 from farm.bench.measure import paper_configurations
-from farm.policies import POLICIES
 from farm.modelrepo.repository import find
+from farm.ops.local import LocalFarm, cores, policy_arguments
+from farm.policies import POLICIES
 from farm.simulation.simulator import DeviceModel, Scenario, simulate
 from farm.summary import JobSummary
 
@@ -43,10 +43,15 @@ def devices() -> list[str]:
 def run_real(algo: str, params: dict[str, Any], images: np.ndarray) -> JobSummary:
     """A fresh farm, a warm-up job, then the measured job; chunks as the policy cuts them
     (no broker cap: the paper's policies as docs/scheduling.md defines them)."""
-    with LocalFarm(devices=devices(), algo=algo,
-                   broker_options=[*policy_arguments(params), "--max-chunk-seconds", "0"],
-                   preload=["lenet"]) as local, \
-            local.client(timeout=600) as client:
+    with (
+        LocalFarm(
+            devices=devices(),
+            algo=algo,
+            broker_options=[*policy_arguments(params), "--max-chunk-seconds", "0"],
+            preload=["lenet"],
+        ) as local,
+        local.client(timeout=600) as client,
+    ):
         client.run(images[:WARM_UP], "lenet")
         return client.run(images, "lenet").summary
 
@@ -60,8 +65,9 @@ def calibrate(summary: JobSummary) -> list[DeviceModel]:
     return models
 
 
-def predict(models: list[DeviceModel], algo: str, params: dict[str, Any], total: int,
-            remembered: bool) -> float:
+def predict(
+    models: list[DeviceModel], algo: str, params: dict[str, Any], total: int, remembered: bool
+) -> float:
     """The simulator's images/s for the same farm and job (2 slots per worker, as the farm)."""
     scenario = Scenario("this machine", tuple(models), total, latency=0.0, slots=2)
     speeds = {m.name: m.rate for m in models} if remembered else None
@@ -80,35 +86,61 @@ def main() -> None:
     started = time.perf_counter()
     calibration = run_real("fifo", {"chunk": 500}, images)
     models = calibrate(calibration)
-    print(f"LeNet, {args.images} images, workers {', '.join(devices())}; calibration "
-          f"(fifo 500): " + ", ".join(f"{m.name} {m.rate:,.0f}/s + {m.overhead * 1e3:.2f} ms/chunk"
-                                      for m in models))
-    print(f"{'policy':<14}{'parameter':<16}{'images/s':>10}{'waste':>8}{'simulated':>11}"
-          f"{'sim/real':>9}  shares")
+    print(
+        f"LeNet, {args.images} images, workers {', '.join(devices())}; calibration "
+        f"(fifo 500): "
+        + ", ".join(f"{m.name} {m.rate:,.0f}/s + {m.overhead * 1e3:.2f} ms/chunk" for m in models)
+    )
+    print(
+        f"{'policy':<14}{'parameter':<16}{'images/s':>10}{'waste':>8}{'simulated':>11}"
+        f"{'sim/real':>9}  shares"
+    )
     rows = []
     chosen = set(args.only.split(",")) if args.only else set(POLICIES)
-    for algo, params in [(c.algo, c.params) for c in paper_configurations()
-                         if c.algo in chosen]:
-        runs = sorted((run_real(algo, params, images) for _ in range(args.repeat)),
-                      key=lambda run: run.rate)
+    for algo, params in [(c.algo, c.params) for c in paper_configurations() if c.algo in chosen]:
+        runs = sorted(
+            (run_real(algo, params, images) for _ in range(args.repeat)), key=lambda run: run.rate
+        )
         summary = runs[len(runs) // 2]
         # the warm-up job left the broker each worker's speed: equal-finish starts with them
         simulated = predict(models, algo, params, args.images, remembered=algo == "equal-finish")
-        label = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in params.items())
+        label = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
+        )
         shares = " ".join(f"{s.device}:{s.items / summary.items:.0%}" for s in summary.workers)
-        print(f"{algo:<14}{label:<16}{summary.rate:>10,.0f}{summary.waste:>8.1%}"
-              f"{simulated:>11,.0f}{simulated / summary.rate:>9.2f}  {shares}", flush=True)
-        rows.append([algo, label, f"{summary.rate:.0f}", f"{summary.waste:.4f}",
-                     f"{summary.theoretical_rate:.0f}", f"{simulated:.0f}"])
+        print(
+            f"{algo:<14}{label:<16}{summary.rate:>10,.0f}{summary.waste:>8.1%}"
+            f"{simulated:>11,.0f}{simulated / summary.rate:>9.2f}  {shares}",
+            flush=True,
+        )
+        rows.append(
+            [
+                algo,
+                label,
+                f"{summary.rate:.0f}",
+                f"{summary.waste:.4f}",
+                f"{summary.theoretical_rate:.0f}",
+                f"{simulated:.0f}",
+            ]
+        )
     errors = [abs(float(r[5]) / float(r[2]) - 1) for r in rows]
-    print(f"simulator vs measured: mean |error| {np.mean(errors):.1%}, worst {max(errors):.1%} "
-          f"({time.perf_counter() - started:.0f} s)")
+    print(
+        f"simulator vs measured: mean |error| {np.mean(errors):.1%}, worst {max(errors):.1%} "
+        f"({time.perf_counter() - started:.0f} s)"
+    )
     if args.csv:
         with open(args.csv, "w", newline="") as handle:
             writer = csv.writer(handle)
-            writer.writerow(["policy", "parameters", "images_per_s", "waste",
-                             "theoretical_per_s", "simulated_per_s"])
+            writer.writerow(
+                [
+                    "policy",
+                    "parameters",
+                    "images_per_s",
+                    "waste",
+                    "theoretical_per_s",
+                    "simulated_per_s",
+                ]
+            )
             writer.writerows(rows)
 
 

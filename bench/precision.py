@@ -31,15 +31,17 @@ def main() -> None:
     args = parser.parse_args()
     core = openvino.Core()
     default = core.get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
-    print(f"CPU: {cpu_name()}; OpenVINO {openvino.__version__} "
-          f"offers {core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES')}, default "
-          f"precision {default}")
+    print(
+        f"CPU: {cpu_name()}; OpenVINO {openvino.__version__} "
+        f"offers {core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES')}, default "
+        f"precision {default}"
+    )
     print(f"{'model':<16} {'default vs f32':>15} {'top-1 agrees':>13} {'ORT vs OV f32':>14}")
     for name, folder in sorted(available().items()):
         spec = load_spec(folder)
         if spec.sample is None:
             continue
-        images = np.load(spec.sample)[:args.images]
+        images = np.load(spec.sample)[: args.images]
         batch = Transformer.for_model(spec)(images if images.ndim == 4 else images[:, None])
         batch = np.ascontiguousarray(batch, dtype=np.float32)
         path = str(exported_onnx(spec))
@@ -50,8 +52,10 @@ def main() -> None:
         session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
         by_ort = session.run(None, {session.get_inputs()[0].name: batch})[0]
         agree = float((left.argmax(1) == stated.argmax(1)).mean())
-        print(f"{name:<16} {relative_difference(left, stated):>15.1e} {agree:>13.1%} "
-              f"{relative_difference(by_ort, stated):>14.1e}")
+        print(
+            f"{name:<16} {relative_difference(left, stated):>15.1e} {agree:>13.1%} "
+            f"{relative_difference(by_ort, stated):>14.1e}"
+        )
 
 
 def cpu_name() -> str:

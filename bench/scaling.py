@@ -15,15 +15,18 @@ import argparse
 
 import numpy as np
 
-from farm.ops.local import LocalFarm, cores
 from farm.modelrepo.repository import find
+from farm.ops.local import LocalFarm, cores
 from farm.summary import JobSummary
 
 
 def run_farm(devices: list[str], images: np.ndarray, chunk: int) -> JobSummary:
-    with LocalFarm(devices=devices, algo="fifo", broker_options=["--chunk", str(chunk)],
-                   preload=["lenet"]) as local, \
-            local.client(timeout=600) as client:
+    with (
+        LocalFarm(
+            devices=devices, algo="fifo", broker_options=["--chunk", str(chunk)], preload=["lenet"]
+        ) as local,
+        local.client(timeout=600) as client,
+    ):
         client.run(images[:chunk], "lenet")  # warm-up
         return client.run(images, "lenet").summary
 
@@ -41,8 +44,11 @@ def main() -> None:
     for attempt in range(args.repeat):
         for devices in layouts:
             summary = run_farm(list(devices), images, args.chunk)
-            print(f"run {attempt + 1}: {' + '.join(devices):<14} {summary.rate:>9,.0f} images/s, "
-                  f"waste {summary.waste:6.1%}", flush=True)
+            print(
+                f"run {attempt + 1}: {' + '.join(devices):<14} {summary.rate:>9,.0f} images/s, "
+                f"waste {summary.waste:6.1%}",
+                flush=True,
+            )
             if devices not in best or summary.rate > best[devices].rate:
                 best[devices] = summary
     many = best[layouts[-1]]
@@ -51,8 +57,10 @@ def main() -> None:
     print(f"\nLeNet, {args.images} images, fifo chunk {args.chunk}, best of {args.repeat}:")
     print(f"  one worker: {', '.join(f'{d[0]} {best[d].rate:,.0f}/s' for d in layouts[:-1])}")
     print(f"  {len(layouts[-1])} workers: {many.rate:,.0f}/s, waste {many.waste:.1%}")
-    print(f"  ratio {many.rate / mean_single:.2f}x one worker (mean over cores), "
-          f"{many.rate / max(singles):.2f}x the best core (goal >= 1.8x on 2 cores)")
+    print(
+        f"  ratio {many.rate / mean_single:.2f}x one worker (mean over cores), "
+        f"{many.rate / max(singles):.2f}x the best core (goal >= 1.8x on 2 cores)"
+    )
     print(many.format())
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from farm.bench.common import machine, saved, status_kib
-from farm.ops.local import LocalFarm, cores
 from farm.modelrepo.repository import find
+from farm.ops.local import LocalFarm, cores
 
 #: Allowed RSS growth between the checkpoint and the end.
 GROWTH_LIMIT = 0.10
@@ -95,17 +95,24 @@ def run_client(plan: ClientPlan, checkpoint: Any, finish: Any, start: Any) -> di
     start.wait(BARRIER_TIMEOUT)
     with Client(plan.endpoint, timeout=120) as client:
         for number, (size, offset) in enumerate(zip(sizes, offsets), 1):
-            result = client.run(base[offset:offset + size], "lenet")
+            result = client.run(base[offset : offset + size], "lenet")
             images += int(size)
             resubmissions += result.resubmissions
-            problem = check_job(result, expected[offset:offset + size])
+            problem = check_job(result, expected[offset : offset + size])
             if problem:
-                problems.append(f"client {plan.index} job {number} ({size} images at "
-                                f"{offset}): {problem}")
+                problems.append(
+                    f"client {plan.index} job {number} ({size} images at {offset}): {problem}"
+                )
             if number == plan.checkpoint:
                 checkpoint.wait(BARRIER_TIMEOUT)
-    report = {"index": plan.index, "jobs": plan.jobs, "images": images,
-              "resubmissions": resubmissions, "problems": problems, "error": None}
+    report = {
+        "index": plan.index,
+        "jobs": plan.jobs,
+        "images": images,
+        "resubmissions": resubmissions,
+        "problems": problems,
+        "error": None,
+    }
     finish.wait(BARRIER_TIMEOUT)
     return report
 
@@ -144,8 +151,7 @@ def measure(local: LocalFarm, devices: list[str], processes: list[mp.Process]) -
     return figures
 
 
-def print_memory(first: dict[str, int], last: dict[str, int], checkpoint: int,
-                 jobs: int) -> bool:
+def print_memory(first: dict[str, int], last: dict[str, int], checkpoint: int, jobs: int) -> bool:
     """The RSS table; True when every process stayed within the growth limit."""
     within_all = True
     after_first, after_last = f"after {checkpoint} (MiB)", f"after {jobs} (MiB)"
@@ -155,30 +161,41 @@ def print_memory(first: dict[str, int], last: dict[str, int], checkpoint: int,
         change = (after - before) / before
         within = change <= GROWTH_LIMIT
         within_all &= within
-        print(f"{name:<16} {before / 1024:>16.1f} {after / 1024:>16.1f} {change:>+8.1%}  "
-              f"{'yes' if within else 'NO'}")
+        print(
+            f"{name:<16} {before / 1024:>16.1f} {after / 1024:>16.1f} {change:>+8.1%}  "
+            f"{'yes' if within else 'NO'}"
+        )
     total_first, total_last = sum(first.values()), sum(last.values())
-    print(f"{'all':<16} {total_first / 1024:>16.1f} {total_last / 1024:>16.1f} "
-          f"{(total_last - total_first) / total_first:>+8.1%}")
+    print(
+        f"{'all':<16} {total_first / 1024:>16.1f} {total_last / 1024:>16.1f} "
+        f"{(total_last - total_first) / total_first:>+8.1%}"
+    )
     return within_all
 
 
 def soak(args: argparse.Namespace) -> int:
     """Run the soak and print the report; the exit status."""
-    devices = [f"cpu:{core}" for core in cores()[:args.workers]]
+    devices = [f"cpu:{core}" for core in cores()[: args.workers]]
     spawn = mp.get_context("spawn")
     parties = args.clients + 1
     start, checkpoint, finish = (spawn.Barrier(parties) for _ in range(3))
     results = spawn.Queue()
     print(machine())
-    print(f"soak: {len(devices)} workers ({', '.join(devices)}), policy {args.algo}; "
-          f"{args.clients} client processes x {args.jobs} LeNet jobs, sizes log-uniform "
-          f"1-{args.max_size}, seeds {args.seed}..{args.seed + args.clients - 1}", flush=True)
+    print(
+        f"soak: {len(devices)} workers ({', '.join(devices)}), policy {args.algo}; "
+        f"{args.clients} client processes x {args.jobs} LeNet jobs, sizes log-uniform "
+        f"1-{args.max_size}, seeds {args.seed}..{args.seed + args.clients - 1}",
+        flush=True,
+    )
     with LocalFarm(devices=devices, algo=args.algo, preload=["lenet"]) as local:
-        plans = [ClientPlan(i, local.endpoint, args.jobs, args.checkpoint, args.max_size,
-                            args.seed + i) for i in range(args.clients)]
-        processes = [spawn.Process(target=client_main, args=(plan, checkpoint, finish, start,
-                                                             results)) for plan in plans]
+        plans = [
+            ClientPlan(i, local.endpoint, args.jobs, args.checkpoint, args.max_size, args.seed + i)
+            for i in range(args.clients)
+        ]
+        processes = [
+            spawn.Process(target=client_main, args=(plan, checkpoint, finish, start, results))
+            for plan in plans
+        ]
         for process in processes:
             process.start()
         try:
@@ -210,19 +227,30 @@ def soak(args: argparse.Namespace) -> int:
     jobs = sum(r["jobs"] for r in reports)
     images = sum(r["images"] for r in reports)
     problems = [p for r in reports for p in r["problems"]]
-    print(f"\nresident memory (VmRSS) when every client had run {args.checkpoint} jobs "
-          f"({at_checkpoint:.1f} s in) and after all {args.jobs}:")
+    print(
+        f"\nresident memory (VmRSS) when every client had run {args.checkpoint} jobs "
+        f"({at_checkpoint:.1f} s in) and after all {args.jobs}:"
+    )
     within = print_memory(first, last, args.checkpoint, args.jobs)
-    print(f"\njobs {jobs:,}, images {images:,}, wall {wall:.1f} s, "
-          f"{images / wall:,.0f} images/s; resubmissions "
-          f"{sum(r['resubmissions'] for r in reports)}")
+    print(
+        f"\njobs {jobs:,}, images {images:,}, wall {wall:.1f} s, "
+        f"{images / wall:,.0f} images/s; resubmissions "
+        f"{sum(r['resubmissions'] for r in reports)}"
+    )
     print(f"wrong jobs (outputs off by > {ATOL:g}, duplicates or failures): {len(problems)}")
     for problem in problems[:20]:
         print(f"  {problem}")
     verdict = not problems and within
-    print("PASS" if verdict else "FAIL: " + "; ".join(
-        part for part, bad in (("wrong jobs", problems), ("memory grew > 10%", not within))
-        if bad))
+    print(
+        "PASS"
+        if verdict
+        else "FAIL: "
+        + "; ".join(
+            part
+            for part, bad in (("wrong jobs", problems), ("memory grew > 10%", not within))
+            if bad
+        )
+    )
     return 0 if verdict else 1
 
 
@@ -230,14 +258,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--jobs", type=int, default=250, help="jobs per client")
-    parser.add_argument("--checkpoint", type=int, default=50,
-                        help="jobs per client before the first memory reading")
+    parser.add_argument(
+        "--checkpoint", type=int, default=50, help="jobs per client before the first memory reading"
+    )
     parser.add_argument("--max-size", type=int, default=5000, help="largest job, in images")
     parser.add_argument("--workers", type=int, default=2, help="pinned workers (one per core)")
     parser.add_argument("--algo", default="equal-finish", help="the broker's policy")
     parser.add_argument("--seed", type=int, default=1, help="seed of client 0 (client i: +i)")
-    parser.add_argument("--save", type=Path, default=Path(f"bench/results/{date.today()}-soak.txt"),
-                        help="also write the report here ('-': nowhere)")
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=Path(f"bench/results/{date.today()}-soak.txt"),
+        help="also write the report here ('-': nowhere)",
+    )
     args = parser.parse_args()
     if not 0 < args.checkpoint < args.jobs:
         parser.error("--checkpoint must be between 0 and --jobs")

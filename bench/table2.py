@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 from farm.engines.autoselect import load_engine
-from farm.ops.local import LocalFarm, cores
 from farm.modelrepo.repository import find
+from farm.ops.local import LocalFarm, cores
 from farm.workers.worker import Device, prepare_process
 
 CHUNKS = (1, 10, 100, 1000, 10000)
@@ -43,19 +43,28 @@ def in_process_rate(images: np.ndarray, batch: int, core: int) -> float:
     finally:
         os.sched_setaffinity(0, saved)
         import cv2
+
         cv2.setNumThreads(-1)
 
 
-def farm_rate(images: np.ndarray, chunk: int, core: int, repeat: int,
-              batch: int | None) -> list[float]:
+def farm_rate(
+    images: np.ndarray, chunk: int, core: int, repeat: int, batch: int | None
+) -> list[float]:
     """Images/s of whole jobs through a broker and one worker pinned to ``core``.
 
     ``batch`` is the worker's compute batch; None keeps the worker's default.
     """
     options = [] if batch is None else ["--batch", str(batch)]
-    with LocalFarm(devices=[f"cpu:{core}"], algo="fifo", broker_options=["--chunk", str(chunk)],
-                   worker_options=options, preload=["lenet"]) as local, \
-            local.client(timeout=600) as client:
+    with (
+        LocalFarm(
+            devices=[f"cpu:{core}"],
+            algo="fifo",
+            broker_options=["--chunk", str(chunk)],
+            worker_options=options,
+            preload=["lenet"],
+        ) as local,
+        local.client(timeout=600) as client,
+    ):
         client.run(images[:chunk], "lenet")  # warm-up
         return [client.run(images, "lenet").summary.rate for _ in range(repeat)]
 
@@ -71,10 +80,15 @@ def main() -> None:
     sample = np.load(find("lenet").sample)[:, None]
     images = np.resize(sample, (args.images, *sample.shape[1:]))
     rows = []
-    print(f"LeNet, {args.images} images, one worker pinned to core {core}, best of "
-          f"{args.repeat}", file=sys.stderr)
-    print(f"{'chunk':>6} {'in-process/s':>13} {'farm/s':>9} {'farm/in-process':>16} "
-          f"{'overhead/chunk':>15} {'goal':>8}   {'farm, batch ' + str(find('lenet').batch) + '/s':>16}")
+    batched = f"farm, batch {find('lenet').batch}/s"
+    print(
+        f"LeNet, {args.images} images, one worker pinned to core {core}, best of {args.repeat}",
+        file=sys.stderr,
+    )
+    print(
+        f"{'chunk':>6} {'in-process/s':>13} {'farm/s':>9} {'farm/in-process':>16} "
+        f"{'overhead/chunk':>15} {'goal':>8}   {batched:>16}"
+    )
     for chunk in CHUNKS:
         farm = max(farm_rate(images, chunk, core, args.repeat, chunk))
         batched = max(farm_rate(images, chunk, core, args.repeat, None))
@@ -82,14 +96,24 @@ def main() -> None:
         chunks = -(-args.images // chunk)
         overhead_us = (args.images / farm - args.images / local) / chunks * 1e6
         goal = GOALS.get(chunk)
-        verdict = "" if goal is None else ("ok" if farm / local >= goal else "MISS") + \
-            f" {goal:.0%}"
-        rows.append({"chunk": chunk, "in_process_per_s": round(local, 1),
-                     "farm_per_s": round(farm, 1), "ratio": round(farm / local, 4),
-                     "overhead_us_per_chunk": round(overhead_us, 1),
-                     "farm_default_batch_per_s": round(batched, 1)})
-        print(f"{chunk:>6} {local:>13,.0f} {farm:>9,.0f} {farm / local:>16.1%} "
-              f"{overhead_us:>12,.0f} us {verdict:>8}   {batched:>16,.0f}", flush=True)
+        verdict = (
+            "" if goal is None else ("ok" if farm / local >= goal else "MISS") + f" {goal:.0%}"
+        )
+        rows.append(
+            {
+                "chunk": chunk,
+                "in_process_per_s": round(local, 1),
+                "farm_per_s": round(farm, 1),
+                "ratio": round(farm / local, 4),
+                "overhead_us_per_chunk": round(overhead_us, 1),
+                "farm_default_batch_per_s": round(batched, 1),
+            }
+        )
+        print(
+            f"{chunk:>6} {local:>13,.0f} {farm:>9,.0f} {farm / local:>16.1%} "
+            f"{overhead_us:>12,.0f} us {verdict:>8}   {batched:>16,.0f}",
+            flush=True,
+        )
     if args.csv:
         with open(args.csv, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

@@ -32,10 +32,15 @@ def run_openvino(path: str, batches: list[np.ndarray]) -> list[np.ndarray]:
     import openvino
 
     core = openvino.Core()
-    compiled = core.compile_model(core.read_model(path), "CPU",
-                                  {"PERFORMANCE_HINT": "THROUGHPUT",
-                                   # f32, stated: on a CPU with bf16 OpenVINO's default is bf16
-                                   "INFERENCE_PRECISION_HINT": "f32"})
+    compiled = core.compile_model(
+        core.read_model(path),
+        "CPU",
+        {
+            "PERFORMANCE_HINT": "THROUGHPUT",
+            # f32, stated: on a CPU with bf16 OpenVINO's default is bf16
+            "INFERENCE_PRECISION_HINT": "f32",
+        },
+    )
     outputs: list[np.ndarray | None] = [None] * len(batches)
 
     def done(request: openvino.InferRequest, index: int) -> None:
@@ -57,7 +62,7 @@ def main() -> None:
 
     transform = Transformer.for_model(find(model))
     images = np.load(images_path, mmap_mode="r")
-    batches = [transform(images[start:start + batch]) for start in range(0, len(images), batch)]
+    batches = [transform(images[start : start + batch]) for start in range(0, len(images), batch)]
     runner = run_onnxruntime if engine == "onnxruntime" else run_openvino
     np.save(out_path, np.concatenate(runner(onnx_path, batches)))
 

@@ -15,9 +15,13 @@ from importlib import import_module
 from typing import Any
 
 #: The public names, loaded on first use: ``import farm.broker.state`` stays free of sockets.
-_EXPORTS = {"Client": "farm.client.client", "FarmError": "farm.client.client",
-            "FarmTimeout": "farm.client.client", "JobResult": "farm.client.client",
-            "JobSummary": "farm.summary"}
+_EXPORTS = {
+    "Client": "farm.client.client",
+    "FarmError": "farm.client.client",
+    "FarmTimeout": "farm.client.client",
+    "JobResult": "farm.client.client",
+    "JobSummary": "farm.summary",
+}
 
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

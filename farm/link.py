@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -41,15 +42,18 @@ def parse_endpoint(text: str, bind: bool = False) -> str:
     ValueError, saying what is expected, for anything ZeroMQ would refuse.  ``bind``: a
     port may be ``*`` (any free one) and the host ``*`` (every interface)."""
     text = text.strip()
-    expected = (f"{text!r} is not an endpoint: give tcp://HOST:PORT (or HOST:PORT), e.g. "
-                f"{'tcp://127.0.0.1:5555' if not bind else 'tcp://*:5555'}")
+    expected = (
+        f"{text!r} is not an endpoint: give tcp://HOST:PORT (or HOST:PORT), e.g. "
+        f"{'tcp://127.0.0.1:5555' if not bind else 'tcp://*:5555'}"
+    )
     if text.startswith(("ipc://", "inproc://")):
         if len(text.split("://", 1)[1]) == 0:
             raise ValueError(expected)
         return text
     if "://" in text and not text.startswith("tcp://"):
-        raise ValueError(f"{text!r}: farm speaks {', '.join(TRANSPORTS)}, not "
-                         f"{text.split('://', 1)[0]}://")
+        raise ValueError(
+            f"{text!r}: farm speaks {', '.join(TRANSPORTS)}, not {text.split('://', 1)[0]}://"
+        )
     address = text.removeprefix("tcp://")
     host, colon, port = address.rpartition(":")
     if not colon or not host or host.startswith("[") != host.endswith("]"):
@@ -85,9 +89,13 @@ class BrokerLink:
     its current socket, and the CURVE handshake monitor, registered there.
     """
 
-    def __init__(self, context: zmq.Context, config: LinkConfig,
-                 greeting: Callable[[], Header | None],
-                 heartbeat: Callable[[], Heartbeat | None]) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        config: LinkConfig,
+        greeting: Callable[[], Header | None],
+        heartbeat: Callable[[], Heartbeat | None],
+    ) -> None:
         self.context, self.config = context, config
         self.greeting, self.heartbeat = greeting, heartbeat
         self.poller = zmq.Poller()
@@ -171,11 +179,13 @@ class BrokerLink:
         if now < self.deadline:
             return False
         # a broker that never answered is not news yet: its owner says so once, clearly
-        log.log(logging.WARNING if self.answered else logging.DEBUG,
-                "no word from broker %s for %.1f s: reconnecting", self.config.broker,
-                now - self.last_heard)
-        self.retry_interval = min(self.retry_interval * 2,
-                                  max(self.config.max_retry, self.expiry))
+        log.log(
+            logging.WARNING if self.answered else logging.DEBUG,
+            "no word from broker %s for %.1f s: reconnecting",
+            self.config.broker,
+            now - self.last_heard,
+        )
+        self.retry_interval = min(self.retry_interval * 2, max(self.config.max_retry, self.expiry))
         self.reconnect()
         return True
 

@@ -12,13 +12,14 @@ has what they need.
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
 #: Heartbeat intervals a peer may announce, in seconds.
 from farm.defaults import HEARTBEAT, MAX_HEARTBEAT, MIN_HEARTBEAT  # noqa: E402
+
 #: Most items in a job, a chunk or one dimension of an item.
 MAX_ITEMS = 1 << 31
 #: Most dimensions of an item.
@@ -39,14 +40,15 @@ Name = Annotated[str, Meta(max_length=200)]
 JobId = Annotated[str, Meta(min_length=1, max_length=100)]
 Start = Annotated[int, Meta(ge=0, le=MAX_ITEMS)]
 Count = Annotated[int, Meta(gt=0, le=MAX_ITEMS)]
-Shape = Annotated[tuple[Annotated[int, Meta(gt=0, le=MAX_ITEMS)], ...],
-                  Meta(min_length=1, max_length=MAX_DIMS)]
+Shape = Annotated[
+    tuple[Annotated[int, Meta(gt=0, le=MAX_ITEMS)], ...], Meta(min_length=1, max_length=MAX_DIMS)
+]
 Interval = Annotated[float, Meta(ge=MIN_HEARTBEAT, le=MAX_HEARTBEAT)]
 Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # no NaN, no inf
 Engine = tuple[Name, Name]  # (backend, precision), checked by ``farm.engines.engine.job_engine``
 #: A policy parameter's value: a number, a name, a flag, or a list of them.
-Scalar = Union[bool, int, float, Text, None]
-Param = Union[Scalar, Annotated[list[Scalar], Meta(max_length=MAX_LIST)]]
+Scalar = bool | int | float | Text | None
+Param = Scalar | Annotated[list[Scalar], Meta(max_length=MAX_LIST)]
 
 
 class Header(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -74,9 +76,10 @@ class Ready(Header):
     heartbeat: Interval = HEARTBEAT
     # model -> (images, compute seconds) this process ran: its speed, for a broker that
     # (re)started after it did and would otherwise cut uncapped chunks until it measured one
-    speeds: Annotated[dict[Name, tuple[Annotated[int, Meta(ge=0)],
-                                       Annotated[float, Meta(ge=0)]]],
-                      Meta(max_length=MAX_ENGINES)] = {}
+    speeds: Annotated[
+        dict[Name, tuple[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=0)]]],
+        Meta(max_length=MAX_ENGINES),
+    ] = {}
 
 
 class ChunkHeader(Header):
@@ -194,8 +197,9 @@ class Heartbeat(Header):
     job: JobId | None = None
     interval: Interval | None = None
     workers: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] | None = None
-    computed: tuple[Annotated[int, Meta(ge=0, lt=10**18)],
-                    Annotated[float, Meta(ge=0, lt=1e18)]] | None = None
+    computed: (
+        tuple[Annotated[int, Meta(ge=0, lt=10**18)], Annotated[float, Meta(ge=0, lt=1e18)]] | None
+    ) = None
     engines: Annotated[dict[Name, Name], Meta(max_length=MAX_ENGINES)] | None = None
 
 

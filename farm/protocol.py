@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import reprlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Sequence, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -77,11 +78,20 @@ class ProtocolError(ValueError):
 
 #: Each command's header struct.
 HEADERS: dict[Command, type[Header]] = {
-    Command.READY: messages.Ready, Command.TASK: messages.Task, Command.RESULT: messages.Result,
-    Command.FAILED: messages.Failed, Command.SUBMIT: messages.Submit, Command.DATA: messages.Data,
-    Command.DONE: messages.Done, Command.ERROR: messages.Error, Command.INFO: messages.Info,
-    Command.HEARTBEAT: messages.Heartbeat, Command.DISCONNECT: messages.Disconnect,
-    Command.FETCH: messages.Fetch, Command.MODEL: messages.Model, Command.NEED: messages.Need,
+    Command.READY: messages.Ready,
+    Command.TASK: messages.Task,
+    Command.RESULT: messages.Result,
+    Command.FAILED: messages.Failed,
+    Command.SUBMIT: messages.Submit,
+    Command.DATA: messages.Data,
+    Command.DONE: messages.Done,
+    Command.ERROR: messages.Error,
+    Command.INFO: messages.Info,
+    Command.HEARTBEAT: messages.Heartbeat,
+    Command.DISCONNECT: messages.Disconnect,
+    Command.FETCH: messages.Fetch,
+    Command.MODEL: messages.Model,
+    Command.NEED: messages.Need,
     Command.CANCEL: messages.Cancel,
 }
 _COMMANDS = {kind: command for command, kind in HEADERS.items()}
@@ -128,7 +138,6 @@ class Message:
         data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
         return np.frombuffer(data, dtype=dtype).reshape(-1, *item_shape)
 
-
     def failures(self) -> list[tuple[int, int, str]]:
         """A RESULT's items that failed on their own: ``(offset in the chunk, count, reason)``,
         in order; [] when none did.  ProtocolError if the document is malformed."""
@@ -142,12 +151,15 @@ class Message:
         end, failed = 0, 0
         for offset, count, _ in failures:
             if offset < end or offset + count > header.count:
-                raise ProtocolError(f"RESULT failures: items {offset}+{count} overlap or lie "
-                                    f"outside the chunk of {header.count}")
+                raise ProtocolError(
+                    f"RESULT failures: items {offset}+{count} overlap or lie "
+                    f"outside the chunk of {header.count}"
+                )
             end, failed = offset + count, failed + count
         if failed != header.failed:
-            raise ProtocolError(f"RESULT failures list {failed} items, the header says "
-                                f"{header.failed}")
+            raise ProtocolError(
+                f"RESULT failures list {failed} items, the header says {header.failed}"
+            )
         return [tuple(failure) for failure in failures]  # type: ignore[misc]
 
     def files(self) -> list[memoryview]:
@@ -159,9 +171,10 @@ class Message:
 
 
 #: A RESULT's failures document: ``[offset, count, reason]`` per run of failed items.
-FailureList = Annotated[list[tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(gt=0)],
-                                   messages.Text]],
-                        Meta(max_length=messages.MAX_ITEMS)]
+FailureList = Annotated[
+    list[tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(gt=0)], messages.Text]],
+    Meta(max_length=messages.MAX_ITEMS),
+]
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -178,8 +191,9 @@ def command_of(header: Header) -> Command:
     return _COMMANDS[type(header)]
 
 
-def encode(command: Command, header: Header | None = None,
-           payload: Sequence[Any] = ()) -> list[Any]:
+def encode(
+    command: Command, header: Header | None = None, payload: Sequence[Any] = ()
+) -> list[Any]:
     """Frames for one message; payload frames are passed through untouched.  ``header``: the
     command's struct (None: its defaults, for a command whose fields all have one)."""
     if header is None:
@@ -214,19 +228,22 @@ def check_files(frames: Sequence[Any], count: int, max_bytes: int) -> None:
     """A chunk of ``count`` image files of at most ``max_bytes`` each, as ``file_frames``
     makes it; ProtocolError if not."""
     if len(frames) != 2:
-        raise ProtocolError(f"a chunk of image files is 2 frames (sizes, bytes), got "
-                            f"{len(frames)}")
+        raise ProtocolError(f"a chunk of image files is 2 frames (sizes, bytes), got {len(frames)}")
     sizes, blob = (_buffer(frame) for frame in frames)
     if sizes.nbytes != count * SIZES_DTYPE.itemsize:
-        raise ProtocolError(f"the sizes frame has {sizes.nbytes} bytes, not {count} x "
-                            f"{SIZES_DTYPE.itemsize}")
+        raise ProtocolError(
+            f"the sizes frame has {sizes.nbytes} bytes, not {count} x {SIZES_DTYPE.itemsize}"
+        )
     values = np.frombuffer(sizes, SIZES_DTYPE)
     if count and int(values.max()) > max_bytes:
-        raise ProtocolError(f"a file of {int(values.max())} bytes exceeds the job's largest, "
-                            f"{max_bytes}")
+        raise ProtocolError(
+            f"a file of {int(values.max())} bytes exceeds the job's largest, {max_bytes}"
+        )
     if int(values.sum(dtype=np.int64)) != blob.nbytes:
-        raise ProtocolError(f"the files' sizes add up to {int(values.sum(dtype=np.int64))} "
-                            f"bytes, the frame has {blob.nbytes}")
+        raise ProtocolError(
+            f"the files' sizes add up to {int(values.sum(dtype=np.int64))} "
+            f"bytes, the frame has {blob.nbytes}"
+        )
 
 
 def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> Message:
@@ -234,11 +251,13 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
     if len(frames) < 3:
         raise ProtocolError(f"expected at least 3 frames, got {len(frames)}")
     signature, command_frame, header_frame, *payload = frames
-    head = bytes(_buffer(signature)[:len(SIGNATURE) + 1])  # a slice: a huge frame is not copied
+    head = bytes(_buffer(signature)[: len(SIGNATURE) + 1])  # a slice: a huge frame is not copied
     if head != SIGNATURE:
         if head.startswith(PROTOCOL_FAMILY) and len(head) == len(SIGNATURE):
-            raise ProtocolError(f"protocol version {head.decode('ascii', 'replace')} is not "
-                                f"supported; this farm speaks {SIGNATURE.decode()}")
+            raise ProtocolError(
+                f"protocol version {head.decode('ascii', 'replace')} is not "
+                f"supported; this farm speaks {SIGNATURE.decode()}"
+            )
         raise ProtocolError(f"unknown protocol signature {head!r}")
     command = _decode_command(bytes(_buffer(command_frame)[:2]))
     if allowed is not None and command not in allowed:
@@ -253,8 +272,9 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
         _check_files(message)
     elif command in _DOCUMENT_COMMANDS:
         if len(payload) > 1 or payload and _frame_size(payload[0]) > MAX_DOCUMENT_BYTES:
-            raise ProtocolError(f"{command.name} carries at most one document frame of "
-                                f"{MAX_DOCUMENT_BYTES} bytes")
+            raise ProtocolError(
+                f"{command.name} carries at most one document frame of {MAX_DOCUMENT_BYTES} bytes"
+            )
     elif payload:
         raise ProtocolError(f"{command.name} carries no payload, got {len(payload)} frames")
     return message
@@ -284,8 +304,10 @@ def _check_array(message: Message) -> None:
     """Check dtype against the allow-list and the declared shape against the byte count."""
     header = message.header
     assert isinstance(header, (messages.Task, messages.Result, messages.Data))
-    if message.command is not Command.RESULT and sum(
-            _frame_size(frame) for frame in message.payload) > MAX_TASK_BYTES:
+    if (
+        message.command is not Command.RESULT
+        and sum(_frame_size(frame) for frame in message.payload) > MAX_TASK_BYTES
+    ):
         raise ProtocolError(f"{message.command.name} carries more than {MAX_TASK_BYTES} bytes")
     if isinstance(header, messages.Data):
         return  # dtype and item shape were declared by the job's SUBMIT; checked by the broker
@@ -296,14 +318,18 @@ def _check_array(message: Message) -> None:
     frames = message.payload
     if isinstance(header, messages.Result) and header.failed:
         if len(frames) < 2 or _frame_size(frames[-1]) > MAX_DOCUMENT_BYTES:
-            raise ProtocolError(f"a RESULT with failed items ends with one failures frame of "
-                                f"at most {MAX_DOCUMENT_BYTES} bytes")
+            raise ProtocolError(
+                f"a RESULT with failed items ends with one failures frame of "
+                f"at most {MAX_DOCUMENT_BYTES} bytes"
+            )
         frames = frames[:-1]
     expected = header.count * item_bytes
     actual = sum(_frame_size(frame) for frame in frames)
     if actual != expected:
-        raise ProtocolError(f"payload is {actual} bytes, header declares {header.count} x "
-                            f"{list(header.item_shape)} {header.dtype} = {expected}")
+        raise ProtocolError(
+            f"payload is {actual} bytes, header declares {header.count} x "
+            f"{list(header.item_shape)} {header.dtype} = {expected}"
+        )
 
 
 def _check_files(message: Message) -> None:
@@ -311,28 +337,36 @@ def _check_files(message: Message) -> None:
     header = message.header
     assert isinstance(header, messages.Model)
     if len(header.files) != len(message.payload):
-        raise ProtocolError(f"{len(header.files)} files listed, {len(message.payload)} frames "
-                            f"sent")
+        raise ProtocolError(f"{len(header.files)} files listed, {len(message.payload)} frames sent")
     for (name, size, _), frame in zip(header.files, message.payload):
         if size != _frame_size(frame):
-            raise ProtocolError(f"file {reprlib.repr(name)} is listed as {size} bytes, its "
-                                f"frame has {_frame_size(frame)}")
+            raise ProtocolError(
+                f"file {reprlib.repr(name)} is listed as {size} bytes, its "
+                f"frame has {_frame_size(frame)}"
+            )
 
 
 def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:
     """Validate a dtype name and item shape; return the bytes per item (for ``ENCODED``: the
     most one file may have)."""
     if dtype == ENCODED:
-        if (len(item_shape) != 1 or not isinstance(item_shape[0], int)
-                or not 0 < item_shape[0] <= MAX_FILE_BYTES):
-            raise ProtocolError(f"image files need an item shape of [largest file's bytes], "
-                                f"at most {MAX_FILE_BYTES}; got {reprlib.repr(item_shape)}")
+        if (
+            len(item_shape) != 1
+            or not isinstance(item_shape[0], int)
+            or not 0 < item_shape[0] <= MAX_FILE_BYTES
+        ):
+            raise ProtocolError(
+                f"image files need an item shape of [largest file's bytes], "
+                f"at most {MAX_FILE_BYTES}; got {reprlib.repr(item_shape)}"
+            )
         return item_shape[0]
     if dtype not in ALLOWED_DTYPES:
-        raise ProtocolError(f"dtype {reprlib.repr(dtype)} not allowed; use one of "
-                            f"{sorted(ALLOWED_DTYPES)}")
+        raise ProtocolError(
+            f"dtype {reprlib.repr(dtype)} not allowed; use one of {sorted(ALLOWED_DTYPES)}"
+        )
     if not 0 < len(item_shape) <= MAX_DIMS or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_ITEMS for d in item_shape):
+        isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_ITEMS for d in item_shape
+    ):
         raise ProtocolError(f"invalid item shape {reprlib.repr(item_shape)}")
     item_bytes = shapes.item_bytes(dtype, item_shape)
     if item_bytes > MAX_MESSAGE_BYTES:

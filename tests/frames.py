@@ -25,15 +25,51 @@ GARBAGE = [
     [V, b"\xff", msgpack.packb({})],
     [V, b"\x05", b"\x93\x01"],  # truncated msgpack
     [V, b"\x05", msgpack.packb({"job": 1, "model": ["x"]})],
-    [V, b"\x05", msgpack.packb({"job": "j", "model": "lenet", "dtype": "uint8",
-                                         "item_shape": [1, 28, 28], "total": -5,
-                                         "options": {}})],
-    [V, b"\x03", msgpack.packb({"job": "j", "chunk": 9, "start": 0, "count": 1,
-                                         "dtype": "float32", "item_shape": [10],
-                                         "timings": {}}), b"\0" * 40],  # a result nobody asked
+    [
+        V,
+        b"\x05",
+        msgpack.packb(
+            {
+                "job": "j",
+                "model": "lenet",
+                "dtype": "uint8",
+                "item_shape": [1, 28, 28],
+                "total": -5,
+                "options": {},
+            }
+        ),
+    ],
+    [
+        V,
+        b"\x03",
+        msgpack.packb(
+            {
+                "job": "j",
+                "chunk": 9,
+                "start": 0,
+                "count": 1,
+                "dtype": "float32",
+                "item_shape": [10],
+                "timings": {},
+            }
+        ),
+        b"\0" * 40,
+    ],  # a result nobody asked
     [V, b"\x02", msgpack.packb({})],  # a TASK sent to the broker
-    [V, b"\x01", msgpack.packb({"device": "cpu", "host": "h", "pid": 1, "backend": "x",
-                                         "models": {"lenet": 5}, "slots": 1})],
+    [
+        V,
+        b"\x01",
+        msgpack.packb(
+            {
+                "device": "cpu",
+                "host": "h",
+                "pid": 1,
+                "backend": "x",
+                "models": {"lenet": 5},
+                "slots": 1,
+            }
+        ),
+    ],
 ]
 
 
@@ -66,10 +102,17 @@ def digest_of(model: str) -> str:
         return "f" * 64
 
 
-def task(identity: bytes, chunk: int, images: np.ndarray, model: str = "lenet",
-         shape=None) -> list:
+def task(identity: bytes, chunk: int, images: np.ndarray, model: str = "lenet", shape=None) -> list:
     """A TASK for the worker ``identity`` (the frames a ROUTER sends)."""
-    header = messages.Task(job="j", chunk=chunk, attempt=1, start=0, count=len(images),
-                           model=model, digest=digest_of(model), dtype=str(images.dtype),
-                           item_shape=tuple(shape or images.shape[1:]))
+    header = messages.Task(
+        job="j",
+        chunk=chunk,
+        attempt=1,
+        start=0,
+        count=len(images),
+        model=model,
+        digest=digest_of(model),
+        dtype=str(images.dtype),
+        item_shape=tuple(shape or images.shape[1:]),
+    )
     return [identity, *protocol.encode(Command.TASK, header, [images.tobytes()])]

@@ -6,9 +6,10 @@ import io
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def status_kib(pid: int, field: str = "VmRSS") -> int:
@@ -23,7 +24,7 @@ def status_kib(pid: int, field: str = "VmRSS") -> int:
 def machine() -> str:
     """One line: cores, memory, GPU."""
     with open("/proc/meminfo") as handle:
-        total = int(handle.readline().split()[1]) / 1024 ** 2
+        total = int(handle.readline().split()[1]) / 1024**2
     gpu = "a GPU (nvidia-smi found)" if shutil.which("nvidia-smi") else "no GPU"
     return f"machine: {os.cpu_count()} cores, {total:.0f} GiB memory, {gpu}"
 
@@ -60,6 +61,7 @@ def shared_squeezenet(root: Path, source: Path, resize: bool = False) -> Path:
     (folder / "model.toml").write_text(
         'prototxt = "deploy.prototxt"\nweights = "squeezenet_v1.0.caffemodel"\n'
         'labels = "synset_words.txt"\n[preprocess]\nlayout = "HWC"\nchannel_swap = [2, 1, 0]\n'
-        'mean = [104.0, 117.0, 123.0]\n'
-        + ('[resize]\nshorter_side = 256\ncrop = "center"\n' if resize else ""))
+        "mean = [104.0, 117.0, 123.0]\n"
+        + ('[resize]\nshorter_side = 256\ncrop = "center"\n' if resize else "")
+    )
     return folder

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -87,8 +88,9 @@ def in_fresh_process(function: Callable[..., Any], *args: Any) -> Any:
         process.join()
     except EOFError:
         process.join()
-        raise RuntimeError(f"{function.__name__} died in its process (exit code "
-                           f"{process.exitcode})") from None
+        raise RuntimeError(
+            f"{function.__name__} died in its process (exit code {process.exitcode})"
+        ) from None
     finally:
         if process.is_alive():
             process.terminate()
@@ -111,27 +113,40 @@ def run_and_send(sender: Any, function: Callable[..., Any], args: tuple[Any, ...
 
 
 @contextlib.contextmanager
-def bench_farm(workers: Sequence[WorkerSpec], model: str,
-               images: np.ndarray) -> Iterator[Client]:
+def bench_farm(workers: Sequence[WorkerSpec], model: str, images: np.ndarray) -> Iterator[Client]:
     """A fresh local farm of ``workers`` with ``model`` loaded, warmed up by one job of
     the first ``STANDALONE_CHUNK`` of ``images``; a client connected to it."""
-    with LocalFarm(devices=[w.device for w in workers], algo="fifo", broker_options=BROKER_OPTIONS,
-                   device_options=[w.options() for w in workers], preload=[model]) as local, \
-            local.client(timeout=JOB_TIMEOUT) as client:
-        timed_job(client, images[:STANDALONE_CHUNK], model,
-                  Configuration("fifo", {"chunk": STANDALONE_CHUNK}))
+    with (
+        LocalFarm(
+            devices=[w.device for w in workers],
+            algo="fifo",
+            broker_options=BROKER_OPTIONS,
+            device_options=[w.options() for w in workers],
+            preload=[model],
+        ) as local,
+        local.client(timeout=JOB_TIMEOUT) as client,
+    ):
+        timed_job(
+            client,
+            images[:STANDALONE_CHUNK],
+            model,
+            Configuration("fifo", {"chunk": STANDALONE_CHUNK}),
+        )
         yield client
 
 
-def timed_job(client: Client, images: np.ndarray, model: str,
-              config: Configuration, trace: bool = False) -> JobResult:
+def timed_job(
+    client: Client, images: np.ndarray, model: str, config: Configuration, trace: bool = False
+) -> JobResult:
     """One whole job under ``config`` (``trace``: with every chunk's timings); a job that
     lost images is an error, not a figure."""
     result = client.run(images, model, algo=config.algo, params=config.params, trace=trace)
     if result.failed:
         first = result.failed[0]
-        raise FarmError(f"{config.label}: {len(result.failed)} ranges of images failed, "
-                        f"first {first.start}+{first.count}: {first.error}")
+        raise FarmError(
+            f"{config.label}: {len(result.failed)} ranges of images failed, "
+            f"first {first.start}+{first.count}: {first.error}"
+        )
     return result
 
 
@@ -142,8 +157,9 @@ def standalone_rate(worker: WorkerSpec, model: str, images: np.ndarray) -> float
         return timed_job(client, images, model, fifo).summary.rate
 
 
-def table2(worker: WorkerSpec, model: str, images: np.ndarray,
-           sizes: Sequence[int] = TABLE2_SIZES) -> list[tuple[int, float]]:
+def table2(
+    worker: WorkerSpec, model: str, images: np.ndarray, sizes: Sequence[int] = TABLE2_SIZES
+) -> list[tuple[int, float]]:
     """The paper's Table 2 for one device: images/s of ``images`` cut into chunks of each
     size (how many are submitted at once), the worker computing at its own batch."""
     rows = []
@@ -162,8 +178,9 @@ def best_batch(worker: WorkerSpec, model: str, count: int) -> list[tuple[int, fl
     return in_fresh_process(_engine_rates, worker, model, candidates, count)
 
 
-def _engine_rates(worker: WorkerSpec, model: str, candidates: Sequence[int],
-                  count: int) -> list[tuple[int, float]]:
+def _engine_rates(
+    worker: WorkerSpec, model: str, candidates: Sequence[int], count: int
+) -> list[tuple[int, float]]:
     device = Device.parse(worker.device)
     prepare_process(device)
     threads = 1 if device.pinned else None
@@ -172,13 +189,20 @@ def _engine_rates(worker: WorkerSpec, model: str, candidates: Sequence[int],
         # autoselect's own batches; each candidate below then loads that remembered choice
         # at its batch, as the bench's workers do with --batch
         choose(find(model), device.engine_device, threads)
-    return engine_rates(model, worker.library, device.engine_device, threads, candidates,
-                        make_images(model, count))
+    return engine_rates(
+        model, worker.library, device.engine_device, threads, candidates, make_images(model, count)
+    )
 
 
-def engine_rates(model: str, backend: str, engine_device: str, threads: int | None,
-                 candidates: Sequence[int], images: np.ndarray,
-                 repeats: int = 1) -> list[tuple[int, float]]:
+def engine_rates(
+    model: str,
+    backend: str,
+    engine_device: str,
+    threads: int | None,
+    candidates: Sequence[int],
+    images: np.ndarray,
+    repeats: int = 1,
+) -> list[tuple[int, float]]:
     """In this process: (batch, images/s of the engine on ``images``) for each candidate
     batch, after a warm-up batch; the best of ``repeats`` runs each."""
     rates = []
@@ -208,9 +232,14 @@ class PolicyRun:
     chunks: int
 
 
-def policy_sweep(setup: FarmSetup, model: str, images: np.ndarray,
-                 configs: Sequence[Configuration], round_: int,
-                 on_run: Callable[[PolicyRun], None]) -> tuple[list[PolicyRun], np.ndarray]:
+def policy_sweep(
+    setup: FarmSetup,
+    model: str,
+    images: np.ndarray,
+    configs: Sequence[Configuration],
+    round_: int,
+    on_run: Callable[[PolicyRun], None],
+) -> tuple[list[PolicyRun], np.ndarray]:
     """One round: every configuration once, on one fresh, warm farm; the first job's
     outputs (to check the peers' against)."""
     runs: list[PolicyRun] = []
@@ -221,9 +250,16 @@ def policy_sweep(setup: FarmSetup, model: str, images: np.ndarray,
             if reference is None:
                 reference = result.outputs
             summary = result.summary
-            run = PolicyRun(setup.name, model, config, round_, summary.rate, summary.seconds,
-                            summary.theoretical_rate,
-                            sum(share.chunks for share in summary.workers))
+            run = PolicyRun(
+                setup.name,
+                model,
+                config,
+                round_,
+                summary.rate,
+                summary.seconds,
+                summary.theoretical_rate,
+                sum(share.chunks for share in summary.workers),
+            )
             runs.append(run)
             on_run(run)
     if reference is None:
@@ -231,8 +267,7 @@ def policy_sweep(setup: FarmSetup, model: str, images: np.ndarray,
     return runs, reference
 
 
-def farm_rate(setup: FarmSetup, model: str, images: np.ndarray,
-              config: Configuration) -> float:
+def farm_rate(setup: FarmSetup, model: str, images: np.ndarray, config: Configuration) -> float:
     """Images/s of one job under ``config`` on a fresh, warm farm of ``setup``."""
     with bench_farm(setup.workers, model, images) as client:
         return timed_job(client, images, model, config).summary.rate

@@ -14,9 +14,10 @@ import csv
 import json
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from farm.bench.measure import Configuration, PolicyRun
 from farm.bench.peers import PeerResult
@@ -75,8 +76,9 @@ class ModelResults:
         grouped: dict[tuple[str, str], list[PolicyRun]] = defaultdict(list)
         for run in self.runs:
             grouped[(run.setup, run.config.label)].append(run)
-        return [PolicySummary.of(runs, self.theoretical(runs[0].setup))
-                for runs in grouped.values()]
+        return [
+            PolicySummary.of(runs, self.theoretical(runs[0].setup)) for runs in grouped.values()
+        ]
 
     def peer_medians(self) -> list[PeerResult]:
         """Each peer's median round, in the order they ran."""
@@ -119,8 +121,14 @@ class PolicySummary:
     @classmethod
     def of(cls, runs: Sequence[PolicyRun], theoretical: float) -> PolicySummary:
         median = median_run(runs)
-        return cls(median.setup, median.config, median.rate, len(runs), theoretical,
-                   median.in_job_theoretical)
+        return cls(
+            median.setup,
+            median.config,
+            median.rate,
+            len(runs),
+            theoretical,
+            median.in_job_theoretical,
+        )
 
     @property
     def waste(self) -> float:
@@ -138,6 +146,7 @@ class PolicySummary:
 
 
 # ---- CSV --------------------------------------------------------------------------------
+
 
 def write_csv(path: Path, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     with open(path, "w", newline="") as handle:
@@ -165,48 +174,157 @@ class SuiteRun:
 def write_tables(folder: Path, run: SuiteRun) -> None:
     """Every table as CSV; the machine and the run as JSON."""
     results = run.results
-    (folder / "machine.json").write_text(json.dumps(
-        {**run.machine, "setups": {s.name: [w.label for w in s.workers] for s in run.setups},
-         "run": {"command": run.command, "seconds": round(run.seconds),
-                 "skipped": run.skipped, "images": {r.model: r.images for r in results},
-                 "skipped_peers": {r.model: r.skipped_peers for r in results}}},
-        indent=2) + "\n")
-    write_csv(folder / "batches.csv", ["model", "device", "batch", "images_per_s"],
-              [(r.model, kind, b, _r(v)) for r in results for kind, rows in r.batches.items()
-               for b, v in rows])
-    write_csv(folder / "table2.csv", ["model", "device", "submitted", "images_per_s"],
-              [(r.model, kind, n, _r(v)) for r in results for kind, rows in r.table2.items()
-               for n, v in rows])
-    write_csv(folder / "standalone.csv", ["model", "setup", "worker", "measurement",
-                                          "images_per_s"],
-              [(r.model, setup, worker, i, _r(v)) for r in results
-               for setup, workers in r.standalone.items() for worker, rates in workers.items()
-               for i, v in enumerate(rates)])
-    write_csv(folder / "policy_runs.csv", ["model", "setup", "policy", "parameter", "value",
-                                           "round", "images_per_s", "seconds", "chunks",
-                                           "in_job_theoretical_per_s"],
-              [(r.model, job.setup, job.config.algo, job.config.parameter, job.config.value,
-                job.round_, _r(job.rate), round(job.seconds, 3), job.chunks,
-                _r(job.in_job_theoretical)) for r in results for job in r.runs])
-    write_csv(folder / "policies.csv", ["model", "setup", "policy", "parameter", "value",
-                                        "images_per_s", "theoretical_per_s", "waste",
-                                        "contention", "farm_waste", "relative_to_one_core"],
-              [(r.model, s.setup, s.config.algo, s.config.parameter, s.config.value,
-                _r(s.rate), _r(s.theoretical), round(s.waste, 4), round(s.contention, 4),
-                round(s.farm_waste, 4), round(s.rate / r.one_core() - 1, 4))
-               for r in results for s in r.summaries()])
-    write_csv(folder / "peers.csv", ["model", "peer", "setting", "images_per_s",
-                                     "ratio_to_farm_best", "max_abs_difference", "note",
-                                     "rounds"], peer_rows(results))
-    write_csv(folder / "peer_runs.csv", ["model", "who", "round", "setting", "best",
-                                         "images_per_s", "note"],
-              [(r.model, "farm", i, "", 0, _r(v), "") for r in results
-               for i, v in enumerate(r.farm_rounds)]
-              + [(r.model, p.peer, p.round_, p.setting, p.best, _r(p.rate), p.note)
-                 for r in results for p in r.peers])
-    write_csv(folder / "peer_tuning.csv", ["model", "peer", "setting", "images_per_s"],
-              [(r.model, p.peer, s, _r(v)) for r in results for p in r.peers
-               if p.round_ == 0 for s, v in p.tuning])
+    (folder / "machine.json").write_text(
+        json.dumps(
+            {
+                **run.machine,
+                "setups": {s.name: [w.label for w in s.workers] for s in run.setups},
+                "run": {
+                    "command": run.command,
+                    "seconds": round(run.seconds),
+                    "skipped": run.skipped,
+                    "images": {r.model: r.images for r in results},
+                    "skipped_peers": {r.model: r.skipped_peers for r in results},
+                },
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    write_csv(
+        folder / "batches.csv",
+        ["model", "device", "batch", "images_per_s"],
+        [
+            (r.model, kind, b, _r(v))
+            for r in results
+            for kind, rows in r.batches.items()
+            for b, v in rows
+        ],
+    )
+    write_csv(
+        folder / "table2.csv",
+        ["model", "device", "submitted", "images_per_s"],
+        [
+            (r.model, kind, n, _r(v))
+            for r in results
+            for kind, rows in r.table2.items()
+            for n, v in rows
+        ],
+    )
+    write_csv(
+        folder / "standalone.csv",
+        ["model", "setup", "worker", "measurement", "images_per_s"],
+        [
+            (r.model, setup, worker, i, _r(v))
+            for r in results
+            for setup, workers in r.standalone.items()
+            for worker, rates in workers.items()
+            for i, v in enumerate(rates)
+        ],
+    )
+    write_csv(
+        folder / "policy_runs.csv",
+        [
+            "model",
+            "setup",
+            "policy",
+            "parameter",
+            "value",
+            "round",
+            "images_per_s",
+            "seconds",
+            "chunks",
+            "in_job_theoretical_per_s",
+        ],
+        [
+            (
+                r.model,
+                job.setup,
+                job.config.algo,
+                job.config.parameter,
+                job.config.value,
+                job.round_,
+                _r(job.rate),
+                round(job.seconds, 3),
+                job.chunks,
+                _r(job.in_job_theoretical),
+            )
+            for r in results
+            for job in r.runs
+        ],
+    )
+    write_csv(
+        folder / "policies.csv",
+        [
+            "model",
+            "setup",
+            "policy",
+            "parameter",
+            "value",
+            "images_per_s",
+            "theoretical_per_s",
+            "waste",
+            "contention",
+            "farm_waste",
+            "relative_to_one_core",
+        ],
+        [
+            (
+                r.model,
+                s.setup,
+                s.config.algo,
+                s.config.parameter,
+                s.config.value,
+                _r(s.rate),
+                _r(s.theoretical),
+                round(s.waste, 4),
+                round(s.contention, 4),
+                round(s.farm_waste, 4),
+                round(s.rate / r.one_core() - 1, 4),
+            )
+            for r in results
+            for s in r.summaries()
+        ],
+    )
+    write_csv(
+        folder / "peers.csv",
+        [
+            "model",
+            "peer",
+            "setting",
+            "images_per_s",
+            "ratio_to_farm_best",
+            "max_abs_difference",
+            "note",
+            "rounds",
+        ],
+        peer_rows(results),
+    )
+    write_csv(
+        folder / "peer_runs.csv",
+        ["model", "who", "round", "setting", "best", "images_per_s", "note"],
+        [
+            (r.model, "farm", i, "", 0, _r(v), "")
+            for r in results
+            for i, v in enumerate(r.farm_rounds)
+        ]
+        + [
+            (r.model, p.peer, p.round_, p.setting, p.best, _r(p.rate), p.note)
+            for r in results
+            for p in r.peers
+        ],
+    )
+    write_csv(
+        folder / "peer_tuning.csv",
+        ["model", "peer", "setting", "images_per_s"],
+        [
+            (r.model, p.peer, s, _r(v))
+            for r in results
+            for p in r.peers
+            if p.round_ == 0
+            for s, v in p.tuning
+        ],
+    )
 
 
 def peer_rows(results: Sequence[ModelResults]) -> list[tuple[Any, ...]]:
@@ -218,13 +336,31 @@ def peer_rows(results: Sequence[ModelResults]) -> list[tuple[Any, ...]]:
         if best is None:
             continue
         farm = r.farm_head_to_head()
-        rows.append((r.model, f"farm ({best.config.label})", "one worker per core",
-                     _r(farm), 1.0, 0.0, "", _rounds(r.farm_rounds)))
+        rows.append(
+            (
+                r.model,
+                f"farm ({best.config.label})",
+                "one worker per core",
+                _r(farm),
+                1.0,
+                0.0,
+                "",
+                _rounds(r.farm_rounds),
+            )
+        )
         for peer in r.peer_medians():
-            rows.append((r.model, peer.peer, peer.setting, _r(peer.rate),
-                         round(peer.rate / farm, 3),
-                         r.peer_differences.get(peer.peer, float("nan")), peer.note,
-                         _rounds([p.rate for p in r.peers if p.peer == peer.peer])))
+            rows.append(
+                (
+                    r.model,
+                    peer.peer,
+                    peer.setting,
+                    _r(peer.rate),
+                    round(peer.rate / farm, 3),
+                    r.peer_differences.get(peer.peer, float("nan")),
+                    peer.note,
+                    _rounds([p.rate for p in r.peers if p.peer == peer.peer]),
+                )
+            )
     return rows
 
 
@@ -254,6 +390,7 @@ def alone_table(r: ModelResults) -> dict[str, float]:
 
 # ---- figures ----------------------------------------------------------------------------
 
+
 def _pyplot():
     import matplotlib
 
@@ -280,16 +417,36 @@ def plot_policies(path: Path, r: ModelResults, figure: str) -> None:
     fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.6), 5))
     for i, setup in enumerate(setups):
         rates = {s.config.label: s.rate for s in summaries if s.setup == setup}
-        bars = ax.bar([x + i * width for x in range(len(labels))],
-                      [rates.get(label, 0) for label in labels], width, label=f"farm, {setup}")
-        ax.axhline(r.theoretical(setup), color=bars.patches[0].get_facecolor(), ls="--",
-                   lw=1, label=f"theoretical, {setup}")
+        bars = ax.bar(
+            [x + i * width for x in range(len(labels))],
+            [rates.get(label, 0) for label in labels],
+            width,
+            label=f"farm, {setup}",
+        )
+        ax.axhline(
+            r.theoretical(setup),
+            color=bars.patches[0].get_facecolor(),
+            ls="--",
+            lw=1,
+            label=f"theoretical, {setup}",
+        )
     for peer in r.peer_medians():
         ax.axhline(peer.rate, color="grey", ls=":", lw=1)
-        ax.annotate(peer.peer, (len(labels) - 0.5, peer.rate), fontsize=7, color="grey",
-                    ha="right", va="bottom")
-    ax.set_xticks([x + width * (len(setups) - 1) / 2 for x in range(len(labels))], labels,
-                  rotation=60, ha="right", fontsize=8)
+        ax.annotate(
+            peer.peer,
+            (len(labels) - 0.5, peer.rate),
+            fontsize=7,
+            color="grey",
+            ha="right",
+            va="bottom",
+        )
+    ax.set_xticks(
+        [x + width * (len(setups) - 1) / 2 for x in range(len(labels))],
+        labels,
+        rotation=60,
+        ha="right",
+        fontsize=8,
+    )
     ax.set_ylabel("images/s")
     ax.set_title(f"{figure}: {r.model}, {r.images:,} images, every policy")
     ax.legend(fontsize=8, loc="lower left")
@@ -306,13 +463,26 @@ def plot_waste(path: Path, results: Sequence[ModelResults]) -> None:
         algos = list(dict.fromkeys(k[1] for k in best))
         width = 0.8 / max(1, len(setups))
         for i, setup in enumerate(setups):
-            ax.bar([x + i * width for x in range(len(algos))],
-                   [100 * best.get((setup, a), 0) for a in algos], width, label=setup)
+            ax.bar(
+                [x + i * width for x in range(len(algos))],
+                [100 * best.get((setup, a), 0) for a in algos],
+                width,
+                label=setup,
+            )
         ax.axhline(100 * WASTE_GOAL, color="green", ls="--", lw=1, label="goal 5%")
-        ax.axhline(100 * PAPER_WASTE["fast-split"], color="red", ls=":", lw=1,
-                   label="paper's fast-split 9.4%")
-        ax.set_xticks([x + width * (len(setups) - 1) / 2 for x in range(len(algos))], algos,
-                      rotation=30, ha="right")
+        ax.axhline(
+            100 * PAPER_WASTE["fast-split"],
+            color="red",
+            ls=":",
+            lw=1,
+            label="paper's fast-split 9.4%",
+        )
+        ax.set_xticks(
+            [x + width * (len(setups) - 1) / 2 for x in range(len(algos))],
+            algos,
+            rotation=30,
+            ha="right",
+        )
         ax.set_ylabel("waste, % (best parameter value)")
         ax.set_title(f"Figure 5: {r.model}")
         ax.legend(fontsize=8)
@@ -343,8 +513,9 @@ def plot_table2(path: Path, results: Sequence[ModelResults]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
         for kind, rows in r.table2.items():
-            ax.plot([n for n, _ in rows], [v for _, v in rows], marker="o",
-                    label=f"{r.model}, {kind}")
+            ax.plot(
+                [n for n, _ in rows], [v for _, v in rows], marker="o", label=f"{r.model}, {kind}"
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("images submitted at once (chunk)")
@@ -371,17 +542,17 @@ def write_figures(folder: Path, results: Sequence[ModelResults]) -> list[str]:
 
 PEER_MECHANISM = {
     "opencv-threads": "one process, OpenCV's threads splitting every layer across the cores: "
-                      "no image crosses a process boundary, which counts most on small nets, "
-                      "where moving an image costs the largest share of computing it",
+    "no image crosses a process boundary, which counts most on small nets, "
+    "where moving an image costs the largest share of computing it",
     "process-pool": "multiprocessing serializes each chunk to a process and the outputs back, "
-                    "through pipes, from one parent",
+    "through pipes, from one parent",
     "ray-data": "Ray Data moves blocks through its object store and schedules every batch "
-                "as a task of its actor pool",
+    "as a task of its actor pool",
     "onnxruntime-threads": "one process, ONNX Runtime's intra-op threads splitting every "
-                           "operator across the cores: no image crosses a process boundary",
+    "operator across the cores: no image crosses a process boundary",
     "openvino-throughput": "one process, OpenVINO's streams each computing whole requests on "
-                           "their share of the cores, kept busy by an async request queue: no "
-                           "image crosses a process boundary",
+    "their share of the cores, kept busy by an async request queue: no "
+    "image crosses a process boundary",
 }
 
 
@@ -406,20 +577,40 @@ def headline(results: Sequence[ModelResults]) -> list[str]:
         farm = r.farm_head_to_head()
         rates = {p.peer: p.rate for p in r.peer_medians()}
         waste = r.head_to_head_waste()
-        rows.append([r.model, f"{best.config.label}", f"{farm:,.0f}",
-                     "-" if waste is None else _pct(waste), _pct(best.waste),
-                     _pct(best.farm_waste)]
-                    + [f"{farm / rates[p]:.2f}x" if p in rates else "-" for p in peers])
-    return _table(["model", "farm's best policy", "images/s (head to head)",
-                   "waste (head to head)", "waste (sweep)",
-                   "sweep's scheduling + messaging"]
-                  + [f"farm ÷ {p}" for p in peers], rows)
+        rows.append(
+            [
+                r.model,
+                f"{best.config.label}",
+                f"{farm:,.0f}",
+                "-" if waste is None else _pct(waste),
+                _pct(best.waste),
+                _pct(best.farm_waste),
+            ]
+            + [f"{farm / rates[p]:.2f}x" if p in rates else "-" for p in peers]
+        )
+    return _table(
+        [
+            "model",
+            "farm's best policy",
+            "images/s (head to head)",
+            "waste (head to head)",
+            "waste (sweep)",
+            "sweep's scheduling + messaging",
+        ]
+        + [f"farm ÷ {p}" for p in peers],
+        rows,
+    )
 
 
 def noise(results: Sequence[ModelResults]) -> list[float]:
     """Per worker: how far apart its standalone measurements fell (max / min - 1)."""
-    return [max(rates) / min(rates) - 1 for r in results for workers in r.standalone.values()
-            for rates in workers.values() if len(rates) > 1]
+    return [
+        max(rates) / min(rates) - 1
+        for r in results
+        for workers in r.standalone.values()
+        for rates in workers.values()
+        if len(rates) > 1
+    ]
 
 
 def peer_wins(results: Sequence[ModelResults]) -> list[str]:
@@ -439,8 +630,12 @@ def peer_wins(results: Sequence[ModelResults]) -> list[str]:
                     f"sweep, farm's best lost "
                     f"{_pct(best.contention)} of the standalone speeds to the cores running "
                     f"side by side and {_pct(best.farm_waste)} to scheduling and messaging"
-                    + (f"; the margin is within this run's noise ({spread:.1%})."
-                       if peer.rate / farm - 1 < spread else "."))
+                    + (
+                        f"; the margin is within this run's noise ({spread:.1%})."
+                        if peer.rate / farm - 1 < spread
+                        else "."
+                    )
+                )
     return lines or ["No peer was faster than farm's best policy on any model."]
 
 
@@ -456,10 +651,13 @@ def policy_lines(r: ModelResults) -> list[str]:
             s = index.get((setup, label))
             row += ["-", "-"] if s is None else [f"{s.rate:,.0f}", _pct(s.waste)]
         rows.append(row)
-    rows.append(["theoretical"] + [cell for setup in setups
-                                   for cell in (f"{r.theoretical(setup):,.0f}", "")])
-    header = ["policy"] + [cell for setup in setups
-                           for cell in (f"{setup} images/s", f"{setup} waste")]
+    rows.append(
+        ["theoretical"]
+        + [cell for setup in setups for cell in (f"{r.theoretical(setup):,.0f}", "")]
+    )
+    header = ["policy"] + [
+        cell for setup in setups for cell in (f"{setup} images/s", f"{setup} waste")
+    ]
     return _table(header, rows)
 
 
@@ -472,9 +670,11 @@ def relative_lines(results: Sequence[ModelResults]) -> list[str]:
         for setup in r.setups:
             table = relative_table(r, setup)
             algos = algos or list(table)
-            rows.append([r.model, setup]
-                        + [f"{100 * alone[k]:+.1f}%" if k in alone else "-" for k in kinds]
-                        + [f"{100 * table.get(a, float('nan')):+.1f}%" for a in algos])
+            rows.append(
+                [r.model, setup]
+                + [f"{100 * alone[k]:+.1f}%" if k in alone else "-" for k in kinds]
+                + [f"{100 * table.get(a, float('nan')):+.1f}%" for a in algos]
+            )
     return _table(["model", "setup"] + [f"{k} alone" for k in kinds] + algos, rows)
 
 
@@ -483,10 +683,13 @@ def waste_lines(results: Sequence[ModelResults]) -> list[str]:
     for r in results:
         for (setup, algo), s in r.best_per_policy().items():
             value = f"{s.config.parameter}={s.config.value}" if s.config.params else "-"
-            rows.append([r.model, setup, algo, value, _pct(s.waste),
-                         _pct(s.contention), _pct(s.farm_waste)])
-    return _table(["model", "setup", "policy", "best value", "waste", "contention",
-                   "scheduling + messaging"], rows)
+            rows.append(
+                [r.model, setup, algo, value, _pct(s.waste), _pct(s.contention), _pct(s.farm_waste)]
+            )
+    return _table(
+        ["model", "setup", "policy", "best value", "waste", "contention", "scheduling + messaging"],
+        rows,
+    )
 
 
 def table2_lines(r: ModelResults) -> list[str]:
@@ -501,10 +704,12 @@ def noise_line(results: Sequence[ModelResults]) -> str:
     spreads = noise(results)
     if not spreads:
         return "One standalone measurement per worker: no noise figure."
-    return (f"Noise: one worker's standalone measurements in this run differ by up to "
-            f"{max(spreads):.1%} (median {statistics.median(spreads):.1%}); waste figures "
-            f"closer than that are ties, and a small negative waste means the farm ran "
-            f"faster than the standalone runs happened to.")
+    return (
+        f"Noise: one worker's standalone measurements in this run differ by up to "
+        f"{max(spreads):.1%} (median {statistics.median(spreads):.1%}); waste figures "
+        f"closer than that are ties, and a small negative waste means the farm ran "
+        f"faster than the standalone runs happened to."
+    )
 
 
 def write_report(folder: Path, run: SuiteRun) -> None:
@@ -512,61 +717,118 @@ def write_report(folder: Path, run: SuiteRun) -> None:
     command, seconds = run.command, run.seconds
     gpus = ", ".join(machine["gpus"]) or "no GPU"
     versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items())
-    lines = [f"# farm benchmark, {machine['date']}", "",
-             f"- machine: {machine['cpu']}, {machine['cores']} cores, "
-             f"{machine['memory_gib']} GiB, {gpus}; Linux {machine['kernel']}, "
-             f"Python {machine['python']}",
-             f"- versions: {versions}",
-             f"- load average at start: {machine['load_average']}",
-             f"- command: `{command}` ({seconds / 60:.0f} min)"]
-    lines += [f"- farm `{s.name}`: {s.about}: " + ", ".join(w.label for w in s.workers)
-              for s in setups]
+    lines = [
+        f"# farm benchmark, {machine['date']}",
+        "",
+        f"- machine: {machine['cpu']}, {machine['cores']} cores, "
+        f"{machine['memory_gib']} GiB, {gpus}; Linux {machine['kernel']}, "
+        f"Python {machine['python']}",
+        f"- versions: {versions}",
+        f"- load average at start: {machine['load_average']}",
+        f"- command: `{command}` ({seconds / 60:.0f} min)",
+    ]
+    lines += [
+        f"- farm `{s.name}`: {s.about}: " + ", ".join(w.label for w in s.workers) for s in setups
+    ]
     lines += [f"- not run: {why}" for why in skipped]
-    lines += ["", "Waste = (theoretical - achieved) / theoretical; theoretical is the sum of "
-              "each worker's standalone speed (alone in a one-worker farm), measured in this "
-              "run before each round and after the last. *Contention* is the part the "
-              "workers lose by running side by side (their speeds inside the job against "
-              "alone); *scheduling + messaging* is the rest. Each figure is the median of "
-              "its rounds. The head-to-head waste is the farm's median round between the "
-              "peers against the standalone speeds measured in those rounds; the sweep's "
-              "is its best configuration's, which the pick of the best of many runs "
-              "flatters.", "", noise_line(results), "", "## Headline", ""]
+    lines += [
+        "",
+        "Waste = (theoretical - achieved) / theoretical; theoretical is the sum of "
+        "each worker's standalone speed (alone in a one-worker farm), measured in this "
+        "run before each round and after the last. *Contention* is the part the "
+        "workers lose by running side by side (their speeds inside the job against "
+        "alone); *scheduling + messaging* is the rest. Each figure is the median of "
+        "its rounds. The head-to-head waste is the farm's median round between the "
+        "peers against the standalone speeds measured in those rounds; the sweep's "
+        "is its best configuration's, which the pick of the best of many runs "
+        "flatters.",
+        "",
+        noise_line(results),
+        "",
+        "## Headline",
+        "",
+    ]
     lines += headline(results)
     lines += ["## Where a peer is faster", ""] + peer_wins(results) + [""]
-    lines += ["## Table 2: one worker, images/s by how many images are submitted at once",
-              "", "![Table 2](table2.png)", ""]
+    lines += [
+        "## Table 2: one worker, images/s by how many images are submitted at once",
+        "",
+        "![Table 2](table2.png)",
+        "",
+    ]
     for r in results:
         lines += [f"{r.model}:", ""] + table2_lines(r)
-    lines += ["Compute batch of the farm's workers, tuned like the peers' settings "
-              "(images/s of the engine alone): "
-              + "; ".join(f"{r.model} {kind}: " + ", ".join(f"{b} {v:,.0f}" for b, v in rows)
-                          for r in results for kind, rows in r.batches.items()), ""]
+    lines += [
+        "Compute batch of the farm's workers, tuned like the peers' settings "
+        "(images/s of the engine alone): "
+        + "; ".join(
+            f"{r.model} {kind}: " + ", ".join(f"{b} {v:,.0f}" for b, v in rows)
+            for r in results
+            for kind, rows in r.batches.items()
+        ),
+        "",
+    ]
     for number, r in enumerate(results, start=3):
-        lines += [f"## Figure {number}: {r.model}, every policy at the paper's values, "
-                  f"{r.images:,} images", "", f"![Figure {number}](figure{number}-{r.model}.png)",
-                  ""] + policy_lines(r)
-    lines += ["## Tables 4/5: speed relative to one CPU core (mean over parameter values)", "",
-              "One CPU core: the mean standalone speed of the `cores` farm's workers.", ""]
+        lines += [
+            f"## Figure {number}: {r.model}, every policy at the paper's values, "
+            f"{r.images:,} images",
+            "",
+            f"![Figure {number}](figure{number}-{r.model}.png)",
+            "",
+        ] + policy_lines(r)
+    lines += [
+        "## Tables 4/5: speed relative to one CPU core (mean over parameter values)",
+        "",
+        "One CPU core: the mean standalone speed of the `cores` farm's workers.",
+        "",
+    ]
     lines += relative_lines(results)
-    lines += ["## Figure 5: waste per policy (its best parameter value)", "",
-              "![Figure 5](figure5-waste.png)", ""] + waste_lines(results)
-    lines += ["## Peers: same model, same images, same cores", "", "![peers](peers.png)", "",
-              "Farm's best configuration (from the sweep, on a fresh farm) and every peer run "
-              "in turn, round after round; each figure is the median of its rounds. "
-              "Every peer runs farm's own engine code in fresh processes, tuned on a slice "
-              "first; `max_abs_difference` compares its outputs with the farm's.", ""]
-    lines += _table(["model", "who", "settings", "images/s (median)", "÷ farm's best",
-                     "max abs difference", "note", "each round"], peer_rows(results))
+    lines += [
+        "## Figure 5: waste per policy (its best parameter value)",
+        "",
+        "![Figure 5](figure5-waste.png)",
+        "",
+    ] + waste_lines(results)
+    lines += [
+        "## Peers: same model, same images, same cores",
+        "",
+        "![peers](peers.png)",
+        "",
+        "Farm's best configuration (from the sweep, on a fresh farm) and every peer run "
+        "in turn, round after round; each figure is the median of its rounds. "
+        "Every peer runs farm's own engine code in fresh processes, tuned on a slice "
+        "first; `max_abs_difference` compares its outputs with the farm's.",
+        "",
+    ]
+    lines += _table(
+        [
+            "model",
+            "who",
+            "settings",
+            "images/s (median)",
+            "÷ farm's best",
+            "max abs difference",
+            "note",
+            "each round",
+        ],
+        peer_rows(results),
+    )
     lines += [f"- {why}" for r in results for why in r.skipped_peers]
     lines += ["", "## Standalone speeds (images/s, each measurement)", ""]
-    lines += _table(["model", "setup", "worker", "measurements"],
-                    [(r.model, setup, worker, ", ".join(f"{v:,.0f}" for v in rates))
-                     for r in results for setup, workers in r.standalone.items()
-                     for worker, rates in workers.items()])
+    lines += _table(
+        ["model", "setup", "worker", "measurements"],
+        [
+            (r.model, setup, worker, ", ".join(f"{v:,.0f}" for v in rates))
+            for r in results
+            for setup, workers in r.standalone.items()
+            for worker, rates in workers.items()
+        ],
+    )
     (folder / "report.md").write_text("\n".join(lines))
 
 
 # ---- reading a results folder back ------------------------------------------------------
+
 
 def _rows(folder: Path, name: str) -> list[dict[str, str]]:
     with open(folder / name, newline="") as handle:
@@ -586,48 +848,75 @@ def read_folder(folder: Path) -> SuiteRun:
     """A results folder's data, as the suite had it when it wrote the folder."""
     machine = json.loads((folder / "machine.json").read_text())
     recorded = machine.pop("run")
-    setups = [FarmSetup(name, SETUP_ABOUT.get(name, ""),
-                        tuple(WorkerSpec.from_label(label) for label in labels))
-              for name, labels in machine.pop("setups").items()]
-    results = {model: ModelResults(model, images)
-               for model, images in recorded["images"].items()}
+    setups = [
+        FarmSetup(
+            name, SETUP_ABOUT.get(name, ""), tuple(WorkerSpec.from_label(label) for label in labels)
+        )
+        for name, labels in machine.pop("setups").items()
+    ]
+    results = {model: ModelResults(model, images) for model, images in recorded["images"].items()}
     for model, why in recorded["skipped_peers"].items():
         results[model].skipped_peers = list(why)
     for row in _rows(folder, "batches.csv"):
         results[row["model"]].batches.setdefault(row["device"], []).append(
-            (int(row["batch"]), float(row["images_per_s"])))
+            (int(row["batch"]), float(row["images_per_s"]))
+        )
     for row in _rows(folder, "table2.csv"):
         results[row["model"]].table2.setdefault(row["device"], []).append(
-            (int(row["submitted"]), float(row["images_per_s"])))
+            (int(row["submitted"]), float(row["images_per_s"]))
+        )
     for row in _rows(folder, "standalone.csv"):
         results[row["model"]].standalone.setdefault(row["setup"], {}).setdefault(
-            row["worker"], []).append(float(row["images_per_s"]))
+            row["worker"], []
+        ).append(float(row["images_per_s"]))
     for row in _rows(folder, "policy_runs.csv"):
-        results[row["model"]].runs.append(PolicyRun(
-            row["setup"], row["model"], _configuration(row["policy"], row["parameter"],
-                                                       row["value"]),
-            int(row["round"]), float(row["images_per_s"]), float(row["seconds"]),
-            float(row["in_job_theoretical_per_s"]), int(row["chunks"])))
+        results[row["model"]].runs.append(
+            PolicyRun(
+                row["setup"],
+                row["model"],
+                _configuration(row["policy"], row["parameter"], row["value"]),
+                int(row["round"]),
+                float(row["images_per_s"]),
+                float(row["seconds"]),
+                float(row["in_job_theoretical_per_s"]),
+                int(row["chunks"]),
+            )
+        )
     tuning: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
     for row in _rows(folder, "peer_tuning.csv"):
-        tuning[(row["model"], row["peer"])].append((int(row["setting"]),
-                                                    float(row["images_per_s"])))
+        tuning[(row["model"], row["peer"])].append(
+            (int(row["setting"]), float(row["images_per_s"]))
+        )
     for row in _rows(folder, "peer_runs.csv"):
         found, rate = results[row["model"]], float(row["images_per_s"])
         if row["who"] == "farm":
             found.farm_rounds.append(rate)
             continue
         round_ = int(row["round"])
-        found.peers.append(PeerResult(
-            row["who"], row["setting"], rate, found.images / rate,
-            tuple(tuning[(row["model"], row["who"])]) if round_ == 0 else (), None,
-            row["note"], int(row["best"]), round_))
+        found.peers.append(
+            PeerResult(
+                row["who"],
+                row["setting"],
+                rate,
+                found.images / rate,
+                tuple(tuning[(row["model"], row["who"])]) if round_ == 0 else (),
+                None,
+                row["note"],
+                int(row["best"]),
+                round_,
+            )
+        )
     for row in _rows(folder, "peers.csv"):
         if not row["peer"].startswith("farm ("):
-            results[row["model"]].peer_differences[row["peer"]] = float(
-                row["max_abs_difference"])
-    return SuiteRun(machine, setups, list(recorded["skipped"]), list(results.values()),
-                    recorded["command"], float(recorded["seconds"]))
+            results[row["model"]].peer_differences[row["peer"]] = float(row["max_abs_difference"])
+    return SuiteRun(
+        machine,
+        setups,
+        list(recorded["skipped"]),
+        list(results.values()),
+        recorded["command"],
+        float(recorded["seconds"]),
+    )
 
 
 def write_folder(folder: Path, run: SuiteRun) -> None:

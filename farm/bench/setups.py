@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from farm.ops.deploy import Layout
 from farm.engines.engine import AUTO, available_backends
-from farm.ops.local import cores
 from farm.modelrepo.repository import find
+from farm.ops.deploy import Layout
+from farm.ops.local import cores
 
 
 @dataclass(frozen=True)
@@ -65,18 +65,20 @@ class FarmSetup:
 
     def with_batches(self, batches: dict[str, int]) -> FarmSetup:
         """The same farm, each worker at the batch of its kind in ``batches``."""
-        return FarmSetup(self.name, self.about, tuple(
-            worker.with_batch(batches.get(worker.kind)) for worker in self.workers))
+        return FarmSetup(
+            self.name,
+            self.about,
+            tuple(worker.with_batch(batches.get(worker.kind)) for worker in self.workers),
+        )
 
 
 SETUP_NAMES = ("cores", "mixed", "gpu")
 SETUP_ABOUT = {
     "cores": "one pinned single-thread worker per core, on the backend auto picks "
-             "(the default farm)",
-    "mixed": "pinned single-thread workers, OpenCV and torch on alternate cores "
-             "(unequal speeds)",
+    "(the default farm)",
+    "mixed": "pinned single-thread workers, OpenCV and torch on alternate cores (unequal speeds)",
     "gpu": "one worker per GPU and one pinned worker per core but those kept to feed the "
-           "GPUs, each on the backend auto picks",
+    "GPUs, each on the backend auto picks",
 }
 
 
@@ -104,18 +106,23 @@ def farm_setups(wanted: tuple[str, ...] = SETUP_NAMES) -> tuple[list[FarmSetup],
         elif len(here) < 2:
             skipped.append("mixed: needs two cores")
         else:
-            mixed = tuple(WorkerSpec(f"cpu:{core}", "torch" if i % 2 else "opencv")
-                          for i, core in enumerate(here))
+            mixed = tuple(
+                WorkerSpec(f"cpu:{core}", "torch" if i % 2 else "opencv")
+                for i, core in enumerate(here)
+            )
             built.append(FarmSetup("mixed", SETUP_ABOUT["mixed"], mixed))
     if "gpu" in wanted:
         gpus = gpu_names()
         if not gpus:
-            skipped.append("gpu: no CUDA device " + ("(torch is not installed)"
-                                                     if torch_problem else "visible to torch"))
+            skipped.append(
+                "gpu: no CUDA device "
+                + ("(torch is not installed)" if torch_problem else "visible to torch")
+            )
         else:  # a core per GPU feeds it, as farm deploy supervisord lays it out
             layout = Layout.plan(tuple(here), tuple(range(len(gpus))))
-            workers = tuple(WorkerSpec(f"cpu:{core}") for core in layout.cpu_cores) + \
-                tuple(WorkerSpec(f"gpu:{gpu}") for gpu, _ in layout.gpus)
+            workers = tuple(WorkerSpec(f"cpu:{core}") for core in layout.cpu_cores) + tuple(
+                WorkerSpec(f"gpu:{gpu}") for gpu, _ in layout.gpus
+            )
             built.append(FarmSetup("gpu", SETUP_ABOUT["gpu"], workers))
     return built, skipped
 
@@ -126,8 +133,9 @@ def make_images(model: str, count: int) -> np.ndarray:
     either way the same on every call."""
     spec = find(model)
     if spec.sample is None:
-        pixels = np.random.default_rng(0).integers(0, 256, (min(count, 64), *spec.item_shape),
-                                                   dtype=np.uint8)
+        pixels = np.random.default_rng(0).integers(
+            0, 256, (min(count, 64), *spec.item_shape), dtype=np.uint8
+        )
         return np.resize(pixels, (count, *spec.item_shape))
     return np.resize(np.load(spec.sample), (count, *spec.item_shape))
 
@@ -148,15 +156,29 @@ def describe_machine() -> dict[str, Any]:
                 model = line.split(":", 1)[1].strip()
                 break
     with open("/proc/meminfo") as handle:
-        memory = int(handle.readline().split()[1]) / 1024 ** 2
+        memory = int(handle.readline().split()[1]) / 1024**2
     return {
         "date": datetime.date.today().isoformat(),
-        "cpu": model, "cores": len(cores()), "memory_gib": round(memory, 1),
-        "gpus": gpu_names(), "kernel": platform.release(),
+        "cpu": model,
+        "cores": len(cores()),
+        "memory_gib": round(memory, 1),
+        "gpus": gpu_names(),
+        "kernel": platform.release(),
         "python": platform.python_version(),
-        "versions": {name: _version(name) for name in
-                     ("farm", "opencv-python-headless", "torch", "onnxruntime", "openvino",
-                      "onnx", "numpy", "pyzmq", "ray")},
+        "versions": {
+            name: _version(name)
+            for name in (
+                "farm",
+                "opencv-python-headless",
+                "torch",
+                "onnxruntime",
+                "openvino",
+                "onnx",
+                "numpy",
+                "pyzmq",
+                "ray",
+            )
+        },
         "load_average": [round(value, 2) for value in os.getloadavg()],
     }
 

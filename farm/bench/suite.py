@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -13,8 +13,15 @@ from farm import defaults
 from farm.bench import measure, peers, results
 from farm.bench.measure import PolicyRun
 from farm.bench.results import ModelResults
-from farm.bench.setups import (SETUP_NAMES, FarmSetup, WorkerSpec, describe_machine,
-                                   farm_setups, machine_slug, make_images)
+from farm.bench.setups import (
+    SETUP_NAMES,
+    FarmSetup,
+    WorkerSpec,
+    describe_machine,
+    farm_setups,
+    machine_slug,
+    make_images,
+)
 from farm.client.client import FarmError
 from farm.ops.local import cores
 
@@ -43,15 +50,16 @@ def kinds(setups: list[FarmSetup]) -> dict[str, WorkerSpec]:
     return found
 
 
-def standalone_round(setup: FarmSetup, model: str, images: np.ndarray,
-                     into: dict[str, list[float]]) -> None:
+def standalone_round(
+    setup: FarmSetup, model: str, images: np.ndarray, into: dict[str, list[float]]
+) -> None:
     for worker in setup.workers:
-        into.setdefault(worker.label, []).append(
-            measure.standalone_rate(worker, model, images))
+        into.setdefault(worker.label, []).append(measure.standalone_rate(worker, model, images))
 
 
-def run_model(config: SuiteConfig, model: str, setups: list[FarmSetup],
-              say: Callable[[str], None]) -> ModelResults:
+def run_model(
+    config: SuiteConfig, model: str, setups: list[FarmSetup], say: Callable[[str], None]
+) -> ModelResults:
     """Everything on one model: batches, Table 2, the sweeps with standalone speeds, peers."""
     found = ModelResults(model, config.images)
     images = make_images(model, config.images)
@@ -62,19 +70,23 @@ def run_model(config: SuiteConfig, model: str, setups: list[FarmSetup],
         say(f"{model}: {kind} computes fastest at batch {best[kind]}")
     sizes = measure.TABLE2_SIZES[1:4] if config.quick else measure.TABLE2_SIZES
     for kind, worker in kinds(setups).items():
-        found.table2[kind] = measure.table2(worker.with_batch(best[kind]), model,
-                                            images[:config.table2_images], sizes)
-        say(f"{model}: Table 2, {kind}: " + ", ".join(f"{n}: {v:,.0f}/s"
-                                                      for n, v in found.table2[kind]))
+        found.table2[kind] = measure.table2(
+            worker.with_batch(best[kind]), model, images[: config.table2_images], sizes
+        )
+        say(
+            f"{model}: Table 2, {kind}: "
+            + ", ".join(f"{n}: {v:,.0f}/s" for n, v in found.table2[kind])
+        )
     configs = measure.paper_configurations(config.quick)
     reference: np.ndarray | None = None
     for setup in (s.with_batches(best) for s in setups):
         standalone = found.standalone.setdefault(setup.name, {})
-        alone = images[:config.standalone_images]
+        alone = images[: config.standalone_images]
         for round_ in range(config.repeat):
             standalone_round(setup, model, alone, standalone)
-            runs, outputs = measure.policy_sweep(setup, model, images, configs, round_,
-                                                 lambda run: say(_run_line(run)))
+            runs, outputs = measure.policy_sweep(
+                setup, model, images, configs, round_, lambda run: say(_run_line(run))
+            )
             found.runs += runs
             reference = outputs if reference is None else reference
         standalone_round(setup, model, alone, standalone)
@@ -88,16 +100,23 @@ def run_model(config: SuiteConfig, model: str, setups: list[FarmSetup],
             available.append(peer)
     cores_farm = next((s for s in setups if s.name == "cores"), None)
     if cores_farm is not None and reference is not None:  # the sweep ran on the cores farm
-        head_to_head(config, found, cores_farm.with_batches(best), available, images,
-                     reference, say)
+        head_to_head(
+            config, found, cores_farm.with_batches(best), available, images, reference, say
+        )
     elif config.peers:
         found.skipped_peers.append("every peer: peers run beside the cores farm, not built")
     return found
 
 
-def head_to_head(config: SuiteConfig, found: ModelResults, setup: FarmSetup,
-                 available: list[str], images: np.ndarray, reference: np.ndarray,
-                 say: Callable[[str], None]) -> None:
+def head_to_head(
+    config: SuiteConfig,
+    found: ModelResults,
+    setup: FarmSetup,
+    available: list[str],
+    images: np.ndarray,
+    reference: np.ndarray,
+    say: Callable[[str], None],
+) -> None:
     """Farm's best configuration and every peer, in turn, ``peer_rounds`` times: the
     machine's drift touches all of them alike (each figure is then a median).  Each round
     first measures the farm's workers alone again, so the farm's figure here has a waste
@@ -108,24 +127,35 @@ def head_to_head(config: SuiteConfig, found: ModelResults, setup: FarmSetup,
         raise FarmError(f"{found.model}: no policy ran on the cores farm, no best to compare")
     settings: dict[str, int] = {}
     for round_ in range(config.peer_rounds):
-        standalone_round(setup, found.model, images[:config.standalone_images],
-                         found.standalone.setdefault(results.HEAD_TO_HEAD, {}))
+        standalone_round(
+            setup,
+            found.model,
+            images[: config.standalone_images],
+            found.standalone.setdefault(results.HEAD_TO_HEAD, {}),
+        )
         found.farm_rounds.append(measure.farm_rate(setup, found.model, images, best.config))
         say(f"{found.model}: farm ({best.config.label}): {found.farm_rounds[-1]:,.0f}/s")
         for peer in available:
-            result = peers.run_peer(peer, found.model, config.images, config.tune_images,
-                                    len(cores()), settings.get(peer), round_)
+            result = peers.run_peer(
+                peer,
+                found.model,
+                config.images,
+                config.tune_images,
+                len(cores()),
+                settings.get(peer),
+                round_,
+            )
             settings[peer] = result.best
             found.peers.append(result)
             difference = float(np.max(np.abs(result.outputs - reference)))
-            found.peer_differences[peer] = max(difference,
-                                               found.peer_differences.get(peer, 0.0))
+            found.peer_differences[peer] = max(difference, found.peer_differences.get(peer, 0.0))
             say(f"{found.model}: {peer} ({result.setting}): {result.rate:,.0f}/s")
 
 
 def _run_line(run: PolicyRun) -> str:
-    return (f"{run.model}, {run.setup}, round {run.round_ + 1}: {run.config.label}: "
-            f"{run.rate:,.0f}/s")
+    return (
+        f"{run.model}, {run.setup}, round {run.round_ + 1}: {run.config.label}: {run.rate:,.0f}/s"
+    )
 
 
 def run_suite(config: SuiteConfig, command: str, say: Callable[[str], None]) -> Path:
@@ -140,6 +170,8 @@ def run_suite(config: SuiteConfig, command: str, say: Callable[[str], None]) -> 
     for why in skipped:
         say(f"not run: {why}")
     found = [run_model(config, model, setups, say) for model in config.models]
-    results.write_folder(folder, results.SuiteRun(machine, setups, skipped, found, command,
-                                                  time.perf_counter() - started))
+    results.write_folder(
+        folder,
+        results.SuiteRun(machine, setups, skipped, found, command, time.perf_counter() - started),
+    )
     return folder

@@ -63,14 +63,20 @@ class Evidence:
     def settle(self, chunk: Chunk) -> None:
         """The chunk's items came back: forget the marks that lie within it."""
         if self.marks:
-            self.marks = [m for m in self.marks
-                          if not (chunk.start <= m.start and m.stop <= chunk.stop)]
+            self.marks = [
+                m for m in self.marks if not (chunk.start <= m.start and m.stop <= chunk.stop)
+            ]
 
     def tally(self, chunk: Chunk, alone: bool = False) -> Tally:
         """The worst item of ``chunk``; ``alone``: count only marks of exactly this range
         (what a single image did by itself)."""
-        marks = [m for m in self.marks if m.start < chunk.stop and chunk.start < m.stop
-                 and (not alone or (m.start, m.stop) == (chunk.start, chunk.stop))]
+        marks = [
+            m
+            for m in self.marks
+            if m.start < chunk.stop
+            and chunk.start < m.stop
+            and (not alone or (m.start, m.stop) == (chunk.start, chunk.stop))
+        ]
         if not marks:
             return Tally()
         edges = sorted({max(m.start, chunk.start) for m in marks})
@@ -78,14 +84,20 @@ class Evidence:
         for item in edges:  # coverage only changes where a mark starts
             over = [m for m in marks if m.start <= item < m.stop]
             charged = [m for m in over if m.charged]
-            worst = Tally(max(worst.runs, len(over)), max(worst.charges, len(charged)),
-                          max(worst.devices, len({m.device for m in charged})))
+            worst = Tally(
+                max(worst.runs, len(over)),
+                max(worst.charges, len(charged)),
+                max(worst.devices, len({m.device for m in charged})),
+            )
         return worst
 
     def devices_charging(self, chunk: Chunk) -> set[str]:
         """Devices on which an attempt at exactly ``chunk`` was charged."""
-        return {m.device for m in self.marks
-                if m.charged and (m.start, m.stop) == (chunk.start, chunk.stop)}
+        return {
+            m.device
+            for m in self.marks
+            if m.charged and (m.start, m.stop) == (chunk.start, chunk.stop)
+        }
 
 
 def suspect(tally: Tally, max_attempts: int) -> bool:

@@ -26,9 +26,10 @@ import logging
 import mmap
 import secrets
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -69,8 +70,12 @@ class BrokerConfig(SchedulingConfig):
 class Broker:
     """Socket, decoding, timers and model files around a ``FarmState``."""
 
-    def __init__(self, config: BrokerConfig, context: zmq.Context,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        context: zmq.Context,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         config.check()  # fail fast on a bad policy name, parameter or sharing rule
         self.config = config
         self.clock = clock
@@ -89,8 +94,7 @@ class Broker:
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
         # connections closing (a peer's process died) name their peer through ``connections``
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_ACCEPTED
-                                                      | zmq.EVENT_DISCONNECTED)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.connections = Connections()
         self.wakeup: Wakeup | None = None  # serve() ends the loop's wait on SIGINT/SIGTERM
@@ -107,32 +111,48 @@ class Broker:
                 self.metrics_url = self.metrics.serve(*config.metrics)
             except OSError as exc:
                 self.socket.close()
-                raise OSError(f"cannot serve metrics on {config.metrics[0]}:"
-                              f"{config.metrics[1]}: {exc.strerror or exc}") from exc
+                raise OSError(
+                    f"cannot serve metrics on {config.metrics[0]}:"
+                    f"{config.metrics[1]}: {exc.strerror or exc}"
+                ) from exc
         # attempt ids differ from any a previous broker on this address handed out, so a
         # worker's reply to one of those can never pass for a reply to a new attempt
-        self.state = FarmState(config, first_chunk_id=secrets.randbits(48),
-                               observer=self.metrics)
+        self.state = FarmState(config, first_chunk_id=secrets.randbits(48), observer=self.metrics)
         # every event fed to the state and what it answered, when set to a list (tests)
         self.recorded: list[tuple[ev.FarmEvent, list[ev.Instruction]]] | None = None
         self.next_heartbeat = self.clock()
         self.running = True
         #: what peers may send a broker: everything but what only the broker sends
-        self.accepted = frozenset({
-            Command.READY, Command.RESULT, Command.FAILED, Command.SUBMIT, Command.DATA,
-            Command.INFO, Command.DISCONNECT, Command.HEARTBEAT, Command.FETCH, Command.CANCEL})
+        self.accepted = frozenset(
+            {
+                Command.READY,
+                Command.RESULT,
+                Command.FAILED,
+                Command.SUBMIT,
+                Command.DATA,
+                Command.INFO,
+                Command.DISCONNECT,
+                Command.HEARTBEAT,
+                Command.FETCH,
+                Command.CANCEL,
+            }
+        )
 
     # ----------------------------------------------------------------- loop
 
     def serve(self) -> None:
         """Run until ``stop`` is called (SIGINT/SIGTERM in the CLI)."""
         config = self.config
-        log.info("broker listening on %s: policy %s%s, sharing %s, CURVE %s%s", self.endpoint,
-                 config.algo, f" {config.params}" if config.params else "", config.sharing,
-                 "on" if config.curve else "off",
-                 f", metrics {self.metrics_url}" if self.metrics_url else "",
-                 extra={"event": "broker_started", "endpoint": self.endpoint,
-                        "policy": config.algo})
+        log.info(
+            "broker listening on %s: policy %s%s, sharing %s, CURVE %s%s",
+            self.endpoint,
+            config.algo,
+            f" {config.params}" if config.params else "",
+            config.sharing,
+            "on" if config.curve else "off",
+            f", metrics {self.metrics_url}" if self.metrics_url else "",
+            extra={"event": "broker_started", "endpoint": self.endpoint, "policy": config.algo},
+        )
         while self.running:
             wait = max(0.0, self.next_heartbeat - self.clock())
             self.poll_once(int(wait * 1000) + 1)
@@ -163,8 +183,9 @@ class Broker:
             self.send(identity, messages.Heartbeat(interval=interval))
         workers = len(self.state.workers)  # a client waiting on none says so to its user
         for job in self.state.jobs.values():
-            self.send(job.client, messages.Heartbeat(job=job.id, interval=interval,
-                                                     workers=workers))
+            self.send(
+                job.client, messages.Heartbeat(job=job.id, interval=interval, workers=workers)
+            )
 
     def poll_once(self, timeout_ms: int) -> None:
         """Handle the messages waiting (or arriving within the timeout), at most ``MAX_BATCH``;
@@ -201,8 +222,9 @@ class Broker:
         """A peer's connection closed: a worker crashed, or a client's jobs end."""
         now = self.clock()
         if peer in self.state.workers:
-            self.feed(ev.WorkerLeft(worker=peer, at=now, reason="its connection closed",
-                                    crashed=True))
+            self.feed(
+                ev.WorkerLeft(worker=peer, at=now, reason="its connection closed", crashed=True)
+            )
         elif any(job.client == peer for job in self.state.jobs.values()):
             self.feed(ev.ClientLeft(client=peer, at=now))
 
@@ -261,18 +283,24 @@ class Broker:
             log.info("job %s refused: %s", header.job, refusal)
             self.send(identity, messages.Error(error=refusal, job=header.job))
             return
-        self.feed(wire.job_submitted(identity, header, now, self.config.heartbeat,
-                                     self.find_model))
+        self.feed(wire.job_submitted(identity, header, now, self.config.heartbeat, self.find_model))
 
     def find_model(self, name: str) -> ModelFound | str:
         """What the repository says of a job's model: its shape and digest, or why not."""
         try:
             spec, manifest = self.models.lookup(name)
         except Exception as exc:  # ModelError, or a bug: either way the client hears why
-            return (str(exc) if isinstance(exc, ModelError) else
-                    f"cannot use model {name!r}: {type(exc).__name__}: {exc}")
-        return ModelFound(item_shape=tuple(spec.item_shape), digest=manifest.digest,
-                          layout=spec.preprocess.layout, crops=spec.resize.crops)
+            return (
+                str(exc)
+                if isinstance(exc, ModelError)
+                else f"cannot use model {name!r}: {type(exc).__name__}: {exc}"
+            )
+        return ModelFound(
+            item_shape=tuple(spec.item_shape),
+            digest=manifest.digest,
+            layout=spec.preprocess.layout,
+            crops=spec.resize.crops,
+        )
 
     # ---------------------------------------------------------------- files
 
@@ -294,17 +322,20 @@ class Broker:
                 raise ModelError("models are sent to registered workers only")
             spec, manifest = self.models.lookup(name)
             if digest and manifest.digest != digest:  # "": whatever the broker has now
-                raise ModelError(f"model {name!r} changed on the broker (now {manifest.digest[:12]}"
-                                 f", asked for {digest[:12]})")
+                raise ModelError(
+                    f"model {name!r} changed on the broker (now {manifest.digest[:12]}"
+                    f", asked for {digest[:12]})"
+                )
             size = sum(f.size for f in manifest.files)
             largest = max((f.size for f in manifest.files), default=0)
             if largest > protocol.MAX_MESSAGE_BYTES:
-                raise ModelError(f"model {name!r} has a file of {largest:,} bytes, over the "
-                                 f"{protocol.MAX_MESSAGE_BYTES:,}-byte frame limit")
+                raise ModelError(
+                    f"model {name!r} has a file of {largest:,} bytes, over the "
+                    f"{protocol.MAX_MESSAGE_BYTES:,}-byte frame limit"
+                )
             contents = [mapped(spec.files()[f.name]) for f in manifest.files]
         except (ModelError, OSError) as exc:
-            self.send(identity, messages.Model(model=name, digest=digest, files=[],
-                                               error=str(exc)))
+            self.send(identity, messages.Model(model=name, digest=digest, files=[], error=str(exc)))
             return None
         entry.fetched[name] = entry.fetched.get(name, 0) + 1
         log.info("sending model %s (%d bytes) to %s", name, size, entry.name)
@@ -318,8 +349,11 @@ class Broker:
         ``model``, that model's card at once."""
         wanted = header.wait_workers
         if header.model is not None:
-            self.send(identity, messages.Info(),
-                      protocol.document_frames({"model": self.model_card(header.model)}))
+            self.send(
+                identity,
+                messages.Info(),
+                protocol.document_frames({"model": self.model_card(header.model)}),
+            )
         elif len(self.state.workers) >= wanted:
             self.send(identity, messages.Info(), protocol.document_frames(self.snapshot()))
         elif len(self.info_waiters) >= MAX_INFO_WAITERS:
@@ -352,15 +386,20 @@ class Broker:
     def snapshot(self) -> dict[str, Any]:
         """What ``farm status`` shows: the broker, its workers and its jobs (in slot order)."""
         now = self.clock()
-        return {"endpoint": self.endpoint, "uptime_s": now - self.started_at,
-                "metrics": self.metrics_url, **self.state.describe(now)}
+        return {
+            "endpoint": self.endpoint,
+            "uptime_s": now - self.started_at,
+            "metrics": self.metrics_url,
+            **self.state.describe(now),
+        }
 
 
 def mapped(path: Path) -> Any:
     """A read-only memory map of a file (b"" for an empty one): a zero-copy frame."""
     with open(path, "rb") as handle:
-        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size \
-            else b""
+        return (
+            mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size else b""
+        )
 
 
 def serve(config: BrokerConfig, on_bound: Callable[[Broker], None] | None = None) -> None:

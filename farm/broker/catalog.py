@@ -1,4 +1,5 @@
-"""The broker's model repository: specs and manifests by name, hashed again only when files change."""
+"""The broker's model repository: specs and manifests by name, hashed again only when files
+change."""
 
 from __future__ import annotations
 

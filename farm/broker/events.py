@@ -144,8 +144,19 @@ class Tick:
     at: float
 
 
-FarmEvent = (WorkerJoined | WorkerLeft | WorkerHeard | ResultArrived | FailureArrived
-             | JobSubmitted | JobCancelled | ClientHeard | ClientLeft | DataArrived | Tick)
+FarmEvent = (
+    WorkerJoined
+    | WorkerLeft
+    | WorkerHeard
+    | ResultArrived
+    | FailureArrived
+    | JobSubmitted
+    | JobCancelled
+    | ClientHeard
+    | ClientLeft
+    | DataArrived
+    | Tick
+)
 
 
 # ------------------------------------------------------------------------- instructions
@@ -237,8 +248,9 @@ class DropWorker:
     worker: Peer
 
 
-Instruction = (SendNeed | SendTask | SendResult | SendFailed | SendDone | SendCancel
-               | SendError | DropWorker)
+Instruction = (
+    SendNeed | SendTask | SendResult | SendFailed | SendDone | SendCancel | SendError | DropWorker
+)
 
 
 Kind = TypeVar("Kind")
@@ -250,6 +262,9 @@ def matching(instructions: list[Any], kind: type[Kind], **values: Any) -> list[K
     unknown = set(values) - names
     if unknown:
         raise TypeError(f"{kind.__name__} has no field {', '.join(sorted(unknown))}")
-    return [each for each in instructions if isinstance(each, kind)
-            and all(getattr(each, name) == value for name, value in values.items())]
-
+    return [
+        each
+        for each in instructions
+        if isinstance(each, kind)
+        and all(getattr(each, name) == value for name, value in values.items())
+    ]

@@ -98,8 +98,7 @@ class Job:
     @property
     def finished(self) -> bool:
         """Every item computed or given up: the policy's and every retried range."""
-        return (self.policy is not None and self.policy.finished
-                and self.retry_items == 0)
+        return self.policy is not None and self.policy.finished and self.retry_items == 0
 
     @property
     def priority(self) -> int:
@@ -127,14 +126,29 @@ class Job:
         elapsed = now - self.started_at if self.started_at is not None else 0.0
         rate = done / elapsed if elapsed > 0 else 0.0
         failed = sum(f.count for f in self.abandoned)
-        return {"job": self.id, "client": self.options.client, "model": self.model,
-                "policy": self.algo, "priority": self.priority, "state": self.state(),
-                "total": self.total, "done": done, "failed": failed,
-                "in_flight": self.in_flight, "workers": len({w for w, chunks in (
-                    self.policy.in_flight.items() if self.policy else ()) if chunks}),
-                "rate": rate, "eta_s": (self.total - done) / rate if rate > 0 else None,
-                "age_s": now - self.submitted_at,
-                "timeout_s": self.options.timeout}
+        return {
+            "job": self.id,
+            "client": self.options.client,
+            "model": self.model,
+            "policy": self.algo,
+            "priority": self.priority,
+            "state": self.state(),
+            "total": self.total,
+            "done": done,
+            "failed": failed,
+            "in_flight": self.in_flight,
+            "workers": len(
+                {
+                    w
+                    for w, chunks in (self.policy.in_flight.items() if self.policy else ())
+                    if chunks
+                }
+            ),
+            "rate": rate,
+            "eta_s": (self.total - done) / rate if rate > 0 else None,
+            "age_s": now - self.submitted_at,
+            "timeout_s": self.options.timeout,
+        }
 
     @property
     def max_chunk(self) -> int:
@@ -149,8 +163,9 @@ class Job:
         """1 + the most times any item of the chunk ran without a result."""
         return 1 + self.evidence.tally(chunk).runs
 
-    def account(self, worker: WorkerEntry[ChunkRecord], chunk: Chunk, compute: float,
-                load: float = 0.0) -> None:
+    def account(
+        self, worker: WorkerEntry[ChunkRecord], chunk: Chunk, compute: float, load: float = 0.0
+    ) -> None:
         share = self.shares.get(worker.id)
         if share is None:
             share = self.shares[worker.id] = Share(worker.name, worker.device)
@@ -170,16 +185,26 @@ class Job:
         for worker_id, worker in self.eligible.items():
             share = self.shares.get(worker_id, Share(worker.name, worker.device))
             history = worker.history.get(self.model)
-            rate = (share.items / share.compute_s if share.compute_s > 0
-                    else history.rate if history else 0.0)
+            rate = (
+                share.items / share.compute_s
+                if share.compute_s > 0
+                else history.rate
+                if history
+                else 0.0
+            )
             workers.append(WorkerShare(**vars(share), rate=rate))
-        return JobSummary(total=self.total, broker_seconds=now - self.submitted_at,
-                          items=self.done, policy=self.algo, workers=tuple(workers),
-                          shared=self.shared,
-                          failed_items=sum(f.count for f in self.abandoned),
-                          failed_attempts=self.evidence.charged,
-                          lost_attempts=self.evidence.lost,
-                          items_run=self.items_run)
+        return JobSummary(
+            total=self.total,
+            broker_seconds=now - self.submitted_at,
+            items=self.done,
+            policy=self.algo,
+            workers=tuple(workers),
+            shared=self.shared,
+            failed_items=sum(f.count for f in self.abandoned),
+            failed_attempts=self.evidence.charged,
+            lost_attempts=self.evidence.lost,
+            items_run=self.items_run,
+        )
 
 
 #: A worker's registry entry, holding the broker's chunk records.

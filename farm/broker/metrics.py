@@ -3,7 +3,8 @@
 Names and labels follow Prometheus' conventions: a ``farm_`` prefix, base
 units (seconds), ``_total`` on counters, and ``worker``/``device``/``host``
 labels on per-worker series.  The PooledPredictor callbacks of fb-caffe-exts
-(github.com/facebookarchive/fb-caffe-exts) map onto them: ``onJobEnqueued(queueSize, delay)`` is ``farm_chunks_waiting``
+(github.com/facebookarchive/fb-caffe-exts) map onto them: ``onJobEnqueued(queueSize, delay)`` is
+``farm_chunks_waiting``
 and ``farm_chunk_queue_seconds``, ``onJobDequeued`` is
 ``farm_worker_chunks_in_flight``, and ``onJobProcessed(time)`` is
 ``farm_chunk_compute_seconds`` with the per-worker ``_total`` counters.
@@ -16,10 +17,10 @@ Series of a worker that leaves are removed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
@@ -30,8 +31,23 @@ if TYPE_CHECKING:
     from farm.broker.state import FarmCounts
 
 #: Latency buckets, in seconds: 0.5 ms to 30 s.
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                   5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 WORKER_LABELS = ("worker", "device", "host")
 JOB_STATES = ("queued", "running")
 
@@ -46,33 +62,52 @@ class BrokerMetrics:
         self.clock = clock
         self.registry = CollectorRegistry()
         per_worker: dict[str, Any] = {"labelnames": WORKER_LABELS, "registry": self.registry}
-        self.images = Counter("farm_worker_images", "Images computed by the worker.",
-                              **per_worker)
-        self.chunks = Counter("farm_worker_chunks", "Chunks computed by the worker.",
-                              **per_worker)
-        self.compute = Counter("farm_worker_compute_seconds",
-                               "Seconds the worker spent computing chunks.", **per_worker)
-        self.failures = Counter("farm_worker_chunk_failures",
-                                "Chunk attempts that failed on the worker (or were lost with it).",
-                                **per_worker)
+        self.images = Counter("farm_worker_images", "Images computed by the worker.", **per_worker)
+        self.chunks = Counter("farm_worker_chunks", "Chunks computed by the worker.", **per_worker)
+        self.compute = Counter(
+            "farm_worker_compute_seconds",
+            "Seconds the worker spent computing chunks.",
+            **per_worker,
+        )
+        self.failures = Counter(
+            "farm_worker_chunk_failures",
+            "Chunk attempts that failed on the worker (or were lost with it).",
+            **per_worker,
+        )
         self.queue_latency = Histogram(
-            "farm_chunk_queue_seconds", "Seconds from a chunk's assignment to the start of its "
+            "farm_chunk_queue_seconds",
+            "Seconds from a chunk's assignment to the start of its "
             "compute (input fetched from the client, queued on the worker).",
-            buckets=LATENCY_BUCKETS, registry=self.registry)
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.transfer_latency = Histogram(
-            "farm_chunk_transfer_seconds", "Seconds a chunk spent on the network between broker "
-            "and worker, both ways.", buckets=LATENCY_BUCKETS, registry=self.registry)
+            "farm_chunk_transfer_seconds",
+            "Seconds a chunk spent on the network between broker and worker, both ways.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.compute_latency = Histogram(
-            "farm_chunk_compute_seconds", "Seconds of compute per chunk.",
-            buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.images_delivered = Counter("farm_images_delivered",
-                                        "Images whose outputs went back to clients.",
-                                        registry=self.registry)
-        self.in_flight = Gauge("farm_worker_chunks_in_flight",
-                               "Chunks assigned to the worker and not yet answered.", **per_worker)
-        self.heartbeat_age = Gauge("farm_worker_heartbeat_age_seconds",
-                                   "Seconds since the broker last heard from the worker.",
-                                   **per_worker)
+            "farm_chunk_compute_seconds",
+            "Seconds of compute per chunk.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.images_delivered = Counter(
+            "farm_images_delivered",
+            "Images whose outputs went back to clients.",
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "farm_worker_chunks_in_flight",
+            "Chunks assigned to the worker and not yet answered.",
+            **per_worker,
+        )
+        self.heartbeat_age = Gauge(
+            "farm_worker_heartbeat_age_seconds",
+            "Seconds since the broker last heard from the worker.",
+            **per_worker,
+        )
         self.registry.register(_LiveCollector(counts))
         self.server: Any = None
 
@@ -91,22 +126,33 @@ class BrokerMetrics:
     def worker_joined(self, entry: WorkerEntry) -> None:
         labels = labels_of(entry)
         self.in_flight.labels(*labels).set_function(lambda: len(entry.in_flight))
-        self.heartbeat_age.labels(*labels).set_function(
-            lambda: self.clock() - entry.last_seen)
+        self.heartbeat_age.labels(*labels).set_function(lambda: self.clock() - entry.last_seen)
         for counter in (self.images, self.chunks, self.compute, self.failures):
             counter.labels(*labels)  # present at 0 from the start
 
     def worker_left(self, entry: WorkerEntry) -> None:
         labels = labels_of(entry)
-        for metric in (self.images, self.chunks, self.compute, self.failures, self.in_flight,
-                       self.heartbeat_age):
+        for metric in (
+            self.images,
+            self.chunks,
+            self.compute,
+            self.failures,
+            self.in_flight,
+            self.heartbeat_age,
+        ):
             try:
                 metric.remove(*labels)
             except KeyError:
                 pass
 
-    def chunk_done(self, entry: WorkerEntry, items: int, timings: dict[str, float],
-                   queued_s: float, round_trip_s: float) -> None:
+    def chunk_done(
+        self,
+        entry: WorkerEntry,
+        items: int,
+        timings: dict[str, float],
+        queued_s: float,
+        round_trip_s: float,
+    ) -> None:
         """``queued_s``: assignment to TASK sent; ``round_trip_s``: TASK sent to RESULT back."""
         labels = labels_of(entry)
         compute = timings["compute"]
@@ -137,23 +183,31 @@ class _LiveCollector:
 
     def collect(self) -> Iterator[Any]:
         counts = self.counts()
-        by_state = GaugeMetricFamily("farm_jobs", "Jobs the broker holds, by state.",
-                                     labels=["state"])
+        by_state = GaugeMetricFamily(
+            "farm_jobs", "Jobs the broker holds, by state.", labels=["state"]
+        )
         for state in JOB_STATES:
             by_state.add_metric([state], counts.jobs.get(state, 0))
         yield by_state
-        yield GaugeMetricFamily("farm_workers", "Workers registered with the broker.",
-                                value=counts.workers)
-        yield GaugeMetricFamily("farm_chunks_waiting", "Chunks assigned whose input the broker "
-                                "is still fetching from the client.",
-                                value=counts.chunks_waiting)
-        ended = CounterMetricFamily("farm_jobs_ended", "Jobs that ended, by outcome.",
-                                    labels=["outcome"])
+        yield GaugeMetricFamily(
+            "farm_workers", "Workers registered with the broker.", value=counts.workers
+        )
+        yield GaugeMetricFamily(
+            "farm_chunks_waiting",
+            "Chunks assigned whose input the broker is still fetching from the client.",
+            value=counts.chunks_waiting,
+        )
+        ended = CounterMetricFamily(
+            "farm_jobs_ended", "Jobs that ended, by outcome.", labels=["outcome"]
+        )
         for outcome, count in counts.outcomes.items():
             ended.add_metric([outcome], count)
         yield ended
-        events = CounterMetricFamily("farm_broker_events", "Failures the broker saw and "
-                                     "recovered from, by kind.", labels=["event"])
+        events = CounterMetricFamily(
+            "farm_broker_events",
+            "Failures the broker saw and recovered from, by kind.",
+            labels=["event"],
+        )
         for name, value in counts.stats.items():
             events.add_metric([name], value)
         yield events

@@ -63,7 +63,8 @@ class WorkerEntry(Generic[A]):
     # (broker clock, images computed, compute seconds): the worker's running counters as its
     # heartbeats reported them, over the last RECENT_WINDOW seconds and one sample before
     samples: deque[tuple[float, int, float]] = field(
-        default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+        default_factory=lambda: deque(maxlen=MAX_SAMPLES)
+    )
     id: str = ""  # the policies' name for it
     name: str = ""  # host:pid/device, for people
 
@@ -79,10 +80,19 @@ class WorkerEntry(Generic[A]):
     @classmethod
     def from_facts(cls, identity: bytes, facts: WorkerFacts) -> WorkerEntry[A]:
         """The entry of a worker that registered with ``facts``."""
-        entry = cls(identity=identity, device=facts.device, host=facts.host, pid=facts.pid,
-                    backend=facts.backend, threads=facts.threads, models=dict(facts.models),
-                    loaded=set(facts.loaded), slots=facts.slots, heartbeat=facts.heartbeat,
-                    engines=dict(facts.engines))
+        entry = cls(
+            identity=identity,
+            device=facts.device,
+            host=facts.host,
+            pid=facts.pid,
+            backend=facts.backend,
+            threads=facts.threads,
+            models=dict(facts.models),
+            loaded=set(facts.loaded),
+            slots=facts.slots,
+            heartbeat=facts.heartbeat,
+            engines=dict(facts.engines),
+        )
         for model, (images, seconds) in facts.speeds.items():
             entry.history[model] = ModelHistory(images, seconds)
         return entry
@@ -121,15 +131,25 @@ class WorkerEntry(Generic[A]):
 
     def describe(self, now: float) -> dict[str, Any]:
         rate, busy = self.recent_load()
-        return {"name": self.name, "heartbeat_age_s": now - self.last_seen,
-                "device": self.device, "host": self.host, "pid": self.pid,
-                "backend": self.backend, "threads": self.threads, "models": sorted(self.models),
-                "loaded": sorted(self.loaded), "engines": dict(self.engines),
-                "fetched": dict(self.fetched),
-                "state": "busy" if self.in_flight else "idle", "slots": self.slots,
-                "in_flight": len(self.in_flight), "rate": rate, "busy_share": busy,
-                "jobs": sorted({record.job_id for record in self.in_flight.values()}),
-                "uptime_s": now - self.joined_at,
-                "items_done": sum(h.items for h in self.history.values()),
-                "compute_s": sum(h.compute_s for h in self.history.values())}
-
+        return {
+            "name": self.name,
+            "heartbeat_age_s": now - self.last_seen,
+            "device": self.device,
+            "host": self.host,
+            "pid": self.pid,
+            "backend": self.backend,
+            "threads": self.threads,
+            "models": sorted(self.models),
+            "loaded": sorted(self.loaded),
+            "engines": dict(self.engines),
+            "fetched": dict(self.fetched),
+            "state": "busy" if self.in_flight else "idle",
+            "slots": self.slots,
+            "in_flight": len(self.in_flight),
+            "rate": rate,
+            "busy_share": busy,
+            "jobs": sorted({record.job_id for record in self.in_flight.values()}),
+            "uptime_s": now - self.joined_at,
+            "items_done": sum(h.items for h in self.history.values()),
+            "compute_s": sum(h.compute_s for h in self.history.values()),
+        }

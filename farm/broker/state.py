@@ -44,8 +44,17 @@ from farm.broker.blame import Mark, halves, suspect
 from farm.broker.churn import Churn
 from farm.broker.jobs import ChunkRecord, Job, Worker
 from farm.broker.registry import WorkerEntry
-from farm.policies import (Assign, Chunk, ChunkDone, ChunkFailed, Event, WorkerBusy,
-                           WorkerLost, WorkerReady, make_policy)
+from farm.policies import (
+    Assign,
+    Chunk,
+    ChunkDone,
+    ChunkFailed,
+    Event,
+    WorkerBusy,
+    WorkerLost,
+    WorkerReady,
+    make_policy,
+)
 from farm.shapes import ENCODED, input_mismatch
 from farm.summary import FailedItems
 
@@ -118,8 +127,14 @@ class Observer(Protocol):
 
     def worker_left(self, entry: Worker) -> None: ...
 
-    def chunk_done(self, entry: Worker, items: int, timings: dict[str, float],
-                   queued_s: float, round_trip_s: float) -> None: ...
+    def chunk_done(
+        self,
+        entry: Worker,
+        items: int,
+        timings: dict[str, float],
+        queued_s: float,
+        round_trip_s: float,
+    ) -> None: ...
 
     def chunk_failed(self, entry: Worker) -> None: ...
 
@@ -127,8 +142,9 @@ class Observer(Protocol):
 class FarmState:
     """The farm's scheduling state; ``handle`` is the only way in."""
 
-    def __init__(self, config: SchedulingConfig, first_chunk_id: int = 1,
-                 observer: Observer | None = None) -> None:
+    def __init__(
+        self, config: SchedulingConfig, first_chunk_id: int = 1, observer: Observer | None = None
+    ) -> None:
         config.check()
         self.config = config
         self.observer = observer
@@ -176,10 +192,16 @@ class FarmState:
             self.cap_all()
         if self.observer:
             self.observer.worker_joined(entry)
-        log.info("worker %s joined (%s, %d compute thread%s; loaded: %s; can run: %s)",
-                 entry.name, entry.backend, entry.threads, "" if entry.threads == 1 else "s",
-                 ", ".join(sorted(entry.loaded)) or "none", ", ".join(sorted(entry.models)),
-                 extra={"event": "worker_joined", "worker": entry.name, "backend": entry.backend})
+        log.info(
+            "worker %s joined (%s, %d compute thread%s; loaded: %s; can run: %s)",
+            entry.name,
+            entry.backend,
+            entry.threads,
+            "" if entry.threads == 1 else "s",
+            ", ".join(sorted(entry.loaded)) or "none",
+            ", ".join(sorted(entry.models)),
+            extra={"event": "worker_joined", "worker": entry.name, "backend": entry.backend},
+        )
         self.fill(entry)
 
     def on_worker_left(self, event: ev.WorkerLeft) -> None:
@@ -218,10 +240,18 @@ class FarmState:
             del self.places[entry.place]
         records = list(entry.in_flight.values())
         entry.in_flight.clear()
-        log.info("worker %s left (%s) with %d chunks in flight", entry.name, reason, len(records),
-                 extra={"event": "worker_left", "worker": entry.name, "reason": reason})
-        sent = [record for record in records
-                if record.sent_at is not None and record.job.outcome is None]
+        log.info(
+            "worker %s left (%s) with %d chunks in flight",
+            entry.name,
+            reason,
+            len(records),
+            extra={"event": "worker_left", "worker": entry.name, "reason": reason},
+        )
+        sent = [
+            record
+            for record in records
+            if record.sent_at is not None and record.job.outcome is None
+        ]
         computing = min(sent, key=lambda r: r.sent_seq) if crashed and sent else None
         for record in records:
             job = record.job
@@ -229,11 +259,19 @@ class FarmState:
             if job.outcome is not None or job.policy is None:
                 continue
             if record is computing:
-                self.attempt_failed(record, f"worker {entry.name} died while computing it "
-                                            f"({reason})", charged=True, worker_lost=True)
+                self.attempt_failed(
+                    record,
+                    f"worker {entry.name} died while computing it ({reason})",
+                    charged=True,
+                    worker_lost=True,
+                )
             elif record.sent_at is not None:
-                self.attempt_failed(record, f"worker {entry.name} was lost ({reason})",
-                                    charged=False, worker_lost=True)
+                self.attempt_failed(
+                    record,
+                    f"worker {entry.name} was lost ({reason})",
+                    charged=False,
+                    worker_lost=True,
+                )
             elif record.retry:  # it never left: back in line, uncharged
                 job.retries.appendleft(record.chunk)
         # a worker that reconnected (a new socket, the same name) keeps its metrics series
@@ -258,16 +296,29 @@ class FarmState:
         """
         entry = self.heard_worker(identity)
         record = entry.in_flight.get(chunk_id) if entry else None
-        if (entry is not None and record is not None and record.sent_at is not None
-                and record.job.outcome and record.job.id == job_id):
+        if (
+            entry is not None
+            and record is not None
+            and record.sent_at is not None
+            and record.job.outcome
+            and record.job.id == job_id
+        ):
             del entry.in_flight[record.id]  # a chunk of a job that ended: its slot is free
             self.fill(entry)
             return None
-        if (entry is None or record is None or record.sent_at is None
-                or record.job.id not in self.jobs or record.job.id != job_id):
+        if (
+            entry is None
+            or record is None
+            or record.sent_at is None
+            or record.job.id not in self.jobs
+            or record.job.id != job_id
+        ):
             self.stats.late_replies += 1
-            log.info("dropped a reply for chunk %s from %s (late, duplicate or cancelled)",
-                     chunk_id, entry.name if entry else identity.hex())
+            log.info(
+                "dropped a reply for chunk %s from %s (late, duplicate or cancelled)",
+                chunk_id,
+                entry.name if entry else identity.hex(),
+            )
             if entry is None:
                 self.out.append(ev.DropWorker(worker=identity))
             return None
@@ -280,21 +331,31 @@ class FarmState:
             return
         job, chunk, entry = record.job, record.chunk, record.worker
         if event.problem:
-            self.fail_job(job, f"worker {entry.name} returned a bad result for items "
-                               f"{chunk.start}..{chunk.stop - 1}: {event.problem}")
+            self.fail_job(
+                job,
+                f"worker {entry.name} returned a bad result for items "
+                f"{chunk.start}..{chunk.stop - 1}: {event.problem}",
+            )
             return
         job.output_shape = event.output_shape
         compute = float(event.timings["compute"])
         job.account(entry, chunk, compute, float(event.timings.get("load", 0.0)))
         self.note_rate(job.model, entry)
         origin, sent = job.submitted_at, record.sent_at or record.assigned_at
-        self.out.append(ev.SendResult(client=job.client, result=event, worker=entry.name,
-                                      attempt=record.attempt, trace=(
-            record.assigned_at - origin, sent - origin, event.at - origin)))
+        self.out.append(
+            ev.SendResult(
+                client=job.client,
+                result=event,
+                worker=entry.name,
+                attempt=record.attempt,
+                trace=(record.assigned_at - origin, sent - origin, event.at - origin),
+            )
+        )
         self.cap_chunks(job)  # speeds changed
         if self.observer:
-            self.observer.chunk_done(entry, chunk.count, event.timings, sent - record.assigned_at,
-                                     event.at - sent)
+            self.observer.chunk_done(
+                entry, chunk.count, event.timings, sent - record.assigned_at, event.at - sent
+            )
         job.evidence.settle(chunk)
         if record.retry:
             job.retry_items -= chunk.count
@@ -310,14 +371,18 @@ class FarmState:
             return
         chunk = record.chunk
         if event.fatal:
-            self.fail_job(record.job, f"items {chunk.start}..{chunk.stop - 1} failed on "
-                                      f"{record.worker.name}: {event.error}")
+            self.fail_job(
+                record.job,
+                f"items {chunk.start}..{chunk.stop - 1} failed on "
+                f"{record.worker.name}: {event.error}",
+            )
             return
         self.attempt_failed(record, f"{record.worker.name}: {event.error}", event.charge)
         self.fill(record.worker)
 
-    def attempt_failed(self, record: ChunkRecord, error: str, charged: bool,
-                       worker_lost: bool = False) -> None:
+    def attempt_failed(
+        self, record: ChunkRecord, error: str, charged: bool, worker_lost: bool = False
+    ) -> None:
         """Mark the attempt; then run the range again, cut it, or give it up.
 
         A charged range leaves its policy for the job's retry line, which runs it on
@@ -334,8 +399,11 @@ class FarmState:
             self.stats.lost_attempts += 1
         runs = job.evidence.tally(chunk).runs
         if runs >= self.config.max_runs:
-            self.give_up(record, f"ran {runs} times without a result, its workers lost or "
-                                 f"failing each time (the images may be fine); last: {error}")
+            self.give_up(
+                record,
+                f"ran {runs} times without a result, its workers lost or "
+                f"failing each time (the images may be fine); last: {error}",
+            )
             return
         if not record.retry:
             if not charged:
@@ -346,8 +414,15 @@ class FarmState:
             self.step(job, ChunkFailed(record.worker.id, chunk, False, at=self.now))
             job.retry_items += chunk.count
             record.retry = True  # its range belongs to the retry line now
-        log.info("job %s: items %d..%d: attempt %d %s (%s)", job.id, chunk.start,
-                 chunk.stop - 1, record.attempt, "failed" if charged else "lost", error)
+        log.info(
+            "job %s: items %d..%d: attempt %d %s (%s)",
+            job.id,
+            chunk.start,
+            chunk.stop - 1,
+            record.attempt,
+            "failed" if charged else "lost",
+            error,
+        )
         self.retry(record, error, charged)
 
     def retry(self, record: ChunkRecord, error: str, charged: bool) -> None:
@@ -362,18 +437,29 @@ class FarmState:
         job.retry_failures += 1
         tally = job.evidence.tally(chunk, alone=chunk.count == 1)
         if job.retry_failures > RETRY_LIMIT:
-            self.give_up(record, f"{error} (retries stopped after {RETRY_LIMIT} failed "
-                                 f"attempts: the failures are not confined to a few images)")
+            self.give_up(
+                record,
+                f"{error} (retries stopped after {RETRY_LIMIT} failed "
+                f"attempts: the failures are not confined to a few images)",
+            )
         elif not suspect(tally, self.config.max_attempts):
             self.stats.requeued_chunks += 1
             job.retries.appendleft(chunk)
         elif chunk.count == 1:
-            self.give_up(record, f"failed by itself {tally.charges} times on {tally.devices} "
-                                 f"device(s); last: {error}")
+            self.give_up(
+                record,
+                f"failed by itself {tally.charges} times on {tally.devices} "
+                f"device(s); last: {error}",
+            )
         else:
             self.stats.narrowed_chunks += 1
-            log.warning("job %s: items %d..%d failed on %d device(s); narrowing them down",
-                        job.id, chunk.start, chunk.stop - 1, tally.devices)
+            log.warning(
+                "job %s: items %d..%d failed on %d device(s); narrowing them down",
+                job.id,
+                chunk.start,
+                chunk.stop - 1,
+                tally.devices,
+            )
             for piece in reversed(halves(chunk)):
                 job.retries.appendleft(piece)
 
@@ -382,11 +468,29 @@ class FarmState:
         job, chunk = record.job, record.chunk
         self.stats.abandoned_chunks += 1
         job.abandoned.append(FailedItems(chunk.start, chunk.count, message))
-        log.warning("job %s: items %d..%d given up: %s", job.id, chunk.start, chunk.stop - 1,
-                    message, extra={"event": "chunk_abandoned", "job": job.id,
-                                    "start": chunk.start, "count": chunk.count})
-        self.out.append(ev.SendFailed(client=job.client, job=job.id, chunk=record.id,
-                                      start=chunk.start, count=chunk.count, error=message))
+        log.warning(
+            "job %s: items %d..%d given up: %s",
+            job.id,
+            chunk.start,
+            chunk.stop - 1,
+            message,
+            extra={
+                "event": "chunk_abandoned",
+                "job": job.id,
+                "start": chunk.start,
+                "count": chunk.count,
+            },
+        )
+        self.out.append(
+            ev.SendFailed(
+                client=job.client,
+                job=job.id,
+                chunk=record.id,
+                start=chunk.start,
+                count=chunk.count,
+                error=message,
+            )
+        )
         if record.retry:
             job.retry_items -= chunk.count
         else:
@@ -452,11 +556,16 @@ class FarmState:
         which no policy knows of): other jobs' policies that counted it as idle (jobs it was
         offered to and declined) hear it is busy."""
         offered, entry.offered = entry.offered, set()
-        for job_id in sorted(offered, key=lambda j: self.running[j].seq if j in self.running
-                             else -1):
+        for job_id in sorted(
+            offered, key=lambda j: self.running[j].seq if j in self.running else -1
+        ):
             job = self.running.get(job_id)
-            if (job is not None and job is not taker and job.policy is not None
-                    and entry.id in job.policy.idle):
+            if (
+                job is not None
+                and job is not taker
+                and job.policy is not None
+                and entry.id in job.policy.idle
+            ):
                 self.step(job, WorkerBusy(entry.id, at=self.now))
 
     def step(self, job: Job, event: Event) -> None:
@@ -484,8 +593,7 @@ class FarmState:
                 # take the chunk back and the worker out of its idle ones (a WorkerLost now
                 # would return the worker's other chunks while they are being settled)
                 self.step(job, WorkerBusy(assignment.worker, at=self.now))
-                self.step(job, ChunkFailed(assignment.worker, assignment.chunk, True,
-                                           at=self.now))
+                self.step(job, ChunkFailed(assignment.worker, assignment.chunk, True, at=self.now))
                 continue
             self.assign(job, assignment.chunk, entry)
             if entry.free_slots <= 0 and len(self.running) > 1:
@@ -513,15 +621,25 @@ class FarmState:
 
     def assign(self, job: Job, chunk: Chunk, entry: Worker, retry: bool = False) -> None:
         """A new attempt: it takes the worker's slot now and asks the client for its input."""
-        record = ChunkRecord(self.next_chunk_id, job, chunk, entry, job.attempt_of(chunk),
-                             assigned_at=self.now, retry=retry)
+        record = ChunkRecord(
+            self.next_chunk_id,
+            job,
+            chunk,
+            entry,
+            job.attempt_of(chunk),
+            assigned_at=self.now,
+            retry=retry,
+        )
         self.next_chunk_id += 1
         entry.in_flight[record.id] = record
         job.pending[record.id] = record
         if job.started_at is None:
             job.started_at = self.now
-        self.out.append(ev.SendNeed(client=job.client, job=job.id, chunk=record.id,
-                                    start=chunk.start, count=chunk.count))
+        self.out.append(
+            ev.SendNeed(
+                client=job.client, job=job.id, chunk=record.id, start=chunk.start, count=chunk.count
+            )
+        )
 
     def on_data_arrived(self, event: ev.DataArrived) -> None:
         """A chunk's input from its client: forward it to the chunk's worker as the TASK."""
@@ -540,11 +658,22 @@ class FarmState:
         self.next_seq_sent += 1
         chunk = record.chunk
         job.items_run += chunk.count
-        self.out.append(ev.SendTask(worker=record.worker.identity, job=job.id, chunk=record.id,
-                                    attempt=record.attempt, start=chunk.start, count=chunk.count,
-                                    model=job.model, digest=job.digest, dtype=job.dtype,
-                                    item_shape=job.item_shape, engine=job.options.engine,
-                                    payload=event.payload))
+        self.out.append(
+            ev.SendTask(
+                worker=record.worker.identity,
+                job=job.id,
+                chunk=record.id,
+                attempt=record.attempt,
+                start=chunk.start,
+                count=chunk.count,
+                model=job.model,
+                digest=job.digest,
+                dtype=job.dtype,
+                item_shape=job.item_shape,
+                engine=job.options.engine,
+                payload=event.payload,
+            )
+        )
 
     # ----------------------------------------------------------------------- caps
 
@@ -560,8 +689,11 @@ class FarmState:
             self.find_fastest(model)
 
     def find_fastest(self, model: str) -> None:
-        rates = [(entry.history[model].rate, entry.id) for entry in self.workers.values()
-                 if model in entry.history]
+        rates = [
+            (entry.history[model].rate, entry.id)
+            for entry in self.workers.values()
+            if model in entry.history
+        ]
         if rates:
             self.fastest[model] = max(rates)
 
@@ -593,25 +725,50 @@ class FarmState:
         refusal = self.refusal(event)
         if refusal:
             self.stats.bad_messages += 1
-            self.out.append(ev.SendError(peer=event.client, error=refusal,
-                                         job=event.job[:100] or None))
+            self.out.append(
+                ev.SendError(peer=event.client, error=refusal, job=event.job[:100] or None)
+            )
             return
         config = self.config
         algo, params = event.options.policy(config.algo, config.params)
-        job = Job(event.job, event.client, event.model_name, event.dtype, event.item_shape,
-                  event.total, event.at,
-                  config.liveness * max(config.heartbeat, event.heartbeat), event.options,
-                  algo, params, self.next_seq)
+        job = Job(
+            event.job,
+            event.client,
+            event.model_name,
+            event.dtype,
+            event.item_shape,
+            event.total,
+            event.at,
+            config.liveness * max(config.heartbeat, event.heartbeat),
+            event.options,
+            algo,
+            params,
+            self.next_seq,
+        )
         self.next_seq += 1
         self.jobs[job.id] = job
         if len(self.jobs) > 1:
             for each in self.jobs.values():
                 each.shared = True
-        log.info("job %s: %d x %s %s for model %s, policy %s, priority %d", job.id, job.total,
-                 job.item_shape, job.dtype, job.model, algo, job.priority,
-                 extra={"event": "job_submitted", "job": job.id, "model": job.model,
-                        "items": job.total, "policy": algo, "priority": job.priority,
-                        "client": job.options.client})
+        log.info(
+            "job %s: %d x %s %s for model %s, policy %s, priority %d",
+            job.id,
+            job.total,
+            job.item_shape,
+            job.dtype,
+            job.model,
+            algo,
+            job.priority,
+            extra={
+                "event": "job_submitted",
+                "job": job.id,
+                "model": job.model,
+                "items": job.total,
+                "policy": algo,
+                "priority": job.priority,
+                "client": job.options.client,
+            },
+        )
         if self.start_job(job, event.model):
             self.fill_all()
 
@@ -635,8 +792,9 @@ class FarmState:
         if isinstance(model, str):
             self.fail_job(job, model)
             return False
-        problem = input_mismatch(job.model, model.item_shape, model.layout, job.dtype,
-                                 job.item_shape)
+        problem = input_mismatch(
+            job.model, model.item_shape, model.layout, job.dtype, job.item_shape
+        )
         if problem:
             self.fail_job(job, problem)
             return False
@@ -644,11 +802,15 @@ class FarmState:
             job.decoded_bytes = math.prod(model.item_shape) * model.crops
         job.digest = model.digest
         eligible = list(self.workers.values())
-        speeds = {entry.id: entry.history[job.model].rate for entry in eligible
-                  if job.model in entry.history}
+        speeds = {
+            entry.id: entry.history[job.model].rate
+            for entry in eligible
+            if job.model in entry.history
+        }
         try:
-            job.policy = make_policy(job.algo, job.total, [e.id for e in eligible], speeds,
-                                     **job.params)
+            job.policy = make_policy(
+                job.algo, job.total, [e.id for e in eligible], speeds, **job.params
+            )
         except Exception as exc:  # a job's own parameters: ValueError, or what odd values provoke
             self.fail_job(job, f"job policy: {exc}")
             return False
@@ -667,8 +829,11 @@ class FarmState:
         """A client's connection closed: nobody takes its jobs' results any more."""
         for job in [job for job in self.jobs.values() if job.client == event.client]:
             self.stats.jobs_expired += 1
-            log.warning("job %s dropped: its client's connection closed", job.id,
-                        extra={"event": "job_ended", "job": job.id, "outcome": "expired"})
+            log.warning(
+                "job %s dropped: its client's connection closed",
+                job.id,
+                extra={"event": "job_ended", "job": job.id, "outcome": "expired"},
+            )
             self.end_job(job, "expired")
 
     def on_client_heard(self, event: ev.ClientHeard) -> None:
@@ -680,8 +845,14 @@ class FarmState:
         """The client's job, or None after telling the client the farm has no such job."""
         job = self.jobs.get(job_id)
         if job is None or job.client != client:
-            self.out.append(ev.SendError(peer=client, error=f"the broker has no job "
-                                         f"{job_id[:100]}", job=job_id[:100], unknown_job=True))
+            self.out.append(
+                ev.SendError(
+                    peer=client,
+                    error=f"the broker has no job {job_id[:100]}",
+                    job=job_id[:100],
+                    unknown_job=True,
+                )
+            )
             return None
         return job
 
@@ -689,23 +860,40 @@ class FarmState:
         if job.outcome is None and job.finished:
             summary = job.summary(self.now)
             self.end_job(job, "done")
-            log.info("job %s done: %d items in %.3f s", job.id, job.total,
-                     summary.broker_seconds,
-                     extra={"event": "job_ended", "job": job.id, "outcome": "done",
-                            "seconds": summary.broker_seconds})
+            log.info(
+                "job %s done: %d items in %.3f s",
+                job.id,
+                job.total,
+                summary.broker_seconds,
+                extra={
+                    "event": "job_ended",
+                    "job": job.id,
+                    "outcome": "done",
+                    "seconds": summary.broker_seconds,
+                },
+            )
             self.out.append(ev.SendDone(client=job.client, job=job.id, summary=summary))
 
     def fail_job(self, job: Job, error: str) -> None:
         """Tell the client why its job failed; free the slots its chunks held."""
-        log.warning("job %s failed: %s", job.id, error,
-                    extra={"event": "job_ended", "job": job.id, "outcome": "failed"})
+        log.warning(
+            "job %s failed: %s",
+            job.id,
+            error,
+            extra={"event": "job_ended", "job": job.id, "outcome": "failed"},
+        )
         self.out.append(ev.SendError(peer=job.client, error=error, job=job.id))
         self.end_job(job, "failed")
 
     def cancel_job(self, job: Job, outcome: str, reason: str) -> None:
         """Stop a job and tell its client why, with what finished."""
-        log.info("job %s %s: %s", job.id, outcome.replace("_", " "), reason,
-                 extra={"event": "job_ended", "job": job.id, "outcome": outcome})
+        log.info(
+            "job %s %s: %s",
+            job.id,
+            outcome.replace("_", " "),
+            reason,
+            extra={"event": "job_ended", "job": job.id, "outcome": outcome},
+        )
         summary = job.summary(self.now)
         self.end_job(job, outcome)
         self.out.append(ev.SendCancel(peer=job.client, job=job.id, reason=reason, summary=summary))
@@ -746,12 +934,17 @@ class FarmState:
             silent = event.at - job.client_seen
             if silent > job.client_expiry:
                 self.stats.jobs_expired += 1
-                log.warning("job %s dropped: its client was silent for %.1f s", job.id, silent,
-                            extra={"event": "job_ended", "job": job.id, "outcome": "expired"})
+                log.warning(
+                    "job %s dropped: its client was silent for %.1f s",
+                    job.id,
+                    silent,
+                    extra={"event": "job_ended", "job": job.id, "outcome": "expired"},
+                )
                 self.end_job(job, "expired")
             elif job.deadline is not None and event.at > job.deadline:
-                self.cancel_job(job, "timed_out",
-                                f"the job's timeout of {job.options.timeout:g} s passed")
+                self.cancel_job(
+                    job, "timed_out", f"the job's timeout of {job.options.timeout:g} s passed"
+                )
 
     def worker_expiry(self, entry: Worker) -> float:
         return self.config.liveness * max(self.config.heartbeat, entry.heartbeat)
@@ -760,20 +953,29 @@ class FarmState:
 
     def describe(self, now: float) -> dict[str, Any]:
         """The state's part of ``farm status`` at ``now``: counters, workers, jobs."""
-        return {"policy": self.config.algo, "params": self.config.params,
-                "sharing": self.config.sharing, "heartbeat": self.config.heartbeat,
-                "liveness": self.config.liveness, "stats": asdict(self.stats),
-                "jobs_ended": dict(self.outcomes),
-                "workers": [entry.describe(now) for entry in self.workers.values()],
-                "jobs": [job.describe(now) for job in self.job_order()]}
+        return {
+            "policy": self.config.algo,
+            "params": self.config.params,
+            "sharing": self.config.sharing,
+            "heartbeat": self.config.heartbeat,
+            "liveness": self.config.liveness,
+            "stats": asdict(self.stats),
+            "jobs_ended": dict(self.outcomes),
+            "workers": [entry.describe(now) for entry in self.workers.values()],
+            "jobs": [job.describe(now) for job in self.job_order()],
+        }
 
     def counts(self) -> FarmCounts:
         """The farm's numbers now; safe to call from another thread (single reads of the
         state's dicts, atomic under the GIL)."""
         jobs = list(self.jobs.values())
-        return FarmCounts(jobs=Counter(job.state() for job in jobs), workers=len(self.workers),
-                          chunks_waiting=sum(len(job.pending) for job in jobs),
-                          outcomes=dict(self.outcomes), stats=asdict(self.stats))
+        return FarmCounts(
+            jobs=Counter(job.state() for job in jobs),
+            workers=len(self.workers),
+            chunks_waiting=sum(len(job.pending) for job in jobs),
+            outcomes=dict(self.outcomes),
+            stats=asdict(self.stats),
+        )
 
     def awaited_input(self, job_id: str, chunk_id: int) -> ChunkRecord | None:
         """The attempt whose input (DATA) is awaited as ``chunk_id`` of ``job_id``, if any."""
@@ -787,14 +989,25 @@ class FarmState:
 
 
 HANDLERS: dict[type, Any] = {
-    ev.WorkerJoined: FarmState.on_worker_joined, ev.WorkerLeft: FarmState.on_worker_left,
-    ev.WorkerHeard: FarmState.on_worker_heard, ev.ResultArrived: FarmState.on_result_arrived,
+    ev.WorkerJoined: FarmState.on_worker_joined,
+    ev.WorkerLeft: FarmState.on_worker_left,
+    ev.WorkerHeard: FarmState.on_worker_heard,
+    ev.ResultArrived: FarmState.on_result_arrived,
     ev.FailureArrived: FarmState.on_failure_arrived,
     ev.JobSubmitted: FarmState.on_job_submitted,
-    ev.JobCancelled: FarmState.on_job_cancelled, ev.ClientHeard: FarmState.on_client_heard,
+    ev.JobCancelled: FarmState.on_job_cancelled,
+    ev.ClientHeard: FarmState.on_client_heard,
     ev.ClientLeft: FarmState.on_client_left,
-    ev.DataArrived: FarmState.on_data_arrived, ev.Tick: FarmState.on_tick,
+    ev.DataArrived: FarmState.on_data_arrived,
+    ev.Tick: FarmState.on_tick,
 }
 
-__all__ = ["FarmCounts", "FarmState", "FarmStats", "Observer", "SchedulingConfig", "SHARING",
-           "OUTCOMES"]
+__all__ = [
+    "FarmCounts",
+    "FarmState",
+    "FarmStats",
+    "Observer",
+    "SchedulingConfig",
+    "SHARING",
+    "OUTCOMES",
+]

@@ -11,7 +11,8 @@ advertised models, a job's dtype and engine, and a chunk's input (DATA) and outp
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -43,18 +44,32 @@ def event_of(identity: bytes, message: Message, now: float, state: FarmState) ->
         case messages.Heartbeat(job=str(job)):
             return ev.ClientHeard(client=identity, job=job, at=now)
         case messages.Result() as result:
-            return result_arrived(identity, message, now,
-                                  state.awaited_result(identity, result.chunk))
+            return result_arrived(
+                identity, message, now, state.awaited_result(identity, result.chunk)
+            )
         case messages.Failed() as failed:
-            return ev.FailureArrived(worker=identity, job=failed.job, chunk=failed.chunk,
-                                     error=failed.error, fatal=failed.fatal, at=now,
-                                     charge=failed.charge)
+            return ev.FailureArrived(
+                worker=identity,
+                job=failed.job,
+                chunk=failed.chunk,
+                error=failed.error,
+                fatal=failed.fatal,
+                at=now,
+                charge=failed.charge,
+            )
         case messages.Data() as data:
-            return ev.DataArrived(client=identity, job=data.job, chunk=data.chunk,
-                                  start=data.start, count=data.count, at=now,
-                                  payload=message.payload, problem=data_problem(
-                                      data, message.payload,
-                                      state.awaited_input(data.job, data.chunk)))
+            return ev.DataArrived(
+                client=identity,
+                job=data.job,
+                chunk=data.chunk,
+                start=data.start,
+                count=data.count,
+                at=now,
+                payload=message.payload,
+                problem=data_problem(
+                    data, message.payload, state.awaited_input(data.job, data.chunk)
+                ),
+            )
         case messages.Disconnect():
             return ev.WorkerLeft(worker=identity, at=now)
         case messages.Cancel() as cancel:
@@ -68,15 +83,23 @@ def worker_facts(header: messages.Ready) -> WorkerFacts:
         protocol.check_array_spec("float32", model.input_shape)
     if not all(name in header.models for name in header.loaded):
         raise ProtocolError("READY 'loaded' must list advertised models")
-    return WorkerFacts(device=header.device, host=header.host, pid=header.pid,
-                       backend=header.backend, threads=header.threads,
-                       models={name: tuple(model.input_shape)
-                               for name, model in header.models.items()},
-                       loaded=frozenset(header.loaded), slots=header.slots,
-                       heartbeat=header.heartbeat, engines=dict(header.engines),
-                       speeds={model: (images, seconds) for model, (images, seconds)
-                               in header.speeds.items()
-                               if model in header.models and images > 0 and seconds > 0})
+    return WorkerFacts(
+        device=header.device,
+        host=header.host,
+        pid=header.pid,
+        backend=header.backend,
+        threads=header.threads,
+        models={name: tuple(model.input_shape) for name, model in header.models.items()},
+        loaded=frozenset(header.loaded),
+        slots=header.slots,
+        heartbeat=header.heartbeat,
+        engines=dict(header.engines),
+        speeds={
+            model: (images, seconds)
+            for model, (images, seconds) in header.speeds.items()
+            if model in header.models and images > 0 and seconds > 0
+        },
+    )
 
 
 def refusal(submit: messages.Submit) -> str | None:
@@ -89,16 +112,29 @@ def refusal(submit: messages.Submit) -> str | None:
     return None
 
 
-def job_submitted(identity: bytes, submit: messages.Submit, now: float, heartbeat: float,
-                  find_model: Callable[[str], ModelFound | str]) -> ev.JobSubmitted:
+def job_submitted(
+    identity: bytes,
+    submit: messages.Submit,
+    now: float,
+    heartbeat: float,
+    find_model: Callable[[str], ModelFound | str],
+) -> ev.JobSubmitted:
     """A SUBMIT, with what ``find_model`` (the broker's repository) says of its model;
     ``heartbeat``: the client's interval unless it gave one.  ProtocolError if the workers
     have no such engine as the job asks for."""
     options = job_options(submit.options)
-    return ev.JobSubmitted(client=identity, job=submit.job, model_name=submit.model,
-                           dtype=submit.dtype, item_shape=tuple(submit.item_shape),
-                           total=submit.total, heartbeat=submit.heartbeat or heartbeat,
-                           options=options, model=find_model(submit.model), at=now)
+    return ev.JobSubmitted(
+        client=identity,
+        job=submit.job,
+        model_name=submit.model,
+        dtype=submit.dtype,
+        item_shape=tuple(submit.item_shape),
+        total=submit.total,
+        heartbeat=submit.heartbeat or heartbeat,
+        options=options,
+        model=find_model(submit.model),
+        at=now,
+    )
 
 
 def job_options(options: messages.Options) -> JobOptions:
@@ -111,20 +147,29 @@ def job_options(options: messages.Options) -> JobOptions:
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
     params = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in options.params.items())
-    return JobOptions(algo=options.algo, params=params, priority=options.priority,
-                      timeout=options.timeout, client=options.client, engine=engine)
+    return JobOptions(
+        algo=options.algo,
+        params=params,
+        priority=options.priority,
+        timeout=options.timeout,
+        client=options.client,
+        engine=engine,
+    )
 
 
-def data_problem(data: messages.Data, payload: Sequence[Any],
-                 awaited: ChunkRecord | None) -> str | None:
+def data_problem(
+    data: messages.Data, payload: Sequence[Any], awaited: ChunkRecord | None
+) -> str | None:
     """Why a DATA cannot be the input of the ``awaited`` attempt (None: it can, or none
     awaits it): it must hold exactly the chunk's items, in the job's dtype."""
     if awaited is None:
         return None  # the state drops it: nothing waits for it
     job, chunk = awaited.job, awaited.chunk
     if (data.start, data.count) != (chunk.start, chunk.count):
-        return (f"job {job.id}: DATA for items {data.start}+{data.count}, the broker asked "
-                f"for {chunk.start}+{chunk.count}")
+        return (
+            f"job {job.id}: DATA for items {data.start}+{data.count}, the broker asked "
+            f"for {chunk.start}+{chunk.count}"
+        )
     if job.dtype == ENCODED:
         try:
             protocol.check_files(payload, chunk.count, job.item_bytes)
@@ -139,17 +184,26 @@ def data_problem(data: messages.Data, payload: Sequence[Any],
     return None
 
 
-def result_arrived(identity: bytes, message: Message, now: float,
-                   awaited: ChunkRecord | None) -> ev.ResultArrived:
+def result_arrived(
+    identity: bytes, message: Message, now: float, awaited: ChunkRecord | None
+) -> ev.ResultArrived:
     """A RESULT, its header and payload carried through for the client, checked against
     the ``awaited`` attempt."""
     result = message.header
     assert isinstance(result, messages.Result)
-    return ev.ResultArrived(worker=identity, job=result.job, chunk=result.chunk,
-                            start=result.start, count=result.count,
-                            output_shape=tuple(result.item_shape), timings=result.timings,
-                            at=now, header=result, payload=message.payload,
-                            problem=result_problem(message, awaited))
+    return ev.ResultArrived(
+        worker=identity,
+        job=result.job,
+        chunk=result.chunk,
+        start=result.start,
+        count=result.count,
+        output_shape=tuple(result.item_shape),
+        timings=result.timings,
+        at=now,
+        header=result,
+        payload=message.payload,
+        problem=result_problem(message, awaited),
+    )
 
 
 def result_problem(message: Message, awaited: ChunkRecord | None) -> str | None:
@@ -197,17 +251,23 @@ def message_of(instruction: ev.Instruction) -> tuple[bytes, Header, Sequence[Any
         case ev.SendTask():
             return instruction.worker, task_header(instruction), instruction.payload
         case ev.SendResult():
-            return (instruction.client, result_header(instruction),
-                    instruction.result.payload)
-        case ev.SendFailed(client=client, job=job, chunk=chunk, start=start, count=count,
-                           error=error):
-            return client, messages.Failed(job=job, chunk=chunk, start=start, count=count,
-                                           error=error), ()
+            return (instruction.client, result_header(instruction), instruction.result.payload)
+        case ev.SendFailed(
+            client=client, job=job, chunk=chunk, start=start, count=count, error=error
+        ):
+            return (
+                client,
+                messages.Failed(job=job, chunk=chunk, start=start, count=count, error=error),
+                (),
+            )
         case ev.SendDone(client=client, job=job, summary=summary):
             return client, messages.Done(job=job), protocol.document_frames(summary)
         case ev.SendCancel(peer=peer, job=job, reason=reason, summary=summary):
-            return (peer, messages.Cancel(job=job, reason=reason),
-                    protocol.document_frames(summary) if summary is not None else ())
+            return (
+                peer,
+                messages.Cancel(job=job, reason=reason),
+                protocol.document_frames(summary) if summary is not None else (),
+            )
         case ev.SendError(peer=peer, error=error, job=job, unknown_job=unknown_job):
             return peer, messages.Error(error=error, job=job, unknown_job=unknown_job), ()
         case ev.DropWorker(worker=worker):
@@ -216,9 +276,18 @@ def message_of(instruction: ev.Instruction) -> tuple[bytes, Header, Sequence[Any
 
 
 def task_header(task: ev.SendTask) -> messages.Task:
-    return messages.Task(job=task.job, chunk=task.chunk, attempt=task.attempt, start=task.start,
-                         count=task.count, model=task.model, digest=task.digest,
-                         dtype=task.dtype, item_shape=task.item_shape, engine=task.engine)
+    return messages.Task(
+        job=task.job,
+        chunk=task.chunk,
+        attempt=task.attempt,
+        start=task.start,
+        count=task.count,
+        model=task.model,
+        digest=task.digest,
+        dtype=task.dtype,
+        item_shape=task.item_shape,
+        engine=task.engine,
+    )
 
 
 def result_header(forward: ev.SendResult) -> messages.Result:
@@ -226,8 +295,9 @@ def result_header(forward: ev.SendResult) -> messages.Result:
     and the chunk's trace."""
     header = forward.result.header
     assert isinstance(header, messages.Result)
-    return msgspec.structs.replace(header, worker=forward.worker, attempt=forward.attempt,
-                                   trace=forward.trace)
+    return msgspec.structs.replace(
+        header, worker=forward.worker, attempt=forward.attempt, trace=forward.trace
+    )
 
 
 def frames(header: Header, payload: Sequence[Any] = ()) -> list[Any]:
@@ -235,5 +305,5 @@ def frames(header: Header, payload: Sequence[Any] = ()) -> list[Any]:
     cut to ``MAX_ERROR_CHARS``."""
     error = getattr(header, "error", None)
     if isinstance(error, str) and len(error) > MAX_ERROR_CHARS:
-        header = msgspec.structs.replace(header, error=error[:MAX_ERROR_CHARS - 3] + "...")
+        header = msgspec.structs.replace(header, error=error[: MAX_ERROR_CHARS - 3] + "...")
     return protocol.encode(protocol.command_of(header), header, payload)

@@ -34,24 +34,43 @@ class FarmGroup(click.Group):
             raise click.ClickException(str(exc)) from exc
 
 
-@click.group(cls=FarmGroup, context_settings={"help_option_names": ["-h", "--help"],
-                                              "auto_envvar_prefix": "FARM",
-                                              "max_content_width": 100})
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), envvar="FARM_CONFIG",
-              show_envvar=True,
-              help="TOML settings file [default: ./farm.toml, else ~/.config/farm/farm.toml].")
-@click.option("--log-level", envvar="FARM_LOG_LEVEL", show_envvar=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-              help=f"Logging threshold, logs on stderr [default: {defaults.SERVICE_LOG_LEVEL} "
-                   f"for broker and worker, {defaults.LOG_LEVEL} for the rest].")
-@click.option("--log-format", envvar="FARM_LOG_FORMAT",
-              show_envvar=True, type=click.Choice(["text", "json"]),
-              help="text for people, json (one object per line) for log shippers "
-                   f"[default: {defaults.LOG_FORMAT}].")
+@click.group(
+    cls=FarmGroup,
+    context_settings={
+        "help_option_names": ["-h", "--help"],
+        "auto_envvar_prefix": "FARM",
+        "max_content_width": 100,
+    },
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    envvar="FARM_CONFIG",
+    show_envvar=True,
+    help="TOML settings file [default: ./farm.toml, else ~/.config/farm/farm.toml].",
+)
+@click.option(
+    "--log-level",
+    envvar="FARM_LOG_LEVEL",
+    show_envvar=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help=f"Logging threshold, logs on stderr [default: {defaults.SERVICE_LOG_LEVEL} "
+    f"for broker and worker, {defaults.LOG_LEVEL} for the rest].",
+)
+@click.option(
+    "--log-format",
+    envvar="FARM_LOG_FORMAT",
+    show_envvar=True,
+    type=click.Choice(["text", "json"]),
+    help="text for people, json (one object per line) for log shippers "
+    f"[default: {defaults.LOG_FORMAT}].",
+)
 @click.version_option(package_name="farm")
 @click.pass_context
-def main(ctx: click.Context, config_file: str | None, log_level: str | None,
-         log_format: str | None) -> None:
+def main(
+    ctx: click.Context, config_file: str | None, log_level: str | None, log_format: str | None
+) -> None:
     """farm: Caffe-model inference spread over every core of one or many machines.
 
     \b
@@ -68,10 +87,12 @@ def main(ctx: click.Context, config_file: str | None, log_level: str | None,
     from farm.ops.logs import setup_logging
 
     apply_config_file(ctx, config_file)
-    default_level = (defaults.SERVICE_LOG_LEVEL if ctx.invoked_subcommand in SERVICES
-                     else defaults.LOG_LEVEL)
-    setup_logging(ctx.params["log_level"] or default_level,
-                  ctx.params["log_format"] or defaults.LOG_FORMAT)
+    default_level = (
+        defaults.SERVICE_LOG_LEVEL if ctx.invoked_subcommand in SERVICES else defaults.LOG_LEVEL
+    )
+    setup_logging(
+        ctx.params["log_level"] or default_level, ctx.params["log_format"] or defaults.LOG_FORMAT
+    )
 
 
 def apply_config_file(ctx: click.Context, config_file: str | None) -> None:
@@ -94,6 +115,16 @@ def apply_config_file(ctx: click.Context, config_file: str | None) -> None:
                 raise ConfigError(f"{path}: {name.replace('_', '-')}: {exc.message}") from exc
 
 
-for command in (broker.broker, worker.worker, submit.submit, submit.run, submit.status,
-                report.report, models.models, keys.keys, deploy.deploy, bench.bench):
+for command in (
+    broker.broker,
+    worker.worker,
+    submit.submit,
+    submit.run,
+    submit.status,
+    report.report,
+    models.models,
+    keys.keys,
+    deploy.deploy,
+    bench.bench,
+):
     main.add_command(command)

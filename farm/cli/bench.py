@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import click
 
@@ -15,51 +15,106 @@ from farm import defaults
 #: ``farm.bench.peers.PEERS`` (kept here so that ``farm --help`` loads no engine; a test
 #: checks they match).
 SETUP_CHOICES = ("cores", "mixed", "gpu")
-PEER_CHOICES = ("opencv-threads", "process-pool", "ray-data", "onnxruntime-threads",
-                "openvino-throughput")
+PEER_CHOICES = (
+    "opencv-threads",
+    "process-pool",
+    "ray-data",
+    "onnxruntime-threads",
+    "openvino-throughput",
+)
 
 
-def comma_list(choices: Sequence[str]) -> Callable[[click.Context, click.Parameter, str],
-                                                   tuple[str, ...]]:
+def comma_list(
+    choices: Sequence[str],
+) -> Callable[[click.Context, click.Parameter, str], tuple[str, ...]]:
     """A click callback: a comma-separated subset of ``choices``."""
+
     def parse(_ctx: click.Context, _param: click.Parameter, text: str) -> tuple[str, ...]:
         items = tuple(item.strip() for item in text.split(",") if item.strip())
         unknown = [item for item in items if item not in choices]
         if unknown:
-            raise click.BadParameter(f"unknown {', '.join(unknown)}; choose among "
-                                     f"{', '.join(choices)}")
+            raise click.BadParameter(
+                f"unknown {', '.join(unknown)}; choose among {', '.join(choices)}"
+            )
         return items
+
     return parse
 
 
 @click.command()
-@click.option("--out", default="farm-bench", show_default=True, type=click.Path(file_okay=False),
-              help="Folder that receives the results folder (DATE-CORES-cpu|gpu).")
-@click.option("--models", default=",".join(defaults.BENCH_MODELS), show_default=True,
-              help="Comma-separated models (each needs a bundled sample).")
-@click.option("--images", default=defaults.BENCH_IMAGES, show_default=True,
-              type=click.IntRange(1000), help="Images per job of the policy sweep and the peers.")
-@click.option("--repeat", default=1, show_default=True, type=click.IntRange(1),
-              help="Rounds of the policy sweep; each figure is the median.")
-@click.option("--setups", default=",".join(SETUP_CHOICES), show_default=True,
-              callback=comma_list(SETUP_CHOICES),
-              help="Farms to build: cores (one worker per core on auto), mixed (OpenCV and "
-                   "torch on alternate cores), gpu (one worker per GPU, each fed by a core of its own, and the other cores); those this "
-                   "machine cannot build are skipped and named.")
-@click.option("--peers", "peer_names", default=",".join(PEER_CHOICES), show_default=True,
-              callback=comma_list(PEER_CHOICES),
-              help="Peers to run beside the farm ('' for none); ray-data needs ray[data].")
-@click.option("--peer-rounds", default=defaults.BENCH_PEER_ROUNDS, show_default=True,
-              type=click.IntRange(1),
-              help="Rounds of farm's best policy and every peer run in turn (medians).")
-@click.option("--quick", is_flag=True,
-              help="One parameter value per policy and three Table 2 sizes (a smoke run).")
-@click.option("--render", type=click.Path(file_okay=False, exists=True),
-              help="Measure nothing: write the report and figures again from the CSV "
-                   "tables of this results folder.")
-def bench(out: str, models: str, images: int, repeat: int, setups: tuple[str, ...],
-          peer_names: tuple[str, ...], peer_rounds: int, quick: bool,
-          render: str | None) -> None:
+@click.option(
+    "--out",
+    default="farm-bench",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder that receives the results folder (DATE-CORES-cpu|gpu).",
+)
+@click.option(
+    "--models",
+    default=",".join(defaults.BENCH_MODELS),
+    show_default=True,
+    help="Comma-separated models (each needs a bundled sample).",
+)
+@click.option(
+    "--images",
+    default=defaults.BENCH_IMAGES,
+    show_default=True,
+    type=click.IntRange(1000),
+    help="Images per job of the policy sweep and the peers.",
+)
+@click.option(
+    "--repeat",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Rounds of the policy sweep; each figure is the median.",
+)
+@click.option(
+    "--setups",
+    default=",".join(SETUP_CHOICES),
+    show_default=True,
+    callback=comma_list(SETUP_CHOICES),
+    help="Farms to build: cores (one worker per core on auto), mixed (OpenCV and "
+    "torch on alternate cores), gpu (one worker per GPU, each fed by a core of its own, "
+    "and the other cores); those this machine cannot build are skipped and named.",
+)
+@click.option(
+    "--peers",
+    "peer_names",
+    default=",".join(PEER_CHOICES),
+    show_default=True,
+    callback=comma_list(PEER_CHOICES),
+    help="Peers to run beside the farm ('' for none); ray-data needs ray[data].",
+)
+@click.option(
+    "--peer-rounds",
+    default=defaults.BENCH_PEER_ROUNDS,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Rounds of farm's best policy and every peer run in turn (medians).",
+)
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="One parameter value per policy and three Table 2 sizes (a smoke run).",
+)
+@click.option(
+    "--render",
+    type=click.Path(file_okay=False, exists=True),
+    help="Measure nothing: write the report and figures again from the CSV "
+    "tables of this results folder.",
+)
+def bench(
+    out: str,
+    models: str,
+    images: int,
+    repeat: int,
+    setups: tuple[str, ...],
+    peer_names: tuple[str, ...],
+    peer_rounds: int,
+    quick: bool,
+    render: str | None,
+) -> None:
     """The paper's experiments on this machine, and farm beside what users pick instead.
 
     Writes CSV tables, PNG figures and report.md: Table 2 per device kind,
@@ -81,11 +136,19 @@ def bench(out: str, models: str, images: int, repeat: int, setups: tuple[str, ..
         return
     from farm.bench.suite import SuiteConfig, run_suite
 
-    config = SuiteConfig(out=Path(out), models=sampled_models(models), images=images,
-                         repeat=repeat, setups=setups, peers=peer_names, quick=quick,
-                         standalone_images=min(images, 30_000),
-                         table2_images=min(images, 10_000), tune_images=min(images, 10_000),
-                         peer_rounds=peer_rounds)
+    config = SuiteConfig(
+        out=Path(out),
+        models=sampled_models(models),
+        images=images,
+        repeat=repeat,
+        setups=setups,
+        peers=peer_names,
+        quick=quick,
+        standalone_images=min(images, 30_000),
+        table2_images=min(images, 10_000),
+        tune_images=min(images, 10_000),
+        peer_rounds=peer_rounds,
+    )
     command = "farm bench " + " ".join(shlex.quote(arg) for arg in sys.argv[2:])
     folder = run_suite(config, command, lambda line: click.echo(line, err=True))
     click.echo(f"results in {folder}: report.md, CSV tables, PNG figures")
@@ -98,8 +161,9 @@ def render_again(folder: Path) -> None:
     try:
         write_folder(folder, read_folder(folder))
     except (OSError, KeyError, ValueError) as exc:
-        raise click.ClickException(f"{folder} is not a complete farm bench results "
-                                   f"folder: {type(exc).__name__}: {exc}") from None
+        raise click.ClickException(
+            f"{folder} is not a complete farm bench results folder: {type(exc).__name__}: {exc}"
+        ) from None
     click.echo(f"report and figures written again in {folder}")
 
 
@@ -111,8 +175,9 @@ def sampled_models(text: str) -> tuple[str, ...]:
     try:
         for name in names:
             if find(name).sample is None:
-                raise click.BadParameter(f"model {name!r} has no bundled sample",
-                                         param_hint="--models")
+                raise click.BadParameter(
+                    f"model {name!r} has no bundled sample", param_hint="--models"
+                )
     except ModelError as exc:
         raise click.BadParameter(str(exc), param_hint="--models") from None
     return names

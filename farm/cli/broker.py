@@ -18,43 +18,86 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
 @click.command()
-@click.option("--bind", default=defaults.BROKER_ENDPOINT, show_default=True, envvar="FARM_BIND",
-              show_envvar=True, callback=endpoint_value,
-              help="ZeroMQ endpoint to bind (HOST:PORT means tcp://HOST:PORT); "
-                   "tcp://127.0.0.1:* picks a free port.")
+@click.option(
+    "--bind",
+    default=defaults.BROKER_ENDPOINT,
+    show_default=True,
+    envvar="FARM_BIND",
+    show_envvar=True,
+    callback=endpoint_value,
+    help="ZeroMQ endpoint to bind (HOST:PORT means tcp://HOST:PORT); "
+    "tcp://127.0.0.1:* picks a free port.",
+)
 @heartbeat_options
-@click.option("--max-attempts", default=defaults.MAX_ATTEMPTS, show_default=True,
-              type=click.IntRange(1),
-              help="Charged attempts (the worker failed the chunk, or died computing it) "
-                   "that make a chunk suspect on one device, and give up a single image; "
-                   "charges on two devices make it suspect sooner.  A suspect chunk is "
-                   "halved down to the images that fail by themselves.")
-@click.option("--max-runs", default=defaults.MAX_RUNS, show_default=True,
-              type=click.IntRange(1),
-              help="Runs of one image for any reason (workers lost while holding it count "
-                   "too) before it is given up as one whose workers kept being lost.")
+@click.option(
+    "--max-attempts",
+    default=defaults.MAX_ATTEMPTS,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Charged attempts (the worker failed the chunk, or died computing it) "
+    "that make a chunk suspect on one device, and give up a single image; "
+    "charges on two devices make it suspect sooner.  A suspect chunk is "
+    "halved down to the images that fail by themselves.",
+)
+@click.option(
+    "--max-runs",
+    default=defaults.MAX_RUNS,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Runs of one image for any reason (workers lost while holding it count "
+    "too) before it is given up as one whose workers kept being lost.",
+)
 @curve_option("the broker's key pair and the authorized/ public keys")
-@models_dir_option("Model repository folder served to workers (repeatable; searched before "
-                   "$FARM_MODELS and the bundled models).")
-@click.option("--sharing", type=click.Choice(["fair", "fifo"]), default=defaults.SHARING,
-              show_default=True,
-              help="How jobs of equal priority share workers: fair (the job holding the fewest "
-                   "chunks gets the next free slot) or fifo (the oldest job first).")
-@click.option("--max-chunk-seconds", default=defaults.MAX_CHUNK_SECONDS, show_default=True,
-              type=click.FloatRange(0),
-              help="Cap chunks at this many seconds of compute (once speeds are known), so a "
-                   "new job, a cancel or a lost worker waits about that long; 0: no cap, the "
-                   "policy's chunks as they are.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), envvar="FARM_METRICS_PORT",
-              show_envvar=True,
-              help="Serve Prometheus metrics on this port (0: a free one) [default: off].")
-@click.option("--metrics-host", default=defaults.METRICS_HOST, show_default=True,
-              help="Address the metrics endpoint listens on.")
+@models_dir_option(
+    "Model repository folder served to workers (repeatable; searched before "
+    "$FARM_MODELS and the bundled models)."
+)
+@click.option(
+    "--sharing",
+    type=click.Choice(["fair", "fifo"]),
+    default=defaults.SHARING,
+    show_default=True,
+    help="How jobs of equal priority share workers: fair (the job holding the fewest "
+    "chunks gets the next free slot) or fifo (the oldest job first).",
+)
+@click.option(
+    "--max-chunk-seconds",
+    default=defaults.MAX_CHUNK_SECONDS,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Cap chunks at this many seconds of compute (once speeds are known), so a "
+    "new job, a cancel or a lost worker waits about that long; 0: no cap, the "
+    "policy's chunks as they are.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    envvar="FARM_METRICS_PORT",
+    show_envvar=True,
+    help="Serve Prometheus metrics on this port (0: a free one) [default: off].",
+)
+@click.option(
+    "--metrics-host",
+    default=defaults.METRICS_HOST,
+    show_default=True,
+    help="Address the metrics endpoint listens on.",
+)
 @policy_options()
-def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, max_runs: int,
-           curve: str | None,
-           models_dir: tuple[str, ...], sharing: str, max_chunk_seconds: float,
-           metrics_port: int | None, metrics_host: str, algo: str, **options: object) -> None:
+def broker(
+    bind: str,
+    heartbeat: float,
+    liveness: int,
+    max_attempts: int,
+    max_runs: int,
+    curve: str | None,
+    models_dir: tuple[str, ...],
+    sharing: str,
+    max_chunk_seconds: float,
+    metrics_port: int | None,
+    metrics_host: str,
+    algo: str,
+    **options: object,
+) -> None:
     """Run the broker: the scheduler and router of a farm.
 
     \b
@@ -71,11 +114,19 @@ def broker(bind: str, heartbeat: float, liveness: int, max_attempts: int, max_ru
 
     warn_if_exposed(bind, curve)
     config = BrokerConfig(
-        bind=bind, algo=algo, params=params, heartbeat=heartbeat, model_dirs=models_dir,
-        liveness=liveness, max_attempts=max_attempts, max_runs=max_runs, curve=curve,
+        bind=bind,
+        algo=algo,
+        params=params,
+        heartbeat=heartbeat,
+        model_dirs=models_dir,
+        liveness=liveness,
+        max_attempts=max_attempts,
+        max_runs=max_runs,
+        curve=curve,
         sharing=sharing,
         max_chunk_seconds=max_chunk_seconds,
-        metrics=(metrics_host, metrics_port) if metrics_port is not None else None)
+        metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
+    )
     try:
         serve(config, on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
@@ -94,5 +145,8 @@ def warn_if_exposed(bind: str, curve: str | None) -> None:
     """A broker reachable from other machines without CURVE lets anyone in: say so."""
     host = bind.split("://", 1)[-1].rsplit(":", 1)[0]
     if not curve and bind.startswith("tcp://") and host not in LOOPBACK_HOSTS:
-        click.echo(f"warning: {bind} is reachable from other machines and --curve is off: "
-                   "anyone who can connect can submit jobs or pose as a worker", err=True)
+        click.echo(
+            f"warning: {bind} is reachable from other machines and --curve is off: "
+            "anyone who can connect can submit jobs or pose as a worker",
+            err=True,
+        )

@@ -7,9 +7,10 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
@@ -23,8 +24,10 @@ if TYPE_CHECKING:
     from farm.client.inputs import Source
     from farm.modelrepo.repository import ModelSpec
 
-NO_BROKER_HINT = ("is a broker running there? --broker or FARM_BROKER give its address; a "
-                  "broker started with --curve needs --curve here too")
+NO_BROKER_HINT = (
+    "is a broker running there? --broker or FARM_BROKER give its address; a "
+    "broker started with --curve needs --curve here too"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +42,9 @@ class BrokerAccess:
     def connect(self) -> Client:
         from farm.client.client import Client
 
-        return Client(self.endpoint, timeout=self.timeout, curve=self.curve,
-                      curve_name=self.curve_name)
+        return Client(
+            self.endpoint, timeout=self.timeout, curve=self.curve, curve_name=self.curve_name
+        )
 
 
 def load_input(arguments: tuple[str, ...]) -> Source:
@@ -66,8 +70,9 @@ class Answers:
     card: ModelCard | None = None  # None: ask the broker for the model's labels
 
 
-def answers_wanted(source: Source, out: str | None, top_k: int | None,
-                   card: ModelCard | None) -> Answers | None:
+def answers_wanted(
+    source: Source, out: str | None, top_k: int | None, card: ModelCard | None
+) -> Answers | None:
     """Whether a job writes answers: with --top-k, with a .csv/.jsonl --out, or for image
     files with no --out (named on the terminal)."""
     from farm.client.answers import DEFAULT_TOP_K, FORMATS
@@ -75,13 +80,15 @@ def answers_wanted(source: Source, out: str | None, top_k: int | None,
 
     to_file = out is not None and Path(out).suffix.lower() in FORMATS
     if out is not None and not to_file and not out.lower().endswith(".npy"):
-        raise click.UsageError(f"--out {out}: write raw scores as .npy, or answers as .csv or "
-                               f".jsonl")
+        raise click.UsageError(
+            f"--out {out}: write raw scores as .npy, or answers as .csv or .jsonl"
+        )
     if top_k is None and not to_file and not (out is None and isinstance(source, FileSource)):
         return None
     if top_k is not None and out is not None and not to_file:
-        raise click.UsageError("--top-k writes answers: give --out a .csv or .jsonl file (or "
-                               "no --out: the terminal)")
+        raise click.UsageError(
+            "--top-k writes answers: give --out a .csv or .jsonl file (or no --out: the terminal)"
+        )
     return Answers(top_k or (DEFAULT_TOP_K if to_file else 1), card)
 
 
@@ -134,19 +141,32 @@ def check_journal(out: str, resume: bool) -> None:
     journal = journal_path(out)
     if journal.exists() and not resume:
         partial = partial_path(out)
-        held = (f"{partial} holds its outputs so far" if partial.exists()
-                else f"{out} lacks the images that did not come back")
-        raise Refused(f"{journal} is there: the job writing {out} did not finish ({held}); "
-                      f"add --resume to finish that job, or delete {journal} to start afresh")
+        held = (
+            f"{partial} holds its outputs so far"
+            if partial.exists()
+            else f"{out} lacks the images that did not come back"
+        )
+        raise Refused(
+            f"{journal} is there: the job writing {out} did not finish ({held}); "
+            f"add --resume to finish that job, or delete {journal} to start afresh"
+        )
     if resume and not journal.exists():
         click.echo(f"--resume: no journal at {journal}: starting afresh", err=True)
 
 
-def run_job(broker: BrokerAccess, source: Source, model: str, out: str | None = None,
-            quiet: bool = False, trace: str | None = None, journal: bool = False,
-            resume: bool = False, answers: Answers | None = None,
-            nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
-            **job_options: Any) -> np.ndarray | None:
+def run_job(
+    broker: BrokerAccess,
+    source: Source,
+    model: str,
+    out: str | None = None,
+    quiet: bool = False,
+    trace: str | None = None,
+    journal: bool = False,
+    resume: bool = False,
+    answers: Answers | None = None,
+    nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
+    **job_options: Any,
+) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
 
     ``out`` is written as ``OUT.partial``, renamed to ``out`` when the job ends with every
@@ -169,21 +189,38 @@ def run_job(broker: BrokerAccess, source: Source, model: str, out: str | None = 
     if resume and not journal:
         raise click.UsageError("--resume needs --out: the outputs of the job to resume")
     if out and not os.access(Path(out).resolve().parent, os.W_OK):
-        raise click.ClickException(f"cannot write {out}: its folder does not exist or is not "
-                                   f"writable")
+        raise click.ClickException(
+            f"cannot write {out}: its folder does not exist or is not writable"
+        )
     if out and journal:
         check_journal(out, resume)
     try:
         with broker.connect() as client, contextlib.ExitStack() as stack:
-            output = stack.enter_context(job_sink(
-                client, source, model, out, journal, answers, nan_shape,
-                job_engine(job_options.get("backend"), job_options.get("precision"))))
-            bar = stack.enter_context(tqdm(total=len(source), unit="img", disable=quiet,
-                                           file=sys.stderr, desc=model))
+            output = stack.enter_context(
+                job_sink(
+                    client,
+                    source,
+                    model,
+                    out,
+                    journal,
+                    answers,
+                    nan_shape,
+                    job_engine(job_options.get("backend"), job_options.get("precision")),
+                )
+            )
+            bar = stack.enter_context(
+                tqdm(total=len(source), unit="img", disable=quiet, file=sys.stderr, desc=model)
+            )
             interrupted = stack.enter_context(cancel_on_interrupt(client))
-            result = client.run(source, model, progress=bar.update, trace=trace is not None,
-                                notice=lambda line: bar.write(line, file=sys.stderr),
-                                **output.arguments, **job_options)
+            result = client.run(
+                source,
+                model,
+                progress=bar.update,
+                trace=trace is not None,
+                notice=lambda line: bar.write(line, file=sys.stderr),
+                **output.arguments,
+                **job_options,
+            )
     except NoWorker as exc:
         raise click.ClickException(str(exc)) from exc
     except FarmTimeout as exc:
@@ -197,8 +234,7 @@ def run_job(broker: BrokerAccess, source: Source, model: str, out: str | None = 
     if outputs is None and out and written and answers is None:
         outputs = np.load(out, mmap_mode="r")
     echo_result(result, out, outputs, trace, journaled=journal, answers=answers is not None)
-    exit_if_incomplete(result, len(source), bool(interrupted), source, answers is not None,
-                       written)
+    exit_if_incomplete(result, len(source), bool(interrupted), source, answers is not None, written)
     return outputs
 
 
@@ -212,10 +248,16 @@ class JobOutput:
 
 
 @contextlib.contextmanager
-def job_sink(client: Client, source: Source, model: str, out: str | None, journal: bool,
-             answers: Answers | None,
-             nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
-             engine: tuple[str, str] | None = None) -> Iterator[JobOutput]:
+def job_sink(
+    client: Client,
+    source: Source,
+    model: str,
+    out: str | None,
+    journal: bool,
+    answers: Answers | None,
+    nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
+    engine: tuple[str, str] | None = None,
+) -> Iterator[JobOutput]:
     """``Client.run``'s output argument: answers (journaled, to a file, or on the terminal),
     a journaled `.npy`, a plain `.npy`, or memory.  A file is written as ``OUT.partial``
     and renamed to ``out`` once the job has written its every row (journaled: by
@@ -228,10 +270,13 @@ def job_sink(client: Client, source: Source, model: str, out: str | None, journa
     partial = partial_path(out) if out else None
     if answers is not None:
         card = answers.card or client.model_card(model)
-        sink = (answers_journal(out, source, model, engine, answers.k, card)
-                if out and journal else
-                AnswerSink(answers.k, card, open_writer(out, card, answers.k, partial),
-                           source.names))
+        sink = (
+            answers_journal(out, source, model, engine, answers.k, card)
+            if out and journal
+            else AnswerSink(
+                answers.k, card, open_writer(out, card, answers.k, partial), source.names
+            )
+        )
         output = JobOutput({"out": sink})
         try:
             yield output
@@ -257,24 +302,32 @@ def job_sink(client: Client, source: Source, model: str, out: str | None, journa
         yield JobOutput({"out": ArraySink(len(source))})
 
 
-def answers_journal(out: str, source: Source, model: str, engine: tuple[str, str] | None,
-                    k: int, card: ModelCard) -> AnswerSink:
+def answers_journal(
+    out: str, source: Source, model: str, engine: tuple[str, str] | None, k: int, card: ModelCard
+) -> AnswerSink:
     """A journaled answers file (``farm.client.answerjournal``), resumed if its journal is there;
     ResumeRefused if that journal is another job's."""
     from farm.client.answerjournal import AnswersJournal
     from farm.client.answers import answers_format
     from farm.client.journal import InputIdentity, JournalHeader, JournalMismatch
 
-    header = JournalHeader(model, InputIdentity.of(source), engine,
-                           format=answers_format(out), top_k=k)
+    header = JournalHeader(
+        model, InputIdentity.of(source), engine, format=answers_format(out), top_k=k
+    )
     try:
         return AnswersJournal.open(out, header, card, source.names)
     except JournalMismatch as exc:
         raise ResumeRefused(str(exc)) from exc
 
 
-def echo_result(result: JobResult, out: str | None, outputs: np.ndarray | None,
-                trace: str | None, journaled: bool = False, answers: bool = False) -> None:
+def echo_result(
+    result: JobResult,
+    out: str | None,
+    outputs: np.ndarray | None,
+    trace: str | None,
+    journaled: bool = False,
+    answers: bool = False,
+) -> None:
     """Save the trace; say how the job went, what came from the journal, and where its
     outputs, journal and trace are."""
     from farm.client.journal import journal_path
@@ -285,27 +338,38 @@ def echo_result(result: JobResult, out: str | None, outputs: np.ndarray | None,
     if result.summary.total or not result.resumed:
         click.echo(result.summary.format())
     if result.resumed:
-        click.echo(f"{result.resumed:,} images resumed from {journal_path(out or '')} "
-                   f"(checked against the outputs); {result.summary.total:,} submitted")
+        click.echo(
+            f"{result.resumed:,} images resumed from {journal_path(out or '')} "
+            f"(checked against the outputs); {result.summary.total:,} submitted"
+        )
     if result.resubmissions:
-        click.echo(f"the broker was lost and the missing images submitted again "
-                   f"{result.resubmissions} time(s)")
+        click.echo(
+            f"the broker was lost and the missing images submitted again "
+            f"{result.resubmissions} time(s)"
+        )
     if out and answers:
-        click.echo(f"answers for {result.summary.items + result.resumed:,} images written to "
-                   f"{out}")
+        click.echo(f"answers for {result.summary.items + result.resumed:,} images written to {out}")
     elif out and outputs is not None:
         click.echo(f"outputs {outputs.shape} {outputs.dtype} written to {out}")
     if out and journaled and journal_path(out).exists():
-        click.echo(f"journal kept at {journal_path(out)}: --resume submits the images still "
-                   f"missing")
+        click.echo(
+            f"journal kept at {journal_path(out)}: --resume submits the images still missing"
+        )
     if trace and result.trace is not None:
-        click.echo(f"trace of {len(result.trace.chunks)} chunks written to {trace} "
-                   f"(farm report {trace} -o {Path(trace).with_suffix('.png')})")
+        click.echo(
+            f"trace of {len(result.trace.chunks)} chunks written to {trace} "
+            f"(farm report {trace} -o {Path(trace).with_suffix('.png')})"
+        )
 
 
-def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
-                       source: Source | None = None, answers: bool = False,
-                       written: bool = True) -> None:
+def exit_if_incomplete(
+    result: JobResult,
+    total: int,
+    interrupted: bool,
+    source: Source | None = None,
+    answers: bool = False,
+    written: bool = True,
+) -> None:
     """Exit 130 (Ctrl-C) or 1 (cancelled, timed out, failed images) when images are missing;
     failed image files are named.  ``written``: whether raw outputs were written (no file
     when no image came back and their shape was not known)."""
@@ -314,8 +378,10 @@ def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
     if result.cancelled:
         missing = sum(f.count for f in result.failed)
         if answers or written:
-            rest = (f"{total - missing:,} of {total:,} images came back, the other "
-                    f"{missing:,} {'have rows with the reason' if answers else 'have NaN outputs'}")
+            rest = (
+                f"{total - missing:,} of {total:,} images came back, the other "
+                f"{missing:,} {'have rows with the reason' if answers else 'have NaN outputs'}"
+            )
         else:
             rest = f"no outputs were written: none of the {total:,} images came back"
         click.echo(f"job stopped: {result.cancelled}; {rest}", err=True)
@@ -324,7 +390,12 @@ def exit_if_incomplete(result: JobResult, total: int, interrupted: bool,
         from farm.client.inputs import FileSource
 
         names = source.names if isinstance(source, FileSource) else None  # files by path
-        note = ("" if answers else "\n(their outputs are NaN)" if written
-                else "\n(no outputs were written: no image came back)")
+        note = (
+            ""
+            if answers
+            else "\n(their outputs are NaN)"
+            if written
+            else "\n(no outputs were written: no image came back)"
+        )
         click.echo(describe_failures(result.failed, names) + note, err=True)
         raise SystemExit(1)

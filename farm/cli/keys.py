@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import click
 
@@ -65,8 +65,10 @@ def keys_add(folder: str, name: str) -> None:
     from farm.ops.keys import add_key
 
     write_keys(lambda: add_key(Path(folder), name))
-    click.echo(f"on the {name} host: --curve DIR --curve-name {name}, with DIR holding "
-               f"broker.key and {name}.key_secret")
+    click.echo(
+        f"on the {name} host: --curve DIR --curve-name {name}, with DIR holding "
+        f"broker.key and {name}.key_secret"
+    )
 
 
 @keys.command("list")

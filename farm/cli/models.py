@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import click
 
@@ -12,18 +13,20 @@ from farm import defaults
 from farm.cli.options import models_dir_option, precision_option
 
 if TYPE_CHECKING:
-    from farm.modelrepo.caffe_net import Network
     from farm.engines.modelcheck import BackendCheck
+    from farm.modelrepo.caffe_net import Network
     from farm.modelrepo.repository import ModelSpec
 
-#: ``--channel-order`` and ``--crop`` of ``farm models add`` (farm.modelrepo.modeladd.CHANNEL_ORDERS and
-#: farm.modelrepo.repository.CROPS, kept here so the CLI starts without importing them).
+#: ``--channel-order`` and ``--crop`` of ``farm models add``
+#: (farm.modelrepo.modeladd.CHANNEL_ORDERS and farm.modelrepo.repository.CROPS, kept here
+#: so the CLI starts without importing them).
 CHANNEL_ORDER_CHOICES = ("bgr", "rgb")
 CROP_CHOICES = ("center", "oversample", "none")
 
 #: ``--models-dir`` of every ``farm models`` command.
 extra_models_option = models_dir_option(
-    "Extra model repository folder (repeatable; also $FARM_MODELS).")
+    "Extra model repository folder (repeatable; also $FARM_MODELS)."
+)
 
 
 @click.group()
@@ -88,10 +91,15 @@ def model_row(name: str, folder: Path, note: str = "") -> str:
         spec = load_spec(folder)
     except ModelError as exc:
         return f"{name:<16} {note}BROKEN: {exc}"
-    weights = (f"{spec.weights.stat().st_size / 1e6:.1f} MB" if spec.weights.is_file()
-               else "made on first use")
-    return (f"{name:<16} {shape_text(spec.item_shape):<12} {spec.preprocess.layout:<6} "
-            f"{weights:<22} {note}{spec.description}")
+    weights = (
+        f"{spec.weights.stat().st_size / 1e6:.1f} MB"
+        if spec.weights.is_file()
+        else "made on first use"
+    )
+    return (
+        f"{name:<16} {shape_text(spec.item_shape):<12} {spec.preprocess.layout:<6} "
+        f"{weights:<22} {note}{spec.description}"
+    )
 
 
 @models.command("show")
@@ -109,8 +117,9 @@ def show_model(name: str, models_dir: tuple[str, ...]) -> None:
 
     spec = find_model(name, models_dir)
     net = Network.load(spec.prototxt, input_shape=spec.declared_input)
-    shadows = [f"  shadows     {origin(hidden)}"
-               for hidden in model_folders(models_dir).get(name, [])[1:]]
+    shadows = [
+        f"  shadows     {origin(hidden)}" for hidden in model_folders(models_dir).get(name, [])[1:]
+    ]
     click.echo("\n".join([*model_lines(spec, net), *shadows, *layer_lines(net)]))
 
 
@@ -119,11 +128,18 @@ def model_lines(spec: ModelSpec, net: Network) -> list[str]:
     from farm.modelrepo.caffe_proto import unknown_fields
 
     p = spec.preprocess
-    weights = (f"{spec.weights} ({spec.weights.stat().st_size / 1e6:.1f} MB)"
-               if spec.weights.is_file() else
-               f"{spec.weights} (not made yet: farm models prepare {spec.name})")
-    mean = (f"file {p.mean_file.name}" if p.mean_file else
-            ", ".join(map(str, p.mean)) if p.mean else "none")
+    weights = (
+        f"{spec.weights} ({spec.weights.stat().st_size / 1e6:.1f} MB)"
+        if spec.weights.is_file()
+        else f"{spec.weights} (not made yet: farm models prepare {spec.name})"
+    )
+    mean = (
+        f"file {p.mean_file.name}"
+        if p.mean_file
+        else ", ".join(map(str, p.mean))
+        if p.mean
+        else "none"
+    )
     lines = [
         f"{spec.name}: {spec.description}",
         f"  folder      {spec.folder}",
@@ -135,7 +151,8 @@ def model_lines(spec: ModelSpec, net: Network) -> list[str]:
         f"{p.raw_scale:g}, mean {mean}, input_scale {p.input_scale:g}",
         f"  output      {spec.output} {shape_text(net.shapes[spec.output][1:])}"
         f"{f', {len(spec.labels)} labels' if spec.labels else ''}",
-        f"  parameters  {net.parameter_count():,}"]
+        f"  parameters  {net.parameter_count():,}",
+    ]
     ignored = unknown_fields(spec.prototxt.read_text())
     if ignored:
         lines.append(f"  ignored     {', '.join(ignored)} (fields farm's Caffe schema lacks)")
@@ -147,22 +164,36 @@ def layer_lines(net: Network) -> list[str]:
     lines = [f"  {'layer':<14} {'type':<13} {'output':<16} weights"]
     for layer in net.layers:
         blobs = ", ".join(shape_text(shape) for shape in layer.blob_shapes)
-        lines.append(f"  {layer.name:<14} {layer.type:<13} "
-                     f"{shape_text(net.shapes[layer.tops[0]][1:]):<16} {blobs}")
+        lines.append(
+            f"  {layer.name:<14} {layer.type:<13} "
+            f"{shape_text(net.shapes[layer.tops[0]][1:]):<16} {blobs}"
+        )
     return lines
 
 
 @models.command("check")
 @click.argument("name")
-@click.option("--count", default=8, show_default=True, type=click.IntRange(1),
-              help="Images to compare (the model's sample, else seeded random images).")
-@precision_option("Compare this precision with the reference in f32 (top-1 agreement too).",
-                  defaults.PRECISION)
-@click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
-              help="Compute threads, for the speeds and auto's choice (1: a pinned worker).")
+@click.option(
+    "--count",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Images to compare (the model's sample, else seeded random images).",
+)
+@precision_option(
+    "Compare this precision with the reference in f32 (top-1 agreement too).", defaults.PRECISION
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Compute threads, for the speeds and auto's choice (1: a pinned worker).",
+)
 @extra_models_option
-def check_model_command(name: str, count: int, precision: str, threads: int,
-                        models_dir: tuple[str, ...]) -> None:
+def check_model_command(
+    name: str, count: int, precision: str, threads: int, models_dir: tuple[str, ...]
+) -> None:
     """Load NAME on every backend here, compare their outputs, and show auto's choice.
 
     Differences are relative to the largest output of the reference (the first
@@ -188,8 +219,13 @@ def check_model_command(name: str, count: int, precision: str, threads: int,
         raise click.ClickException(problem)
 
 
-def run_check(spec: ModelSpec, count: int, precision: str = defaults.PRECISION,
-              threads: int = 1, paths: Callable[[str], str] = str) -> str | None:
+def run_check(
+    spec: ModelSpec,
+    count: int,
+    precision: str = defaults.PRECISION,
+    threads: int = 1,
+    paths: Callable[[str], str] = str,
+) -> str | None:
     """Run and print ``farm models check``'s comparison of every backend; why it failed, if
     it did (every backend's outputs within the tolerance, and at least one ran).  ``paths``
     rewrites each problem (``farm models add``: to name the user's files)."""
@@ -199,15 +235,19 @@ def run_check(spec: ModelSpec, count: int, precision: str = defaults.PRECISION,
     checks = check_model(spec, inputs, threads=threads, precision=precision)
     for check in checks:
         check.problem = paths(check.problem) if check.problem else check.problem
-    click.echo(f"{spec.name}: {len(inputs)} images {shape_text(inputs.shape[1:])} "
-               f"{inputs.dtype}; outputs must agree within {checks[-1].tolerance:g} of the "
-               f"reference's largest output")
+    click.echo(
+        f"{spec.name}: {len(inputs)} images {shape_text(inputs.shape[1:])} "
+        f"{inputs.dtype}; outputs must agree within {checks[-1].tolerance:g} of the "
+        f"reference's largest output"
+    )
     for check in checks:
         click.echo(check_line(check, len(inputs)))
     failed = [check for check in checks if not check.ok]
     if failed:
-        return (f"model {spec.name!r} failed its check: {failed[0].backend}: "
-                f"{failed[0].problem or 'outputs differ from the reference'}")
+        return (
+            f"model {spec.name!r} failed its check: {failed[0].backend}: "
+            f"{failed[0].problem or 'outputs differ from the reference'}"
+        )
     if all(check.skipped for check in checks):
         return f"model {spec.name!r}: no backend is installed to run it"
     return None
@@ -220,16 +260,28 @@ def check_line(check: BackendCheck, count: int) -> str:
     if check.problem:
         return f"  {check.backend:<11} FAILED: {check.problem}"
     verdict = "ok" if check.ok else "DIFFERS"
-    return (f"  {check.backend:<11} {verdict:<7} difference {check.difference:.1e}, "
-            f"top-1 agrees {check.top1_agreement:.0%}, {count / check.seconds:,.0f} images/s")
+    return (
+        f"  {check.backend:<11} {verdict:<7} difference {check.difference:.1e}, "
+        f"top-1 agrees {check.top1_agreement:.0%}, {count / check.seconds:,.0f} images/s"
+    )
 
 
 @models.command("export")
 @click.argument("name")
-@click.option("--onnx", "onnx_path", required=True, type=click.Path(dir_okay=False),
-              help="Write the ONNX graph here.")
-@click.option("--count", default=8, show_default=True, type=click.IntRange(1),
-              help="Images to compare with the reference backend.")
+@click.option(
+    "--onnx",
+    "onnx_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Write the ONNX graph here.",
+)
+@click.option(
+    "--count",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Images to compare with the reference backend.",
+)
 @extra_models_option
 def export_model(name: str, onnx_path: str, count: int, models_dir: tuple[str, ...]) -> None:
     """Write NAME as a checked ONNX file: onnx.checker passes it, and ONNX Runtime's outputs
@@ -252,11 +304,15 @@ def export_model(name: str, onnx_path: str, count: int, models_dir: tuple[str, .
         result = export_checked(spec, Path(onnx_path), check_inputs(spec, count))
     except (ModelError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"{spec.name}: {onnx_path} ({result.size / 1e6:.1f} MB, opset {result.opset}, "
-               f"input {result.input} N x {shape_text(spec.input_shape)}, output "
-               f"{result.output}); onnx.checker passed")
-    click.echo(f"  ONNX Runtime against {result.reference}: difference {result.difference:.1e} "
-               f"of the largest output on {count} images")
+    click.echo(
+        f"{spec.name}: {onnx_path} ({result.size / 1e6:.1f} MB, opset {result.opset}, "
+        f"input {result.input} N x {shape_text(spec.input_shape)}, output "
+        f"{result.output}); onnx.checker passed"
+    )
+    click.echo(
+        f"  ONNX Runtime against {result.reference}: difference {result.difference:.1e} "
+        f"of the largest output on {count} images"
+    )
     if not result.ok:
         raise click.ClickException(f"the exported graph differs from {result.reference}")
 
@@ -280,14 +336,14 @@ def prepare_models(names: tuple[str, ...], models_dir: tuple[str, ...]) -> None:
     with tqdm(chosen, unit="model", file=sys.stderr, disable=len(chosen) < 2) as bar:
         for name in bar:
             bar.set_description(name)
-            spec = (find_model(name, models_dir) if names
-                    else load_spec(available(models_dir)[name]))
+            spec = find_model(name, models_dir) if names else load_spec(available(models_dir)[name])
             try:
                 path = prepare(spec)
             except ModelError as exc:
                 raise click.ClickException(str(exc)) from exc
-            bar.write(f"{spec.name:<16} {path} ({path.stat().st_size / 1e6:.1f} MB)",
-                      file=sys.stdout)
+            bar.write(
+                f"{spec.name:<16} {path} ({path.stat().st_size / 1e6:.1f} MB)", file=sys.stdout
+            )
 
 
 def numbers(text: str, separator: str, kind: type, what: str, counts: tuple[int, ...]) -> tuple:
@@ -308,51 +364,115 @@ def labels_option(text: str | None) -> tuple[Path | None, tuple[str, ...]]:
     if Path(text).is_file():
         return Path(text), ()
     if "," not in text:
-        raise click.BadParameter(f"{text!r} is not a file (and not a comma-separated list of "
-                                 f"class names)", param_hint="--labels")
+        raise click.BadParameter(
+            f"{text!r} is not a file (and not a comma-separated list of class names)",
+            param_hint="--labels",
+        )
     return None, tuple(label.strip() for label in text.split(","))
 
 
 @models.command("add")
 @click.argument("name")
-@click.option("--prototxt", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="The deploy prototxt.")
-@click.option("--weights", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="The trained .caffemodel.")
-@click.option("--mean-file", type=click.Path(exists=True, dir_okay=False),
-              help="Mean image to subtract: a Caffe .binaryproto or a .npy (C x H x W, "
-                   "centre-cropped when larger than the input; or C channel means).")
-@click.option("--mean", "mean_text", metavar="B,G,R",
-              help="Channel means to subtract, in the net's channel order (Caffe's "
-                   "mean_value), e.g. 104,117,123.")
-@click.option("--scale", type=float, help="Multiply after the mean (Caffe's transform_param "
-                                          "scale), e.g. 0.017.")
-@click.option("--raw-scale", type=float, help="Multiply the 0-255 pixels first (Caffe's "
-                                              "raw_scale).")
-@click.option("--labels", "labels_text", metavar="FILE|A,B,...",
-              help="Class names: a file with one per line (synset_words.txt), or a comma list.")
-@click.option("--channel-order", type=click.Choice(CHANNEL_ORDER_CHOICES), default="bgr",
-              show_default=True, help="The channel order the net was trained on (images "
-                                      "arrive RGB).")
-@click.option("--resize", "resize_text", metavar="N|HxW",
-              help="Resize image files: the shorter side to N, or to exactly H x W.")
-@click.option("--crop", type=click.Choice(CROP_CHOICES),
-              help="Then crop the net's input size: center, oversample (10 crops) or none.")
-@click.option("--input-size", "input_text", metavar="CxHxW",
-              help="The input's shape, for a prototxt that does not state it.")
+@click.option(
+    "--prototxt",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The deploy prototxt.",
+)
+@click.option(
+    "--weights",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The trained .caffemodel.",
+)
+@click.option(
+    "--mean-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Mean image to subtract: a Caffe .binaryproto or a .npy (C x H x W, "
+    "centre-cropped when larger than the input; or C channel means).",
+)
+@click.option(
+    "--mean",
+    "mean_text",
+    metavar="B,G,R",
+    help="Channel means to subtract, in the net's channel order (Caffe's "
+    "mean_value), e.g. 104,117,123.",
+)
+@click.option(
+    "--scale",
+    type=float,
+    help="Multiply after the mean (Caffe's transform_param scale), e.g. 0.017.",
+)
+@click.option(
+    "--raw-scale", type=float, help="Multiply the 0-255 pixels first (Caffe's raw_scale)."
+)
+@click.option(
+    "--labels",
+    "labels_text",
+    metavar="FILE|A,B,...",
+    help="Class names: a file with one per line (synset_words.txt), or a comma list.",
+)
+@click.option(
+    "--channel-order",
+    type=click.Choice(CHANNEL_ORDER_CHOICES),
+    default="bgr",
+    show_default=True,
+    help="The channel order the net was trained on (images arrive RGB).",
+)
+@click.option(
+    "--resize",
+    "resize_text",
+    metavar="N|HxW",
+    help="Resize image files: the shorter side to N, or to exactly H x W.",
+)
+@click.option(
+    "--crop",
+    type=click.Choice(CROP_CHOICES),
+    help="Then crop the net's input size: center, oversample (10 crops) or none.",
+)
+@click.option(
+    "--input-size",
+    "input_text",
+    metavar="CxHxW",
+    help="The input's shape, for a prototxt that does not state it.",
+)
 @click.option("--description", default="", help="One line for `farm models list`.")
 @click.option("--link", is_flag=True, help="Symlink the files instead of copying them.")
-@click.option("--force", is_flag=True, help="Replace a model of this name in the repository, "
-                                            "or shadow a bundled (or other) one.")
-@click.option("--count", default=4, show_default=True, type=click.IntRange(1),
-              help="Images the check compares the backends on.")
-@models_dir_option("Write the model into this repository folder [default: the first "
-                   "$FARM_MODELS folder, else ~/.local/share/farm/models].")
-def add_model(name: str, prototxt: str, weights: str, mean_file: str | None,
-              mean_text: str | None, scale: float | None, raw_scale: float | None,
-              labels_text: str | None, channel_order: str, resize_text: str | None,
-              crop: str | None, input_text: str | None, description: str, link: bool,
-              force: bool, count: int, models_dir: tuple[str, ...]) -> None:
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace a model of this name in the repository, or shadow a bundled (or other) one.",
+)
+@click.option(
+    "--count",
+    default=4,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Images the check compares the backends on.",
+)
+@models_dir_option(
+    "Write the model into this repository folder [default: the first "
+    "$FARM_MODELS folder, else ~/.local/share/farm/models]."
+)
+def add_model(
+    name: str,
+    prototxt: str,
+    weights: str,
+    mean_file: str | None,
+    mean_text: str | None,
+    scale: float | None,
+    raw_scale: float | None,
+    labels_text: str | None,
+    channel_order: str,
+    resize_text: str | None,
+    crop: str | None,
+    input_text: str | None,
+    description: str,
+    link: bool,
+    force: bool,
+    count: int,
+    models_dir: tuple[str, ...],
+) -> None:
     """Add a Caffe model to the repository as NAME, and check it on every backend.
 
     The files are copied (or linked) into REPOSITORY/NAME with a model.toml;
@@ -373,14 +493,21 @@ def add_model(name: str, prototxt: str, weights: str, mean_file: str | None,
         raise click.UsageError("give --mean-file or --mean, not both")
     labels_file, labels = labels_option(labels_text)
     model = NewModel(
-        name=name, prototxt=Path(prototxt), weights=Path(weights),
+        name=name,
+        prototxt=Path(prototxt),
+        weights=Path(weights),
         mean_file=Path(mean_file) if mean_file else None,
-        mean=numbers(mean_text, ",", float, "B,G,R channel means", (1, 3, 4)) if mean_text
-        else (), input_scale=scale, raw_scale=raw_scale, labels_file=labels_file,
-        labels=labels, channel_order=channel_order,
+        mean=numbers(mean_text, ",", float, "B,G,R channel means", (1, 3, 4)) if mean_text else (),
+        input_scale=scale,
+        raw_scale=raw_scale,
+        labels_file=labels_file,
+        labels=labels,
+        channel_order=channel_order,
         resize=(numbers(resize_text, "x", int, "N or HxW", (1, 2)) if resize_text else ()),
-        crop=crop, description=description,
-        input_size=numbers(input_text, "x", int, "CxHxW", (3,)) if input_text else None)
+        crop=crop,
+        description=description,
+        input_size=numbers(input_text, "x", int, "CxHxW", (3,)) if input_text else None,
+    )
     try:
         staged = stage(model, models_dir, force=force, link=link)
     except ModelError as exc:
@@ -402,13 +529,20 @@ def add_model(name: str, prototxt: str, weights: str, mean_file: str | None,
 
 def added_text(spec: ModelSpec) -> str:
     """What ``farm models add`` wrote, and what to run next."""
-    files = [f"    {name:<28} {size_text(path.stat().st_size):>9}"
-             f"{' -> ' + str(path.resolve()) if path.is_symlink() else ''}"
-             for name, path in spec.files().items()]
-    return "\n".join([f"added model {spec.name!r} in {spec.folder}:", *files,
-                      f"  images {shape_text(spec.item_shape)} ({spec.preprocess.layout})"
-                      f"{f', {len(spec.labels)} labels' if spec.labels else ''}",
-                      f"next: farm run photos/ --model {spec.name} --top-k 5"])
+    files = [
+        f"    {name:<28} {size_text(path.stat().st_size):>9}"
+        f"{' -> ' + str(path.resolve()) if path.is_symlink() else ''}"
+        for name, path in spec.files().items()
+    ]
+    return "\n".join(
+        [
+            f"added model {spec.name!r} in {spec.folder}:",
+            *files,
+            f"  images {shape_text(spec.item_shape)} ({spec.preprocess.layout})"
+            f"{f', {len(spec.labels)} labels' if spec.labels else ''}",
+            f"next: farm run photos/ --model {spec.name} --top-k 5",
+        ]
+    )
 
 
 def size_text(size: int) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
@@ -21,35 +22,54 @@ PRECISION_CHOICES = ("f32", "f16", "bf16")
 def heartbeat_options(function: Command) -> Command:
     """``--heartbeat`` and ``--liveness``: the Paranoid Pirate link's timers."""
     function = click.option(
-        "--liveness", default=defaults.LIVENESS, show_default=True, type=click.IntRange(1),
-        help="Heartbeats a peer may miss before it is declared gone.")(function)
+        "--liveness",
+        default=defaults.LIVENESS,
+        show_default=True,
+        type=click.IntRange(1),
+        help="Heartbeats a peer may miss before it is declared gone.",
+    )(function)
     return click.option(
-        "--heartbeat", default=defaults.HEARTBEAT, show_default=True,
+        "--heartbeat",
+        default=defaults.HEARTBEAT,
+        show_default=True,
         type=click.FloatRange(defaults.MIN_HEARTBEAT, defaults.MAX_HEARTBEAT),
-        help="Seconds between heartbeats.")(function)
+        help="Seconds between heartbeats.",
+    )(function)
 
 
 def curve_option(what: str, default_name: str | None = None) -> Decorator:
     """``--curve DIR`` (a `farm keys` folder holding ``what``), and ``--curve-name`` for peers."""
+
     def decorate(function: Command) -> Command:
         if default_name:
             function = click.option(
-                "--curve-name", default=default_name, show_default=True,
-                envvar="FARM_CURVE_NAME", show_envvar=True,
-                help="Which key of the --curve folder to use (NAME.key_secret).")(function)
+                "--curve-name",
+                default=default_name,
+                show_default=True,
+                envvar="FARM_CURVE_NAME",
+                show_envvar=True,
+                help="Which key of the --curve folder to use (NAME.key_secret).",
+            )(function)
         return click.option(
-            "--curve", type=click.Path(file_okay=False), envvar="FARM_CURVE", show_envvar=True,
+            "--curve",
+            type=click.Path(file_okay=False),
+            envvar="FARM_CURVE",
+            show_envvar=True,
             help=f"Encrypt and authenticate with CurveZMQ: a `farm keys` folder with {what}.",
         )(function)
+
     return decorate
 
 
 #: ``--curve`` and ``--curve-name`` of a client command (submit, status).
-client_curve_option = curve_option("the broker's public key and this client's secret key",
-                                   defaults.CLIENT_KEY)
+client_curve_option = curve_option(
+    "the broker's public key and this client's secret key", defaults.CLIENT_KEY
+)
 
-def endpoint_value(context: click.Context, parameter: click.Parameter, value: str | None
-                   ) -> str | None:
+
+def endpoint_value(
+    context: click.Context, parameter: click.Parameter, value: str | None
+) -> str | None:
     """An endpoint option's value: ``HOST:PORT`` as ``tcp://HOST:PORT``; a usage error in
     one line for anything else that is not an endpoint."""
     from farm.link import parse_endpoint
@@ -64,47 +84,73 @@ def endpoint_value(context: click.Context, parameter: click.Parameter, value: st
 
 #: ``--broker``: where a client or worker finds the broker.
 broker_option = click.option(
-    "--broker", "broker_address", default=defaults.BROKER_ENDPOINT, show_default=True,
-    envvar="FARM_BROKER", show_envvar=True, callback=endpoint_value,
-    help="Broker endpoint to connect to (tcp://HOST:PORT, or HOST:PORT).")
+    "--broker",
+    "broker_address",
+    default=defaults.BROKER_ENDPOINT,
+    show_default=True,
+    envvar="FARM_BROKER",
+    show_envvar=True,
+    callback=endpoint_value,
+    help="Broker endpoint to connect to (tcp://HOST:PORT, or HOST:PORT).",
+)
 
 
 def models_dir_option(text: str, exists: bool = False) -> Decorator:
     """``--models-dir``, repeatable: model folders searched beside $FARM_MODELS."""
-    return click.option("--models-dir", multiple=True,
-                        type=click.Path(file_okay=False, exists=exists), help=text)
+    return click.option(
+        "--models-dir", multiple=True, type=click.Path(file_okay=False, exists=exists), help=text
+    )
 
 
 def backend_option(text: str, default: str | None = None) -> Decorator:
     """``--backend``: one of ``BACKEND_CHOICES``; no default: the workers' own."""
-    return click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=default,
-                        show_default=default is not None, help=text)
+    return click.option(
+        "--backend",
+        type=click.Choice(BACKEND_CHOICES),
+        default=default,
+        show_default=default is not None,
+        help=text,
+    )
 
 
 def precision_option(text: str, default: str | None = None) -> Decorator:
     """``--precision``: one of ``PRECISION_CHOICES``; no default: the workers' own."""
-    return click.option("--precision", type=click.Choice(PRECISION_CHOICES), default=default,
-                        show_default=default is not None, help=text)
+    return click.option(
+        "--precision",
+        type=click.Choice(PRECISION_CHOICES),
+        default=default,
+        show_default=default is not None,
+        help=text,
+    )
 
 
 def image_out_options(function: Command) -> Command:
     """``--out``, ``--trace`` and ``--quiet``: what a job writes (submit, run)."""
     function = click.option("--quiet", is_flag=True, help="No progress bar.")(function)
     function = click.option(
-        "--trace", type=click.Path(dir_okay=False),
-        help="Write every chunk's worker and timings here (JSON) for `farm report`.")(function)
-    return click.option("--out", type=click.Path(dir_okay=False),
-                        help="Write answers here (.csv or .jsonl: each image's top classes, "
-                             "in input order) or raw outputs (.npy).")(function)
+        "--trace",
+        type=click.Path(dir_okay=False),
+        help="Write every chunk's worker and timings here (JSON) for `farm report`.",
+    )(function)
+    return click.option(
+        "--out",
+        type=click.Path(dir_okay=False),
+        help="Write answers here (.csv or .jsonl: each image's top classes, "
+        "in input order) or raw outputs (.npy).",
+    )(function)
 
 
 #: ``--top-k``: answers rather than raw scores (submit, run).
 top_k_option = click.option(
-    "--top-k", type=click.IntRange(1), metavar="K",
+    "--top-k",
+    type=click.IntRange(1),
+    metavar="K",
     help="Name each image's K best classes with their probabilities (the model's labels; a "
-         "softmax where the net ends before one) [default: 5 in a .csv/.jsonl --out, 1 on "
-         "the terminal for image files].")
+    "softmax where the net ends before one) [default: 5 in a .csv/.jsonl --out, 1 on "
+    "the terminal for image files].",
+)
 
 #: ``--model``: the model a job runs.
-model_option = click.option("--model", default=defaults.MODEL, show_default=True,
-                            help="Model to run.")
+model_option = click.option(
+    "--model", default=defaults.MODEL, show_default=True, help="Model to run."
+)

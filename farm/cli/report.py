@@ -9,12 +9,26 @@ import click
 
 @click.command()
 @click.argument("trace", type=click.Path(dir_okay=False))
-@click.option("-o", "--out", type=click.Path(dir_okay=False),
-              help="The PNG to draw [default: TRACE with .png instead of .json].")
-@click.option("--width", default=1200, show_default=True, type=click.IntRange(200, 10000),
-              help="Image width in pixels.")
-@click.option("--height", default=800, show_default=True, type=click.IntRange(200, 10000),
-              help="Image height in pixels.")
+@click.option(
+    "-o",
+    "--out",
+    type=click.Path(dir_okay=False),
+    help="The PNG to draw [default: TRACE with .png instead of .json].",
+)
+@click.option(
+    "--width",
+    default=1200,
+    show_default=True,
+    type=click.IntRange(200, 10000),
+    help="Image width in pixels.",
+)
+@click.option(
+    "--height",
+    default=800,
+    show_default=True,
+    type=click.IntRange(200, 10000),
+    help="Image height in pixels.",
+)
 def report(trace: str, out: str | None, width: int, height: int) -> None:
     """Print a job's waste and where it went; draw its timeline and throughput.
 

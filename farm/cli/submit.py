@@ -14,13 +14,26 @@ import click
 import numpy as np
 
 from farm import defaults
-from farm.cli.job import (NO_BROKER_HINT, BrokerAccess, answers_wanted, load_input,
-                          output_shape, run_job)
-from farm.client.answers import ModelCard
-from farm.cli.options import (backend_option, broker_option, client_curve_option,
-                              image_out_options, model_option, models_dir_option,
-                              precision_option, top_k_option)
+from farm.cli.job import (
+    NO_BROKER_HINT,
+    BrokerAccess,
+    answers_wanted,
+    load_input,
+    output_shape,
+    run_job,
+)
+from farm.cli.options import (
+    backend_option,
+    broker_option,
+    client_curve_option,
+    image_out_options,
+    model_option,
+    models_dir_option,
+    precision_option,
+    top_k_option,
+)
 from farm.cli.policy import policy_options, policy_params
+from farm.client.answers import ModelCard
 from farm.client.client import Client, FarmError, FarmTimeout
 from farm.summary import plural
 
@@ -38,30 +51,61 @@ WATCH_INTERVAL = 2.0
 @broker_option
 @image_out_options
 @top_k_option
-@click.option("--priority", default=defaults.PRIORITY, show_default=True,
-              type=click.IntRange(-100, 100),
-              help="Jobs of higher priority get free workers first.")
-@click.option("--job-timeout", type=click.FloatRange(0, min_open=True),
-              help="Seconds after which the broker cancels the job [default: none].")
-@click.option("--timeout", default=defaults.CLIENT_TIMEOUT, show_default=True,
-              help="Seconds of broker silence, or with no worker connected, before giving "
-                   "up (a broker back within this time gets the missing images submitted "
-                   "again; a broker that never answered is given up after 8 s).")
-@click.option("--resume", is_flag=True,
-              help="Finish the killed or stopped job writing --out (.npy, .csv or .jsonl): "
-                   "keep the rows its journal (OUT.journal) vouches for and submit only the "
-                   "other images.")
+@click.option(
+    "--priority",
+    default=defaults.PRIORITY,
+    show_default=True,
+    type=click.IntRange(-100, 100),
+    help="Jobs of higher priority get free workers first.",
+)
+@click.option(
+    "--job-timeout",
+    type=click.FloatRange(0, min_open=True),
+    help="Seconds after which the broker cancels the job [default: none].",
+)
+@click.option(
+    "--timeout",
+    default=defaults.CLIENT_TIMEOUT,
+    show_default=True,
+    help="Seconds of broker silence, or with no worker connected, before giving "
+    "up (a broker back within this time gets the missing images submitted "
+    "again; a broker that never answered is given up after 8 s).",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Finish the killed or stopped job writing --out (.npy, .csv or .jsonl): "
+    "keep the rows its journal (OUT.journal) vouches for and submit only the "
+    "other images.",
+)
 @backend_option("Run this job on this engine instead of the workers' own.")
 @precision_option("Run this job in this precision instead of the workers' own.")
 @client_curve_option
-@models_dir_option("Name answers with the labels of the model in this folder (repeatable); "
-                   "without it the broker's copy of the model names them.")
+@models_dir_option(
+    "Name answers with the labels of the model in this folder (repeatable); "
+    "without it the broker's copy of the model names them."
+)
 @policy_options(per_job=True)
-def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | None,
-           trace: str | None, quiet: bool, top_k: int | None, priority: int,
-           job_timeout: float | None, timeout: float, resume: bool, backend: str | None,
-           precision: str | None, curve: str | None, curve_name: str,
-           models_dir: tuple[str, ...], algo: str | None, **options: object) -> None:
+def submit(
+    images: tuple[str, ...],
+    model: str,
+    broker_address: str,
+    out: str | None,
+    trace: str | None,
+    quiet: bool,
+    top_k: int | None,
+    priority: int,
+    job_timeout: float | None,
+    timeout: float,
+    resume: bool,
+    backend: str | None,
+    precision: str | None,
+    curve: str | None,
+    curve_name: str,
+    models_dir: tuple[str, ...],
+    algo: str | None,
+    **options: object,
+) -> None:
     """Run IMAGES on a farm: image files, or one .npy array.
 
     IMAGES are image files (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM), folders of them
@@ -109,13 +153,27 @@ def submit(images: tuple[str, ...], model: str, broker_address: str, out: str | 
     params = policy_params(algo, options) if algo else {}
     if not algo and any(value is not None for value in options.values()):
         raise click.UsageError("policy parameters need --algo (the job's own policy)")
-    broker = BrokerAccess(endpoint=broker_address, timeout=timeout, curve=curve,
-                          curve_name=curve_name)
+    broker = BrokerAccess(
+        endpoint=broker_address, timeout=timeout, curve=curve, curve_name=curve_name
+    )
     source = load_input(images)
-    run_job(broker, source, model, out, quiet, trace, journal=True, resume=resume,
-            answers=answers_wanted(source, out, top_k, local_card(model, models_dir)),
-            priority=priority, job_timeout=job_timeout, algo=algo, params=params,
-            backend=backend, precision=precision)
+    run_job(
+        broker,
+        source,
+        model,
+        out,
+        quiet,
+        trace,
+        journal=True,
+        resume=resume,
+        answers=answers_wanted(source, out, top_k, local_card(model, models_dir)),
+        priority=priority,
+        job_timeout=job_timeout,
+        algo=algo,
+        params=params,
+        backend=backend,
+        precision=precision,
+    )
 
 
 def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:
@@ -137,25 +195,50 @@ def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:
 @click.command()
 @click.argument("images", nargs=-1)
 @model_option
-@click.option("--workers", type=click.IntRange(1),
-              help="Pinned workers to start (default: one per core).")
+@click.option(
+    "--workers", type=click.IntRange(1), help="Pinned workers to start (default: one per core)."
+)
 @image_out_options
 @top_k_option
-@backend_option("The workers' inference library (auto: the fastest that agrees, per model).",
-                defaults.BACKEND)
+@backend_option(
+    "The workers' inference library (auto: the fastest that agrees, per model).", defaults.BACKEND
+)
 @precision_option("The workers' compute precision.", defaults.PRECISION)
-@click.option("--batch", type=click.IntRange(1),
-              help="The workers' compute batch [default: auto's choice, else the prototxt's].")
-@click.option("--repeat", default=1, show_default=True, type=click.IntRange(1), metavar="N",
-              help="Run IMAGES N times over, as one job: long enough to measure the farm "
-                   "(throughput, waste) on a small input; the outputs hold every pass.")
-@models_dir_option("Model repository folder for the broker and workers (repeatable; also "
-                   "$FARM_MODELS).", exists=True)
+@click.option(
+    "--batch",
+    type=click.IntRange(1),
+    help="The workers' compute batch [default: auto's choice, else the prototxt's].",
+)
+@click.option(
+    "--repeat",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    metavar="N",
+    help="Run IMAGES N times over, as one job: long enough to measure the farm "
+    "(throughput, waste) on a small input; the outputs hold every pass.",
+)
+@models_dir_option(
+    "Model repository folder for the broker and workers (repeatable; also $FARM_MODELS).",
+    exists=True,
+)
 @policy_options()
-def run(images: tuple[str, ...], model: str, workers: int | None, out: str | None,
-        trace: str | None, quiet: bool, top_k: int | None, backend: str, precision: str,
-        batch: int | None, repeat: int, models_dir: tuple[str, ...], algo: str,
-        **options: object) -> None:
+def run(
+    images: tuple[str, ...],
+    model: str,
+    workers: int | None,
+    out: str | None,
+    trace: str | None,
+    quiet: bool,
+    top_k: int | None,
+    backend: str,
+    precision: str,
+    batch: int | None,
+    repeat: int,
+    models_dir: tuple[str, ...],
+    algo: str,
+    **options: object,
+) -> None:
     """Start a local farm (broker + one pinned worker per core), run IMAGES, stop it.
 
     IMAGES are image files, folders, globs and lists, or one .npy array, as for
@@ -172,8 +255,8 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
       farm run images.npy --model mynet --models-dir ~/models --backend openvino
     """
     from farm.client.inputs import repeated
-    from farm.ops.local import LocalFarm, cores, policy_arguments
     from farm.modelrepo.repository import ModelError, find
+    from farm.ops.local import LocalFarm, cores, policy_arguments
 
     try:
         spec = find(model, models_dir)
@@ -184,34 +267,58 @@ def run(images: tuple[str, ...], model: str, workers: int | None, out: str | Non
         if spec.sample is None:
             raise click.ClickException(no_sample(spec, models_dir))
         images, labels = (str(spec.sample),), spec.sample_labels
-    folders = [arg for folder in models_dir
-               for arg in ("--models-dir", str(Path(folder).resolve()))]
+    folders = [
+        arg for folder in models_dir for arg in ("--models-dir", str(Path(folder).resolve()))
+    ]
     available = cores()
     if workers is not None and workers > len(available):
-        raise click.UsageError(f"--workers {workers}: this process may use "
-                               f"{plural(len(available), 'core')} "
-                               f"({', '.join(map(str, available))}), and each worker is pinned "
-                               f"to a core of its own")
-    devices = [f"cpu:{core}" for core in available[:workers or len(available)]]
+        raise click.UsageError(
+            f"--workers {workers}: this process may use "
+            f"{plural(len(available), 'core')} "
+            f"({', '.join(map(str, available))}), and each worker is pinned "
+            f"to a core of its own"
+        )
+    devices = [f"cpu:{core}" for core in available[: workers or len(available)]]
     source = repeated(load_input(images), repeat)
     check_model_input(source, spec)
     answers = answers_wanted(source, out, top_k, ModelCard(spec.labels, spec.softmax))
-    click.echo(f"starting a local farm: broker + {plural(len(devices), 'worker')} "
-               f"({', '.join(devices)})", err=True)
+    click.echo(
+        f"starting a local farm: broker + {plural(len(devices), 'worker')} ({', '.join(devices)})",
+        err=True,
+    )
     stop_on_hangup()
     farm = LocalFarm(
-        devices=devices, algo=algo, preload=[model],
+        devices=devices,
+        algo=algo,
+        preload=[model],
         broker_options=[*policy_arguments(policy_params(algo, options)), *folders],
-        worker_options=["--backend", backend, "--precision", precision, *folders,
-                        *(["--batch", str(batch)] if batch else [])])
+        worker_options=[
+            "--backend",
+            backend,
+            "--precision",
+            precision,
+            *folders,
+            *(["--batch", str(batch)] if batch else []),
+        ],
+    )
     try:
         with farm as local:
             engines = local.engines(model)
-            click.echo(f"farm ready in {local.start_seconds:.2f} s (not counted in the job): "
-                       f"{model} on {engines or 'its engine'}", err=True)
-            outputs = run_job(BrokerAccess(endpoint=local.endpoint), source, model, out, quiet,
-                              trace, answers=answers,
-                              nan_shape=functools.partial(output_shape, spec))
+            click.echo(
+                f"farm ready in {local.start_seconds:.2f} s (not counted in the job): "
+                f"{model} on {engines or 'its engine'}",
+                err=True,
+            )
+            outputs = run_job(
+                BrokerAccess(endpoint=local.endpoint),
+                source,
+                model,
+                out,
+                quiet,
+                trace,
+                answers=answers,
+                nan_shape=functools.partial(output_shape, spec),
+            )
             stopping = time.monotonic()
     except FarmError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -240,14 +347,16 @@ def check_model_input(source: Source, spec: ModelSpec) -> None:
     refuse it in the same words)."""
     from farm.shapes import input_mismatch
 
-    problem = input_mismatch(spec.name, spec.item_shape, spec.preprocess.layout, source.dtype,
-                             tuple(source.item_shape))
+    problem = input_mismatch(
+        spec.name, spec.item_shape, spec.preprocess.layout, source.dtype, tuple(source.item_shape)
+    )
     if problem:
         raise click.ClickException(problem)
 
 
 def stop_on_hangup() -> None:
     """SIGTERM and SIGHUP exit through Python, so the local farm's processes are stopped."""
+
     def stop(signum: int, _: Any) -> None:
         raise SystemExit(128 + signum)
 
@@ -255,8 +364,9 @@ def stop_on_hangup() -> None:
         signal.signal(hangup, stop)
 
 
-def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[str, ...],
-                    passes: int = 1) -> None:
+def report_accuracy(
+    outputs: np.ndarray, labels_path: Path, class_names: tuple[str, ...], passes: int = 1
+) -> None:
     """Top-1 accuracy of the outputs against the sample's labels, a few predictions, and
     whether every pass over the sample answered alike."""
     labels = np.load(labels_path)
@@ -268,10 +378,15 @@ def report_accuracy(outputs: np.ndarray, labels_path: Path, class_names: tuple[s
     agree = ""
     if passes > 1:
         same = int((predicted == predicted[0]).all(axis=0).sum())
-        agree = (f"; the {passes} passes agree" if same == len(labels) else
-                 f"; the {passes} passes disagree on {len(labels) - same:,} images")
-    click.echo(f"accuracy on the bundled sample: {correct / len(labels):.2%} "
-               f"({correct:,} of {len(labels):,} against {labels_path.name}{agree})")
+        agree = (
+            f"; the {passes} passes agree"
+            if same == len(labels)
+            else f"; the {passes} passes disagree on {len(labels) - same:,} images"
+        )
+    click.echo(
+        f"accuracy on the bundled sample: {correct / len(labels):.2%} "
+        f"({correct:,} of {len(labels):,} against {labels_path.name}{agree})"
+    )
 
 
 def await_workers(client: Client, count: int, timeout: float) -> None:
@@ -292,8 +407,7 @@ def await_workers(client: Client, count: int, timeout: float) -> None:
         joined = len(client.info().get("workers", []))
     except FarmTimeout as exc:
         raise click.ClickException(f"{exc} ({NO_BROKER_HINT})") from exc
-    raise click.ClickException(f"{joined} of {count} workers registered within "
-                               f"{timeout:g} s")
+    raise click.ClickException(f"{joined} of {count} workers registered within {timeout:g} s")
 
 
 #: Seconds of one request of ``farm status --wait-workers`` (below the broker's limit).
@@ -303,17 +417,38 @@ WAIT_ROUND = 60.0
 @click.command()
 @broker_option
 @click.option("--json", "as_json", is_flag=True, help="The broker's snapshot as JSON, for scripts.")
-@click.option("--watch", type=click.FloatRange(0.1), is_flag=False, flag_value=WATCH_INTERVAL,
-              help=f"Redraw every SECONDS ({WATCH_INTERVAL:g} if not given) until Ctrl-C.",
-              metavar="[SECONDS]")
-@click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(0.1),
-              help="Seconds to wait for the broker's answer (and for --wait-workers).")
-@click.option("--wait-workers", type=click.IntRange(1), metavar="N",
-              help="First wait, up to --timeout, until N workers have registered; exit 1 "
-                   "if they have not (scripts starting a farm).")
+@click.option(
+    "--watch",
+    type=click.FloatRange(0.1),
+    is_flag=False,
+    flag_value=WATCH_INTERVAL,
+    help=f"Redraw every SECONDS ({WATCH_INTERVAL:g} if not given) until Ctrl-C.",
+    metavar="[SECONDS]",
+)
+@click.option(
+    "--timeout",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Seconds to wait for the broker's answer (and for --wait-workers).",
+)
+@click.option(
+    "--wait-workers",
+    type=click.IntRange(1),
+    metavar="N",
+    help="First wait, up to --timeout, until N workers have registered; exit 1 "
+    "if they have not (scripts starting a farm).",
+)
 @client_curve_option
-def status(broker_address: str, as_json: bool, watch: float | None, timeout: float,
-           wait_workers: int | None, curve: str | None, curve_name: str) -> None:
+def status(
+    broker_address: str,
+    as_json: bool,
+    watch: float | None,
+    timeout: float,
+    wait_workers: int | None,
+    curve: str | None,
+    curve_name: str,
+) -> None:
     """Show the farm: its workers and jobs, read from the broker over its own socket.
 
     Workers: name (host:pid/device), backend, state, images/s and busy share over
@@ -330,8 +465,9 @@ def status(broker_address: str, as_json: bool, watch: float | None, timeout: flo
     """
     from farm.client.status import format_status
 
-    broker = BrokerAccess(endpoint=broker_address, timeout=timeout, curve=curve,
-                          curve_name=curve_name)
+    broker = BrokerAccess(
+        endpoint=broker_address, timeout=timeout, curve=curve, curve_name=curve_name
+    )
     with broker.connect() as client:
         if wait_workers:
             await_workers(client, wait_workers, timeout)

@@ -7,8 +7,14 @@ from typing import Any
 import click
 
 from farm import defaults
-from farm.cli.options import (backend_option, broker_option, curve_option, heartbeat_options,
-                              models_dir_option, precision_option)
+from farm.cli.options import (
+    backend_option,
+    broker_option,
+    curve_option,
+    heartbeat_options,
+    models_dir_option,
+    precision_option,
+)
 
 
 class ItemRange(click.ParamType):
@@ -16,8 +22,9 @@ class ItemRange(click.ParamType):
 
     name = "A-B"
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> tuple[int, int]:
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, int]:
         if isinstance(value, tuple):
             return value
         low, _, high = str(value).partition("-")
@@ -27,40 +34,80 @@ class ItemRange(click.ParamType):
 
 
 @click.command()
-@click.option("--device", default="cpu", show_default=True,
-              help="cpu (all cores, all threads), cpu:N (pinned to core N, one thread), "
-                   "cpu:bound (pinned to the core srun or taskset bound it to) or gpu:N (CUDA "
-                   "device N, torch backend).")
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="cpu (all cores, all threads), cpu:N (pinned to core N, one thread), "
+    "cpu:bound (pinned to the core srun or taskset bound it to) or gpu:N (CUDA "
+    "device N, torch backend).",
+)
 @broker_option
-@backend_option("Inference library; auto times each installed one on each model when it "
-                "loads and keeps the fastest whose outputs agree (remembered on disk).",
-                defaults.BACKEND)
-@precision_option("Compute precision; f16/bf16 where the engine and device offer them.",
-                  defaults.PRECISION)
-@click.option("--model", "preload", multiple=True,
-              help="Load this model at start (repeatable); one this host lacks is fetched from "
-                   "the broker once connected.")
-@models_dir_option("Local model folder used when its files match the job's (repeatable; also "
-                   "$FARM_MODELS); other models are fetched from the broker.")
-@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), envvar="FARM_CACHE_MODELS",
-              show_envvar=True,
-              help="Where fetched models are kept [default: ~/.cache/farm/models].")
-@click.option("--batch", type=click.IntRange(1),
-              help="Compute batch: chunks run in batches of this many images "
-                   "[default: the batch size in each model's prototxt].")
-@click.option("--slots", type=click.IntRange(1),
-              help=f"Chunks the broker may keep in flight to this worker [default: "
-                   f"{defaults.SLOTS} on a core, {defaults.GPU_SLOTS} on a GPU].")
+@backend_option(
+    "Inference library; auto times each installed one on each model when it "
+    "loads and keeps the fastest whose outputs agree (remembered on disk).",
+    defaults.BACKEND,
+)
+@precision_option(
+    "Compute precision; f16/bf16 where the engine and device offer them.", defaults.PRECISION
+)
+@click.option(
+    "--model",
+    "preload",
+    multiple=True,
+    help="Load this model at start (repeatable); one this host lacks is fetched from "
+    "the broker once connected.",
+)
+@models_dir_option(
+    "Local model folder used when its files match the job's (repeatable; also "
+    "$FARM_MODELS); other models are fetched from the broker."
+)
+@click.option(
+    "--cache",
+    "cache_dir",
+    type=click.Path(file_okay=False),
+    envvar="FARM_CACHE_MODELS",
+    show_envvar=True,
+    help="Where fetched models are kept [default: ~/.cache/farm/models].",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1),
+    help="Compute batch: chunks run in batches of this many images "
+    "[default: the batch size in each model's prototxt].",
+)
+@click.option(
+    "--slots",
+    type=click.IntRange(1),
+    help=f"Chunks the broker may keep in flight to this worker [default: "
+    f"{defaults.SLOTS} on a core, {defaults.GPU_SLOTS} on a GPU].",
+)
 @click.option("--max-tasks", type=click.IntRange(1), help="Exit after this many chunks.")
 @heartbeat_options
 @curve_option("the broker's public key and this worker's secret key", defaults.WORKER_KEY)
-@click.option("--fail-items", hidden=True, type=ItemRange(),
-              help="Fault injection for chaos tests: chunks touching items A-B fail.")
-def worker(device: str, broker_address: str, backend: str, precision: str,
-           preload: tuple[str, ...], models_dir: tuple[str, ...], cache_dir: str | None,
-           batch: int | None, slots: int | None, max_tasks: int | None, heartbeat: float,
-           liveness: int, curve: str | None, curve_name: str,
-           fail_items: tuple[int, int] | None) -> None:
+@click.option(
+    "--fail-items",
+    hidden=True,
+    type=ItemRange(),
+    help="Fault injection for chaos tests: chunks touching items A-B fail.",
+)
+def worker(
+    device: str,
+    broker_address: str,
+    backend: str,
+    precision: str,
+    preload: tuple[str, ...],
+    models_dir: tuple[str, ...],
+    cache_dir: str | None,
+    batch: int | None,
+    slots: int | None,
+    max_tasks: int | None,
+    heartbeat: float,
+    liveness: int,
+    curve: str | None,
+    curve_name: str,
+    fail_items: tuple[int, int] | None,
+) -> None:
     """Run one worker: one per pinned core, one per GPU.
 
     \b
@@ -76,10 +123,22 @@ def worker(device: str, broker_address: str, backend: str, precision: str,
     try:
         parsed = Device.parse(device)
         config = WorkerConfig(
-            broker=broker_address, device=parsed, batch=batch, model_dirs=models_dir,
-            preload=preload, slots=slots, max_tasks=max_tasks,
-            backend=backend, cache_dir=cache_dir, heartbeat=heartbeat, liveness=liveness,
-            curve=curve, curve_name=curve_name, fail_items=fail_items, precision=precision)
+            broker=broker_address,
+            device=parsed,
+            batch=batch,
+            model_dirs=models_dir,
+            preload=preload,
+            slots=slots,
+            max_tasks=max_tasks,
+            backend=backend,
+            cache_dir=cache_dir,
+            heartbeat=heartbeat,
+            liveness=liveness,
+            curve=curve,
+            curve_name=curve_name,
+            fail_items=fail_items,
+            precision=precision,
+        )
         serve(config)
     except (ValueError, LookupError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -8,8 +8,15 @@ from importlib import import_module
 from typing import Any
 
 #: The public names, loaded on first use (``farm.client.npy`` needs no sockets).
-_PUBLIC = ("Client", "FarmError", "FarmTimeout", "NoWorker", "OutputError", "ResumeRefused",
-           "JobResult")
+_PUBLIC = (
+    "Client",
+    "FarmError",
+    "FarmTimeout",
+    "NoWorker",
+    "OutputError",
+    "ResumeRefused",
+    "JobResult",
+)
 
 __all__ = list(_PUBLIC)
 

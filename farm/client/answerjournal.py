@@ -24,15 +24,23 @@ import logging
 import os
 import time
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
 from farm.client.answers import AnswerSink, CsvAnswers, JsonlAnswers, ModelCard
-from farm.client.journal import (SYNC_INTERVAL, JournalHeader, JournalMismatch, JournalUnreadable,
-                          append, journal_path, open_for_append, read_lines)
+from farm.client.journal import (
+    SYNC_INTERVAL,
+    JournalHeader,
+    JournalMismatch,
+    JournalUnreadable,
+    append,
+    journal_path,
+    open_for_append,
+    read_lines,
+)
 from farm.client.npy import partial_path, publish, sync_folder
 
 log = logging.getLogger("farm.client.answerjournal")
@@ -124,12 +132,21 @@ class AnswersJournal(AnswerSink):
     call ``close`` in any case.
     """
 
-    def __init__(self, out: str | os.PathLike[str], header: JournalHeader, card: ModelCard,
-                 names: Callable[[int, int], Sequence[str]], file: CountedFile,
-                 resumed: RowMark | None = None) -> None:
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        header: JournalHeader,
+        card: ModelCard,
+        names: Callable[[int, int], Sequence[str]],
+        file: CountedFile,
+        resumed: RowMark | None = None,
+    ) -> None:
         k = header.top_k or 1
-        writer = (CsvAnswers(file, card, k, heading=resumed is None) if header.format == "csv"
-                  else JsonlAnswers(file, card))
+        writer = (
+            CsvAnswers(file, card, k, heading=resumed is None)
+            if header.format == "csv"
+            else JsonlAnswers(file, card)
+        )
         super().__init__(k, card, writer, names, next_row=resumed.rows if resumed else 0)
         self.path, self.journal = Path(out), journal_path(out)
         self.header, self.file = header, file
@@ -140,8 +157,13 @@ class AnswersJournal(AnswerSink):
         self.fd = open_for_append(self.journal) if resumed else -1  # new: with the first rows
 
     @classmethod
-    def open(cls, out: str | os.PathLike[str], job: JournalHeader, card: ModelCard,
-             names: Callable[[int, int], Sequence[str]]) -> AnswersJournal:
+    def open(
+        cls,
+        out: str | os.PathLike[str],
+        job: JournalHeader,
+        card: ModelCard,
+        names: Callable[[int, int], Sequence[str]],
+    ) -> AnswersJournal:
         """A sink for ``job``'s answers at ``out`` (``job.format`` and ``job.top_k`` set),
         resumed from its journal if there is one (JournalMismatch if that journal is for
         another job), else started afresh (an unusable journal deleted)."""
@@ -157,7 +179,8 @@ class AnswersJournal(AnswerSink):
             if differences:
                 raise JournalMismatch(
                     f"{journal} was written for another job, not resumed: "
-                    f"{'; '.join(differences)} (delete it to start afresh)")
+                    f"{'; '.join(differences)} (delete it to start afresh)"
+                )
             found = partial if partial.exists() else Path(out)
             mark = last_whole(found, parse_marks(lines, job.input.count))
             if mark is not None:
@@ -171,7 +194,7 @@ class AnswersJournal(AnswerSink):
     def resumed_items(self) -> np.ndarray:
         """The rows resumed, as a bitmap of items."""
         done = np.zeros(self.header.input.count, dtype=bool)
-        done[:self.resumed_rows] = True
+        done[: self.resumed_rows] = True
         return done
 
     def flush(self) -> None:
@@ -187,16 +210,14 @@ class AnswersJournal(AnswerSink):
         self.file.handle.flush()
         if self.fd < 0:
             self._start_journal()
-        append(self.fd, RowMark(self.next_row, self.file.size, self.file.crc).line(),
-               self.journal)
+        append(self.fd, RowMark(self.next_row, self.file.size, self.file.crc).line(), self.journal)
         self.marked = self.next_row
         if time.monotonic() - self.synced >= SYNC_INTERVAL:
             self.sync()
 
     def _start_journal(self) -> None:
         """Create the journal: its header, synced with the rows before it."""
-        self.fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
-                          0o644)
+        self.fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         append(self.fd, self.header.line(), self.journal)
         self.sync()
         sync_folder(self.journal)

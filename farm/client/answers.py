@@ -14,9 +14,10 @@ import csv
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Protocol, Sequence
+from typing import IO, Any, Protocol
 
 import numpy as np
 
@@ -91,8 +92,11 @@ class CsvAnswers:
 
     def __post_init__(self) -> None:
         self.writer = csv.writer(self.handle)
-        ranks = [f"{what}_{rank}" for rank in range(1, self.k + 1)
-                 for what in ("id", "name", "probability")]
+        ranks = [
+            f"{what}_{rank}"
+            for rank in range(1, self.k + 1)
+            for what in ("id", "name", "probability")
+        ]
         if self.heading:
             self.writer.writerow(["path", *ranks, "error"])
 
@@ -119,9 +123,14 @@ class JsonlAnswers:
         if answer.error is not None:
             document["error"] = answer.error
         else:
-            document["top"] = [{"id": class_id, "name": self.card.name(class_id),
-                                "probability": round(probability, 6)}
-                               for class_id, probability in zip(answer.ids, answer.probabilities)]
+            document["top"] = [
+                {
+                    "id": class_id,
+                    "name": self.card.name(class_id),
+                    "probability": round(probability, 6),
+                }
+                for class_id, probability in zip(answer.ids, answer.probabilities)
+            ]
         self.handle.write(json.dumps(document) + "\n")
 
     def close(self) -> None:
@@ -143,8 +152,10 @@ class TerminalAnswers:
         if answer.error is not None:
             text = f"FAILED: {answer.error}"
         else:
-            text = "; ".join(f"{self.card.name(class_id)} {probability:.1%}"
-                             for class_id, probability in zip(answer.ids, answer.probabilities))
+            text = "; ".join(
+                f"{self.card.name(class_id)} {probability:.1%}"
+                for class_id, probability in zip(answer.ids, answer.probabilities)
+            )
         tqdm.write(f"{answer.name}: {text}", file=self.handle)
 
     def close(self) -> None:
@@ -159,8 +170,9 @@ def answers_format(path: str | os.PathLike[str]) -> str:
     return kind
 
 
-def open_writer(path: str | None, card: ModelCard, k: int,
-                file: str | os.PathLike[str] | None = None) -> AnswerWriter:
+def open_writer(
+    path: str | None, card: ModelCard, k: int, file: str | os.PathLike[str] | None = None
+) -> AnswerWriter:
     """A writer for an answers file by its suffix (.csv, .jsonl); None: the terminal.
     ``file``: where to write it instead (``path``'s ``.partial`` file).  ValueError for
     another suffix."""
@@ -190,9 +202,12 @@ class AnswerSink:
         ids, probabilities = top_k(values, self.k, not self.card.softmax)
         names = self.names(start, len(values))
         for offset in range(len(values)):
-            self.waiting[start + offset] = Answer(start + offset, names[offset],
-                                                  tuple(ids[offset].tolist()),
-                                                  tuple(probabilities[offset].tolist()))
+            self.waiting[start + offset] = Answer(
+                start + offset,
+                names[offset],
+                tuple(ids[offset].tolist()),
+                tuple(probabilities[offset].tolist()),
+            )
         self.flush()
 
     def fill(self, start: int, count: int, value: float) -> None:

@@ -37,9 +37,10 @@ import socket
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -48,12 +49,18 @@ import zmq
 from farm import messages, protocol
 from farm.client.answers import AnswerSink, ModelCard
 from farm.client.inputs import ArraySource, FileSource, InputError, Source, open_input
-from farm.client.journal import InputIdentity, Journaled, JournalHeader, JournalMismatch, JournalSink
-from farm.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint
+from farm.client.journal import (
+    InputIdentity,
+    Journaled,
+    JournalHeader,
+    JournalMismatch,
+    JournalSink,
+)
 from farm.client.npy import NpyReader, NpyWriter
+from farm.client.trace import Trace, TraceRecorder
+from farm.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint
 from farm.protocol import Command, ProtocolError
 from farm.summary import FailedItems, JobSummary, plural
-from farm.client.trace import Trace, TraceRecorder
 
 log = logging.getLogger("farm.client.client")
 
@@ -65,8 +72,18 @@ FIRST_CONTACT_TIMEOUT = 8.0
 NO_WORKER_NOTICE, NO_WORKER_REPEAT = 3.0, 30.0
 
 #: Commands a client accepts from the broker.
-ACCEPTED = frozenset({Command.NEED, Command.RESULT, Command.FAILED, Command.DONE, Command.ERROR,
-                      Command.INFO, Command.HEARTBEAT, Command.CANCEL})
+ACCEPTED = frozenset(
+    {
+        Command.NEED,
+        Command.RESULT,
+        Command.FAILED,
+        Command.DONE,
+        Command.ERROR,
+        Command.INFO,
+        Command.HEARTBEAT,
+        Command.CANCEL,
+    }
+)
 
 
 class FarmError(RuntimeError):
@@ -89,19 +106,24 @@ class OutputError(FarmError):
     """Writing the outputs failed (disk full, EIO, read-only...); a job still running was
     cancelled (``cancelled``)."""
 
-    def __init__(self, error: OSError, safe: int, total: int, journal: Path | None,
-                 cancelled: bool = True) -> None:
+    def __init__(
+        self, error: OSError, safe: int, total: int, journal: Path | None, cancelled: bool = True
+    ) -> None:
         self.error, self.safe, self.total, self.journal = error, safe, total, journal
         name = errno.errorcode.get(error.errno or 0, "")
         where = error.filename or "the outputs"
         if journal is None:
             kept = f"{safe:,} of {total:,} images were written; run the job again"
         else:
-            kept = (f"{safe:,} of {total:,} images are safely written (journal {journal}); "
-                    f"free space and run again with --resume (resume= in Python)")
-        super().__init__(f"cannot write {where}: {error.strerror or error}"
-                         f"{f' ({name})' if name else ''}"
-                         f"{'; the job was cancelled' if cancelled else ''}; {kept}")
+            kept = (
+                f"{safe:,} of {total:,} images are safely written (journal {journal}); "
+                f"free space and run again with --resume (resume= in Python)"
+            )
+        super().__init__(
+            f"cannot write {where}: {error.strerror or error}"
+            f"{f' ({name})' if name else ''}"
+            f"{'; the job was cancelled' if cancelled else ''}; {kept}"
+        )
 
 
 class ResultSink(Protocol):
@@ -123,13 +145,15 @@ class ArraySink:
         if self.array is None:
             self.array = np.empty((self.total, *values.shape[1:]), dtype=values.dtype)
         if values.shape[1:] != self.array.shape[1:]:
-            raise FarmError(f"outputs of shape {values.shape[1:]} for items {start}+"
-                            f"{len(values)} do not match earlier ones {self.array.shape[1:]}")
-        self.array[start:start + len(values)] = values
+            raise FarmError(
+                f"outputs of shape {values.shape[1:]} for items {start}+"
+                f"{len(values)} do not match earlier ones {self.array.shape[1:]}"
+            )
+        self.array[start : start + len(values)] = values
 
     def fill(self, start: int, count: int, value: float) -> None:
         if self.array is not None:
-            self.array[start:start + count] = value
+            self.array[start : start + count] = value
 
 
 @dataclass
@@ -177,10 +201,10 @@ class Progress:
 
     def mark(self, start: int, count: int) -> bool:
         """Record items as answered; False (and counted) if any was answered before."""
-        if self.answered[start:start + count].any():
+        if self.answered[start : start + count].any():
             self.duplicates += 1
             return False
-        self.answered[start:start + count] = True
+        self.answered[start : start + count] = True
         return True
 
     def missing_runs(self) -> list[tuple[int, int]]:
@@ -216,9 +240,13 @@ class SubmitOptions:
         """SUBMIT's options; ``remaining``: what is left of the job's timeout (a
         re-submission must not restart it)."""
         return messages.Options(
-            client=f"{socket.gethostname()}:{os.getpid()}", priority=self.priority,
-            timeout=remaining, algo=self.algo,
-            params=dict(self.params) if self.algo is not None else {}, engine=self.engine)
+            client=f"{socket.gethostname()}:{os.getpid()}",
+            priority=self.priority,
+            timeout=remaining,
+            algo=self.algo,
+            params=dict(self.params) if self.algo is not None else {},
+            engine=self.engine,
+        )
 
 
 @dataclass
@@ -262,10 +290,15 @@ class JobRun:
         if self.trace:
             self.trace.new_submission()
         timeout = self.remaining() if self.resubmissions else self.options.job_timeout
-        return messages.Submit(job=self.submission.job, model=self.model,
-                               dtype=self.source.dtype, item_shape=self.source.item_shape,
-                               total=self.submission.total, options=self.options.header(timeout),
-                               heartbeat=heartbeat)
+        return messages.Submit(
+            job=self.submission.job,
+            model=self.model,
+            dtype=self.source.dtype,
+            item_shape=self.source.item_shape,
+            total=self.submission.total,
+            options=self.options.header(timeout),
+            heartbeat=heartbeat,
+        )
 
 
 @dataclass
@@ -298,9 +331,11 @@ class Running:
             return None  # the broker was lost after the last result
         link = self.link() if self.link is not None else None
         answered = link is not None and link.answered
-        log.log(logging.WARNING if answered else logging.DEBUG,  # never there: not news
-                "submitting the %d missing images again",
-                job.state.total - job.state.answered.sum())
+        log.log(
+            logging.WARNING if answered else logging.DEBUG,  # never there: not news
+            "submitting the %d missing images again",
+            job.state.total - job.state.answered.sum(),
+        )
         return job.new_submission(missing, self.heartbeat)
 
     def heartbeat_header(self) -> messages.Heartbeat | None:
@@ -323,10 +358,16 @@ class Client:
     the broker has been silent for ``liveness`` of its heartbeat intervals.
     """
 
-    def __init__(self, broker: str = DEFAULT_BROKER, timeout: float | None = 60.0,
-                 context: zmq.Context | None = None, heartbeat: float = 1.0,
-                 liveness: int = 5, curve: str | None = None,
-                 curve_name: str = "client") -> None:
+    def __init__(
+        self,
+        broker: str = DEFAULT_BROKER,
+        timeout: float | None = 60.0,
+        context: zmq.Context | None = None,
+        heartbeat: float = 1.0,
+        liveness: int = 5,
+        curve: str | None = None,
+        curve_name: str = "client",
+    ) -> None:
         try:
             self.broker = broker = parse_endpoint(broker)  # HOST:PORT is tcp://HOST:PORT
         except ValueError as exc:
@@ -341,10 +382,12 @@ class Client:
         os.set_blocking(self._wake_write, False)
         try:
             # no back-off: each new submission waits one expiry, as the first did
-            self.link = BrokerLink(self.context,
-                                   LinkConfig(broker, heartbeat, liveness, curve, curve_name,
-                                              max_retry=0.0),
-                                   self._running.resubmission, self._running.heartbeat_header)
+            self.link = BrokerLink(
+                self.context,
+                LinkConfig(broker, heartbeat, liveness, curve, curve_name, max_retry=0.0),
+                self._running.resubmission,
+                self._running.heartbeat_header,
+            )
         except BaseException:
             self._close_pipe()
             raise
@@ -406,18 +449,28 @@ class Client:
         assert result.outputs is not None  # no sink was given: the outputs are in memory
         return result.outputs
 
-    def run(self, images: Input, model: str,
-            out: np.ndarray | ResultSink | None = None,
-            progress: ProgressCallback | None = None, *, priority: int = 0,
-            job_timeout: float | None = None, algo: str | None = None,
-            params: dict[str, Any] | None = None, trace: bool = False,
-            backend: str | None = None, precision: str | None = None,
-            resume: str | os.PathLike[str] | None = None,
-            notice: Callable[[str], None] | None = None) -> JobResult:
+    def run(
+        self,
+        images: Input,
+        model: str,
+        out: np.ndarray | ResultSink | None = None,
+        progress: ProgressCallback | None = None,
+        *,
+        priority: int = 0,
+        job_timeout: float | None = None,
+        algo: str | None = None,
+        params: dict[str, Any] | None = None,
+        trace: bool = False,
+        backend: str | None = None,
+        precision: str | None = None,
+        resume: str | os.PathLike[str] | None = None,
+        notice: Callable[[str], None] | None = None,
+    ) -> JobResult:
         """Submit a job and gather its outputs (into ``out``, an array or a sink such as
         ``NpyWriter`` or ``farm.client.answers.AnswerSink``, written where the caller said) and a
         summary; failed items are NaN in the outputs and listed.  A
-        ``farm.client.journal.Journaled`` sink (``farm.client.answerjournal.AnswersJournal``) resumes and
+        ``farm.client.journal.Journaled`` sink (``farm.client.answerjournal.AnswersJournal``)
+        resumes and
         ends as ``resume`` does.
 
         ``images``: an array (N x C x H x W, N x H x W, or N x H x W x C for an HWC model)
@@ -465,21 +518,30 @@ class Client:
         engine = job_engine(backend, precision)
         sink = self._open_sink(out, resume, source, model, engine)
         try:
-            job = JobRun(model, source, sink, Progress(len(source)),
-                         SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine),
-                         progress,
-                         trace=TraceRecorder() if trace else None,
-                         deadline=None if job_timeout is None else time.monotonic() + job_timeout,
-                         notice=notice or log.warning)
+            job = JobRun(
+                model,
+                source,
+                sink,
+                Progress(len(source)),
+                SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine),
+                progress,
+                trace=TraceRecorder() if trace else None,
+                deadline=None if job_timeout is None else time.monotonic() + job_timeout,
+                notice=notice or log.warning,
+            )
             return self._run_job(job)
         finally:
             if isinstance(sink, JournalSink):
                 sink.close()
 
     @staticmethod
-    def _open_sink(out: np.ndarray | ResultSink | None, resume: str | os.PathLike[str] | None,
-                   source: Source, model: str,
-                   engine: tuple[str, str] | None) -> ResultSink:
+    def _open_sink(
+        out: np.ndarray | ResultSink | None,
+        resume: str | os.PathLike[str] | None,
+        source: Source,
+        model: str,
+        engine: tuple[str, str] | None,
+    ) -> ResultSink:
         """Where the outputs go: ``out``, a journaled file (``resume``), else memory."""
         if resume is not None:
             header = JournalHeader(model, InputIdentity.of(source), engine)
@@ -528,13 +590,26 @@ class Client:
         elapsed = time.perf_counter() - started
         submitted = sum(count for _, count in missing)
         summary = job.summary or JobSummary(  # the broker's last word was lost with it
-            total=submitted, items=int(state.answered.sum()) - resumed, broker_seconds=elapsed)
-        recorded = job.trace.document(job.first_id, job.model, len(job.source), job.summary,
-                                      state.failed, job.cancelled) if job.trace else None
-        return JobResult(self._outputs(sink),
-                         msgspec.structs.replace(summary, seconds=elapsed), state.failed,
-                         job.resubmissions, state.duplicates, job.cancelled, recorded, resumed,
-                         job.input_bytes)
+            total=submitted, items=int(state.answered.sum()) - resumed, broker_seconds=elapsed
+        )
+        recorded = (
+            job.trace.document(
+                job.first_id, job.model, len(job.source), job.summary, state.failed, job.cancelled
+            )
+            if job.trace
+            else None
+        )
+        return JobResult(
+            self._outputs(sink),
+            msgspec.structs.replace(summary, seconds=elapsed),
+            state.failed,
+            job.resubmissions,
+            state.duplicates,
+            job.cancelled,
+            recorded,
+            resumed,
+            job.input_bytes,
+        )
 
     @staticmethod
     def _outputs(sink: ResultSink) -> np.ndarray | None:
@@ -590,14 +665,20 @@ class Client:
         if job.cancel_sent is not None and now - job.cancel_sent > self.link.expiry:
             job.cancelled = "cancelled (the broker did not confirm)"
             return True
-        if (not self.link.answered and now - job.started > FIRST_CONTACT_TIMEOUT
-                and (self.timeout is None or self.timeout > FIRST_CONTACT_TIMEOUT)):
-            raise FarmTimeout(f"no broker answered at {self.broker} within "
-                              f"{FIRST_CONTACT_TIMEOUT:g} s")
+        if (
+            not self.link.answered
+            and now - job.started > FIRST_CONTACT_TIMEOUT
+            and (self.timeout is None or self.timeout > FIRST_CONTACT_TIMEOUT)
+        ):
+            raise FarmTimeout(
+                f"no broker answered at {self.broker} within {FIRST_CONTACT_TIMEOUT:g} s"
+            )
         if self.timeout is not None and now - last_heard > self.timeout:
-            raise FarmTimeout(f"no reply from broker {self.broker} in {self.timeout} s; "
-                              f"{int(job.state.answered.sum())} of {job.state.total} "
-                              f"images came back")
+            raise FarmTimeout(
+                f"no reply from broker {self.broker} in {self.timeout} s; "
+                f"{int(job.state.answered.sum())} of {job.state.total} "
+                f"images came back"
+            )
         return False
 
     def _check_workers(self, job: JobRun) -> None:
@@ -608,14 +689,18 @@ class Client:
         now = time.monotonic()
         waited = now - max(job.no_workers_since, job.started)
         if self.timeout is not None and waited > self.timeout:
-            raise NoWorker(f"no worker connected to broker {self.broker} in {self.timeout:g} "
-                           f"s; {int(job.state.answered.sum()):,} of {job.state.total:,} "
-                           f"images came back (start workers with: farm worker --broker "
-                           f"{self.broker} --device cpu:0)")
+            raise NoWorker(
+                f"no worker connected to broker {self.broker} in {self.timeout:g} "
+                f"s; {int(job.state.answered.sum()):,} of {job.state.total:,} "
+                f"images came back (start workers with: farm worker --broker "
+                f"{self.broker} --device cpu:0)"
+            )
         if waited >= NO_WORKER_NOTICE and now >= job.next_notice:
-            job.notice(f"waiting for a worker: none is connected to {self.broker} "
-                       f"({waited:.0f} s so far; start one with: farm worker --broker "
-                       f"{self.broker} --device cpu:0)")
+            job.notice(
+                f"waiting for a worker: none is connected to {self.broker} "
+                f"({waited:.0f} s so far; start one with: farm worker --broker "
+                f"{self.broker} --device cpu:0)"
+            )
             job.next_notice = now + NO_WORKER_REPEAT
 
     def _take(self, job: JobRun, message: protocol.Message) -> None:
@@ -631,8 +716,11 @@ class Client:
         if isinstance(header, messages.Error) and header.job is None:
             raise FarmError(f"the broker refused a request: {header.error}")
         submission = job.submission
-        if (not isinstance(header, messages.Heartbeat) and submission is not None
-                and messages.job_of(header) == submission.job):
+        if (
+            not isinstance(header, messages.Heartbeat)
+            and submission is not None
+            and messages.job_of(header) == submission.job
+        ):
             self._handle(job, submission, message)
 
     def _handle(self, job: JobRun, submission: Submission, message: protocol.Message) -> None:
@@ -641,9 +729,13 @@ class Client:
             case messages.Need() as need:
                 self._send_input(job, submission, need)
             case messages.Result() as result:
-                self._take_result(job, submission, result,
-                                  message.array(result.dtype, result.item_shape),
-                                  message.failures())
+                self._take_result(
+                    job,
+                    submission,
+                    result,
+                    message.array(result.dtype, result.item_shape),
+                    message.failures(),
+                )
             case messages.Failed() as failed:
                 self._take_failure(job, failed, submission)
             case messages.Done():
@@ -663,15 +755,25 @@ class Client:
         """DATA for a NEED: the chunk's items, read from the source now."""
         pieces = submission.pieces(need.start, need.count)
         if sum(n for _, _, n in pieces) != need.count:
-            raise FarmError(f"the broker asked for items {need.start}+{need.count} of a job "
-                            f"of {submission.total}")
+            raise FarmError(
+                f"the broker asked for items {need.start}+{need.count} of a job "
+                f"of {submission.total}"
+            )
         frames = job.source.frames([(item_start, n) for _, item_start, n in pieces])
         job.input_bytes += sum(memoryview(frame).nbytes for frame in frames)
-        self._send(messages.Data(job=submission.job, chunk=need.chunk, start=need.start,
-                                 count=need.count), frames)
+        self._send(
+            messages.Data(job=submission.job, chunk=need.chunk, start=need.start, count=need.count),
+            frames,
+        )
 
-    def _take_result(self, job: JobRun, submission: Submission, header: messages.Result,
-                     values: np.ndarray, failures: list[tuple[int, int, str]]) -> None:
+    def _take_result(
+        self,
+        job: JobRun,
+        submission: Submission,
+        header: messages.Result,
+        values: np.ndarray,
+        failures: list[tuple[int, int, str]],
+    ) -> None:
         """Write a result's items to the sink, and record those that failed on their own
         (``failures``: offset, count, reason); if writing fails, cancel the job (and write
         nothing more)."""
@@ -689,7 +791,7 @@ class Client:
                 try:
                     job.sink.write(start, values[low:high])
                 except OSError as exc:  # this run and the piece's later ones are not written
-                    job.state.answered[start:item_start + count] = False
+                    job.state.answered[start : item_start + count] = False
                     self._output_failed(job, exc)
                     break
             else:
@@ -703,8 +805,11 @@ class Client:
         """Items that did not come back, and why (the client's own reason for a file it could
         not send wins over the worker's)."""
         problems = job.source.problems if isinstance(job.source, FileSource) else {}
-        own = [(index, 1, problems[index]) for index in sorted(problems)
-               if start <= index < start + count]
+        own = [
+            (index, 1, problems[index])
+            for index in sorted(problems)
+            if start <= index < start + count
+        ]
         for low, high, reason in split_failures(start, count, own):
             job.state.failed.append(FailedItems(low, high - low, reason or error))
             if isinstance(job.sink, AnswerSink):
@@ -716,8 +821,7 @@ class Client:
         job.output_error = error
         self._cancel_requested = True  # _collect sends CANCEL and waits for its answer
 
-    def _take_failure(self, job: JobRun, header: messages.Failed,
-                      submission: Submission) -> None:
+    def _take_failure(self, job: JobRun, header: messages.Failed, submission: Submission) -> None:
         for _, item_start, count in submission.pieces(header.start, header.count):
             if job.state.mark(item_start, count):
                 self._record_failure(job, item_start, count, header.error)
@@ -776,8 +880,9 @@ class Client:
                 card = document["model"]
                 if "error" in card:
                     raise FarmError(str(card["error"]))
-                return ModelCard(tuple(map(str, card.get("labels", ()))),
-                                 bool(card.get("softmax", False)))
+                return ModelCard(
+                    tuple(map(str, card.get("labels", ()))), bool(card.get("softmax", False))
+                )
             header = message.header
             if isinstance(header, messages.Error) and header.job is None:
                 raise FarmError(header.error)
@@ -816,8 +921,9 @@ def as_source(images: Input) -> Source:
         raise FarmError(str(exc)) from None
 
 
-def split_failures(offset: int, count: int, failures: list[tuple[int, int, str]]
-                   ) -> list[tuple[int, int, str | None]]:
+def split_failures(
+    offset: int, count: int, failures: list[tuple[int, int, str]]
+) -> list[tuple[int, int, str | None]]:
     """Items ``[offset, offset + count)`` of a chunk as runs ``(low, high, reason)``: reason
     None for the items that came back, else why they failed."""
     runs: list[tuple[int, int, str | None]] = []
@@ -835,21 +941,37 @@ def split_failures(offset: int, count: int, failures: list[tuple[int, int, str]]
     return runs
 
 
-def describe_failures(failed: list[FailedItems],
-                      names: Callable[[int, int], Sequence[str]] | None = None) -> str:
+def describe_failures(
+    failed: list[FailedItems], names: Callable[[int, int], Sequence[str]] | None = None
+) -> str:
     """One line per failed range, for errors and the CLI; ``names``: what to call the items
     (image files' paths), for a range of one."""
     count = sum(f.count for f in failed)
     lines = [f"{plural(count, 'image')} failed:"]
     for f in failed[:20]:
-        what = (names(f.start, 1)[0] if names is not None and f.count == 1
-                else f"item {f.start}" if f.count == 1
-                else f"items {f.start}..{f.start + f.count - 1}")
+        what = (
+            names(f.start, 1)[0]
+            if names is not None and f.count == 1
+            else f"item {f.start}"
+            if f.count == 1
+            else f"items {f.start}..{f.start + f.count - 1}"
+        )
         lines.append(f"  {what}: {f.error}")
     if len(failed) > 20:
         lines.append(f"  ... and {len(failed) - 20} more ranges")
     return "\n".join(lines)
 
 
-__all__ = ["ArraySink", "Client", "FailedItems", "FarmError", "FarmTimeout", "JobResult",
-           "NoWorker", "NpyReader", "NpyWriter", "OutputError", "ResumeRefused"]
+__all__ = [
+    "ArraySink",
+    "Client",
+    "FailedItems",
+    "FarmError",
+    "FarmTimeout",
+    "JobResult",
+    "NoWorker",
+    "NpyReader",
+    "NpyWriter",
+    "OutputError",
+    "ResumeRefused",
+]

@@ -26,22 +26,51 @@ import glob
 import os
 import stat
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from farm.defaults import DECODED_FORMATS
 from farm.summary import plural
 
 #: Suffixes of the files a folder contributes (any case).
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".dib", ".tif", ".tiff",
-                            ".webp", ".gif", ".pgm", ".ppm", ".pbm", ".pnm"})
+IMAGE_SUFFIXES = frozenset(
+    {
+        ".jpg",
+        ".jpeg",
+        ".jpe",
+        ".png",
+        ".bmp",
+        ".dib",
+        ".tif",
+        ".tiff",
+        ".webp",
+        ".gif",
+        ".pgm",
+        ".ppm",
+        ".pbm",
+        ".pnm",
+    }
+)
 #: Image formats the workers do not decode, by suffix: a folder's file of one fails, named.
-UNSUPPORTED_FORMATS = {".heic": "HEIC", ".heif": "HEIF", ".avif": "AVIF", ".jxl": "JPEG XL",
-                       ".jp2": "JPEG 2000", ".j2k": "JPEG 2000", ".svg": "SVG", ".ico": "ICO",
-                       ".psd": "PSD", ".exr": "OpenEXR", ".hdr": "Radiance HDR",
-                       ".tga": "TGA", ".dng": "camera raw (DNG)", ".cr2": "camera raw (CR2)",
-                       ".nef": "camera raw (NEF)", ".arw": "camera raw (ARW)"}
+UNSUPPORTED_FORMATS = {
+    ".heic": "HEIC",
+    ".heif": "HEIF",
+    ".avif": "AVIF",
+    ".jxl": "JPEG XL",
+    ".jp2": "JPEG 2000",
+    ".j2k": "JPEG 2000",
+    ".svg": "SVG",
+    ".ico": "ICO",
+    ".psd": "PSD",
+    ".exr": "OpenEXR",
+    ".hdr": "Radiance HDR",
+    ".tga": "TGA",
+    ".dng": "camera raw (DNG)",
+    ".cr2": "camera raw (CR2)",
+    ".nef": "camera raw (NEF)",
+    ".arw": "camera raw (ARW)",
+}
 #: Suffixes of the text files that list image paths.
 LIST_SUFFIXES = frozenset({".txt", ".lst", ".list"})
 #: Kinds of skipped files a notice names before "...".
@@ -122,8 +151,10 @@ def add_folder(found: FoundFiles, argument: str) -> None:
         else:
             skipped[suffix or (path.name if path.name.startswith(".") else "no suffix")] += 1
     if len(found.paths) == before:
-        raise InputError(f"{argument}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) "
-                         f"under this folder" + "".join(f"; {notice}" for notice in unlisted[:1]))
+        raise InputError(
+            f"{argument}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) "
+            f"under this folder" + "".join(f"; {notice}" for notice in unlisted[:1])
+        )
     found.notices += unlisted
     if skipped or folder_links:
         found.notices.append(f"{argument}: {skipped_notice(skipped, folder_links)}")
@@ -143,8 +174,9 @@ def folder_entries(folder: Path) -> tuple[list[Path], list[str]]:
         reason = unreadable(Path(error.filename or folder), error)
         if Path(error.filename or folder) == folder:
             raise InputError(f"{folder}: cannot list this folder: {reason}")
-        notices.append(f"{error.filename}: cannot list this folder ({reason}): its files are "
-                       f"not run")
+        notices.append(
+            f"{error.filename}: cannot list this folder ({reason}): its files are not run"
+        )
     return entries, notices
 
 
@@ -161,11 +193,15 @@ def add_matches(found: FoundFiles, pattern: str) -> None:
         elif path.is_symlink():
             found.add(path, broken_link(path))
     if len(found.paths) == before:
-        raise InputError(f"{pattern}: the pattern matches no files" +
-                         (f", only {plural(folders, 'folder')}" if folders else ""))
+        raise InputError(
+            f"{pattern}: the pattern matches no files"
+            + (f", only {plural(folders, 'folder')}" if folders else "")
+        )
     if folders:
-        found.notices.append(f"{pattern}: skipped the {plural(folders, 'folder')} it matches "
-                             f"(give a folder itself to run the images under it)")
+        found.notices.append(
+            f"{pattern}: skipped the {plural(folders, 'folder')} it matches "
+            f"(give a folder itself to run the images under it)"
+        )
 
 
 def read_list(path: Path) -> list[Path]:
@@ -216,12 +252,14 @@ def broken_link(path: Path) -> str:
 
 
 def unsupported(suffix: str) -> str:
-    return (f"unsupported format: {UNSUPPORTED_FORMATS[suffix]} (the workers decode "
-            f"{', '.join(DECODED_FORMATS[:-1])} and {DECODED_FORMATS[-1]})")
+    return (
+        f"unsupported format: {UNSUPPORTED_FORMATS[suffix]} (the workers decode "
+        f"{', '.join(DECODED_FORMATS[:-1])} and {DECODED_FORMATS[-1]})"
+    )
 
 
 def skipped_notice(kinds: Counter[str], folder_links: int) -> str:
-    """"skipped 3 files that are not images (.json, .txt) and 1 link to a folder"."""
+    """ "skipped 3 files that are not images (.json, .txt) and 1 link to a folder"."""
     parts = []
     if kinds:
         count = sum(kinds.values())

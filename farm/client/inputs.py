@@ -18,9 +18,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,8 +29,17 @@ from farm.client.imagefiles import InputError, find_image_files, find_inputs, un
 from farm.client.npy import NpyError, NpyReader
 from farm.protocol import ENCODED, MAX_FILE_BYTES, ProtocolError, check_array_spec, file_frames
 
-__all__ = ["ArraySource", "FileSource", "InputError", "Source", "find_image_files",
-           "find_inputs", "is_array_input", "open_input", "repeated"]
+__all__ = [
+    "ArraySource",
+    "FileSource",
+    "InputError",
+    "Source",
+    "find_image_files",
+    "find_inputs",
+    "is_array_input",
+    "open_input",
+    "repeated",
+]
 
 #: Items read at once when a float64 array is checked for values float32 cannot hold.
 RANGE_CHECK_BYTES = 16 << 20
@@ -71,8 +81,10 @@ class ArraySource:
             if given.kind == "f" and given.itemsize > self.wire.itemsize:
                 self.check_range()
             native = "" if given.isnative else "native "
-            self.notices.append(f"{self.label}: {describe_dtype(given)} converted to "
-                                f"{native}{self.wire.name} on the client")
+            self.notices.append(
+                f"{self.label}: {describe_dtype(given)} converted to "
+                f"{native}{self.wire.name} on the client"
+            )
 
     @property
     def label(self) -> str:
@@ -92,11 +104,13 @@ class ArraySource:
             over = (np.abs(block) > FLOAT32_MAX) & np.isfinite(block)
             if over.any():
                 position = np.unravel_index(int(over.argmax()), over.shape)
-                raise InputError(f"{self.label}: item {start + int(position[0])} holds "
-                                 f"{float(block[position]):.6g}, beyond float32's range "
-                                 f"(±{FLOAT32_MAX:.3g}): {describe_dtype(block.dtype)} cannot "
-                                 f"be converted to float32 without losing it; nothing was "
-                                 f"submitted")
+                raise InputError(
+                    f"{self.label}: item {start + int(position[0])} holds "
+                    f"{float(block[position]):.6g}, beyond float32's range "
+                    f"(±{FLOAT32_MAX:.3g}): {describe_dtype(block.dtype)} cannot "
+                    f"be converted to float32 without losing it; nothing was "
+                    f"submitted"
+                )
 
     @property
     def item_bytes(self) -> int:
@@ -111,8 +125,11 @@ class ArraySource:
         while count:
             offset = start % size
             taken = min(count, size - offset)
-            pieces.append(self.images.read(offset, taken) if isinstance(self.images, NpyReader)
-                          else self.images[offset:offset + taken])
+            pieces.append(
+                self.images.read(offset, taken)
+                if isinstance(self.images, NpyReader)
+                else self.images[offset : offset + taken]
+            )
             start, count = start + taken, count - taken
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
@@ -127,8 +144,9 @@ class ArraySource:
     def frames(self, ranges: Sequence[tuple[int, int]]) -> list[Any]:
         """DATA's payload for these ranges of items, in order: one raw array frame."""
         blocks = [self.read(start, count) for start, count in ranges]
-        return [np.ascontiguousarray(blocks[0] if len(blocks) == 1
-                                     else np.concatenate(blocks)).data]
+        return [
+            np.ascontiguousarray(blocks[0] if len(blocks) == 1 else np.concatenate(blocks)).data
+        ]
 
     def names(self, start: int, count: int) -> list[str]:
         """What an answers file calls each item: its index."""
@@ -149,7 +167,7 @@ class ArraySource:
         hasher = hashlib.sha256()
         per_block = max(1, (64 << 20) // max(1, self.images[:1].nbytes))
         for start in range(0, len(self.images), per_block):
-            hasher.update(np.ascontiguousarray(self.images[start:start + per_block]).data)
+            hasher.update(np.ascontiguousarray(self.images[start : start + per_block]).data)
         return hasher.hexdigest()
 
 
@@ -200,8 +218,10 @@ class FileSource:
         if index in self.refused:
             return b""
         if self.sizes[index] > MAX_FILE_BYTES:
-            self.problems[index] = (f"{path} has {int(self.sizes[index]):,} bytes, more than "
-                                    f"the {MAX_FILE_BYTES >> 20} MiB a file may have")
+            self.problems[index] = (
+                f"{path} has {int(self.sizes[index]):,} bytes, more than "
+                f"the {MAX_FILE_BYTES >> 20} MiB a file may have"
+            )
             return b""
         try:
             with open(path, "rb") as handle:
@@ -217,11 +237,16 @@ class FileSource:
 
     def frames(self, ranges: Sequence[tuple[int, int]]) -> list[Any]:
         """DATA's payload for these ranges of files: their sizes, then their bytes."""
-        return file_frames([self.read_file(index) for start, count in ranges
-                            for index in range(start, start + count)])
+        return file_frames(
+            [
+                self.read_file(index)
+                for start, count in ranges
+                for index in range(start, start + count)
+            ]
+        )
 
     def names(self, start: int, count: int) -> list[str]:
-        return [str(path) for path in self.paths[start:start + count]]
+        return [str(path) for path in self.paths[start : start + count]]
 
     def digest(self) -> str:
         """The sha256 of the file list: each path, size and modification time."""
@@ -248,9 +273,15 @@ def repeated(source: Source, passes: int) -> Source:
         longer.passes = passes
         return longer
     count = len(source.paths)
-    return FileSource(source.paths * passes, notices=source.notices,
-                      refused={index + count * lap: reason for lap in range(passes)
-                               for index, reason in source.refused.items()})
+    return FileSource(
+        source.paths * passes,
+        notices=source.notices,
+        refused={
+            index + count * lap: reason
+            for lap in range(passes)
+            for index, reason in source.refused.items()
+        },
+    )
 
 
 def wire_dtype(given: np.dtype, label: str) -> np.dtype:
@@ -260,13 +291,15 @@ def wire_dtype(given: np.dtype, label: str) -> np.dtype:
         return np.dtype(np.uint8)
     if given.kind in "iuf":
         return np.dtype(np.float32)
-    raise InputError(f"{label}: {describe_dtype(given)} images cannot be sent: farm takes "
-                     f"numbers (uint8 and float32 as they are; other integer and float types "
-                     f"converted to float32)")
+    raise InputError(
+        f"{label}: {describe_dtype(given)} images cannot be sent: farm takes "
+        f"numbers (uint8 and float32 as they are; other integer and float types "
+        f"converted to float32)"
+    )
 
 
 def describe_dtype(dtype: np.dtype) -> str:
-    """"float64", "big-endian float32 (>f4)", "structured ([('a', '<f4')])"."""
+    """ "float64", "big-endian float32 (>f4)", "structured ([('a', '<f4')])"."""
     if dtype.fields is not None:
         return f"structured ({dtype.descr})"
     if not dtype.isnative:
@@ -279,8 +312,10 @@ def open_input(arguments: Sequence[str]) -> Source:
     """A source for command-line arguments: one `.npy` file, else image files."""
     arrays = [argument for argument in arguments if argument.lower().endswith(".npy")]
     if arrays and len(arguments) > 1:
-        raise InputError(f"a .npy array is a job of its own: give {arrays[0]} alone (image "
-                         f"files, folders, globs and lists may be mixed)")
+        raise InputError(
+            f"a .npy array is a job of its own: give {arrays[0]} alone (image "
+            f"files, folders, globs and lists may be mixed)"
+        )
     if is_array_input(arguments):
         try:
             return ArraySource(NpyReader.open(arguments[0]))

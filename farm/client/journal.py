@@ -24,7 +24,6 @@ header and their own lines (``farm.client.answerjournal``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -94,14 +93,23 @@ class JournalHeader:
     top_k: int | None = None  # classes per answer (answers files only)
 
     def line(self) -> bytes:
-        document = {"version": self.version, "model": self.model,
-                    "input": {"sha256": self.input.digest, "count": self.input.count,
-                              "dtype": self.input.dtype,
-                              "item_shape": list(self.input.item_shape)},
-                    "engine": list(self.engine) if self.engine else None,
-                    "output": {"item_shape": list(self.output_shape or ()),
-                               "dtype": self.output_dtype, "format": self.format,
-                               "top_k": self.top_k}}
+        document = {
+            "version": self.version,
+            "model": self.model,
+            "input": {
+                "sha256": self.input.digest,
+                "count": self.input.count,
+                "dtype": self.input.dtype,
+                "item_shape": list(self.input.item_shape),
+            },
+            "engine": list(self.engine) if self.engine else None,
+            "output": {
+                "item_shape": list(self.output_shape or ()),
+                "dtype": self.output_dtype,
+                "format": self.format,
+                "top_k": self.top_k,
+            },
+        }
         return (json.dumps(document) + "\n").encode()
 
     @classmethod
@@ -111,32 +119,43 @@ class JournalHeader:
             document: dict[str, Any] = json.loads(line)
             source, output = document["input"], document["output"]
             engine = document["engine"]
-            return cls(model=str(document["model"]),
-                       input=InputIdentity(str(source["sha256"]), int(source["count"]),
-                                           str(source["dtype"]),
-                                           tuple(int(n) for n in source["item_shape"])),
-                       engine=None if engine is None else (str(engine[0]), str(engine[1])),
-                       output_shape=tuple(int(n) for n in output["item_shape"]),
-                       output_dtype=output["dtype"] and str(output["dtype"]),
-                       version=int(document["version"]),
-                       format=str(output.get("format", "npy")),
-                       top_k=None if output.get("top_k") is None else int(output["top_k"]))
+            return cls(
+                model=str(document["model"]),
+                input=InputIdentity(
+                    str(source["sha256"]),
+                    int(source["count"]),
+                    str(source["dtype"]),
+                    tuple(int(n) for n in source["item_shape"]),
+                ),
+                engine=None if engine is None else (str(engine[0]), str(engine[1])),
+                output_shape=tuple(int(n) for n in output["item_shape"]),
+                output_dtype=output["dtype"] and str(output["dtype"]),
+                version=int(document["version"]),
+                format=str(output.get("format", "npy")),
+                top_k=None if output.get("top_k") is None else int(output["top_k"]),
+            )
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise JournalUnreadable(f"its header is not a journal header ({exc})") from exc
 
     def differences(self, job: JournalHeader) -> list[str]:
         """How ``job`` differs from the job this journal was written for (empty: none)."""
         mine, theirs = self.input, job.input
-        checks = [("journal format version", self.version, job.version),
-                  ("model", self.model, job.model),
-                  ("input item count", mine.count, theirs.count),
-                  ("input dtype", mine.dtype, theirs.dtype),
-                  ("input item shape", mine.item_shape, theirs.item_shape),
-                  ("input sha256", mine.digest, theirs.digest),
-                  ("engine (backend, precision)", self.engine, job.engine),
-                  ("output format", self.format, job.format), ("top-k", self.top_k, job.top_k)]
-        return [f"{what}: {now!r} here, {before!r} in the journal"
-                for what, before, now in checks if before != now]
+        checks = [
+            ("journal format version", self.version, job.version),
+            ("model", self.model, job.model),
+            ("input item count", mine.count, theirs.count),
+            ("input dtype", mine.dtype, theirs.dtype),
+            ("input item shape", mine.item_shape, theirs.item_shape),
+            ("input sha256", mine.digest, theirs.digest),
+            ("engine (backend, precision)", self.engine, job.engine),
+            ("output format", self.format, job.format),
+            ("top-k", self.top_k, job.top_k),
+        ]
+        return [
+            f"{what}: {now!r} here, {before!r} in the journal"
+            for what, before, now in checks
+            if before != now
+        ]
 
 
 @dataclass(frozen=True)
@@ -191,8 +210,9 @@ def verified(out: Path, entries: list[JournalEntry]) -> list[JournalEntry]:
     """The entries whose ranges of ``out`` hold the bytes they were journaled with."""
     reader = NpyReader.open(out)
     try:
-        return [entry for entry in entries
-                if crc32(reader.read(entry.start, entry.count)) == entry.crc]
+        return [
+            entry for entry in entries if crc32(reader.read(entry.start, entry.count)) == entry.crc
+        ]
     finally:
         reader.close()
 
@@ -201,7 +221,7 @@ def append(fd: int, data: bytes, path: Path) -> None:
     """Append ``data`` to a journal opened with O_APPEND (OSError naming the journal)."""
     try:
         while data:
-            data = data[os.write(fd, data):]
+            data = data[os.write(fd, data) :]
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
@@ -260,9 +280,13 @@ class JournalSink:
     again).  Call ``finish`` when the job ends and ``close`` in any case.
     """
 
-    def __init__(self, out: str | os.PathLike[str], header: JournalHeader,
-                 writer: NpyWriter | None = None,
-                 resumed: list[JournalEntry] | None = None) -> None:
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        header: JournalHeader,
+        writer: NpyWriter | None = None,
+        resumed: list[JournalEntry] | None = None,
+    ) -> None:
         self.path = Path(out)
         self.partial = partial_path(out)
         self.journal = journal_path(out)
@@ -293,12 +317,18 @@ class JournalSink:
         if differences:
             raise JournalMismatch(
                 f"{journal} was written for another job, not resumed: "
-                f"{'; '.join(differences)} (delete it to start afresh)")
+                f"{'; '.join(differences)} (delete it to start afresh)"
+            )
         return cls._resumed(out, job, header, entries)
 
     @classmethod
-    def _resumed(cls, out: str | os.PathLike[str], job: JournalHeader, header: JournalHeader,
-                 entries: list[JournalEntry]) -> JournalSink:
+    def _resumed(
+        cls,
+        out: str | os.PathLike[str],
+        job: JournalHeader,
+        header: JournalHeader,
+        entries: list[JournalEntry],
+    ) -> JournalSink:
         """A sink resuming into ``OUT.partial`` (a killed job's), else into ``out`` (a job
         that ended with failed items: taken back as ``OUT.partial`` while they are retried):
         the journal's entries that its bytes bear out are kept; afresh if neither file is
@@ -313,15 +343,24 @@ class JournalSink:
         try:
             layout = (writer.item_shape, str(writer.dtype))
             if layout != (header.output_shape, header.output_dtype):
-                log.warning("%s holds items of %s %s, its journal says %s %s: starting afresh",
-                            found, *layout, header.output_shape, header.output_dtype)
+                log.warning(
+                    "%s holds items of %s %s, its journal says %s %s: starting afresh",
+                    found,
+                    *layout,
+                    header.output_shape,
+                    header.output_dtype,
+                )
                 writer.close()
                 return cls.afresh(out, job)
             good = verified(found, entries)
             if len(good) < len(entries):
-                log.warning("%s: %d of %d journaled ranges do not match the output's bytes: "
-                            "computing them again", journal, len(entries) - len(good),
-                            len(entries))
+                log.warning(
+                    "%s: %d of %d journaled ranges do not match the output's bytes: "
+                    "computing them again",
+                    journal,
+                    len(entries) - len(good),
+                    len(entries),
+                )
             if found != partial:
                 os.replace(found, partial)
                 writer.path = partial
@@ -341,7 +380,7 @@ class JournalSink:
         counts once)."""
         done = np.zeros(self.header.input.count, dtype=bool)
         for entry in self.resumed:
-            done[entry.start:entry.start + entry.count] = True
+            done[entry.start : entry.start + entry.count] = True
         return done
 
     def write(self, start: int, values: np.ndarray) -> None:
@@ -359,8 +398,7 @@ class JournalSink:
         """Create the journal, its header naming the output's layout (now known)."""
         shape, dtype = self.writer.layout()
         self.header = replace(self.header, output_shape=shape, output_dtype=str(dtype))
-        self.fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
-                          0o644)
+        self.fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         append(self.fd, self.header.line(), self.journal)
         self.writer.sync()
         os.fdatasync(self.fd)

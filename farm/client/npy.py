@@ -17,13 +17,12 @@ got would read as zeros: class 0).  Why not NaN-prefill ``OUT`` instead: for a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from numpy.lib import format as npy_format
-
 
 #: Appended to an output's path while its job runs (``publish`` renames it).
 PARTIAL = ".partial"
@@ -93,8 +92,11 @@ class NpyReader:
         with open(path, "rb") as handle:
             try:
                 version = npy_format.read_magic(handle)
-                reader = (npy_format.read_array_header_1_0 if version == (1, 0)
-                          else npy_format.read_array_header_2_0)
+                reader = (
+                    npy_format.read_array_header_1_0
+                    if version == (1, 0)
+                    else npy_format.read_array_header_2_0
+                )
                 shape, fortran_order, dtype = reader(handle)
             except ValueError as exc:
                 raise NpyError(f"{path} is not a .npy file: {exc}") from exc
@@ -105,8 +107,9 @@ class NpyReader:
             raise NpyError(f"{path} holds Python objects, not numbers")
         size = offset + dtype.itemsize * int(np.prod(shape))
         if path.stat().st_size < size:
-            raise NpyError(f"{path} is truncated: {path.stat().st_size} bytes, "
-                           f"its header needs {size}")
+            raise NpyError(
+                f"{path} is truncated: {path.stat().st_size} bytes, its header needs {size}"
+            )
         return cls(path, dtype, tuple(shape), offset, os.open(path, os.O_RDONLY))
 
     def __len__(self) -> int:
@@ -139,8 +142,12 @@ class NpyWriter:
     ``fill`` then writes the file of NaN rows that no result came to shape.
     """
 
-    def __init__(self, path: str | Path, total: int,
-                 nan_shape: Callable[[], tuple[int, ...] | None] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        total: int,
+        nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
+    ) -> None:
         self.path = Path(path)
         self.total = total
         self.nan_shape = nan_shape
@@ -168,9 +175,14 @@ class NpyWriter:
     def _create(self, item_shape: tuple[int, ...], dtype: np.dtype) -> None:
         self.item_shape, self.dtype = item_shape, dtype
         with open(self.path, "wb") as handle:
-            npy_format.write_array_header_2_0(handle, {
-                "descr": npy_format.dtype_to_descr(dtype), "fortran_order": False,
-                "shape": (self.total, *item_shape)})
+            npy_format.write_array_header_2_0(
+                handle,
+                {
+                    "descr": npy_format.dtype_to_descr(dtype),
+                    "fortran_order": False,
+                    "shape": (self.total, *item_shape),
+                },
+            )
             self.offset = handle.tell()
             handle.truncate(self.offset + self.total * self.item_bytes)
         self.fd = os.open(self.path, os.O_WRONLY)
@@ -190,8 +202,10 @@ class NpyWriter:
         if self.fd < 0:
             self._create(values.shape[1:], values.dtype)
         if values.shape[1:] != self.item_shape or values.dtype != self.dtype:
-            raise NpyError(f"outputs of shape {values.shape[1:]} {values.dtype} do not match "
-                           f"earlier ones {self.item_shape} {self.dtype}")
+            raise NpyError(
+                f"outputs of shape {values.shape[1:]} {values.dtype} do not match "
+                f"earlier ones {self.item_shape} {self.dtype}"
+            )
         data = np.ascontiguousarray(values).data.cast("B")
         try:
             _write_all(self.fd, data, self.offset + start * self.item_bytes)

@@ -22,10 +22,10 @@ result lands.
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -36,17 +36,28 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import StrMethodFormatter
 
 from farm.client.status import table
-from farm.summary import plural
 from farm.client.trace import TRACE_FORMAT, ChunkTrace, Trace
+from farm.summary import plural
 
-__all__ = ["TRACE_FORMAT", "Breakdown", "Trace", "TraceError", "WorkerLine", "analyse",
-           "load_trace", "plot", "throughput"]
+__all__ = [
+    "TRACE_FORMAT",
+    "Breakdown",
+    "Trace",
+    "TraceError",
+    "WorkerLine",
+    "analyse",
+    "load_trace",
+    "plot",
+    "throughput",
+]
 
-_PARTS = (("start", "workers idle before their first chunk started"),
-          ("barrier", "result handed back, waiting for the scheduler to assign the next chunk"),
-          ("messaging", "inputs and results in transit between chunks"),
-          ("tail", "workers idle after their last chunk finished, until the job ended"),
-          ("other", "not explained: failed chunks, speed and clock estimates, rounding"))
+_PARTS = (
+    ("start", "workers idle before their first chunk started"),
+    ("barrier", "result handed back, waiting for the scheduler to assign the next chunk"),
+    ("messaging", "inputs and results in transit between chunks"),
+    ("tail", "workers idle after their last chunk finished, until the job ended"),
+    ("other", "not explained: failed chunks, speed and clock estimates, rounding"),
+)
 
 
 class TraceError(ValueError):
@@ -54,6 +65,7 @@ class TraceError(ValueError):
 
 
 # -- reading ---------------------------------------------------------------------------------
+
 
 def load_trace(path: str | Path) -> Trace:
     """Read a trace file, every field's type checked; TraceError naming the file (and the
@@ -67,6 +79,7 @@ def load_trace(path: str | Path) -> Trace:
 
 
 # -- analysis --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class WorkerLine:
@@ -109,28 +122,51 @@ class Breakdown:
     def format(self) -> str:
         """A few aligned lines for the terminal: totals, where the waste went, each worker."""
         stopped = f", stopped early: {self.cancelled}" if self.cancelled else ""
-        done = (plural(self.items, "image") if self.items >= self.total
-                else f"{self.items:,} of {self.total:,} images")
-        lines = [f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
-                 f"(model {self.model}, policy {self.policy}){stopped}",
-                 f"theoretical {self.theoretical_rate:,.0f} images/s (sum of the workers' "
-                 f"standalone speeds), waste {self.waste:.1%}",
-                 "where the waste went (% of the workers' capacity):"]
+        done = (
+            plural(self.items, "image")
+            if self.items >= self.total
+            else f"{self.items:,} of {self.total:,} images"
+        )
+        lines = [
+            f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
+            f"(model {self.model}, policy {self.policy}){stopped}",
+            f"theoretical {self.theoretical_rate:,.0f} images/s (sum of the workers' "
+            f"standalone speeds), waste {self.waste:.1%}",
+            "where the waste went (% of the workers' capacity):",
+        ]
         if self.shared:
-            lines.insert(2, "(other jobs shared the workers meanwhile: their chunks count as "
-                            "idle time here)")
+            lines.insert(
+                2, "(other jobs shared the workers meanwhile: their chunks count as idle time here)"
+            )
         if self.cancelled:
-            lines.insert(2, "(the job stopped early: chunks running when it stopped are not "
-                            "in the trace)")
-        lines += [f"  {part:<9} {_percent(getattr(self, part)):>6}  {meaning}"
-                  for part, meaning in _PARTS]
-        header = ("worker", "images", "chunks", "busy", "device", "idle: start", "barrier",
-                  "messaging", "tail (s)")
-        rows = [(w.name, f"{w.items:,}", f"{w.chunks:,}",
-                 f"{w.busy_s / self.seconds if self.seconds > 0 else 0.0:.1%}",
-                 _optional_percent(w.device_share(self.seconds)),
-                 *(f"{s:.3f}" for s in (w.idle_start_s, w.barrier_s, w.messaging_s, w.tail_s)))
-                for w in self.workers]
+            lines.insert(
+                2, "(the job stopped early: chunks running when it stopped are not in the trace)"
+            )
+        lines += [
+            f"  {part:<9} {_percent(getattr(self, part)):>6}  {meaning}" for part, meaning in _PARTS
+        ]
+        header = (
+            "worker",
+            "images",
+            "chunks",
+            "busy",
+            "device",
+            "idle: start",
+            "barrier",
+            "messaging",
+            "tail (s)",
+        )
+        rows = [
+            (
+                w.name,
+                f"{w.items:,}",
+                f"{w.chunks:,}",
+                f"{w.busy_s / self.seconds if self.seconds > 0 else 0.0:.1%}",
+                _optional_percent(w.device_share(self.seconds)),
+                *(f"{s:.3f}" for s in (w.idle_start_s, w.barrier_s, w.messaging_s, w.tail_s)),
+            )
+            for w in self.workers
+        ]
         lines += ["  " + line for line in table(header, rows, set(range(1, len(header))))]
         return "\n".join(lines)
 
@@ -148,6 +184,7 @@ def _by_worker(trace: Trace) -> dict[str, list[ChunkTrace]]:
 
 def _idle(chunks: list[ChunkTrace], seconds: float) -> tuple[float, float, float, float, float]:
     """(busy, start, barrier, messaging, tail) seconds of one worker; chunks sorted by started."""
+
     def clip(t: float) -> float:
         return min(max(t, 0.0), seconds)
 
@@ -179,12 +216,27 @@ def _worker_lines(trace: Trace, seconds: float) -> tuple[WorkerLine, ...]:
     lines = []
     for name, chunks in _by_worker(trace).items():
         share = listed.get(name)  # a worker missing from the list ran chunks at no known speed
-        items, count, rate = ((share.items, share.chunks, share.rate) if share else
-                              (sum(c.count for c in chunks), len(chunks), 0.0))
+        items, count, rate = (
+            (share.items, share.chunks, share.rate)
+            if share
+            else (sum(c.count for c in chunks), len(chunks), 0.0)
+        )
         busy, start, barrier, messaging, tail = _idle(chunks, seconds)
-        lines.append(WorkerLine(name, items, count, busy, start, barrier, messaging, tail,
-                                float(rate), _reported(c.device for c in chunks),
-                                _reported(c.copy for c in chunks)))
+        lines.append(
+            WorkerLine(
+                name,
+                items,
+                count,
+                busy,
+                start,
+                barrier,
+                messaging,
+                tail,
+                float(rate),
+                _reported(c.device for c in chunks),
+                _reported(c.copy for c in chunks),
+            )
+        )
     return tuple(lines)
 
 
@@ -218,20 +270,34 @@ def analyse(trace: Trace) -> Breakdown:
     waste = share(capacity - items)  # == (theoretical - rate) / theoretical when T > 0
     start, barrier, messaging, tail = (
         share(sum(w.standalone_rate * getattr(w, field) for w in workers))
-        for field in ("idle_start_s", "barrier_s", "messaging_s", "tail_s"))
-    return Breakdown(items=items, seconds=seconds,
-                     rate=items / seconds if seconds > 0 else 0.0,
-                     theoretical_rate=theoretical, waste=waste, start=start, barrier=barrier,
-                     messaging=messaging, tail=tail,
-                     other=waste - (start + barrier + messaging + tail), workers=workers,
-                     model=trace.model, policy=trace.policy,
-                     cancelled=trace.cancelled or None, total=total, shared=trace.shared)
+        for field in ("idle_start_s", "barrier_s", "messaging_s", "tail_s")
+    )
+    return Breakdown(
+        items=items,
+        seconds=seconds,
+        rate=items / seconds if seconds > 0 else 0.0,
+        theoretical_rate=theoretical,
+        waste=waste,
+        start=start,
+        barrier=barrier,
+        messaging=messaging,
+        tail=tail,
+        other=waste - (start + barrier + messaging + tail),
+        workers=workers,
+        model=trace.model,
+        policy=trace.policy,
+        cancelled=trace.cancelled or None,
+        total=total,
+        shared=trace.shared,
+    )
 
 
 def _span(trace: Trace) -> float:
     """Seconds the figure covers: the job's span, or longer if a chunk came back later."""
-    return max([trace.broker_seconds, 0.01]
-               + [moment for c in trace.chunks for moment in (c.finished, c.received)])
+    return max(
+        [trace.broker_seconds, 0.01]
+        + [moment for c in trace.chunks for moment in (c.finished, c.received)]
+    )
 
 
 def throughput(trace: Trace, bins: int | Sequence[float] = 100) -> tuple[np.ndarray, np.ndarray]:
@@ -277,52 +343,94 @@ def _draw_timeline(ax: Any, trace: Trace, wide: bool) -> None:
     for y, chunks in enumerate(rows.values()):
         spans = [(c.started, max(c.finished - c.started, 0.0)) for c in chunks]
         colors = [_SHADES[i % 2] for i in range(len(spans))]
-        ax.broken_barh(spans, (y - height / 2, height), facecolors=colors, linewidth=0,
-                       zorder=2)
+        ax.broken_barh(spans, (y - height / 2, height), facecolors=colors, linewidth=0, zorder=2)
         # a thin strip in the row's middle, on top (an edge line keeps a 1 ms transfer visible)
-        transfers = [(a, b - a) for c in chunks
-                     for a, b in ((c.sent, _arrived(c)), (c.finished, c.received))
-                     if b > a]
-        ax.broken_barh(transfers, (y - height / 14, height / 7), facecolors=_TRANSFER,
-                       edgecolors=_TRANSFER, linewidth=0.6, zorder=3)
+        transfers = [
+            (a, b - a)
+            for c in chunks
+            for a, b in ((c.sent, _arrived(c)), (c.finished, c.received))
+            if b > a
+        ]
+        ax.broken_barh(
+            transfers,
+            (y - height / 14, height / 7),
+            facecolors=_TRANSFER,
+            edgecolors=_TRANSFER,
+            linewidth=0.6,
+            zorder=3,
+        )
         if not chunks:
             ax.text(0.0, y, "  ran no chunk", va="center", fontsize="x-small", color="grey")
     names = list(rows)
     step = -(-len(names) // 40) if names else 1  # label at most ~40 rows
-    ax.set_yticks(range(0, len(names), step), names[::step],
-                  fontsize="medium" if len(names) <= 20 else "small")
+    ax.set_yticks(
+        range(0, len(names), step),
+        names[::step],
+        fontsize="medium" if len(names) <= 20 else "small",
+    )
     ax.set_ylim(max(len(names), 1) - 0.5, -0.5)  # first name on top
     ax.set_ylabel("worker")
     ax.grid(axis="x", alpha=0.3, zorder=0)
     ax.set_axisbelow(True)
-    ax.legend(handles=[Patch(color=_SHADES[0], label="computing (one chunk)"),
-                       Patch(color=_SHADES[1], label="computing (next chunk)"),
-                       Patch(color=_TRANSFER, label="in transit: sent→arrived, finished→received"),
-                       Patch(facecolor="white", edgecolor="grey", label="idle")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4 if wide else 2,
-              fontsize="small", frameon=False)
+    ax.legend(
+        handles=[
+            Patch(color=_SHADES[0], label="computing (one chunk)"),
+            Patch(color=_SHADES[1], label="computing (next chunk)"),
+            Patch(color=_TRANSFER, label="in transit: sent→arrived, finished→received"),
+            Patch(facecolor="white", edgecolor="grey", label="idle"),
+        ],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=4 if wide else 2,
+        fontsize="small",
+        frameon=False,
+    )
 
 
 def _draw_throughput(ax: Any, trace: Trace, breakdown: Breakdown, wide: bool) -> None:
     edges, rates = throughput(trace, 100)
     span = edges[-1]
     ax.stairs(rates, edges, fill=True, color=_SHADES[1], alpha=0.25, linewidth=0)
-    ax.stairs(rates, edges, color=_SHADES[0], linewidth=1.5, zorder=3,
-              label="images/s computed (all workers)")
+    ax.stairs(
+        rates,
+        edges,
+        color=_SHADES[0],
+        linewidth=1.5,
+        zorder=3,
+        label="images/s computed (all workers)",
+    )
     top_axes = ax  # the legend goes on the topmost axes, over the curves of both
     if trace.chunks and breakdown.items > 0:  # when results came back, on its own scale
         back = top_axes = ax.twinx()
         times = np.sort([c.received for c in trace.chunks])
         counts = np.cumsum([c.count for c in sorted(trace.chunks, key=lambda c: c.received)])
-        back.step(np.r_[0.0, times, span], np.r_[0, counts, counts[-1]] / breakdown.items,
-                  where="post", color=_RECEIVED, linewidth=1, alpha=0.8)
+        back.step(
+            np.r_[0.0, times, span],
+            np.r_[0, counts, counts[-1]] / breakdown.items,
+            where="post",
+            color=_RECEIVED,
+            linewidth=1,
+            alpha=0.8,
+        )
         back.set_ylim(0.0, 1.45 if wide else 2.2)
         back.set_yticks([0.0, 0.5, 1.0], ["0", "50%", "100%"], color=_RECEIVED)
         back.set_ylabel("results received", color=_RECEIVED)
-    ax.axhline(breakdown.theoretical_rate, color="black", linestyle="--", linewidth=1, zorder=4,
-               label=f"theoretical {breakdown.theoretical_rate:,.0f} images/s")
-    ax.axhline(breakdown.rate, color="dimgrey", linestyle=":", linewidth=1.2, zorder=4,
-               label=f"achieved average {breakdown.rate:,.0f} images/s")
+    ax.axhline(
+        breakdown.theoretical_rate,
+        color="black",
+        linestyle="--",
+        linewidth=1,
+        zorder=4,
+        label=f"theoretical {breakdown.theoretical_rate:,.0f} images/s",
+    )
+    ax.axhline(
+        breakdown.rate,
+        color="dimgrey",
+        linestyle=":",
+        linewidth=1.2,
+        zorder=4,
+        label=f"achieved average {breakdown.rate:,.0f} images/s",
+    )
     ax.set_xlim(0.0, span)
     top = max([breakdown.theoretical_rate, 10.0] + list(rates))
     ax.set_ylim(0.0, (1.45 if wide else 2.2) * top)  # headroom for the legend
@@ -331,15 +439,19 @@ def _draw_throughput(ax: Any, trace: Trace, breakdown: Breakdown, wide: bool) ->
     ax.set_ylabel("images/s")
     ax.grid(alpha=0.3)
     ax.set_axisbelow(True)
-    top_axes.legend(*ax.get_legend_handles_labels(), loc="upper right", ncol=3 if wide else 1,
-                    fontsize="small")
+    top_axes.legend(
+        *ax.get_legend_handles_labels(), loc="upper right", ncol=3 if wide else 1, fontsize="small"
+    )
 
 
 def _title(b: Breakdown, columns: int) -> str:
     """Headline and where the waste went, wrapped to about `columns` characters."""
     parts = ", ".join(f"{part} {_percent(getattr(b, part))}" for part, _ in _PARTS)
-    lines = [f"{b.model}, policy {b.policy}: {b.items:,} images in {b.seconds:.3f} s, "
-             f"{b.rate:,.0f} images/s, waste {b.waste:.1%}", f"where it went: {parts}"]
+    lines = [
+        f"{b.model}, policy {b.policy}: {b.items:,} images in {b.seconds:.3f} s, "
+        f"{b.rate:,.0f} images/s, waste {b.waste:.1%}",
+        f"where it went: {parts}",
+    ]
     if b.cancelled:
         lines.insert(0, f"stopped early: {b.cancelled}")
     return "\n".join(wrapped for line in lines for wrapped in textwrap.wrap(line, columns))

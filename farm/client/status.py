@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def duration(seconds: float | None) -> str:
@@ -19,8 +20,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
     lines = []
     for row in [headers, *rows]:
-        cells = [str(cell).rjust(width) if index in right else str(cell).ljust(width)
-                 for index, (cell, width) in enumerate(zip(row, widths))]
+        cells = [
+            str(cell).rjust(width) if index in right else str(cell).ljust(width)
+            for index, (cell, width) in enumerate(zip(row, widths))
+        ]
         lines.append("  ".join(cells).rstrip())
     return lines
 
@@ -29,11 +32,26 @@ def worker_rows(workers: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for w in sorted(workers, key=lambda w: w["name"]):
         engines = w.get("engines", {})
-        models = ", ".join(f"{name} ({engines[name]})" if name in engines else name
-                           for name in w.get("loaded", [])) or "-"
-        rows.append([w["name"], w["backend"], w["state"].upper(), f"{w['rate']:,.0f}",
-                     f"{w['busy_share']:.0%}", f"{w['in_flight']}/{w['slots']}",
-                     f"{w['heartbeat_age_s']:.1f}s", f"{w['items_done']:,}", models])
+        models = (
+            ", ".join(
+                f"{name} ({engines[name]})" if name in engines else name
+                for name in w.get("loaded", [])
+            )
+            or "-"
+        )
+        rows.append(
+            [
+                w["name"],
+                w["backend"],
+                w["state"].upper(),
+                f"{w['rate']:,.0f}",
+                f"{w['busy_share']:.0%}",
+                f"{w['in_flight']}/{w['slots']}",
+                f"{w['heartbeat_age_s']:.1f}s",
+                f"{w['items_done']:,}",
+                models,
+            ]
+        )
     return rows
 
 
@@ -41,10 +59,20 @@ def job_rows(jobs: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for j in jobs:
         share = j["done"] / j["total"] if j["total"] else 0.0
-        rows.append([j["job"][:12], j["client"] or "-", j["model"], j["policy"],
-                     str(j["priority"]), j["state"].upper(),
-                     f"{j['done']:,}/{j['total']:,} {share:.0%}", f"{j['rate']:,.0f}",
-                     duration(j["eta_s"]), str(j["in_flight"])])
+        rows.append(
+            [
+                j["job"][:12],
+                j["client"] or "-",
+                j["model"],
+                j["policy"],
+                str(j["priority"]),
+                j["state"].upper(),
+                f"{j['done']:,}/{j['total']:,} {share:.0%}",
+                f"{j['rate']:,.0f}",
+                duration(j["eta_s"]),
+                str(j["in_flight"]),
+            ]
+        )
     return rows
 
 
@@ -53,25 +81,62 @@ def format_status(snapshot: dict[str, Any]) -> str:
     offered free workers)."""
     workers, jobs = snapshot["workers"], snapshot["jobs"]
     ended = snapshot.get("jobs_ended", {})
-    lines = [f"broker {snapshot['endpoint']}  up {duration(snapshot['uptime_s'])}  "
-             f"policy {snapshot['policy']}  sharing {snapshot['sharing']}"
-             + (f"  metrics {snapshot['metrics']}" if snapshot.get("metrics") else ""),
-             "jobs ended: " + (", ".join(f"{count} {outcome.replace('_', ' ')}"
-                                         for outcome, count in ended.items() if count)
-                               or "none yet")]
+    lines = [
+        f"broker {snapshot['endpoint']}  up {duration(snapshot['uptime_s'])}  "
+        f"policy {snapshot['policy']}  sharing {snapshot['sharing']}"
+        + (f"  metrics {snapshot['metrics']}" if snapshot.get("metrics") else ""),
+        "jobs ended: "
+        + (
+            ", ".join(
+                f"{count} {outcome.replace('_', ' ')}" for outcome, count in ended.items() if count
+            )
+            or "none yet"
+        ),
+    ]
     events = {name: count for name, count in snapshot.get("stats", {}).items() if count}
     if events:
-        lines.append("recovered from: " + ", ".join(f"{count} {name.replace('_', ' ')}"
-                                                    for name, count in events.items()))
+        lines.append(
+            "recovered from: "
+            + ", ".join(f"{count} {name.replace('_', ' ')}" for name, count in events.items())
+        )
     lines.append("")
     busy = sum(1 for w in workers if w["state"] == "busy")
-    lines.append(f"WORKERS  {len(workers)} ({busy} busy), "
-                 f"{sum(w['rate'] for w in workers):,.0f} images/s over the last 5 s")
+    lines.append(
+        f"WORKERS  {len(workers)} ({busy} busy), "
+        f"{sum(w['rate'] for w in workers):,.0f} images/s over the last 5 s"
+    )
     if workers:
-        lines += table(["NAME", "BACKEND", "STATE", "IMAGES/S", "BUSY", "CHUNKS", "HEARTBEAT",
-                        "IMAGES DONE", "MODELS"], worker_rows(workers), {3, 4, 5, 6, 7})
+        lines += table(
+            [
+                "NAME",
+                "BACKEND",
+                "STATE",
+                "IMAGES/S",
+                "BUSY",
+                "CHUNKS",
+                "HEARTBEAT",
+                "IMAGES DONE",
+                "MODELS",
+            ],
+            worker_rows(workers),
+            {3, 4, 5, 6, 7},
+        )
     lines += ["", f"JOBS  {len(jobs)}"]
     if jobs:
-        lines += table(["JOB", "CLIENT", "MODEL", "POLICY", "PRI", "STATE", "PROGRESS",
-                        "IMAGES/S", "ETA", "CHUNKS"], job_rows(jobs), {4, 6, 7, 8, 9})
+        lines += table(
+            [
+                "JOB",
+                "CLIENT",
+                "MODEL",
+                "POLICY",
+                "PRI",
+                "STATE",
+                "PROGRESS",
+                "IMAGES/S",
+                "ETA",
+                "CHUNKS",
+            ],
+            job_rows(jobs),
+            {4, 6, 7, 8, 9},
+        )
     return "\n".join(lines)

@@ -6,7 +6,8 @@ arrived there, started and finished computing (between arrival and start it
 waited behind the worker's previous chunk), and was received back by the
 broker; plus when the client got it (client clock).  The worker reports how long it spent
 receiving, computing and replying, and how much of its computing the device
-itself was busy (for a GPU, measured by CUDA events), with its host-GPU copies; the network time left over is split
+itself was busy (for a GPU, measured by CUDA events), with its host-GPU copies; the network time
+left over is split
 evenly between the two directions to place the compute on the broker's clock
 (as NTP does), so a trace from several hosts needs no synchronised clocks.
 
@@ -83,26 +84,52 @@ class TraceRecorder:
         assigned, sent, received = (moment + self.offset for moment in header.trace)
         network = network_seconds(received - sent, header.timings)
         started = sent + network / 2 + seconds_of(header.timings.get("receive"))
-        self.chunks.append(ChunkTrace(
-            worker=header.worker or "?", start=item_start, count=count,
-            attempt=header.attempt, assigned=assigned, sent=sent, arrived=sent + network / 2,
-            started=started, finished=started + seconds_of(header.timings.get("compute")),
-            received=received, delivered=time.perf_counter() - self.started,
-            device=_optional_seconds(header.timings.get("device")),
-            copy=_optional_seconds(header.timings.get("copy"))))
+        self.chunks.append(
+            ChunkTrace(
+                worker=header.worker or "?",
+                start=item_start,
+                count=count,
+                attempt=header.attempt,
+                assigned=assigned,
+                sent=sent,
+                arrived=sent + network / 2,
+                started=started,
+                finished=started + seconds_of(header.timings.get("compute")),
+                received=received,
+                delivered=time.perf_counter() - self.started,
+                device=_optional_seconds(header.timings.get("device")),
+                copy=_optional_seconds(header.timings.get("copy")),
+            )
+        )
 
-    def document(self, job: str, model: str, items: int, summary: JobSummary | None,
-                 failed: list[FailedItems], cancelled: str | None) -> Trace:
+    def document(
+        self,
+        job: str,
+        model: str,
+        items: int,
+        summary: JobSummary | None,
+        failed: list[FailedItems],
+        cancelled: str | None,
+    ) -> Trace:
         """The whole trace, for ``save_trace``."""
         client_seconds = time.perf_counter() - self.started
-        broker_seconds = (self.offset + summary.broker_seconds if summary is not None
-                          else client_seconds)
-        return Trace(format=TRACE_FORMAT, job=job, model=model, items=items,
-                     policy=summary.policy if summary else "?", broker_seconds=broker_seconds,
-                     shared=summary.shared if summary else False,
-                     client_seconds=client_seconds, cancelled=cancelled,
-                     workers=summary.workers if summary else (), chunks=self.chunks,
-                     failed=list(failed))
+        broker_seconds = (
+            self.offset + summary.broker_seconds if summary is not None else client_seconds
+        )
+        return Trace(
+            format=TRACE_FORMAT,
+            job=job,
+            model=model,
+            items=items,
+            policy=summary.policy if summary else "?",
+            broker_seconds=broker_seconds,
+            shared=summary.shared if summary else False,
+            client_seconds=client_seconds,
+            cancelled=cancelled,
+            workers=summary.workers if summary else (),
+            chunks=self.chunks,
+            failed=list(failed),
+        )
 
 
 def _optional_seconds(value: Any) -> float | None:
@@ -115,6 +142,6 @@ def save_trace(trace: Trace, path: str | Path) -> None:
     fields = msgspec.to_builtins(trace)
     chunks = ",\n  ".join(json.dumps(chunk) for chunk in fields.pop("chunks"))
     head = json.dumps(fields, indent=1)
-    Path(path).write_text(head[:-2] + ',\n "chunks": [\n  ' + chunks + "\n ]\n}\n",
-                          encoding="utf-8")
-
+    Path(path).write_text(
+        head[:-2] + ',\n "chunks": [\n  ' + chunks + "\n ]\n}\n", encoding="utf-8"
+    )

@@ -32,8 +32,14 @@ from typing import Any
 import numpy as np
 
 from farm import defaults
-from farm.engines.engine import (AUTO, BACKENDS, BackendUnavailable, Engine, engine_class,
-                                 release_free_memory)
+from farm.engines.engine import (
+    AUTO,
+    BACKENDS,
+    BackendUnavailable,
+    Engine,
+    engine_class,
+    release_free_memory,
+)
 from farm.engines.modelcheck import check_inputs
 from farm.engines.tolerances import TOLERANCES, relative_difference
 from farm.modelrepo.caffe_net import Network, NetworkError
@@ -58,9 +64,13 @@ NOT_INSTALLED = "not installed: "
 CHECK_IMAGES = 8
 
 #: The distributions whose versions a cached choice depends on, by backend.
-DISTRIBUTIONS = {"caffe": (), "opencv": ("opencv-python-headless", "opencv-python"),
-                 "torch": ("torch",), "onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnx"),
-                 "openvino": ("openvino", "onnx")}
+DISTRIBUTIONS = {
+    "caffe": (),
+    "opencv": ("opencv-python-headless", "opencv-python"),
+    "torch": ("torch",),
+    "onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnx"),
+    "openvino": ("openvino", "onnx"),
+}
 
 
 @dataclass
@@ -105,19 +115,31 @@ class Choice:
 
     def describe(self) -> str:
         rate = next(t.best_rate for t in self.trials if t.backend == self.backend)
-        return (f"{self.backend} {self.precision} batch {self.batch} "
-                f"({rate:,.0f} images/s{', remembered' if self.cached else ''})")
+        return (
+            f"{self.backend} {self.precision} batch {self.batch} "
+            f"({rate:,.0f} images/s{', remembered' if self.cached else ''})"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        document = {f.name: getattr(self, f.name) for f in fields(self)
-                    if f.name not in ("engine", "cached")}
+        document = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("engine", "cached")
+        }
         document["trials"] = [asdict(trial) for trial in self.trials]
         return document
 
     @classmethod
     def from_json(cls, document: dict[str, Any]) -> Choice:
-        trials = [Trial(t["backend"], {int(b): r for b, r in t["rates"].items()},
-                        t["difference"], t["problem"]) for t in document.pop("trials")]
+        trials = [
+            Trial(
+                t["backend"],
+                {int(b): r for b, r in t["rates"].items()},
+                t["difference"],
+                t["problem"],
+            )
+            for t in document.pop("trials")
+        ]
         return cls(**document, trials=trials, cached=True)
 
 
@@ -144,8 +166,10 @@ def device_key(device: str, threads: int | None) -> str:
     processor = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as handle:
-            processor = next((line.split(":", 1)[1].strip() for line in handle
-                              if line.startswith("model name")), processor)
+            processor = next(
+                (line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")),
+                processor,
+            )
     except OSError:
         pass
     if device.startswith("cuda"):
@@ -162,12 +186,19 @@ def _gpu_name(device: str) -> str | None:
         return None
 
 
-def cache_path(spec: ModelSpec, digest: str, device: str, threads: int | None,
-               precision: str, batch: int | None = None) -> Path:
+def cache_path(
+    spec: ModelSpec,
+    digest: str,
+    device: str,
+    threads: int | None,
+    precision: str,
+    batch: int | None = None,
+) -> Path:
     """Where the choice is remembered; a fixed ``batch`` (only backends timed) is a choice
     of its own."""
-    key = hashlib.sha256(f"{device_key(device, threads)}|{precision}|{batch or 'best'}"
-                         .encode()).hexdigest()
+    key = hashlib.sha256(
+        f"{device_key(device, threads)}|{precision}|{batch or 'best'}".encode()
+    ).hexdigest()
     return cache_root() / "engines" / f"{spec.name}-{digest[:16]}-{key[:16]}.json"
 
 
@@ -181,12 +212,20 @@ def remembered(path: Path, current: dict[str, str]) -> Choice | None:
         log.warning("ignoring unreadable engine choice %s: %s", path, exc)
         return None
     if choice.versions != current:
-        changed = sorted(name for name in {*current, *choice.versions}
-                         if current.get(name) != choice.versions.get(name))
-        log.info("%s: the remembered engine choice was made with other library versions "
-                 "(%s): timing the backends again", choice.model,
-                 ", ".join(f"{n} {choice.versions.get(n, 'absent')} -> "
-                           f"{current.get(n, 'absent')}" for n in changed))
+        changed = sorted(
+            name
+            for name in {*current, *choice.versions}
+            if current.get(name) != choice.versions.get(name)
+        )
+        log.info(
+            "%s: the remembered engine choice was made with other library versions "
+            "(%s): timing the backends again",
+            choice.model,
+            ", ".join(
+                f"{n} {choice.versions.get(n, 'absent')} -> {current.get(n, 'absent')}"
+                for n in changed
+            ),
+        )
         return None
     return choice
 
@@ -201,9 +240,15 @@ def remember(path: Path, choice: Choice) -> None:
         log.warning("cannot remember the engine choice in %s: %s", path, exc)
 
 
-def load_engine(spec: ModelSpec, backend: str = defaults.BACKEND, batch: int | None = None,
-                device: str = "cpu", threads: int | None = None,
-                precision: str = defaults.PRECISION, digest: str | None = None) -> Engine:
+def load_engine(
+    spec: ModelSpec,
+    backend: str = defaults.BACKEND,
+    batch: int | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+    precision: str = defaults.PRECISION,
+    digest: str | None = None,
+) -> Engine:
     """A loaded engine: the named backend's, or for ``auto`` the fastest that agrees
     (``digest``: the model's, when the caller knows it)."""
     if backend == AUTO:
@@ -211,9 +256,15 @@ def load_engine(spec: ModelSpec, backend: str = defaults.BACKEND, batch: int | N
     return engine_class(backend).load(spec, batch, device, threads, precision)
 
 
-def choose(spec: ModelSpec, device: str = "cpu", threads: int | None = None,
-           precision: str = defaults.PRECISION, batch: int | None = None,
-           digest: str | None = None, use_cache: bool = True) -> Choice:
+def choose(
+    spec: ModelSpec,
+    device: str = "cpu",
+    threads: int | None = None,
+    precision: str = defaults.PRECISION,
+    batch: int | None = None,
+    digest: str | None = None,
+    use_cache: bool = True,
+) -> Choice:
     """The fastest agreeing backend for ``spec`` on ``device``, loaded (``choice.engine``).
 
     ``batch`` fixes the compute batch (only the backends are timed, and the choice is
@@ -228,8 +279,9 @@ def choose(spec: ModelSpec, device: str = "cpu", threads: int | None = None,
     current = versions()
     choice = remembered(path, current) if use_cache else None
     if choice is not None:
-        choice.engine = engine_class(choice.backend).load(spec, choice.batch, device, threads,
-                                                          precision)
+        choice.engine = engine_class(choice.backend).load(
+            spec, choice.batch, device, threads, precision
+        )
         return choice
     choice = time_backends(spec, device, threads, precision, batch, current)
     if use_cache:
@@ -237,8 +289,14 @@ def choose(spec: ModelSpec, device: str = "cpu", threads: int | None = None,
     return choice
 
 
-def time_backends(spec: ModelSpec, device: str, threads: int | None, precision: str,
-                  batch: int | None, current: dict[str, str]) -> Choice:
+def time_backends(
+    spec: ModelSpec,
+    device: str,
+    threads: int | None,
+    precision: str,
+    batch: int | None,
+    current: dict[str, str],
+) -> Choice:
     """Load, check and time every installed backend; the winner stays loaded."""
     check_files(spec)
     images = check_inputs(spec, CHECK_IMAGES)
@@ -253,35 +311,58 @@ def time_backends(spec: ModelSpec, device: str, threads: int | None, precision: 
             continue
         outputs = engine.run(images)
         if reference is None:
-            reference = (backend, _reference_outputs(engine, spec, device, threads, precision,
-                                                     images, outputs))
+            reference = (
+                backend,
+                _reference_outputs(engine, spec, device, threads, precision, images, outputs),
+            )
         trial.difference = relative_difference(outputs, reference[1])
         if trial.difference > TOLERANCES[precision]:
-            trial.problem = (f"its outputs differ from {reference[0]}'s by "
-                             f"{trial.difference:.1e} of their largest magnitude (tolerance "
-                             f"{TOLERANCES[precision]:g})")
+            trial.problem = (
+                f"its outputs differ from {reference[0]}'s by "
+                f"{trial.difference:.1e} of their largest magnitude (tolerance "
+                f"{TOLERANCES[precision]:g})"
+            )
             continue
-        trial.rates = time_batches(engine, images, (batch,) if batch else
-                                   candidate_batches(spec.batch, device))
+        trial.rates = time_batches(
+            engine, images, (batch,) if batch else candidate_batches(spec.batch, device)
+        )
         leaders = sorted([*leaders, (trial, engine)], key=lambda pair: -pair[0].best_rate)[:2]
         del engine
     release_free_memory()
     refuse_unconfirmed(spec, trials, reference, precision)
     if not leaders:
-        problems = "; ".join(f"{t.backend}: {t.problem}" for t in trials
-                             if t.problem and not t.problem.startswith(NOT_INSTALLED))
-        raise ModelError(f"model {spec.name!r}: no backend runs it on {device} in {precision} "
-                         f"({problems})")
+        problems = "; ".join(
+            f"{t.backend}: {t.problem}"
+            for t in trials
+            if t.problem and not t.problem.startswith(NOT_INSTALLED)
+        )
+        raise ModelError(
+            f"model {spec.name!r}: no backend runs it on {device} in {precision} ({problems})"
+        )
     trial, winner = runoff(leaders, images)
     winner.batch = trial.best_batch
     reference_name = reference[0] if reference else winner.backend  # set once a backend ran
-    choice = Choice(spec.name, device, precision, winner.backend, winner.batch, reference_name,
-                    trials, current, engine=winner)
+    choice = Choice(
+        spec.name,
+        device,
+        precision,
+        winner.backend,
+        winner.batch,
+        reference_name,
+        trials,
+        current,
+        engine=winner,
+    )
     for each in trials:
         if each.problem:
             log.info("%s: %s left out: %s", spec.name, each.backend, each.problem)
-    log.info("%s on %s: %s (%s)", spec.name, device, choice.describe(),
-             ", ".join(f"{t.backend} {t.best_rate:,.0f}/s" for t in trials if t.rates))
+    log.info(
+        "%s on %s: %s (%s)",
+        spec.name,
+        device,
+        choice.describe(),
+        ", ".join(f"{t.backend} {t.best_rate:,.0f}/s" for t in trials if t.rates),
+    )
     return choice
 
 
@@ -305,8 +386,14 @@ def check_files(spec: ModelSpec) -> None:
         raise ModelError(f"model {spec.name!r}: {exc}") from None
 
 
-def _load(trial: Trial, spec: ModelSpec, device: str, threads: int | None, precision: str,
-          batch: int | None) -> Engine | None:
+def _load(
+    trial: Trial,
+    spec: ModelSpec,
+    device: str,
+    threads: int | None,
+    precision: str,
+    batch: int | None,
+) -> Engine | None:
     """The backend's engine, or None with ``trial.problem`` saying why it cannot run."""
     try:
         return engine_class(trial.backend).load(spec, batch, device, threads, precision)
@@ -319,23 +406,37 @@ def _load(trial: Trial, spec: ModelSpec, device: str, threads: int | None, preci
     return None
 
 
-def _reference_outputs(engine: Engine, spec: ModelSpec, device: str, threads: int | None,
-                       precision: str, images: np.ndarray, outputs: np.ndarray) -> np.ndarray:
+def _reference_outputs(
+    engine: Engine,
+    spec: ModelSpec,
+    device: str,
+    threads: int | None,
+    precision: str,
+    images: np.ndarray,
+    outputs: np.ndarray,
+) -> np.ndarray:
     """The reference's outputs in f32 (the engine's own when it already computes in f32)."""
     if precision == "f32":
         return outputs
     return engine_class(engine.backend).load(spec, None, device, threads, "f32").run(images)
 
 
-def refuse_unconfirmed(spec: ModelSpec, trials: list[Trial],
-                       reference: tuple[str, np.ndarray] | None, precision: str) -> None:
+def refuse_unconfirmed(
+    spec: ModelSpec, trials: list[Trial], reference: tuple[str, np.ndarray] | None, precision: str
+) -> None:
     """ModelError when backends disagree with the reference and none confirms it."""
     if reference is None:
         return
-    compared = {t.backend: t.difference for t in trials
-                if t.difference is not None and t.backend != reference[0]}
-    disagreeing = {name: difference for name, difference in compared.items()
-                   if difference > TOLERANCES[precision]}
+    compared = {
+        t.backend: t.difference
+        for t in trials
+        if t.difference is not None and t.backend != reference[0]
+    }
+    disagreeing = {
+        name: difference
+        for name, difference in compared.items()
+        if difference > TOLERANCES[precision]
+    }
     if disagreeing and len(disagreeing) == len(compared):
         raise ModelError(
             f"model {spec.name!r}: backends {reference[0]} and "
@@ -343,7 +444,8 @@ def refuse_unconfirmed(spec: ModelSpec, trials: list[Trial],
             f"{max(disagreeing.values()):.1e} of their largest magnitude, tolerance "
             f"{TOLERANCES[precision]:g}) and no other backend confirms {reference[0]}'s "
             f"outputs; farm will not guess which is right. Compare them with `farm models "
-            f"check {spec.name}`, or choose one with --backend")
+            f"check {spec.name}`, or choose one with --backend"
+        )
 
 
 def candidate_batches(resting: int, device: str = "cpu") -> tuple[int, ...]:
@@ -351,8 +453,13 @@ def candidate_batches(resting: int, device: str = "cpu") -> tuple[int, ...]:
     return tuple(sorted({*BATCHES, *larger, resting}))
 
 
-def time_batches(engine: Engine, images: np.ndarray, batches: tuple[int, ...],
-                 budget: float = BUDGET, warm_up: bool = True) -> dict[int, float]:
+def time_batches(
+    engine: Engine,
+    images: np.ndarray,
+    batches: tuple[int, ...],
+    budget: float = BUDGET,
+    warm_up: bool = True,
+) -> dict[int, float]:
     """Images/s of ``engine.forward`` at each batch (after a warm-up forward unless the
     engine already ran that batch), spending about ``budget`` seconds; batches after one
     whose forward exceeds ``LONGEST_FORWARD`` are skipped."""

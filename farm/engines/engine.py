@@ -15,9 +15,10 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -31,17 +32,25 @@ from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, prepare
 log = logging.getLogger("farm.engines.engine")
 
 #: Environment variables that cap the thread pools of OpenMP and the BLAS libraries.
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                    "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
 
 #: Backend name -> "module:class", the reference order: the first that runs a model is the one
 #: the others' outputs are checked against (pycaffe is Caffe itself; OpenCV's importer and
 #: torch are farm's older backends; the last two run farm's own ONNX export of the net).
-BACKENDS = {"caffe": "farm.engines.backends.pycaffe:CaffeEngine",
-            "opencv": "farm.engines.backends.opencv:OpenCVEngine",
-            "torch": "farm.engines.backends.pytorch:TorchEngine",
-            "onnxruntime": "farm.engines.backends.onnxruntime:OnnxRuntimeEngine",
-            "openvino": "farm.engines.backends.openvino:OpenVINOEngine"}
+BACKENDS = {
+    "caffe": "farm.engines.backends.pycaffe:CaffeEngine",
+    "opencv": "farm.engines.backends.opencv:OpenCVEngine",
+    "torch": "farm.engines.backends.pytorch:TorchEngine",
+    "onnxruntime": "farm.engines.backends.onnxruntime:OnnxRuntimeEngine",
+    "openvino": "farm.engines.backends.openvino:OpenVINOEngine",
+}
 #: ``auto``: time every installed backend on the model and keep the fastest that agrees.
 AUTO = "auto"
 #: What a GPU worker needs installed at least (``Device.check``).
@@ -92,8 +101,15 @@ class Engine:
     #: Builds from farm's ONNX export (``onnx_file``) rather than the Caffe weights.
     reads_onnx: ClassVar[bool] = False
 
-    def __init__(self, spec: ModelSpec, network: Network, batch: int | None, device: str,
-                 threads: int | None, precision: str = defaults.PRECISION) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        network: Network,
+        batch: int | None,
+        device: str,
+        threads: int | None,
+        precision: str = defaults.PRECISION,
+    ) -> None:
         self.spec = spec
         self.network = network
         self.batch = max(1, batch or spec.batch)
@@ -106,8 +122,14 @@ class Engine:
         self.last_run = RunStats()  # the latest ``run``'s device and copy seconds
 
     @classmethod
-    def load(cls, spec: ModelSpec, batch: int | None = None, device: str = "cpu",
-             threads: int | None = None, precision: str = defaults.PRECISION) -> Engine:
+    def load(
+        cls,
+        spec: ModelSpec,
+        batch: int | None = None,
+        device: str = "cpu",
+        threads: int | None = None,
+        precision: str = defaults.PRECISION,
+    ) -> Engine:
         """Check the files, build the net in this backend, probe the output with one image."""
         prepare(spec)
         # a backend that reads a cached export needs the net's shapes, not its weights again
@@ -122,9 +144,11 @@ class Engine:
         engine = cls(spec, network, batch, device, threads, precision)
         try:
             if precision not in engine.precisions():
-                raise ModelError(f"the {cls.backend} backend does not compute in {precision} on "
-                                 f"{device}{engine.precision_note()}; it offers "
-                                 f"{', '.join(engine.precisions())}")
+                raise ModelError(
+                    f"the {cls.backend} backend does not compute in {precision} on "
+                    f"{device}{engine.precision_note()}; it offers "
+                    f"{', '.join(engine.precisions())}"
+                )
             engine.build()
             network.drop_weights()  # the backend holds its own copy: keep one, not two
             release_free_memory()
@@ -132,12 +156,19 @@ class Engine:
         except ModelError:
             raise
         except Exception as exc:  # the library's own error types: cv2.error, RuntimeError, ...
-            raise ModelError(f"model {spec.name!r}: the {cls.backend} backend cannot run it: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise ModelError(
+                f"model {spec.name!r}: the {cls.backend} backend cannot run it: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         engine.output_shape = probe.shape[1:]
         engine.allocated = 1
-        log.debug("%s: %s built in %.3f s, output %s", cls.backend, spec.name,
-                 time.perf_counter() - started, engine.output_shape)
+        log.debug(
+            "%s: %s built in %.3f s, output %s",
+            cls.backend,
+            spec.name,
+            time.perf_counter() - started,
+            engine.output_shape,
+        )
         return engine
 
     def build(self) -> None:
@@ -174,8 +205,12 @@ class Engine:
     def shrink(self) -> None:
         """Resize the backend's buffers to the net's resting batch."""
 
-    def run(self, images: np.ndarray, stop: Callable[[], bool] | None = None,
-            tally: Callable[[int, float], None] | None = None) -> np.ndarray:
+    def run(
+        self,
+        images: np.ndarray,
+        stop: Callable[[], bool] | None = None,
+        tally: Callable[[int, float], None] | None = None,
+    ) -> np.ndarray:
         """Outputs for ``images`` (N x item shape, uint8 or float32), in compute batches.
 
         Batches larger than the prototxt's own batch grow the net; ``rest`` shrinks it
@@ -232,11 +267,17 @@ def exported_onnx(spec: ModelSpec, network: Network | None = None) -> Path:
 
 def job_engine(value: object) -> tuple[str, str]:
     """A job's ``engine`` option, ``[backend, precision]``, checked; ValueError if not."""
-    if not (isinstance(value, (list, tuple)) and len(value) == 2
-            and value[0] in (AUTO, *BACKENDS) and value[1] in PRECISIONS):
-        raise ValueError(f"a job's engine must be [backend, precision] with a backend of "
-                         f"{AUTO}, {', '.join(BACKENDS)} and a precision of "
-                         f"{', '.join(PRECISIONS)}")
+    if not (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and value[0] in (AUTO, *BACKENDS)
+        and value[1] in PRECISIONS
+    ):
+        raise ValueError(
+            f"a job's engine must be [backend, precision] with a backend of "
+            f"{AUTO}, {', '.join(BACKENDS)} and a precision of "
+            f"{', '.join(PRECISIONS)}"
+        )
     return value[0], value[1]
 
 
@@ -246,19 +287,18 @@ def require_onnx_engine(backend: str, module: str, library: str, hint: str) -> N
     try:
         importlib.import_module(module)
     except ImportError as exc:
-        raise BackendUnavailable(f"the {backend} backend needs {library} ({exc}): {hint}") \
-            from exc
+        raise BackendUnavailable(f"the {backend} backend needs {library} ({exc}): {hint}") from exc
     if importlib.util.find_spec("onnx") is None:
-        raise BackendUnavailable(f"the {backend} backend needs the onnx package for farm's "
-                                 f"export: {hint}")
+        raise BackendUnavailable(
+            f"the {backend} backend needs the onnx package for farm's export: {hint}"
+        )
 
 
 def engine_class(backend: str) -> type[Engine]:
     """The engine class of a named backend (``auto`` is ``autoselect.load_engine``'s);
     BackendUnavailable says how to get its library."""
     if backend not in BACKENDS:
-        raise ModelError(f"unknown backend {backend!r}; use {AUTO} or one of "
-                         f"{', '.join(BACKENDS)}")
+        raise ModelError(f"unknown backend {backend!r}; use {AUTO} or one of {', '.join(BACKENDS)}")
     module_name, class_name = BACKENDS[backend].split(":")
     module = importlib.import_module(module_name)
     module.require()

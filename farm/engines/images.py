@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import cv2
 import numpy as np
@@ -59,16 +59,34 @@ Image.MAX_IMAGE_PIXELS = None
 #: The formats decoded, by the name messages use: their file signatures, and Pillow's
 #: names for them (MPO is a camera JPEG with a second, preview image; OpenCV decodes the
 #: first image like any JPEG).  PNM is PBM, PGM and PPM, ASCII or binary.
-SIGNATURES = {"JPEG": (b"\xff\xd8\xff",), "PNG": (b"\x89PNG\r\n\x1a\n",), "BMP": (b"BM",),
-              "TIFF": (b"II*\x00", b"MM\x00*"), "WebP": (b"RIFF",),
-              "GIF": (b"GIF87a", b"GIF89a"), "PNM": tuple(b"P%d" % n for n in range(1, 7))}
-PILLOW_FORMATS = {"JPEG": ["JPEG", "MPO"], "PNG": ["PNG"], "BMP": ["BMP"], "TIFF": ["TIFF"],
-                  "WebP": ["WEBP"], "GIF": ["GIF"], "PNM": ["PPM"]}
-NOT_AN_IMAGE = (f"not an image file (no {', '.join(DECODED_FORMATS[:-1])} or "
-                f"{DECODED_FORMATS[-1]} header)")
+SIGNATURES = {
+    "JPEG": (b"\xff\xd8\xff",),
+    "PNG": (b"\x89PNG\r\n\x1a\n",),
+    "BMP": (b"BM",),
+    "TIFF": (b"II*\x00", b"MM\x00*"),
+    "WebP": (b"RIFF",),
+    "GIF": (b"GIF87a", b"GIF89a"),
+    "PNM": tuple(b"P%d" % n for n in range(1, 7)),
+}
+PILLOW_FORMATS = {
+    "JPEG": ["JPEG", "MPO"],
+    "PNG": ["PNG"],
+    "BMP": ["BMP"],
+    "TIFF": ["TIFF"],
+    "WebP": ["WEBP"],
+    "GIF": ["GIF"],
+    "PNM": ["PPM"],
+}
+NOT_AN_IMAGE = (
+    f"not an image file (no {', '.join(DECODED_FORMATS[:-1])} or {DECODED_FORMATS[-1]} header)"
+)
 
-INTERPOLATION = {"linear": cv2.INTER_LINEAR, "area": cv2.INTER_AREA, "cubic": cv2.INTER_CUBIC,
-                 "nearest": cv2.INTER_NEAREST}
+INTERPOLATION = {
+    "linear": cv2.INTER_LINEAR,
+    "area": cv2.INTER_AREA,
+    "cubic": cv2.INTER_CUBIC,
+    "nearest": cv2.INTER_NEAREST,
+}
 
 
 class ImageError(ValueError):
@@ -97,8 +115,10 @@ class ImageDecoder:
     def __init__(self, spec: ModelSpec, max_pixels: int = MAX_PIXELS) -> None:
         channels, height, width = spec.input_shape
         if channels not in (1, 3):
-            raise ModelError(f"model {spec.name!r}: image files need a 1- or 3-channel input, "
-                             f"its input is {spec.input_shape}")
+            raise ModelError(
+                f"model {spec.name!r}: image files need a 1- or 3-channel input, "
+                f"its input is {spec.input_shape}"
+            )
         try:
             spec.resize.check((height, width))
         except ModelError as exc:
@@ -125,16 +145,18 @@ class ImageDecoder:
         for index, data in enumerate(files):
             start = len(ok) * self.crops
             try:
-                self._decode_into(data, images[start:start + self.crops])
+                self._decode_into(data, images[start : start + self.crops])
             except ImageError as exc:
                 failures.append((index, str(exc)))
             except (cv2.error, MemoryError) as exc:  # the file's fault, not its chunk's
-                failures.append((index, f"cannot decode: {type(exc).__name__}: "
-                                        f"{str(exc).strip()[:200]}"))
+                failures.append(
+                    (index, f"cannot decode: {type(exc).__name__}: {str(exc).strip()[:200]}")
+                )
             else:
                 ok.append(index)
-        return DecodedBatch(images[:len(ok) * self.crops], np.array(ok, np.int64), failures,
-                            self.crops)
+        return DecodedBatch(
+            images[: len(ok) * self.crops], np.array(ok, np.int64), failures, self.crops
+        )
 
     def _decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
         data = bytes(data)  # Pillow's BytesIO copies anyway; bytes have find/rfind
@@ -150,8 +172,10 @@ class ImageDecoder:
         image = decode_pixels(data, self.flags, kind)
         target = resized_size(image.shape[:2], self.net_size, self.spec.resize)
         if target[0] * target[1] > self.max_pixels:  # a 1 x 100 000 strip at shorter_side 256
-            raise ImageError(f"a {width} x {height} image would be resized to {target[1]} x "
-                             f"{target[0]}, over the limit of {self.max_pixels:,} pixels")
+            raise ImageError(
+                f"a {width} x {height} image would be resized to {target[1]} x "
+                f"{target[0]}, over the limit of {self.max_pixels:,} pixels"
+            )
         image = resize(image, target, self.spec.resize.interpolation)
         if image.ndim == 3:
             cv2.cvtColor(image, cv2.COLOR_BGR2RGB, dst=image)
@@ -187,8 +211,10 @@ def sniff(data: bytes) -> str | None:
 
 def _check_size(width: int, height: int, max_pixels: int) -> None:
     if width * height > max_pixels:
-        raise ImageError(f"image declares {width} x {height} = {width * height:,} pixels, over "
-                         f"the limit of {max_pixels:,}: refused without decoding")
+        raise ImageError(
+            f"image declares {width} x {height} = {width * height:,} pixels, over "
+            f"the limit of {max_pixels:,}: refused without decoding"
+        )
 
 
 def check_jpeg_complete(data: bytes) -> None:
@@ -235,8 +261,9 @@ def decode_gif(data: bytes, grey: bool) -> np.ndarray:
     return cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY if grey else cv2.COLOR_RGB2BGR)
 
 
-def resized_size(image_size: tuple[int, int], net_size: tuple[int, int],
-                 settings: Resize) -> tuple[int, int]:
+def resized_size(
+    image_size: tuple[int, int], net_size: tuple[int, int], settings: Resize
+) -> tuple[int, int]:
     """The (H, W) an image of ``image_size`` is resized to before cropping.
 
     ``size`` exactly; ``shorter_side`` keeping the aspect ratio (the longer side rounded
@@ -253,8 +280,11 @@ def resized_size(image_size: tuple[int, int], net_size: tuple[int, int],
         target = settings.size
     elif settings.shorter_side is not None:
         side = settings.shorter_side
-        target = ((side, _scaled(width, side, height)) if height <= width
-                  else (_scaled(height, side, width), side))
+        target = (
+            (side, _scaled(width, side, height))
+            if height <= width
+            else (_scaled(height, side, width), side)
+        )
     else:
         return net_size
     if target[0] >= net_h and target[1] >= net_w:
@@ -277,8 +307,9 @@ def resize(image: np.ndarray, size: tuple[int, int], interpolation: str) -> np.n
     return cv2.resize(image, (size[1], size[0]), interpolation=INTERPOLATION[interpolation])
 
 
-def crop_boxes(image_size: tuple[int, int], net_size: tuple[int, int],
-               crop: str) -> list[tuple[int, int, bool]]:
+def crop_boxes(
+    image_size: tuple[int, int], net_size: tuple[int, int], crop: str
+) -> list[tuple[int, int, bool]]:
     """(top, left, mirrored) of each crop, in Caffe's order.
 
     ``center``: offsets ``(h - crop_h) // 2``, ``(w - crop_w) // 2`` as Caffe's data
@@ -298,13 +329,14 @@ def crop_boxes(image_size: tuple[int, int], net_size: tuple[int, int],
     return [(top, left, False) for top, left in five] + [(top, left, True) for top, left in five]
 
 
-def cropped(image: np.ndarray, boxes: list[tuple[int, int, bool]],
-            net_size: tuple[int, int]) -> list[np.ndarray]:
+def cropped(
+    image: np.ndarray, boxes: list[tuple[int, int, bool]], net_size: tuple[int, int]
+) -> list[np.ndarray]:
     """The net-sized crops at ``boxes`` (views of ``image``; copies when mirrored)."""
     net_h, net_w = net_size
     crops = []
     for top, left, mirrored in boxes:
-        crop = image[top:top + net_h, left:left + net_w]
+        crop = image[top : top + net_h, left : left + net_w]
         crops.append(cv2.flip(crop, 1) if mirrored else crop)
     return crops
 
@@ -323,8 +355,9 @@ def split_files(sizes: np.ndarray, blob: memoryview | bytes) -> list[memoryview]
     add up to its length."""
     sizes = np.asarray(sizes)
     if sizes.ndim != 1 or (sizes.size and (sizes.dtype.kind not in "iu" or sizes.min() < 0)):
-        raise ValueError(f"file sizes must be a 1-D array of byte counts, got {sizes.dtype} "
-                         f"{sizes.shape}")
+        raise ValueError(
+            f"file sizes must be a 1-D array of byte counts, got {sizes.dtype} {sizes.shape}"
+        )
     view = memoryview(blob).cast("B")
     ends = np.cumsum(sizes, dtype=np.int64)
     total = int(ends[-1]) if ends.size else 0

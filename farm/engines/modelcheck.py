@@ -44,9 +44,13 @@ def check_inputs(spec: ModelSpec, count: int = 8, seed: int = 0) -> np.ndarray:
     return rng.integers(0, 256, (count, *spec.item_shape), dtype=np.uint8)
 
 
-def check_model(spec: ModelSpec, inputs: np.ndarray, backends: tuple[str, ...] = tuple(BACKENDS),
-                threads: int | None = None,
-                precision: str = defaults.PRECISION) -> list[BackendCheck]:
+def check_model(
+    spec: ModelSpec,
+    inputs: np.ndarray,
+    backends: tuple[str, ...] = tuple(BACKENDS),
+    threads: int | None = None,
+    precision: str = defaults.PRECISION,
+) -> list[BackendCheck]:
     """Run ``inputs`` on each backend; differences are against the first backend that ran,
     which runs in f32 (the others in ``precision``)."""
     checks = []
@@ -56,7 +60,8 @@ def check_model(spec: ModelSpec, inputs: np.ndarray, backends: tuple[str, ...] =
         checks.append(check)
         try:
             engine = engine_class(backend).load(
-                spec, threads=threads, precision="f32" if reference is None else precision)
+                spec, threads=threads, precision="f32" if reference is None else precision
+            )
             started = time.perf_counter()
             check.outputs = engine.run(inputs)
             check.seconds = time.perf_counter() - started
@@ -115,9 +120,14 @@ def export_checked(spec: ModelSpec, path: Path, inputs: np.ndarray) -> ExportChe
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     outputs = session.run(None, {network.input: Transformer.for_model(spec)(inputs)})[0]
     others = tuple(b for b in BACKENDS if b not in ("onnxruntime", "openvino"))
-    reference = next((c for c in check_model(spec, inputs, others) if c.outputs is not None),
-                     None)
+    reference = next((c for c in check_model(spec, inputs, others) if c.outputs is not None), None)
     if reference is None or reference.outputs is None:
         raise ModelError(f"model {spec.name!r}: no reference backend runs it to compare with")
-    return ExportCheck(path.stat().st_size, OPSET, network.input, model.graph.output[0].name,
-                       reference.backend, relative_difference(outputs, reference.outputs))
+    return ExportCheck(
+        path.stat().st_size,
+        OPSET,
+        network.input,
+        model.graph.output[0].name,
+        reference.backend,
+        relative_difference(outputs, reference.outputs),
+    )

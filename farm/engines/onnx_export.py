@@ -14,13 +14,21 @@ package is needed; no torch.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from farm.modelrepo.caffe_net import Layer, Network, NetworkError, Shape, conv_geometry, pool_geometry
+from farm.modelrepo.caffe_net import (
+    Layer,
+    Network,
+    NetworkError,
+    Shape,
+    conv_geometry,
+    pool_geometry,
+)
 
 #: The ONNX opset written (ONNX Runtime 1.14+ and OpenVINO 2023+ read it).
 OPSET = 17
@@ -88,31 +96,41 @@ def export(network: Network, output: str | None = None) -> Any:
     final = output if output != network.input else output + ":out"
     builder.taken.update({network.input, final})
     last = max(i for i, layer in enumerate(network.layers) if output in layer.tops)
-    for layer in network.layers[:last + 1]:
+    for layer in network.layers[: last + 1]:
         if layer.blob_shapes and not layer.blobs:
             raise ExportError(f"{network.source}: layer {layer.name!r} has no weights attached")
         if len(layer.tops) != 1:
-            raise ExportError(f"{network.source}: layer {layer.name!r} has {len(layer.tops)} "
-                              f"outputs; farm exports layers with one")
+            raise ExportError(
+                f"{network.source}: layer {layer.name!r} has {len(layer.tops)} "
+                f"outputs; farm exports layers with one"
+            )
         inputs = [builder.values[name] for name in layer.bottoms]
         shapes = [network.shapes[name] for name in layer.bottoms]
         try:
             value = CONVERTERS[layer.type](builder, layer, inputs, shapes)
         except ExportError as exc:
-            raise ExportError(f"{network.source}: layer {layer.name!r} ({layer.type}): "
-                              f"{exc}") from None
+            raise ExportError(
+                f"{network.source}: layer {layer.name!r} ({layer.type}): {exc}"
+            ) from None
         builder.values[layer.tops[0]] = value
-    builder.nodes.append(helper.make_node("Identity", [builder.values[output]], [final],
-                                          name=final))
+    builder.nodes.append(
+        helper.make_node("Identity", [builder.values[output]], [final], name=final)
+    )
     out_shape = network.shapes[output]
     graph = helper.make_graph(
-        builder.nodes, network.name or "caffe",
-        [helper.make_tensor_value_info(network.input, TensorProto.FLOAT,
-                                       ["N", *network.input_shape[1:]])],
+        builder.nodes,
+        network.name or "caffe",
+        [
+            helper.make_tensor_value_info(
+                network.input, TensorProto.FLOAT, ["N", *network.input_shape[1:]]
+            )
+        ],
         [helper.make_tensor_value_info(final, TensorProto.FLOAT, ["N", *out_shape[1:]])],
-        builder.initializers)
-    model = helper.make_model(graph, producer_name="farm",
-                              opset_imports=[helper.make_opsetid("", OPSET)])
+        builder.initializers,
+    )
+    model = helper.make_model(
+        graph, producer_name="farm", opset_imports=[helper.make_opsetid("", OPSET)]
+    )
     model.ir_version = IR_VERSION
     return model
 
@@ -135,15 +153,23 @@ def output_name(model: Any) -> str:
 
 # ------------------------------------------------------------------------------- layers
 
+
 def _convolution(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> str:
     p = layer.param.convolution_param
     g = conv_geometry(p)
     inputs = [x[0], b.constant(layer.name + ".weight", layer.blobs[0])]
     if p.bias_term:
         inputs.append(b.constant(layer.name + ".bias", layer.blobs[1]))
-    return b.node("Conv", inputs, layer.tops[0], kernel_shape=list(g.kernel),
-                  strides=list(g.stride), pads=[*g.pad, *g.pad], dilations=list(g.dilation),
-                  group=p.group)
+    return b.node(
+        "Conv",
+        inputs,
+        layer.tops[0],
+        kernel_shape=list(g.kernel),
+        strides=list(g.stride),
+        pads=[*g.pad, *g.pad],
+        dilations=list(g.dilation),
+        group=p.group,
+    )
 
 
 def _pooling(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> str:
@@ -161,18 +187,20 @@ def _pooling(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -
     if p.global_pooling:
         return b.node("GlobalMaxPool" if p.pool == 0 else "GlobalAveragePool", x, top)
     g = pool_geometry(p, height, width)
-    extra = [max(0, (o - 1) * s + k - (size + 2 * pad)) for o, s, k, size, pad in
-             zip(out, g.stride, g.kernel, (height, width), g.pad)]
+    extra = [
+        max(0, (o - 1) * s + k - (size + 2 * pad))
+        for o, s, k, size, pad in zip(out, g.stride, g.kernel, (height, width), g.pad)
+    ]
     window = {"kernel_shape": list(g.kernel), "strides": list(g.stride)}
     if p.pool == 0:
-        return b.node("MaxPool", x, top, pads=[*g.pad, g.pad[0] + extra[0], g.pad[1] + extra[1]],
-                      **window)
+        return b.node(
+            "MaxPool", x, top, pads=[*g.pad, g.pad[0] + extra[0], g.pad[1] + extra[1]], **window
+        )
     source = x[0]
     if any(g.pad):
         pads = b.constant(layer.name + ".pads", np.array([0, 0, *g.pad, 0, 0, *g.pad], np.int64))
         source = b.node("Pad", [source, pads], top + ":padded")
-    return b.node("AveragePool", [source], top, pads=[0, 0, *extra], count_include_pad=0,
-                  **window)
+    return b.node("AveragePool", [source], top, pads=[0, 0, *extra], count_include_pad=0, **window)
 
 
 def _inner_product(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> str:
@@ -189,8 +217,11 @@ def _inner_product(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Sha
     shape = b.constant(layer.name + ".shape", np.array([0] * axis + [-1], np.int64))
     flat = b.node("Reshape", [x[0], shape], top + ":flat")
     matrix = weight if p.transpose else weight.T
-    product = b.node("MatMul", [flat, b.constant(layer.name + ".weight", matrix)],
-                     top + (":matmul" if p.bias_term else ""))
+    product = b.node(
+        "MatMul",
+        [flat, b.constant(layer.name + ".weight", matrix)],
+        top + (":matmul" if p.bias_term else ""),
+    )
     if not p.bias_term:
         return product
     return b.node("Add", [product, b.constant(layer.name + ".bias", layer.blobs[1])], top)
@@ -219,13 +250,22 @@ def _lrn(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> st
     # WITHIN_CHANNEL: x * (1 + alpha * mean of x^2 over a size x size window)^-beta (no k)
     pad = (q.local_size - 1) // 2
     square = b.node("Mul", [x[0], x[0]], top + ":square")
-    mean = b.node("AveragePool", [square], top + ":mean", kernel_shape=[q.local_size] * 2,
-                  strides=[1, 1], pads=[pad] * 4, count_include_pad=1)
-    scaled = b.node("Mul", [mean, b.constant(layer.name + ".alpha", np.float32(q.alpha))],
-                    top + ":scaled")
+    mean = b.node(
+        "AveragePool",
+        [square],
+        top + ":mean",
+        kernel_shape=[q.local_size] * 2,
+        strides=[1, 1],
+        pads=[pad] * 4,
+        count_include_pad=1,
+    )
+    scaled = b.node(
+        "Mul", [mean, b.constant(layer.name + ".alpha", np.float32(q.alpha))], top + ":scaled"
+    )
     base = b.node("Add", [scaled, b.constant(layer.name + ".one", np.float32(1.0))], top + ":base")
-    factor = b.node("Pow", [base, b.constant(layer.name + ".beta", np.float32(-q.beta))],
-                    top + ":factor")
+    factor = b.node(
+        "Pow", [base, b.constant(layer.name + ".beta", np.float32(-q.beta))], top + ":factor"
+    )
     return b.node("Mul", [x[0], factor], top)
 
 
@@ -241,10 +281,16 @@ def _batch_norm(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]
     scale = 1.0 / np.sqrt(variance * factor + layer.param.batch_norm_param.eps)
     shift = -mean * factor * scale
     ndim = len(shapes[0])
-    scaled = b.node("Mul", [x[0], b.constant(layer.name + ".scale",
-                                             _per_channel(scale, 1, ndim))], layer.tops[0] + ":bn")
-    return b.node("Add", [scaled, b.constant(layer.name + ".shift", _per_channel(shift, 1, ndim))],
-                  layer.tops[0])
+    scaled = b.node(
+        "Mul",
+        [x[0], b.constant(layer.name + ".scale", _per_channel(scale, 1, ndim))],
+        layer.tops[0] + ":bn",
+    )
+    return b.node(
+        "Add",
+        [scaled, b.constant(layer.name + ".shift", _per_channel(shift, 1, ndim))],
+        layer.tops[0],
+    )
 
 
 def _scale(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> str:
@@ -256,8 +302,10 @@ def _scale(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> 
         trailing = ndim - axis - len(shapes[1])
         factor = x[1]
         if trailing:
-            axes = b.constant(layer.name + ".axes",
-                              np.arange(len(shapes[1]), len(shapes[1]) + trailing, dtype=np.int64))
+            axes = b.constant(
+                layer.name + ".axes",
+                np.arange(len(shapes[1]), len(shapes[1]) + trailing, dtype=np.int64),
+            )
             factor = b.node("Unsqueeze", [x[1], axes], top + ":factor")
         bias = layer.blobs[0] if layer.blobs else None
     else:
@@ -266,8 +314,9 @@ def _scale(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> 
     if bias is None:
         return b.node("Mul", [x[0], factor], top)
     scaled = b.node("Mul", [x[0], factor], top + ":scaled")
-    return b.node("Add", [scaled, b.constant(layer.name + ".bias", _per_channel(bias, axis, ndim))],
-                  top)
+    return b.node(
+        "Add", [scaled, b.constant(layer.name + ".bias", _per_channel(bias, axis, ndim))], top
+    )
 
 
 def _concat(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> str:
@@ -284,9 +333,16 @@ def _eltwise(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -
     if q.operation == 0:
         return b.node("Mul", x, top) if len(x) == 2 else _chain(b, "Mul", x, top)
     if q.coeff and any(c != 1.0 for c in q.coeff):
-        x = [value if c == 1.0 else
-             b.node("Mul", [value, b.constant(f"{layer.name}.coeff{i}", np.float32(c))],
-                    f"{top}:term{i}") for i, (value, c) in enumerate(zip(x, q.coeff))]
+        x = [
+            value
+            if c == 1.0
+            else b.node(
+                "Mul",
+                [value, b.constant(f"{layer.name}.coeff{i}", np.float32(c))],
+                f"{top}:term{i}",
+            )
+            for i, (value, c) in enumerate(zip(x, q.coeff))
+        ]
     return b.node("Sum", x, top)
 
 
@@ -303,9 +359,12 @@ def _flatten(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -
     start, end = q.axis % len(shape), q.end_axis % len(shape)
     if start == 1 and end == len(shape) - 1:
         return b.node("Flatten", x, layer.tops[0], axis=1)
-    target = [0] * start + [-1] + list(shape[end + 1:])
-    return b.node("Reshape", [x[0], b.constant(layer.name + ".shape", np.array(target, np.int64))],
-                  layer.tops[0])
+    target = [0] * start + [-1] + list(shape[end + 1 :])
+    return b.node(
+        "Reshape",
+        [x[0], b.constant(layer.name + ".shape", np.array(target, np.int64))],
+        layer.tops[0],
+    )
 
 
 def _dropout(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -> str:
@@ -314,10 +373,20 @@ def _dropout(b: GraphBuilder, layer: Layer, x: list[str], shapes: list[Shape]) -
 
 #: Layer type -> the function that writes its nodes (every type in ``network.LAYERS``).
 CONVERTERS: dict[str, Converter] = {
-    "Convolution": _convolution, "Pooling": _pooling, "InnerProduct": _inner_product,
-    "ReLU": _relu, "Sigmoid": _unary("Sigmoid"), "TanH": _unary("Tanh"), "Softmax": _softmax,
-    "LRN": _lrn, "Dropout": _dropout, "BatchNorm": _batch_norm, "Scale": _scale,
-    "Concat": _concat, "Eltwise": _eltwise, "Flatten": _flatten,
+    "Convolution": _convolution,
+    "Pooling": _pooling,
+    "InnerProduct": _inner_product,
+    "ReLU": _relu,
+    "Sigmoid": _unary("Sigmoid"),
+    "TanH": _unary("Tanh"),
+    "Softmax": _softmax,
+    "LRN": _lrn,
+    "Dropout": _dropout,
+    "BatchNorm": _batch_norm,
+    "Scale": _scale,
+    "Concat": _concat,
+    "Eltwise": _eltwise,
+    "Flatten": _flatten,
 }
 
 
@@ -330,5 +399,6 @@ def shape_check(model: Any, network: Network, output: str) -> None:
     got = tuple(d.dim_value for d in dims[1:])
     expected = network.shapes[output][1:]
     if got != expected:
-        raise ExportError(f"{network.source}: the ONNX graph's output {got} is not Caffe's "
-                          f"{expected}")
+        raise ExportError(
+            f"{network.source}: the ONNX graph's output {got} is not Caffe's {expected}"
+        )

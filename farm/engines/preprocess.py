@@ -30,8 +30,10 @@ class Transformer:
         settings = spec.preprocess
         channels = spec.input_shape[0]
         if settings.channel_swap and sorted(settings.channel_swap) != list(range(channels)):
-            raise ModelError(f"model {spec.name!r}: channel_swap {settings.channel_swap} is not "
-                             f"a permutation of its {channels} channels")
+            raise ModelError(
+                f"model {spec.name!r}: channel_swap {settings.channel_swap} is not "
+                f"a permutation of its {channels} channels"
+            )
         mean = None
         if settings.mean:
             if len(settings.mean) not in (1, channels):
@@ -39,8 +41,13 @@ class Transformer:
             mean = np.asarray(settings.mean, np.float32).reshape(-1, 1, 1)
         elif settings.mean_file:
             mean = _mean_file(spec, settings.mean_file)
-        return cls(settings.layout == "HWC", settings.channel_swap, settings.raw_scale, mean,
-                   settings.input_scale)
+        return cls(
+            settings.layout == "HWC",
+            settings.channel_swap,
+            settings.raw_scale,
+            mean,
+            settings.input_scale,
+        )
 
     def __call__(self, images: np.ndarray) -> np.ndarray:
         """A float32, C-contiguous N x C x H x W batch (always a new array)."""
@@ -72,17 +79,25 @@ def _mean_file(spec: ModelSpec, path: Path) -> np.ndarray:
         mean = mean[0]
     if mean.ndim == 1 or (mean.ndim == 3 and mean.shape[1:] == (1, 1)):
         if mean.size != channels:
-            raise ModelError(f"model {spec.name!r}: mean file {path} has {mean.size} channel "
-                             f"means, the input has {channels} channels")
+            raise ModelError(
+                f"model {spec.name!r}: mean file {path} has {mean.size} channel "
+                f"means, the input has {channels} channels"
+            )
         return mean.reshape(-1, 1, 1)
-    if mean.ndim != 3 or mean.shape[0] != channels or mean.shape[1] < height \
-            or mean.shape[2] < width:
-        raise ModelError(f"model {spec.name!r}: mean file {path} has shape {mean.shape}; the "
-                         f"input {spec.input_shape} needs {channels} x H x W with H >= {height} "
-                         f"and W >= {width} (a larger mean is centre-cropped), or {channels} "
-                         f"channel means")
+    if (
+        mean.ndim != 3
+        or mean.shape[0] != channels
+        or mean.shape[1] < height
+        or mean.shape[2] < width
+    ):
+        raise ModelError(
+            f"model {spec.name!r}: mean file {path} has shape {mean.shape}; the "
+            f"input {spec.input_shape} needs {channels} x H x W with H >= {height} "
+            f"and W >= {width} (a larger mean is centre-cropped), or {channels} "
+            f"channel means"
+        )
     top, left = (mean.shape[1] - height) // 2, (mean.shape[2] - width) // 2
-    return np.ascontiguousarray(mean[:, top:top + height, left:left + width])
+    return np.ascontiguousarray(mean[:, top : top + height, left : left + width])
 
 
 def read_mean(path: Path) -> np.ndarray:

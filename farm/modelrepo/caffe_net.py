@@ -11,9 +11,10 @@ message that names the file and the layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from google.protobuf import text_format
@@ -71,7 +72,8 @@ def conv_geometry(p: Any) -> Geometry:
         _pair(p.kernel_size, p.kernel_h, p.kernel_w, p.HasField("kernel_h"), 0),
         _pair(p.stride, p.stride_h, p.stride_w, p.HasField("stride_h"), 1),
         _pair(p.pad, p.pad_h, p.pad_w, p.HasField("pad_h"), 0),
-        _pair(p.dilation, 0, 0, False, 1))
+        _pair(p.dilation, 0, 0, False, 1),
+    )
 
 
 def pool_geometry(p: Any, height: int, width: int) -> Geometry:
@@ -82,7 +84,8 @@ def pool_geometry(p: Any, height: int, width: int) -> Geometry:
     return Geometry(
         _pair(p.kernel_size, p.kernel_h, p.kernel_w, p.HasField("kernel_h"), 0),
         _pair(p.stride, p.stride_h, p.stride_w, p.HasField("stride_h"), 1),
-        _pair(p.pad, p.pad_h, p.pad_w, p.HasField("pad_h"), 0))
+        _pair(p.pad, p.pad_h, p.pad_w, p.HasField("pad_h"), 0),
+    )
 
 
 def pools_with_ceil(p: Any) -> bool:
@@ -91,16 +94,19 @@ def pools_with_ceil(p: Any) -> bool:
     return p.round_mode == 0 and p.ceil_mode
 
 
-def pooled_size(size: int, kernel: int, stride: int, pad: int, ceil: bool = True,
-                padded: bool = False) -> int:
+def pooled_size(
+    size: int, kernel: int, stride: int, pad: int, ceil: bool = True, padded: bool = False
+) -> int:
     """Caffe's pooling output size: rounded up unless ``ceil`` is False; when the layer has any
     padding (``padded``), a last window starting past the input and its padding is cut."""
     steps = (size + 2 * pad - kernel) / stride
     out = (math.ceil(steps) if ceil else math.floor(steps)) + 1
     if (out - 1) * stride >= size + pad:
         if not padded:  # Caffe keeps an empty window here; no backend can reproduce it
-            raise NetworkError(f"the last pooling window (kernel {kernel}, stride {stride}) "
-                               f"would start past the input of size {size}")
+            raise NetworkError(
+                f"the last pooling window (kernel {kernel}, stride {stride}) "
+                f"would start past the input of size {size}"
+            )
         out -= 1
     return out
 
@@ -118,13 +124,17 @@ def _convolution(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[
     n, c, h, w = _four_d(layer, bottoms[0])
     g = conv_geometry(p)
     if min(g.stride) <= 0 or min(g.kernel) <= 0 or min(g.dilation) <= 0:
-        raise NetworkError(f"kernel {g.kernel}, stride {g.stride} and dilation {g.dilation} "
-                           f"must be positive")
+        raise NetworkError(
+            f"kernel {g.kernel}, stride {g.stride} and dilation {g.dilation} must be positive"
+        )
     if p.num_output <= 0 or p.group <= 0 or c % p.group or p.num_output % p.group:
-        raise NetworkError(f"num_output {p.num_output} and {c} input channels must both "
-                           f"divide by group {p.group}")
-    out = [(size + 2 * pad - (dil * (k - 1) + 1)) // s + 1 for size, k, s, pad, dil in zip(
-        (h, w), g.kernel, g.stride, g.pad, g.dilation)]
+        raise NetworkError(
+            f"num_output {p.num_output} and {c} input channels must both divide by group {p.group}"
+        )
+    out = [
+        (size + 2 * pad - (dil * (k - 1) + 1)) // s + 1
+        for size, k, s, pad, dil in zip((h, w), g.kernel, g.stride, g.pad, g.dilation)
+    ]
     if min(out) <= 0:
         raise NetworkError(f"kernel {g.kernel} does not fit input {h}x{w}")
     blobs: list[Shape] = [(p.num_output, c // p.group, *g.kernel)]
@@ -135,15 +145,21 @@ def _convolution(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[
 def _pooling(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[Shape]]:
     p = layer.param.pooling_param
     if p.pool == 2:
-        raise NetworkError("STOCHASTIC pooling is not supported (it is random at test time "
-                           "only in Caffe's GPU code)")
+        raise NetworkError(
+            "STOCHASTIC pooling is not supported (it is random at test time "
+            "only in Caffe's GPU code)"
+        )
     n, c, h, w = _four_d(layer, bottoms[0])
     g = pool_geometry(p, h, w)
-    if min(g.stride) <= 0 or any(k > size + 2 * pad for k, size, pad in zip(g.kernel, (h, w), g.pad)):
+    if min(g.stride) <= 0 or any(
+        k > size + 2 * pad for k, size, pad in zip(g.kernel, (h, w), g.pad)
+    ):
         raise NetworkError(f"pooling window {g.kernel} does not fit input {h}x{w}")
     ceil, padded = pools_with_ceil(p), any(g.pad)
-    out = [pooled_size(size, k, s, pad, ceil, padded) for size, k, s, pad in zip(
-        (h, w), g.kernel, g.stride, g.pad)]
+    out = [
+        pooled_size(size, k, s, pad, ceil, padded)
+        for size, k, s, pad in zip((h, w), g.kernel, g.stride, g.pad)
+    ]
     return [(n, c, *out)], []
 
 
@@ -179,13 +195,15 @@ def _scale(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[Shape]
 
 def _concat(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[Shape]]:
     p = layer.param.concat_param
-    axis = _axis(p.axis if p.HasField("axis") or not p.HasField("concat_dim") else p.concat_dim,
-                 len(bottoms[0]))
-    rest = {shape[:axis] + shape[axis + 1:] for shape in bottoms}
+    axis = _axis(
+        p.axis if p.HasField("axis") or not p.HasField("concat_dim") else p.concat_dim,
+        len(bottoms[0]),
+    )
+    rest = {shape[:axis] + shape[axis + 1 :] for shape in bottoms}
     if len(rest) != 1:
         raise NetworkError(f"inputs {bottoms} differ outside the concat axis {axis}")
     total = sum(shape[axis] for shape in bottoms)
-    return [bottoms[0][:axis] + (total,) + bottoms[0][axis + 1:]], []
+    return [bottoms[0][:axis] + (total,) + bottoms[0][axis + 1 :]], []
 
 
 def _eltwise(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[Shape]]:
@@ -201,7 +219,7 @@ def _flatten(layer: Layer, bottoms: list[Shape]) -> tuple[list[Shape], list[Shap
     p = layer.param.flatten_param
     shape = bottoms[0]
     start, end = _axis(p.axis, len(shape)), _axis(p.end_axis, len(shape))
-    return [shape[:start] + (math.prod(shape[start:end + 1]),) + shape[end + 1:]], []
+    return [shape[:start] + (math.prod(shape[start : end + 1]),) + shape[end + 1 :]], []
 
 
 def _four_d(layer: Layer, shape: Shape) -> Shape:
@@ -212,19 +230,38 @@ def _four_d(layer: Layer, shape: Shape) -> Shape:
 
 #: Layer type -> (shape rule, number of bottoms: exact, or None for one or more).
 LAYERS: dict[str, tuple[ShapeRule, int | None]] = {
-    "Convolution": (_convolution, 1), "Pooling": (_pooling, 1),
-    "InnerProduct": (_inner_product, 1), "ReLU": (_same, 1), "Sigmoid": (_same, 1),
-    "TanH": (_same, 1), "Softmax": (_same, 1), "LRN": (_same, 1), "Dropout": (_same, 1),
-    "BatchNorm": (_batch_norm, 1), "Scale": (_scale, None), "Concat": (_concat, None),
-    "Eltwise": (_eltwise, None), "Flatten": (_flatten, 1),
+    "Convolution": (_convolution, 1),
+    "Pooling": (_pooling, 1),
+    "InnerProduct": (_inner_product, 1),
+    "ReLU": (_same, 1),
+    "Sigmoid": (_same, 1),
+    "TanH": (_same, 1),
+    "Softmax": (_same, 1),
+    "LRN": (_same, 1),
+    "Dropout": (_same, 1),
+    "BatchNorm": (_batch_norm, 1),
+    "Scale": (_scale, None),
+    "Concat": (_concat, None),
+    "Eltwise": (_eltwise, None),
+    "Flatten": (_flatten, 1),
 }
 
 #: Every type a prototxt may use (Input is the data entry point, not a computing layer).
 SUPPORTED = ("Input", *LAYERS)
 
 #: Types that only matter for training; a deploy net may carry them and they are skipped.
-TRAINING_ONLY = frozenset({"Data", "ImageData", "HDF5Data", "MemoryData", "Accuracy",
-                           "SoftmaxWithLoss", "EuclideanLoss", "Silence"})
+TRAINING_ONLY = frozenset(
+    {
+        "Data",
+        "ImageData",
+        "HDF5Data",
+        "MemoryData",
+        "Accuracy",
+        "SoftmaxWithLoss",
+        "EuclideanLoss",
+        "Silence",
+    }
+)
 
 
 @dataclass
@@ -239,8 +276,12 @@ class Network:
     shapes: dict[str, Shape]
 
     @classmethod
-    def load(cls, prototxt: str | Path, weights: str | Path | None = None,
-             input_shape: Sequence[int] | None = None) -> Network:
+    def load(
+        cls,
+        prototxt: str | Path,
+        weights: str | Path | None = None,
+        input_shape: Sequence[int] | None = None,
+    ) -> Network:
         """Parse and check a net; NetworkError names the file and what is wrong.
 
         ``input_shape`` (C x H x W) declares the input's shape where the prototxt does not.
@@ -256,8 +297,9 @@ class Network:
         return net
 
     @classmethod
-    def _from_message(cls, message: Any, source: Path,
-                      declared: Sequence[int] | None = None) -> Network:
+    def _from_message(
+        cls, message: Any, source: Path, declared: Sequence[int] | None = None
+    ) -> Network:
         layers = [layer for layer in message.layer if _in_test_phase(layer)]
         input_name, input_shape = _find_input(message, layers, source, declared)
         net = cls(message.name or source.stem, source, input_name, input_shape, [], {})
@@ -267,9 +309,11 @@ class Network:
             if param.type not in LAYERS:
                 raise NetworkError(
                     f"{source}: layer {param.name!r} has type {param.type!r}, which farm does "
-                    f"not support; supported types: {', '.join(SUPPORTED)}")
-            net.layers.append(Layer(param.name, param.type, tuple(param.bottom), tuple(param.top),
-                                    param))
+                    f"not support; supported types: {', '.join(SUPPORTED)}"
+                )
+            net.layers.append(
+                Layer(param.name, param.type, tuple(param.bottom), tuple(param.top), param)
+            )
         if not net.layers:
             raise NetworkError(f"{source}: the net has no layers")
         net.shapes = net.infer_shapes(input_shape[0])
@@ -285,22 +329,28 @@ class Network:
         return self.input_shape[0]
 
     def infer_shapes(self, batch: int) -> dict[str, Shape]:
-        """Every blob's shape for an input batch of ``batch``; records each layer's weight shapes."""
+        """Every blob's shape for an input batch of ``batch``; records each layer's weight
+        shapes."""
         shapes = {self.input: (batch, *self.input_shape[1:])}
         for layer in self.layers:
             rule, bottom_count = LAYERS[layer.type]
             missing = [name for name in layer.bottoms if name not in shapes]
             if missing or not layer.bottoms or not layer.tops:
-                raise NetworkError(f"{self.source}: layer {layer.name!r} reads "
-                                   f"{missing or 'no'} blob(s) that no earlier layer makes")
+                raise NetworkError(
+                    f"{self.source}: layer {layer.name!r} reads "
+                    f"{missing or 'no'} blob(s) that no earlier layer makes"
+                )
             if bottom_count is not None and len(layer.bottoms) != bottom_count:
-                raise NetworkError(f"{self.source}: layer {layer.name!r} ({layer.type}) takes "
-                                   f"{bottom_count} input(s), got {len(layer.bottoms)}")
+                raise NetworkError(
+                    f"{self.source}: layer {layer.name!r} ({layer.type}) takes "
+                    f"{bottom_count} input(s), got {len(layer.bottoms)}"
+                )
             try:
                 tops, layer.blob_shapes = rule(layer, [shapes[b] for b in layer.bottoms])
             except NetworkError as exc:
-                raise NetworkError(f"{self.source}: layer {layer.name!r} ({layer.type}): "
-                                   f"{exc}") from None
+                raise NetworkError(
+                    f"{self.source}: layer {layer.name!r} ({layer.type}): {exc}"
+                ) from None
             shapes.update(zip(layer.tops, tops))
         return shapes
 
@@ -315,9 +365,12 @@ class Network:
             if len(found) != len(layer.blob_shapes):
                 raise NetworkError(
                     f"weights file {path} does not match {self.source}: layer {layer.name!r} "
-                    f"needs {len(layer.blob_shapes)} blob(s), the file has {len(found)}")
-            layer.blobs = [_fit(array, expected, path, layer, index) for index, (array, expected)
-                           in enumerate(zip(found, layer.blob_shapes))]
+                    f"needs {len(layer.blob_shapes)} blob(s), the file has {len(found)}"
+                )
+            layer.blobs = [
+                _fit(array, expected, path, layer, index)
+                for index, (array, expected) in enumerate(zip(found, layer.blob_shapes))
+            ]
 
     def deploy_text(self) -> str:
         """The net as a clean deploy prototxt: an Input layer, then the layers farm runs.
@@ -359,8 +412,10 @@ def _fit(array: np.ndarray, expected: Shape, path: Path, layer: Layer, index: in
         return array
     if len(expected) < 4 and array.shape == (1,) * (4 - len(expected)) + expected:
         return array.reshape(expected)
-    raise NetworkError(f"weights file {path} does not match the prototxt: layer {layer.name!r} "
-                       f"blob {index} has shape {array.shape}, the prototxt needs {expected}")
+    raise NetworkError(
+        f"weights file {path} does not match the prototxt: layer {layer.name!r} "
+        f"blob {index} has shape {array.shape}, the prototxt needs {expected}"
+    )
 
 
 def _in_test_phase(layer: Any) -> bool:
@@ -370,31 +425,40 @@ def _in_test_phase(layer: Any) -> bool:
     return not any(rule.HasField("phase") and rule.phase == 1 for rule in layer.exclude)
 
 
-def _find_input(message: Any, layers: list[Any], source: Path,
-                declared: Sequence[int] | None = None) -> tuple[str, Shape]:
+def _find_input(
+    message: Any, layers: list[Any], source: Path, declared: Sequence[int] | None = None
+) -> tuple[str, Shape]:
     """The one input blob and its shape: an Input layer, or the legacy input/input_dim fields.
 
     ``declared`` (C x H x W, model.toml's ``input_shape``) gives the shape of an input the
     prototxt names without one, or replaces the prototxt's; the batch stays (else 1).
     """
-    inputs = [(layer.top[0], tuple(layer.input_param.shape[0].dim) if layer.input_param.shape
-               else ()) for layer in layers if layer.type == "Input" and layer.top]
+    inputs = [
+        (layer.top[0], tuple(layer.input_param.shape[0].dim) if layer.input_param.shape else ())
+        for layer in layers
+        if layer.type == "Input" and layer.top
+    ]
     if message.input:
-        dims = ([tuple(s.dim) for s in message.input_shape] if message.input_shape else
-                [tuple(message.input_dim[i:i + 4]) for i in range(0, len(message.input_dim), 4)])
-        inputs += [(name, dims[i] if i < len(dims) else ()) for i, name in
-                   enumerate(message.input)]
+        dims = (
+            [tuple(s.dim) for s in message.input_shape]
+            if message.input_shape
+            else [tuple(message.input_dim[i : i + 4]) for i in range(0, len(message.input_dim), 4)]
+        )
+        inputs += [(name, dims[i] if i < len(dims) else ()) for i, name in enumerate(message.input)]
     if declared is not None and len(inputs) == 1:
         name, shape = inputs[0]
         inputs = [(name, (shape[0] if shape else 1, *declared))]
     if len(inputs) == 1 and (not inputs[0][1] or min(inputs[0][1]) <= 0):
         name, shape = inputs[0]
-        raise InputShapeError(f"{source}: input {name!r} has "
-                              f"{f'an invalid shape {shape}' if shape else 'no shape'}")
+        raise InputShapeError(
+            f"{source}: input {name!r} has {f'an invalid shape {shape}' if shape else 'no shape'}"
+        )
     inputs = [(name, shape) for name, shape in inputs if shape]
     if len(inputs) != 1:
-        raise NetworkError(f"{source}: farm runs nets with exactly one input blob with a "
-                           f"declared shape; found {len(inputs)}")
+        raise NetworkError(
+            f"{source}: farm runs nets with exactly one input blob with a "
+            f"declared shape; found {len(inputs)}"
+        )
     name, shape = inputs[0]
     if min(shape) <= 0:
         raise NetworkError(f"{source}: input {name!r} has an invalid shape {shape}")
@@ -403,8 +467,10 @@ def _find_input(message: Any, layers: list[Any], source: Path,
 
 # ------------------------------------------------------------------ weights made from fillers
 
+
 def filled(filler: Any, shape: Shape, rng: np.random.Generator) -> np.ndarray:
-    """Values for a blob from a Caffe ``FillerParameter`` (constant, uniform, gaussian, xavier, msra)."""
+    """Values for a blob from a Caffe ``FillerParameter`` (constant, uniform, gaussian, xavier,
+    msra)."""
     fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
     fan_out = shape[0] * math.prod(shape[2:]) if len(shape) > 1 else shape[0]
     n = {0: fan_in, 1: fan_out, 2: (fan_in + fan_out) / 2}[filler.variance_norm]
@@ -434,14 +500,21 @@ def generated_weights(net: Network, seed: int) -> list[tuple[str, str, list[np.n
     for layer in net.weight_layers():
         shapes = layer.blob_shapes
         if layer.type == "BatchNorm":
-            blobs = [np.zeros(shapes[0], np.float32), np.ones(shapes[1], np.float32),
-                     np.ones(shapes[2], np.float32)]
+            blobs = [
+                np.zeros(shapes[0], np.float32),
+                np.ones(shapes[1], np.float32),
+                np.ones(shapes[2], np.float32),
+            ]
         elif layer.type == "Scale":
-            blobs = [np.ones(shape, np.float32) for shape in shapes[:1]] + \
-                    [np.zeros(shape, np.float32) for shape in shapes[1:]]
+            blobs = [np.ones(shape, np.float32) for shape in shapes[:1]] + [
+                np.zeros(shape, np.float32) for shape in shapes[1:]
+            ]
         else:
-            p = (layer.param.convolution_param if layer.type == "Convolution"
-                 else layer.param.inner_product_param)
+            p = (
+                layer.param.convolution_param
+                if layer.type == "Convolution"
+                else layer.param.inner_product_param
+            )
             weight = p.weight_filler if p.HasField("weight_filler") else xavier
             blobs = [filled(weight, shapes[0], rng)]
             if len(shapes) > 1:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
@@ -31,23 +32,36 @@ from google.protobuf.message import DecodeError
 log = logging.getLogger("farm.caffe")
 
 _F = descriptor_pb2.FieldDescriptorProto
-_KINDS = {"int32": _F.TYPE_INT32, "int64": _F.TYPE_INT64, "uint32": _F.TYPE_UINT32,
-          "uint64": _F.TYPE_UINT64, "float": _F.TYPE_FLOAT, "bool": _F.TYPE_BOOL,
-          "string": _F.TYPE_STRING, "bytes": _F.TYPE_BYTES}
+_KINDS = {
+    "int32": _F.TYPE_INT32,
+    "int64": _F.TYPE_INT64,
+    "uint32": _F.TYPE_UINT32,
+    "uint64": _F.TYPE_UINT64,
+    "float": _F.TYPE_FLOAT,
+    "bool": _F.TYPE_BOOL,
+    "string": _F.TYPE_STRING,
+    "bytes": _F.TYPE_BYTES,
+}
 
 
 class CaffeFormatError(ValueError):
     """A Caffe file that cannot be parsed."""
 
 
-def _field(label: str, kind: str, name: str, number: int, default: str | None = None,
-           packed: bool = False) -> tuple:
+def _field(
+    label: str, kind: str, name: str, number: int, default: str | None = None, packed: bool = False
+) -> tuple:
     return label, kind, name, number, default, packed
 
 
 def opt(kind: str, name: str, number: int, default: Any = None) -> tuple:
-    text = None if default is None else str(default).lower() if isinstance(default, bool) \
+    text = (
+        None
+        if default is None
+        else str(default).lower()
+        if isinstance(default, bool)
         else str(default)
+    )
     return _field("optional", kind, name, number, text)
 
 
@@ -58,28 +72,72 @@ def rep(kind: str, name: str, number: int, packed: bool = False) -> tuple:
 #: Enums nested in a message: message -> {enum name: [value names in number order]}.
 _ENUMS = {
     "FillerParameter": {"VarianceNorm": ["FAN_IN", "FAN_OUT", "AVERAGE"]},
-    "PoolingParameter": {"PoolMethod": ["MAX", "AVE", "STOCHASTIC"], "RoundMode": ["CEIL", "FLOOR"]},
+    "PoolingParameter": {
+        "PoolMethod": ["MAX", "AVE", "STOCHASTIC"],
+        "RoundMode": ["CEIL", "FLOOR"],
+    },
     "LRNParameter": {"NormRegion": ["ACROSS_CHANNELS", "WITHIN_CHANNEL"]},
     "EltwiseParameter": {"EltwiseOp": ["PROD", "SUM", "MAX"]},
 }
 
 #: V1LayerParameter.LayerType: value name -> number (upstream numbering is not dense).
 V1_LAYER_TYPES = {
-    "NONE": 0, "ACCURACY": 1, "BNLL": 2, "CONCAT": 3, "CONVOLUTION": 4, "DATA": 5,
-    "DROPOUT": 6, "EUCLIDEAN_LOSS": 7, "FLATTEN": 8, "HDF5_DATA": 9, "HDF5_OUTPUT": 10,
-    "IM2COL": 11, "IMAGE_DATA": 12, "INFOGAIN_LOSS": 13, "INNER_PRODUCT": 14, "LRN": 15,
-    "MULTINOMIAL_LOGISTIC_LOSS": 16, "POOLING": 17, "RELU": 18, "SIGMOID": 19, "SOFTMAX": 20,
-    "SOFTMAX_LOSS": 21, "SPLIT": 22, "TANH": 23, "WINDOW_DATA": 24, "ELTWISE": 25,
-    "POWER": 26, "SIGMOID_CROSS_ENTROPY_LOSS": 27, "HINGE_LOSS": 28, "MEMORY_DATA": 29,
-    "ARGMAX": 30, "THRESHOLD": 31, "DUMMY_DATA": 32, "SLICE": 33, "MVN": 34, "ABSVAL": 35,
-    "SILENCE": 36, "CONTRASTIVE_LOSS": 37, "EXP": 38, "DECONVOLUTION": 39,
+    "NONE": 0,
+    "ACCURACY": 1,
+    "BNLL": 2,
+    "CONCAT": 3,
+    "CONVOLUTION": 4,
+    "DATA": 5,
+    "DROPOUT": 6,
+    "EUCLIDEAN_LOSS": 7,
+    "FLATTEN": 8,
+    "HDF5_DATA": 9,
+    "HDF5_OUTPUT": 10,
+    "IM2COL": 11,
+    "IMAGE_DATA": 12,
+    "INFOGAIN_LOSS": 13,
+    "INNER_PRODUCT": 14,
+    "LRN": 15,
+    "MULTINOMIAL_LOGISTIC_LOSS": 16,
+    "POOLING": 17,
+    "RELU": 18,
+    "SIGMOID": 19,
+    "SOFTMAX": 20,
+    "SOFTMAX_LOSS": 21,
+    "SPLIT": 22,
+    "TANH": 23,
+    "WINDOW_DATA": 24,
+    "ELTWISE": 25,
+    "POWER": 26,
+    "SIGMOID_CROSS_ENTROPY_LOSS": 27,
+    "HINGE_LOSS": 28,
+    "MEMORY_DATA": 29,
+    "ARGMAX": 30,
+    "THRESHOLD": 31,
+    "DUMMY_DATA": 32,
+    "SLICE": 33,
+    "MVN": 34,
+    "ABSVAL": 35,
+    "SILENCE": 36,
+    "CONTRASTIVE_LOSS": 37,
+    "EXP": 38,
+    "DECONVOLUTION": 39,
 }
 
 #: V1 type names whose current spelling is not a plain CamelCase of the enum name.
-_V1_SPELLINGS = {"RELU": "ReLU", "LRN": "LRN", "TANH": "TanH", "BNLL": "BNLL", "MVN": "MVN",
-                 "ABSVAL": "AbsVal", "ARGMAX": "ArgMax", "HDF5_DATA": "HDF5Data",
-                 "HDF5_OUTPUT": "HDF5Output", "SOFTMAX_LOSS": "SoftmaxWithLoss",
-                 "IM2COL": "Im2col"}
+_V1_SPELLINGS = {
+    "RELU": "ReLU",
+    "LRN": "LRN",
+    "TANH": "TanH",
+    "BNLL": "BNLL",
+    "MVN": "MVN",
+    "ABSVAL": "AbsVal",
+    "ARGMAX": "ArgMax",
+    "HDF5_DATA": "HDF5Data",
+    "HDF5_OUTPUT": "HDF5Output",
+    "SOFTMAX_LOSS": "SoftmaxWithLoss",
+    "IM2COL": "Im2col",
+}
 
 #: Layer parameter messages shared by LayerParameter and V1LayerParameter: name -> (new, V1).
 _LAYER_PARAMS = {
@@ -102,61 +160,102 @@ _MESSAGES: dict[str, list[tuple]] = {
     "BlobShape": [rep("int64", "dim", 1, packed=True)],
     "BlobProto": [
         opt(".caffe.BlobShape", "shape", 7),
-        rep("bytes", "data", 5), rep("bytes", "diff", 6),  # packed floats, see the module doc
-        rep("bytes", "double_data", 8), rep("bytes", "double_diff", 9),
-        opt("int32", "num", 1, 0), opt("int32", "channels", 2, 0),
-        opt("int32", "height", 3, 0), opt("int32", "width", 4, 0),
+        rep("bytes", "data", 5),
+        rep("bytes", "diff", 6),  # packed floats, see the module doc
+        rep("bytes", "double_data", 8),
+        rep("bytes", "double_diff", 9),
+        opt("int32", "num", 1, 0),
+        opt("int32", "channels", 2, 0),
+        opt("int32", "height", 3, 0),
+        opt("int32", "width", 4, 0),
     ],
     "BlobProtoVector": [rep(".caffe.BlobProto", "blobs", 1)],
-    "NetState": [opt(".caffe.Phase", "phase", 1, "TEST"), opt("int32", "level", 2, 0),
-                 rep("string", "stage", 3)],
-    "NetStateRule": [opt(".caffe.Phase", "phase", 1), opt("int32", "min_level", 2),
-                     opt("int32", "max_level", 3), rep("string", "stage", 4),
-                     rep("string", "not_stage", 5)],
+    "NetState": [
+        opt(".caffe.Phase", "phase", 1, "TEST"),
+        opt("int32", "level", 2, 0),
+        rep("string", "stage", 3),
+    ],
+    "NetStateRule": [
+        opt(".caffe.Phase", "phase", 1),
+        opt("int32", "min_level", 2),
+        opt("int32", "max_level", 3),
+        rep("string", "stage", 4),
+        rep("string", "not_stage", 5),
+    ],
     "NetParameter": [
-        opt("string", "name", 1), rep("string", "input", 3),
-        rep(".caffe.BlobShape", "input_shape", 8), rep("int32", "input_dim", 4),
-        opt("bool", "force_backward", 5, False), opt(".caffe.NetState", "state", 6),
+        opt("string", "name", 1),
+        rep("string", "input", 3),
+        rep(".caffe.BlobShape", "input_shape", 8),
+        rep("int32", "input_dim", 4),
+        opt("bool", "force_backward", 5, False),
+        opt(".caffe.NetState", "state", 6),
         rep(".caffe.LayerParameter", "layer", 100),
         rep(".caffe.V1LayerParameter", "layers", 2),
     ],
     "LayerParameter": [
-        opt("string", "name", 1), opt("string", "type", 2), rep("string", "bottom", 3),
-        rep("string", "top", 4), opt(".caffe.Phase", "phase", 10),
-        rep(".caffe.BlobProto", "blobs", 7), rep(".caffe.NetStateRule", "include", 8),
+        opt("string", "name", 1),
+        opt("string", "type", 2),
+        rep("string", "bottom", 3),
+        rep("string", "top", 4),
+        opt(".caffe.Phase", "phase", 10),
+        rep(".caffe.BlobProto", "blobs", 7),
+        rep(".caffe.NetStateRule", "include", 8),
         rep(".caffe.NetStateRule", "exclude", 9),
         *(opt(f".caffe.{kind}", name, number) for name, (kind, number, _) in _LAYER_PARAMS.items()),
     ],
     "V1LayerParameter": [
-        rep("string", "bottom", 2), rep("string", "top", 3), opt("string", "name", 4),
-        rep(".caffe.NetStateRule", "include", 32), rep(".caffe.NetStateRule", "exclude", 33),
+        rep("string", "bottom", 2),
+        rep("string", "top", 3),
+        opt("string", "name", 4),
+        rep(".caffe.NetStateRule", "include", 32),
+        rep(".caffe.NetStateRule", "exclude", 33),
         opt(".caffe.V1LayerParameter.LayerType", "type", 5),
         rep(".caffe.BlobProto", "blobs", 6),
-        *(opt(f".caffe.{kind}", name, number) for name, (kind, _, number) in _LAYER_PARAMS.items()
-          if number is not None),
+        *(
+            opt(f".caffe.{kind}", name, number)
+            for name, (kind, _, number) in _LAYER_PARAMS.items()
+            if number is not None
+        ),
     ],
     "FillerParameter": [
-        opt("string", "type", 1, "constant"), opt("float", "value", 2, 0),
-        opt("float", "min", 3, 0), opt("float", "max", 4, 1), opt("float", "mean", 5, 0),
-        opt("float", "std", 6, 1), opt("int32", "sparse", 7, -1),
+        opt("string", "type", 1, "constant"),
+        opt("float", "value", 2, 0),
+        opt("float", "min", 3, 0),
+        opt("float", "max", 4, 1),
+        opt("float", "mean", 5, 0),
+        opt("float", "std", 6, 1),
+        opt("int32", "sparse", 7, -1),
         opt(".caffe.FillerParameter.VarianceNorm", "variance_norm", 8, "FAN_IN"),
     ],
     "ConvolutionParameter": [
-        opt("uint32", "num_output", 1), opt("bool", "bias_term", 2, True),
-        rep("uint32", "pad", 3), rep("uint32", "kernel_size", 4), opt("uint32", "group", 5, 1),
-        rep("uint32", "stride", 6), opt(".caffe.FillerParameter", "weight_filler", 7),
-        opt(".caffe.FillerParameter", "bias_filler", 8), opt("uint32", "pad_h", 9, 0),
-        opt("uint32", "pad_w", 10, 0), opt("uint32", "kernel_h", 11),
-        opt("uint32", "kernel_w", 12), opt("uint32", "stride_h", 13),
-        opt("uint32", "stride_w", 14), opt("int32", "axis", 16, 1),
+        opt("uint32", "num_output", 1),
+        opt("bool", "bias_term", 2, True),
+        rep("uint32", "pad", 3),
+        rep("uint32", "kernel_size", 4),
+        opt("uint32", "group", 5, 1),
+        rep("uint32", "stride", 6),
+        opt(".caffe.FillerParameter", "weight_filler", 7),
+        opt(".caffe.FillerParameter", "bias_filler", 8),
+        opt("uint32", "pad_h", 9, 0),
+        opt("uint32", "pad_w", 10, 0),
+        opt("uint32", "kernel_h", 11),
+        opt("uint32", "kernel_w", 12),
+        opt("uint32", "stride_h", 13),
+        opt("uint32", "stride_w", 14),
+        opt("int32", "axis", 16, 1),
         rep("uint32", "dilation", 18),
     ],
     "PoolingParameter": [
         opt(".caffe.PoolingParameter.PoolMethod", "pool", 1, "MAX"),
-        opt("uint32", "pad", 4, 0), opt("uint32", "pad_h", 9, 0), opt("uint32", "pad_w", 10, 0),
-        opt("uint32", "kernel_size", 2), opt("uint32", "kernel_h", 5),
-        opt("uint32", "kernel_w", 6), opt("uint32", "stride", 3, 1),
-        opt("uint32", "stride_h", 7), opt("uint32", "stride_w", 8),
+        opt("uint32", "pad", 4, 0),
+        opt("uint32", "pad_h", 9, 0),
+        opt("uint32", "pad_w", 10, 0),
+        opt("uint32", "kernel_size", 2),
+        opt("uint32", "kernel_h", 5),
+        opt("uint32", "kernel_w", 6),
+        opt("uint32", "stride", 3, 1),
+        opt("uint32", "stride_h", 7),
+        opt("uint32", "stride_w", 8),
         opt("bool", "global_pooling", 12, False),
         opt(".caffe.PoolingParameter.RoundMode", "round_mode", 13, "CEIL"),
         # the forks' `ceil_mode: false` (BVLC/caffe pull request 3057, as DenseNet-Caffe
@@ -164,48 +263,62 @@ _MESSAGES: dict[str, list[tuple]] = {
         opt("bool", "ceil_mode", 1013, True),
     ],
     "InnerProductParameter": [
-        opt("uint32", "num_output", 1), opt("bool", "bias_term", 2, True),
+        opt("uint32", "num_output", 1),
+        opt("bool", "bias_term", 2, True),
         opt(".caffe.FillerParameter", "weight_filler", 3),
-        opt(".caffe.FillerParameter", "bias_filler", 4), opt("int32", "axis", 5, 1),
+        opt(".caffe.FillerParameter", "bias_filler", 4),
+        opt("int32", "axis", 5, 1),
         opt("bool", "transpose", 6, False),
     ],
     "InputParameter": [rep(".caffe.BlobShape", "shape", 1)],
     "LRNParameter": [
-        opt("uint32", "local_size", 1, 5), opt("float", "alpha", 2, 1),
+        opt("uint32", "local_size", 1, 5),
+        opt("float", "alpha", 2, 1),
         opt("float", "beta", 3, 0.75),
         opt(".caffe.LRNParameter.NormRegion", "norm_region", 4, "ACROSS_CHANNELS"),
         opt("float", "k", 5, 1),
     ],
-    "DropoutParameter": [opt("float", "dropout_ratio", 1, 0.5),
-                         opt("bool", "scale_train", 2, True)],
+    "DropoutParameter": [
+        opt("float", "dropout_ratio", 1, 0.5),
+        opt("bool", "scale_train", 2, True),
+    ],
     "ReLUParameter": [opt("float", "negative_slope", 1, 0)],
     "SoftmaxParameter": [opt("int32", "axis", 2, 1)],
     "ScaleParameter": [
-        opt("int32", "axis", 1, 1), opt("int32", "num_axes", 2, 1),
-        opt(".caffe.FillerParameter", "filler", 3), opt("bool", "bias_term", 4, False),
+        opt("int32", "axis", 1, 1),
+        opt("int32", "num_axes", 2, 1),
+        opt(".caffe.FillerParameter", "filler", 3),
+        opt("bool", "bias_term", 4, False),
         opt(".caffe.FillerParameter", "bias_filler", 5),
     ],
-    "BatchNormParameter": [opt("bool", "use_global_stats", 1),
-                           opt("float", "moving_average_fraction", 2, 0.999),
-                           opt("float", "eps", 3, 1e-5)],
+    "BatchNormParameter": [
+        opt("bool", "use_global_stats", 1),
+        opt("float", "moving_average_fraction", 2, 0.999),
+        opt("float", "eps", 3, 1e-5),
+    ],
     "ConcatParameter": [opt("uint32", "concat_dim", 1, 1), opt("int32", "axis", 2, 1)],
     "EltwiseParameter": [
         opt(".caffe.EltwiseParameter.EltwiseOp", "operation", 1, "SUM"),
-        rep("float", "coeff", 2), opt("bool", "stable_prod_grad", 3, True),
+        rep("float", "coeff", 2),
+        opt("bool", "stable_prod_grad", 3, True),
     ],
     "FlattenParameter": [opt("int32", "axis", 1, 1), opt("int32", "end_axis", 2, -1)],
 }
 
 
 #: Full names of the enum types, so that fields of those types are declared as enums.
-_ENUM_TYPES = {f".caffe.{message}.{enum}" for message, enums in _ENUMS.items() for enum in enums} \
-    | {".caffe.Phase", ".caffe.V1LayerParameter.LayerType"}
+_ENUM_TYPES = {
+    f".caffe.{message}.{enum}" for message, enums in _ENUMS.items() for enum in enums
+} | {".caffe.Phase", ".caffe.V1LayerParameter.LayerType"}
 
 
 def _add_field(message: Any, spec: tuple) -> None:
     label, kind, name, number, default, packed = spec
-    field = message.field.add(name=name, number=number, label=(
-        _F.LABEL_REPEATED if label == "repeated" else _F.LABEL_OPTIONAL))
+    field = message.field.add(
+        name=name,
+        number=number,
+        label=(_F.LABEL_REPEATED if label == "repeated" else _F.LABEL_OPTIONAL),
+    )
     if kind in _KINDS:
         field.type = _KINDS[kind]
     else:
@@ -219,7 +332,8 @@ def _add_field(message: Any, spec: tuple) -> None:
 
 def _build_classes() -> dict[str, type]:
     file_proto = descriptor_pb2.FileDescriptorProto(
-        name="farm_caffe_subset.proto", package="caffe", syntax="proto2")
+        name="farm_caffe_subset.proto", package="caffe", syntax="proto2"
+    )
     phase = file_proto.enum_type.add(name="Phase")
     for number, name in enumerate(("TRAIN", "TEST")):
         phase.value.add(name=name, number=number)
@@ -237,8 +351,10 @@ def _build_classes() -> dict[str, type]:
             _add_field(message, spec)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file_proto)
-    return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"caffe.{name}"))
-            for name in _MESSAGES}
+    return {
+        name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"caffe.{name}"))
+        for name in _MESSAGES
+    }
 
 
 _CLASSES = _build_classes()
@@ -252,14 +368,49 @@ FillerParameter = _CLASSES["FillerParameter"]
 
 #: Fields outside the schema that never change what a deploy net computes: training
 #: settings, and the parameters of the training-only layers that farm skips.
-HARMLESS_FIELDS = frozenset({
-    "engine", "param", "lr_mult", "decay_mult", "blobs_lr", "weight_decay", "loss_weight",
-    "propagate_down", "share_mode", "transform_param", "data_param", "image_data_param",
-    "memory_data_param", "hdf5_data_param", "window_data_param", "dummy_data_param",
-    "loss_param", "accuracy_param", "source", "batch_size", "backend", "mirror", "crop_size",
-    "mean_value", "mean_file", "scale", "top_k", "ignore_label", "normalize", "normalization",
-    "new_height", "new_width", "is_color", "root_folder", "shuffle", "rand_skip",
-    "force_color", "force_gray", "debug_info"})
+HARMLESS_FIELDS = frozenset(
+    {
+        "engine",
+        "param",
+        "lr_mult",
+        "decay_mult",
+        "blobs_lr",
+        "weight_decay",
+        "loss_weight",
+        "propagate_down",
+        "share_mode",
+        "transform_param",
+        "data_param",
+        "image_data_param",
+        "memory_data_param",
+        "hdf5_data_param",
+        "window_data_param",
+        "dummy_data_param",
+        "loss_param",
+        "accuracy_param",
+        "source",
+        "batch_size",
+        "backend",
+        "mirror",
+        "crop_size",
+        "mean_value",
+        "mean_file",
+        "scale",
+        "top_k",
+        "ignore_label",
+        "normalize",
+        "normalization",
+        "new_height",
+        "new_width",
+        "is_color",
+        "root_folder",
+        "shuffle",
+        "rand_skip",
+        "force_color",
+        "force_gray",
+        "debug_info",
+    }
+)
 
 _KNOWN_FIELDS = frozenset(spec[2] for fields in _MESSAGES.values() for spec in fields)
 
@@ -284,8 +435,12 @@ def parse_prototxt(path: str | Path) -> Any:
         raise CaffeFormatError(f"{path} is not a valid prototxt: {exc}") from exc
     ignored = unknown_fields(text)
     if ignored:
-        log.warning("%s: ignoring fields farm does not know: %s (if they change what the net "
-                    "computes, farm's outputs will differ from Caffe's)", path, ", ".join(ignored))
+        log.warning(
+            "%s: ignoring fields farm does not know: %s (if they change what the net "
+            "computes, farm's outputs will differ from Caffe's)",
+            path,
+            ", ".join(ignored),
+        )
     return upgrade_v1(net)
 
 
@@ -299,13 +454,15 @@ def read_net_binary(path: str | Path) -> Any:
     try:
         net.ParseFromString(data)
     except DecodeError as exc:
-        raise CaffeFormatError(f"{path} is not a Caffe NetParameter (corrupt or truncated "
-                               f"caffemodel): {exc}") from exc
+        raise CaffeFormatError(
+            f"{path} is not a Caffe NetParameter (corrupt or truncated caffemodel): {exc}"
+        ) from exc
     return upgrade_v1(net)
 
 
 def v1_type_name(number: int) -> str:
-    """The current layer type string for a V1 ``LayerType`` number (``INNER_PRODUCT`` -> ``InnerProduct``)."""
+    """The current layer type string for a V1 ``LayerType`` number (``INNER_PRODUCT`` ->
+    ``InnerProduct``)."""
     names = {value: name for name, value in V1_LAYER_TYPES.items()}
     name = names.get(number, f"V1Type{number}")
     return _V1_SPELLINGS.get(name) or "".join(part.capitalize() for part in name.split("_"))
@@ -344,8 +501,9 @@ def blob_array(blob: Any, where: str = "blob") -> np.ndarray:
     else:
         values = np.zeros(0, np.float32)
     if values.size != math.prod(shape):
-        raise CaffeFormatError(f"{where} declares shape {shape} ({math.prod(shape)} values) but "
-                               f"holds {values.size}")
+        raise CaffeFormatError(
+            f"{where} declares shape {shape} ({math.prod(shape)} values) but holds {values.size}"
+        )
     return values.reshape(shape).astype(np.float32, copy=False)
 
 
@@ -353,8 +511,10 @@ def read_caffemodel(path: str | Path) -> dict[str, list[np.ndarray]]:
     """Blobs of a binary ``.caffemodel`` by layer name (current and V1 forms)."""
     weights = {}
     for layer in read_net_binary(path).layer:
-        arrays = [blob_array(blob, f"{path}: layer {layer.name!r} blob {index}")
-                  for index, blob in enumerate(layer.blobs)]
+        arrays = [
+            blob_array(blob, f"{path}: layer {layer.name!r} blob {index}")
+            for index, blob in enumerate(layer.blobs)
+        ]
         if arrays:
             weights[layer.name] = arrays
     return weights
@@ -372,6 +532,7 @@ def read_blobproto(path: str | Path) -> np.ndarray:
 
 # ------------------------------------------------------------------ writing
 
+
 def fill_blob(blob: Any, array: np.ndarray) -> Any:
     """Put an array in a ``BlobProto``: its shape and its float32 values, packed."""
     blob.shape.dim.extend(int(d) for d in array.shape)
@@ -379,8 +540,9 @@ def fill_blob(blob: Any, array: np.ndarray) -> Any:
     return blob
 
 
-def write_caffemodel(path: str | Path, net_name: str,
-                     layers: Iterable[tuple[str, str, list[np.ndarray]]]) -> None:
+def write_caffemodel(
+    path: str | Path, net_name: str, layers: Iterable[tuple[str, str, list[np.ndarray]]]
+) -> None:
     """Write a binary ``.caffemodel`` from ``(layer name, layer type, [blobs])``."""
     net = NetParameter(name=net_name)
     for name, kind, blobs in layers:

@@ -11,14 +11,21 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from farm.modelrepo.caffe_net import InputShapeError, Network, NetworkError
 from farm.modelrepo.modelstore import SAFE_NAME
-from farm.modelrepo.repository import (CROPS, ModelError, ModelSpec, add_target, load_spec, model_folders,
-                             origin)
+from farm.modelrepo.repository import (
+    CROPS,
+    ModelError,
+    ModelSpec,
+    add_target,
+    load_spec,
+    model_folders,
+    origin,
+)
 
 #: ``--channel-order``: the order the net was trained in; images arrive RGB.
 CHANNEL_ORDERS = ("bgr", "rgb")
@@ -68,8 +75,10 @@ class Staged:
 def check_name(name: str) -> str:
     """A model name usable as a folder name everywhere; ModelError says what is allowed."""
     if not SAFE_NAME.fullmatch(name):
-        raise ModelError(f"model name {name!r} is not allowed: use letters, digits, '.', '_' "
-                         f"and '-', starting with a letter or digit (at most 128 characters)")
+        raise ModelError(
+            f"model name {name!r} is not allowed: use letters, digits, '.', '_' "
+            f"and '-', starting with a letter or digit (at most 128 characters)"
+        )
     return name
 
 
@@ -79,8 +88,12 @@ def safe_file_name(path: Path) -> str:
     return name if name[:1].isalnum() else f"f{name}"
 
 
-def stage(model: NewModel, models_dir: Sequence[str | os.PathLike] = (), force: bool = False,
-          link: bool = False) -> Staged:
+def stage(
+    model: NewModel,
+    models_dir: Sequence[str | os.PathLike] = (),
+    force: bool = False,
+    link: bool = False,
+) -> Staged:
     """Copy (or symlink) the files into a staging folder in the repository ``add_target``
     picks and write model.toml; ModelError (with nothing left behind, naming the user's files)
     if the name is taken or shadows another model's (both allowed by ``force``), or a file or
@@ -89,17 +102,29 @@ def stage(model: NewModel, models_dir: Sequence[str | os.PathLike] = (), force: 
     root = add_target(models_dir)
     target = root / model.name
     if target.exists() and not force:
-        raise ModelError(f"model folder {target} already exists: choose another name, or "
-                         f"replace it with --force")
-    shadows = [folder for folder in model_folders(models_dir).get(model.name, [])
-               if folder.resolve() != target.resolve()]
+        raise ModelError(
+            f"model folder {target} already exists: choose another name, or replace it with --force"
+        )
+    shadows = [
+        folder
+        for folder in model_folders(models_dir).get(model.name, [])
+        if folder.resolve() != target.resolve()
+    ]
     if shadows and not force:
-        raise ModelError(f"{model.name!r} would shadow {origin(shadows[0])}: choose another "
-                         f"name, or shadow it with --force")
+        raise ModelError(
+            f"{model.name!r} would shadow {origin(shadows[0])}: choose another "
+            f"name, or shadow it with --force"
+        )
     sources = source_files(model)
     folder = root / f".{model.name}.adding-{os.getpid()}"
-    staged = Staged(model, target, folder, created=missing_folders(root), shadows=shadows,
-                    sources={name: source for name, source in sources.values()})
+    staged = Staged(
+        model,
+        target,
+        folder,
+        created=missing_folders(root),
+        shadows=shadows,
+        sources={name: source for name, source in sources.values()},
+    )
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
@@ -124,8 +149,12 @@ def source_files(model: NewModel) -> dict[str, tuple[str, Path]]:
     """Role (a model.toml key) -> (name in the folder, the user's file); ModelError for a
     missing or clashing file."""
     files: dict[str, tuple[str, Path]] = {}
-    for role, source in (("prototxt", model.prototxt), ("weights", model.weights),
-                         ("mean_file", model.mean_file), ("labels", model.labels_file)):
+    for role, source in (
+        ("prototxt", model.prototxt),
+        ("weights", model.weights),
+        ("mean_file", model.mean_file),
+        ("labels", model.labels_file),
+    ):
         if source is None:
             continue
         if not source.is_file():
@@ -133,8 +162,9 @@ def source_files(model: NewModel) -> dict[str, tuple[str, Path]]:
         name = safe_file_name(source)
         clash = next((path for other, path in files.values() if other == name), None)
         if clash is not None:
-            raise ModelError(f"{clash} and {source} would both be {name} in the model "
-                             f"folder: rename one")
+            raise ModelError(
+                f"{clash} and {source} would both be {name} in the model folder: rename one"
+            )
         files[role] = (name, source)
     return files
 
@@ -160,46 +190,75 @@ def input_shape(model: NewModel) -> tuple[int, ...]:
 def model_toml(model: NewModel, files: dict[str, str], shape: tuple[int, ...]) -> str:
     """A commented model.toml for the model; ``files``: role -> file name in the folder;
     ``shape``: the net's input C x H x W."""
-    lines = ["# Written by `farm models add`; see docs/models.md for every key.",
-             f"description = {toml_string(model.description or model.name)}",
-             f"prototxt = {toml_string(files['prototxt'])}",
-             f"weights = {toml_string(files['weights'])}"]
+    lines = [
+        "# Written by `farm models add`; see docs/models.md for every key.",
+        f"description = {toml_string(model.description or model.name)}",
+        f"prototxt = {toml_string(files['prototxt'])}",
+        f"weights = {toml_string(files['weights'])}",
+    ]
     if model.input_size:
-        lines += ["# the prototxt's input has no shape (or another): C x H x W",
-                  f"input_shape = {list(model.input_size)}"]
+        lines += [
+            "# the prototxt's input has no shape (or another): C x H x W",
+            f"input_shape = {list(model.input_size)}",
+        ]
     if "labels" in files:
-        lines += ["# class names, one per line (a synset_words.txt line: 'n01440764 tench')",
-                  f"labels = {toml_string(files['labels'])}"]
+        lines += [
+            "# class names, one per line (a synset_words.txt line: 'n01440764 tench')",
+            f"labels = {toml_string(files['labels'])}",
+        ]
     elif model.labels:
         lines.append(f"labels = [{', '.join(toml_string(label) for label in model.labels)}]")
-    return "\n".join([*lines, "", *preprocess_lines(model, files, shape[0]),
-                      *resize_lines(model, (shape[1], shape[2]))]) + "\n"
+    return (
+        "\n".join(
+            [
+                *lines,
+                "",
+                *preprocess_lines(model, files, shape[0]),
+                *resize_lines(model, (shape[1], shape[2])),
+            ]
+        )
+        + "\n"
+    )
 
 
 def preprocess_lines(model: NewModel, files: dict[str, str], channels: int) -> list[str]:
     """``[preprocess]``: Caffe's Transformer settings, in the order they apply."""
-    lines = ["[preprocess]",
-             "# images arrive N x H x W x C, RGB (as decoded image files are)",
-             'layout = "HWC"']
+    lines = [
+        "[preprocess]",
+        "# images arrive N x H x W x C, RGB (as decoded image files are)",
+        'layout = "HWC"',
+    ]
     if model.channel_order == "bgr" and channels == 3:
-        lines += ["# the net was trained on BGR (Caffe's default): RGB -> BGR",
-                  "channel_swap = [2, 1, 0]"]
+        lines += [
+            "# the net was trained on BGR (Caffe's default): RGB -> BGR",
+            "channel_swap = [2, 1, 0]",
+        ]
     if model.raw_scale is not None:
-        lines += ["# multiply the pixels first (Caffe's raw_scale)",
-                  f"raw_scale = {model.raw_scale!r}"]
+        lines += [
+            "# multiply the pixels first (Caffe's raw_scale)",
+            f"raw_scale = {model.raw_scale!r}",
+        ]
     if "mean_file" in files:
-        lines += ["# subtract this mean image (centre-cropped when larger than the input)",
-                  f"mean_file = {toml_string(files['mean_file'])}"]
+        lines += [
+            "# subtract this mean image (centre-cropped when larger than the input)",
+            f"mean_file = {toml_string(files['mean_file'])}",
+        ]
     elif model.mean:
         if len(model.mean) not in (1, channels):
             wanted = "1 value" if channels == 1 else f"1 or {channels} values"
-            raise ModelError(f"--mean needs {wanted} (the net has {channels} input "
-                             f"channels), got {len(model.mean)}")
-        lines += ["# subtract per channel, in the net's channel order (Caffe's mean_value)",
-                  f"mean = {[float(v) for v in model.mean]}"]
+            raise ModelError(
+                f"--mean needs {wanted} (the net has {channels} input "
+                f"channels), got {len(model.mean)}"
+            )
+        lines += [
+            "# subtract per channel, in the net's channel order (Caffe's mean_value)",
+            f"mean = {[float(v) for v in model.mean]}",
+        ]
     if model.input_scale is not None:
-        lines += ["# multiply after the mean (Caffe's transform_param scale)",
-                  f"input_scale = {model.input_scale!r}"]
+        lines += [
+            "# multiply after the mean (Caffe's transform_param scale)",
+            f"input_scale = {model.input_scale!r}",
+        ]
     return lines
 
 
@@ -208,19 +267,25 @@ def resize_lines(model: NewModel, net_size: tuple[int, int]) -> list[str]:
     if not model.resize and model.crop is None:
         return []
     if model.crop == "none" and model.resize not in ((), net_size):
-        raise ModelError(f"--crop none resizes straight to the net's input size, "
-                         f"{net_size[0]}x{net_size[1]}: drop --resize, or choose another --crop")
+        raise ModelError(
+            f"--crop none resizes straight to the net's input size, "
+            f"{net_size[0]}x{net_size[1]}: drop --resize, or choose another --crop"
+        )
     lines = ["", "[resize]"]
     if len(model.resize) == 1:
-        lines += ["# resize so the shorter side has this length, keeping the aspect ratio",
-                  f"shorter_side = {model.resize[0]}"]
+        lines += [
+            "# resize so the shorter side has this length, keeping the aspect ratio",
+            f"shorter_side = {model.resize[0]}",
+        ]
     elif len(model.resize) == 2:
         lines += ["# resize to exactly this height and width", f"size = {list(model.resize)}"]
     if model.crop is not None:
         if model.crop not in CROPS:
             raise ModelError(f"--crop must be one of {', '.join(CROPS)}")
-        lines += ["# then take the net's input size: center, oversample (10 crops) or none",
-                  f"crop = {toml_string(model.crop)}"]
+        lines += [
+            "# then take the net's input size: center, oversample (10 crops) or none",
+            f"crop = {toml_string(model.crop)}",
+        ]
     return lines
 
 

@@ -14,9 +14,10 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from farm.messages import Model
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, load_spec
@@ -45,10 +46,13 @@ def file_sha256(path: Path, fresh: bool = False) -> str:
 
 
 def check_file_name(name: str) -> str:
-    """A relative path whose parts are plain names (no '..', no absolute path); ModelError if not."""
+    """A relative path whose parts are plain names (no '..', no absolute path); ModelError if
+    not."""
     if not all(SAFE_NAME.fullmatch(part) for part in name.split("/")):
-        raise ModelError(f"file name {name[:120]!r} is not allowed in a model: use letters, "
-                         f"digits, '.', '_' and '-' (and '/' between folders)")
+        raise ModelError(
+            f"file name {name[:120]!r} is not allowed in a model: use letters, "
+            f"digits, '.', '_' and '-' (and '/' between folders)"
+        )
     return name
 
 
@@ -73,8 +77,11 @@ class Manifest:
 
     def header(self) -> Model:
         """The MODEL header that sends these files."""
-        return Model(model=self.model, digest=self.digest,
-                     files=[(f.name, f.size, f.sha256) for f in self.files])
+        return Model(
+            model=self.model,
+            digest=self.digest,
+            files=[(f.name, f.size, f.sha256) for f in self.files],
+        )
 
     @classmethod
     def from_header(cls, header: Model) -> Manifest:
@@ -85,16 +92,22 @@ class Manifest:
             check_file_name(f.name)
         manifest = cls(header.model, files)
         if manifest.digest != header.digest:
-            raise ModelError(f"model {manifest.model!r}: the manifest's files hash to "
-                             f"{manifest.digest[:16]}, not the digest {header.digest!r}")
+            raise ModelError(
+                f"model {manifest.model!r}: the manifest's files hash to "
+                f"{manifest.digest[:16]}, not the digest {header.digest!r}"
+            )
         return manifest
 
 
 def manifest_of(spec: ModelSpec, fresh: bool = False) -> Manifest:
     """The manifest of a model folder; OSError if a file is missing (see ``prepare``)."""
-    return Manifest(spec.name, tuple(
-        ManifestFile(check_file_name(name), path.stat().st_size, file_sha256(path, fresh))
-        for name, path in spec.files().items()))
+    return Manifest(
+        spec.name,
+        tuple(
+            ManifestFile(check_file_name(name), path.stat().st_size, file_sha256(path, fresh))
+            for name, path in spec.files().items()
+        ),
+    )
 
 
 @dataclass
@@ -110,8 +123,10 @@ class ModelCache:
     def folder(self, model: str, digest: str) -> Path:
         """The cache folder of a model; ModelError for a name or digest that is not plain."""
         if not SAFE_NAME.fullmatch(model) or not DIGEST.fullmatch(digest):
-            raise ModelError(f"refusing model name {model[:80]!r} / digest {digest[:80]!r}: "
-                             f"names are letters, digits, '.', '_' and '-', digests 64 hex")
+            raise ModelError(
+                f"refusing model name {model[:80]!r} / digest {digest[:80]!r}: "
+                f"names are letters, digits, '.', '_' and '-', digests 64 hex"
+            )
         return self.root / f"{model}-{digest[:24]}"
 
     def lookup(self, model: str, digest: str) -> ModelSpec | None:
@@ -123,8 +138,9 @@ class ModelCache:
         try:
             spec = load_spec(folder, model)
             if spec.generate_seed is not None or manifest_of(spec, fresh=True).digest != digest:
-                raise ModelError(f"model {model!r}: cached files in {folder} do not hash to "
-                                 f"{digest[:16]}")
+                raise ModelError(
+                    f"model {model!r}: cached files in {folder} do not hash to {digest[:16]}"
+                )
             return spec
         except (ModelError, OSError) as exc:
             log.warning("discarding a damaged cache entry: %s", exc)
@@ -134,15 +150,19 @@ class ModelCache:
     def install(self, manifest: Manifest, contents: Sequence[Any]) -> ModelSpec:
         """Check received file contents against the manifest, then store them atomically."""
         if len(contents) != len(manifest.files):
-            raise ModelError(f"model {manifest.model!r}: {len(contents)} files received, the "
-                             f"manifest lists {len(manifest.files)}")
+            raise ModelError(
+                f"model {manifest.model!r}: {len(contents)} files received, the "
+                f"manifest lists {len(manifest.files)}"
+            )
         for f, content in zip(manifest.files, contents):
             data = memoryview(content)
             actual = hashlib.sha256(data).hexdigest()
             if data.nbytes != f.size or actual != f.sha256:
-                raise ModelError(f"model {manifest.model!r}: file {f.name} from the broker has "
-                                 f"{data.nbytes} bytes and sha256 {actual[:16]}, the manifest "
-                                 f"says {f.size} bytes and {f.sha256[:16]}; not installed")
+                raise ModelError(
+                    f"model {manifest.model!r}: file {f.name} from the broker has "
+                    f"{data.nbytes} bytes and sha256 {actual[:16]}, the manifest "
+                    f"says {f.size} bytes and {f.sha256[:16]}; not installed"
+                )
         installed = self.lookup(manifest.model, manifest.digest)  # workers may share a cache
         if installed is not None:
             return installed
@@ -161,11 +181,14 @@ class ModelCache:
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
         except OSError as exc:
-            raise ModelError(f"model {manifest.model!r}: cannot store it in {self.root}: "
-                             f"{exc}") from exc
+            raise ModelError(
+                f"model {manifest.model!r}: cannot store it in {self.root}: {exc}"
+            ) from exc
         # model.toml may only name the files that came: they must hash to the digest again
         installed = self.lookup(manifest.model, manifest.digest)
         if installed is None:
-            raise ModelError(f"model {manifest.model!r}: the files received do not make up "
-                             f"the model their manifest describes (see the log); not installed")
+            raise ModelError(
+                f"model {manifest.model!r}: the files received do not make up "
+                f"the model their manifest describes (see the log); not installed"
+            )
         return installed

@@ -14,9 +14,10 @@ import logging
 import math
 import os
 import tomllib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from farm.modelrepo.caffe_net import InputShapeError, Network, NetworkError
 
@@ -59,8 +60,14 @@ class Preprocess:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], folder: Path) -> Preprocess:
-        unknown = set(config) - {"layout", "channel_swap", "raw_scale", "mean", "mean_file",
-                                 "input_scale"}
+        unknown = set(config) - {
+            "layout",
+            "channel_swap",
+            "raw_scale",
+            "mean",
+            "mean_file",
+            "input_scale",
+        }
         if unknown:
             raise ModelError(f"[preprocess] has unknown keys {sorted(unknown)}")
         layout = config.get("layout", "CHW")
@@ -68,10 +75,14 @@ class Preprocess:
             raise ModelError(f"[preprocess] layout must be one of {LAYOUTS}, got {layout!r}")
         if "mean" in config and "mean_file" in config:
             raise ModelError("[preprocess] takes mean or mean_file, not both")
-        return cls(layout, tuple(config.get("channel_swap", ())),
-                   float(config.get("raw_scale", 1.0)), tuple(config.get("mean", ())),
-                   inside(folder, config["mean_file"]) if "mean_file" in config else None,
-                   float(config.get("input_scale", 1.0)))
+        return cls(
+            layout,
+            tuple(config.get("channel_swap", ())),
+            float(config.get("raw_scale", 1.0)),
+            tuple(config.get("mean", ())),
+            inside(folder, config["mean_file"]) if "mean_file" in config else None,
+            float(config.get("input_scale", 1.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -100,8 +111,11 @@ class Resize:
             raise ModelError("[resize] takes size or shorter_side, not both")
         size = config.get("size")
         if size is not None:
-            if (not isinstance(size, list) or len(size) != 2
-                    or not all(isinstance(n, int) and n > 0 for n in size)):
+            if (
+                not isinstance(size, list)
+                or len(size) != 2
+                or not all(isinstance(n, int) and n > 0 for n in size)
+            ):
                 raise ModelError(f"[resize] size must be [height, width], got {size!r}")
             size = (size[0], size[1])
         shorter = config.get("shorter_side")
@@ -112,8 +126,9 @@ class Resize:
             raise ModelError(f"[resize] crop must be one of {CROPS}, got {crop!r}")
         interpolation = config.get("interpolation", "linear")
         if interpolation not in INTERPOLATIONS:
-            raise ModelError(f"[resize] interpolation must be one of {INTERPOLATIONS}, got "
-                             f"{interpolation!r}")
+            raise ModelError(
+                f"[resize] interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}"
+            )
         return cls(size, shorter, crop, interpolation)
 
     @property
@@ -124,11 +139,14 @@ class Resize:
     def check(self, net_size: tuple[int, int]) -> None:
         """``crop = "none"`` resizes straight to the net's H x W: a size or shorter side
         that says otherwise would be silently ignored, so it is refused (ModelError)."""
-        if self.crop == "none" and (self.shorter_side is not None
-                                    or self.size not in (None, net_size)):
-            raise ModelError(f"[resize] crop = \"none\" resizes straight to the input's "
-                             f"{net_size[0]} x {net_size[1]}; drop size/shorter_side or choose "
-                             f"a crop")
+        if self.crop == "none" and (
+            self.shorter_side is not None or self.size not in (None, net_size)
+        ):
+            raise ModelError(
+                f'[resize] crop = "none" resizes straight to the input\'s '
+                f"{net_size[0]} x {net_size[1]}; drop size/shorter_side or choose "
+                f"a crop"
+            )
 
 
 @dataclass(frozen=True)
@@ -168,11 +186,15 @@ class ModelSpec:
 
     def files(self) -> dict[str, Path]:
         """The files a worker needs, by their path relative to the model folder."""
+
         def relative(path: Path) -> str:
             return path.relative_to(self.folder).as_posix()
 
-        files = {"model.toml": self.folder / "model.toml", relative(self.prototxt): self.prototxt,
-                 self.weights_name or self.weights.name: self.weights}
+        files = {
+            "model.toml": self.folder / "model.toml",
+            relative(self.prototxt): self.prototxt,
+            self.weights_name or self.weights.name: self.weights,
+        }
         if self.preprocess.mean_file:
             files[relative(self.preprocess.mean_file)] = self.preprocess.mean_file
         if self.labels_file:
@@ -181,7 +203,8 @@ class ModelSpec:
 
 
 def user_models_dir() -> Path:
-    """The user's own repository: ``$XDG_DATA_HOME/farm/models`` or ``~/.local/share/farm/models``."""
+    """The user's own repository: ``$XDG_DATA_HOME/farm/models`` or
+    ``~/.local/share/farm/models``."""
     data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(data) / "farm" / "models"
 
@@ -226,8 +249,9 @@ def load_spec(folder: Path, name: str | None = None) -> ModelSpec:
         raise ModelError(f"{config_path}: {exc}") from None
     except ModelError as exc:
         raise ModelError(f"{config_path}: {exc}") from None
-    missing = [path for path in spec.files().values()
-               if not path.is_file() and path != spec.weights]
+    missing = [
+        path for path in spec.files().values() if not path.is_file() and path != spec.weights
+    ]
     if missing:
         raise ModelError(f"model {spec.name!r}: file {missing[0]} is missing")
     if not spec.weights.is_file() and spec.generate_seed is None:
@@ -270,31 +294,48 @@ def _spec_from_config(folder: Path, config: dict[str, Any], name: str) -> ModelS
     classes = math.prod(net.shapes[output][1:])
     if labels and len(labels) != classes:
         named = f"labels file {labels_file} names" if labels_file else "labels name"
-        raise ModelError(f"{named} {len(labels)} classes, the output {output!r} has "
-                         f"{classes} values")
-    writer = next(layer for layer in reversed(net.layers) if output in layer.tops) \
-        if output != net.input else None
+        raise ModelError(
+            f"{named} {len(labels)} classes, the output {output!r} has {classes} values"
+        )
+    writer = (
+        next(layer for layer in reversed(net.layers) if output in layer.tops)
+        if output != net.input
+        else None
+    )
     return ModelSpec(
-        name=name, folder=folder, prototxt=prototxt, weights=weights, input=net.input,
-        input_shape=net.input_shape[1:], batch=net.batch, output=output,
+        name=name,
+        folder=folder,
+        prototxt=prototxt,
+        weights=weights,
+        input=net.input,
+        input_shape=net.input_shape[1:],
+        batch=net.batch,
+        output=output,
         preprocess=Preprocess.from_config(config.get("preprocess", {}), folder),
         resize=resize,
         weights_name=Path(config["weights"]).as_posix(),
-        description=config.get("description", ""), labels=labels, labels_file=labels_file,
+        description=config.get("description", ""),
+        labels=labels,
+        labels_file=labels_file,
         softmax=writer is not None and writer.type == "Softmax",
         sample=inside(folder, config["sample"]) if "sample" in config else None,
-        sample_labels=(inside(folder, config["sample_labels"]) if "sample_labels" in config
-                       else None),
+        sample_labels=(
+            inside(folder, config["sample_labels"]) if "sample_labels" in config else None
+        ),
         generate_seed=int(generate["seed"]) if generate is not None else None,
-        declared_input=declared)
+        declared_input=declared,
+    )
 
 
 def declared_input(shape: Any) -> tuple[int, int, int] | None:
     """model.toml's ``input_shape = [C, H, W]``, for a prototxt whose input has no shape."""
     if shape is None:
         return None
-    if (not isinstance(shape, list) or len(shape) != 3
-            or not all(isinstance(n, int) and n > 0 for n in shape)):
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 3
+        or not all(isinstance(n, int) and n > 0 for n in shape)
+    ):
         raise ModelError(f"input_shape must be [channels, height, width], got {shape!r}")
     return shape[0], shape[1], shape[2]
 
@@ -384,9 +425,11 @@ def find_local(name: str, extra: Sequence[str | os.PathLike] = ()) -> ModelSpec 
 
 def unknown_model(name: str, known: Iterable[str]) -> str:
     """The error for a model nobody has: the known ones, and how to add one."""
-    return (f"unknown model {name!r}; known: {', '.join(sorted(known)) or 'none'}. Add it with "
-            f"`farm models add {name} --prototxt deploy.prototxt --weights {name}.caffemodel`, "
-            f"or point --models-dir or $FARM_MODELS at a folder holding {name}/model.toml")
+    return (
+        f"unknown model {name!r}; known: {', '.join(sorted(known)) or 'none'}. Add it with "
+        f"`farm models add {name} --prototxt deploy.prototxt --weights {name}.caffemodel`, "
+        f"or point --models-dir or $FARM_MODELS at a folder holding {name}/model.toml"
+    )
 
 
 def prepare(spec: ModelSpec) -> Path:
@@ -395,11 +438,12 @@ def prepare(spec: ModelSpec) -> Path:
         return spec.weights
     if spec.generate_seed is None:
         raise ModelError(f"model {spec.name!r}: file {spec.weights} is missing")
-    from farm.modelrepo.caffe_proto import write_caffemodel
     from farm.modelrepo.caffe_net import generated_weights
+    from farm.modelrepo.caffe_proto import write_caffemodel
 
-    log.info("generating weights for %s (seed %d) into %s", spec.name, spec.generate_seed,
-             spec.weights)
+    log.info(
+        "generating weights for %s (seed %d) into %s", spec.name, spec.generate_seed, spec.weights
+    )
     try:
         net = Network.load(spec.prototxt, input_shape=spec.declared_input)
         layers = generated_weights(net, spec.generate_seed)

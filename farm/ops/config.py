@@ -62,8 +62,13 @@ def load_config(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
 
 
-def default_map(command: click.Command, settings: dict[str, Any], path: Path,
-                shared: dict[str, Any] | None = None, where: str = "") -> dict[str, Any]:
+def default_map(
+    command: click.Command,
+    settings: dict[str, Any],
+    path: Path,
+    shared: dict[str, Any] | None = None,
+    where: str = "",
+) -> dict[str, Any]:
     """Click's ``default_map`` for ``command`` from the file's ``settings``.
 
     ``shared``: the top-level keys, offered to every command that has the option.
@@ -89,8 +94,13 @@ def default_map(command: click.Command, settings: dict[str, Any], path: Path,
             mapped.setdefault(name, value)
     for name, sub in subcommands.items():
         table = settings.get(name)
-        mapped[name] = default_map(sub, table if isinstance(table, dict) else {}, path,
-                                   shared, f"{where}.{name}".strip("."))
+        mapped[name] = default_map(
+            sub,
+            table if isinstance(table, dict) else {},
+            path,
+            shared,
+            f"{where}.{name}".strip("."),
+        )
     if not where:
         unused = set(shared) - used_names(command)
         if unused:

@@ -31,13 +31,13 @@ def parse_ids(text: str, what: str) -> tuple[int, ...]:
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if not match:
-            raise ValueError(f"malformed {what} list {text!r}: expected numbers and ranges "
-                             f"like 0-7 or 0,2,4-6")
+            raise ValueError(
+                f"malformed {what} list {text!r}: expected numbers and ranges like 0-7 or 0,2,4-6"
+            )
         first = int(match[1])
         last = int(match[2]) if match[2] is not None else first
         if last < first:
-            raise ValueError(f"malformed {what} list {text!r}: range {first}-{last} runs "
-                             f"backwards")
+            raise ValueError(f"malformed {what} list {text!r}: range {first}-{last} runs backwards")
         ids += range(first, last + 1)
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
@@ -56,8 +56,10 @@ class Layout:
     def plan(cls, cores: tuple[int, ...], gpus: tuple[int, ...]) -> Layout:
         """Take one core per GPU off the top of ``cores``; the rest get a CPU worker each."""
         if len(cores) < len(gpus):
-            raise ValueError(f"{len(gpus)} GPUs need a core each to feed them, but only "
-                             f"{len(cores)} cores were given")
+            raise ValueError(
+                f"{len(gpus)} GPUs need a core each to feed them, but only "
+                f"{len(cores)} cores were given"
+            )
         ordered = sorted(cores)
         kept = len(ordered) - len(gpus)
         feeders = ordered[kept:][::-1]  # the highest core feeds the first GPU
@@ -109,20 +111,38 @@ class Deployment:
         return self.run_dir / "supervisor.sock"
 
     def broker_program(self) -> Program:
-        return Program("farm-broker", (*self.farm, "broker", "--bind", self.bind, "--algo",
-                                       self.algo, *self.broker_args), 10)
+        return Program(
+            "farm-broker",
+            (*self.farm, "broker", "--bind", self.bind, "--algo", self.algo, *self.broker_args),
+            10,
+        )
 
     def worker_command(self, device: str) -> tuple[str, ...]:
         preload = [arg for model in self.models for arg in ("--model", model)]
-        return (*self.farm, "worker", "--device", device, "--broker", self.connect, *preload,
-                *self.worker_args)
+        return (
+            *self.farm,
+            "worker",
+            "--device",
+            device,
+            "--broker",
+            self.connect,
+            *preload,
+            *self.worker_args,
+        )
 
     def worker_programs(self) -> list[Program]:
-        cpus = [Program(f"farm-cpu-{core}", self.worker_command(f"cpu:{core}"), 20)
-                for core in self.layout.cpu_cores]
-        gpus = [Program(f"farm-gpu-{gpu}",
-                        ("taskset", "-c", str(core), *self.worker_command(f"gpu:{gpu}")), 20)
-                for gpu, core in self.layout.gpus]
+        cpus = [
+            Program(f"farm-cpu-{core}", self.worker_command(f"cpu:{core}"), 20)
+            for core in self.layout.cpu_cores
+        ]
+        gpus = [
+            Program(
+                f"farm-gpu-{gpu}",
+                ("taskset", "-c", str(core), *self.worker_command(f"gpu:{gpu}")),
+                20,
+            )
+            for gpu, core in self.layout.gpus
+        ]
         return cpus + gpus
 
 
@@ -134,26 +154,37 @@ def supervisor_sections(deployment: Deployment) -> list[Section]:
     run = deployment.run_dir
     return [
         ("unix_http_server", {"file": str(deployment.socket), "chmod": "0700"}),
-        ("supervisord", {"logfile": str(run / "supervisord.log"),
-                         "pidfile": str(run / "supervisord.pid"),
-                         "childlogdir": str(run), "nodaemon": "false"}),
-        ("rpcinterface:supervisor",
-         {"supervisor.rpcinterface_factory": "supervisor.rpcinterface:make_main_rpcinterface"}),
+        (
+            "supervisord",
+            {
+                "logfile": str(run / "supervisord.log"),
+                "pidfile": str(run / "supervisord.pid"),
+                "childlogdir": str(run),
+                "nodaemon": "false",
+            },
+        ),
+        (
+            "rpcinterface:supervisor",
+            {"supervisor.rpcinterface_factory": "supervisor.rpcinterface:make_main_rpcinterface"},
+        ),
         ("supervisorctl", {"serverurl": f"unix://{deployment.socket}"}),
     ]
 
 
 def program_section(program: Program, run_dir: Path) -> Section:
-    return (f"program:{program.name}", {
-        "command": shlex.join(program.command),
-        "priority": str(program.priority),
-        "autorestart": "true",
-        "startsecs": "1",
-        "stopsignal": "TERM",
-        "stopwaitsecs": str(STOP_WAIT_SECONDS),
-        "redirect_stderr": "true",
-        "stdout_logfile": str(run_dir / f"{program.name}.log"),
-    })
+    return (
+        f"program:{program.name}",
+        {
+            "command": shlex.join(program.command),
+            "priority": str(program.priority),
+            "autorestart": "true",
+            "startsecs": "1",
+            "stopsignal": "TERM",
+            "stopwaitsecs": str(STOP_WAIT_SECONDS),
+            "redirect_stderr": "true",
+            "stdout_logfile": str(run_dir / f"{program.name}.log"),
+        },
+    )
 
 
 def sections(deployment: Deployment) -> list[Section]:
@@ -162,16 +193,19 @@ def sections(deployment: Deployment) -> list[Section]:
     result = supervisor_sections(deployment)
     result += [program_section(program, deployment.run_dir) for program in programs]
     if workers:
-        result.append(("group:farm-workers",
-                       {"programs": ",".join(program.name for program in workers)}))
+        result.append(
+            ("group:farm-workers", {"programs": ",".join(program.name for program in workers)})
+        )
     return result
 
 
 def config_value(value: str) -> str:
     """A value as supervisord reads it back: ``%`` escaped; comment markers refused."""
     if re.search(r"\s[;#]|[\r\n]", value):
-        raise ValueError(f"supervisord would cut {value!r} short: ' ;' and ' #' start a "
-                         f"comment there, and values are one line")
+        raise ValueError(
+            f"supervisord would cut {value!r} short: ' ;' and ' #' start a "
+            f"comment there, and values are one line"
+        )
     return value.replace("%", "%%")
 
 
@@ -179,8 +213,7 @@ def header(deployment: Deployment, config: str, generated_by: str) -> list[str]:
     control = f"supervisorctl -c {shlex.quote(config)}"
     workers = deployment.worker_programs()
     tail = f"farm-workers:{workers[0].name}" if workers else "farm-broker"
-    what = ("broker + " if deployment.broker else "") + \
-        f"workers ({deployment.layout.describe()})"
+    what = ("broker + " if deployment.broker else "") + f"workers ({deployment.layout.describe()})"
     return [
         f"; A farm under supervisord: {what}.",
         f"; Broker: {deployment.bind if deployment.broker else 'elsewhere'}; "
@@ -205,14 +238,24 @@ def render(deployment: Deployment, config: str, generated_by: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan(*, cpus: str | None, gpus: str, bind: str, connect: str | None, algo: str,
-         models: tuple[str, ...], run_dir: str, broker_args: tuple[str, ...],
-         worker_args: tuple[str, ...], curve: str | None, broker: bool,
-         farm_command: str) -> Deployment:
+def plan(
+    *,
+    cpus: str | None,
+    gpus: str,
+    bind: str,
+    connect: str | None,
+    algo: str,
+    models: tuple[str, ...],
+    run_dir: str,
+    broker_args: tuple[str, ...],
+    worker_args: tuple[str, ...],
+    curve: str | None,
+    broker: bool,
+    farm_command: str,
+) -> Deployment:
     """The deployment ``farm deploy supervisord``'s options describe; ValueError naming the
     option at fault when it cannot run."""
-    cores = (parse_ids(cpus, "core") if cpus is not None
-             else tuple(sorted(os.sched_getaffinity(0))))
+    cores = parse_ids(cpus, "core") if cpus is not None else tuple(sorted(os.sched_getaffinity(0)))
     if curve:
         curve_args = ("--curve", os.path.abspath(curve))
         broker_args, worker_args = (*curve_args, *broker_args), (*curve_args, *worker_args)
@@ -220,13 +263,22 @@ def plan(*, cpus: str | None, gpus: str, bind: str, connect: str | None, algo: s
     if not farm:
         raise ValueError("--farm-command is empty")
     deployment = Deployment(
-        layout=Layout.plan(cores, parse_ids(gpus, "GPU") if gpus.strip() else ()), farm=farm,
-        bind=bind, connect=connect or connect_endpoint(bind), algo=algo, models=models,
-        run_dir=Path(os.path.abspath(run_dir)), broker_args=broker_args,
-        worker_args=worker_args, broker=broker)
+        layout=Layout.plan(cores, parse_ids(gpus, "GPU") if gpus.strip() else ()),
+        farm=farm,
+        bind=bind,
+        connect=connect or connect_endpoint(bind),
+        algo=algo,
+        models=models,
+        run_dir=Path(os.path.abspath(run_dir)),
+        broker_args=broker_args,
+        worker_args=worker_args,
+        broker=broker,
+    )
     if len(str(deployment.socket)) > MAX_SOCKET_PATH:
-        raise ValueError(f"--run-dir {run_dir} is too long for supervisord's unix socket "
-                         f"(at most {MAX_SOCKET_PATH} characters in all)")
+        raise ValueError(
+            f"--run-dir {run_dir} is too long for supervisord's unix socket "
+            f"(at most {MAX_SOCKET_PATH} characters in all)"
+        )
     return deployment
 
 

@@ -23,8 +23,11 @@ AUTHORIZED = "authorized"
 #: Key pairs ``farm keys init`` makes besides the broker's, all authorized.
 DEFAULT_PEERS = (defaults.WORKER_KEY, defaults.CLIENT_KEY)
 #: Socket events that mean the CURVE handshake with the broker failed.
-HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class KeysError(ValueError):
@@ -80,7 +83,8 @@ def start_authenticator(context: zmq.Context, folder: str | Path) -> ThreadAuthe
 def make_server(socket: zmq.Socket, folder: str | Path) -> None:
     """Make ``socket`` a CURVE server with the broker's key pair (before it binds)."""
     public, secret = zmq.auth.load_certificate(
-        _need(Path(folder) / f"{BROKER}.key_secret", "the broker's secret key"))
+        _need(Path(folder) / f"{BROKER}.key_secret", "the broker's secret key")
+    )
     socket.curve_publickey, socket.curve_secretkey = public, secret
     socket.curve_server = True
 
@@ -89,9 +93,11 @@ def make_client(socket: zmq.Socket, folder: str | Path, name: str) -> None:
     """Make ``socket`` a CURVE client as ``name``, trusting the broker's public key."""
     folder = Path(folder)
     server, _ = zmq.auth.load_certificate(
-        _need(folder / f"{BROKER}.key", "the broker's public key"))
+        _need(folder / f"{BROKER}.key", "the broker's public key")
+    )
     public, secret = zmq.auth.load_certificate(
-        _need(folder / f"{name}.key_secret", f"the secret key of {name!r}"))
+        _need(folder / f"{name}.key_secret", f"the secret key of {name!r}")
+    )
     socket.curve_publickey, socket.curve_secretkey = public, secret
     socket.curve_serverkey = server
 
@@ -112,11 +118,15 @@ class Handshakes:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return (f"the broker refused key {self.name!r} (status {event['value']}): "
-                        f"its public key is not in the broker's authorized/ folder")
+                return (
+                    f"the broker refused key {self.name!r} (status {event['value']}): "
+                    f"its public key is not in the broker's authorized/ folder"
+                )
             if event["event"] & HANDSHAKE_FAILURES:
-                return (f"the CURVE handshake with the broker failed ({event['event']:#x}, "
-                        f"{event['value']}): do broker.key and the broker's key pair match?")
+                return (
+                    f"the CURVE handshake with the broker failed ({event['event']:#x}, "
+                    f"{event['value']}): do broker.key and the broker's key pair match?"
+                )
         return None
 
     def close(self) -> None:

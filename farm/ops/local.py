@@ -14,8 +14,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from farm import defaults
 from farm.client.client import Client, FarmError, FarmTimeout
@@ -73,9 +74,11 @@ class LocalFarm:
             self.launch_broker(self.endpoint)
             for i, device in enumerate(self.devices):
                 launcher = self.device_launchers[i] if i < len(self.device_launchers) else ()
-                self.start_worker(device, *(self.device_options[i]
-                                            if i < len(self.device_options) else ()),
-                                  launcher=launcher)
+                self.start_worker(
+                    device,
+                    *(self.device_options[i] if i < len(self.device_options) else ()),
+                    launcher=launcher,
+                )
             self.read_endpoint()
             self.registered = self.wait_for_workers(len(self.devices))
         except BaseException:
@@ -95,7 +98,8 @@ class LocalFarm:
         everyone = len(self.registered.get("workers", []))
         return "; ".join(
             f"{engine} on {'every worker' if len(devices) == everyone > 1 else ', '.join(devices)}"
-            for engine, devices in running.items())
+            for engine, devices in running.items()
+        )
 
     def __exit__(self, *_: Any) -> None:
         self.stop()
@@ -106,10 +110,25 @@ class LocalFarm:
         self.read_endpoint()
 
     def launch_broker(self, bind: str) -> None:
-        self.broker = subprocess.Popen([*self.launcher,
-            *farm_command("--log-level", self.log_level, "broker", "--bind", bind,
-                         "--algo", self.algo, *self.curve_options, *self.broker_options)],
-            stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self.broker = subprocess.Popen(
+            [
+                *self.launcher,
+                *farm_command(
+                    "--log-level",
+                    self.log_level,
+                    "broker",
+                    "--bind",
+                    bind,
+                    "--algo",
+                    self.algo,
+                    *self.curve_options,
+                    *self.broker_options,
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
 
     def read_endpoint(self) -> None:
         """Wait for the broker's first line, which names the endpoint it bound."""
@@ -135,13 +154,30 @@ class LocalFarm:
             raise FarmError("the local farm's broker was not started")
         return self.broker
 
-    def start_worker(self, device: str, *options: str,
-                     launcher: Sequence[str] = ()) -> subprocess.Popen:
+    def start_worker(
+        self, device: str, *options: str, launcher: Sequence[str] = ()
+    ) -> subprocess.Popen:
         preload = [arg for name in self.preload for arg in ("--model", name)]
-        process = subprocess.Popen([*self.launcher, *launcher, *farm_command(
-            "--log-level", self.log_level, "worker", "--device", device, "--broker",
-            self.endpoint, *preload, *self.curve_options, *self.worker_options, *options)],
-            start_new_session=True)
+        process = subprocess.Popen(
+            [
+                *self.launcher,
+                *launcher,
+                *farm_command(
+                    "--log-level",
+                    self.log_level,
+                    "worker",
+                    "--device",
+                    device,
+                    "--broker",
+                    self.endpoint,
+                    *preload,
+                    *self.curve_options,
+                    *self.worker_options,
+                    *options,
+                ),
+            ],
+            start_new_session=True,
+        )
         self.workers.append(process)
         return process
 
@@ -156,7 +192,9 @@ class LocalFarm:
                     processes = [self.running_broker(), *self.workers]
                     dead = [p.args for p in processes if p.poll() is not None]
                     if dead:
-                        raise FarmError(f"a farm process exited during start: {dead[0]!r}")
+                        raise FarmError(
+                            f"a farm process exited during start: {dead[0]!r}"
+                        ) from None
                     if time.monotonic() > deadline:
                         raise
 

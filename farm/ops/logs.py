@@ -16,8 +16,7 @@ import time
 from farm import defaults
 
 #: LogRecord attributes that are not ``extra=`` fields.
-_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message",
-                                                                             "asctime"}
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
 
 def timestamp(record: logging.LogRecord) -> str:
@@ -28,8 +27,10 @@ def timestamp(record: logging.LogRecord) -> str:
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = (f"{timestamp(record)} {record.levelname} {record.name} pid={record.process} "
-                f"{record.getMessage()}")
+        line = (
+            f"{timestamp(record)} {record.levelname} {record.name} pid={record.process} "
+            f"{record.getMessage()}"
+        )
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -37,10 +38,20 @@ class TextFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": timestamp(record), "level": record.levelname, "logger": record.name,
-                 "pid": record.process, "message": record.getMessage()}
-        entry.update({key: value for key, value in vars(record).items()
-                      if key not in _STANDARD and not key.startswith("_")})
+        entry = {
+            "time": timestamp(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        entry.update(
+            {
+                key: value
+                for key, value in vars(record).items()
+                if key not in _STANDARD and not key.startswith("_")
+            }
+        )
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)

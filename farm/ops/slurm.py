@@ -63,20 +63,36 @@ class SlurmFarm:
         if self.nodes < 1:
             raise ValueError("--nodes must be at least 1")
         if self.cores_per_node is not None and self.cores_per_node < self.gpus_per_node:
-            raise ValueError(f"--gpus-per-node {self.gpus_per_node} needs a core each to "
-                             f"feed it: --cores-per-node {self.cores_per_node} is too few")
+            raise ValueError(
+                f"--gpus-per-node {self.gpus_per_node} needs a core each to "
+                f"feed it: --cores-per-node {self.cores_per_node} is too few"
+            )
         if self.connect is not None and self.submits:
-            raise ValueError("--submit runs in the job that starts the broker, not in a "
-                             "workers-only job (--connect)")
+            raise ValueError(
+                "--submit runs in the job that starts the broker, not in a "
+                "workers-only job (--connect)"
+            )
         if self.connect is not None and self.curve == JOB_KEYS:
-            raise ValueError("--connect: give the broker's keys folder with --curve DIR (on "
-                             "a shared file system), or --no-curve")
+            raise ValueError(
+                "--connect: give the broker's keys folder with --curve DIR (on "
+                "a shared file system), or --no-curve"
+            )
         if self.connect is not None and (self.port or self.broker_args):
-            raise ValueError("--port and --broker-arg are the broker's: a workers-only job "
-                             "(--connect) starts none")
-        for text in (*self.submits, *self.sbatch_args, *self.models, *self.broker_args,
-                     *self.worker_args, *self.farm, self.connect or "", self.curve or "",
-                     self.algo):
+            raise ValueError(
+                "--port and --broker-arg are the broker's: a workers-only job "
+                "(--connect) starts none"
+            )
+        for text in (
+            *self.submits,
+            *self.sbatch_args,
+            *self.models,
+            *self.broker_args,
+            *self.worker_args,
+            *self.farm,
+            self.connect or "",
+            self.curve or "",
+            self.algo,
+        ):
             if "\n" in text or "\r" in text:
                 raise ValueError(f"{text!r} must be one line")
         if not re.fullmatch(r"[\w.-]+", self.job_name):
@@ -87,8 +103,12 @@ def render(farm: SlurmFarm, generated_by: str) -> str:
     """The sbatch script's text; ValueError if it could not run, or if bash cannot parse it
     (a submit line that is not a whole shell command)."""
     farm.check()
-    text = "\n".join([*header(farm, generated_by.replace("\n", " ")), *directives(farm), "",
-                      *body(farm)]) + "\n"
+    text = (
+        "\n".join(
+            [*header(farm, generated_by.replace("\n", " ")), *directives(farm), "", *body(farm)]
+        )
+        + "\n"
+    )
     check_syntax(text)
     return text
 
@@ -104,12 +124,21 @@ def check_syntax(text: str) -> None:
 
 
 def header(farm: SlurmFarm, generated_by: str) -> list[str]:
-    where = (f"workers joining the broker at {farm.connect}" if farm.connect else
-             "a broker on the first node, workers on every node")
-    gpus = (f", one per GPU ({farm.gpus_per_node} a node) on a core of its own"
-            if farm.gpus_per_node else "")
-    then = ("runs the farm submit lines below" if farm.submits else
-            "serves until stopped or out of time")
+    where = (
+        f"workers joining the broker at {farm.connect}"
+        if farm.connect
+        else "a broker on the first node, workers on every node"
+    )
+    gpus = (
+        f", one per GPU ({farm.gpus_per_node} a node) on a core of its own"
+        if farm.gpus_per_node
+        else ""
+    )
+    then = (
+        "runs the farm submit lines below"
+        if farm.submits
+        else "serves until stopped or out of time"
+    )
     return [
         "#!/bin/bash",
         f"# A farm as a Slurm job: {where}.",
@@ -129,14 +158,16 @@ def header(farm: SlurmFarm, generated_by: str) -> list[str]:
 
 
 def directives(farm: SlurmFarm) -> list[str]:
-    lines = [f"#SBATCH --job-name={farm.job_name}", f"#SBATCH --nodes={farm.nodes}",
-             "#SBATCH --output=farm-%j.out",
-             f"#SBATCH --signal=B:TERM@{STOP_BEFORE_LIMIT}"]
+    lines = [
+        f"#SBATCH --job-name={farm.job_name}",
+        f"#SBATCH --nodes={farm.nodes}",
+        "#SBATCH --output=farm-%j.out",
+        f"#SBATCH --signal=B:TERM@{STOP_BEFORE_LIMIT}",
+    ]
     if farm.cores_per_node is None:
         lines.append("#SBATCH --exclusive")
     else:
-        lines += [f"#SBATCH --ntasks-per-node={farm.cores_per_node}",
-                  "#SBATCH --cpus-per-task=1"]
+        lines += [f"#SBATCH --ntasks-per-node={farm.cores_per_node}", "#SBATCH --cpus-per-task=1"]
     if farm.gpus_per_node:
         lines.append(f"#SBATCH --gres=gpu:{farm.gpus_per_node}")
     return lines + [f"#SBATCH {arg}" for arg in farm.sbatch_args]
@@ -155,14 +186,14 @@ def body(farm: SlurmFarm) -> list[str]:
         'farm() { command "${FARM[@]}" "$@"; }',
         "# what the submitter's environment says of farm is not this job's",
         "unset FARM_BROKER FARM_CURVE FARM_CURVE_NAME",
-        'JOB_DIR=${FARM_JOB_DIR:-$PWD/farm-$SLURM_JOB_ID}  # beside farm-JOBID.out',
+        "JOB_DIR=${FARM_JOB_DIR:-$PWD/farm-$SLURM_JOB_ID}  # beside farm-JOBID.out",
         f"GPUS_PER_NODE={farm.gpus_per_node}",
         f"MODELS=({models})",
         f"WORKER_ARGS=({words(farm.worker_args)})",
         "WORKER_PIDS=()",
         "BROKER_PID=",
         "CHILD=",
-        '# a requeued job runs again with the same id: nothing of its last run is reused',
+        "# a requeued job runs again with the same id: nothing of its last run is reused",
         'rm -rf "$JOB_DIR/keys" "$JOB_DIR/broker.log" "$JOB_DIR/endpoint"',
         'mkdir -p "$JOB_DIR"',
         "",
@@ -175,10 +206,12 @@ def body(farm: SlurmFarm) -> list[str]:
     ]
     lines += curve_lines(farm)
     if farm.connect:
-        lines += [f"export FARM_BROKER={shlex.quote(farm.connect)}",
-                  "# these workers come on top of those already there",
-                  'BEFORE=$(in_background farm status --json "${STATUS_ARGS[@]}" '
-                  '| count_workers) || BEFORE=0']
+        lines += [
+            f"export FARM_BROKER={shlex.quote(farm.connect)}",
+            "# these workers come on top of those already there",
+            'BEFORE=$(in_background farm status --json "${STATUS_ARGS[@]}" '
+            "| count_workers) || BEFORE=0",
+        ]
     else:
         lines += broker_lines(farm)
         lines += ["BEFORE=0"]
@@ -197,17 +230,23 @@ def body(farm: SlurmFarm) -> list[str]:
     if farm.submits:
         lines += ["status=0"]
         for line in farm.submits:
-            lines += [f"say {shlex.quote('running: ' + line)}",
-                      "(", line, ") &",
-                      "CHILD=$!",
-                      'wait "$CHILD" || { code=$?; ((status)) || status=$code; }',
-                      "CHILD="]
+            lines += [
+                f"say {shlex.quote('running: ' + line)}",
+                "(",
+                line,
+                ") &",
+                "CHILD=$!",
+                'wait "$CHILD" || { code=$?; ((status)) || status=$code; }',
+                "CHILD=",
+            ]
         lines += ["stop_farm", 'say "done (exit status $status)"', 'exit "$status"']
     else:
         waited = '"${WORKER_PIDS[@]}"' if farm.connect else '"$BROKER_PID"'
-        lines += ['say "serving until scancel -b -s TERM $SLURM_JOB_ID or the time limit"',
-                  f"wait {waited}",
-                  "stop_farm"]
+        lines += [
+            'say "serving until scancel -b -s TERM $SLURM_JOB_ID or the time limit"',
+            f"wait {waited}",
+            "stop_farm",
+        ]
     return lines
 
 
@@ -216,29 +255,33 @@ def curve_lines(farm: SlurmFarm) -> list[str]:
     if farm.curve is None:
         return ["BROKER_CURVE=()", "CURVE_ARGS=()", "STATUS_ARGS=()"]
     if farm.curve == JOB_KEYS:
-        return ['(umask 077 && farm keys init "$JOB_DIR/keys" > /dev/null) || exit 1',
-                'chmod 600 "$JOB_DIR"/keys/*.key* "$JOB_DIR"/keys/authorized/*',
-                'export FARM_CURVE="$JOB_DIR/keys"',
-                'BROKER_CURVE=(--curve "$FARM_CURVE")',
-                'CURVE_ARGS=(--curve "$FARM_CURVE" --curve-name worker)',
-                'STATUS_ARGS=(--curve "$FARM_CURVE" --curve-name client)']
-    # a worker host's keys folder holds the worker's secret key, not a client's
-    return [f"export FARM_CURVE={shlex.quote(farm.curve)}",
+        return [
+            '(umask 077 && farm keys init "$JOB_DIR/keys" > /dev/null) || exit 1',
+            'chmod 600 "$JOB_DIR"/keys/*.key* "$JOB_DIR"/keys/authorized/*',
+            'export FARM_CURVE="$JOB_DIR/keys"',
             'BROKER_CURVE=(--curve "$FARM_CURVE")',
             'CURVE_ARGS=(--curve "$FARM_CURVE" --curve-name worker)',
-            'STATUS_ARGS=(--curve "$FARM_CURVE" --curve-name worker)']
+            'STATUS_ARGS=(--curve "$FARM_CURVE" --curve-name client)',
+        ]
+    # a worker host's keys folder holds the worker's secret key, not a client's
+    return [
+        f"export FARM_CURVE={shlex.quote(farm.curve)}",
+        'BROKER_CURVE=(--curve "$FARM_CURVE")',
+        'CURVE_ARGS=(--curve "$FARM_CURVE" --curve-name worker)',
+        'STATUS_ARGS=(--curve "$FARM_CURVE" --curve-name worker)',
+    ]
 
 
 def broker_lines(farm: SlurmFarm) -> list[str]:
     args = words(("--algo", farm.algo) if farm.algo else ()) + " " + words(farm.broker_args)
     return [
-        '# the broker shares the first node\'s cores (--overlap): it uses little CPU',
+        "# the broker shares the first node's cores (--overlap): it uses little CPU",
         'srun --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" --overlap --cpu-bind=none \\',
         '    --gres=none --job-name=farm-broker "${FARM[@]}" broker \\',
         f'    --bind "tcp://*:{farm.port or "*"}" {args.strip()} \\',
         '    "${BROKER_CURVE[@]}" > "$JOB_DIR/broker.log" 2>&1 &',
         "BROKER_PID=$!",
-        f"port=$(broker_port {BROKER_START_SECONDS}) || {{ say \"the broker did not start; "
+        f'port=$(broker_port {BROKER_START_SECONDS}) || {{ say "the broker did not start; '
         'see $JOB_DIR/broker.log"; stop_farm; exit 1; }',
         'export FARM_BROKER="tcp://$(node_address "${NODES[0]}"):$port"',
     ]

@@ -32,11 +32,12 @@ earlier jobs).  Policies that do not use them ignore them.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import math
+from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, NamedTuple
+from typing import NamedTuple
 
 WorkerId = str
 
@@ -143,8 +144,9 @@ def require_positive(**values: int) -> None:
             raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
 
 
-def proportional_split(total: int, weights: Mapping[WorkerId, float],
-                       floor: int = 1) -> dict[WorkerId, int]:
+def proportional_split(
+    total: int, weights: Mapping[WorkerId, float], floor: int = 1
+) -> dict[WorkerId, int]:
     """Cut ``total`` items into integer shares proportional to ``weights``.
 
     Shares that would fall below ``floor`` are dropped and their items spread
@@ -156,10 +158,11 @@ def proportional_split(total: int, weights: Mapping[WorkerId, float],
     if total <= 0 or not weights:
         return {}
     members = [w for w in weights if weights[w] > 0] or list(weights)
-    ranked = sorted(((weights[w] if weights[w] > 0 else 1.0, -place, w)
-                     for place, w in enumerate(members)), reverse=True)
-    shares = split_ranked(total, [Ranked(w, weight, -place) for weight, place, w in ranked],
-                          floor)
+    ranked = sorted(
+        ((weights[w] if weights[w] > 0 else 1.0, -place, w) for place, w in enumerate(members)),
+        reverse=True,
+    )
+    shares = split_ranked(total, [Ranked(w, weight, -place) for weight, place, w in ranked], floor)
     return {w: shares[w] for w in weights if w in shares}
 
 
@@ -181,7 +184,7 @@ def split_ranked(total: int, ranked: list[Ranked], floor: int) -> dict[WorkerId,
     """
     if total <= 0 or not ranked:
         return {}
-    ranked = ranked[:total // floor + 1]
+    ranked = ranked[: total // floor + 1]
     if len(ranked) == 1:
         return {ranked[0].worker: total}  # w * (total / w) rounds to total, or just below
     listed = sorted(range(len(ranked)), key=lambda rank: ranked[rank].place)
@@ -232,13 +235,16 @@ class Policy(ABC):
     prefetch: bool = False
     floor: int = 1  # smallest chunk the policy cuts, except the last
 
-    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
-                 speeds: Mapping[WorkerId, float] | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId] = (),
+        speeds: Mapping[WorkerId, float] | None = None,
+    ) -> None:
         self.total = total
         self.pool = ItemPool.of(total)
         self.roster: list[WorkerId] = list(dict.fromkeys(workers))  # eligible at the start
-        self.remembered: dict[WorkerId, float] = {
-            w: v for w, v in (speeds or {}).items() if v > 0}
+        self.remembered: dict[WorkerId, float] = {w: v for w, v in (speeds or {}).items() if v > 0}
         self.in_flight: dict[WorkerId, list[Chunk]] = {}
         self.idle: dict[WorkerId, int] = {}  # workers waiting for work -> arrival number, in order
         self.free: set[WorkerId] = set()  # idle workers that hold no chunk
@@ -257,7 +263,8 @@ class Policy(ABC):
 
     @property
     def members(self) -> list[WorkerId]:
-        """Workers this job can count on: the starting roster and any that joined, minus the lost."""
+        """Workers this job can count on: the starting roster and any that joined, minus the
+        lost."""
         if self._members is None:
             self._members = sorted(self.place, key=self.place.__getitem__)
         return self._members
@@ -400,8 +407,9 @@ class Policy(ABC):
         if busy and self.pool.remaining < size * len(self.in_flight):
             return None
         floor = self.cut_floor()
-        chunk = self.pool.take(size, floor if self.max_chunk is None
-                               else min(floor, self.max_chunk - size + 1))
+        chunk = self.pool.take(
+            size, floor if self.max_chunk is None else min(floor, self.max_chunk - size + 1)
+        )
         if chunk is None:  # the pool ran dry (``_assign`` checks first): nothing to give
             return None
         self._leave_idle(worker)

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
-from farm.policies.base import (DEFAULT_FLOOR, SMALL_FARM, Chunk, ChunkDone, ChunkFailed,
-                                WorkerId, require_positive)
+from farm.policies.base import (
+    DEFAULT_FLOOR,
+    SMALL_FARM,
+    Chunk,
+    ChunkDone,
+    ChunkFailed,
+    WorkerId,
+    require_positive,
+)
 from farm.policies.free_times import FreeTimes
 from farm.policies.speeds import MeasuredPolicy
 
@@ -55,11 +62,18 @@ class EqualFinishPolicy(MeasuredPolicy):
     name = "equal-finish"
     prefetch = True
 
-    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
-                 speeds: Mapping[WorkerId, float] | None = None, fraction: float = 0.5,
-                 probe: int = DEFAULT_PROBE, overhead: float = DEFAULT_OVERHEAD,
-                 max_overhead: float = DEFAULT_MAX_OVERHEAD, floor: int = DEFAULT_FLOOR,
-                 speed_window: float = DEFAULT_SPEED_WINDOW) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId] = (),
+        speeds: Mapping[WorkerId, float] | None = None,
+        fraction: float = 0.5,
+        probe: int = DEFAULT_PROBE,
+        overhead: float = DEFAULT_OVERHEAD,
+        max_overhead: float = DEFAULT_MAX_OVERHEAD,
+        floor: int = DEFAULT_FLOOR,
+        speed_window: float = DEFAULT_SPEED_WINDOW,
+    ) -> None:
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be within (0, 1], got {fraction}")
         require_positive(probe=probe, floor=floor)
@@ -105,8 +119,11 @@ class EqualFinishPolicy(MeasuredPolicy):
         if not chunks or not self.speeds.knows(worker):
             return self.now
         rate = self.rate(worker)
-        free = (self.started_at.get(worker, self.now)
-                + sum(c.count for c in chunks) / rate + self.overhead * len(chunks))
+        free = (
+            self.started_at.get(worker, self.now)
+            + sum(c.count for c in chunks) / rate
+            + self.overhead * len(chunks)
+        )
         return max(self.now, free)
 
     def speed(self, worker: WorkerId) -> float | None:
@@ -154,14 +171,19 @@ class EqualFinishPolicy(MeasuredPolicy):
             if len(self.place) <= SMALL_FARM:
                 self.free_times = None
                 rates = [(self.rate(m), self.available_at(m)) for m in self.members]
-                self._totals = (self.events, sum(r for r, _ in rates),
-                                sum(r * free for r, free in rates))
+                self._totals = (
+                    self.events,
+                    sum(r for r, _ in rates),
+                    sum(r * free for r, free in rates),
+                )
             else:
                 if self.free_times is None:
                     self.free_times = FreeTimes.of(self, self.place)
                 unknown = len(self.place) - self.ranking.known
-                self._totals = (self.events, *self.free_times.totals(
-                    unknown * self.unknown_rate() if unknown else 0.0))
+                self._totals = (
+                    self.events,
+                    *self.free_times.totals(unknown * self.unknown_rate() if unknown else 0.0),
+                )
         return self._totals[1], self._totals[2]
 
     def end_game_piece(self, worker: WorkerId) -> int | None:
@@ -201,8 +223,9 @@ class EqualFinishPolicy(MeasuredPolicy):
             waiting.discard(chosen)
             left -= size
             start = end + self.overhead
-            heapq.heappush(heap, (start + self.piece(smallest[chosen], left) / rates[chosen],
-                                  start, chosen))
+            heapq.heappush(
+                heap, (start + self.piece(smallest[chosen], left) / rates[chosen], start, chosen)
+            )
         return firsts
 
     def piece(self, smallest: int, left: int) -> int:

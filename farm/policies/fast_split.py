@@ -1,9 +1,10 @@
-"""fast-split (docs/scheduling.md): probe every worker, then give each idle worker a share of what remains."""
+"""fast-split (docs/scheduling.md): probe every worker, then give each idle worker a share of what
+remains."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from farm.policies.base import DEFAULT_FLOOR, ChunkDone, WorkerId, require_positive
 from farm.policies.speeds import DEFAULT_SPEED_ALPHA, MeasuredPolicy
@@ -27,10 +28,16 @@ class FastSplitPolicy(MeasuredPolicy):
 
     name = "fast-split"
 
-    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
-                 speeds: Mapping[WorkerId, float] | None = None, ratio: float = 0.5,
-                 probe: int = DEFAULT_PROBE, floor: int = DEFAULT_FLOOR,
-                 speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId] = (),
+        speeds: Mapping[WorkerId, float] | None = None,
+        ratio: float = 0.5,
+        probe: int = DEFAULT_PROBE,
+        floor: int = DEFAULT_FLOOR,
+        speed_alpha: float = DEFAULT_SPEED_ALPHA,
+    ) -> None:
         if not 0 < ratio <= 1:
             raise ValueError(f"fast-split ratio must be within (0, 1], got {ratio}")
         require_positive(probe=probe, floor=floor)

@@ -1,8 +1,9 @@
-"""async-FIFO (docs/scheduling.md): every idle worker at once gets ``min(chunk, remaining)``; no barrier."""
+"""async-FIFO (docs/scheduling.md): every idle worker at once gets ``min(chunk, remaining)``; no
+barrier."""
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from farm.policies.base import Policy, WorkerId, require_positive
 
@@ -18,8 +19,13 @@ class FifoPolicy(Policy):
     name = "fifo"
     prefetch = True
 
-    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
-                 speeds: Mapping[WorkerId, float] | None = None, chunk: int = 500) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId] = (),
+        speeds: Mapping[WorkerId, float] | None = None,
+        chunk: int = 500,
+    ) -> None:
         require_positive(chunk=chunk)
         super().__init__(total, workers, speeds)
         self.chunk = chunk
@@ -33,6 +39,7 @@ class FifoPolicy(Policy):
         order = self.free_in_order()
         size = self.chunk if self.max_chunk is None else min(self.chunk, self.max_chunk)
         if len(self.free) < len(self.idle) and self.remaining >= size * len(self.in_flight):
-            order += sorted((w for w in self.idle if w not in self.free),
-                            key=lambda w: len(self.in_flight[w]))
+            order += sorted(
+                (w for w in self.idle if w not in self.free), key=lambda w: len(self.in_flight[w])
+            )
         return order

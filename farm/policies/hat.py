@@ -1,8 +1,9 @@
-"""HAT (docs/scheduling.md): sliced rounds whose slice doubles until the round's finish times are close."""
+"""HAT (docs/scheduling.md): sliced rounds whose slice doubles until the round's finish times are
+close."""
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from farm.policies.base import DEFAULT_FLOOR, WorkerId, require_positive
 from farm.policies.rounds import RoundPolicy
@@ -26,10 +27,16 @@ class HatPolicy(RoundPolicy):
 
     name = "hat"
 
-    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
-                 speeds: Mapping[WorkerId, float] | None = None, slice: int = 1000,
-                 tolerance: float = DEFAULT_TOLERANCE, floor: int = DEFAULT_FLOOR,
-                 speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId] = (),
+        speeds: Mapping[WorkerId, float] | None = None,
+        slice: int = 1000,
+        tolerance: float = DEFAULT_TOLERANCE,
+        floor: int = DEFAULT_FLOOR,
+        speed_alpha: float = DEFAULT_SPEED_ALPHA,
+    ) -> None:
         require_positive(slice=slice)
         if not 0 <= tolerance < 1:
             raise ValueError(f"tolerance must be within 0..1, got {tolerance}")

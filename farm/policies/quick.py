@@ -1,8 +1,9 @@
-"""quick (docs/scheduling.md): a probe round of ``p`` items each, a barrier, then the rest split by speed."""
+"""quick (docs/scheduling.md): a probe round of ``p`` items each, a barrier, then the rest split by
+speed."""
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from farm.policies.base import DEFAULT_FLOOR, WorkerId, require_positive
 from farm.policies.rounds import RoundPolicy
@@ -20,9 +21,15 @@ class QuickPolicy(RoundPolicy):
 
     name = "quick"
 
-    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
-                 speeds: Mapping[WorkerId, float] | None = None, probe: int = 500,
-                 floor: int = DEFAULT_FLOOR, speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId] = (),
+        speeds: Mapping[WorkerId, float] | None = None,
+        probe: int = 500,
+        floor: int = DEFAULT_FLOOR,
+        speed_alpha: float = DEFAULT_SPEED_ALPHA,
+    ) -> None:
         require_positive(probe=probe)
         super().__init__(total, workers, speeds, floor, speed_alpha)
         self.probe = probe
@@ -30,6 +37,9 @@ class QuickPolicy(RoundPolicy):
     def plan_round(self) -> dict[WorkerId, int]:
         if self.round == 1:
             probes = min(self.remaining, self.probe * len(self.place))
-            return self.split(probes) if probes < self.probe * len(self.place) \
+            return (
+                self.split(probes)
+                if probes < self.probe * len(self.place)
                 else {w: self.probe for w in self.members}
+            )
         return self.split(self.remaining)

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
-from farm.policies.base import (DEFAULT_FLOOR, Chunk, ChunkDone, WorkerId, require_positive,
-                                split_ranked)
+from farm.policies.base import (
+    DEFAULT_FLOOR,
+    Chunk,
+    ChunkDone,
+    WorkerId,
+    require_positive,
+    split_ranked,
+)
 from farm.policies.speeds import DEFAULT_SPEED_ALPHA, MeasuredPolicy
 
 
@@ -25,9 +31,14 @@ class RoundPolicy(MeasuredPolicy):
     round only the idle workers with a piece still due (``due``) can take one.
     """
 
-    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
-                 speeds: Mapping[WorkerId, float] | None = None, floor: int = DEFAULT_FLOOR,
-                 speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId] = (),
+        speeds: Mapping[WorkerId, float] | None = None,
+        floor: int = DEFAULT_FLOOR,
+        speed_alpha: float = DEFAULT_SPEED_ALPHA,
+    ) -> None:
         require_positive(floor=floor)
         super().__init__(total, workers, speeds, speed_alpha)
         self.floor = floor

@@ -1,8 +1,9 @@
-"""sliced (docs/scheduling.md): rounds of one slice each, split equally first, then by measured speed."""
+"""sliced (docs/scheduling.md): rounds of one slice each, split equally first, then by measured
+speed."""
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from farm.policies.base import DEFAULT_FLOOR, WorkerId, require_positive
 from farm.policies.rounds import RoundPolicy
@@ -18,9 +19,15 @@ class SlicedPolicy(RoundPolicy):
 
     name = "sliced"
 
-    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
-                 speeds: Mapping[WorkerId, float] | None = None, slice: int = 2000,
-                 floor: int = DEFAULT_FLOOR, speed_alpha: float = DEFAULT_SPEED_ALPHA) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId] = (),
+        speeds: Mapping[WorkerId, float] | None = None,
+        slice: int = 2000,
+        floor: int = DEFAULT_FLOOR,
+        speed_alpha: float = DEFAULT_SPEED_ALPHA,
+    ) -> None:
         require_positive(slice=slice)
         super().__init__(total, workers, speeds, floor, speed_alpha)
         self.slice = slice

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 from farm.policies.base import SMALL_FARM, Policy, Ranked, WorkerId
 from farm.policies.ranking import Entry, LazyHeap
@@ -43,8 +43,9 @@ class SpeedBook:
             self.by_speed.push(-speed, worker)
 
     @classmethod
-    def seeded(cls, alpha: float, remembered: Mapping[WorkerId, float],
-               window: float | None = None) -> SpeedBook:
+    def seeded(
+        cls, alpha: float, remembered: Mapping[WorkerId, float], window: float | None = None
+    ) -> SpeedBook:
         return cls(alpha, window, dict(remembered))
 
     def update(self, worker: WorkerId, items: int, seconds: float) -> None:
@@ -66,8 +67,9 @@ class SpeedBook:
             self.speeds[worker] = self.alpha * latest + (1 - self.alpha) * previous
         if self.speeds[worker] != previous:
             self.by_speed.push(-self.speeds[worker], worker)
-            self.by_speed.rebuild_if_stale(len(self.speeds), lambda: (
-                (-speed, w) for w, speed in self.speeds.items()))
+            self.by_speed.rebuild_if_stale(
+                len(self.speeds), lambda: ((-speed, w) for w, speed in self.speeds.items())
+            )
 
     def fastest(self) -> float | None:
         """The highest speed in the book, None while it is empty."""
@@ -143,8 +145,7 @@ class MemberSpeeds:
         self.unknown.rebuild_if_stale(live, self._unknown_entries)
 
     def _ranked_entries(self) -> Iterable[Entry]:
-        return (((-self.book.speeds[w], p), w) for w, p in self.place.items()
-                if self.book.knows(w))
+        return (((-self.book.speeds[w], p), w) for w, p in self.place.items() if self.book.knows(w))
 
     def _unknown_entries(self) -> Iterable[Entry]:
         return ((p, w) for w, p in self.place.items() if not self.book.knows(w))
@@ -170,8 +171,11 @@ class MemberSpeeds:
         order, as it always was, else the running sum."""
         if len(self.place) > SMALL_FARM:
             return self.speed_sum / self.known if self.known else 1.0
-        known = [self.book.speeds[w] for w in sorted(self.place, key=self.place.__getitem__)
-                 if w in self.book.speeds]
+        known = [
+            self.book.speeds[w]
+            for w in sorted(self.place, key=self.place.__getitem__)
+            if w in self.book.speeds
+        ]
         return sum(known) / len(known) if known else 1.0
 
     def heaviest(self, count: int) -> list[Ranked]:
@@ -182,10 +186,13 @@ class MemberSpeeds:
             speeds = self.book.speeds
             ranked = [Ranked(w, speeds.get(w, default), p) for w, p in self.place.items()]
         else:
-            ranked = [Ranked(w, -key[0], key[1])
-                      for key, w in self.by_speed.first(count, self._live)]
-            ranked += [Ranked(w, default, place)
-                       for place, w in self.unknown.first(count, self._live_unknown)]
+            ranked = [
+                Ranked(w, -key[0], key[1]) for key, w in self.by_speed.first(count, self._live)
+            ]
+            ranked += [
+                Ranked(w, default, place)
+                for place, w in self.unknown.first(count, self._live_unknown)
+            ]
         ranked.sort(key=lambda m: (-m.weight, m.place))
         return ranked[:count]
 
@@ -193,8 +200,15 @@ class MemberSpeeds:
 class MeasuredPolicy(Policy):
     """A policy that measures its workers: a ``SpeedBook`` and its members ranked by speed."""
 
-    def __init__(self, total: int, workers: Iterable[WorkerId], speeds: Mapping[WorkerId, float]
-                 | None, alpha: float, window: float | None = None, seeded: bool = False) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId],
+        speeds: Mapping[WorkerId, float] | None,
+        alpha: float,
+        window: float | None = None,
+        seeded: bool = False,
+    ) -> None:
         """``seeded``: the book starts from the speeds remembered from earlier jobs."""
         super().__init__(total, workers, speeds)
         self.speeds = SpeedBook.seeded(alpha, self.remembered if seeded else {}, window)

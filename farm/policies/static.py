@@ -1,8 +1,9 @@
-"""static (docs/scheduling.md): at the start, worker ``i`` gets ``W * r_i / sum(r)`` items in one chunk."""
+"""static (docs/scheduling.md): at the start, worker ``i`` gets ``W * r_i / sum(r)`` items in one
+chunk."""
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from farm.policies.base import DEFAULT_FLOOR, WorkerId, proportional_split
 from farm.policies.rounds import RoundPolicy
@@ -20,9 +21,14 @@ class StaticPolicy(RoundPolicy):
 
     name = "static"
 
-    def __init__(self, total: int, workers: Iterable[WorkerId] = (),
-                 speeds: Mapping[WorkerId, float] | None = None,
-                 ratio: Sequence[float] = (), floor: int = DEFAULT_FLOOR) -> None:
+    def __init__(
+        self,
+        total: int,
+        workers: Iterable[WorkerId] = (),
+        speeds: Mapping[WorkerId, float] | None = None,
+        ratio: Sequence[float] = (),
+        floor: int = DEFAULT_FLOOR,
+    ) -> None:
         if any(r <= 0 for r in ratio):
             raise ValueError(f"static ratios must be positive, got {list(ratio)}")
         super().__init__(total, workers, speeds, floor)
@@ -31,8 +37,9 @@ class StaticPolicy(RoundPolicy):
     def weights(self) -> dict[WorkerId, float]:
         """Each member's ratio, by its place in the member order."""
         default = sum(self.ratio) / len(self.ratio) if self.ratio else 1.0
-        return {w: self.ratio[i] if i < len(self.ratio) else default
-                for i, w in enumerate(self.members)}
+        return {
+            w: self.ratio[i] if i < len(self.ratio) else default for i, w in enumerate(self.members)
+        }
 
     def least_share(self) -> int:
         """The smallest member's share of the whole job by ratio (at least 1)."""

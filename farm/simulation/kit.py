@@ -21,14 +21,29 @@ MODEL, ITEM_SHAPE, DIGEST = "m", (1,), "digest"
 CLIENT = b"client"
 
 
-def worker_facts(*, slots: int = 1, device: str = "cpu", host: str = "host", pid: int = 1,
-                 backend: str = "sim", model: str = MODEL,
-                 speeds: dict[str, tuple[int, float]] | None = None) -> WorkerFacts:
+def worker_facts(
+    *,
+    slots: int = 1,
+    device: str = "cpu",
+    host: str = "host",
+    pid: int = 1,
+    backend: str = "sim",
+    model: str = MODEL,
+    speeds: dict[str, tuple[int, float]] | None = None,
+) -> WorkerFacts:
     """A simulated worker that runs ``model``; ``speeds``: what it ran before (model ->
     images, compute seconds)."""
-    return WorkerFacts(device=device, host=host, pid=pid, backend=backend, threads=1,
-                       models={model: ITEM_SHAPE}, loaded=frozenset({model}), slots=slots,
-                       speeds=dict(speeds or {}))
+    return WorkerFacts(
+        device=device,
+        host=host,
+        pid=pid,
+        backend=backend,
+        threads=1,
+        models={model: ITEM_SHAPE},
+        loaded=frozenset({model}),
+        slots=slots,
+        speeds=dict(speeds or {}),
+    )
 
 
 def joined(worker: bytes, at: float = 0.0, **facts: Any) -> ev.WorkerJoined:
@@ -36,37 +51,73 @@ def joined(worker: bytes, at: float = 0.0, **facts: Any) -> ev.WorkerJoined:
     return ev.WorkerJoined(worker=worker, facts=worker_facts(**facts), at=at)
 
 
-def submitted(job: str, total: int, *, at: float = 0.0, client: bytes = CLIENT,
-              model: str = MODEL, item_shape: tuple[int, ...] = ITEM_SHAPE,
-              heartbeat: float = 1.0, options: JobOptions | None = None,
-              found: ModelFound | str | None = None) -> ev.JobSubmitted:
+def submitted(
+    job: str,
+    total: int,
+    *,
+    at: float = 0.0,
+    client: bytes = CLIENT,
+    model: str = MODEL,
+    item_shape: tuple[int, ...] = ITEM_SHAPE,
+    heartbeat: float = 1.0,
+    options: JobOptions | None = None,
+    found: ModelFound | str | None = None,
+) -> ev.JobSubmitted:
     """A job of ``total`` float32 items for ``model``; ``found``: what the repository says of
     the model (by default: it takes one float32 per item)."""
-    return ev.JobSubmitted(client=client, job=job, model_name=model, dtype="float32",
-                           item_shape=item_shape, total=total, heartbeat=heartbeat,
-                           options=options or JobOptions(),
-                           model=found or ModelFound(item_shape=ITEM_SHAPE, digest=DIGEST),
-                           at=at)
+    return ev.JobSubmitted(
+        client=client,
+        job=job,
+        model_name=model,
+        dtype="float32",
+        item_shape=item_shape,
+        total=total,
+        heartbeat=heartbeat,
+        options=options or JobOptions(),
+        model=found or ModelFound(item_shape=ITEM_SHAPE, digest=DIGEST),
+        at=at,
+    )
 
 
 def data_for(need: ev.SendNeed, at: float) -> ev.DataArrived:
     """The client's answer to a NEED: the chunk's input."""
-    return ev.DataArrived(client=need.client, job=need.job, chunk=need.chunk, start=need.start,
-                          count=need.count, at=at)
+    return ev.DataArrived(
+        client=need.client,
+        job=need.job,
+        chunk=need.chunk,
+        start=need.start,
+        count=need.count,
+        at=at,
+    )
 
 
 def result_for(task: ev.SendTask, at: float, compute: float) -> ev.ResultArrived:
     """The worker's answer to a TASK: one float32 per item, computed in ``compute`` s."""
-    return ev.ResultArrived(worker=task.worker, job=task.job, chunk=task.chunk,
-                            start=task.start, count=task.count, output_shape=ITEM_SHAPE,
-                            timings={"compute": compute}, at=at)
+    return ev.ResultArrived(
+        worker=task.worker,
+        job=task.job,
+        chunk=task.chunk,
+        start=task.start,
+        count=task.count,
+        output_shape=ITEM_SHAPE,
+        timings={"compute": compute},
+        at=at,
+    )
 
 
-def failure_for(task: ev.SendTask, at: float, error: str, *, fatal: bool = False,
-                charge: bool = True) -> ev.FailureArrived:
+def failure_for(
+    task: ev.SendTask, at: float, error: str, *, fatal: bool = False, charge: bool = True
+) -> ev.FailureArrived:
     """The worker could not run a TASK."""
-    return ev.FailureArrived(worker=task.worker, job=task.job, chunk=task.chunk, error=error,
-                             fatal=fatal, at=at, charge=charge)
+    return ev.FailureArrived(
+        worker=task.worker,
+        job=task.job,
+        chunk=task.chunk,
+        error=error,
+        fatal=fatal,
+        at=at,
+        charge=charge,
+    )
 
 
 @dataclass
@@ -92,8 +143,9 @@ class Driver:
         """A job of ``total`` items, as ``submitted`` makes it."""
         return self.feed(submitted(job, total, **how))
 
-    def answer(self, instruction: ev.SendNeed | ev.SendTask, at: float,
-               compute: float = 0.0) -> list[ev.Instruction]:
+    def answer(
+        self, instruction: ev.SendNeed | ev.SendTask, at: float, compute: float = 0.0
+    ) -> list[ev.Instruction]:
         """A NEED answered with its DATA, a TASK with its RESULT (``compute`` seconds)."""
         if isinstance(instruction, ev.SendNeed):
             return self.feed(data_for(instruction, at))

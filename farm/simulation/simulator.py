@@ -18,10 +18,9 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-
-from typing import Any, Callable
+from typing import Any
 
 from farm.broker import events as ev
 from farm.broker.facts import JobOptions
@@ -29,7 +28,6 @@ from farm.broker.state import FarmState, SchedulingConfig
 from farm.policies import Chunk
 from farm.simulation import kit
 from farm.simulation.kit import CLIENT
-
 
 #: Seconds over which a device's speed jitters independently (see ``DeviceModel.noise_factor``).
 NOISE_WINDOW = 0.1
@@ -72,7 +70,8 @@ class DeviceModel:
         return steady(math.exp(rng.gauss(-sigma * sigma / 2, sigma)))
 
     def finish_time(self, start: float, items: int, noise: float) -> float:
-        """When a chunk of ``items`` started at ``start`` ends (``noise`` multiplies its compute time)."""
+        """When a chunk of ``items`` started at ``start`` ends (``noise`` multiplies its compute
+        time)."""
         begin = start + self.overhead
         rate = self.rate / noise
         if self.drift_at is None or begin >= self.drift_at:
@@ -204,25 +203,33 @@ class FarmSimulation:
 
     def joined(self, identity: bytes, device: str, at: float) -> ev.WorkerJoined:
         """A simulated worker on ``device`` registers."""
-        return kit.joined(identity, at, slots=self.scenario.slots, device=device, host="sim",
-                          pid=0)
+        return kit.joined(identity, at, slots=self.scenario.slots, device=device, host="sim", pid=0)
 
     def at(self, when: float, event: ev.FarmEvent | Callable[[float], None]) -> None:
         heapq.heappush(self.queue, _Pending(when, self.order, event))
         self.order += 1
 
-    def submit(self, job: str, total: int, at: float = 0.0,
-               options: JobOptions = JobOptions()) -> None:
+    def submit(
+        self, job: str, total: int, at: float = 0.0, options: JobOptions | None = None
+    ) -> None:
         self.at(at, kit.submitted(job, total, at=at, options=options))
 
     def lose(self, device: str, at: float, crashed: bool = False) -> None:
         """The device's worker leaves at ``at`` (what it computes then is lost); ``crashed``:
         it died, rather than going silent or saying goodbye.  Its successor, if
         ``restart`` is set, is a new worker on the same device."""
+
         def leave(now: float) -> None:
             if self.current[device]:  # else it died already, and a new one is on its way
-                self.step(now, ev.WorkerLeft(worker=self.current[device], at=now,
-                                             reason="lost in the simulation", crashed=crashed))
+                self.step(
+                    now,
+                    ev.WorkerLeft(
+                        worker=self.current[device],
+                        at=now,
+                        reason="lost in the simulation",
+                        crashed=crashed,
+                    ),
+                )
                 if self.restart is not None:
                     self.current[device] = b""
                     self.start_worker(device, now + self.restart)
@@ -294,9 +301,16 @@ class FarmSimulation:
                     self.at(answered, kit.result_for(instruction, answered, end - began))
             case ev.SendResult(result=result, trace=trace):
                 began, end = self.running.pop(result.chunk)
-                self.runs.setdefault(result.job, []).append(ChunkRun(
-                    result.worker.decode(), Chunk(result.start, result.count), trace[0],
-                    began, end, now))
+                self.runs.setdefault(result.job, []).append(
+                    ChunkRun(
+                        result.worker.decode(),
+                        Chunk(result.start, result.count),
+                        trace[0],
+                        began,
+                        end,
+                        now,
+                    )
+                )
             case ev.SendDone(job=job):
                 self.ended[job] = now
             case ev.SendFailed(job=job):
@@ -307,20 +321,25 @@ class FarmSimulation:
             case ev.SendCancel(peer=peer, job=job) if peer == CLIENT:
                 self.ended[job] = now
 
-
     def crash(self, worker: bytes, at: float) -> None:
         """The worker dies at ``at``; a new one starts on its device ``restart`` s later."""
-        self.at(at, ev.WorkerLeft(worker=worker, at=at, reason="crashed on a poison item",
-                                  crashed=True))
+        self.at(
+            at, ev.WorkerLeft(worker=worker, at=at, reason="crashed on a poison item", crashed=True)
+        )
         device = self.devices[worker].name
         if self.restart is not None and self.current[device] == worker:
             self.current[device] = b""  # one restart per death
             self.start_worker(device, at + self.restart)
 
 
-def simulate(scenario: Scenario, algo: str, seed: int = 0,
-             speeds: dict[str, float] | None = None, max_chunk_seconds: float = 0.0,
-             **params: Any) -> SimResult:
+def simulate(
+    scenario: Scenario,
+    algo: str,
+    seed: int = 0,
+    speeds: dict[str, float] | None = None,
+    max_chunk_seconds: float = 0.0,
+    **params: Any,
+) -> SimResult:
     """Run one job of ``scenario`` under policy ``algo``; deterministic for a given seed.
 
     ``speeds``: each device's speed from earlier jobs; ``max_chunk_seconds``: the broker's

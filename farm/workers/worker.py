@@ -37,12 +37,27 @@ import zmq
 
 from farm import defaults, messages, protocol
 from farm.engines.autoselect import load_engine
-from farm.engines.engine import (AUTO, GPU_BACKEND, Engine, RunStats, Stopped, engine_class,
-                         job_engine, limit_threads)
+from farm.engines.engine import (
+    AUTO,
+    GPU_BACKEND,
+    Engine,
+    RunStats,
+    Stopped,
+    engine_class,
+    job_engine,
+    limit_threads,
+)
 from farm.link import BrokerLink, LinkConfig
 from farm.modelrepo.modelstore import Manifest, ModelCache, manifest_of
+from farm.modelrepo.repository import (
+    ModelError,
+    ModelSpec,
+    available,
+    find_local,
+    load_spec,
+    prepare,
+)
 from farm.protocol import Command, Message, ProtocolError
-from farm.modelrepo.repository import ModelError, ModelSpec, available, find_local, load_spec, prepare
 from farm.wakeup import Wakeup
 
 if TYPE_CHECKING:
@@ -51,8 +66,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("farm.worker")
 
 #: Commands a worker accepts from the broker.
-ACCEPTED = frozenset({Command.TASK, Command.MODEL, Command.ERROR, Command.HEARTBEAT,
-                      Command.DISCONNECT, Command.CANCEL})
+ACCEPTED = frozenset(
+    {
+        Command.TASK,
+        Command.MODEL,
+        Command.ERROR,
+        Command.HEARTBEAT,
+        Command.DISCONNECT,
+        Command.CANCEL,
+    }
+)
 
 #: Cancelled job ids a worker remembers (its chunks of them are not run).
 CANCELLED_MEMORY = 1000
@@ -98,8 +121,7 @@ class Device:
     def parse(cls, text: str) -> Device:
         kind, _, index = text.partition(":")
         if kind not in ("cpu", "gpu"):
-            raise ValueError(f"unsupported device {text!r}; use cpu, cpu:N, cpu:bound or "
-                             f"gpu:N")
+            raise ValueError(f"unsupported device {text!r}; use cpu, cpu:N, cpu:bound or gpu:N")
         if kind == "cpu" and index == BOUND:
             return cls("cpu", bound_core())
         if index and not index.isdigit():
@@ -128,9 +150,11 @@ class Device:
 
         count = torch.cuda.device_count()
         if (self.index or 0) >= count:
-            raise ValueError(f"device {self}: torch {torch.__version__} sees "
-                             f"{count} CUDA device(s)"
-                             + ("" if count else " (a CPU-only build, or no GPU driver)"))
+            raise ValueError(
+                f"device {self}: torch {torch.__version__} sees "
+                f"{count} CUDA device(s)"
+                + ("" if count else " (a CPU-only build, or no GPU driver)")
+            )
 
     def __str__(self) -> str:
         return self.kind if self.index is None else f"{self.kind}:{self.index}"
@@ -144,8 +168,10 @@ def prepare_process(device: Device) -> None:
     """
     if device.pinned:
         if device.index not in os.sched_getaffinity(0):
-            raise ValueError(f"core {device.index} is not available to this process "
-                             f"(allowed: {sorted(os.sched_getaffinity(0))})")
+            raise ValueError(
+                f"core {device.index} is not available to this process "
+                f"(allowed: {sorted(os.sched_getaffinity(0))})"
+            )
         os.sched_setaffinity(0, {device.index})
         limit_threads(1)  # before OpenCV or torch is imported: both read these when loaded
     try:
@@ -215,8 +241,11 @@ class Worker:
     decoders: dict[str, ImageDecoder] = field(default_factory=dict)  # by model digest
 
     def __post_init__(self) -> None:
-        self.cache = (ModelCache(Path(self.config.cache_dir)) if self.config.cache_dir
-                      else ModelCache.default())
+        self.cache = (
+            ModelCache(Path(self.config.cache_dir))
+            if self.config.cache_dir
+            else ModelCache.default()
+        )
         self.backend = self.config.backend
         if self.backend != AUTO:
             engine_class(self.backend)  # fail at start if the backend's library is missing
@@ -238,8 +267,11 @@ class Worker:
     def engine_key(self, task: messages.Task) -> EngineKey:
         """The engine a TASK runs on: its job's choice, else this worker's; ValueError for
         a malformed choice."""
-        backend, precision = (job_engine(task.engine) if task.engine is not None
-                              else (self.backend, self.config.precision))
+        backend, precision = (
+            job_engine(task.engine)
+            if task.engine is not None
+            else (self.backend, self.config.precision)
+        )
         return EngineKey(task.digest, backend, precision)
 
     def load(self, spec: ModelSpec | None, key: EngineKey) -> Engine:
@@ -255,15 +287,22 @@ class Worker:
             except ModelError as exc:
                 self.broken[key] = str(exc)
                 raise
-            log.info("loaded model %s (%s): %s", spec.name, key.digest[:12],
-                     self.engines[key].describe())
+            log.info(
+                "loaded model %s (%s): %s", spec.name, key.digest[:12], self.engines[key].describe()
+            )
         return self.engines[key]
 
     def build_engine(self, spec: ModelSpec, key: EngineKey) -> Engine:
         """The model on the key's backend, or on the one ``auto`` chooses."""
-        return load_engine(spec, key.backend, self.config.batch,
-                           self.config.device.engine_device, self.threads, key.precision,
-                           key.digest)
+        return load_engine(
+            spec,
+            key.backend,
+            self.config.batch,
+            self.config.device.engine_device,
+            self.threads,
+            key.precision,
+            key.digest,
+        )
 
     def find_files(self, model: str, digest: str) -> ModelSpec | None:
         """A local or cached copy of the model with exactly this digest, if there is one."""
@@ -297,21 +336,30 @@ class Worker:
     def preload_fetches(self) -> list[Reply]:
         """FETCH by name (empty digest: the broker's current copy) for each ``--model`` model
         still missing."""
-        return [protocol.encode(Command.FETCH, messages.Fetch(model=name, digest=""))
-                for name in sorted(self.preloading)]
+        return [
+            protocol.encode(Command.FETCH, messages.Fetch(model=name, digest=""))
+            for name in sorted(self.preloading)
+        ]
 
     def ready_header(self) -> messages.Ready:
         """The registration sent on every new connection to the broker."""
-        models = {name: messages.ModelFacts(input_shape=spec.item_shape)
-                  for name, spec in self.local_models().items()}
+        models = {
+            name: messages.ModelFacts(input_shape=spec.item_shape)
+            for name, spec in self.local_models().items()
+        }
         return messages.Ready(
-            device=str(self.config.device), host=socket.gethostname(), pid=os.getpid(),
-            backend=self.backend, models=models,
+            device=str(self.config.device),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            backend=self.backend,
+            models=models,
             slots=self.config.slots or self.config.device.default_slots,
             threads=self.thread_count(),
             loaded=tuple(sorted({e.spec.name for e in list(self.engines.values())})),
-            engines=self.engine_names(), heartbeat=self.config.heartbeat,
-            speeds=dict(self.speeds))
+            engines=self.engine_names(),
+            heartbeat=self.config.heartbeat,
+            speeds=dict(self.speeds),
+        )
 
     def engine_names(self) -> dict[str, str]:
         """Model -> the engines running it (``openvino f32 batch 64``), for ``farm status``."""
@@ -328,18 +376,32 @@ class Worker:
         ``max_tasks``."""
         self.preload()
         config = self.config
-        link = BrokerLink(context, LinkConfig(config.broker, config.heartbeat, config.liveness,
-                                              config.curve, config.curve_name, linger_ms=1000),
-                          self.ready_header, self.heartbeat_header)
+        link = BrokerLink(
+            context,
+            LinkConfig(
+                config.broker,
+                config.heartbeat,
+                config.liveness,
+                config.curve,
+                config.curve_name,
+                linger_ms=1000,
+            ),
+            self.ready_header,
+            self.heartbeat_header,
+        )
         tasks: queue.Queue[QueuedMessage | None] = queue.Queue()
         pipe = context.socket(zmq.PAIR)
         pipe.bind(f"inproc://farm-worker-{id(self)}")
-        compute = threading.Thread(target=self.compute_loop, name="compute", daemon=True,
-                                   args=(context, f"inproc://farm-worker-{id(self)}", tasks,
-                                         link))
+        compute = threading.Thread(
+            target=self.compute_loop,
+            name="compute",
+            daemon=True,
+            args=(context, f"inproc://farm-worker-{id(self)}", tasks, link),
+        )
         compute.start()
-        log.info("worker %s (%s) ready, broker %s", self.config.device, self.backend,
-                 self.config.broker)
+        log.info(
+            "worker %s (%s) ready, broker %s", self.config.device, self.backend, self.config.broker
+        )
         try:
             self.io_loop(link, pipe, tasks, wakeup)
         finally:
@@ -349,8 +411,9 @@ class Worker:
             link.close(goodbye=True)
             pipe.close()
 
-    def io_loop(self, link: BrokerLink, pipe: zmq.Socket, tasks: queue.Queue,
-                wakeup: Wakeup | None = None) -> None:
+    def io_loop(
+        self, link: BrokerLink, pipe: zmq.Socket, tasks: queue.Queue, wakeup: Wakeup | None = None
+    ) -> None:
         """The main thread: broker messages in, replies out, the link's timers."""
         link.poller.register(pipe, zmq.POLLIN)
         if wakeup is not None:
@@ -382,8 +445,10 @@ class Worker:
         elif isinstance(header, messages.Cancel):
             self.cancel(header.job)
         elif message.command is Command.DISCONNECT:
-            log.warning("the broker does not know this worker (it restarted, or declared us "
-                        "dead): registering again")
+            log.warning(
+                "the broker does not know this worker (it restarted, or declared us "
+                "dead): registering again"
+            )
             link.reconnect()
             tasks.put(QueuedMessage(link.generation, None, 0.0))
         else:
@@ -395,8 +460,9 @@ class Worker:
         if len(self.cancelled) > CANCELLED_MEMORY:
             del self.cancelled[next(iter(self.cancelled))]
 
-    def compute_loop(self, context: zmq.Context, address: str, tasks: queue.Queue,
-                     link: BrokerLink) -> None:
+    def compute_loop(
+        self, context: zmq.Context, address: str, tasks: queue.Queue, link: BrokerLink
+    ) -> None:
         """The compute thread: run tasks of the current connection, send the replies back."""
         pipe = context.socket(zmq.PAIR)
         pipe.connect(address)
@@ -457,8 +523,7 @@ class Worker:
                 self.waiting[digest] = [(message, received)]
                 self.fetch_sent[digest] = time.monotonic()
                 log.info("fetching model %s (%s) from the broker", model, digest[:12])
-                return [protocol.encode(Command.FETCH,
-                                        messages.Fetch(model=model, digest=digest))]
+                return [protocol.encode(Command.FETCH, messages.Fetch(model=model, digest=digest))]
             return [self.run_task(message, received, spec)]
         return [self.run_task(message, received)]
 
@@ -468,16 +533,14 @@ class Worker:
         self.fetch_sent.pop(header.digest, None)
         try:
             if header.error is not None:
-                raise ModelError(f"the broker cannot send model {header.model!r}: "
-                                 f"{header.error}")
+                raise ModelError(f"the broker cannot send model {header.model!r}: {header.error}")
             manifest = Manifest.from_header(header)
             spec = self.cache.install(manifest, message.payload)
             self.fetched[manifest.model] = self.fetched.get(manifest.model, 0) + 1
         except ModelError as exc:  # not remembered: the next chunk of the model fetches again
             if not header.digest and header.model in self.preloading:
                 self.preloading.discard(header.model)
-                log.error("cannot preload --model %s: %s; serving other models", header.model,
-                          exc)
+                log.error("cannot preload --model %s: %s; serving other models", header.model, exc)
             else:
                 log.error("%s", exc)
             return [self.failed(task, str(exc)) for task, _ in parked]
@@ -489,8 +552,7 @@ class Worker:
                 log.error("cannot preload --model %s: %s", header.model, exc)
         now = time.perf_counter()
         # the wait for the files counts as loading, as the engine's build does
-        return [self.run_task(task, now, spec, waited=now - received)
-                for task, received in parked]
+        return [self.run_task(task, now, spec, waited=now - received) for task, received in parked]
 
     def expire_fetches(self) -> list[Reply]:
         """FAILED for the chunks parked on a FETCH the broker has not answered in time."""
@@ -499,8 +561,10 @@ class Worker:
             if now - sent > FETCH_TIMEOUT:
                 del self.fetch_sent[digest]
                 error = f"no model files from the broker within {FETCH_TIMEOUT:.0f} s"
-                replies += [self.failed(task, error, fatal=False, charge=False)
-                            for task, _ in self.waiting.pop(digest, [])]
+                replies += [
+                    self.failed(task, error, fatal=False, charge=False)
+                    for task, _ in self.waiting.pop(digest, [])
+                ]
         return replies
 
     @staticmethod
@@ -510,12 +574,22 @@ class Worker:
         chunk's items are not to blame (a cancelled job, a fetch that timed out)."""
         task = message.header
         assert isinstance(task, messages.Task)  # only a TASK names a chunk to run
-        return protocol.encode(Command.FAILED, messages.Failed(
-            job=task.job, chunk=task.chunk, start=task.start, count=task.count, error=error,
-            fatal=fatal, charge=charge))
+        return protocol.encode(
+            Command.FAILED,
+            messages.Failed(
+                job=task.job,
+                chunk=task.chunk,
+                start=task.start,
+                count=task.count,
+                error=error,
+                fatal=fatal,
+                charge=charge,
+            ),
+        )
 
-    def run_task(self, message: Message, received: float,
-                 spec: ModelSpec | None = None, waited: float = 0.0) -> Reply:
+    def run_task(
+        self, message: Message, received: float, spec: ModelSpec | None = None, waited: float = 0.0
+    ) -> Reply:
         """Run one chunk; FAILED with the reason when it cannot run.
 
         Timings: ``load`` the seconds the chunk waited for its model's files
@@ -544,13 +618,20 @@ class Worker:
                 outputs, failures = self.run_files(engine, message, task)
             else:
                 if task.item_shape != engine.spec.item_shape:
-                    raise ValueError(f"item shape {task.item_shape} does not match model "
-                                     f"{engine.spec.name!r} input {engine.spec.item_shape}")
+                    raise ValueError(
+                        f"item shape {task.item_shape} does not match model "
+                        f"{engine.spec.name!r} input {engine.spec.item_shape}"
+                    )
                 images = message.array(task.dtype, task.item_shape)
                 decoded = time.perf_counter()
                 outputs, failures = self.run_array(engine, images, task)
-            log.debug("computed items %d..%d of job %s in %.3f s", task.start,
-                      task.start + task.count - 1, task.job, time.perf_counter() - decoded)
+            log.debug(
+                "computed items %d..%d of job %s in %.3f s",
+                task.start,
+                task.start + task.count - 1,
+                task.job,
+                time.perf_counter() - decoded,
+            )
             self.inject_fault(task.start, task.count)  # after the compute, which it wastes
         except Stopped as exc:
             return self.failed(message, f"job cancelled ({exc})", fatal=False, charge=False)
@@ -566,16 +647,32 @@ class Worker:
         frames = protocol.array_frames(outputs)
         if failures:
             frames.append(protocol.failures_frame(failures))
-        timings = {"load": waited, "receive": decoded - received, "compute": computed - decoded,
-                   "device": engine.last_run.device, "copy": engine.last_run.copy,
-                   "send": time.perf_counter() - computed}
-        return protocol.encode(Command.RESULT, messages.Result(
-            job=task.job, chunk=task.chunk, start=task.start, count=task.count,
-            dtype="float32", item_shape=outputs.shape[1:], timings=timings,
-            failed=sum(count for _, count, _ in failures)), frames)
+        timings = {
+            "load": waited,
+            "receive": decoded - received,
+            "compute": computed - decoded,
+            "device": engine.last_run.device,
+            "copy": engine.last_run.copy,
+            "send": time.perf_counter() - computed,
+        }
+        return protocol.encode(
+            Command.RESULT,
+            messages.Result(
+                job=task.job,
+                chunk=task.chunk,
+                start=task.start,
+                count=task.count,
+                dtype="float32",
+                item_shape=outputs.shape[1:],
+                timings=timings,
+                failed=sum(count for _, count, _ in failures),
+            ),
+            frames,
+        )
 
-    def run_files(self, engine: Engine, message: Message, task: messages.Task
-                  ) -> tuple[np.ndarray, list[tuple[int, int, str]]]:
+    def run_files(
+        self, engine: Engine, message: Message, task: messages.Task
+    ) -> tuple[np.ndarray, list[tuple[int, int, str]]]:
         """Decode a chunk of image files and run the ones that decode: their outputs (NaN
         for the others; the mean over the crops when the model oversamples), and the runs
         of files that failed, with their reasons."""
@@ -587,26 +684,29 @@ class Worker:
         batch = decoder.decode(message.files())
         outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
         if len(batch.ok):
-            computed = engine.run(batch.images, stop=lambda: task.job in self.cancelled,
-                                  tally=self.tally)
+            computed = engine.run(
+                batch.images, stop=lambda: task.job in self.cancelled, tally=self.tally
+            )
             if batch.crops > 1:
-                computed = computed.reshape(len(batch.ok), batch.crops, *engine.output_shape) \
-                    .mean(axis=1)
+                computed = computed.reshape(len(batch.ok), batch.crops, *engine.output_shape).mean(
+                    axis=1
+                )
             outputs[batch.ok] = computed
         return outputs, failure_runs(batch.failures)
 
-    def run_array(self, engine: Engine, images: np.ndarray, task: messages.Task
-                  ) -> tuple[np.ndarray, list[tuple[int, int, str]]]:
+    def run_array(
+        self, engine: Engine, images: np.ndarray, task: messages.Task
+    ) -> tuple[np.ndarray, list[tuple[int, int, str]]]:
         """Run a chunk of pixels: the outputs of its finite items (NaN for the others), and
         the runs of float32 items that hold a NaN or an infinite pixel."""
         finite = finite_items(images)
         if finite.all():
-            return engine.run(images, stop=lambda: task.job in self.cancelled,
-                              tally=self.tally), []
+            return engine.run(images, stop=lambda: task.job in self.cancelled, tally=self.tally), []
         outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
         if finite.any():
-            outputs[finite] = engine.run(images[finite], stop=lambda: task.job in self.cancelled,
-                                         tally=self.tally)
+            outputs[finite] = engine.run(
+                images[finite], stop=lambda: task.job in self.cancelled, tally=self.tally
+            )
         bad = np.flatnonzero(~finite).tolist()
         return outputs, failure_runs([(index, NON_FINITE) for index in bad])
 
@@ -617,8 +717,9 @@ class Worker:
 
     def heartbeat_header(self) -> messages.Heartbeat:
         """Every heartbeat carries the compute counters and the engines loaded."""
-        return messages.Heartbeat(computed=(self.computed_images, self.computed_seconds),
-                                  engines=self.engine_names())
+        return messages.Heartbeat(
+            computed=(self.computed_images, self.computed_seconds), engines=self.engine_names()
+        )
 
     def rest_engines(self) -> None:
         """Idle: shrink every net that grew for large batches back to its resting batch."""

@@ -16,8 +16,17 @@ from farm.ops.local import LocalFarm, cores, farm_command
 from farm.protocol import Command
 
 #: ``local_farm(...)`` keywords that are LocalFarm's own; any other is a broker option.
-FARM_OPTIONS = {"broker_options", "worker_options", "device_options", "device_launchers",
-                "preload", "log_level", "ready_timeout", "curve", "launcher"}
+FARM_OPTIONS = {
+    "broker_options",
+    "worker_options",
+    "device_options",
+    "device_launchers",
+    "preload",
+    "log_level",
+    "ready_timeout",
+    "curve",
+    "launcher",
+}
 
 StartFarm = Callable[..., LocalFarm]
 
@@ -32,13 +41,23 @@ def pinned_devices(count: int) -> list[str]:
 def farm_starter(stack: contextlib.ExitStack) -> StartFarm:
     """``local_farm``'s function: each farm it starts is stopped when ``stack`` closes."""
 
-    def start(workers: int = 2, devices: Sequence[str] | None = None, *, algo: str = "fifo",
-              **options: Any) -> LocalFarm:
+    def start(
+        workers: int = 2,
+        devices: Sequence[str] | None = None,
+        *,
+        algo: str = "fifo",
+        **options: Any,
+    ) -> LocalFarm:
         own = {name: value for name, value in options.items() if name in FARM_OPTIONS}
         broker = {name: value for name, value in options.items() if name not in FARM_OPTIONS}
-        own["broker_options"] = [*own.get("broker_options", ()), *(
-            argument for name, value in broker.items()
-            for argument in ("--" + name.replace("_", "-"), str(value)))]
+        own["broker_options"] = [
+            *own.get("broker_options", ()),
+            *(
+                argument
+                for name, value in broker.items()
+                for argument in ("--" + name.replace("_", "-"), str(value))
+            ),
+        ]
         devices = pinned_devices(workers) if devices is None else devices
         return stack.enter_context(LocalFarm(devices=devices, algo=algo, **own))
 
@@ -94,9 +113,17 @@ def lone_worker() -> Iterator[tuple[zmq.Socket, bytes]]:
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    process = subprocess.Popen(farm_command("--log-level", "ERROR", "worker", "--device",
-                                            pinned_devices(1)[0], "--broker",
-                                            f"tcp://127.0.0.1:{port}"))
+    process = subprocess.Popen(
+        farm_command(
+            "--log-level",
+            "ERROR",
+            "worker",
+            "--device",
+            pinned_devices(1)[0],
+            "--broker",
+            f"tcp://127.0.0.1:{port}",
+        )
+    )
     try:
         assert router.poll(30_000), "worker never said READY"
         identity, *frames = router.recv_multipart()

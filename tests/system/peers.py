@@ -18,9 +18,18 @@ class ScriptedWorker:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
         lenet = {"lenet": messages.ModelFacts(input_shape=(1, 28, 28))}
-        self.send(Command.READY, messages.Ready(device="cpu:0", host="scripted", pid=1,
-                                                backend="none", threads=1, slots=slots,
-                                                models=models or lenet))
+        self.send(
+            Command.READY,
+            messages.Ready(
+                device="cpu:0",
+                host="scripted",
+                pid=1,
+                backend="none",
+                threads=1,
+                slots=slots,
+                models=models or lenet,
+            ),
+        )
 
     def send(self, command: Command, header: Header | None = None, payload: list = ()) -> None:
         self.socket.send_multipart(protocol.encode(command, header, payload))

@@ -64,8 +64,10 @@ class SlurmCluster:
         if problem:
             return problem
         self.write_conf()
-        for command in (["slurmctld", "-c", "-f", str(self.conf)],
-                        *(["slurmd", "-f", str(self.conf), "-N", node] for node in self.nodes)):
+        for command in (
+            ["slurmctld", "-c", "-f", str(self.conf)],
+            *(["slurmd", "-f", str(self.conf), "-N", node] for node in self.nodes),
+        ):
             done = subprocess.run(command, capture_output=True, text=True, timeout=60)
             if done.returncode != 0:
                 self.stop()
@@ -79,14 +81,21 @@ class SlurmCluster:
     def start_munge(self) -> str | None:
         if munge_works():
             return None
-        for folder, mode in (("/run/munge", 0o755), ("/var/lib/munge", 0o700),
-                             ("/var/log/munge", 0o700)):
+        for folder, mode in (
+            ("/run/munge", 0o755),
+            ("/var/lib/munge", 0o700),
+            ("/var/log/munge", 0o700),
+        ):
             os.makedirs(folder, mode=mode, exist_ok=True)
             shutil.chown(folder, "munge", "munge")
         for stale in Path("/run/munge").glob("munge.socket.2*"):
             stale.unlink()
-        done = subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["runuser", "-u", "munge", "--", "/usr/sbin/munged"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         self.started_munge = done.returncode == 0
         deadline = time.monotonic() + 10
         while not munge_works():  # munged forks into the background: only its socket tells
@@ -102,21 +111,39 @@ class SlurmCluster:
         cpus = CPUS_PER_NODE
         f = self.folder
         lines = [
-            "ClusterName=farmtest", f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={free_port()}", "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge",
-            f"StateSaveLocation={f}/state/ctld", f"SlurmdSpoolDir={f}/state/%n",
-            f"SlurmctldPidFile={f}/run/slurmctld.pid", f"SlurmdPidFile={f}/run/slurmd-%n.pid",
-            f"SlurmctldLogFile={f}/log/slurmctld.log", f"SlurmdLogFile={f}/log/slurmd-%n.log",
-            "SchedulerType=sched/backfill", "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core", "TaskPlugin=task/affinity",
-            "ProctrackType=proctrack/linuxproc", "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none", "JobCompType=jobcomp/none",
-            "MpiDefault=none", "ReturnToService=2", f"KillWait={KILL_WAIT}", "InactiveLimit=0",
-            "MinJobAge=10", "MailProg=/bin/true",
-            *(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
-              f"CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 RealMemory=1000 "
-              f"State=UNKNOWN" for node in self.nodes),
+            "ClusterName=farmtest",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldPort={free_port()}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"StateSaveLocation={f}/state/ctld",
+            f"SlurmdSpoolDir={f}/state/%n",
+            f"SlurmctldPidFile={f}/run/slurmctld.pid",
+            f"SlurmdPidFile={f}/run/slurmd-%n.pid",
+            f"SlurmctldLogFile={f}/log/slurmctld.log",
+            f"SlurmdLogFile={f}/log/slurmd-%n.log",
+            "SchedulerType=sched/backfill",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "TaskPlugin=task/affinity",
+            "ProctrackType=proctrack/linuxproc",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "JobCompType=jobcomp/none",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            f"KillWait={KILL_WAIT}",
+            "InactiveLimit=0",
+            "MinJobAge=10",
+            "MailProg=/bin/true",
+            *(
+                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
+                f"CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 RealMemory=1000 "
+                f"State=UNKNOWN"
+                for node in self.nodes
+            ),
             f"PartitionName=farm Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE "
             f"State=UP OverSubscribe=NO",
         ]
@@ -127,8 +154,13 @@ class SlurmCluster:
         is nothing to wait on but its state)."""
         deadline = time.monotonic() + START_SECONDS
         while time.monotonic() < deadline:
-            done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
-                                  text=True, env=self.env, timeout=30)
+            done = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%N %T"],
+                capture_output=True,
+                text=True,
+                env=self.env,
+                timeout=30,
+            )
             states = dict(line.split() for line in done.stdout.splitlines() if line.strip())
             if done.returncode == 0 and all(states.get(n) == "idle" for n in self.nodes):
                 return True
@@ -136,16 +168,26 @@ class SlurmCluster:
         return False
 
     def squeue(self, *args: str) -> str:
-        return subprocess.run(["squeue", "-h", *args], capture_output=True, text=True,
-                              env=self.env, timeout=30, check=True).stdout
+        return subprocess.run(
+            ["squeue", "-h", *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=30,
+            check=True,
+        ).stdout
 
     def stop(self) -> None:
         """Cancel every job, end the daemons (and munged, if this cluster started it)."""
         if self.conf.is_file():
-            subprocess.run(["scancel", "--user", "root"], env=self.env, timeout=30,
-                           capture_output=True)
-        pids = [int(path.read_text()) for path in (self.folder / "run").glob("*.pid")
-                if path.read_text().strip().isdigit()]
+            subprocess.run(
+                ["scancel", "--user", "root"], env=self.env, timeout=30, capture_output=True
+            )
+        pids = [
+            int(path.read_text())
+            for path in (self.folder / "run").glob("*.pid")
+            if path.read_text().strip().isdigit()
+        ]
         if self.started_munge and Path("/run/munge/munged.pid").is_file():
             pids.append(int(Path("/run/munge/munged.pid").read_text()))
         for pid in pids:
@@ -174,8 +216,13 @@ def munge_works() -> bool:
     if shutil.which("munge") is None:
         return False
     credential = subprocess.run(["munge", "-n"], capture_output=True, timeout=10)
-    return credential.returncode == 0 and subprocess.run(
-        ["unmunge"], input=credential.stdout, capture_output=True, timeout=10).returncode == 0
+    return (
+        credential.returncode == 0
+        and subprocess.run(
+            ["unmunge"], input=credential.stdout, capture_output=True, timeout=10
+        ).returncode
+        == 0
+    )
 
 
 def install() -> str | None:

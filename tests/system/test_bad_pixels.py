@@ -15,8 +15,7 @@ from tests.conftest import reference_forward
 
 #: Items spoiled (by one pixel each) in a job of 357 run in fifo chunks of 100: three side by
 #: side and one apart in the first chunk, one in the second, two at the end of the last.
-SPOILED = {3: np.nan, 4: np.inf, 5: -np.inf, 7: np.nan, 150: -np.inf, 355: np.inf,
-           356: np.nan}
+SPOILED = {3: np.nan, 4: np.inf, 5: -np.inf, 7: np.nan, 150: -np.inf, 355: np.inf, 356: np.nan}
 
 
 def spoiled_digits(digits: np.ndarray, spoiled: dict[int, float], count: int) -> np.ndarray:
@@ -34,17 +33,16 @@ def failed_indexes(failed: list[FailedItems]) -> list[int]:
     return sorted(indexes)
 
 
-def assert_good_rows_exact(lenet, images: np.ndarray, outputs: np.ndarray,
-                           bad: list[int]) -> None:
+def assert_good_rows_exact(lenet, images: np.ndarray, outputs: np.ndarray, bad: list[int]) -> None:
     """The bad rows are NaN; every other row is the reference forward's."""
     good = np.setdiff1d(np.arange(len(images)), bad)
     assert np.isnan(outputs[bad]).all()
-    np.testing.assert_allclose(outputs[good], reference_forward(lenet, images[good]),
-                               atol=1e-5)
+    np.testing.assert_allclose(outputs[good], reference_forward(lenet, images[good]), atol=1e-5)
 
 
-def test_nan_and_infinite_items_fail_alone_in_and_across_chunks(farm_two_workers, lenet,
-                                                                digits) -> None:
+def test_nan_and_infinite_items_fail_alone_in_and_across_chunks(
+    farm_two_workers, lenet, digits
+) -> None:
     images = spoiled_digits(digits, SPOILED, 357)
     with farm_two_workers.client() as client:
         result = client.run(images, "lenet")
@@ -72,14 +70,27 @@ def test_a_job_of_nan_items_only_raises_with_the_reason(farm_two_workers, digits
     assert NON_FINITE in str(raised.value)
 
 
-def test_submit_names_the_failed_items_and_exits_1(farm_two_workers, lenet, digits,
-                                                   tmp_path) -> None:
+def test_submit_names_the_failed_items_and_exits_1(
+    farm_two_workers, lenet, digits, tmp_path
+) -> None:
     images, out = tmp_path / "images.npy", tmp_path / "scores.npy"
     np.save(images, spoiled_digits(digits, SPOILED, 357))
-    done = subprocess.run(farm_command("submit", str(images), "--model", "lenet", "--broker",
-                                       farm_two_workers.endpoint, "--out", str(out),
-                                       "--quiet"),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        farm_command(
+            "submit",
+            str(images),
+            "--model",
+            "lenet",
+            "--broker",
+            farm_two_workers.endpoint,
+            "--out",
+            str(out),
+            "--quiet",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr
     assert "7 images failed:" in done.stderr
     for run in ("items 3..5", "item 7", "item 150", "items 355..356"):

@@ -37,11 +37,27 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def suite_folder(tmp_path_factory) -> Path:
     """One quick suite on LeNet, the cores farm and four peers (a minute or two)."""
     out = tmp_path_factory.mktemp("bench")
-    done = subprocess.run(farm_command("bench", "--quick", "--images", "3000", "--models",
-                                       "lenet", "--setups", "cores", "--peers",
-                                       ",".join(PEERS_RUN), "--peer-rounds", "2",
-                                       "--out", str(out)),
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        farm_command(
+            "bench",
+            "--quick",
+            "--images",
+            "3000",
+            "--models",
+            "lenet",
+            "--setups",
+            "cores",
+            "--peers",
+            ",".join(PEERS_RUN),
+            "--peer-rounds",
+            "2",
+            "--out",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     folders = list(out.iterdir())
     assert len(folders) == 1 and done.stdout.startswith(f"results in {folders[0]}")
@@ -50,16 +66,36 @@ def suite_folder(tmp_path_factory) -> Path:
 
 def test_suite_writes_every_table_figure_and_the_report(suite_folder) -> None:
     names = {path.name for path in suite_folder.iterdir()}
-    assert {"report.md", "machine.json", "table2.csv", "batches.csv", "standalone.csv",
-            "policy_runs.csv", "policies.csv", "peers.csv", "peer_tuning.csv", "peer_runs.csv",
-            "figure3-lenet.png", "figure5-waste.png", "peers.png", "table2.png"} <= names
+    assert {
+        "report.md",
+        "machine.json",
+        "table2.csv",
+        "batches.csv",
+        "standalone.csv",
+        "policy_runs.csv",
+        "policies.csv",
+        "peers.csv",
+        "peer_tuning.csv",
+        "peer_runs.csv",
+        "figure3-lenet.png",
+        "figure5-waste.png",
+        "peers.png",
+        "table2.png",
+    } <= names
     for png in suite_folder.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     machine = json.loads((suite_folder / "machine.json").read_text())
     assert machine["cores"] == len(cores()) and machine["setups"]["cores"]
     report = (suite_folder / "report.md").read_text()
-    for heading in ("## Headline", "## Table 2", "## Figure 3: lenet", "## Tables 4/5",
-                    "## Figure 5", "## Peers", "## Where a peer is faster"):
+    for heading in (
+        "## Headline",
+        "## Table 2",
+        "## Figure 3: lenet",
+        "## Tables 4/5",
+        "## Figure 5",
+        "## Peers",
+        "## Where a peer is faster",
+    ):
         assert heading in report
 
 
@@ -91,14 +127,19 @@ def test_peers_compute_what_the_farm_computes(suite_folder) -> None:
     for row in rows[1:]:
         assert float(row["max_abs_difference"]) < 1e-3  # the same outputs, in the same order
         assert float(row["ratio_to_farm_best"]) == pytest.approx(
-            float(row["images_per_s"]) / farm, abs=2e-3)
-    farm_rounds = [float(row["images_per_s"]) for row in read_csv(suite_folder / "peer_runs.csv")
-                   if row["who"] == "farm"]
+            float(row["images_per_s"]) / farm, abs=2e-3
+        )
+    farm_rounds = [
+        float(row["images_per_s"])
+        for row in read_csv(suite_folder / "peer_runs.csv")
+        if row["who"] == "farm"
+    ]
     assert len(farm_rounds) == 2 and farm == max(farm_rounds)  # the median_high of two
     tuning = read_csv(suite_folder / "peer_tuning.csv")
     for peer in PEERS_RUN:  # each peer tried every candidate setting, in the first round
-        assert {int(row["setting"]) for row in tuning if row["peer"] == peer} == \
-            set(CANDIDATES[peer])
+        assert {int(row["setting"]) for row in tuning if row["peer"] == peer} == set(
+            CANDIDATES[peer]
+        )
     assert {row["peer"] for row in tuning} == set(PEERS_RUN)
 
 
@@ -109,16 +150,23 @@ def test_table2_has_one_row_per_size_and_device_kind(suite_folder) -> None:
     assert all(float(row["images_per_s"]) > 0 for row in rows)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--setups", "cores,tpu"], "unknown tpu"),
-    (["--peers", "dask"], "unknown dask"),
-    (["--models", "nosuchmodel"], "unknown model 'nosuchmodel'"),
-    (["--models", "caffenet"], "has no bundled sample"),
-    (["--images", "10"], "10 is not in the range x>=1000"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--setups", "cores,tpu"], "unknown tpu"),
+        (["--peers", "dask"], "unknown dask"),
+        (["--models", "nosuchmodel"], "unknown model 'nosuchmodel'"),
+        (["--models", "caffenet"], "has no bundled sample"),
+        (["--images", "10"], "10 is not in the range x>=1000"),
+    ],
+)
 def test_bench_refuses_bad_options_before_measuring(arguments, message, tmp_path) -> None:
-    done = subprocess.run(farm_command("bench", "--out", str(tmp_path), *arguments),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        farm_command("bench", "--out", str(tmp_path), *arguments),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and message in done.stderr
     assert not any(tmp_path.iterdir())
 
@@ -127,14 +175,20 @@ def test_paper_configurations_cover_every_value_or_one_when_quick() -> None:
     full = paper_configurations()
     assert len(full) == 1 + 4 + 3 + 3 + 4 + 4 + 1  # static, quick ... fast-split, ours
     assert [c.label for c in full if c.algo == "fifo"] == [
-        "fifo chunk=500", "fifo chunk=1000", "fifo chunk=2000", "fifo chunk=3000"]
+        "fifo chunk=500",
+        "fifo chunk=1000",
+        "fifo chunk=2000",
+        "fifo chunk=3000",
+    ]
     assert len(paper_configurations(quick=True)) == len(POLICIES)
 
 
-def run(rate: float, round_: int, in_job: float = 100.0, algo: str = "fifo",
-        chunk: int = 500) -> PolicyRun:
-    return PolicyRun("cores", "lenet", Configuration(algo, {"chunk": chunk}), round_, rate,
-                     1.0, in_job, 10)
+def run(
+    rate: float, round_: int, in_job: float = 100.0, algo: str = "fifo", chunk: int = 500
+) -> PolicyRun:
+    return PolicyRun(
+        "cores", "lenet", Configuration(algo, {"chunk": chunk}), round_, rate, 1.0, in_job, 10
+    )
 
 
 def test_a_summary_is_the_median_round_and_splits_its_waste() -> None:
@@ -146,8 +200,7 @@ def test_a_summary_is_the_median_round_and_splits_its_waste() -> None:
 
 
 def test_relative_speed_is_against_one_opencv_core_averaged_over_values() -> None:
-    results = ModelResults("lenet", 1000, standalone={"cores": {"cpu:0": [40, 60],
-                                                                "cpu:1": [50]}})
+    results = ModelResults("lenet", 1000, standalone={"cores": {"cpu:0": [40, 60], "cpu:1": [50]}})
     results.runs = [run(150, 0, chunk=500), run(200, 0, chunk=1000)]
     assert results.one_core() == 50 and results.theoretical("cores") == 100
     assert relative_table(results, "cores") == {"fifo": pytest.approx((2 + 3) / 2)}
@@ -163,8 +216,9 @@ def test_every_peer_has_candidates_a_mechanism_and_runs_here_but_ray() -> None:
 def test_the_default_farm_runs_the_workers_default_backend() -> None:
     worker = WorkerSpec("cpu:0")
     assert worker.library == "auto" and worker.options() == []  # no --backend: auto
-    assert worker.kind == "cpu core (auto)" and WorkerSpec.from_label(worker.label) == \
-        WorkerSpec("cpu:0", "auto")
+    assert worker.kind == "cpu core (auto)" and WorkerSpec.from_label(worker.label) == WorkerSpec(
+        "cpu:0", "auto"
+    )
     setups, _ = farm_setups(("cores",))
     assert all(w.backend is None for w in setups[0].workers)
     assert "auto" in SETUP_ABOUT["cores"] and "OpenCV" not in SETUP_ABOUT["cores"]

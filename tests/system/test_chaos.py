@@ -13,11 +13,21 @@ from __future__ import annotations
 from tests.conftest import bench_script
 
 faults = bench_script("faults")
-BROKER_KILL, CLIENT_KILL, ChaosConfig, run_seed = (faults.BROKER_KILL, faults.CLIENT_KILL,
-                                                  faults.ChaosConfig, faults.run_seed)
+BROKER_KILL, CLIENT_KILL, ChaosConfig, run_seed = (
+    faults.BROKER_KILL,
+    faults.CLIENT_KILL,
+    faults.ChaosConfig,
+    faults.run_seed,
+)
 
-CONFIG = ChaosConfig(images=25_000, workers=2, interval=(0.2, 0.6), broker_restarts=1,
-                     client_kills=1, job_timeout=120.0)
+CONFIG = ChaosConfig(
+    images=25_000,
+    workers=2,
+    interval=(0.2, 0.6),
+    broker_restarts=1,
+    client_kills=1,
+    job_timeout=120.0,
+)
 
 
 def test_a_job_under_churn_comes_back_whole_and_exact(tmp_path) -> None:

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import click
 import numpy as np
@@ -28,14 +29,41 @@ from farm.ops.local import LocalFarm, cores, farm_command
 from farm.workers.worker import Device, WorkerConfig
 from tests.conftest import reference_forward
 
-COMMANDS = [[], ["broker"], ["worker"], ["submit"], ["run"], ["models"], ["models", "list"],
-            ["models", "show"], ["models", "check"], ["models", "export"],
-            ["models", "prepare"], ["models", "add"], ["status"], ["report"], ["bench"], ["keys"], ["keys", "init"],
-            ["keys", "add"], ["keys", "list"], ["deploy"], ["deploy", "supervisord"],
-            ["deploy", "slurm"]]
+COMMANDS = [
+    [],
+    ["broker"],
+    ["worker"],
+    ["submit"],
+    ["run"],
+    ["models"],
+    ["models", "list"],
+    ["models", "show"],
+    ["models", "check"],
+    ["models", "export"],
+    ["models", "prepare"],
+    ["models", "add"],
+    ["status"],
+    ["report"],
+    ["bench"],
+    ["keys"],
+    ["keys", "init"],
+    ["keys", "add"],
+    ["keys", "list"],
+    ["deploy"],
+    ["deploy", "supervisord"],
+    ["deploy", "slurm"],
+]
 #: Libraries no command may load before it runs: ``farm broker --help`` stays fast.
-HEAVY = ("cv2", "torch", "onnx", "onnxruntime", "openvino", "matplotlib", "tqdm",
-         "farm.engines.engine")
+HEAVY = (
+    "cv2",
+    "torch",
+    "onnx",
+    "onnxruntime",
+    "openvino",
+    "matplotlib",
+    "tqdm",
+    "farm.engines.engine",
+)
 
 
 def command_paths(command: click.Command, path: tuple[str, ...] = ()) -> Iterator[list[str]]:
@@ -57,11 +85,12 @@ def test_every_command_has_help(command) -> None:
 
 
 def test_help_loads_no_inference_library() -> None:
-    code = ("import sys\nfrom farm.cli import main\n"
-            "try:\n    main(['broker', '--help'])\nexcept SystemExit:\n    pass\n"
-            f"print(sorted(name for name in {HEAVY!r} if name in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    code = (
+        "import sys\nfrom farm.cli import main\n"
+        "try:\n    main(['broker', '--help'])\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(name for name in {HEAVY!r} if name in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
 
@@ -73,21 +102,40 @@ def option_defaults(command: click.Command) -> dict[str, Any]:
 
 
 def field_defaults(config: type) -> dict[str, Any]:
-    return {field.name: field.default for field in dataclasses.fields(config)
-            if field.default is not dataclasses.MISSING}
+    return {
+        field.name: field.default
+        for field in dataclasses.fields(config)
+        if field.default is not dataclasses.MISSING
+    }
 
 
-@pytest.mark.parametrize("command, config, shared", [
-    ("broker", BrokerConfig, {"bind", "algo", "heartbeat", "liveness", "max_attempts", "max_runs",
-                              "sharing", "max_chunk_seconds"}),
-    # slots: none on either side, each device has its own (test_gpu_worker.py)
-    ("worker", WorkerConfig, {"backend", "precision", "heartbeat", "liveness", "curve_name"}),
-])
+@pytest.mark.parametrize(
+    "command, config, shared",
+    [
+        (
+            "broker",
+            BrokerConfig,
+            {
+                "bind",
+                "algo",
+                "heartbeat",
+                "liveness",
+                "max_attempts",
+                "max_runs",
+                "sharing",
+                "max_chunk_seconds",
+            },
+        ),
+        # slots: none on either side, each device has its own (test_gpu_worker.py)
+        ("worker", WorkerConfig, {"backend", "precision", "heartbeat", "liveness", "curve_name"}),
+    ],
+)
 def test_command_defaults_are_the_configs_defaults(command, config, shared) -> None:
     options, fields = option_defaults(main.commands[command]), field_defaults(config)
     assert shared <= set(options) & set(fields)
-    assert {name: options[name] for name in set(options) & set(fields)} == \
-        {name: fields[name] for name in set(options) & set(fields)}
+    assert {name: options[name] for name in set(options) & set(fields)} == {
+        name: fields[name] for name in set(options) & set(fields)
+    }
 
 
 def test_every_part_of_farm_defaults_to_the_same_policy() -> None:
@@ -133,8 +181,10 @@ def test_models_show_lists_layers_and_shapes() -> None:
     result = CliRunner().invoke(main, ["models", "show", "cifar10_quick"])
     assert result.exit_code == 0, result.output
     assert "mean file mean.binaryproto" in result.output and "channel_swap none" in result.output
-    assert any(line.split()[:4] == ["ip1", "InnerProduct", "64", "64x1024,"]
-               for line in result.output.splitlines())
+    assert any(
+        line.split()[:4] == ["ip1", "InnerProduct", "64", "64x1024,"]
+        for line in result.output.splitlines()
+    )
 
 
 def test_models_check_passes_lenet_and_fails_a_broken_model(tmp_path, lenet) -> None:
@@ -156,11 +206,13 @@ def test_models_check_passes_lenet_and_fails_a_broken_model(tmp_path, lenet) -> 
 def test_worker_with_a_missing_backend_says_how_to_install_it() -> None:
     try:
         import caffe  # noqa: F401
+
         pytest.skip("pycaffe is installed here")
     except ImportError:
         pass
-    done = subprocess.run(farm_command("worker", "--backend", "caffe"), capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        farm_command("worker", "--backend", "caffe"), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1
     assert "pycaffe" in done.stderr and "Traceback" not in done.stderr
 
@@ -168,9 +220,21 @@ def test_worker_with_a_missing_backend_says_how_to_install_it() -> None:
 def test_submit_writes_outputs_in_order(farm_two_workers, lenet, digits, tmp_path) -> None:
     images, out = tmp_path / "images.npy", tmp_path / "scores.npy"
     np.save(images, digits[:321])
-    done = subprocess.run(farm_command("submit", str(images), "--model", "lenet", "--broker",
-                                       farm_two_workers.endpoint, "--out", str(out)),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        farm_command(
+            "submit",
+            str(images),
+            "--model",
+            "lenet",
+            "--broker",
+            farm_two_workers.endpoint,
+            "--out",
+            str(out),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "321 images in" in done.stdout and "waste" in done.stdout
     assert "100%" in done.stderr  # the progress bar ran to the end
@@ -180,16 +244,28 @@ def test_submit_writes_outputs_in_order(farm_two_workers, lenet, digits, tmp_pat
 def test_submit_reports_a_user_mistake_without_a_traceback(farm_two_workers, tmp_path) -> None:
     images = tmp_path / "images.npy"
     np.save(images, np.zeros((4, 3, 32, 32), np.float32))
-    done = subprocess.run(farm_command("submit", str(images), "--model", "lenet", "--broker",
-                                       farm_two_workers.endpoint, "--quiet"),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        farm_command(
+            "submit",
+            str(images),
+            "--model",
+            "lenet",
+            "--broker",
+            farm_two_workers.endpoint,
+            "--quiet",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1
     assert "Error: images of shape (3, 32, 32) do not match model 'lenet'" in done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_submit_converts_float64_and_big_endian_arrays_to_float32(farm_two_workers, lenet,
-                                                                 digits, tmp_path) -> None:
+def test_submit_converts_float64_and_big_endian_arrays_to_float32(
+    farm_two_workers, lenet, digits, tmp_path
+) -> None:
     """numpy's default float64 and a big-endian float32 run as the float32 array does, each
     with one notice; the broker sees float32 (nothing it refuses)."""
     images = digits[:200].astype(np.float32)
@@ -197,16 +273,34 @@ def test_submit_converts_float64_and_big_endian_arrays_to_float32(farm_two_worke
     for name, dtype in [("f32", "<f4"), ("f64", "<f8"), ("big", ">f4")]:
         path, out = tmp_path / f"{name}.npy", tmp_path / f"{name}-scores.npy"
         np.save(path, images.astype(dtype))
-        done = subprocess.run(farm_command("submit", str(path), "--model", "lenet", "--broker",
-                                           farm_two_workers.endpoint, "--out", str(out),
-                                           "--quiet"),
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            farm_command(
+                "submit",
+                str(path),
+                "--model",
+                "lenet",
+                "--broker",
+                farm_two_workers.endpoint,
+                "--out",
+                str(out),
+                "--quiet",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         notices = [line for line in done.stderr.splitlines() if "converted" in line]
-        assert notices == {"f32": [],
-                           "f64": [f"{path}: float64 converted to float32 on the client"],
-                           "big": [f"{path}: big-endian float32 (>f4) converted to native "
-                                   f"float32 on the client"]}[name]
+        assert (
+            notices
+            == {
+                "f32": [],
+                "f64": [f"{path}: float64 converted to float32 on the client"],
+                "big": [
+                    f"{path}: big-endian float32 (>f4) converted to native float32 on the client"
+                ],
+            }[name]
+        )
         outputs[name] = np.load(out)
     np.testing.assert_allclose(outputs["f32"], reference_forward(lenet, images), atol=1e-5)
     for name in ("f64", "big"):
@@ -220,20 +314,41 @@ def test_submit_refuses_a_value_float32_cannot_hold_before_submitting(tmp_path) 
     images[1, 0, 0], images[2, 0, 0] = np.inf, np.nan  # the workers' business, not refused
     path = tmp_path / "wide.npy"
     np.save(path, images)
-    result = CliRunner().invoke(main, ["submit", str(path), "--model", "lenet", "--broker",
-                                       "tcp://127.0.0.1:9", "--timeout", "5", "--quiet"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "submit",
+            str(path),
+            "--model",
+            "lenet",
+            "--broker",
+            "tcp://127.0.0.1:9",
+            "--timeout",
+            "5",
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 1
     assert result.stderr.strip() == (
         f"Error: {path}: item 3 holds 1e+300, beyond float32's range (±3.4e+38): float64 "
-        f"cannot be converted to float32 without losing it; nothing was submitted")
+        f"cannot be converted to float32 without losing it; nothing was submitted"
+    )
 
 
-@pytest.mark.parametrize("images, reason", [
-    (np.zeros((4, 28, 28), np.complex128), "complex128 images cannot be sent: farm takes "
-                                           "numbers"),
-    (np.zeros((4, 3, 32, 32), np.float32), "images of shape (3, 32, 32) do not match model "
-                                           "'lenet', which takes (1, 28, 28)"),
-], ids=["complex", "shape"])
+@pytest.mark.parametrize(
+    "images, reason",
+    [
+        (
+            np.zeros((4, 28, 28), np.complex128),
+            "complex128 images cannot be sent: farm takes numbers",
+        ),
+        (
+            np.zeros((4, 3, 32, 32), np.float32),
+            "images of shape (3, 32, 32) do not match model 'lenet', which takes (1, 28, 28)",
+        ),
+    ],
+    ids=["complex", "shape"],
+)
 def test_run_refuses_bad_input_before_starting_a_farm(tmp_path, images, reason) -> None:
     path = tmp_path / "bad.npy"
     np.save(path, images)
@@ -245,9 +360,12 @@ def test_run_refuses_bad_input_before_starting_a_farm(tmp_path, images, reason) 
 
 def test_run_starts_a_local_farm_on_the_bundled_sample(lenet, digits, tmp_path) -> None:
     out = tmp_path / "scores.npy"
-    done = subprocess.run(farm_command("--log-level", "WARNING", "run", "--out", str(out),
-                                       "--quiet"),
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        farm_command("--log-level", "WARNING", "run", "--out", str(out), "--quiet"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr
     assert f"{len(digits):,} images in" in done.stdout
     assert "(policy equal-finish)" in done.stdout  # the default
@@ -256,9 +374,23 @@ def test_run_starts_a_local_farm_on_the_bundled_sample(lenet, digits, tmp_path) 
 
 def test_run_passes_policy_parameters_to_its_broker(lenet, digits, tmp_path) -> None:
     out = tmp_path / "scores.npy"
-    done = subprocess.run(farm_command("--log-level", "WARNING", "run", "--out", str(out),
-                                       "--quiet", "--algo", "fifo", "--chunk", "500"),
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        farm_command(
+            "--log-level",
+            "WARNING",
+            "run",
+            "--out",
+            str(out),
+            "--quiet",
+            "--algo",
+            "fifo",
+            "--chunk",
+            "500",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr
     assert "(policy fifo)" in done.stdout
     if len(cores()) == 2:  # 1000 images, chunks of 500: one each
@@ -266,34 +398,52 @@ def test_run_passes_policy_parameters_to_its_broker(lenet, digits, tmp_path) -> 
     np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits), atol=1e-5)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--algo", "fifo", "--probe", "3"], "policy fifo does not take --probe"),
-    (["--algo", "fast-split", "--ratio", "0.5,0.5"], "fast-split takes one ratio"),
-    (["--algo", "static", "--ratio", "1,x"], "not a number or list of numbers: 1,x"),
-    (["--algo", "fast-split", "--ratio", "1.5"], "ratio must be within (0, 1]"),
-    (["--algo", "nope"], "'nope' is not one of"),
-    (["--algo", "fifo", "--speed-window", "1"], "policy fifo does not take --speed-window"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--algo", "fifo", "--probe", "3"], "policy fifo does not take --probe"),
+        (["--algo", "fast-split", "--ratio", "0.5,0.5"], "fast-split takes one ratio"),
+        (["--algo", "static", "--ratio", "1,x"], "not a number or list of numbers: 1,x"),
+        (["--algo", "fast-split", "--ratio", "1.5"], "ratio must be within (0, 1]"),
+        (["--algo", "nope"], "'nope' is not one of"),
+        (["--algo", "fifo", "--speed-window", "1"], "policy fifo does not take --speed-window"),
+    ],
+)
 def test_broker_refuses_bad_policy_parameters(arguments, message) -> None:
-    done = subprocess.run(farm_command("broker", "--bind", "tcp://127.0.0.1:*", *arguments),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        farm_command("broker", "--bind", "tcp://127.0.0.1:*", *arguments),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0
     assert message in done.stderr and "Traceback" not in done.stderr
 
 
 def test_broker_refuses_a_busy_address(farm_two_workers) -> None:
-    done = subprocess.run(farm_command("broker", "--bind", farm_two_workers.endpoint),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        farm_command("broker", "--bind", farm_two_workers.endpoint),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1
     assert "Address already in use" in done.stderr
 
 
-@pytest.mark.parametrize("device, reason", [
-    ("gpu:4096", "device gpu:4096: torch"), ("tpu:0", "unsupported device 'tpu:0'"),
-    ("cpu:4096", "core 4096 is not available"), ("cpu:x", "bad device number")])
+@pytest.mark.parametrize(
+    "device, reason",
+    [
+        ("gpu:4096", "device gpu:4096: torch"),
+        ("tpu:0", "unsupported device 'tpu:0'"),
+        ("cpu:4096", "core 4096 is not available"),
+        ("cpu:x", "bad device number"),
+    ],
+)
 def test_worker_rejects_a_device_it_cannot_use(device, reason) -> None:
-    done = subprocess.run(farm_command("worker", "--device", device), capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        farm_command("worker", "--device", device), capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1
     assert reason in done.stderr and "Traceback" not in done.stderr
 
@@ -312,6 +462,7 @@ def job_queued(local: LocalFarm) -> bool:
 def interrupt_once_queued(local: LocalFarm, pid: int) -> threading.Thread:
     """A thread that sends SIGINT to ``pid`` once the broker holds a job (its client installed
     its Ctrl-C handler before it submitted)."""
+
     def wait_and_interrupt() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -325,14 +476,21 @@ def interrupt_once_queued(local: LocalFarm, pid: int) -> threading.Thread:
 
 
 def test_a_run_cancelled_before_its_first_result_writes_its_nan_rows(
-        farm_without_workers, lenet, digits, tmp_path, capsys) -> None:
+    farm_without_workers, lenet, digits, tmp_path, capsys
+) -> None:
     """``farm run``'s path (a plain .npy, the local model's output shape): Ctrl-C before any
     image came back still writes the file it says it writes."""
     out = tmp_path / "s.npy"
     thread = interrupt_once_queued(farm_without_workers, os.getpid())
     with pytest.raises(SystemExit) as stopped:
-        run_job(BrokerAccess(endpoint=farm_without_workers.endpoint), ArraySource(digits[:200]),
-                "lenet", str(out), quiet=True, nan_shape=lambda: output_shape(lenet))
+        run_job(
+            BrokerAccess(endpoint=farm_without_workers.endpoint),
+            ArraySource(digits[:200]),
+            "lenet",
+            str(out),
+            quiet=True,
+            nan_shape=lambda: output_shape(lenet),
+        )
     thread.join()
     assert stopped.value.code == 130
     err = capsys.readouterr().err
@@ -343,15 +501,28 @@ def test_a_run_cancelled_before_its_first_result_writes_its_nan_rows(
 
 
 def test_a_submit_cancelled_before_its_first_result_says_nothing_was_written(
-        farm_without_workers, digits, tmp_path) -> None:
+    farm_without_workers, digits, tmp_path
+) -> None:
     """Without the output shape (the broker's model, a journaled .npy), nothing is written,
     and the message says so."""
     images, out = tmp_path / "images.npy", tmp_path / "s.npy"
     np.save(images, digits[:200])
-    process = subprocess.Popen(farm_command("submit", str(images), "--model", "lenet",
-                                            "--broker", farm_without_workers.endpoint,
-                                            "--out", str(out), "--quiet"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        farm_command(
+            "submit",
+            str(images),
+            "--model",
+            "lenet",
+            "--broker",
+            farm_without_workers.endpoint,
+            "--out",
+            str(out),
+            "--quiet",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         interrupt_once_queued(farm_without_workers, process.pid).join()
         _, stderr = process.communicate(timeout=60)

@@ -15,8 +15,9 @@ from tests.conftest import reference_forward
 
 
 def make_keys(folder: Path) -> Path:
-    done = subprocess.run(farm_command("keys", "init", str(folder)), capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        farm_command("keys", "init", str(folder)), capture_output=True, text=True, check=True
+    )
     assert "broker.key_secret" in done.stdout
     return folder
 
@@ -56,38 +57,55 @@ def test_a_client_without_curve_gets_nothing(curve_farm, digits) -> None:
             client.run(digits[:10], "lenet")
 
 
-def test_a_client_with_an_unknown_key_is_told_it_was_refused(curve_farm, strangers,
-                                                             digits) -> None:
+def test_a_client_with_an_unknown_key_is_told_it_was_refused(curve_farm, strangers, digits) -> None:
     with Client(curve_farm.endpoint, timeout=30.0, curve=str(strangers)) as client:
         with pytest.raises(FarmError, match="refused key 'client'.*authorized"):
             client.run(digits[:10], "lenet")
 
 
-def test_a_worker_with_an_unknown_key_gets_no_work_and_says_why(curve_farm, strangers, lenet,
-                                                                digits) -> None:
-    stranger = subprocess.run(farm_command("--log-level", "ERROR", "worker", "--device",
-                                           f"cpu:{cores()[0]}", "--broker",
-                                           curve_farm.endpoint, "--curve", str(strangers)),
-                              capture_output=True, text=True, timeout=60)
+def test_a_worker_with_an_unknown_key_gets_no_work_and_says_why(
+    curve_farm, strangers, lenet, digits
+) -> None:
+    stranger = subprocess.run(
+        farm_command(
+            "--log-level",
+            "ERROR",
+            "worker",
+            "--device",
+            f"cpu:{cores()[0]}",
+            "--broker",
+            curve_farm.endpoint,
+            "--curve",
+            str(strangers),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert stranger.returncode == 1 and "refused key 'worker'" in stranger.stderr
     with curve_farm.client() as client:
         result = client.run(np.resize(digits, (3000, 28, 28)), "lenet")
         workers = client.info()["workers"]
     assert len(workers) == 2
     assert {share.name for share in result.summary.workers} <= {w["name"] for w in workers}
-    np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits),
-                               atol=1e-5)
+    np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits), atol=1e-5)
 
 
 def test_keys_add_authorizes_a_new_peer(tmp_path) -> None:
     folder = make_keys(tmp_path / "keys")
-    done = subprocess.run(farm_command("keys", "add", str(folder), "rack2"), capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        farm_command("keys", "add", str(folder), "rack2"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "--curve-name rack2" in done.stdout
-    listed = subprocess.run(farm_command("keys", "list", str(folder)), capture_output=True,
-                            text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        farm_command("keys", "list", str(folder)), capture_output=True, text=True, check=True
+    ).stdout.split()
     assert listed == ["client", "rack2", "worker"]
     assert (folder / "rack2.key_secret").stat().st_mode & 0o077 == 0, "secret keys are private"
-    again = subprocess.run(farm_command("keys", "add", str(folder), "rack2"),
-                           capture_output=True, text=True)
+    again = subprocess.run(
+        farm_command("keys", "add", str(folder), "rack2"), capture_output=True, text=True
+    )
     assert again.returncode != 0 and "exists already" in again.stderr

@@ -14,8 +14,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -30,8 +30,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: The committed example, and the options that make it (README of deploy/).
 EXAMPLE = REPO / "deploy" / "supervisord.conf"
-EXAMPLE_ARGS = ["--cpus", "0-1", "--run-dir", "/tmp/farm", "--model", "lenet",
-                "--farm-command", "farm", "-o", "deploy/supervisord.conf"]
+EXAMPLE_ARGS = [
+    "--cpus",
+    "0-1",
+    "--run-dir",
+    "/tmp/farm",
+    "--model",
+    "lenet",
+    "--farm-command",
+    "farm",
+    "-o",
+    "deploy/supervisord.conf",
+]
 
 
 def generate(*args: str) -> str:
@@ -60,27 +70,41 @@ def parsed(text: str, tmp_path: Path):
 
 def programs(server) -> dict[str, list[str]]:
     """Program name -> its command line, split as supervisord splits it."""
-    return {process.name: shlex.split(process.command)
-            for group in server.process_group_configs for process in group.process_configs}
+    return {
+        process.name: shlex.split(process.command)
+        for group in server.process_group_configs
+        for process in group.process_configs
+    }
 
 
 # ----------------------------------------------------------------- layout
 
 
-@pytest.mark.parametrize("text, ids", [
-    ("0-7", (0, 1, 2, 3, 4, 5, 6, 7)),
-    ("0,2,4-6", (0, 2, 4, 5, 6)),
-    ("3", (3,)),
-    ("5,1, 2-3", (1, 2, 3, 5)),
-])
+@pytest.mark.parametrize(
+    "text, ids",
+    [
+        ("0-7", (0, 1, 2, 3, 4, 5, 6, 7)),
+        ("0,2,4-6", (0, 2, 4, 5, 6)),
+        ("3", (3,)),
+        ("5,1, 2-3", (1, 2, 3, 5)),
+    ],
+)
 def test_core_lists_are_parsed(text: str, ids: tuple[int, ...]) -> None:
     assert parse_ids(text, "core") == ids
 
 
-@pytest.mark.parametrize("text, reason", [
-    ("", "malformed"), ("a", "malformed"), ("0-", "malformed"), ("-1", "malformed"),
-    ("1;2", "malformed"), ("3-1", "backwards"), ("0-3,2", "names 2 twice"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("", "malformed"),
+        ("a", "malformed"),
+        ("0-", "malformed"),
+        ("-1", "malformed"),
+        ("1;2", "malformed"),
+        ("3-1", "backwards"),
+        ("0-3,2", "names 2 twice"),
+    ],
+)
 def test_malformed_core_lists_are_refused(text: str, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         parse_ids(text, "core")
@@ -105,21 +129,51 @@ def test_more_gpus_than_cores_is_refused() -> None:
 
 
 def test_a_broker_and_one_pinned_worker_per_core_and_gpu(tmp_path: Path) -> None:
-    server = parsed(generate("--cpus", "0-3", "--gpus", "0", "--model", "lenet",
-                             "--model", "cifar10_quick", "--run-dir", str(tmp_path)), tmp_path)
+    server = parsed(
+        generate(
+            "--cpus",
+            "0-3",
+            "--gpus",
+            "0",
+            "--model",
+            "lenet",
+            "--model",
+            "cifar10_quick",
+            "--run-dir",
+            str(tmp_path),
+        ),
+        tmp_path,
+    )
     commands = programs(server)
     farm = [os.path.abspath(sys.executable), "-m", "farm"]
-    assert commands["farm-broker"] == [*farm, "broker", "--bind", "tcp://127.0.0.1:5555",
-                                       "--algo", "equal-finish"]
+    assert commands["farm-broker"] == [
+        *farm,
+        "broker",
+        "--bind",
+        "tcp://127.0.0.1:5555",
+        "--algo",
+        "equal-finish",
+    ]
     worker = ["--broker", "tcp://127.0.0.1:5555", "--model", "lenet", "--model", "cifar10_quick"]
     for core in (0, 1, 2):
-        assert commands[f"farm-cpu-{core}"] == [*farm, "worker", "--device", f"cpu:{core}",
-                                                *worker]
-    assert commands["farm-gpu-0"] == ["taskset", "-c", "3", *farm, "worker", "--device",
-                                      "gpu:0", *worker]
+        assert commands[f"farm-cpu-{core}"] == [*farm, "worker", "--device", f"cpu:{core}", *worker]
+    assert commands["farm-gpu-0"] == [
+        "taskset",
+        "-c",
+        "3",
+        *farm,
+        "worker",
+        "--device",
+        "gpu:0",
+        *worker,
+    ]
     groups = {group.name: group for group in server.process_group_configs}
-    assert sorted(p.name for p in groups["farm-workers"].process_configs) == \
-        ["farm-cpu-0", "farm-cpu-1", "farm-cpu-2", "farm-gpu-0"]
+    assert sorted(p.name for p in groups["farm-workers"].process_configs) == [
+        "farm-cpu-0",
+        "farm-cpu-1",
+        "farm-cpu-2",
+        "farm-gpu-0",
+    ]
     for group in groups.values():
         for process in group.process_configs:
             assert process.priority == (10 if process.name == "farm-broker" else 20)
@@ -140,9 +194,21 @@ def test_default_cores_are_those_this_process_may_run_on(tmp_path: Path) -> None
 
 
 def test_extra_arguments_pass_through_verbatim(tmp_path: Path) -> None:
-    text = generate("--cpus", "0", "--broker-arg=--chunk", "--broker-arg", "500",
-                    "--worker-arg=--slots", "--worker-arg=3", "--worker-arg", "a 100% 'odd' arg",
-                    "--algo", "fifo", "--run-dir", str(tmp_path))
+    text = generate(
+        "--cpus",
+        "0",
+        "--broker-arg=--chunk",
+        "--broker-arg",
+        "500",
+        "--worker-arg=--slots",
+        "--worker-arg=3",
+        "--worker-arg",
+        "a 100% 'odd' arg",
+        "--algo",
+        "fifo",
+        "--run-dir",
+        str(tmp_path),
+    )
     commands = programs(parsed(text, tmp_path))
     assert commands["farm-broker"][-4:] == ["--algo", "fifo", "--chunk", "500"]
     assert commands["farm-cpu-0"][-3:] == ["--slots", "3", "a 100% 'odd' arg"]
@@ -152,34 +218,47 @@ def test_workers_connect_to_loopback_when_the_broker_binds_every_interface() -> 
     text = generate("--cpus", "0", "--bind", "tcp://*:6000")
     assert "--bind 'tcp://*:6000'" in text
     assert "--broker tcp://127.0.0.1:6000" in text
-    assert "--broker tcp://10.0.0.1:7000" in generate("--cpus", "0", "--bind", "tcp://0.0.0.0:1",
-                                                      "--connect", "tcp://10.0.0.1:7000")
+    assert "--broker tcp://10.0.0.1:7000" in generate(
+        "--cpus", "0", "--bind", "tcp://0.0.0.0:1", "--connect", "tcp://10.0.0.1:7000"
+    )
 
 
 def test_a_worker_only_host_has_no_broker_and_needs_the_brokers_address(tmp_path: Path) -> None:
     assert "--connect" in refused("--no-broker")
-    text = generate("--cpus", "0-1", "--no-broker", "--connect", "tcp://10.0.0.1:5555",
-                    "--run-dir", str(tmp_path))
+    text = generate(
+        "--cpus",
+        "0-1",
+        "--no-broker",
+        "--connect",
+        "tcp://10.0.0.1:5555",
+        "--run-dir",
+        str(tmp_path),
+    )
     assert sorted(programs(parsed(text, tmp_path))) == ["farm-cpu-0", "farm-cpu-1"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--cpus", "0-x"], "malformed core list"),
-    (["--gpus", "1,1"], "GPU list '1,1' names 1 twice"),
-    (["--cpus", "0-1", "--gpus", "0-2"], "3 GPUs need a core each"),
-    (["--bind", "tcp://127.0.0.1:*"], "needs a fixed port"),
-    (["--run-dir", "/tmp/" + "x" * 100], "too long for supervisord's unix socket"),
-    (["--worker-arg", "a ;b"], "start a comment"),
-    (["--algo", "nope"], "Invalid value for '--algo'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--cpus", "0-x"], "malformed core list"),
+        (["--gpus", "1,1"], "GPU list '1,1' names 1 twice"),
+        (["--cpus", "0-1", "--gpus", "0-2"], "3 GPUs need a core each"),
+        (["--bind", "tcp://127.0.0.1:*"], "needs a fixed port"),
+        (["--run-dir", "/tmp/" + "x" * 100], "too long for supervisord's unix socket"),
+        (["--worker-arg", "a ;b"], "start a comment"),
+        (["--algo", "nope"], "Invalid value for '--algo'"),
+    ],
+)
 def test_bad_input_is_refused_with_a_reason(args: list[str], message: str) -> None:
     assert message in refused(*args)
 
 
 def test_the_header_says_how_it_was_made_and_how_to_run_it() -> None:
     text = generate("--cpus", "0-1", "--worker-arg=--slots", "--worker-arg", "3")
-    assert "; Generated by: farm deploy supervisord --cpus 0-1 --worker-arg=--slots " \
-           "--worker-arg 3\n" in text
+    assert (
+        "; Generated by: farm deploy supervisord --cpus 0-1 --worker-arg=--slots "
+        "--worker-arg 3\n" in text
+    )
     assert "; Start:    mkdir -p /tmp/farm && supervisord -c supervisord.conf\n" in text
 
 
@@ -261,13 +340,21 @@ class Supervised:
     def __init__(self, supervisord: str, supervisorctl: str, config: Path) -> None:
         self.supervisorctl = supervisorctl
         self.config = config
-        self.process = subprocess.Popen([supervisord, "-n", "-c", str(config)], text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [supervisord, "-n", "-c", str(config)],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         self.log = SupervisordLog(self.process.stdout)
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([self.supervisorctl, "-c", str(self.config), *args], text=True,
-                              capture_output=True, timeout=30)
+        return subprocess.run(
+            [self.supervisorctl, "-c", str(self.config), *args],
+            text=True,
+            capture_output=True,
+            timeout=30,
+        )
 
     def pid(self, program: str) -> int:
         return int(self.ctl("pid", program).stdout)
@@ -301,15 +388,28 @@ SUPERVISORD = supervisor_tool("supervisord")
 SUPERVISORCTL = supervisor_tool("supervisorctl")
 
 
-@pytest.mark.skipif(SUPERVISORD is None or SUPERVISORCTL is None,
-                    reason="supervisord is not installed (pip install 'supervisor>=4.2')")
+@pytest.mark.skipif(
+    SUPERVISORD is None or SUPERVISORCTL is None,
+    reason="supervisord is not installed (pip install 'supervisor>=4.2')",
+)
 def test_supervised_farm_runs_a_job_through_a_kill_9_and_restarts_the_worker(
-        run_dir: Path, lenet, digits) -> None:
+    run_dir: Path, lenet, digits
+) -> None:
     cores = sorted(os.sched_getaffinity(0))[:2]
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     config = run_dir / "farm.conf"
-    generate("--cpus", ",".join(map(str, cores)), "--bind", endpoint, "--model", "lenet",
-             "--run-dir", str(run_dir), "-o", str(config))
+    generate(
+        "--cpus",
+        ",".join(map(str, cores)),
+        "--bind",
+        endpoint,
+        "--model",
+        "lenet",
+        "--run-dir",
+        str(run_dir),
+        "-o",
+        str(config),
+    )
     workers = [f"farm-cpu-{core}" for core in cores]
     images = np.resize(digits, (20_000, 28, 28))
     farm = Supervised(SUPERVISORD, SUPERVISORCTL, config)
@@ -355,8 +455,10 @@ def test_supervised_farm_runs_a_job_through_a_kill_9_and_restarts_the_worker(
         status = farm.ctl("status")
         assert status.returncode == 0, status.stdout
         states = dict(line.split()[:2] for line in status.stdout.splitlines())
-        assert states == {"farm-broker": "RUNNING",
-                          **{f"farm-workers:{program}": "RUNNING" for program in workers}}
+        assert states == {
+            "farm-broker": "RUNNING",
+            **{f"farm-workers:{program}": "RUNNING" for program in workers},
+        }
     finally:
         farm.shutdown()
 
@@ -364,10 +466,21 @@ def test_supervised_farm_runs_a_job_through_a_kill_9_and_restarts_the_worker(
 # ----------------------------------------------------------------- slurm
 
 SLURM_EXAMPLE = REPO / "deploy" / "farm.sbatch"
-SLURM_EXAMPLE_ARGS = ["--nodes", "2", "--gpus-per-node", "1", "--model", "lenet",
-                      "--farm-command", "farm", "--sbatch=--time=1:00:00", "--submit",
-                      "farm submit images.npy --model lenet --out out.npy",
-                      "-o", "deploy/farm.sbatch"]
+SLURM_EXAMPLE_ARGS = [
+    "--nodes",
+    "2",
+    "--gpus-per-node",
+    "1",
+    "--model",
+    "lenet",
+    "--farm-command",
+    "farm",
+    "--sbatch=--time=1:00:00",
+    "--submit",
+    "farm submit images.npy --model lenet --out out.npy",
+    "-o",
+    "deploy/farm.sbatch",
+]
 
 
 def slurm_script(*args: str) -> str:
@@ -377,16 +490,31 @@ def slurm_script(*args: str) -> str:
 
 
 def test_a_slurm_script_asks_for_cores_and_gpus_and_runs_a_step_for_each() -> None:
-    text = slurm_script("--nodes", "2", "--cores-per-node", "16", "--gpus-per-node", "2",
-                        "--model", "lenet", "--sbatch=--time=2:00:00", "--submit",
-                        "farm submit a.npy --model lenet --out 'o u t.npy'")
+    text = slurm_script(
+        "--nodes",
+        "2",
+        "--cores-per-node",
+        "16",
+        "--gpus-per-node",
+        "2",
+        "--model",
+        "lenet",
+        "--sbatch=--time=2:00:00",
+        "--submit",
+        "farm submit a.npy --model lenet --out 'o u t.npy'",
+    )
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
-    assert directives == ["#SBATCH --job-name=farm", "#SBATCH --nodes=2",
-                          "#SBATCH --output=farm-%j.out", "#SBATCH --signal=B:TERM@60",
-                          "#SBATCH --ntasks-per-node=16",
-                          "#SBATCH --cpus-per-task=1", "#SBATCH --gres=gpu:2",
-                          "#SBATCH --time=2:00:00"]
+    assert directives == [
+        "#SBATCH --job-name=farm",
+        "#SBATCH --nodes=2",
+        "#SBATCH --output=farm-%j.out",
+        "#SBATCH --signal=B:TERM@60",
+        "#SBATCH --ntasks-per-node=16",
+        "#SBATCH --cpus-per-task=1",
+        "#SBATCH --gres=gpu:2",
+        "#SBATCH --time=2:00:00",
+    ]
     assert "GPUS_PER_NODE=2\n" in text and "MODELS=(--model lenet)\n" in text
     assert "worker --device cpu:bound" in text and "--cpu-bind=cores" in text
     assert "--gres=gpu:1" in text and "worker --device gpu:0" in text
@@ -412,32 +540,39 @@ def test_the_script_reads_slurms_cpu_counts_per_node() -> None:
     assert done.stdout.strip() == "16 16 8 4"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--cores-per-node", "2", "--gpus-per-node", "3"], "needs a core each to feed it"),
-    (["--connect", "tcp://h:1"], "give the broker's keys folder with --curve DIR"),
-    (["--connect", "tcp://h:1", "--no-curve", "--submit", "farm status"],
-     "not in a workers-only job"),
-    (["--curve", "k", "--no-curve"], "contradict"),
-    (["--submit", "farm submit a\nrm -rf b"], "must be one line"),
-    (["--job-name", "a b"], "--job-name 'a b'"),
-    (["--connect", "tcp://h:1", "--no-curve", "--port", "5555"], "a workers-only job"),
-    (["--model", "a\nb"], "must be one line"),
-    (["--submit", "farm submit a.npy )"], "the script would not run: bash says"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--cores-per-node", "2", "--gpus-per-node", "3"], "needs a core each to feed it"),
+        (["--connect", "tcp://h:1"], "give the broker's keys folder with --curve DIR"),
+        (
+            ["--connect", "tcp://h:1", "--no-curve", "--submit", "farm status"],
+            "not in a workers-only job",
+        ),
+        (["--curve", "k", "--no-curve"], "contradict"),
+        (["--submit", "farm submit a\nrm -rf b"], "must be one line"),
+        (["--job-name", "a b"], "--job-name 'a b'"),
+        (["--connect", "tcp://h:1", "--no-curve", "--port", "5555"], "a workers-only job"),
+        (["--model", "a\nb"], "must be one line"),
+        (["--submit", "farm submit a.npy )"], "the script would not run: bash says"),
+    ],
+)
 def test_a_slurm_script_that_could_not_run_is_refused(args: list[str], message: str) -> None:
     result = CliRunner().invoke(deploy, ["slurm", *args], prog_name="farm deploy")
     assert result.exit_code == 2 and message in result.output, result.output
 
 
-def test_the_committed_slurm_example_is_what_the_command_writes(tmp_path: Path,
-                                                              monkeypatch) -> None:
+def test_the_committed_slurm_example_is_what_the_command_writes(
+    tmp_path: Path, monkeypatch
+) -> None:
     monkeypatch.chdir(REPO)
     out = tmp_path / "farm.sbatch"
     args = [*SLURM_EXAMPLE_ARGS[:-1], str(out)]
     slurm_script(*args)
     written = out.read_text().replace(str(out), "deploy/farm.sbatch")
-    assert written == SLURM_EXAMPLE.read_text(), \
+    assert written == SLURM_EXAMPLE.read_text(), (
         "deploy/farm.sbatch is stale: farm deploy slurm " + " ".join(SLURM_EXAMPLE_ARGS)
+    )
     assert os.access(out, os.X_OK)
 
 
@@ -447,16 +582,24 @@ def test_status_waits_for_workers_and_says_how_many_came(tmp_path: Path, local_f
 
     local = local_farm(0)
     started = time.monotonic()
-    done = subprocess.run(farm_command("status", "--broker", local.endpoint,
-                                       "--wait-workers", "2", "--timeout", "1"),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        farm_command("status", "--broker", local.endpoint, "--wait-workers", "2", "--timeout", "1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1 and "0 of 2 workers registered within 1 s" in done.stderr
     assert time.monotonic() - started < 30
     [device] = pinned_devices(1)
     local.start_worker(device)
-    done = subprocess.run(farm_command("status", "--broker", local.endpoint,
-                                       "--wait-workers", "1", "--timeout", "60"),
-                          capture_output=True, text=True, timeout=90)
+    done = subprocess.run(
+        farm_command(
+            "status", "--broker", local.endpoint, "--wait-workers", "1", "--timeout", "60"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert done.returncode == 0 and device in done.stdout, done.stderr
 
 
@@ -469,28 +612,46 @@ def test_a_bound_worker_pins_itself_to_the_core_it_was_given() -> None:
     def bound(cores: str, local: str | None) -> str:
         env = {k: v for k, v in os.environ.items() if k != "SLURM_LOCALID"}
         env.update({"SLURM_LOCALID": local} if local is not None else {})
-        done = subprocess.run(["taskset", "-c", cores, sys.executable, "-c",
-                               "from farm.workers.worker import Device; "
-                               "print(Device.parse('cpu:bound'))"],
-                              capture_output=True, text=True, cwd=REPO, env=env)
+        done = subprocess.run(
+            [
+                "taskset",
+                "-c",
+                cores,
+                sys.executable,
+                "-c",
+                "from farm.workers.worker import Device; print(Device.parse('cpu:bound'))",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
     assert bound("1", None) == bound("1", "0") == "cpu:1"  # the one core it was given
     # two Slurm tasks given the same two CPUs (a core's hyperthreads) take one each
-    assert (bound("0,1", "0"), bound("0,1", "1"), bound("0,1", "2")) == \
-        ("cpu:0", "cpu:1", "cpu:0")
+    assert (bound("0,1", "0"), bound("0,1", "1"), bound("0,1", "2")) == ("cpu:0", "cpu:1", "cpu:0")
     assert bound("0,1", None) == "cpu:0"  # taskset with several: the first
 
 
 def run_script_part(text: str, tail: str, tmp_path: Path) -> subprocess.CompletedProcess:
     """The generated script's definitions (up to its first Slurm command), then ``tail``,
     run by bash with ``tmp_path`` first on PATH."""
-    head = text[:text.index("trap 'on_signal 143' TERM")]
-    return subprocess.run(["bash", "-c", head + tail], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=60,
-                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
-                               "SLURM_JOB_ID": "7", "FARM_CURVE": "/elsewhere"})
+    head = text[: text.index("trap 'on_signal 143' TERM")]
+    return subprocess.run(
+        ["bash", "-c", head + tail],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        env={
+            **os.environ,
+            "PATH": f"{tmp_path}:{os.environ['PATH']}",
+            "SLURM_JOB_ID": "7",
+            "FARM_CURVE": "/elsewhere",
+        },
+    )
 
 
 def test_a_farm_command_named_farm_runs_the_program_not_the_function(tmp_path: Path) -> None:
@@ -498,16 +659,19 @@ def test_a_farm_command_named_farm_runs_the_program_not_the_function(tmp_path: P
     program.write_text('#!/bin/sh\necho "the farm program: $*"\n')
     program.chmod(0o755)
     text = slurm_script("--farm-command", "farm", "--submit", "farm status")
-    done = run_script_part(text, 'farm status --json; echo "curve: ${FARM_CURVE-unset}"\n',
-                           tmp_path)
-    assert done.stdout.splitlines() == ["the farm program: status --json", "curve: unset"], \
+    done = run_script_part(
+        text, 'farm status --json; echo "curve: ${FARM_CURVE-unset}"\n', tmp_path
+    )
+    assert done.stdout.splitlines() == ["the farm program: status --json", "curve: unset"], (
         done.stderr
+    )
     assert (tmp_path / "farm-7").is_dir()  # the job's folder, beside its output
 
 
 def test_the_jobs_exit_status_is_the_first_failing_lines(tmp_path: Path) -> None:
-    text = slurm_script("--submit", "true", "--submit", "exit 3", "--submit", "exit 5",
-                        "--submit", "true")
-    body = text[text.index("status=0\n"):text.index("stop_farm\nsay \"done")]
+    text = slurm_script(
+        "--submit", "true", "--submit", "exit 3", "--submit", "exit 5", "--submit", "true"
+    )
+    body = text[text.index("status=0\n") : text.index('stop_farm\nsay "done')]
     done = run_script_part(text, body + 'echo "status $status"\n', tmp_path)
     assert done.stdout.splitlines()[-1] == "status 3", done.stdout + done.stderr

@@ -26,8 +26,9 @@ def test_outputs_match_an_in_process_forward(farm_two_workers, lenet, digits) ->
     assert 0 < summary.rate and summary.waste < 1
 
 
-def test_order_is_kept_for_a_size_not_a_multiple_of_the_chunk(farm_two_workers, lenet,
-                                                              digits) -> None:
+def test_order_is_kept_for_a_size_not_a_multiple_of_the_chunk(
+    farm_two_workers, lenet, digits
+) -> None:
     images = digits[::-1][:357]  # 357 = 3 x 100 + 57, reversed so order errors show
     with farm_two_workers.client() as client:
         outputs = client.map(images, model="lenet")
@@ -35,12 +36,16 @@ def test_order_is_kept_for_a_size_not_a_multiple_of_the_chunk(farm_two_workers, 
     np.testing.assert_allclose(outputs, reference_forward(lenet, images), atol=1e-5)
 
 
-@pytest.mark.parametrize("convert", [
-    lambda x: x,  # uint8 N x H x W
-    lambda x: x[:, None],  # uint8 N x 1 x H x W
-    lambda x: x.astype(np.float32)[:, None],  # float32 N x C x H x W
-    lambda x: x.astype(np.float32),  # float32 N x H x W
-], ids=["uint8-NHW", "uint8-NCHW", "float32-NCHW", "float32-NHW"])
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda x: x,  # uint8 N x H x W
+        lambda x: x[:, None],  # uint8 N x 1 x H x W
+        lambda x: x.astype(np.float32)[:, None],  # float32 N x C x H x W
+        lambda x: x.astype(np.float32),  # float32 N x H x W
+    ],
+    ids=["uint8-NHW", "uint8-NCHW", "float32-NCHW", "float32-NHW"],
+)
 def test_uint8_and_float32_inputs(farm_two_workers, lenet, digits, convert) -> None:
     images = convert(digits[:250])
     with farm_two_workers.client() as client:
@@ -55,10 +60,8 @@ def test_a_job_of_one_image(farm_two_workers, lenet, digits) -> None:
     np.testing.assert_allclose(outputs, reference_forward(lenet, digits[7:8]), atol=1e-5)
 
 
-def test_two_clients_at_once_each_get_their_own_results(farm_two_workers, lenet,
-                                                        digits) -> None:
-    inputs = {"a": np.resize(digits, (6000, 28, 28)),
-              "b": np.resize(digits[::-1], (4500, 28, 28))}
+def test_two_clients_at_once_each_get_their_own_results(farm_two_workers, lenet, digits) -> None:
+    inputs = {"a": np.resize(digits, (6000, 28, 28)), "b": np.resize(digits[::-1], (4500, 28, 28))}
     results: dict[str, np.ndarray] = {}
     spans: dict[str, tuple[float, float]] = {}
     errors: list[BaseException] = []
@@ -88,8 +91,11 @@ def test_two_clients_at_once_each_get_their_own_results(farm_two_workers, lenet,
 def test_workers_are_pinned_to_their_cores(farm_two_workers) -> None:
     for process, device in zip(farm_two_workers.workers, farm_two_workers.devices):
         status = Path(f"/proc/{process.pid}/status").read_text()
-        allowed = next(line.split(":")[1].strip() for line in status.splitlines()
-                       if line.startswith("Cpus_allowed_list"))
+        allowed = next(
+            line.split(":")[1].strip()
+            for line in status.splitlines()
+            if line.startswith("Cpus_allowed_list")
+        )
         assert allowed == device.split(":")[1]
 
 
@@ -106,8 +112,7 @@ def test_an_unpinned_worker_serves_too(lenet, digits, local_farm) -> None:
     np.testing.assert_allclose(outputs, reference_forward(lenet, digits), atol=1e-5)
 
 
-def test_a_chunk_longer_than_the_client_timeout_still_completes(lenet, digits,
-                                                                local_farm) -> None:
+def test_a_chunk_longer_than_the_client_timeout_still_completes(lenet, digits, local_farm) -> None:
     """The broker heartbeats the client while a job runs, so only silence times out."""
     timeout = 1.0
     local = local_farm(1, heartbeat=0.1, max_chunk_seconds=0)
@@ -115,12 +120,12 @@ def test_a_chunk_longer_than_the_client_timeout_still_completes(lenet, digits,
         warm_up = client.run(np.resize(digits, (5000, 28, 28)), "lenet")
     count = int(3 * timeout * warm_up.summary.workers[0].rate)  # 3 timeouts of compute
     with local.client(timeout=timeout) as client:
-        result = client.run(np.resize(digits, (count, 28, 28)), "lenet", algo="fifo",
-                            params={"chunk": count})
+        result = client.run(
+            np.resize(digits, (count, 28, 28)), "lenet", algo="fifo", params={"chunk": count}
+        )
     assert result.summary.seconds > timeout, "the job was too short to show anything"
     assert [share.chunks for share in result.summary.workers] == [1]
-    np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits),
-                               atol=1e-5)
+    np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits), atol=1e-5)
 
 
 def test_a_worker_that_cannot_start_is_reported_not_waited_for() -> None:
@@ -129,8 +134,7 @@ def test_a_worker_that_cannot_start_is_reported_not_waited_for() -> None:
             pass
 
 
-def test_npy_file_in_and_out_a_chunk_at_a_time(farm_two_workers, lenet, digits,
-                                                tmp_path) -> None:
+def test_npy_file_in_and_out_a_chunk_at_a_time(farm_two_workers, lenet, digits, tmp_path) -> None:
     """Input read from a .npy by ranges, outputs written to a .npy as they come."""
     images = np.resize(digits, (1234, 28, 28))
     np.save(tmp_path / "in.npy", images)
@@ -139,8 +143,9 @@ def test_npy_file_in_and_out_a_chunk_at_a_time(farm_two_workers, lenet, digits,
         result = client.run(NpyReader.open(tmp_path / "in.npy"), "lenet", out=writer)
     writer.close()
     assert result.outputs is None and not result.failed and result.duplicates == 0
-    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), reference_forward(lenet, images),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.load(tmp_path / "out.npy"), reference_forward(lenet, images), atol=1e-5
+    )
 
 
 def test_pinned_workers_run_one_thread(farm_two_workers) -> None:
@@ -174,17 +179,16 @@ def test_a_worker_stopped_mid_job_hands_its_chunks_on(lenet, digits, local_farm)
 
     local = local_farm(devices=["cpu", "cpu"], chunk=100, preload=["lenet"])
     outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(
-        result=local.client().run(images, "lenet", progress=progress)))
+    thread = threading.Thread(
+        target=lambda: outcome.update(result=local.client().run(images, "lenet", progress=progress))
+    )
     thread.start()
     assert halfway.wait(60)
     local.workers[0].terminate()
     thread.join(120)
     result = outcome["result"]
-    np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits),
-                               atol=1e-5)
-    np.testing.assert_allclose(result.outputs[-1000:], reference_forward(lenet, digits),
-                               atol=1e-5)
+    np.testing.assert_allclose(result.outputs[:1000], reference_forward(lenet, digits), atol=1e-5)
+    np.testing.assert_allclose(result.outputs[-1000:], reference_forward(lenet, digits), atol=1e-5)
     shares = sorted(share.items for share in result.summary.workers)
     assert sum(shares) == len(images)
     assert shares[0] < 0.3 * len(images), "the stopped worker should have done little"

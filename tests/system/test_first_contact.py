@@ -39,13 +39,12 @@ def test_no_broker_is_one_clear_error_not_a_minute_of_warnings(images) -> None:
     resubmissions."""
     done = farm("submit", images, "--broker", f"127.0.0.1:{free_port()}", "--quiet")
     line = one_error_line(done)
-    assert f"no broker answered at tcp://127.0.0.1:" in line
+    assert "no broker answered at tcp://127.0.0.1:" in line
     assert f"within {FIRST_CONTACT_TIMEOUT:g} s" in line and "is a broker running there?" in line
     assert "again" not in done.stderr  # no "submitting the 200 missing images again"
 
 
-def test_a_broker_without_workers_says_so_then_gives_up_at_the_timeout(images,
-                                                                       local_farm) -> None:
+def test_a_broker_without_workers_says_so_then_gives_up_at_the_timeout(images, local_farm) -> None:
     alone = local_farm(0)
     done = farm("submit", images, "--broker", alone.endpoint, "--timeout", "6", "--quiet")
     assert f"waiting for a worker: none is connected to {alone.endpoint}" in done.stderr
@@ -65,12 +64,17 @@ def test_host_and_port_mean_tcp(farm_two_workers, images, digits, lenet, tmp_pat
     np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits[:200]), atol=1e-5)
 
 
-@pytest.mark.parametrize("command", [("status",), ("submit", "x.npy"),
-                                     ("worker", "--device", "cpu:0")])
-@pytest.mark.parametrize("address,reason", [
-    ("127.0.0.1", "is not an endpoint: give tcp://HOST:PORT (or HOST:PORT)"),
-    ("tcp://127.0.0.1:99999", "port '99999' is not a number from 1 to 65535"),
-    ("http://127.0.0.1:5555", "farm speaks tcp://, ipc://, inproc://, not http://")])
+@pytest.mark.parametrize(
+    "command", [("status",), ("submit", "x.npy"), ("worker", "--device", "cpu:0")]
+)
+@pytest.mark.parametrize(
+    "address,reason",
+    [
+        ("127.0.0.1", "is not an endpoint: give tcp://HOST:PORT (or HOST:PORT)"),
+        ("tcp://127.0.0.1:99999", "port '99999' is not a number from 1 to 65535"),
+        ("http://127.0.0.1:5555", "farm speaks tcp://, ipc://, inproc://, not http://"),
+    ],
+)
 def test_an_address_that_is_no_endpoint_is_one_usage_line(command, address, reason) -> None:
     done = farm(*command, "--broker", address, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
@@ -88,19 +92,22 @@ def test_farm_run_reports_the_start_apart_and_scores_what_it_wrote(tmp_path) -> 
     """With --out as without: the outputs written, the first predictions, the accuracy; the
     farm's start and stop on lines of their own."""
     out = tmp_path / "scores.npy"
-    done = subprocess.run(farm_command("run", "--model", "lenet", "--out", str(out), "--quiet"),
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        farm_command("run", "--model", "lenet", "--out", str(out), "--quiet"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
-    assert "farm ready in " in done.stderr and "(not counted in the job): lenet on " in \
-        done.stderr
+    assert "farm ready in " in done.stderr and "(not counted in the job): lenet on " in done.stderr
     assert "farm stopped in " in done.stderr
     assert f"outputs (1000, 10) float32 written to {out}" in done.stdout
     assert "first predictions: " in done.stdout
     assert "accuracy on the bundled sample: 96.70% (967 of 1,000" in done.stdout
 
 
-def test_engine_loading_on_fresh_workers_is_reported_apart_from_the_job(digits,
-                                                                        local_farm) -> None:
+def test_engine_loading_on_fresh_workers_is_reported_apart_from_the_job(digits, local_farm) -> None:
     """Workers that load the model for the job's first chunks: their wait is counted as
     loading, not as the job's; once loaded, a second job has none."""
     local = local_farm(2, algo=defaults.POLICY, worker_options=["--backend", "opencv"])

@@ -1,4 +1,5 @@
-"""A real broker and a real worker keep serving through floods of malformed messages (the strategies are tests/unit/test_fuzz.py's)."""
+"""A real broker and a real worker keep serving through floods of malformed messages (the
+strategies are tests/unit/test_fuzz.py's)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -69,8 +71,10 @@ class Tally:
         except ProtocolError:
             self.malformed += 1
         except Exception as exc:
-            raise AssertionError(f"protocol.decode raised {type(exc).__name__} (not "
-                                 f"ProtocolError) on {item!r}: {exc}") from exc
+            raise AssertionError(
+                f"protocol.decode raised {type(exc).__name__} (not "
+                f"ProtocolError) on {item!r}: {exc}"
+            ) from exc
 
     def reply(self, frames: Sequence[bytes]) -> protocol.Message | None:
         """A message from the peer, which must be well-formed whatever it was sent; a
@@ -94,11 +98,13 @@ class Tally:
 
     def report(self, peer: str, seconds: float) -> str:
         growth = (self.rss_end - self.rss_warm) / 2**20
-        return (f"{peer}: {self.sent} messages in {self.batches} batches, {self.malformed} "
-                f"malformed, in {seconds:.1f} s; RSS {self.rss_warm / 2**20:.1f} MiB after "
-                f"{WARMUP} -> {self.rss_end / 2**20:.1f} MiB at the end ({growth:+.1f} MiB, "
-                f"limit {RSS_GROWTH_LIMIT >> 20}); families {dict(sorted(self.families.items()))}"
-                f"; replies {dict(sorted(self.replies.items()))}")
+        return (
+            f"{peer}: {self.sent} messages in {self.batches} batches, {self.malformed} "
+            f"malformed, in {seconds:.1f} s; RSS {self.rss_warm / 2**20:.1f} MiB after "
+            f"{WARMUP} -> {self.rss_end / 2**20:.1f} MiB at the end ({growth:+.1f} MiB, "
+            f"limit {RSS_GROWTH_LIMIT >> 20}); families {dict(sorted(self.families.items()))}"
+            f"; replies {dict(sorted(self.replies.items()))}"
+        )
 
 
 def rss(pid: int, peer: str) -> int:
@@ -146,7 +152,6 @@ def bugs(log: Path, tally: Tally) -> list[str]:
 # ------------------------------------------------------------------- templates
 
 
-
 class WorkerFuzzer:
     """A ROUTER acting as the broker of one real worker process: it sends the worker garbage
     with real TASKs among it, answers its heartbeats and FETCHes, and follows it if it
@@ -162,10 +167,20 @@ class WorkerFuzzer:
         self.router.setsockopt(zmq.SNDTIMEO, int(REPLY_TIMEOUT * 1000))
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         with open(log, "ab") as stderr:
-            self.process = subprocess.Popen(farm_command(
-                "--log-level", "WARNING", "worker", "--device",
-                f"cpu:{min(os.sched_getaffinity(0))}", "--broker", f"tcp://127.0.0.1:{port}",
-                "--model", "lenet"), stderr=stderr)
+            self.process = subprocess.Popen(
+                farm_command(
+                    "--log-level",
+                    "WARNING",
+                    "worker",
+                    "--device",
+                    f"cpu:{min(os.sched_getaffinity(0))}",
+                    "--broker",
+                    f"tcp://127.0.0.1:{port}",
+                    "--model",
+                    "lenet",
+                ),
+                stderr=stderr,
+            )
         self.identity = b""
         self.reconnects = -1  # the first READY is the connection, not a reconnect
         self.tally = Tally()
@@ -182,20 +197,38 @@ class WorkerFuzzer:
     def real_task(self, start: int, count: int) -> list[bytes]:
         """A valid TASK for images ``start..``: a LeNet chunk as the broker would send it."""
         self.real_tasks += 1
-        return protocol.encode(Command.TASK, messages.Task(
-            job=self.real_job, chunk=self.real_tasks, attempt=1, start=start, count=count,
-            model="lenet", digest=LENET_DIGEST, dtype="uint8", item_shape=tuple(ITEM_SHAPE)),
-            [self.images[start:start + count].tobytes()])
+        return protocol.encode(
+            Command.TASK,
+            messages.Task(
+                job=self.real_job,
+                chunk=self.real_tasks,
+                attempt=1,
+                start=start,
+                count=count,
+                model="lenet",
+                digest=LENET_DIGEST,
+                dtype="uint8",
+                item_shape=tuple(ITEM_SHAPE),
+            ),
+            [self.images[start : start + count].tobytes()],
+        )
 
     def check_result(self, start: int, count: int) -> None:
         """The last real TASK came back, exact."""
-        reply = self.receive(lambda m: m.command in (Command.RESULT, Command.FAILED)
-                             and m.header.job == self.real_job)
+        reply = self.receive(
+            lambda m: (
+                m.command in (Command.RESULT, Command.FAILED) and m.header.job == self.real_job
+            )
+        )
         assert reply.command is Command.RESULT, f"a real TASK failed: {reply.header}"
-        assert (reply.header.chunk, reply.header.start, reply.header.count) == \
-            (self.real_tasks, start, count), "the RESULT of another TASK"
-        np.testing.assert_allclose(reply.array("float32", (10,)),
-                                   self.expected[start:start + count], atol=1e-5)
+        assert (reply.header.chunk, reply.header.start, reply.header.count) == (
+            self.real_tasks,
+            start,
+            count,
+        ), "the RESULT of another TASK"
+        np.testing.assert_allclose(
+            reply.array("float32", (10,)), self.expected[start : start + count], atol=1e-5
+        )
 
     def send(self, frames: Sequence[bytes]) -> None:
         """Send to the worker; if it reconnected meanwhile, wait for its READY and resend."""
@@ -223,12 +256,22 @@ class WorkerFuzzer:
             if message.command is Command.READY and identity != self.identity:
                 self.identity, self.reconnects = identity, self.reconnects + 1
             elif message.command is Command.HEARTBEAT:
-                self.answer(identity, protocol.encode(Command.HEARTBEAT,
-                                                      messages.Heartbeat(interval=1.0)))
+                self.answer(
+                    identity, protocol.encode(Command.HEARTBEAT, messages.Heartbeat(interval=1.0))
+                )
             elif message.command is Command.FETCH:  # as a broker does for a model it lacks
-                self.answer(identity, protocol.encode(Command.MODEL, messages.Model(
-                    model=message.header.model, digest=message.header.digest, files=[],
-                    error="no such model")))
+                self.answer(
+                    identity,
+                    protocol.encode(
+                        Command.MODEL,
+                        messages.Model(
+                            model=message.header.model,
+                            digest=message.header.digest,
+                            files=[],
+                            error="no such model",
+                        ),
+                    ),
+                )
             if wanted(message):
                 return message
 
@@ -256,15 +299,15 @@ def fuzz_until_target(fuzz_round: Callable[[], None], tally: Any) -> float:
     """Run hypothesis rounds until ``TARGET`` malformed messages were sent; the seconds taken."""
     started = time.monotonic()
     while tally.malformed < TARGET:
-        assert time.monotonic() - started < FUZZ_BUDGET, \
+        assert time.monotonic() - started < FUZZ_BUDGET, (
             f"only {tally.malformed} malformed messages in {FUZZ_BUDGET} s"
+        )
         fuzz_round()
     return time.monotonic() - started
 
 
-
-
 # --------------------------------------------------------------------- broker
+
 
 class BrokerFuzzer:
     """Sends batches to the broker, each from a fresh DEALER, and checks it still answers."""
@@ -304,11 +347,15 @@ class BrokerFuzzer:
             sock.send_multipart(protocol.encode(Command.HEARTBEAT, messages.Heartbeat(job=token)))
             deadline = time.monotonic() + REPLY_TIMEOUT
             while True:
-                assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), \
+                assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), (
                     f"the broker did not answer within {REPLY_TIMEOUT} s after a batch"
+                )
                 reply = self.tally.reply(sock.recv_multipart())
-                if reply and messages.job_of(reply.header) == token \
-                        and reply.command is Command.ERROR:
+                if (
+                    reply
+                    and messages.job_of(reply.header) == token
+                    and reply.command is Command.ERROR
+                ):
                     break
         finally:
             sock.close()
@@ -324,8 +371,11 @@ class BrokerFuzzer:
             if reply.command is Command.INFO:
                 break
         snapshot = reply.document(dict)
-        jobs = [job["job"] for job in snapshot["jobs"]
-                if isinstance(job["job"], str) and len(job["job"]) == len(LIVE)]
+        jobs = [
+            job["job"]
+            for job in snapshot["jobs"]
+            if isinstance(job["job"], str) and len(job["job"]) == len(LIVE)
+        ]
         if jobs:
             self.live_job = jobs[0].encode()
         return snapshot
@@ -335,15 +385,20 @@ class BrokerFuzzer:
         self.context.term()
 
 
-def test_worker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digits,
-                                                                     tmp_path) -> None:
+def test_worker_keeps_serving_through_a_flood_of_malformed_messages(
+    lenet, digits, tmp_path
+) -> None:
     images = digits[:200, None]
     log = tmp_path / "worker.log"
     fuzzer = WorkerFuzzer(log, images, reference_forward(lenet, images))
     try:
+
         @FUZZ_SETTINGS
-        @given(batch=st.lists(garbage("worker"), min_size=BATCH[0], max_size=BATCH[1]),
-               position=st.floats(0, 1), items=st.tuples(st.integers(0, 199), st.integers(1, 50)))
+        @given(
+            batch=st.lists(garbage("worker"), min_size=BATCH[0], max_size=BATCH[1]),
+            position=st.floats(0, 1),
+            items=st.tuples(st.integers(0, 199), st.integers(1, 50)),
+        )
         @example(batch=corpus("worker"), position=0.5, items=(0, 10))
         def fuzz_round(batch: list[Garbage], position: float, items: tuple[int, int]) -> None:
             """The batch with one real TASK among it; its RESULT must be exact."""
@@ -366,8 +421,10 @@ def test_worker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
         tally = fuzzer.tally
         tally.rss_end = rss(fuzzer.process.pid, "worker")
         dropped = log.read_text(errors="replace").count("dropped malformed message")
-        print(f"\n{tally.report('worker', seconds)}\n  {fuzzer.real_tasks} real TASKs exact; the "
-              f"worker logged {dropped} malformed messages dropped; {fuzzer.reconnects} reconnects")
+        print(
+            f"\n{tally.report('worker', seconds)}\n  {fuzzer.real_tasks} real TASKs exact; the "
+            f"worker logged {dropped} malformed messages dropped; {fuzzer.reconnects} reconnects"
+        )
 
         assert tally.malformed >= TARGET
         if fuzzer.reconnects == 0:  # else what was sent to the old connection was lost
@@ -379,8 +436,9 @@ def test_worker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
         fuzzer.close()
 
 
-def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digits,
-                                                                     tmp_path) -> None:
+def test_broker_keeps_serving_through_a_flood_of_malformed_messages(
+    lenet, digits, tmp_path
+) -> None:
     images = np.random.default_rng(7).integers(0, 256, (20_000, 28, 28), dtype=np.uint8)
     expected = reference_forward(lenet, images)
     devices = [f"cpu:{core}" for core in cores()[:2]] or ["cpu"]
@@ -389,9 +447,15 @@ def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
         with stderr_to(log):  # the broker and workers log their errors (tracebacks) there
             # the fuzzer's READY garbage registers workers that never compute; one that
             # registers again or goes silent charges its chunks nothing
-            local = cleanup.enter_context(LocalFarm(
-                devices=devices, algo="fifo", broker_options=["--chunk", "100"],
-                preload=["lenet"], log_level="ERROR"))
+            local = cleanup.enter_context(
+                LocalFarm(
+                    devices=devices,
+                    algo="fifo",
+                    broker_options=["--chunk", "100"],
+                    preload=["lenet"],
+                    log_level="ERROR",
+                )
+            )
         fuzzer = BrokerFuzzer(local.endpoint, local.broker.pid)
         cleanup.callback(fuzzer.close)
         before = fuzzer.snapshot()["stats"]
@@ -404,8 +468,9 @@ def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
             with local.client(timeout=REPLY_TIMEOUT * 2) as client:
                 while not stop.is_set():
                     try:
-                        results.append(client.run(images, "lenet",
-                                                  progress=lambda _: fuzzer.job_running.set()))
+                        results.append(
+                            client.run(images, "lenet", progress=lambda _: fuzzer.job_running.set())
+                        )
                     except Exception as exc:  # reported below, with the figures
                         results.append(exc)
                         return
@@ -417,8 +482,10 @@ def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
         assert fuzzer.job_running.wait(REPLY_TIMEOUT), "the real job did not start"
 
         @FUZZ_SETTINGS
-        @given(batch=st.lists(garbage("broker"), min_size=BATCH[0], max_size=BATCH[1]),
-               identity=st.none() | st.binary(min_size=1, max_size=32).filter(lambda b: b[0]))
+        @given(
+            batch=st.lists(garbage("broker"), min_size=BATCH[0], max_size=BATCH[1]),
+            identity=st.none() | st.binary(min_size=1, max_size=32).filter(lambda b: b[0]),
+        )
         @example(batch=corpus("broker"), identity=None)
         def fuzz_round(batch: list[Garbage], identity: bytes | None) -> None:
             if fuzzer.tally.malformed < TARGET:
@@ -431,8 +498,10 @@ def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
         tally = fuzzer.tally
         tally.rss_end = rss(local.broker.pid, "broker")
         stats = fuzzer.snapshot()["stats"]
-        print(f"\n{tally.report('broker', seconds)}\n  broker stats {stats}; "
-              f"{len(results)} real jobs, {fuzzer.in_job} messages sent while one ran")
+        print(
+            f"\n{tally.report('broker', seconds)}\n  broker stats {stats}; "
+            f"{len(results)} real jobs, {fuzzer.in_job} messages sent while one ran"
+        )
 
         for result in results:
             assert not isinstance(result, Exception), f"a real job failed: {result!r}"
@@ -440,8 +509,9 @@ def test_broker_keeps_serving_through_a_flood_of_malformed_messages(lenet, digit
             np.testing.assert_allclose(result.outputs, expected, atol=1e-5)
         assert fuzzer.in_job >= tally.sent // 2, "the real jobs did not run alongside the fuzzing"
         assert tally.malformed >= TARGET
-        assert stats["bad_messages"] - before["bad_messages"] >= tally.malformed, \
+        assert stats["bad_messages"] - before["bad_messages"] >= tally.malformed, (
             "the broker counted fewer bad messages than were sent"
+        )
         assert tally.rss_end - tally.rss_warm < RSS_GROWTH_LIMIT, tally.report("broker", seconds)
         assert_farm_still_serves(local, lenet, digits)  # a fresh job, after the fuzzing
         assert local.broker.poll() is None and all(w.poll() is None for w in local.workers)

@@ -14,15 +14,16 @@ import msgspec
 import pytest
 
 from farm.bench.measure import paper_configurations
-from farm.ops.local import cores
 from farm.client.trace import Trace
+from farm.ops.local import cores
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu.sh"
 
-pytestmark = [pytest.mark.skipif(len(cores()) < 2, reason="a CPU worker and the stand-in "
-                                                           "need two cores"),
-              pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.skipif(len(cores()) < 2, reason="a CPU worker and the stand-in need two cores"),
+    pytest.mark.timeout(600),
+]
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -31,23 +32,34 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=580, env={**os.environ, "PYTHON": sys.executable})
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=580,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gpu") / "results"
-    done = run_script(str(out), "--stand-in", "--models", "lenet", "--images", "3000",
-                      "--quick")
+    done = run_script(str(out), "--stand-in", "--models", "lenet", "--images", "3000", "--quick")
     assert done.returncode == 0, done.stdout[-3000:]
     return out
 
 
 def test_the_dry_run_writes_every_file(dry_run) -> None:
     assert {path.name for path in dry_run.iterdir()} == {
-        "report.md", "results.json", "engines.csv", "policies.csv", "peers.csv",
-        "table2.csv", "traces.jsonl", "log.txt"}
+        "report.md",
+        "results.json",
+        "engines.csv",
+        "policies.csv",
+        "peers.csv",
+        "table2.csv",
+        "traces.jsonl",
+        "log.txt",
+    }
     report = (dry_run / "report.md").read_text()
     assert "a CPU stand-in" in report and "## lenet" in report
     assert report in (dry_run / "log.txt").read_text()  # the log holds what was printed
@@ -73,15 +85,18 @@ def test_every_policy_ran_and_its_waste_is_against_the_standalone_speeds(dry_run
     best = max(rows, key=lambda row: float(row["images_per_s"]))
     (summary,) = results["summary"]
     assert summary["images_per_s"] == pytest.approx(float(best["images_per_s"]))
-    trace = msgspec.json.decode((dry_run / "traces.jsonl").read_text().splitlines()[0],
-                                type=Trace)
+    trace = msgspec.json.decode((dry_run / "traces.jsonl").read_text().splitlines()[0], type=Trace)
     assert trace.items == 3000 and trace.policy == best["policy"]
 
 
 def test_engines_peers_and_table2_cover_both_workers(dry_run) -> None:
     engines = read_csv(dry_run / "engines.csv")
     assert [(e["kind"], e["precision"]) for e in engines] == [
-        ("gpu", "f32"), ("gpu", "f16"), ("gpu", "bf16"), ("cpu", "f32")]
+        ("gpu", "f32"),
+        ("gpu", "f16"),
+        ("gpu", "bf16"),
+        ("cpu", "f32"),
+    ]
     assert engines[0]["backend"] == "torch" and float(engines[0]["rate"]) > 0
     assert "f32 on the CPU" in engines[1]["problem"]  # the stand-in has no f16: refused
     peers = {row["peer"]: row for row in read_csv(dry_run / "peers.csv")}
@@ -89,8 +104,10 @@ def test_engines_peers_and_table2_cover_both_workers(dry_run) -> None:
     assert all(float(row["images_per_s"]) > 0 for row in peers.values())
     table2 = read_csv(dry_run / "table2.csv")
     assert {(row["device"], int(row["chunk"])) for row in table2} == {
-        (device, size) for device in ("cpu", f"cpu:{cores()[0]}")
-        for size in (1, 10, 100, 1000, 10_000)}
+        (device, size)
+        for device in ("cpu", f"cpu:{cores()[0]}")
+        for size in (1, 10, 100, 1000, 10_000)
+    }
     for row in table2:
         assert int(row["images"]) % int(row["chunk"]) == 0 and float(row["images_per_s"]) > 0
 
@@ -107,11 +124,23 @@ def test_at_the_time_limit_it_writes_what_it_has(dry_run, tmp_path) -> None:
     first step (a fifth of that time or less) and before two models are done."""
     limit = round(json.loads((dry_run / "results.json").read_text())["seconds"] / 2)
     out = tmp_path / "out"
-    done = subprocess.run(["bash", str(SCRIPT), str(out), "--stand-in", "--models",
-                           "lenet,cifar10_quick", "--images", "3000", "--quick"],
-                          capture_output=True, text=True, timeout=limit + 120,
-                          env={**os.environ, "PYTHON": sys.executable,
-                               "FARM_GPU_LIMIT": str(limit)})
+    done = subprocess.run(
+        [
+            "bash",
+            str(SCRIPT),
+            str(out),
+            "--stand-in",
+            "--models",
+            "lenet,cifar10_quick",
+            "--images",
+            "3000",
+            "--quick",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=limit + 120,
+        env={**os.environ, "PYTHON": sys.executable, "FARM_GPU_LIMIT": str(limit)},
+    )
     assert done.returncode == 124, done.stdout[-2000:]  # timeout's code: the limit was hit
     report = (out / "report.md").read_text()
     assert "interrupted: the time limit was reached" in report

@@ -49,23 +49,24 @@ def digit_folder(tmp_path_factory, digits) -> Path:
     return folder
 
 
-def test_a_folder_of_digits_matches_the_array_job(farm_two_workers, digit_folder, lenet,
-                                                  digits) -> None:
+def test_a_folder_of_digits_matches_the_array_job(
+    farm_two_workers, digit_folder, lenet, digits
+) -> None:
     with Client(farm_two_workers.endpoint) as client:
         result = client.run([digit_folder], "lenet")
     assert not result.failed
-    np.testing.assert_allclose(result.outputs, reference_forward(lenet, digits[:DIGITS]),
-                               atol=1e-5)
+    np.testing.assert_allclose(result.outputs, reference_forward(lenet, digits[:DIGITS]), atol=1e-5)
 
 
-def test_each_bad_file_fails_alone_with_its_reason(farm_two_workers, lenet, digits,
-                                                   tmp_path) -> None:
+def test_each_bad_file_fails_alone_with_its_reason(
+    farm_two_workers, lenet, digits, tmp_path
+) -> None:
     good = digits[:6]
     jpeg = cv2.imencode(".jpg", cv2.resize(good[0], (64, 64)))[1].tobytes()
     colour = np.repeat(good[3][..., None], 3, axis=2)
     files = {
         "00_good.png": cv2.imencode(".png", good[0])[1].tobytes(),
-        "01_truncated.jpg": jpeg[:len(jpeg) // 2],
+        "01_truncated.jpg": jpeg[: len(jpeg) // 2],
         "02_not_an_image.png": b"just some text, not pixels\n",
         "03_empty.jpg": b"",
         "04_bomb.png": png_declaring(50_000, 50_000),
@@ -73,8 +74,9 @@ def test_each_bad_file_fails_alone_with_its_reason(farm_two_workers, lenet, digi
         "06_cmyk.jpg": b"",  # written below with Pillow
         "07_colour_for_a_grey_net.png": cv2.imencode(".png", colour)[1].tobytes(),
         "08_good.bmp": cv2.imencode(".bmp", good[4])[1].tobytes(),
-        "09_good.webp": cv2.imencode(".webp", good[5], [cv2.IMWRITE_WEBP_QUALITY, 101])[1]
-        .tobytes(),
+        "09_good.webp": cv2.imencode(".webp", good[5], [cv2.IMWRITE_WEBP_QUALITY, 101])[
+            1
+        ].tobytes(),
     }
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
@@ -96,26 +98,32 @@ def test_each_bad_file_fails_alone_with_its_reason(farm_two_workers, lenet, digi
         np.testing.assert_allclose(result.outputs[row], expected[digit], atol=1e-5)
     cmyk = cv2.imread(str(tmp_path / "06_cmyk.jpg"), cv2.IMREAD_GRAYSCALE)
     assert np.abs(cmyk.astype(int) - good[2]).mean() < 8, "CMYK decodes to the picture"
-    np.testing.assert_allclose(result.outputs[6], reference_forward(lenet, cmyk[None])[0],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        result.outputs[6], reference_forward(lenet, cmyk[None])[0], atol=1e-5
+    )
 
 
 def submit_on_the_terminal(local: LocalFarm, *images: Path) -> subprocess.CompletedProcess:
     """``farm submit IMAGES --model lenet``, answers on the terminal."""
-    return subprocess.run(farm_command("submit", *map(str, images), "--model", "lenet",
-                                       "--broker", local.endpoint, "--quiet"),
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        farm_command(
+            "submit", *map(str, images), "--model", "lenet", "--broker", local.endpoint, "--quiet"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def failure_lines(stderr: str) -> list[str]:
     """The failure list's lines (``  path: reason``) under "N images failed:"."""
     lines = stderr.splitlines()
     start = next(i for i, line in enumerate(lines) if line.endswith("failed:"))
-    return [line.strip() for line in lines[start + 1:] if line.startswith("  ")]
+    return [line.strip() for line in lines[start + 1 :] if line.startswith("  ")]
 
 
-def test_a_folder_names_every_file_it_holds(farm_two_workers, lenet, digits,
-                                            tmp_path) -> None:
+def test_a_folder_names_every_file_it_holds(farm_two_workers, lenet, digits, tmp_path) -> None:
     """A folder's broken links and unsupported images fail, each named once with its reason;
     a GIF runs; its other files are skipped and counted; the rest of the job is unharmed."""
     folder = tmp_path / "photos"
@@ -133,25 +141,33 @@ def test_a_folder_names_every_file_it_holds(farm_two_workers, lenet, digits,
     assert f"{folder}: skipped 1 file that is not an image (.txt)" in done.stderr
     assert "Traceback" not in done.stderr
     top = reference_forward(lenet, digits[:2]).argmax(axis=1)
-    answers = dict(line.split(": ", 1) for line in done.stdout.splitlines()
-                   if line.startswith(str(folder)))
-    assert list(answers) == [str(folder / name) for name in (
-        "a_good.png", "b_digit.gif", "c_dangling.jpg", "d_loop.jpg", "e_phone.heic")]
+    answers = dict(
+        line.split(": ", 1) for line in done.stdout.splitlines() if line.startswith(str(folder))
+    )
+    assert list(answers) == [
+        str(folder / name)
+        for name in ("a_good.png", "b_digit.gif", "c_dangling.jpg", "d_loop.jpg", "e_phone.heic")
+    ]
     for name, digit in [("a_good.png", 0), ("b_digit.gif", 1)]:
         assert answers[str(folder / name)].startswith(f"{lenet.labels[top[digit]]} ")
-    reasons = {"c_dangling.jpg": "dangling symbolic link to gone.jpg",
-               "d_loop.jpg": "symbolic link loop",
-               "e_phone.heic": "unsupported format: HEIC (the workers decode JPEG, PNG, "
-                               "BMP, TIFF, WebP, GIF and PNM)"}
+    reasons = {
+        "c_dangling.jpg": "dangling symbolic link to gone.jpg",
+        "d_loop.jpg": "symbolic link loop",
+        "e_phone.heic": "unsupported format: HEIC (the workers decode JPEG, PNG, "
+        "BMP, TIFF, WebP, GIF and PNM)",
+    }
     assert "3 images failed:" in done.stderr
-    assert failure_lines(done.stderr) == [f"{folder / name}: {reason}"
-                                          for name, reason in reasons.items()]
+    assert failure_lines(done.stderr) == [
+        f"{folder / name}: {reason}" for name, reason in reasons.items()
+    ]
     for name, reason in reasons.items():
         assert answers[str(folder / name)] == f"FAILED: {reason}"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file, whatever its permissions: "
-                                              "no file is unreadable to this test")
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason="root reads any file, whatever its permissions: no file is unreadable to this test",
+)
 def test_an_unreadable_file_fails_alone(farm_two_workers, lenet, digits, tmp_path) -> None:
     for index in range(3):
         cv2.imwrite(str(tmp_path / f"{index}.png"), digits[index])
@@ -164,8 +180,9 @@ def test_an_unreadable_file_fails_alone(farm_two_workers, lenet, digits, tmp_pat
         assert f"{tmp_path / f'{index}.png'}: {lenet.labels[top[index]]} " in done.stdout
 
 
-def test_a_symlink_loop_on_the_command_line_fails_that_input(farm_two_workers, lenet, digits,
-                                                             tmp_path) -> None:
+def test_a_symlink_loop_on_the_command_line_fails_that_input(
+    farm_two_workers, lenet, digits, tmp_path
+) -> None:
     loop, good = tmp_path / "loop.jpg", tmp_path / "good.png"
     loop.symlink_to(loop.name)
     cv2.imwrite(str(good), digits[0])
@@ -188,21 +205,37 @@ def test_a_grey_file_for_a_colour_net_is_replicated(farm_two_workers, tmp_path) 
     colour = np.repeat(grey[None, ..., None], 3, axis=3)  # 1 x H x W x 3, as a client sends
     net = cv2.dnn.readNetFromCaffe(str(spec.prototxt), str(spec.weights))
     net.setInput(Transformer.for_model(spec)(colour))
-    np.testing.assert_allclose(outputs, net.forward(spec.output).reshape(outputs.shape),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        outputs, net.forward(spec.output).reshape(outputs.shape), rtol=1e-4, atol=1e-5
+    )
 
 
-def test_answers_are_written_in_input_order_as_csv_and_jsonl(farm_two_workers, digit_folder,
-                                                             lenet, digits,
-                                                             tmp_path) -> None:
+def test_answers_are_written_in_input_order_as_csv_and_jsonl(
+    farm_two_workers, digit_folder, lenet, digits, tmp_path
+) -> None:
     """``farm submit FOLDER --out answers.csv``: a row per file, in order, named."""
     expected = reference_forward(lenet, digits[:DIGITS]).argmax(axis=1)
     for suffix in ("csv", "jsonl"):
         out = tmp_path / f"answers.{suffix}"
         done = subprocess.run(
-            farm_command("submit", str(digit_folder), "--model", "lenet", "--top-k", "3",
-                         "--out", str(out), "--broker", farm_two_workers.endpoint, "--quiet"),
-            capture_output=True, text=True, timeout=120, check=False)
+            farm_command(
+                "submit",
+                str(digit_folder),
+                "--model",
+                "lenet",
+                "--top-k",
+                "3",
+                "--out",
+                str(out),
+                "--broker",
+                farm_two_workers.endpoint,
+                "--quiet",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         assert f"answers for {DIGITS} images written to {out}" in done.stdout
         if suffix == "csv":
@@ -217,9 +250,9 @@ def test_answers_are_written_in_input_order_as_csv_and_jsonl(farm_two_workers, d
         assert top == expected.tolist()
 
 
-def test_labels_come_from_the_broker_when_the_client_lacks_the_model(tmp_path, digit_folder,
-                                                                     lenet, digits,
-                                                                     local_farm) -> None:
+def test_labels_come_from_the_broker_when_the_client_lacks_the_model(
+    tmp_path, digit_folder, lenet, digits, local_farm
+) -> None:
     """A model only the broker has (a copy of LeNet, renamed): the workers fetch it, the
     client asks the broker for its labels."""
     import shutil
@@ -228,20 +261,38 @@ def test_labels_come_from_the_broker_when_the_client_lacks_the_model(tmp_path, d
     shutil.copytree(find("lenet").folder, models / "digits")
     toml = models / "digits" / "model.toml"
     names = [f"digit {n}" for n in range(10)]
-    toml.write_text("\n".join(f"labels = {json.dumps(names)}" if line.startswith("labels")
-                              else line for line in toml.read_text().splitlines()))
+    toml.write_text(
+        "\n".join(
+            f"labels = {json.dumps(names)}" if line.startswith("labels") else line
+            for line in toml.read_text().splitlines()
+        )
+    )
     local = local_farm(1, models_dir=models)
     done = subprocess.run(
-        farm_command("submit", str(digit_folder / "a" / "0001.png"), "--model", "digits",
-                     "--top-k", "2", "--broker", local.endpoint, "--quiet"),
-        capture_output=True, text=True, timeout=120, check=False)
+        farm_command(
+            "submit",
+            str(digit_folder / "a" / "0001.png"),
+            "--model",
+            "digits",
+            "--top-k",
+            "2",
+            "--broker",
+            local.endpoint,
+            "--quiet",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     digit = int(reference_forward(lenet, digits[1:2]).argmax())
     assert f"0001.png: digit {digit} 100.0%; " in done.stdout, done.stdout
 
 
-def test_image_files_resume_after_an_interrupted_job(farm_two_workers, digit_folder, lenet,
-                                                     digits, tmp_path) -> None:
+def test_image_files_resume_after_an_interrupted_job(
+    farm_two_workers, digit_folder, lenet, digits, tmp_path
+) -> None:
     out = tmp_path / "scores.npy"
     with Client(farm_two_workers.endpoint) as client:
         done = [0]
@@ -256,28 +307,42 @@ def test_image_files_resume_after_an_interrupted_job(farm_two_workers, digit_fol
         second = client.run([digit_folder], "lenet", resume=out)
     assert 0 < second.resumed < DIGITS and not second.failed
     assert second.summary.total == DIGITS - second.resumed, "only the missing files ran"
-    np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits[:DIGITS]),
-                               atol=1e-5)
+    np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits[:DIGITS]), atol=1e-5)
 
 
-def test_a_files_frame_that_lies_about_its_sizes_fails_only_its_job(farm_two_workers,
-                                                                    raw_socket, lenet,
-                                                                    digits) -> None:
-    raw_socket.send_multipart(protocol.encode(Command.SUBMIT, messages.Submit(
-        job="liar", model="lenet", dtype=protocol.ENCODED, item_shape=(100,), total=2,
-        options=messages.Options())))
+def test_a_files_frame_that_lies_about_its_sizes_fails_only_its_job(
+    farm_two_workers, raw_socket, lenet, digits
+) -> None:
+    raw_socket.send_multipart(
+        protocol.encode(
+            Command.SUBMIT,
+            messages.Submit(
+                job="liar",
+                model="lenet",
+                dtype=protocol.ENCODED,
+                item_shape=(100,),
+                total=2,
+                options=messages.Options(),
+            ),
+        )
+    )
     need = reply(raw_socket)
     assert need.command is Command.NEED
     sizes = np.array([10, 10], np.uint32)
-    raw_socket.send_multipart(protocol.encode(Command.DATA, messages.Data(
-        job="liar", chunk=need.header.chunk, start=0, count=2),
-        [sizes.tobytes(), b"\0" * 19]))
+    raw_socket.send_multipart(
+        protocol.encode(
+            Command.DATA,
+            messages.Data(job="liar", chunk=need.header.chunk, start=0, count=2),
+            [sizes.tobytes(), b"\0" * 19],
+        )
+    )
     message = reply(raw_socket)
     assert message.command is Command.ERROR and message.header.job == "liar"
     assert "add up to 20 bytes, the frame has 19" in message.header.error
     with Client(farm_two_workers.endpoint) as client:
-        np.testing.assert_allclose(client.map(digits[:50], "lenet"),
-                                   reference_forward(lenet, digits[:50]), atol=1e-5)
+        np.testing.assert_allclose(
+            client.map(digits[:50], "lenet"), reference_forward(lenet, digits[:50]), atol=1e-5
+        )
 
 
 # ----------------------------------------------------------------------- ImageNet, real
@@ -286,8 +351,10 @@ def test_a_files_frame_that_lies_about_its_sizes_fails_only_its_job(farm_two_wor
 def squeezenet_folder(root: Path) -> Path:
     """A model folder for the shared SqueezeNet (copied: model files lie in their folder)."""
     if not (SQUEEZENET / "squeezenet_v1.0.caffemodel").is_file():
-        pytest.skip(f"the real SqueezeNet is not at {SQUEEZENET} (this workplace's shared "
-                    f"models); its weights are not in the repository")
+        pytest.skip(
+            f"the real SqueezeNet is not at {SQUEEZENET} (this workplace's shared "
+            f"models); its weights are not in the repository"
+        )
     return shared_squeezenet(root, SQUEEZENET, resize=True)
 
 
@@ -296,10 +363,11 @@ def opencv_reference(spec, path: Path) -> np.ndarray:
     image = cv2.imread(str(path), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
     height, width = image.shape[:2]
     scale = 256 / min(height, width)  # the shorter side to 256, the other rounded half up
-    image = cv2.resize(image, (int(width * scale + 0.5), int(height * scale + 0.5)),
-                       interpolation=cv2.INTER_LINEAR)
+    image = cv2.resize(
+        image, (int(width * scale + 0.5), int(height * scale + 0.5)), interpolation=cv2.INTER_LINEAR
+    )
     top, left = (image.shape[0] - 227) // 2, (image.shape[1] - 227) // 2
-    crop = image[top:top + 227, left:left + 227].astype(np.float32)  # BGR, as the net wants
+    crop = image[top : top + 227, left : left + 227].astype(np.float32)  # BGR, as the net wants
     blob = (crop - np.array([104.0, 117.0, 123.0], np.float32)).transpose(2, 0, 1)[None]
     net = cv2.dnn.readNetFromCaffe(str(spec.prototxt), str(spec.weights))
     net.setInput(np.ascontiguousarray(blob))
@@ -320,10 +388,28 @@ def test_photos_are_named_right_and_match_a_direct_opencv_forward(tmp_path) -> N
     Image.fromarray(skimage.data.coffee()).save(photos / "coffee.jpg", quality=90)
     out = tmp_path / "answers.csv"
     done = subprocess.run(
-        farm_command("run", str(photos), "--model", "squeezenet_v1.0", "--models-dir",
-                     str(models), "--top-k", "5", "--out", str(out), "--quiet",
-                     "--workers", "2", "--backend", "opencv"),
-        capture_output=True, text=True, timeout=240, check=False)
+        farm_command(
+            "run",
+            str(photos),
+            "--model",
+            "squeezenet_v1.0",
+            "--models-dir",
+            str(models),
+            "--top-k",
+            "5",
+            "--out",
+            str(out),
+            "--quiet",
+            "--workers",
+            "2",
+            "--backend",
+            "opencv",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     rows = {Path(row["path"]).name: row for row in csv.DictReader(out.open())}
     assert rows["cat.jpg"]["name_1"] in ("Egyptian cat", "tabby, tabby cat", "tiger cat")
@@ -334,8 +420,9 @@ def test_photos_are_named_right_and_match_a_direct_opencv_forward(tmp_path) -> N
         reference = opencv_reference(spec, photos / name)
         ids = [int(row[f"id_{rank}"]) for rank in range(1, 6)]
         assert ids == list(np.argsort(-reference)[:5])
-        np.testing.assert_allclose([float(row[f"probability_{rank}"]) for rank in range(1, 6)],
-                                   reference[ids], rtol=1e-4)
+        np.testing.assert_allclose(
+            [float(row[f"probability_{rank}"]) for rank in range(1, 6)], reference[ids], rtol=1e-4
+        )
 
 
 # ------------------------------------------------------------------------ no farm
@@ -346,10 +433,22 @@ def test_files_folders_globs_and_lists_are_found_in_order(tmp_path) -> None:
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes(b"x")
     (tmp_path / "list.txt").write_text("b/2.png 7\n# a comment\n\na/1.JPG\n")
-    found = find_image_files([str(tmp_path / "a"), str(tmp_path / "b" / "*.png"),
-                              str(tmp_path / "list.txt"), str(tmp_path / "c.dat")])
-    assert [p.relative_to(tmp_path).as_posix() for p in found] == \
-        ["a/0.jpeg", "a/1.JPG", "b/2.png", "b/2.png", "a/1.JPG", "c.dat"]
+    found = find_image_files(
+        [
+            str(tmp_path / "a"),
+            str(tmp_path / "b" / "*.png"),
+            str(tmp_path / "list.txt"),
+            str(tmp_path / "c.dat"),
+        ]
+    )
+    assert [p.relative_to(tmp_path).as_posix() for p in found] == [
+        "a/0.jpeg",
+        "a/1.JPG",
+        "b/2.png",
+        "b/2.png",
+        "a/1.JPG",
+        "c.dat",
+    ]
     for missing, reason in [("nowhere", "no such file"), ("*.gif", "matches no files")]:
         with pytest.raises(InputError, match=reason):
             find_image_files([str(tmp_path / missing)])
@@ -369,19 +468,28 @@ def test_every_path_a_folder_or_glob_yields_is_an_input_or_told_of(tmp_path) -> 
     (folder / "linked").symlink_to("sub")
     os.mkfifo(folder / "pipe")
     found = find_inputs([str(folder)])
-    assert [p.relative_to(folder).as_posix() for p in found.paths] == \
-        ["a_loop", "b.png", "d.jpg", "sub/c.jpg"]
-    assert found.refused == {0: "symbolic link loop",
-                             2: f"dangling symbolic link to {tmp_path / 'gone' / 'd.jpg'}"}
-    assert found.notices == [f"{folder}: skipped 5 files that are not images (.DS_Store, "
-                             f".json, .txt, no suffix, special files) and 1 link to a folder "
-                             f"(not followed)"]
+    assert [p.relative_to(folder).as_posix() for p in found.paths] == [
+        "a_loop",
+        "b.png",
+        "d.jpg",
+        "sub/c.jpg",
+    ]
+    assert found.refused == {
+        0: "symbolic link loop",
+        2: f"dangling symbolic link to {tmp_path / 'gone' / 'd.jpg'}",
+    }
+    assert found.notices == [
+        f"{folder}: skipped 5 files that are not images (.DS_Store, "
+        f".json, .txt, no suffix, special files) and 1 link to a folder "
+        f"(not followed)"
+    ]
     matched = find_inputs([str(folder / "*")])
-    assert [p.name for p in matched.paths] == ["LICENSE", "a_loop", "b.png", "d.jpg",
-                                              "notes.txt"]
+    assert [p.name for p in matched.paths] == ["LICENSE", "a_loop", "b.png", "d.jpg", "notes.txt"]
     assert matched.refused == {1: "symbolic link loop", 3: found.refused[2]}
-    assert matched.notices == [f"{folder / '*'}: skipped the 2 folders it matches (give a "
-                               f"folder itself to run the images under it)"]
+    assert matched.notices == [
+        f"{folder / '*'}: skipped the 2 folders it matches (give a "
+        f"folder itself to run the images under it)"
+    ]
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "README.txt").write_text("x")
     with pytest.raises(InputError, match="texts: no image files .* under this folder"):
@@ -402,8 +510,9 @@ def test_answers_wait_for_earlier_rows_and_name_failures() -> None:
             pass
 
     rows = Rows()
-    sink = AnswerSink(2, ModelCard(("a", "b", "c")), rows, lambda s, n: [f"f{i}" for i in
-                                                                        range(s, s + n)])
+    sink = AnswerSink(
+        2, ModelCard(("a", "b", "c")), rows, lambda s, n: [f"f{i}" for i in range(s, s + n)]
+    )
     sink.write(2, np.array([[0.0, 5.0, 1.0], [3.0, 2.0, 1.0]], np.float32))
     assert rows.rows == [], "rows wait for the files before them"
     sink.fail(0, 2, "broken")
@@ -416,8 +525,13 @@ def test_answers_wait_for_earlier_rows_and_name_failures() -> None:
 
 
 def test_split_failures_cuts_a_chunk_into_good_and_failed_runs() -> None:
-    assert split_failures(0, 6, [(1, 2, "x"), (4, 1, "y")]) == \
-        [(0, 1, None), (1, 3, "x"), (3, 4, None), (4, 5, "y"), (5, 6, None)]
+    assert split_failures(0, 6, [(1, 2, "x"), (4, 1, "y")]) == [
+        (0, 1, None),
+        (1, 3, "x"),
+        (3, 4, None),
+        (4, 5, "y"),
+        (5, 6, None),
+    ]
     assert split_failures(2, 2, [(0, 3, "x")]) == [(2, 3, "x"), (3, 4, None)]
 
 
@@ -440,8 +554,12 @@ def test_oversampled_files_answer_the_mean_of_ten_crops(tmp_path, local_farm) ->
     net = cv2.dnn.readNetFromCaffe(str(spec.prototxt), str(spec.weights))
     for picture, output in zip(pictures, outputs):
         rgb = cv2.resize(picture, (44, 40), interpolation=cv2.INTER_LINEAR)[..., ::-1]
-        crops = [rgb[top:top + 32, left:left + 32] for top in (0, 4, 8) for left in (0, 6, 12)
-                 if (top, left) in {(0, 0), (0, 12), (8, 0), (8, 12), (4, 6)}]
+        crops = [
+            rgb[top : top + 32, left : left + 32]
+            for top in (0, 4, 8)
+            for left in (0, 6, 12)
+            if (top, left) in {(0, 0), (0, 12), (8, 0), (8, 12), (4, 6)}
+        ]
         crops += [crop[:, ::-1] for crop in crops]
         net.setInput(Transformer.for_model(spec)(np.stack(crops)))
         expected = net.forward(spec.output).reshape(10, -1).mean(axis=0)
@@ -453,13 +571,17 @@ def test_model_settings_that_image_files_cannot_meet_are_refused_when_loaded(tmp
 
     from farm.modelrepo.repository import ModelError, load_spec
 
-    for extra, reason in [('[resize]\nshorter_side = 40\ncrop = "none"\n', 'crop = "none"'),
-                          ('', "labels name 3 classes, the output 'prob' has 10 values")]:
+    for extra, reason in [
+        ('[resize]\nshorter_side = 40\ncrop = "none"\n', 'crop = "none"'),
+        ("", "labels name 3 classes, the output 'prob' has 10 values"),
+    ]:
         folder = tmp_path / f"model{len(extra)}"
         shutil.copytree(find("lenet").folder, folder)
         toml = folder / "model.toml"
-        lines = ['labels = ["a", "b", "c"]' if line.startswith("labels") and not extra else line
-                 for line in toml.read_text().splitlines()]
+        lines = [
+            'labels = ["a", "b", "c"]' if line.startswith("labels") and not extra else line
+            for line in toml.read_text().splitlines()
+        ]
         toml.write_text("\n".join(lines) + "\n" + extra)
         with pytest.raises(ModelError, match=reason):
             load_spec(folder)

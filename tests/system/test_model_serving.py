@@ -1,4 +1,5 @@
-"""Workers get models from the broker by content hash; broken models fail alone; the demo's accuracy."""
+"""Workers get models from the broker by content hash; broken models fail alone; the demo's
+accuracy."""
 
 from __future__ import annotations
 
@@ -54,11 +55,16 @@ def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits, local
     copy_model("cifar10_quick", repository / "pictures")
     pictures = np.tile(np.load(find("cifar10_quick").sample), (20, 1, 1, 1))
     jobs = {"digits": digits[:, None], "pictures": pictures}
-    expected = {name: load_engine(load_spec(repository / name)).run(images)
-                for name, images in jobs.items()}
+    expected = {
+        name: load_engine(load_spec(repository / name)).run(images) for name, images in jobs.items()
+    }
     caches = [tmp_path / "cache-a", tmp_path / "cache-b"]
-    farm = local_farm(2, device_options=[["--cache", str(cache)] for cache in caches],
-                      chunk=100, models_dir=repository)
+    farm = local_farm(
+        2,
+        device_options=[["--cache", str(cache)] for cache in caches],
+        chunk=100,
+        models_dir=repository,
+    )
     for _ in range(2):  # the second round must run from the loaded engines
         results = run_jobs_at_once(farm, jobs)
         assert results.keys() == jobs.keys(), "a job never finished"
@@ -69,8 +75,7 @@ def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits, local
         workers = client.info()["workers"]
     assert [w["fetched"] for w in workers] == [{"digits": 1, "pictures": 1}] * 2
     for cache in caches:
-        assert sorted(p.name.rsplit("-", 1)[0] for p in (cache).iterdir()) == [
-            "digits", "pictures"]
+        assert sorted(p.name.rsplit("-", 1)[0] for p in (cache).iterdir()) == ["digits", "pictures"]
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +86,24 @@ def farm_with_broken_models(tmp_path_factory, module_local_farm) -> LocalFarm:
     return module_local_farm(2, chunk=100, models_dir=repository)
 
 
-@pytest.mark.parametrize("model, problem", [
-    ("bad-truncate", "weights.caffemodel is not a Caffe NetParameter"),
-    ("bad-unknown-layer", "deploy.prototxt: layer 'odd' has type 'Crop', which farm does not "
-                          "support"),
-    ("bad-mismatch", "weights.caffemodel does not match the prototxt: layer 'conv1' blob 0 has "
-                     "shape (20, 1, 5, 5), the prototxt needs (30, 1, 5, 5)"),
-])
-def test_a_broken_model_fails_its_job_and_workers_keep_serving(farm_with_broken_models, lenet,
-                                                               digits, model, problem) -> None:
+@pytest.mark.parametrize(
+    "model, problem",
+    [
+        ("bad-truncate", "weights.caffemodel is not a Caffe NetParameter"),
+        (
+            "bad-unknown-layer",
+            "deploy.prototxt: layer 'odd' has type 'Crop', which farm does not support",
+        ),
+        (
+            "bad-mismatch",
+            "weights.caffemodel does not match the prototxt: layer 'conv1' blob 0 has "
+            "shape (20, 1, 5, 5), the prototxt needs (30, 1, 5, 5)",
+        ),
+    ],
+)
+def test_a_broken_model_fails_its_job_and_workers_keep_serving(
+    farm_with_broken_models, lenet, digits, model, problem
+) -> None:
     with farm_with_broken_models.client() as client:
         with pytest.raises(FarmError, match=problem.replace("(", r"\(").replace(")", r"\)")):
             client.map(digits[:300, None], model=model)
@@ -97,8 +111,7 @@ def test_a_broken_model_fails_its_job_and_workers_keep_serving(farm_with_broken_
     np.testing.assert_allclose(outputs, load_engine(lenet).run(digits[:300, None]), atol=1e-5)
 
 
-def test_a_model_whose_hash_does_not_match_is_refused(lone_worker, tmp_path, lenet,
-                                                      digits) -> None:
+def test_a_model_whose_hash_does_not_match_is_refused(lone_worker, tmp_path, lenet, digits) -> None:
     router, identity = lone_worker
     spec = load_spec(copy_model("lenet", tmp_path / "digits"))
     manifest = manifest_of(spec)
@@ -110,8 +123,9 @@ def test_a_model_whose_hash_does_not_match_is_refused(lone_worker, tmp_path, len
     router.send_multipart([identity, *protocol.encode(Command.TASK, header, frames[4:])])
     fetch = next_reply(router)
     assert fetch.command is Command.FETCH and fetch.header.digest == manifest.digest
-    router.send_multipart([identity, *protocol.encode(Command.MODEL, manifest.header(),
-                                                      [bytes(c) for c in contents])])
+    router.send_multipart(
+        [identity, *protocol.encode(Command.MODEL, manifest.header(), [bytes(c) for c in contents])]
+    )
     failed = next_reply(router)
     assert failed.command is Command.FAILED and failed.header.chunk == 7
     assert "file lenet.caffemodel from the broker has" in failed.header.error
@@ -137,13 +151,13 @@ def test_a_damaged_cache_entry_is_discarded(tmp_path) -> None:
 
 @needs_torch
 def test_opencv_and_torch_workers_share_a_job(lenet, digits, local_farm) -> None:
-    farm = local_farm(2, device_options=[["--backend", "torch"], ["--backend", "opencv"]],
-                      chunk=100)
+    farm = local_farm(
+        2, device_options=[["--backend", "torch"], ["--backend", "opencv"]], chunk=100
+    )
     with farm.client() as client:
         result = client.run(digits[:, None], model="lenet")
         workers = client.info()["workers"]
-    np.testing.assert_allclose(result.outputs, load_engine(lenet).run(digits[:, None]),
-                               atol=1e-4)
+    np.testing.assert_allclose(result.outputs, load_engine(lenet).run(digits[:, None]), atol=1e-4)
     assert sorted(w["backend"] for w in workers) == ["opencv", "torch"]
     assert all(w["threads"] == 1 for w in workers)  # pinned: one thread, torch included
     assert all(share.items > 0 for share in result.summary.workers)
@@ -155,12 +169,18 @@ def test_demo_reports_the_measured_accuracy(lenet, digits) -> None:
     accuracy = (predicted == labels).mean()
     assert accuracy >= 0.95, "the bundled LeNet is trained: it must read digits"
     # what `make demo` runs, with fewer passes
-    done = subprocess.run(farm_command("--log-level", "WARNING", "run", "--quiet", "--repeat",
-                                       "3"), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        farm_command("--log-level", "WARNING", "run", "--quiet", "--repeat", "3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert f"{3 * len(labels):,} images in " in done.stdout
-    assert (f"accuracy on the bundled sample: {accuracy:.2%} ({(predicted == labels).sum():,} "
-            f"of {len(labels):,} against labels.npy; the 3 passes agree)") in done.stdout
+    assert (
+        f"accuracy on the bundled sample: {accuracy:.2%} ({(predicted == labels).sum():,} "
+        f"of {len(labels):,} against labels.npy; the 3 passes agree)"
+    ) in done.stdout
 
 
 def test_unsafe_model_names_never_touch_the_disk(lone_worker, digits) -> None:
@@ -183,8 +203,9 @@ def test_models_go_to_registered_workers_only(farm_two_workers) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(farm_two_workers.endpoint)
     try:
-        sock.send_multipart(protocol.encode(Command.FETCH, messages.Fetch(model="lenet",
-                                                                          digest="0" * 64)))
+        sock.send_multipart(
+            protocol.encode(Command.FETCH, messages.Fetch(model="lenet", digest="0" * 64))
+        )
         assert sock.poll(10_000)
         reply = protocol.decode(sock.recv_multipart())
         assert reply.command is Command.MODEL and reply.payload == []
@@ -212,20 +233,37 @@ def test_a_worker_fetches_its_model_option_from_the_broker(tmp_path, digits) -> 
     repository = tmp_path / "broker-models"
     copy_model("lenet", repository / "digits")
     log = tmp_path / "worker.log"
-    with LocalFarm(devices=[], algo="fifo",
-                   broker_options=["--chunk", "100", "--models-dir", str(repository)]) as farm:
+    with LocalFarm(
+        devices=[], algo="fifo", broker_options=["--chunk", "100", "--models-dir", str(repository)]
+    ) as farm:
         with open(log, "w") as stderr:
-            farm.workers.append(subprocess.Popen(farm_command(
-                "worker", "--device", pinned_devices(1)[0], "--broker", farm.endpoint,
-                "--cache", str(tmp_path / "cache"), "--model", "digits", "--model", "nosuch"),
-                stderr=stderr, start_new_session=True))
+            farm.workers.append(
+                subprocess.Popen(
+                    farm_command(
+                        "worker",
+                        "--device",
+                        pinned_devices(1)[0],
+                        "--broker",
+                        farm.endpoint,
+                        "--cache",
+                        str(tmp_path / "cache"),
+                        "--model",
+                        "digits",
+                        "--model",
+                        "nosuch",
+                    ),
+                    stderr=stderr,
+                    start_new_session=True,
+                )
+            )
         farm.wait_for_workers(1)
         assert engines_of(farm, "digits")[0]["fetched"] == {"digits": 1}  # before any job
         with farm.client() as client:
             outputs = client.map(digits[:200, None], model="digits")
             worker = client.info()["workers"][0]
-    np.testing.assert_allclose(outputs, load_engine(find("lenet")).run(digits[:200, None]),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        outputs, load_engine(find("lenet")).run(digits[:200, None]), atol=1e-5
+    )
     assert worker["fetched"] == {"digits": 1}
     text = log.read_text()
     assert "cannot preload --model nosuch" in text and "unknown model 'nosuch'" in text

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from farm.ops.local import farm_command
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import add_target, find, search_path, shown, user_models_dir
+from farm.ops.local import farm_command
 
 #: The real SqueezeNet v1.0 (ImageNet), read from the shared folder beside the repository.
 SQUEEZENET = Path(__file__).resolve().parents[2] / ".." / "shared" / "models" / "squeezenet_v1.0"
@@ -19,23 +19,41 @@ SQUEEZENET = Path(__file__).resolve().parents[2] / ".." / "shared" / "models" / 
 
 def add(repository: Path, *args: str) -> subprocess.CompletedProcess:
     """``farm models add ARGS`` with ``repository`` as $FARM_MODELS."""
-    return subprocess.run(farm_command("models", "add", *args, "--count", "2"),
-                          env={**os.environ, "FARM_MODELS": str(repository)},
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        farm_command("models", "add", *args, "--count", "2"),
+        env={**os.environ, "FARM_MODELS": str(repository)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def lenet_files(lenet) -> list[str]:
     return ["--prototxt", str(lenet.prototxt), "--weights", str(lenet.weights)]
 
 
-@pytest.mark.skipif(not (SQUEEZENET / "squeezenet_v1.0.caffemodel").is_file(),
-                    reason=f"the shared SqueezeNet is not at {SQUEEZENET}")
+@pytest.mark.skipif(
+    not (SQUEEZENET / "squeezenet_v1.0.caffemodel").is_file(),
+    reason=f"the shared SqueezeNet is not at {SQUEEZENET}",
+)
 def test_add_squeezenet_with_its_labels(tmp_path) -> None:
     repository = tmp_path / "models"
-    done = add(repository, "squeezenet", "--prototxt", str(SQUEEZENET / "deploy.prototxt"),
-               "--weights", str(SQUEEZENET / "squeezenet_v1.0.caffemodel"), "--mean",
-               "104,117,123", "--labels", str(SQUEEZENET / "synset_words.txt"), "--resize",
-               "256", "--crop", "center")
+    done = add(
+        repository,
+        "squeezenet",
+        "--prototxt",
+        str(SQUEEZENET / "deploy.prototxt"),
+        "--weights",
+        str(SQUEEZENET / "squeezenet_v1.0.caffemodel"),
+        "--mean",
+        "104,117,123",
+        "--labels",
+        str(SQUEEZENET / "synset_words.txt"),
+        "--resize",
+        "256",
+        "--crop",
+        "center",
+    )
     assert done.returncode == 0, done.stderr
     assert "opencv      ok" in done.stdout and "DIFFERS" not in done.stdout
     assert "next: farm run photos/ --model squeezenet --top-k 5" in done.stdout
@@ -49,23 +67,40 @@ def test_add_squeezenet_with_its_labels(tmp_path) -> None:
 
 def test_add_links_and_the_linked_model_serves(tmp_path, lenet) -> None:
     repository = tmp_path / "models"
-    done = add(repository, "digits", *lenet_files(lenet), "--labels", "0,1,2,3,4,5,6,7,8,9",
-               "--scale", "0.00390625", "--link")
+    done = add(
+        repository,
+        "digits",
+        *lenet_files(lenet),
+        "--labels",
+        "0,1,2,3,4,5,6,7,8,9",
+        "--scale",
+        "0.00390625",
+        "--link",
+    )
     assert done.returncode == 0, done.stderr
     spec = find("digits", [repository])
     assert spec.weights.is_symlink() and spec.weights.resolve() == lenet.weights.resolve()
     assert spec.labels == tuple("0123456789") and spec.preprocess.input_scale == 0.00390625
     assert spec.preprocess.channel_swap == ()  # one channel: nothing to swap
-    assert {f.name for f in manifest_of(spec).files} == {"model.toml", "deploy.prototxt",
-                                                          "lenet.caffemodel"}
+    assert {f.name for f in manifest_of(spec).files} == {
+        "model.toml",
+        "deploy.prototxt",
+        "lenet.caffemodel",
+    }
 
 
-@pytest.mark.parametrize("args, error", [
-    (["../up"], "model name '../up' is not allowed"),
-    (["digits", "--labels", "a,b,c"], "labels name 3 classes, the output 'prob' has 10 values"),
-    (["digits", "--weights-of", "cifar10_quick"], "failed its check: opencv: "),
-    (["digits", "--mean", "1,2,3"], "--mean needs 1 value (the net has 1 input channels), got 3"),
-])
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["../up"], "model name '../up' is not allowed"),
+        (["digits", "--labels", "a,b,c"], "labels name 3 classes, the output 'prob' has 10 values"),
+        (["digits", "--weights-of", "cifar10_quick"], "failed its check: opencv: "),
+        (
+            ["digits", "--mean", "1,2,3"],
+            "--mean needs 1 value (the net has 1 input channels), got 3",
+        ),
+    ],
+)
 def test_a_refused_add_leaves_nothing_behind(tmp_path, lenet, args, error) -> None:
     repository = tmp_path / "models"
     files = lenet_files(lenet)
@@ -91,8 +126,13 @@ def test_an_existing_name_needs_force(tmp_path, lenet) -> None:
 
 def farm(repository: Path, *args: str) -> subprocess.CompletedProcess:
     """``farm ARGS`` with ``repository`` as $FARM_MODELS."""
-    return subprocess.run(farm_command(*args), env={**os.environ, "FARM_MODELS": str(repository)},
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        farm_command(*args),
+        env={**os.environ, "FARM_MODELS": str(repository)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def users_copy(lenet, folder: Path) -> list[str]:
@@ -100,8 +140,12 @@ def users_copy(lenet, folder: Path) -> list[str]:
     folder.mkdir(exist_ok=True)
     for path in (lenet.prototxt, lenet.weights):
         shutil.copyfile(path, folder / path.name)
-    return ["--prototxt", str(folder / lenet.prototxt.name),
-            "--weights", str(folder / lenet.weights.name)]
+    return [
+        "--prototxt",
+        str(folder / lenet.prototxt.name),
+        "--weights",
+        str(folder / lenet.weights.name),
+    ]
 
 
 def test_a_bundled_name_needs_force_and_the_bundled_model_stays_listed(tmp_path, lenet) -> None:
@@ -111,19 +155,24 @@ def test_a_bundled_name_needs_force_and_the_bundled_model_stays_listed(tmp_path,
     assert refused.returncode == 1 and not repository.exists()
     assert refused.stderr.strip() == (
         f"Error: not added: 'lenet' would shadow the bundled model lenet ({shown(lenet.folder)}): "
-        f"choose another name, or shadow it with --force")
+        f"choose another name, or shadow it with --force"
+    )
     forced = add(repository, "lenet", *files, "--force")
     assert forced.returncode == 0, forced.stderr
     assert f"it shadows the bundled model lenet ({shown(lenet.folder)})" in forced.stdout
     assert find("lenet", [repository]).folder == repository / "lenet"
-    listed = [line for line in farm(repository, "models", "list").stdout.splitlines()
-              if line.startswith("lenet ")]
+    listed = [
+        line
+        for line in farm(repository, "models", "list").stdout.splitlines()
+        if line.startswith("lenet ")
+    ]
     assert len(listed) == 2 and "shadowed" not in listed[0]
     assert f"(bundled, shadowed by {shown(repository / 'lenet')}) LeNet trained" in listed[1]
     sampled = farm(repository, "run")  # no IMAGES: the model's sample, which this one lacks
     assert sampled.returncode == 1 and sampled.stderr.strip() == (
         f"Error: model 'lenet' ({shown(repository / 'lenet')}) has no sample; it shadows the "
-        f"bundled model lenet ({shown(lenet.folder)}), which has one; give IMAGES")
+        f"bundled model lenet ({shown(lenet.folder)}), which has one; give IMAGES"
+    )
 
 
 def test_a_folder_placed_by_hand_over_a_bundled_name_is_listed_as_shadowing(tmp_path) -> None:
@@ -165,16 +214,24 @@ def write_bad_input(lenet, folder: Path, kind: str) -> tuple[list[str], Path]:
     return [*files, "--mean-file", str(mean)], mean
 
 
-@pytest.mark.parametrize("kind, error", [
-    ("unparsable prototxt", "{path} is not a valid prototxt: "),
-    ("prototxt without an input shape", "{path}: input 'data' has no shape: give it one with "
-                                        "--input-size CxHxW"),
-    ("weights of another net", "weights file {path} does not match the prototxt: layer 'conv1' "
-                               "blob 0 has shape (32, 3, 5, 5)"),
-    ("truncated weights", "{path} is not a Caffe NetParameter"),
-    ("too few labels", "labels file {path} names 3 classes, the output 'prob' has 10 values"),
-    ("unreadable mean file", "cannot read blob file {path}: "),
-])
+@pytest.mark.parametrize(
+    "kind, error",
+    [
+        ("unparsable prototxt", "{path} is not a valid prototxt: "),
+        (
+            "prototxt without an input shape",
+            "{path}: input 'data' has no shape: give it one with --input-size CxHxW",
+        ),
+        (
+            "weights of another net",
+            "weights file {path} does not match the prototxt: layer 'conv1' "
+            "blob 0 has shape (32, 3, 5, 5)",
+        ),
+        ("truncated weights", "{path} is not a Caffe NetParameter"),
+        ("too few labels", "labels file {path} names 3 classes, the output 'prob' has 10 values"),
+        ("unreadable mean file", "cannot read blob file {path}: "),
+    ],
+)
 def test_a_bad_input_is_named_as_the_user_gave_it(tmp_path, lenet, kind, error) -> None:
     """One line naming the user's file, never the staging folder; the --input-size hint only
     for an input without a shape."""
@@ -189,22 +246,37 @@ def test_a_bad_input_is_named_as_the_user_gave_it(tmp_path, lenet, kind, error) 
 
 
 def test_crop_none_with_another_size_is_refused_in_the_options_terms(tmp_path, lenet) -> None:
-    done = add(tmp_path / "models", "digits", *users_copy(lenet, tmp_path / "mine"),
-               "--resize", "40", "--crop", "none")
+    done = add(
+        tmp_path / "models",
+        "digits",
+        *users_copy(lenet, tmp_path / "mine"),
+        "--resize",
+        "40",
+        "--crop",
+        "none",
+    )
     assert done.returncode == 1 and done.stderr.strip() == (
         "Error: not added: --crop none resizes straight to the net's input size, 28x28: drop "
-        "--resize, or choose another --crop")
+        "--resize, or choose another --crop"
+    )
 
 
 def test_a_missing_file_is_refused_before_anything_is_written(tmp_path, lenet) -> None:
-    done = add(tmp_path / "models", "digits", "--prototxt", str(lenet.prototxt), "--weights",
-               str(tmp_path / "nope.caffemodel"))
+    done = add(
+        tmp_path / "models",
+        "digits",
+        "--prototxt",
+        str(lenet.prototxt),
+        "--weights",
+        str(tmp_path / "nope.caffemodel"),
+    )
     assert done.returncode == 2 and "nope.caffemodel' does not exist" in done.stderr
     assert not (tmp_path / "models").exists()
 
 
 def test_the_user_repository_is_searched_and_written_when_farm_models_is_unset(
-        tmp_path, monkeypatch) -> None:
+    tmp_path, monkeypatch
+) -> None:
     monkeypatch.delenv("FARM_MODELS", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     assert user_models_dir() == tmp_path / "data" / "farm" / "models"
@@ -218,5 +290,6 @@ def test_an_unknown_model_says_how_to_add_one(lenet) -> None:
     with pytest.raises(LookupError) as error:
         find("mynet")
     assert "known: caffenet, cifar10_quick, lenet" in str(error.value)
-    assert ("farm models add mynet --prototxt deploy.prototxt --weights mynet.caffemodel"
-            in str(error.value))
+    assert "farm models add mynet --prototxt deploy.prototxt --weights mynet.caffemodel" in str(
+        error.value
+    )

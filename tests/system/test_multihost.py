@@ -22,9 +22,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ WAIT = 60.0
 GRACE = 5.0
 
 #: Run inside the broker's namespace: wait for the workers, run one job, report it as JSON.
-CLIENT_SCRIPT = '''
+CLIENT_SCRIPT = """
 import json, sys
 from dataclasses import asdict
 
@@ -70,7 +71,7 @@ with Client(endpoint, timeout=60.0, heartbeat=0.2, curve=keys) as client:
                    "rate": result.summary.rate, "waste": result.summary.waste,
                    "workers": msgspec.to_builtins(result.summary.workers)})
     say("info", client.info())
-'''
+"""
 
 
 class Process:
@@ -78,14 +79,19 @@ class Process:
 
     def __init__(self, name: str, args: list[str]) -> None:
         self.name = name
-        self.popen = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.popen = subprocess.Popen(
+            args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+        )
         self.stdout: queue.Queue[str | None] = queue.Queue()
         self.stderr: queue.Queue[str | None] = queue.Queue()
         self.stderr_tail: deque[str] = deque(maxlen=40)
-        self.threads = [threading.Thread(target=self._pump, args=(stream, lines), daemon=True)
-                        for stream, lines in ((self.popen.stdout, self.stdout),
-                                              (self.popen.stderr, self.stderr))]
+        self.threads = [
+            threading.Thread(target=self._pump, args=(stream, lines), daemon=True)
+            for stream, lines in (
+                (self.popen.stdout, self.stdout),
+                (self.popen.stderr, self.stderr),
+            )
+        ]
         for thread in self.threads:
             thread.start()
 
@@ -100,8 +106,13 @@ class Process:
             lines.put(line.rstrip("\n"))
         lines.put(None)  # end of stream
 
-    def expect(self, pattern: str, timeout: float = WAIT, stream: str = "stdout",
-               hosts: Hosts | None = None) -> str:
+    def expect(
+        self,
+        pattern: str,
+        timeout: float = WAIT,
+        stream: str = "stdout",
+        hosts: Hosts | None = None,
+    ) -> str:
         """The first line (from now on) of ``stream`` matching ``pattern``; fails on a
         timeout or the end of the stream, with every process's last log lines."""
         lines = self.stdout if stream == "stdout" else self.stderr
@@ -122,8 +133,9 @@ class Process:
         pytest.fail(f"{self.name}: {why}\n{logs}")
 
     def log(self) -> str:
-        return f"--- {self.name} (pid {self.pid}, exit {self.popen.poll()}) stderr:\n" + \
-            "\n".join(self.stderr_tail)
+        return f"--- {self.name} (pid {self.pid}, exit {self.popen.poll()}) stderr:\n" + "\n".join(
+            self.stderr_tail
+        )
 
     def terminate(self) -> None:
         if self.popen.poll() is None:
@@ -170,14 +182,27 @@ class Hosts:
         for n in range(1, workers + 1):
             namespace = self.add_namespace(f"farm-w{n}-{self.suffix}")
             self.worker_ns.append(namespace)
-            link = Link(f"fb{n}-{self.suffix}", f"fw{n}-{self.suffix}",
-                        f"10.231.{n}.1", f"10.231.{n}.2")
-            self.must("link", "add", link.broker_if, "netns", self.broker_ns, "type", "veth",
-                      "peer", "name", link.worker_if, "netns", namespace)
-            self.must("-n", self.broker_ns, "addr", "add", f"{link.broker_ip}/24",
-                      "dev", link.broker_if)
-            self.must("-n", namespace, "addr", "add", f"{link.worker_ip}/24", "dev",
-                      link.worker_if)
+            link = Link(
+                f"fb{n}-{self.suffix}", f"fw{n}-{self.suffix}", f"10.231.{n}.1", f"10.231.{n}.2"
+            )
+            self.must(
+                "link",
+                "add",
+                link.broker_if,
+                "netns",
+                self.broker_ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                link.worker_if,
+                "netns",
+                namespace,
+            )
+            self.must(
+                "-n", self.broker_ns, "addr", "add", f"{link.broker_ip}/24", "dev", link.broker_if
+            )
+            self.must("-n", namespace, "addr", "add", f"{link.worker_ip}/24", "dev", link.worker_if)
             self.must("-n", self.broker_ns, "link", "set", link.broker_if, "up")
             self.must("-n", namespace, "link", "set", link.worker_if, "up")
             self.links.append(link)
@@ -185,8 +210,9 @@ class Hosts:
     def add_namespace(self, name: str) -> str:
         result = ip("netns", "add", name)
         if result.returncode:
-            pytest.skip(f"cannot make network namespaces (`ip netns add {name}`: "
-                        f"{result.stderr.strip()})")
+            pytest.skip(
+                f"cannot make network namespaces (`ip netns add {name}`: {result.stderr.strip()})"
+            )
         self.made.append(name)
         self.must("-n", name, "link", "set", "lo", "up")
         return name
@@ -194,8 +220,10 @@ class Hosts:
     def must(self, *args: str) -> None:
         result = ip(*args)
         if result.returncode:
-            pytest.skip(f"cannot set up the namespaces' network (`ip {' '.join(args)}`: "
-                        f"{result.stderr.strip()})")
+            pytest.skip(
+                f"cannot set up the namespaces' network (`ip {' '.join(args)}`: "
+                f"{result.stderr.strip()})"
+            )
 
     def start(self, name: str, namespace: str, args: list[str]) -> Process:
         process = Process(name, ["ip", "netns", "exec", namespace, *args])
@@ -203,26 +231,71 @@ class Hosts:
         return process
 
     def start_broker(self, keys: Path, log_level: str = "INFO") -> Process:
-        broker = self.start("broker", self.broker_ns, farm_command(
-            "--log-level", log_level, "broker", "--bind", f"tcp://0.0.0.0:{PORT}",
-            "--curve", str(keys), "--heartbeat", HEARTBEAT, "--liveness", LIVENESS,
-            "--algo", "fifo", "--chunk", "100"))
+        broker = self.start(
+            "broker",
+            self.broker_ns,
+            farm_command(
+                "--log-level",
+                log_level,
+                "broker",
+                "--bind",
+                f"tcp://0.0.0.0:{PORT}",
+                "--curve",
+                str(keys),
+                "--heartbeat",
+                HEARTBEAT,
+                "--liveness",
+                LIVENESS,
+                "--algo",
+                "fifo",
+                "--chunk",
+                "100",
+            ),
+        )
         broker.expect(r"^farm broker listening on tcp://0\.0\.0\.0:", hosts=self)
         return broker
 
     def start_worker(self, n: int, keys: Path, core: int) -> Process:
         """A worker on host ``n`` (1-based), pinned to ``core``, reaching the broker over its
         own link."""
-        return self.start(f"worker {n}", self.worker_ns[n - 1], farm_command(
-            "--log-level", "INFO", "worker", "--device", f"cpu:{core}", "--broker",
-            f"tcp://{self.links[n - 1].broker_ip}:{PORT}", "--curve", str(keys),
-            "--heartbeat", HEARTBEAT, "--liveness", LIVENESS, "--model", "lenet"))
+        return self.start(
+            f"worker {n}",
+            self.worker_ns[n - 1],
+            farm_command(
+                "--log-level",
+                "INFO",
+                "worker",
+                "--device",
+                f"cpu:{core}",
+                "--broker",
+                f"tcp://{self.links[n - 1].broker_ip}:{PORT}",
+                "--curve",
+                str(keys),
+                "--heartbeat",
+                HEARTBEAT,
+                "--liveness",
+                LIVENESS,
+                "--model",
+                "lenet",
+            ),
+        )
 
-    def start_client(self, script: Path, keys: Path, images: Path, out: Path,
-                     workers: int) -> Process:
-        return self.start("client", self.broker_ns, [
-            sys.executable, str(script), f"tcp://127.0.0.1:{PORT}", str(keys), str(images),
-            str(out), str(workers)])
+    def start_client(
+        self, script: Path, keys: Path, images: Path, out: Path, workers: int
+    ) -> Process:
+        return self.start(
+            "client",
+            self.broker_ns,
+            [
+                sys.executable,
+                str(script),
+                f"tcp://127.0.0.1:{PORT}",
+                str(keys),
+                str(images),
+                str(out),
+                str(workers),
+            ],
+        )
 
     def cut(self, n: int) -> None:
         """Cut worker host ``n``'s link at the broker's end, as a pulled cable would."""
@@ -265,8 +338,13 @@ def hosts() -> Iterator[Hosts]:
 def keys(tmp_path: Path) -> Path:
     """A `farm keys init` folder: the broker's key pair, authorized worker and client keys."""
     folder = tmp_path / "keys"
-    subprocess.run(farm_command("keys", "init", str(folder)), check=True, cwd=ROOT,
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        farm_command("keys", "init", str(folder)),
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
     return folder
 
 
@@ -310,8 +388,9 @@ def test_a_job_over_curve_tcp_across_hosts(hosts, keys, client_script, job, tmp_
     started = time.monotonic()
     hosts.start_broker(keys)
     workers = [hosts.start_worker(n, keys, core) for n, core in enumerate(pinned_cores(), 1)]
-    client = hosts.start_client(client_script, keys, tmp_path / "images.npy",
-                                tmp_path / "out.npy", workers=2)
+    client = hosts.start_client(
+        client_script, keys, tmp_path / "images.npy", tmp_path / "out.npy", workers=2
+    )
     ready = json.loads(client.expect(r"^ready ", hosts=hosts).split(" ", 1)[1])
     assert sorted(w["pid"] for w in ready["workers"]) == sorted(w.pid for w in workers)
     result, info = read_report(client, hosts)
@@ -322,9 +401,11 @@ def test_a_job_over_curve_tcp_across_hosts(hosts, keys, client_script, job, tmp_
     shares = {w["name"]: w["items"] for w in result["workers"]}
     assert len(shares) == 2 and all(shares.values()), f"both workers should take part: {shares}"
     assert sum(shares.values()) == JOB
-    print(f"{JOB} images across namespaces in {result['seconds']:.2f} s "
-          f"({result['rate']:,.0f} images/s, waste {result['waste']:.1%}), shares {shares}, "
-          f"test {time.monotonic() - started:.1f} s; broker stats {info['stats']}")
+    print(
+        f"{JOB} images across namespaces in {result['seconds']:.2f} s "
+        f"({result['rate']:,.0f} images/s, waste {result['waste']:.1%}), shares {shares}, "
+        f"test {time.monotonic() - started:.1f} s; broker stats {info['stats']}"
+    )
 
 
 def test_a_worker_host_cut_off_mid_job(hosts, keys, client_script, job, tmp_path) -> None:
@@ -334,8 +415,9 @@ def test_a_worker_host_cut_off_mid_job(hosts, keys, client_script, job, tmp_path
     np.save(tmp_path / "images.npy", images)
     hosts.start_broker(keys)
     workers = [hosts.start_worker(n, keys, core) for n, core in enumerate(pinned_cores(), 1)]
-    client = hosts.start_client(client_script, keys, tmp_path / "images.npy",
-                                tmp_path / "out.npy", workers=2)
+    client = hosts.start_client(
+        client_script, keys, tmp_path / "images.npy", tmp_path / "out.npy", workers=2
+    )
     client.expect(r"^ready ", hosts=hosts)
     client.expect(r"^progress ", hosts=hosts)
     cut_at = time.monotonic()
@@ -347,22 +429,31 @@ def test_a_worker_host_cut_off_mid_job(hosts, keys, client_script, job, tmp_path
     assert result["failed"] == [] and result["duplicates"] == 0
     stats = info["stats"]
     assert stats["workers_expired"] >= 1 and stats["requeued_chunks"] >= 1, stats
-    assert workers[0].pid not in [w["pid"] for w in info["workers"]], \
+    assert workers[0].pid not in [w["pid"] for w in info["workers"]], (
         "the cut worker should have been declared gone"
+    )
     shares = {w["name"]: w["items"] for w in result["workers"]}
     assert sum(shares.values()) == JOB, shares
-    print(f"cut worker 1 at the first result; job done {finished_after_cut:.2f} s later, "
-          f"{result['seconds']:.2f} s in all; shares {shares}; "
-          f"resubmissions {result['resubmissions']}; broker stats {stats}")
+    print(
+        f"cut worker 1 at the first result; job done {finished_after_cut:.2f} s later, "
+        f"{result['seconds']:.2f} s in all; shares {shares}; "
+        f"resubmissions {result['resubmissions']}; broker stats {stats}"
+    )
 
 
-def test_a_worker_with_an_unknown_key_gets_no_work(hosts, keys, client_script, lenet, digits,
-                                                   tmp_path) -> None:
+def test_a_worker_with_an_unknown_key_gets_no_work(
+    hosts, keys, client_script, lenet, digits, tmp_path
+) -> None:
     """Worker 2 trusts the broker's key but presents a key the broker never authorized:
     the broker's ZAP handler denies it, and the job runs on worker 1 alone."""
     rogue = tmp_path / "rogue"
-    subprocess.run(farm_command("keys", "init", str(rogue)), check=True, cwd=ROOT,
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        farm_command("keys", "init", str(rogue)),
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
     shutil.copy(keys / "broker.key", rogue / "broker.key")
     rogue_key = zmq.auth.load_certificate(rogue / "worker.key")[0].decode()
     images = np.resize(digits, (2000, *digits.shape[1:]))
@@ -373,17 +464,20 @@ def test_a_worker_with_an_unknown_key_gets_no_work(hosts, keys, client_script, l
     allowed = hosts.start_worker(1, keys, cores[0])
     intruder = hosts.start_worker(2, rogue, cores[1])
     broker.expect(rf"DENIED \(CURVE\).*{re.escape(rogue_key)}", stream="stderr", hosts=hosts)
-    client = hosts.start_client(client_script, keys, tmp_path / "images.npy",
-                                tmp_path / "out.npy", workers=1)
+    client = hosts.start_client(
+        client_script, keys, tmp_path / "images.npy", tmp_path / "out.npy", workers=1
+    )
     ready = json.loads(client.expect(r"^ready ", hosts=hosts).split(" ", 1)[1])
     result, info = read_report(client, hosts)
 
     assert [w["pid"] for w in ready["workers"]] == [allowed.pid]
     assert intruder.pid not in [w["pid"] for w in info["workers"]]
     assert [w["items"] for w in result["workers"]] == [len(images)]
-    np.testing.assert_allclose(np.load(tmp_path / "out.npy"),
-                               np.resize(reference_forward(lenet, digits), (len(images), 10)),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.load(tmp_path / "out.npy"),
+        np.resize(reference_forward(lenet, digits), (len(images), 10)),
+        atol=1e-5,
+    )
     # Refused at the CURVE handshake (libzmq does not retry), the intruder says why and exits.
     intruder.expect(r"refused key 'worker'", stream="stderr", hosts=hosts)
     assert intruder.popen.wait(30) == 1

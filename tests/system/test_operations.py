@@ -69,8 +69,13 @@ class JobThread:
     """A job run by a client of its own in a thread; ``started`` is set at its first
     result, ``reached`` once ``threshold`` images are back (or the job ended)."""
 
-    def __init__(self, local: LocalFarm, images: np.ndarray | NpyReader,
-                 threshold: int | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        local: LocalFarm,
+        images: np.ndarray | NpyReader,
+        threshold: int | None = None,
+        **options: Any,
+    ) -> None:
         self.client = local.client()
         self.images, self.options = images, options
         self.threshold = len(images) if threshold is None else threshold
@@ -89,8 +94,9 @@ class JobThread:
 
     def run(self) -> None:
         try:
-            self.result = self.client.run(self.images, "lenet", progress=self.progress,
-                                          **self.options)
+            self.result = self.client.run(
+                self.images, "lenet", progress=self.progress, **self.options
+            )
         except BaseException as exc:  # reported by ``join``
             self.error = exc
         finally:
@@ -117,8 +123,12 @@ class JobThread:
 
 def status_json(local: LocalFarm) -> dict[str, Any]:
     """``farm status --json``, the real command."""
-    done = subprocess.run(farm_command("status", "--json", "--broker", local.endpoint),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        farm_command("status", "--json", "--broker", local.endpoint),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -135,18 +145,23 @@ def scrape(local: LocalFarm) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(url, timeout=10) as response:
         assert response.headers["Content-Type"].startswith("text/plain")
         text = response.read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def total_of(metrics: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
     """The sum of a metric's samples whose labels include ``labels``."""
-    return sum(value for (sample, sample_labels), value in metrics.items()
-               if sample == name and set(labels.items()) <= set(sample_labels))
+    return sum(
+        value
+        for (sample, sample_labels), value in metrics.items()
+        if sample == name and set(labels.items()) <= set(sample_labels)
+    )
 
 
-def test_status_json_lists_every_worker_and_job_with_their_states(farm, speed,
-                                                                  tmp_path) -> None:
+def test_status_json_lists_every_worker_and_job_with_their_states(farm, speed, tmp_path) -> None:
     # 20 s of the whole farm's compute: it runs on past the snapshot, then it is cancelled
     images = blank(tmp_path, int(20 * speed * len(farm.devices)))
     before = status_json(farm)
@@ -169,8 +184,12 @@ def test_status_json_lists_every_worker_and_job_with_their_states(farm, speed,
         assert worker["heartbeat_age_s"] < 5 * snapshot["heartbeat"]
         assert 0 < worker["busy_share"] <= 1 and worker["rate"] > 0
     [job] = jobs
-    assert (job["model"], job["policy"], job["priority"], job["state"]) == \
-        ("lenet", "fifo", 3, "running")
+    assert (job["model"], job["policy"], job["priority"], job["state"]) == (
+        "lenet",
+        "fifo",
+        3,
+        "running",
+    )
     assert job["total"] == len(images) and seen <= job["done"] < len(images)
     assert job["in_flight"] == sum(w["in_flight"] for w in workers)
     assert job["workers"] == len(workers) and job["client"].endswith(f":{os.getpid()}")
@@ -182,13 +201,15 @@ def test_status_json_lists_every_worker_and_job_with_their_states(farm, speed,
     assert all(w["state"] == "idle" and w["in_flight"] == 0 for w in after["workers"])
     assert after["jobs_ended"]["cancelled"] == before["jobs_ended"]["cancelled"] + 1
     computed = sum(w["items_done"] for w in after["workers"]) - sum(
-        w["items_done"] for w in before["workers"])
+        w["items_done"] for w in before["workers"]
+    )
     delivered = len(images) - sum(f.count for f in result.failed)
     assert computed >= delivered  # chunks stopped by the cancel may have run in part
 
 
-def test_metrics_scraped_over_http_move_with_the_job_and_match_its_results(farm, digits,
-                                                                            reference) -> None:
+def test_metrics_scraped_over_http_move_with_the_job_and_match_its_results(
+    farm, digits, reference
+) -> None:
     before = scrape(farm)
     with farm.client() as client:
         result = client.run(repeated(digits, 20_000), "lenet")
@@ -203,17 +224,22 @@ def test_metrics_scraped_over_http_move_with_the_job_and_match_its_results(farm,
     for name, share in shares.items():
         assert moved("farm_worker_images_total", worker=name) == share.items
         assert moved("farm_worker_chunks_total", worker=name) == share.chunks
-        assert moved("farm_worker_compute_seconds_total", worker=name) == \
-            pytest.approx(share.compute_s, rel=1e-6)
+        assert moved("farm_worker_compute_seconds_total", worker=name) == pytest.approx(
+            share.compute_s, rel=1e-6
+        )
     chunks = sum(share.chunks for share in shares.values())
     assert chunks == 20_000 // CHUNK
     assert moved("farm_images_delivered_total") == 20_000
-    for histogram in ("farm_chunk_compute_seconds", "farm_chunk_queue_seconds",
-                      "farm_chunk_transfer_seconds"):
+    for histogram in (
+        "farm_chunk_compute_seconds",
+        "farm_chunk_queue_seconds",
+        "farm_chunk_transfer_seconds",
+    ):
         assert moved(f"{histogram}_count") == chunks
         assert moved(f"{histogram}_bucket", le="+Inf") == chunks
-    assert moved("farm_chunk_compute_seconds_sum") == \
-        pytest.approx(sum(share.compute_s for share in shares.values()), rel=1e-6)
+    assert moved("farm_chunk_compute_seconds_sum") == pytest.approx(
+        sum(share.compute_s for share in shares.values()), rel=1e-6
+    )
     assert moved("farm_jobs_ended_total", outcome="done") == 1
     assert total_of(after, "farm_jobs") == 0 and total_of(after, "farm_workers") == len(shares)
     assert total_of(after, "farm_worker_chunks_in_flight") == 0
@@ -228,18 +254,25 @@ def png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", head[16:24])
 
 
-def test_farm_report_draws_a_real_trace_whose_totals_match_the_job(farm, digits,
-                                                                   tmp_path) -> None:
+def test_farm_report_draws_a_real_trace_whose_totals_match_the_job(farm, digits, tmp_path) -> None:
     images = tmp_path / "images.npy"
     np.save(images, repeated(digits, 20_000))
     trace, png = tmp_path / "run.json", tmp_path / "run.png"
-    submitted = subprocess.run(farm_command(
-        "submit", str(images), "--broker", farm.endpoint, "--quiet", "--trace", str(trace)),
-        capture_output=True, text=True, timeout=120)
+    submitted = subprocess.run(
+        farm_command(
+            "submit", str(images), "--broker", farm.endpoint, "--quiet", "--trace", str(trace)
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert submitted.returncode == 0, submitted.stderr
-    reported = subprocess.run(farm_command(
-        "report", str(trace), "-o", str(png), "--width", "900", "--height", "600"),
-        capture_output=True, text=True, timeout=120)
+    reported = subprocess.run(
+        farm_command("report", str(trace), "-o", str(png), "--width", "900", "--height", "600"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert reported.returncode == 0, reported.stderr
     assert png_size(png) == (900, 600)
 
@@ -254,15 +287,15 @@ def test_farm_report_draws_a_real_trace_whose_totals_match_the_job(farm, digits,
         mine = [chunk for chunk in chunks if chunk["worker"] == worker["name"]]
         assert len(mine) == worker["chunks"] and sum(c["count"] for c in mine) == worker["items"]
     for chunk in chunks:
-        moments = [chunk[key] for key in ("assigned", "sent", "arrived", "started", "finished",
-                                          "received")]
+        moments = [
+            chunk[key] for key in ("assigned", "sent", "arrived", "started", "finished", "received")
+        ]
         assert moments == sorted(moments) and 0 <= moments[0]
         assert moments[-1] <= document["broker_seconds"] + 1e-6
     assert "20,000 images" in reported.stdout and "waste" in reported.stdout
 
 
-def test_a_small_job_is_not_starved_by_a_big_one_and_both_finish(farm, digits,
-                                                                 reference) -> None:
+def test_a_small_job_is_not_starved_by_a_big_one_and_both_finish(farm, digits, reference) -> None:
     with JobThread(farm, repeated(digits, 100_000)) as big:
         with farm.client() as client:
             # 10 000 images: more than one worker computes in a big job's chunk (a quarter
@@ -281,9 +314,12 @@ def test_a_small_job_is_not_starved_by_a_big_one_and_both_finish(farm, digits,
 
 
 def test_a_cancelled_job_frees_every_worker_within_a_second_and_costs_others_nothing(
-        farm, digits, reference) -> None:
-    with JobThread(farm, repeated(digits, 100_000)) as doomed, \
-            JobThread(farm, repeated(digits, 30_000)) as other:
+    farm, digits, reference
+) -> None:
+    with (
+        JobThread(farm, repeated(digits, 100_000)) as doomed,
+        JobThread(farm, repeated(digits, 30_000)) as other,
+    ):
         with farm.client() as watcher:
             doomed_id = job_with_total(watcher.info(), 100_000)["job"]
             cancelled_at = time.monotonic()
@@ -296,8 +332,9 @@ def test_a_cancelled_job_frees_every_worker_within_a_second_and_costs_others_not
     assert cancelled.cancelled == "cancelled by the client" and cancelled.failed
     answered = ~np.isnan(cancelled.outputs).any(axis=1)
     assert sum(f.count for f in cancelled.failed) == (~answered).sum() > 0
-    np.testing.assert_allclose(cancelled.outputs[answered], expected(reference, 100_000)[answered],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        cancelled.outputs[answered], expected(reference, 100_000)[answered], atol=1e-5
+    )
     assert not finished.failed and finished.duplicates == 0 and finished.cancelled is None
     np.testing.assert_allclose(finished.outputs, expected(reference, 30_000), atol=1e-5)
 
@@ -305,12 +342,12 @@ def test_a_cancelled_job_frees_every_worker_within_a_second_and_costs_others_not
 def fastest_rate(client: Client) -> float:
     """The speed the broker caps chunks by: its fastest worker's images per second of
     compute, over all it ran."""
-    return max(w["items_done"] / w["compute_s"] for w in client.info()["workers"]
-               if w["compute_s"] > 0)
+    return max(
+        w["items_done"] / w["compute_s"] for w in client.info()["workers"] if w["compute_s"] > 0
+    )
 
 
-def test_each_job_may_bring_its_own_policy_and_a_timeout(farm, speed, digits,
-                                                         tmp_path) -> None:
+def test_each_job_may_bring_its_own_policy_and_a_timeout(farm, speed, digits, tmp_path) -> None:
     images = repeated(digits, 2_000)
     workers = len(farm.devices)
     with farm.client() as client:
@@ -340,8 +377,10 @@ def test_higher_priority_jobs_are_offered_free_workers_first(digits, local_farm)
     local = local_farm(1, chunk=CHUNK, sharing="fifo", preload=["lenet"])
     with JobThread(local, repeated(digits, 40_000)) as first:
         # 10 chunks each: the urgent job, running at once, is still listed when it is seen
-        jobs = [JobThread(local, repeated(digits, 10 * CHUNK + n), priority=priority)
-                for n, priority in enumerate((0, 0, 10))]
+        jobs = [
+            JobThread(local, repeated(digits, 10 * CHUNK + n), priority=priority)
+            for n, priority in enumerate((0, 0, 10))
+        ]
         with local.client() as client:
             for listed, job in enumerate(jobs, start=2):  # one at a time, the urgent one last
                 job.thread.start()
@@ -359,14 +398,20 @@ def test_higher_priority_jobs_are_offered_free_workers_first(digits, local_farm)
 
 
 def test_settings_come_from_the_option_then_the_environment_then_the_toml_file(
-        farm, tmp_path) -> None:
+    farm, tmp_path
+) -> None:
     config = tmp_path / "farm.toml"
     config.write_text(f'broker-address = "{farm.endpoint}"\n[status]\ntimeout = 2.0\n')
     environment = {**os.environ, "FARM_CONFIG": str(config)}
 
     def status(*args: str, **env: str) -> subprocess.CompletedProcess:
-        return subprocess.run(farm_command("status", "--json", *args), capture_output=True,
-                              text=True, timeout=60, env={**environment, **env})
+        return subprocess.run(
+            farm_command("status", "--json", *args),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**environment, **env},
+        )
 
     assert status().returncode == 0  # the file's broker address
     nobody = "tcp://127.0.0.1:9"
@@ -384,9 +429,12 @@ def test_settings_come_from_the_option_then_the_environment_then_the_toml_file(
 
 
 def test_json_logs_are_one_object_per_line(tmp_path) -> None:
-    broker = subprocess.Popen(farm_command("--log-format", "json", "broker", "--bind",
-                                           "tcp://127.0.0.1:*"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    broker = subprocess.Popen(
+        farm_command("--log-format", "json", "broker", "--bind", "tcp://127.0.0.1:*"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = broker.stderr.readline()
     finally:
@@ -398,11 +446,13 @@ def test_json_logs_are_one_object_per_line(tmp_path) -> None:
     assert entry["event"] == "broker_started" and entry["endpoint"] in entry["message"]
 
 
-def test_a_job_with_odd_policy_parameters_is_refused_and_the_farm_serves_on(farm,
-                                                                            digits) -> None:
+def test_a_job_with_odd_policy_parameters_is_refused_and_the_farm_serves_on(farm, digits) -> None:
     with farm.client() as client:
-        for algo, params in (("sliced", {"slice": 2.5}), ("fifo", {"chunk": 1.5}),
-                             ("hat", {"slice": "many"})):
+        for algo, params in (
+            ("sliced", {"slice": 2.5}),
+            ("fifo", {"chunk": 1.5}),
+            ("hat", {"slice": "many"}),
+        ):
             with pytest.raises(FarmError, match="job policy: .*slice|job policy: .*chunk"):
                 client.run(digits[:100], "lenet", algo=algo, params=params)
         with pytest.raises(FarmError, match="params need algo"):

@@ -9,9 +9,20 @@ from tests.unit.test_simulator import ROOT, run  # noqa
 
 
 def test_the_policy_bench_writes_its_table_csv_and_chart(tmp_path) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "policies.py"), "--out",
-                           str(tmp_path), "--total", "20000", "--quick"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "policies.py"),
+            "--out",
+            str(tmp_path),
+            "--total",
+            "20000",
+            "--quick",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "equal-finish against fast-split" in done.stdout
     (csv_file,) = tmp_path.glob("*-policies-sim.csv")

@@ -29,9 +29,15 @@ EXPIRY = 1.0  # 0.2 s x 5
 def recovering_farm(local_farm) -> Callable[..., LocalFarm]:
     """``recovering_farm(workers, *worker_options, **broker_options)``: a farm whose peers
     count each other gone after EXPIRY of silence, with fifo chunks of 200."""
+
     def start(workers: int, *worker_options: str, **broker_options: Any) -> LocalFarm:
-        return local_farm(workers, broker_options=LINK, worker_options=[*LINK, *worker_options],
-                          preload=["lenet"], **{"chunk": 200, **broker_options})
+        return local_farm(
+            workers,
+            broker_options=LINK,
+            worker_options=[*LINK, *worker_options],
+            preload=["lenet"],
+            **{"chunk": 200, **broker_options},
+        )
 
     return start
 
@@ -125,8 +131,7 @@ def test_kill_the_broker_mid_job_and_restart_it_on_the_same_address(job, recover
     assert all(worker["items_done"] > 0 for worker in workers)
 
 
-def test_a_frozen_worker_is_declared_dead_and_its_late_result_dropped(job,
-                                                                      recovering_farm) -> None:
+def test_a_frozen_worker_is_declared_dead_and_its_late_result_dropped(job, recovering_farm) -> None:
     images, reference = job
     local = recovering_farm(2)
     frozen = local.workers[0]
@@ -149,12 +154,14 @@ def test_a_frozen_worker_is_declared_dead_and_its_late_result_dropped(job,
     assert finished - stopped_at[0] > EXPIRY, "the job waited for the expiry"
     with local.client() as client:
         client.info(wait_workers=2)  # the thawed worker heard DISCONNECT and came back
-    assert await_stat(local, "late_replies", 1)["late_replies"] >= 1, \
+    assert await_stat(local, "late_replies", 1)["late_replies"] >= 1, (
         "the thawed worker's result reached the broker and was dropped"
+    )
 
 
-def test_a_worker_that_says_goodbye_mid_job_charges_its_chunks_nothing(job,
-                                                                       recovering_farm) -> None:
+def test_a_worker_that_says_goodbye_mid_job_charges_its_chunks_nothing(
+    job, recovering_farm
+) -> None:
     images, reference = job
     local = recovering_farm(2)
     leaving = local.workers[0]
@@ -175,16 +182,18 @@ def test_an_image_run_max_runs_times_is_given_up_as_its_own_cause(job, recoverin
     finally:
         frozen.send_signal(signal.SIGCONT)
     assert result.failed, "the frozen worker held no chunk"
-    assert all(f.error.startswith("ran 1 times without a result, its workers lost or failing")
-               and "silent for" in f.error for f in result.failed)
+    assert all(
+        f.error.startswith("ran 1 times without a result, its workers lost or failing")
+        and "silent for" in f.error
+        for f in result.failed
+    )
     failed = np.zeros(len(images), bool)
     for f in result.failed:
-        failed[f.start:f.start + f.count] = True
+        failed[f.start : f.start + f.count] = True
     np.testing.assert_allclose(result.outputs[~failed], reference[~failed], atol=1e-5)
 
 
-def test_a_poison_chunk_is_narrowed_down_to_its_bad_images(lenet, digits,
-                                                            recovering_farm) -> None:
+def test_a_poison_chunk_is_narrowed_down_to_its_bad_images(lenet, digits, recovering_farm) -> None:
     """Both workers fail any chunk holding items 250..260: the chunk is halved down to
     single images, and only those 11 are reported, each with its own last error."""
     images = digits[:1000]
@@ -192,8 +201,11 @@ def test_a_poison_chunk_is_narrowed_down_to_its_bad_images(lenet, digits,
     local = recovering_farm(2, "--fail-items", "250-260")
     with Client(local.endpoint, timeout=60, heartbeat=0.2) as client:
         result = client.run(images, "lenet")
-        with pytest.raises(FarmError, match=r"item 250: failed by itself 2 times "
-                                            r"on 2 device\(s\)"):
+        with pytest.raises(
+            FarmError,
+            match=r"item 250: failed by itself 2 times "
+            r"on 2 device\(s\)",
+        ):
             client.map(images, "lenet")
     after = stats(local)
     assert [(f.start, f.count) for f in result.failed] == [(i, 1) for i in range(250, 261)]
@@ -206,8 +218,7 @@ def test_a_poison_chunk_is_narrowed_down_to_its_bad_images(lenet, digits,
     assert 1000 < result.summary.items_run < 1000 + 200 * 2 * 9
 
 
-def test_a_failed_attempt_runs_again_on_another_device(lenet, digits,
-                                                        recovering_farm) -> None:
+def test_a_failed_attempt_runs_again_on_another_device(lenet, digits, recovering_farm) -> None:
     """A third worker, on the first one's core, fails items 250..260; the other core does
     not.  A chunk failed on one device runs next on another, so it comes back."""
     images = digits[:1000]
@@ -221,18 +232,32 @@ def test_a_failed_attempt_runs_again_on_another_device(lenet, digits,
     np.testing.assert_allclose(result.outputs, reference_forward(lenet, images), atol=1e-5)
 
 
-def test_farm_submit_lists_failed_images_and_exits_1(lenet, digits, tmp_path,
-                                                     recovering_farm) -> None:
+def test_farm_submit_lists_failed_images_and_exits_1(
+    lenet, digits, tmp_path, recovering_farm
+) -> None:
     images = digits[:1000]
     np.save(tmp_path / "in.npy", images)
     local = recovering_farm(2, "--fail-items", "250-251")
-    done = subprocess.run(farm_command("--log-level", "ERROR", "submit",
-                                       str(tmp_path / "in.npy"), "--broker", local.endpoint,
-                                       "--out", str(tmp_path / "out.npy"), "--quiet"),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        farm_command(
+            "--log-level",
+            "ERROR",
+            "submit",
+            str(tmp_path / "in.npy"),
+            "--broker",
+            local.endpoint,
+            "--out",
+            str(tmp_path / "out.npy"),
+            "--quiet",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1
-    assert ("2 images failed:\n  item 250: failed by itself 2 times on 2 device(s); "
-            "last: ") in done.stderr
+    assert (
+        "2 images failed:\n  item 250: failed by itself 2 times on 2 device(s); last: "
+    ) in done.stderr
     assert "Traceback" not in done.stderr
     outputs = np.load(tmp_path / "out.npy")
     assert np.isnan(outputs[250:252]).all() and not np.isnan(outputs[:250]).any()
@@ -254,15 +279,24 @@ def test_a_client_with_no_broker_gives_up_after_its_timeout(digits) -> None:
     assert 2.0 <= time.monotonic() - started < 10
 
 
-def test_a_killed_client_s_job_is_dropped_at_once_not_after_its_silence(digits, tmp_path,
-                                                                       local_farm) -> None:
+def test_a_killed_client_s_job_is_dropped_at_once_not_after_its_silence(
+    digits, tmp_path, local_farm
+) -> None:
     """The broker's heartbeat of 10 s would wait 50 s for a silent client; its closed
     connection ends its job at once, and the workers stop computing it."""
     np.save(tmp_path / "in.npy", np.resize(digits, (200_000, 28, 28)))
     local = local_farm(2, chunk=500, heartbeat=10, preload=["lenet"])
-    client = subprocess.Popen(farm_command(
-        "--log-level", "ERROR", "submit", str(tmp_path / "in.npy"), "--broker",
-        local.endpoint, "--quiet"))
+    client = subprocess.Popen(
+        farm_command(
+            "--log-level",
+            "ERROR",
+            "submit",
+            str(tmp_path / "in.npy"),
+            "--broker",
+            local.endpoint,
+            "--quiet",
+        )
+    )
     try:
         with local.client() as watcher:
             deadline = time.monotonic() + 60
@@ -277,8 +311,9 @@ def test_a_killed_client_s_job_is_dropped_at_once_not_after_its_silence(digits, 
         client.kill()
 
 
-def test_workers_that_reconnect_while_the_broker_stalls_charge_nothing(job,
-                                                                       recovering_farm) -> None:
+def test_workers_that_reconnect_while_the_broker_stalls_charge_nothing(
+    job, recovering_farm
+) -> None:
     """The broker frozen past the workers' expiry: they say goodbye and reconnect, so
     their old connections closing are not taken for crashes."""
     images, reference = job

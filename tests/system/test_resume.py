@@ -35,8 +35,10 @@ TOTAL = 30_000
 @pytest.fixture(scope="module")
 def job(lenet, digits) -> tuple[np.ndarray, np.ndarray]:
     """30 000 digits (the sample, repeated) and their reference outputs."""
-    return (np.resize(digits, (TOTAL, *digits.shape[1:])),
-            np.resize(reference_forward(lenet, digits), (TOTAL, 10)))
+    return (
+        np.resize(digits, (TOTAL, *digits.shape[1:])),
+        np.resize(reference_forward(lenet, digits), (TOTAL, 10)),
+    )
 
 
 @pytest.fixture
@@ -47,8 +49,20 @@ def images_file(job, tmp_path) -> Path:
 
 
 def submit(local: LocalFarm, images: Path, out: Path, *extra: str) -> list[str]:
-    return farm_command("--log-level", "WARNING", "submit", str(images), "--model", "lenet",
-                        "--broker", local.endpoint, "--out", str(out), "--quiet", *extra)
+    return farm_command(
+        "--log-level",
+        "WARNING",
+        "submit",
+        str(images),
+        "--model",
+        "lenet",
+        "--broker",
+        local.endpoint,
+        "--out",
+        str(out),
+        "--quiet",
+        *extra,
+    )
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
@@ -122,9 +136,9 @@ def broker_view(local: LocalFarm) -> dict:
 
 
 @pytest.mark.parametrize("earlier", [False, True], ids=["no-earlier-file", "earlier-file"])
-def test_a_killed_submit_resumes_with_only_the_missing_images(farm_two_workers, job,
-                                                              images_file, tmp_path,
-                                                              earlier) -> None:
+def test_a_killed_submit_resumes_with_only_the_missing_images(
+    farm_two_workers, job, images_file, tmp_path, earlier
+) -> None:
     """The killed job leaves ``OUT.partial`` and its journal, never an ``OUT`` that reads as
     complete (an earlier job's ``OUT`` stays as it was until the resume's rename)."""
     reference = job[1]
@@ -132,8 +146,12 @@ def test_a_killed_submit_resumes_with_only_the_missing_images(farm_two_workers, 
     if earlier:
         np.save(out, reference[::-1])
     before = out.read_bytes() if earlier else None
-    process = subprocess.Popen(submit(farm_two_workers, images_file, out),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        submit(farm_two_workers, images_file, out),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     kill_when(process, lambda: journaled_items(out) >= TOTAL // 2)
     kept = journaled_items(out)
     assert TOTAL // 2 <= kept < TOTAL
@@ -145,8 +163,9 @@ def test_a_killed_submit_resumes_with_only_the_missing_images(farm_two_workers, 
     resumed = number(r"([\d,]+) images resumed from", done.stdout)
     assert resumed == kept, "every journaled range checked out (a kill loses no written page)"
     assert number(r"; ([\d,]+) submitted", done.stdout) == TOTAL - resumed
-    assert number(r"^([\d,]+) images in", done.stdout) == TOTAL - resumed, "the broker ran " \
-        "only the missing images"
+    assert number(r"^([\d,]+) images in", done.stdout) == TOTAL - resumed, (
+        "the broker ran only the missing images"
+    )
     np.testing.assert_allclose(np.load(out), reference, atol=1e-5)
     assert not journal_path(out).exists(), "a complete job's journal is deleted"
     assert not partial_path(out).exists(), "renamed to OUT"
@@ -167,7 +186,7 @@ def test_a_damaged_range_is_recomputed_on_resume(farm_two_workers, job, tmp_path
         data = handle.read(reader.item_bytes)
         handle.seek(offset)
         handle.write(bytes(b ^ 0xFF for b in data))
-    assert not np.allclose(np.load(out)[start:start + count], reference[start:start + count])
+    assert not np.allclose(np.load(out)[start : start + count], reference[start : start + count])
 
     with Client(farm_two_workers.endpoint, timeout=60) as client:
         result = client.run(images, "lenet", resume=out)
@@ -178,8 +197,9 @@ def test_a_damaged_range_is_recomputed_on_resume(farm_two_workers, job, tmp_path
     np.testing.assert_allclose(np.load(out), reference, atol=1e-5)
 
 
-def test_a_resume_of_another_input_or_model_is_refused(farm_two_workers, job, images_file,
-                                                       tmp_path) -> None:
+def test_a_resume_of_another_input_or_model_is_refused(
+    farm_two_workers, job, images_file, tmp_path
+) -> None:
     images, reference = job
     out = tmp_path / "scores.npy"
     interrupted_job(farm_two_workers, NpyReader.open(images_file), out)  # as farm submit
@@ -191,8 +211,9 @@ def test_a_resume_of_another_input_or_model_is_refused(farm_two_workers, job, im
     assert refused.returncode == 2, refused.stderr
     assert "was written for another job" in refused.stderr
     assert "input sha256" in refused.stderr and "model:" not in refused.stderr
-    refused = run([*submit(farm_two_workers, images_file, out, "--resume"), "--model",
-                   "cifar10_quick"])
+    refused = run(
+        [*submit(farm_two_workers, images_file, out, "--resume"), "--model", "cifar10_quick"]
+    )
     assert refused.returncode == 2, refused.stderr
     assert "model: 'cifar10_quick' here, 'lenet' in the journal" in refused.stderr
     refused = run(submit(farm_two_workers, images_file, out))
@@ -213,6 +234,7 @@ def test_client_map_resumes_after_an_interrupted_call(farm_two_workers, job, tmp
     images, reference = job
     out = tmp_path / "scores.npy"
     with Client(farm_two_workers.endpoint, timeout=60) as client:
+
         def cancel_at_half(count: int) -> None:
             cancel_at_half.done += count  # type: ignore[attr-defined]
             if cancel_at_half.done >= TOTAL // 2:  # type: ignore[attr-defined]
@@ -233,14 +255,19 @@ def test_client_map_resumes_after_an_interrupted_call(farm_two_workers, job, tmp
     assert not journal_path(out).exists()
 
 
-def test_a_full_disk_cancels_the_job_and_resume_finishes_it(farm_two_workers, job,
-                                                            images_file, tmp_path) -> None:
+def test_a_full_disk_cancels_the_job_and_resume_finishes_it(
+    farm_two_workers, job, images_file, tmp_path
+) -> None:
     reference = job[1]
     small = tmp_path / "small"
     small.mkdir()
     # 30 000 outputs of 10 float32 are 1.2 MB; the file is made sparse, so it fills mid-job
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(small)],
-                           capture_output=True, text=True, check=False)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(small)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if mount.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {mount.stderr}")
     try:
@@ -281,7 +308,7 @@ def test_a_torn_or_garbled_journal_line_is_ignored(tmp_path) -> None:
     out = tmp_path / "scores.npy"
     sink = JournalSink.open(out, job)
     for start in range(0, 500, 100):
-        sink.write(start, outputs[start:start + 100])
+        sink.write(start, outputs[start : start + 100])
     sink.close()
     with open(journal_path(out), "ab") as handle:
         handle.write(b"500 100 12x45\n")  # garbled
@@ -315,8 +342,7 @@ def farm_one_batch_per_chunk(module_local_farm) -> LocalFarm:
 
 
 @pytest.fixture(scope="module")
-def fresh_answers(farm_one_batch_per_chunk, shared_images, tmp_path_factory
-                  ) -> dict[str, bytes]:
+def fresh_answers(farm_one_batch_per_chunk, shared_images, tmp_path_factory) -> dict[str, bytes]:
     """The answers files of uninterrupted jobs (top 5), by suffix."""
     folder = tmp_path_factory.mktemp("fresh")
     files = {}
@@ -330,13 +356,17 @@ def fresh_answers(farm_one_batch_per_chunk, shared_images, tmp_path_factory
 
 
 @pytest.mark.parametrize("suffix", ["csv", "jsonl"])
-def test_a_killed_answers_job_resumes_to_the_same_bytes(farm_one_batch_per_chunk,
-                                                        shared_images, fresh_answers,
-                                                        tmp_path, suffix) -> None:
+def test_a_killed_answers_job_resumes_to_the_same_bytes(
+    farm_one_batch_per_chunk, shared_images, fresh_answers, tmp_path, suffix
+) -> None:
     farm = farm_one_batch_per_chunk
     out = tmp_path / f"answers.{suffix}"
-    process = subprocess.Popen(submit(farm, shared_images, out),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        submit(farm, shared_images, out),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     kill_when(process, lambda: journaled_rows(out) >= TOTAL // 2)
     kept = journaled_rows(out)
     assert TOTAL // 2 <= kept < TOTAL
@@ -361,7 +391,8 @@ def test_a_killed_answers_job_resumes_to_the_same_bytes(farm_one_batch_per_chunk
 
 
 def test_a_stopped_answers_job_is_whole_and_its_resume_retries_the_rest(
-        farm_one_batch_per_chunk, shared_images, fresh_answers, lenet, tmp_path) -> None:
+    farm_one_batch_per_chunk, shared_images, fresh_answers, lenet, tmp_path
+) -> None:
     """Cancelled at half-way: ``OUT`` is renamed whole (the rest's rows say why), its journal
     vouches only for the rows that came back; ``--resume`` takes ``OUT`` back and finishes
     it as an uninterrupted job would have."""
@@ -369,8 +400,7 @@ def test_a_stopped_answers_job_is_whole_and_its_resume_retries_the_rest(
     out = tmp_path / "answers.csv"
     source = ArraySource(NpyReader.open(shared_images))
     header = JournalHeader("lenet", InputIdentity.of(source), None, format="csv", top_k=5)
-    sink = AnswersJournal.open(out, header, ModelCard(lenet.labels, lenet.softmax),
-                               source.names)
+    sink = AnswersJournal.open(out, header, ModelCard(lenet.labels, lenet.softmax), source.names)
     with Client(farm.endpoint, timeout=60) as client:
         done = [0]
 
@@ -450,10 +480,27 @@ def test_a_killed_farm_run_leaves_only_its_partial_file(images_file, tmp_path) -
     before = out.read_bytes()
     with open(tmp_path / "run.log", "w") as log:  # not a pipe: the orphans would hold it
         process = subprocess.Popen(
-            farm_command("--log-level", "WARNING", "run", str(images_file), "--model",
-                         "lenet", "--out", str(out), "--quiet", "--workers", "1", "--algo",
-                         "fifo", "--chunk", "100"),
-            stdout=log, stderr=subprocess.STDOUT, text=True)
+            farm_command(
+                "--log-level",
+                "WARNING",
+                "run",
+                str(images_file),
+                "--model",
+                "lenet",
+                "--out",
+                str(out),
+                "--quiet",
+                "--workers",
+                "1",
+                "--algo",
+                "fifo",
+                "--chunk",
+                "100",
+            ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     farm: list[int] = []
 
     def first_result_written() -> bool:

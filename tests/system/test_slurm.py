@@ -1,5 +1,6 @@
 """``farm deploy slurm`` against a real Slurm: Debian's slurmctld, two slurmd and munge on
-this machine (``tests/system/slurm.py``).  The generated script is submitted as it is: a 20 000-image
+this machine (``tests/system/slurm.py``).  The generated script is submitted as it is: a 20
+000-image
 job comes back exact, a node's worker step cancelled mid-job costs nothing but time, a
 standing farm takes workers from a second job, and nothing is left behind."""
 
@@ -20,8 +21,10 @@ from farm.ops.local import cores, farm_command
 from tests.conftest import reference_forward
 from tests.system.slurm import SlurmCluster
 
-pytestmark = [pytest.mark.skipif(len(cores()) < 2, reason="two Slurm nodes need two cores"),
-              pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.skipif(len(cores()) < 2, reason="two Slurm nodes need two cores"),
+    pytest.mark.timeout(600),
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +40,32 @@ def cluster(tmp_path_factory):
 def deploy(folder: Path, *options: str) -> Path:
     """``farm deploy slurm OPTIONS -o folder/farm.sbatch``; the script's path."""
     script = folder / "farm.sbatch"
-    done = subprocess.run(farm_command("deploy", "slurm", *options, "-o", str(script)),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        farm_command("deploy", "slurm", *options, "-o", str(script)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return script
 
 
 def sbatch(cluster: SlurmCluster, script: Path, wait: bool) -> subprocess.Popen:
     """Submit from the script's folder; with ``wait``, the process ends with the job."""
-    return subprocess.Popen(["sbatch", "--parsable", *(["--wait"] if wait else []),
-                             "--chdir", str(script.parent), str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=cluster.env)
+    return subprocess.Popen(
+        [
+            "sbatch",
+            "--parsable",
+            *(["--wait"] if wait else []),
+            "--chdir",
+            str(script.parent),
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cluster.env,
+    )
 
 
 def job_id(submitted: subprocess.Popen) -> str:
@@ -84,10 +101,17 @@ def assert_nothing_left(cluster: SlurmCluster, folder: Path) -> None:
 
 
 def farm_status(job_dir: Path) -> dict:
-    done = subprocess.run(farm_command("status", "--json"), capture_output=True, text=True,
-                          timeout=30, env={**os.environ, "FARM_BROKER":
-                                           (job_dir / "endpoint").read_text().strip(),
-                                           "FARM_CURVE": str(job_dir / "keys")})
+    done = subprocess.run(
+        farm_command("status", "--json"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={
+            **os.environ,
+            "FARM_BROKER": (job_dir / "endpoint").read_text().strip(),
+            "FARM_CURVE": str(job_dir / "keys"),
+        },
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -105,11 +129,17 @@ def expected(lenet, digits: np.ndarray, count: int) -> np.ndarray:
     return np.resize(once, (count, *once.shape[1:]))
 
 
-def test_sbatch_runs_a_job_exactly_and_leaves_nothing(cluster, tmp_path, lenet,
-                                                      digits) -> None:
+def test_sbatch_runs_a_job_exactly_and_leaves_nothing(cluster, tmp_path, lenet, digits) -> None:
     path, _ = save_images(tmp_path, digits, 20_000)
-    script = deploy(tmp_path, "--nodes", "2", "--model", "lenet", "--submit",
-                    f"farm submit {path} --model lenet --out {tmp_path / 'out.npy'} --quiet")
+    script = deploy(
+        tmp_path,
+        "--nodes",
+        "2",
+        "--model",
+        "lenet",
+        "--submit",
+        f"farm submit {path} --model lenet --out {tmp_path / 'out.npy'} --quiet",
+    )
     submitted = sbatch(cluster, script, wait=True)
     job = job_id(submitted)
     assert submitted.wait(timeout=300) == 0, (tmp_path / f"farm-{job}.out").read_text()
@@ -129,8 +159,15 @@ def test_a_node_lost_mid_job_costs_only_time(cluster, tmp_path, lenet, digits) -
     """``scancel JOB.STEP`` of n2's worker step kills its workers at once (SIGKILL); their
     chunks go back, and the job still comes back exact."""
     path, _ = save_images(tmp_path, digits, 200_000)
-    script = deploy(tmp_path, "--nodes", "2", "--model", "lenet", "--submit",
-                    f"farm submit {path} --model lenet --out {tmp_path / 'out.npy'} --quiet")
+    script = deploy(
+        tmp_path,
+        "--nodes",
+        "2",
+        "--model",
+        "lenet",
+        "--submit",
+        f"farm submit {path} --model lenet --out {tmp_path / 'out.npy'} --quiet",
+    )
     submitted = sbatch(cluster, script, wait=True)
     job = job_id(submitted)
     job_dir = tmp_path / f"farm-{job}"
@@ -142,45 +179,72 @@ def test_a_node_lost_mid_job_costs_only_time(cluster, tmp_path, lenet, digits) -
         return bool(jobs) and jobs[0]["done"] >= 20_000
 
     wait_for(started, 120, "the job a fifth done")
-    steps = dict(line.split() for line in cluster.squeue("-s", "-j", job, "-o", "%j %i")
-                 .splitlines())
-    subprocess.run(["scancel", steps["farm-workers-n2"]], env=cluster.env, check=True,
-                   timeout=30)
-    wait_for(lambda: "farm-workers-n2" not in cluster.squeue("-s", "-j", job, "-o", "%j"),
-             30, "n2's worker step gone")
+    steps = dict(
+        line.split() for line in cluster.squeue("-s", "-j", job, "-o", "%j %i").splitlines()
+    )
+    subprocess.run(["scancel", steps["farm-workers-n2"]], env=cluster.env, check=True, timeout=30)
+    wait_for(
+        lambda: "farm-workers-n2" not in cluster.squeue("-s", "-j", job, "-o", "%j"),
+        30,
+        "n2's worker step gone",
+    )
     assert farm_status(job_dir)["jobs"][0]["done"] < 200_000  # lost while the job ran
     assert submitted.wait(timeout=400) == 0, (tmp_path / f"farm-{job}.out").read_text()
-    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected(lenet, digits, 200_000),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.load(tmp_path / "out.npy"), expected(lenet, digits, 200_000), atol=1e-5
+    )
     assert "were lost with their workers" in (tmp_path / f"farm-{job}.out").read_text()
-    lost = [line for line in (job_dir / "broker.log").read_text().splitlines()
-            if "left (its connection closed)" in line]  # SIGKILL: no goodbye
+    lost = [
+        line
+        for line in (job_dir / "broker.log").read_text().splitlines()
+        if "left (its connection closed)" in line
+    ]  # SIGKILL: no goodbye
     assert len(lost) == 2
     assert_stopped_cleanly(job_dir, 2)  # n1's two, at the end
     assert_nothing_left(cluster, tmp_path)
 
 
-def test_a_standing_farm_takes_workers_from_another_job(cluster, tmp_path, lenet,
-                                                        digits) -> None:
+def test_a_standing_farm_takes_workers_from_another_job(cluster, tmp_path, lenet, digits) -> None:
     """A broker job with no submit lines serves until stopped; a workers-only job
     (``--connect``) on the other node joins it, and a client's job runs on both.  The
     joiner leaves at a plain scancel; the standing farm stops cleanly at scancel -b -s TERM."""
     broker_dir, joiner_dir = tmp_path / "broker", tmp_path / "joiner"
     broker_dir.mkdir()
     joiner_dir.mkdir()
-    standing = job_id(sbatch(cluster, deploy(broker_dir, "--nodes", "1", "--model", "lenet"),
-                             wait=False))
+    standing = job_id(
+        sbatch(cluster, deploy(broker_dir, "--nodes", "1", "--model", "lenet"), wait=False)
+    )
     job_dir = broker_dir / f"farm-{standing}"
     log = broker_dir / f"farm-{standing}.out"
-    wait_for(lambda: log.is_file() and "workers registered" in log.read_text(), 120,
-             "the standing farm's workers")
+    wait_for(
+        lambda: log.is_file() and "workers registered" in log.read_text(),
+        120,
+        "the standing farm's workers",
+    )
     endpoint = (job_dir / "endpoint").read_text().strip()
-    joiner = job_id(sbatch(cluster, deploy(joiner_dir, "--nodes", "1", "--connect", endpoint,
-                                           "--curve", str(job_dir / "keys"), "--model",
-                                           "lenet"), wait=False))
+    joiner = job_id(
+        sbatch(
+            cluster,
+            deploy(
+                joiner_dir,
+                "--nodes",
+                "1",
+                "--connect",
+                endpoint,
+                "--curve",
+                str(job_dir / "keys"),
+                "--model",
+                "lenet",
+            ),
+            wait=False,
+        )
+    )
     joined = joiner_dir / f"farm-{joiner}.out"
-    wait_for(lambda: joined.is_file() and "2 workers registered" in joined.read_text(), 120,
-             "the joiner's two workers")
+    wait_for(
+        lambda: joined.is_file() and "2 workers registered" in joined.read_text(),
+        120,
+        "the joiner's two workers",
+    )
     assert len(farm_status(job_dir)["workers"]) == 4
     from farm.client.client import Client
 
@@ -192,8 +256,9 @@ def test_a_standing_farm_takes_workers_from_another_job(cluster, tmp_path, lenet
     assert len(result.summary.workers) == 4
     subprocess.run(["scancel", joiner], env=cluster.env, check=True, timeout=30)
     wait_for(lambda: len(farm_status(job_dir)["workers"]) == 2, 60, "the joiner's workers gone")
-    subprocess.run(["scancel", "-b", "-s", "TERM", standing], env=cluster.env, check=True,
-                   timeout=30)
+    subprocess.run(
+        ["scancel", "-b", "-s", "TERM", standing], env=cluster.env, check=True, timeout=30
+    )
     assert_nothing_left(cluster, tmp_path)
     assert "stopping: signalled" in log.read_text()
     assert_stopped_cleanly(job_dir, 4)  # scancel SIGTERMs the joiner's workers: goodbyes too

@@ -1,4 +1,5 @@
-"""FarmState against a real broker process: a recorded run replays to the same instructions, the state imports no socket, the scale bench drives both."""
+"""FarmState against a real broker process: a recorded run replays to the same instructions, the
+state imports no socket, the scale bench drives both."""
 
 from __future__ import annotations
 
@@ -19,19 +20,29 @@ from tests.conftest import bench_script
 def test_the_state_imports_no_socket_clock_or_log_handler() -> None:
     """Neither the state nor any farm module it loads imports zmq, time or logging.handlers,
     and zmq is not loaded at all."""
-    code = ("import sys, json; import farm.broker.state, farm.simulation.simulator; "
-            "print(json.dumps(['zmq' in sys.modules, sorted(m.__file__ for n, m in "
-            "sys.modules.items() if n.startswith('farm'))]))")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True).stdout
+    code = (
+        "import sys, json; import farm.broker.state, farm.simulation.simulator; "
+        "print(json.dumps(['zmq' in sys.modules, sorted(m.__file__ for n, m in "
+        "sys.modules.items() if n.startswith('farm'))]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
     zmq_loaded, files = json.loads(out)
     assert not zmq_loaded
     for path in files:
         tree = ast.parse(open(path).read())
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                    for alias in node.names}
-        imported |= {node.module for node in ast.walk(tree)
-                     if isinstance(node, ast.ImportFrom) and node.module}
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        imported |= {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
         assert not imported & {"zmq", "time", "logging.handlers"}, path
 
 
@@ -41,18 +52,36 @@ def test_a_real_broker_run_replays_to_the_same_instructions(lenet, digits) -> No
     from farm.broker.broker import Broker, BrokerConfig
     from farm.client.client import Client
 
-    config = BrokerConfig(bind="tcp://127.0.0.1:*", algo="fifo", params={"chunk": 50},
-                          heartbeat=0.2, max_chunk_seconds=0.05)
+    config = BrokerConfig(
+        bind="tcp://127.0.0.1:*",
+        algo="fifo",
+        params={"chunk": 50},
+        heartbeat=0.2,
+        max_chunk_seconds=0.05,
+    )
     context = zmq.Context()
     broker = Broker(config, context)
     first_id = broker.state.next_chunk_id
     broker.recorded = []
     thread = threading.Thread(target=broker.serve)
     thread.start()
-    workers = [subprocess.Popen(farm_command("--log-level", "WARNING", "worker", "--device",
-                                             "cpu", "--broker", broker.endpoint, "--model",
-                                             "lenet"), start_new_session=True)
-               for _ in range(2)]
+    workers = [
+        subprocess.Popen(
+            farm_command(
+                "--log-level",
+                "WARNING",
+                "worker",
+                "--device",
+                "cpu",
+                "--broker",
+                broker.endpoint,
+                "--model",
+                "lenet",
+            ),
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
     try:
         with Client(broker.endpoint, timeout=60) as client:
             client.info(wait_workers=2)
@@ -80,7 +109,9 @@ def test_the_scale_bench_drives_the_state_and_a_real_broker() -> None:
     broker_scale = bench_script("broker_scale")
     run = broker_scale.drive_state("equal-finish", 50, 2, 300)
     assert run.chunks == 300 and run.us_per_chunk > 0
-    for command in (farm_command("--log-level", "ERROR", "broker", "--bind", "{}"),
-                    [sys.executable, broker_scale.__file__, "--bare", "{}"]):
+    for command in (
+        farm_command("--log-level", "ERROR", "broker", "--bind", "{}"),
+        [sys.executable, broker_scale.__file__, "--bare", "{}"],
+    ):
         rate, cpu = broker_scale.measure_broker(command, free_port(), 3, 200)
         assert rate > 0 and cpu > 0

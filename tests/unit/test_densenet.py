@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm.modelrepo.caffe_net import Network
 from farm.engines.autoselect import load_engine
 from farm.engines.engine import BackendUnavailable
+from farm.modelrepo.caffe_net import Network
 from farm.modelrepo.repository import load_spec, prepare
 
 FOLDER = Path(__file__).resolve().parents[2] / "bench" / "nets" / "densenet121"
@@ -53,12 +53,17 @@ def test_every_pooling_layer_has_caffes_shape_and_no_field_is_unknown(caplog) ->
     assert [layer.name for layer in pools] == ["pool1", "pool2", "pool3", "pool4", "pool5"]
     for layer in pools:
         assert net.shapes[layer.tops[0]] == expected_pool_shape(
-            layer, net.shapes[layer.bottoms[0]]), layer.name
+            layer, net.shapes[layer.bottoms[0]]
+        ), layer.name
     assert not pools[0].param.pooling_param.ceil_mode
     assert net.shapes["conv1"] == (1, 64, 112, 112)
     assert net.shapes["pool1"] == (1, 64, 56, 56)  # rounded up it would be 57
     assert [net.shapes[f"pool{i}"][1:] for i in range(2, 6)] == [
-        (128, 28, 28), (256, 14, 14), (512, 7, 7), (1024, 1, 1)]
+        (128, 28, 28),
+        (256, 14, 14),
+        (512, 7, 7),
+        (1024, 1, 1),
+    ]
     assert net.shapes["fc6"] == (1, 1000, 1, 1)
 
 

@@ -60,14 +60,18 @@ def test_every_supported_layer_agrees_on_every_backend(tmp_path) -> None:
 SEMANTICS = {
     # pooling's end: average windows that overhang the padded input divide by their part
     # inside it; a last window that would start in the padding is cut
-    "ave_pad_ceil": ('pool: AVE kernel_size: 3 stride: 2 pad: 1', "dim: 2 dim: 3 dim: 8 dim: 8"),
-    "ave_ceil": ('pool: AVE kernel_size: 3 stride: 2', "dim: 2 dim: 3 dim: 8 dim: 8"),
-    "max_pad_cut": ('pool: MAX kernel_size: 2 stride: 2 pad: 1', "dim: 2 dim: 3 dim: 6 dim: 6"),
-    "max_floor": ('pool: MAX kernel_size: 3 stride: 2 round_mode: FLOOR',
-                  "dim: 2 dim: 3 dim: 8 dim: 8"),
-    "ave_ceil_mode_false": ('pool: AVE kernel_size: 3 stride: 2 pad: 1 ceil_mode: false',
-                            "dim: 2 dim: 3 dim: 8 dim: 8"),
-    "global_max": ('pool: MAX global_pooling: true', "dim: 2 dim: 3 dim: 5 dim: 7"),
+    "ave_pad_ceil": ("pool: AVE kernel_size: 3 stride: 2 pad: 1", "dim: 2 dim: 3 dim: 8 dim: 8"),
+    "ave_ceil": ("pool: AVE kernel_size: 3 stride: 2", "dim: 2 dim: 3 dim: 8 dim: 8"),
+    "max_pad_cut": ("pool: MAX kernel_size: 2 stride: 2 pad: 1", "dim: 2 dim: 3 dim: 6 dim: 6"),
+    "max_floor": (
+        "pool: MAX kernel_size: 3 stride: 2 round_mode: FLOOR",
+        "dim: 2 dim: 3 dim: 8 dim: 8",
+    ),
+    "ave_ceil_mode_false": (
+        "pool: AVE kernel_size: 3 stride: 2 pad: 1 ceil_mode: false",
+        "dim: 2 dim: 3 dim: 8 dim: 8",
+    ),
+    "global_max": ("pool: MAX global_pooling: true", "dim: 2 dim: 3 dim: 5 dim: 7"),
 }
 
 
@@ -75,8 +79,11 @@ SEMANTICS = {
 @pytest.mark.parametrize("case", sorted(SEMANTICS))
 def test_pooling_rounds_as_caffe_does_on_every_backend(tmp_path, case) -> None:
     params, shape = SEMANTICS[case]
-    prototxt = inline_net(f'layer {{ name: "pool" type: "Pooling" bottom: "data" top: "pool" '
-                          f'pooling_param {{ {params} }} }}\n', shape)
+    prototxt = inline_net(
+        f'layer {{ name: "pool" type: "Pooling" bottom: "data" top: "pool" '
+        f"pooling_param {{ {params} }} }}\n",
+        shape,
+    )
     spec = load_spec(write_model(tmp_path / case, prototxt, layers=[]))
     dims = [int(d) for d in shape.replace("dim:", "").split()]
     inputs = np.random.default_rng(1).normal(0, 2, (3, *dims[1:])).astype(np.float32)
@@ -85,39 +92,64 @@ def test_pooling_rounds_as_caffe_does_on_every_backend(tmp_path, case) -> None:
 
 #: Other layers with parameters an export must carry: (body, input shape).
 LAYER_CASES = {
-    "ip_transpose": ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
-                     'inner_product_param { num_output: 5 transpose: true } }', "dim: 2 dim: 3 "
-                     "dim: 4 dim: 4"),
-    "ip_axis2": ('layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
-                 'inner_product_param { num_output: 5 axis: 2 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
-    "softmax_axis2": ('layer { name: "sm" type: "Softmax" bottom: "data" top: "sm" '
-                      'softmax_param { axis: 2 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
-    "flatten_end": ('layer { name: "f" type: "Flatten" bottom: "data" top: "f" '
-                    'flatten_param { axis: 1 end_axis: 2 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
-    "scale_axis2_bias": ('layer { name: "s" type: "Scale" bottom: "data" top: "s" '
-                         'scale_param { axis: 2 num_axes: 1 bias_term: true } }',
-                         "dim: 2 dim: 3 dim: 4 dim: 4"),
-    "scale_no_bias": ('layer { name: "s" type: "Scale" bottom: "data" top: "s" }',
-                      "dim: 2 dim: 3 dim: 4 dim: 4"),
-    "batchnorm_factor": ('layer { name: "bn" type: "BatchNorm" bottom: "data" top: "bn" '
-                         'batch_norm_param { eps: 0.01 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
-    "lrn_k": ('layer { name: "n" type: "LRN" bottom: "data" top: "n" '
-              'lrn_param { local_size: 5 alpha: 0.01 beta: 0.75 k: 2 } }',
-              "dim: 2 dim: 7 dim: 4 dim: 4"),
+    "ip_transpose": (
+        'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+        "inner_product_param { num_output: 5 transpose: true } }",
+        "dim: 2 dim: 3 dim: 4 dim: 4",
+    ),
+    "ip_axis2": (
+        'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+        "inner_product_param { num_output: 5 axis: 2 } }",
+        "dim: 2 dim: 3 dim: 4 dim: 4",
+    ),
+    "softmax_axis2": (
+        'layer { name: "sm" type: "Softmax" bottom: "data" top: "sm" softmax_param { axis: 2 } }',
+        "dim: 2 dim: 3 dim: 4 dim: 4",
+    ),
+    "flatten_end": (
+        'layer { name: "f" type: "Flatten" bottom: "data" top: "f" '
+        "flatten_param { axis: 1 end_axis: 2 } }",
+        "dim: 2 dim: 3 dim: 4 dim: 4",
+    ),
+    "scale_axis2_bias": (
+        'layer { name: "s" type: "Scale" bottom: "data" top: "s" '
+        "scale_param { axis: 2 num_axes: 1 bias_term: true } }",
+        "dim: 2 dim: 3 dim: 4 dim: 4",
+    ),
+    "scale_no_bias": (
+        'layer { name: "s" type: "Scale" bottom: "data" top: "s" }',
+        "dim: 2 dim: 3 dim: 4 dim: 4",
+    ),
+    "batchnorm_factor": (
+        'layer { name: "bn" type: "BatchNorm" bottom: "data" top: "bn" '
+        "batch_norm_param { eps: 0.01 } }",
+        "dim: 2 dim: 3 dim: 4 dim: 4",
+    ),
+    "lrn_k": (
+        'layer { name: "n" type: "LRN" bottom: "data" top: "n" '
+        "lrn_param { local_size: 5 alpha: 0.01 beta: 0.75 k: 2 } }",
+        "dim: 2 dim: 7 dim: 4 dim: 4",
+    ),
     "eltwise_three_coeffs": (
         'layer { name: "r" type: "ReLU" bottom: "data" top: "r" }\n'
         'layer { name: "e" type: "Eltwise" bottom: "data" bottom: "r" bottom: "data" top: "e" '
-        'eltwise_param { coeff: 2 coeff: -1 coeff: 0.5 } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
+        "eltwise_param { coeff: 2 coeff: -1 coeff: 0.5 } }",
+        "dim: 2 dim: 3 dim: 4 dim: 4",
+    ),
     "eltwise_prod_three": (
         'layer { name: "r" type: "Sigmoid" bottom: "data" top: "r" }\n'
         'layer { name: "e" type: "Eltwise" bottom: "data" bottom: "r" bottom: "r" top: "e" '
-        'eltwise_param { operation: PROD } }', "dim: 2 dim: 3 dim: 4 dim: 4"),
-    "in_place_chain": ('layer { name: "c" type: "Convolution" bottom: "data" top: "c" '
-                       'convolution_param { num_output: 4 kernel_size: 3 } }\n'
-                       'layer { name: "r" type: "ReLU" bottom: "c" top: "c" }\n'
-                       'layer { name: "s" type: "Scale" bottom: "c" top: "c" }\n'
-                       'layer { name: "t" type: "TanH" bottom: "c" top: "c" }',
-                       "dim: 2 dim: 3 dim: 6 dim: 6"),
+        "eltwise_param { operation: PROD } }",
+        "dim: 2 dim: 3 dim: 4 dim: 4",
+    ),
+    "in_place_chain": (
+        'layer { name: "c" type: "Convolution" bottom: "data" top: "c" '
+        "convolution_param { num_output: 4 kernel_size: 3 } }\n"
+        'layer { name: "r" type: "ReLU" bottom: "c" top: "c" }\n'
+        'layer { name: "s" type: "Scale" bottom: "c" top: "c" }\n'
+        'layer { name: "t" type: "TanH" bottom: "c" top: "c" }',
+        "dim: 2 dim: 3 dim: 6 dim: 6",
+    ),
 }
 
 
@@ -136,10 +168,12 @@ def test_layer_parameters_survive_the_export(tmp_path, case) -> None:
 def test_ceil_mode_false_gives_densenet_its_56x56(tmp_path) -> None:
     """DenseNet-121's stem: 224 -> conv 7x7/2 -> 112 -> max pool 3x3/2 pad 1 with the forks'
     ``ceil_mode: false`` -> 56 (rounding up would give 57)."""
-    body = ('layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" '
-            'convolution_param { num_output: 2 kernel_size: 7 stride: 2 pad: 3 } }\n'
-            'layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" '
-            'pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 ceil_mode: false } }\n')
+    body = (
+        'layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" '
+        "convolution_param { num_output: 2 kernel_size: 7 stride: 2 pad: 3 } }\n"
+        'layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" '
+        "pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 ceil_mode: false } }\n"
+    )
     prototxt = inline_net(body, "dim: 1 dim: 3 dim: 224 dim: 224")
     spec = load_spec(write_model(tmp_path / "stem", prototxt))
     net = Network.load(spec.prototxt)
@@ -169,8 +203,9 @@ def test_export_is_checked_and_runs_alike_in_both_engines(tmp_path, lenet, digit
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     by_ort = session.run(None, {"data": batch})[0]
     core = openvino.Core()
-    by_openvino = core.compile_model(core.read_model(str(path)), "CPU",
-                                     {"INFERENCE_PRECISION_HINT": "f32"})(batch)[0]
+    by_openvino = core.compile_model(
+        core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+    )(batch)[0]
     reference = load_engine(lenet, "opencv").run(digits[:37, None])
     assert by_ort.shape == by_openvino.shape == (37, 10)
     assert relative_difference(by_ort, reference) <= TOLERANCE
@@ -192,8 +227,10 @@ def test_export_of_an_intermediate_blob_and_missing_weights(tmp_path, lenet) -> 
 
 # ------------------------------------------------------------------------------- auto
 
-def test_auto_picks_the_fastest_agreeing_backend_and_remembers(lenet, caplog, tmp_path,
-                                                              monkeypatch) -> None:
+
+def test_auto_picks_the_fastest_agreeing_backend_and_remembers(
+    lenet, caplog, tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("FARM_CACHE", str(tmp_path))  # nothing remembered yet
     caplog.set_level(logging.INFO, "farm.engines.autoselect")
     choice = choose(lenet, threads=1)
@@ -206,8 +243,10 @@ def test_auto_picks_the_fastest_agreeing_backend_and_remembers(lenet, caplog, tm
     assert all(t.difference <= TOLERANCE for t in timed)
     assert f"lenet on cpu: {choice.backend} f32 batch {choice.batch}" in caplog.text
     digits = check_inputs(lenet, 50)
-    assert relative_difference(choice.engine.run(digits),
-                               load_engine(lenet, "opencv").run(digits)) <= TOLERANCE
+    assert (
+        relative_difference(choice.engine.run(digits), load_engine(lenet, "opencv").run(digits))
+        <= TOLERANCE
+    )
 
     again = choose(lenet, threads=1)
     assert again.cached and (again.backend, again.batch) == (choice.backend, choice.batch)
@@ -232,9 +271,11 @@ def test_a_choice_made_with_other_library_versions_is_timed_again(lenet, caplog)
 @needs_torch
 def test_auto_leaves_out_a_backend_that_cannot_run_a_layer(tmp_path, caplog) -> None:
     """OpenCV ignores LRN's k; it refuses such a net, and auto says so and goes on."""
-    prototxt = inline_net('layer { name: "norm" type: "LRN" bottom: "data" top: "norm" '
-                          'lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 } }\n',
-                          "dim: 1 dim: 4 dim: 5 dim: 5")
+    prototxt = inline_net(
+        'layer { name: "norm" type: "LRN" bottom: "data" top: "norm" '
+        "lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 k: 2 } }\n",
+        "dim: 1 dim: 4 dim: 5 dim: 5",
+    )
     spec = load_spec(write_model(tmp_path / "lrn_k", prototxt, layers=[]))
     caplog.set_level(logging.INFO, "farm.engines.autoselect")
     choice = choose(spec, threads=1, use_cache=False)
@@ -247,33 +288,40 @@ def test_auto_leaves_out_a_backend_that_cannot_run_a_layer(tmp_path, caplog) -> 
 def ill_conditioned_model(folder: Path) -> Path:
     """Two nearly equal large convolutions subtracted: the answer is rounding noise, which
     each library's kernels make differently."""
-    body = ('layer { name: "a" type: "Convolution" bottom: "data" top: "a" '
-            'convolution_param { num_output: 4 kernel_size: 3 } }\n'
-            'layer { name: "b" type: "Convolution" bottom: "data" top: "b" '
-            'convolution_param { num_output: 4 kernel_size: 3 } }\n'
-            'layer { name: "diff" type: "Eltwise" bottom: "a" bottom: "b" top: "diff" '
-            'eltwise_param { operation: SUM coeff: 1 coeff: -1 } }\n')
+    body = (
+        'layer { name: "a" type: "Convolution" bottom: "data" top: "a" '
+        "convolution_param { num_output: 4 kernel_size: 3 } }\n"
+        'layer { name: "b" type: "Convolution" bottom: "data" top: "b" '
+        "convolution_param { num_output: 4 kernel_size: 3 } }\n"
+        'layer { name: "diff" type: "Eltwise" bottom: "a" bottom: "b" top: "diff" '
+        "eltwise_param { operation: SUM coeff: 1 coeff: -1 } }\n"
+    )
     folder.mkdir(parents=True)
     (folder / "deploy.prototxt").write_text(inline_net(body, "dim: 1 dim: 64 dim: 8 dim: 8"))
     rng = np.random.default_rng(0)
     weights = rng.normal(0, 1000, (4, 64, 3, 3)).astype(np.float32)
     nearly = (weights * (1 + rng.normal(0, 1e-7, weights.shape))).astype(np.float32)
     bias = np.zeros(4, np.float32)
-    caffe_proto.write_caffemodel(folder / "weights.caffemodel", "ill", [
-        ("a", "Convolution", [weights, bias]), ("b", "Convolution", [nearly, bias])])
-    (folder / "model.toml").write_text('prototxt = "deploy.prototxt"\n'
-                                       'weights = "weights.caffemodel"\n')
+    caffe_proto.write_caffemodel(
+        folder / "weights.caffemodel",
+        "ill",
+        [("a", "Convolution", [weights, bias]), ("b", "Convolution", [nearly, bias])],
+    )
+    (folder / "model.toml").write_text(
+        'prototxt = "deploy.prototxt"\nweights = "weights.caffemodel"\n'
+    )
     return folder
 
 
 def test_auto_refuses_a_model_whose_backends_disagree(tmp_path) -> None:
     spec = load_spec(ill_conditioned_model(tmp_path / "ill"))
-    with pytest.raises(ModelError, match=r"backends opencv and [a-z, ]*onnxruntime[a-z, ]* "
-                                         r"disagree .* farm will not guess"):
+    with pytest.raises(
+        ModelError,
+        match=r"backends opencv and [a-z, ]*onnxruntime[a-z, ]* "
+        r"disagree .* farm will not guess",
+    ):
         choose(spec, threads=1, use_cache=False)
     assert load_engine(spec, "onnxruntime").run(check_inputs(spec, 2)).shape == (2, 4, 6, 6)
-
-
 
 
 def test_reduced_precision_is_offered_or_refused_with_the_reason(lenet) -> None:
@@ -282,8 +330,11 @@ def test_reduced_precision_is_offered_or_refused_with_the_reason(lenet) -> None:
     offered = "BF16" in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     assert PRECISIONS[0] == "f32"
     if not offered:
-        with pytest.raises(ModelError, match=r"does not compute in bf16 on cpu \(this CPU "
-                                             r"offers FP32"):
+        with pytest.raises(
+            ModelError,
+            match=r"does not compute in bf16 on cpu \(this CPU "
+            r"offers FP32",
+        ):
             load_engine(lenet, "openvino", precision="bf16")
         with pytest.raises(ModelError, match="no backend runs it on cpu in bf16"):
             choose(lenet, threads=1, precision="bf16", use_cache=False)
@@ -317,19 +368,30 @@ def test_every_openvino_compile_states_its_precision() -> None:
 
     root = Path(__file__).resolve().parents[2]
     calls = []
-    for path in [*root.glob("farm/**/*.py"), *root.glob("bench/**/*.py"),
-                 *root.glob("tests/**/*.py")]:
+    for path in [
+        *root.glob("farm/**/*.py"),
+        *root.glob("bench/**/*.py"),
+        *root.glob("tests/**/*.py"),
+    ]:
         text = path.read_text()
         for function in ast.walk(ast.parse(text)):
             if not isinstance(function, ast.FunctionDef):
                 continue
-            compiles = [node for node in ast.walk(function) if isinstance(node, ast.Call)
-                        and isinstance(node.func, ast.Attribute)
-                        and node.func.attr == "compile_model"]
+            compiles = [
+                node
+                for node in ast.walk(function)
+                if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "compile_model"
+            ]
             if compiles:
                 source = ast.get_source_segment(text, function) or ""
-                calls.append((f"{path.relative_to(root)}:{function.name}",
-                              "INFERENCE_PRECISION_HINT" in source))
+                calls.append(
+                    (
+                        f"{path.relative_to(root)}:{function.name}",
+                        "INFERENCE_PRECISION_HINT" in source,
+                    )
+                )
     assert len(calls) >= 4, calls  # the engine, two peers, the export test
     assert all(stated for _, stated in calls), [name for name, stated in calls if not stated]
 
@@ -338,18 +400,15 @@ def test_choice_round_trips_through_json(lenet) -> None:
     choice = choose(lenet, threads=1)
     copy = Choice.from_json(json.loads(json.dumps(choice.to_json())))
     assert copy.cached and copy.engine is None
-    assert (copy.backend, copy.batch, copy.trials) == (choice.backend, choice.batch,
-                                                         choice.trials)
+    assert (copy.backend, copy.batch, copy.trials) == (choice.backend, choice.batch, choice.trials)
 
 
 # ------------------------------------------------------------------------ in the farm
 
 
-
-
-
-def test_a_fixed_batch_is_remembered_apart_from_the_free_choice(lenet, tmp_path,
-                                                                monkeypatch) -> None:
+def test_a_fixed_batch_is_remembered_apart_from_the_free_choice(
+    lenet, tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("FARM_CACHE", str(tmp_path))
     fixed = choose(lenet, threads=1, batch=3)
     assert fixed.batch == fixed.engine.batch == 3
@@ -357,5 +416,3 @@ def test_a_fixed_batch_is_remembered_apart_from_the_free_choice(lenet, tmp_path,
     free = choose(lenet, threads=1)
     assert not free.cached and len(next(t for t in free.trials if t.rates).rates) > 1
     assert choose(lenet, threads=1, batch=3).cached and choose(lenet, threads=1).cached
-
-

@@ -24,7 +24,8 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import msgspec
@@ -61,9 +62,20 @@ FUZZ_BUDGET = 240.0
 REPLY_TIMEOUT = 30.0
 
 #: Commands the broker accepts (its handlers), and what a worker accepts.
-BROKER_ACCEPTS = frozenset({Command.READY, Command.RESULT, Command.FAILED, Command.SUBMIT,
-                            Command.DATA, Command.INFO, Command.DISCONNECT, Command.HEARTBEAT,
-                            Command.FETCH, Command.CANCEL})
+BROKER_ACCEPTS = frozenset(
+    {
+        Command.READY,
+        Command.RESULT,
+        Command.FAILED,
+        Command.SUBMIT,
+        Command.DATA,
+        Command.INFO,
+        Command.DISCONNECT,
+        Command.HEARTBEAT,
+        Command.FETCH,
+        Command.CANCEL,
+    }
+)
 #: A stand-in for the id of the real job running on the broker, put in at send time (the
 #: client makes its job ids with uuid4().hex: 32 characters, the placeholder's length).
 LIVE = b"L" * 32
@@ -72,10 +84,12 @@ LENET_DIGEST = digest_of("lenet")
 ITEM_SHAPE, ITEM_BYTES, OUTPUT_BYTES = [1, 28, 28], 784, 40  # LeNet: 1 x 28 x 28 in, 10 out
 MODEL_FILE = b"name = 'fuzz'\n"
 
+
 def python_types(kind: msgspec.inspect.Type) -> tuple[type, ...]:
     """The Python types a header field of this kind takes, as msgpack decodes them."""
-    if isinstance(kind, (msgspec.inspect.ListType, msgspec.inspect.TupleType,
-                         msgspec.inspect.VarTupleType)):
+    if isinstance(
+        kind, (msgspec.inspect.ListType, msgspec.inspect.TupleType, msgspec.inspect.VarTupleType)
+    ):
         return (list,)
     if isinstance(kind, (msgspec.inspect.DictType, msgspec.inspect.StructType)):
         return (dict,)
@@ -84,17 +98,36 @@ def python_types(kind: msgspec.inspect.Type) -> tuple[type, ...]:
 
 #: Each command's required header fields, and the Python types each takes.
 SCHEMAS: dict[Command, dict[str, tuple[type, ...]]] = {
-    command: {field.encode_name: python_types(msgspec.inspect.type_info(field.type))
-              for field in msgspec.structs.fields(kind) if field.required}
-    for command, kind in protocol.HEADERS.items()}
+    command: {
+        field.encode_name: python_types(msgspec.inspect.type_info(field.type))
+        for field in msgspec.structs.fields(kind)
+        if field.required
+    }
+    for command, kind in protocol.HEADERS.items()
+}
 
 #: A valid value of every schema field, by name; per command overrides below.
 SAMPLE: dict[str, Any] = {
-    "job": "fuzz-job", "chunk": 7, "attempt": 1, "start": 0, "count": 2, "model": "lenet",
-    "digest": LENET_DIGEST, "dtype": "uint8", "item_shape": ITEM_SHAPE,
-    "timings": {"receive": 0.0, "compute": 0.001, "send": 0.0}, "error": "boom", "total": 2,
-    "options": {}, "summary": {"items": 2}, "device": "cpu:0", "host": "fuzz", "pid": 1,
-    "backend": "opencv", "models": {"lenet": {"input_shape": ITEM_SHAPE}}, "slots": 1,
+    "job": "fuzz-job",
+    "chunk": 7,
+    "attempt": 1,
+    "start": 0,
+    "count": 2,
+    "model": "lenet",
+    "digest": LENET_DIGEST,
+    "dtype": "uint8",
+    "item_shape": ITEM_SHAPE,
+    "timings": {"receive": 0.0, "compute": 0.001, "send": 0.0},
+    "error": "boom",
+    "total": 2,
+    "options": {},
+    "summary": {"items": 2},
+    "device": "cpu:0",
+    "host": "fuzz",
+    "pid": 1,
+    "backend": "opencv",
+    "models": {"lenet": {"input_shape": ITEM_SHAPE}},
+    "slots": 1,
     "files": [["model.toml", len(MODEL_FILE), hashlib.sha256(MODEL_FILE).hexdigest()]],
 }
 OVERRIDES: dict[Command, dict[str, Any]] = {
@@ -107,8 +140,7 @@ OVERRIDES: dict[Command, dict[str, Any]] = {
 def template(command: Command) -> tuple[dict[str, Any], list[bytes]]:
     """A valid header (every field of the command's schema) and the payload it declares."""
     overrides = OVERRIDES.get(command, {})
-    header = {name: copy.deepcopy(overrides.get(name, SAMPLE[name]))
-              for name in SCHEMAS[command]}
+    header = {name: copy.deepcopy(overrides.get(name, SAMPLE[name])) for name in SCHEMAS[command]}
     if command in (Command.TASK, Command.DATA):
         payload = [bytes(header["count"] * ITEM_BYTES)]
     elif command is Command.RESULT:
@@ -124,8 +156,9 @@ def pack(header: Any) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
-def build(command: Command, header: Any, payload: Sequence[bytes] = (),
-          signature: bytes = SIGNATURE) -> list[bytes]:
+def build(
+    command: Command, header: Any, payload: Sequence[bytes] = (), signature: bytes = SIGNATURE
+) -> list[bytes]:
     return [signature, command.value, pack(header), *payload]
 
 
@@ -155,8 +188,9 @@ class Garbage:
         self.family, self.frames = family, tuple(frames)
 
     def __repr__(self) -> str:
-        shown = ", ".join(repr(f[:24]) + (f"..+{len(f) - 24}" if len(f) > 24 else "")
-                          for f in self.frames[:4])
+        shown = ", ".join(
+            repr(f[:24]) + (f"..+{len(f) - 24}" if len(f) > 24 else "") for f in self.frames[:4]
+        )
         more = f", ..{len(self.frames) - 4} more" if len(self.frames) > 4 else ""
         return f"Garbage({self.family}: {shown}{more})"
 
@@ -166,48 +200,126 @@ class Garbage:
 COMMANDS = sorted(Command, key=lambda c: c.value)
 ARRAY_COMMANDS = (Command.TASK, Command.RESULT, Command.DATA)
 
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
-                    st.text(max_size=6), st.binary(max_size=6))
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=6),
+    st.binary(max_size=6),
+)
 #: Any msgpack value, deep nesting included (1000 levels: deeper than Python's repr goes, yet
 #: within msgpack's 1024 with the header map around it, both to pack and to unpack).
-VALUES = st.one_of(SCALARS, st.lists(SCALARS, max_size=4),
-                   st.dictionaries(st.text(max_size=4), SCALARS, max_size=3),
-                   st.sampled_from([3, 1000]).map(nest))
+VALUES = st.one_of(
+    SCALARS,
+    st.lists(SCALARS, max_size=4),
+    st.dictionaries(st.text(max_size=4), SCALARS, max_size=3),
+    st.sampled_from([3, 1000]).map(nest),
+)
 HEX64 = st.binary(min_size=32, max_size=32).map(bytes.hex)
 #: Lengths at, just under and over msgpack's 4096 limit on a header's strings.
 LONG = st.sampled_from([4095, 4096, 4097]) | st.integers(4000, 6000)
-STRING_FIELDS = sorted({name for schema in SCHEMAS.values()
-                        for name, types in schema.items() if types == (str,)})
+STRING_FIELDS = sorted(
+    {name for schema in SCHEMAS.values() for name, types in schema.items() if types == (str,)}
+)
 
-HUGE_COUNTS = [0, -1, -2**63, MAX_ITEMS, MAX_ITEMS + 1, 2**32, 2**63 - 1, 2**64 - 1]
+HUGE_COUNTS = [0, -1, -(2**63), MAX_ITEMS, MAX_ITEMS + 1, 2**32, 2**63 - 1, 2**64 - 1]
 HUGE_SHAPES = st.one_of(
-    st.sampled_from([[2**20] * 4, [2**31] * 8, [MAX_ITEMS + 1], [1] * 9, [], [0], [-1],
-                     [2**64 - 1], [2**16, 2**16], [2**14, 2**14], [2**14, 2**14, 2],
-                     [True, 28, 28], [1.5], ["28"], [None], [1, 28, 28, 0], [[1]], [28] * 8,
-                     [nest(1000)]]),
-    st.lists(st.integers(-2**63, 2**64 - 1), max_size=10))
+    st.sampled_from(
+        [
+            [2**20] * 4,
+            [2**31] * 8,
+            [MAX_ITEMS + 1],
+            [1] * 9,
+            [],
+            [0],
+            [-1],
+            [2**64 - 1],
+            [2**16, 2**16],
+            [2**14, 2**14],
+            [2**14, 2**14, 2],
+            [True, 28, 28],
+            [1.5],
+            ["28"],
+            [None],
+            [1, 28, 28, 0],
+            [[1]],
+            [28] * 8,
+            [nest(1000)],
+        ]
+    ),
+    st.lists(st.integers(-(2**63), 2**64 - 1), max_size=10),
+)
 
 #: Values of the right msgpack type that no peer may accept (or that make a peer refuse).
 BAD_VALUES: dict[str, st.SearchStrategy] = {
-    "dtype": st.sampled_from(["float64", "int32", "object", "O", "<U8", "V8", "bool", "S1",
-                              "complex128", "", "uint8 ", "UINT8", "float32\x00", "M8"]),
+    "dtype": st.sampled_from(
+        [
+            "float64",
+            "int32",
+            "object",
+            "O",
+            "<U8",
+            "V8",
+            "bool",
+            "S1",
+            "complex128",
+            "",
+            "uint8 ",
+            "UINT8",
+            "float32\x00",
+            "M8",
+        ]
+    ),
     "item_shape": HUGE_SHAPES,
     "count": st.sampled_from(HUGE_COUNTS),
     "total": st.sampled_from(HUGE_COUNTS),
-    "start": st.integers(-2**63, -1),
-    "chunk": st.integers(-2**63, 2**64 - 1),
-    "attempt": st.integers(-2**63, 2**64 - 1),
+    "start": st.integers(-(2**63), -1),
+    "chunk": st.integers(-(2**63), 2**64 - 1),
+    "attempt": st.integers(-(2**63), 2**64 - 1),
     "slots": st.sampled_from([0, -1, 65, 2**63, 2**64 - 1]),
-    "models": st.sampled_from([{"lenet": 5}, {"x": {}}, {"x": {"input_shape": "28"}},
-                               {"x": {"input_shape": [2**31] * 8}}, {"x": {"input_shape": []}},
-                               {"x": {"input_shape": [[1]]}}, {"x": {"input_shape": [nest(990)]}},
-                               {"m" * 4096: {}}]),
-    "digest": st.sampled_from(["", "x", "../../etc/passwd", "0" * 63, "g" * 64, "F" * 64,
-                               "0" * 64 + "\x00"]) | HEX64,
-    "model": st.sampled_from(["", ".", "..", "../x", "/etc/passwd", "a/b", "x\x00y", "x" * 300,
-                              "lenet/../lenet", "-x", ".hidden", "m" * 4096]),
-    "timings": st.sampled_from([{}, {"compute": "x"}, {"compute": -1.0}, {"compute": None},
-                                {"compute": float("nan")}, {"compute": float("inf")}]),
+    "models": st.sampled_from(
+        [
+            {"lenet": 5},
+            {"x": {}},
+            {"x": {"input_shape": "28"}},
+            {"x": {"input_shape": [2**31] * 8}},
+            {"x": {"input_shape": []}},
+            {"x": {"input_shape": [[1]]}},
+            {"x": {"input_shape": [nest(990)]}},
+            {"m" * 4096: {}},
+        ]
+    ),
+    "digest": st.sampled_from(
+        ["", "x", "../../etc/passwd", "0" * 63, "g" * 64, "F" * 64, "0" * 64 + "\x00"]
+    )
+    | HEX64,
+    "model": st.sampled_from(
+        [
+            "",
+            ".",
+            "..",
+            "../x",
+            "/etc/passwd",
+            "a/b",
+            "x\x00y",
+            "x" * 300,
+            "lenet/../lenet",
+            "-x",
+            ".hidden",
+            "m" * 4096,
+        ]
+    ),
+    "timings": st.sampled_from(
+        [
+            {},
+            {"compute": "x"},
+            {"compute": -1.0},
+            {"compute": None},
+            {"compute": float("nan")},
+            {"compute": float("inf")},
+        ]
+    ),
     "error": st.text(max_size=20) | st.sampled_from(["e" * 4096]),
     "job": VALUES | st.just("j" * 4096),
     # optional fields
@@ -221,20 +333,42 @@ BAD_VALUES: dict[str, st.SearchStrategy] = {
 #: Optional fields of a command's header (and fields it does not have: INFO and DISCONNECT's
 #: "job").
 EXTRA_FIELDS: dict[Command, list[str]] = {
-    Command.READY: ["loaded", "threads", "heartbeat"], Command.SUBMIT: ["heartbeat"],
-    Command.HEARTBEAT: ["job", "interval"], Command.INFO: ["wait_workers", "job"],
-    Command.FAILED: ["fatal"], Command.MODEL: ["error"], Command.DISCONNECT: ["job"],
+    Command.READY: ["loaded", "threads", "heartbeat"],
+    Command.SUBMIT: ["heartbeat"],
+    Command.HEARTBEAT: ["job", "interval"],
+    Command.INFO: ["wait_workers", "job"],
+    Command.FAILED: ["fatal"],
+    Command.MODEL: ["error"],
+    Command.DISCONNECT: ["job"],
 }
 
 UNKNOWN_COMMANDS = st.one_of(
-    st.sampled_from([b"", b"\x00", b"\x0f", b"\x10", b"\x7f", b"\xff", b"\x02\x00", b"\x0a\x0a",
-                     b"2", b"TASK"]),
-    st.binary(max_size=3).filter(lambda raw: raw[:2] not in {c.value for c in Command}))
+    st.sampled_from(
+        [b"", b"\x00", b"\x0f", b"\x10", b"\x7f", b"\xff", b"\x02\x00", b"\x0a\x0a", b"2", b"TASK"]
+    ),
+    st.binary(max_size=3).filter(lambda raw: raw[:2] not in {c.value for c in Command}),
+)
 BAD_SIGNATURES = st.one_of(
-    st.sampled_from([b"FARM01", b"FARM99", b"FARM00", b"FARM02", b"FARM03", b"FARM04", b"FARM2",
-                     b"FARM", b"FARM022", b"FARM05\x00", b"farm05", b"", b"\x00" * 6,
-                     b"FARM\xff\xff"]),
-    st.binary(max_size=10).filter(lambda raw: raw != SIGNATURE))
+    st.sampled_from(
+        [
+            b"FARM01",
+            b"FARM99",
+            b"FARM00",
+            b"FARM02",
+            b"FARM03",
+            b"FARM04",
+            b"FARM2",
+            b"FARM",
+            b"FARM022",
+            b"FARM05\x00",
+            b"farm05",
+            b"",
+            b"\x00" * 6,
+            b"FARM\xff\xff",
+        ]
+    ),
+    st.binary(max_size=10).filter(lambda raw: raw != SIGNATURE),
+)
 #: Headers that are not a map of at most 64 fields, or not msgpack at all.
 NOT_A_MAP = st.sampled_from([[], [1, 2], 5, -1, "header", b"header", None, True, 1.5])
 
@@ -247,24 +381,35 @@ def odd_msgpack(command: Command) -> st.SearchStrategy[bytes]:
         st.integers(1, 3000).map(lambda d: b"\x81\xa3job" + b"\x91" * d + b"\xc0"),  # deep list
         st.integers(1, 3000).map(lambda d: b"\x81\xa1k" * d + b"\xc0"),  # deep map
         st.integers(4090, 9000).map(  # an array longer than the 4096 allowed
-            lambda n: b"\x81\xa1x\xdc" + n.to_bytes(2, "big") + b"\x00" * n),
+            lambda n: b"\x81\xa1x\xdc" + n.to_bytes(2, "big") + b"\x00" * n
+        ),
         st.integers(60, 300).map(lambda n: pack({**header, **{f"k{i}": 0 for i in range(n)}})),
         st.tuples(st.sampled_from(STRING_FIELDS), LONG).map(  # a string at and over the limit
-            lambda f: pack({**header, f[0]: "s" * f[1]})),
+            lambda f: pack({**header, f[0]: "s" * f[1]})
+        ),
         LONG.map(lambda n: pack({**header, "x": b"b" * n})),
         st.integers(0, len(valid) - 1).map(lambda n: valid[:n]),  # truncated
         st.binary(min_size=1, max_size=4).map(lambda tail: valid + tail),  # trailing bytes
         NOT_A_MAP.map(pack),
-        st.sampled_from([
-            b"", b"\xc1", b"\x81\xa1x\xd4\x05\x00",  # reserved byte; an ext type
-            b"\x81\xa1x\xd6\xff\x00\x00\x00\x01",  # a timestamp (an ext type too)
-            b"\x81\x01\x02", b"\x81\xc0\x01", b"\x81\xcb" + bytes(8) + b"\x01",  # odd keys:
-            b"\x81\x91\x01\x01",  # an int, nil, a float, a list
-            b"\xdf\xff\xff\xff\xff", b"\x81\xa1x\xdd\xff\xff\xff\xff",  # maps/arrays claiming 4G
-            b"\x81\xa1x\xdb\xff\xff\xff\xff", b"\x81\xa1x\xc6\xff\xff\xff\xff",  # str/bin ditto
-            b"\x82\xa3job\xa1a\xa3job\xa1b",  # a key twice
-            pack({k.encode(): v for k, v in header.items()}),  # bytes keys
-        ]))
+        st.sampled_from(
+            [
+                b"",
+                b"\xc1",
+                b"\x81\xa1x\xd4\x05\x00",  # reserved byte; an ext type
+                b"\x81\xa1x\xd6\xff\x00\x00\x00\x01",  # a timestamp (an ext type too)
+                b"\x81\x01\x02",
+                b"\x81\xc0\x01",
+                b"\x81\xcb" + bytes(8) + b"\x01",  # odd keys:
+                b"\x81\x91\x01\x01",  # an int, nil, a float, a list
+                b"\xdf\xff\xff\xff\xff",
+                b"\x81\xa1x\xdd\xff\xff\xff\xff",  # maps/arrays claiming 4G
+                b"\x81\xa1x\xdb\xff\xff\xff\xff",
+                b"\x81\xa1x\xc6\xff\xff\xff\xff",  # str/bin ditto
+                b"\x82\xa3job\xa1a\xa3job\xa1b",  # a key twice
+                pack({k.encode(): v for k, v in header.items()}),  # bytes keys
+            ]
+        ),
+    )
 
 
 @st.composite
@@ -272,8 +417,8 @@ def truncated(draw, commands) -> list[bytes]:
     """A prefix of a valid message: fewer frames, the last one cut short."""
     command = draw(st.sampled_from(commands))
     frames = build(command, *template(command))
-    frames = frames[:draw(st.integers(1, len(frames)))]
-    frames[-1] = frames[-1][:draw(st.integers(0, max(0, len(frames[-1]) - 1)))]
+    frames = frames[: draw(st.integers(1, len(frames)))]
+    frames[-1] = frames[-1][: draw(st.integers(0, max(0, len(frames[-1]) - 1)))]
     return frames
 
 
@@ -281,7 +426,8 @@ def truncated(draw, commands) -> list[bytes]:
 def wrong_values(types: tuple[type, ...]) -> st.SearchStrategy:
     """Values that are not of ``types`` (a bool is no int to the schemas)."""
     return VALUES.filter(
-        lambda v: not isinstance(v, types) or isinstance(v, bool) and bool not in types)
+        lambda v: not isinstance(v, types) or isinstance(v, bool) and bool not in types
+    )
 
 
 @st.composite
@@ -292,8 +438,9 @@ def wrong_types(draw, commands) -> list[bytes]:
     schema = SCHEMAS[command]
     if not schema or draw(st.integers(0, 9)) == 0:
         return build(command, draw(NOT_A_MAP), payload)
-    for name in draw(st.lists(st.sampled_from(sorted(schema)), min_size=1, max_size=3,
-                              unique=True)):
+    for name in draw(
+        st.lists(st.sampled_from(sorted(schema)), min_size=1, max_size=3, unique=True)
+    ):
         types = schema[name]
         if draw(st.integers(0, 4)) == 0:
             del header[name]
@@ -307,22 +454,23 @@ def bad_values(draw, commands) -> list[bytes]:
     """Fields of the right type whose value is out of range, unsafe or inconsistent."""
     command = draw(st.sampled_from([c for c in commands if bad_fields(c)]))
     header, payload = template(command)
-    for name in draw(st.lists(st.sampled_from(bad_fields(command)), min_size=1, max_size=2,
-                              unique=True)):
+    for name in draw(
+        st.lists(st.sampled_from(bad_fields(command)), min_size=1, max_size=2, unique=True)
+    ):
         header[name] = draw(BAD_VALUES[name])
     return build(command, header, payload)
 
 
 def bad_fields(command: Command) -> list[str]:
-    return [name for name in SCHEMAS[command] if name in BAD_VALUES] + \
-        EXTRA_FIELDS.get(command, [])
+    return [name for name in SCHEMAS[command] if name in BAD_VALUES] + EXTRA_FIELDS.get(command, [])
 
 
 @st.composite
 def lying_sizes(draw, commands) -> list[bytes]:
     """Payloads that are not count x item bytes; file lists that do not match the frames."""
-    command = draw(st.sampled_from([c for c in commands
-                                    if c in ARRAY_COMMANDS or c is Command.MODEL]))
+    command = draw(
+        st.sampled_from([c for c in commands if c in ARRAY_COMMANDS or c is Command.MODEL])
+    )
     header, _ = template(command)
     if command is not Command.MODEL:
         header["count"] = count = draw(st.integers(1, 4))
@@ -341,9 +489,24 @@ def lying_sizes(draw, commands) -> list[bytes]:
         files[index][1] += draw(st.integers(-files[index][1], 40).filter(bool))
     else:  # an entry that is not [name, size, sha256]
         frames.append(b"x")
-        files.append(draw(st.sampled_from([["a", 1], ["a", "1", "x"], "abc", 5, None,
-                                           ["a", 1, "x", "y"], {"a": 1}, ["a", 1.0, "x"],
-                                           [nest(990)], nest(990)])))
+        files.append(
+            draw(
+                st.sampled_from(
+                    [
+                        ["a", 1],
+                        ["a", "1", "x"],
+                        "abc",
+                        5,
+                        None,
+                        ["a", 1, "x", "y"],
+                        {"a": 1},
+                        ["a", 1.0, "x"],
+                        [nest(990)],
+                        nest(990),
+                    ]
+                )
+            )
+        )
     header["files"] = files
     return build(command, header, frames)
 
@@ -351,13 +514,19 @@ def lying_sizes(draw, commands) -> list[bytes]:
 @st.composite
 def huge_declarations(draw, commands) -> list[bytes]:
     """Counts, totals and shapes far too large (or nonsensical) for the small payload sent."""
-    command = draw(st.sampled_from([c for c in commands if c in ARRAY_COMMANDS
-                                    or c in (Command.SUBMIT, Command.READY)]))
+    command = draw(
+        st.sampled_from(
+            [c for c in commands if c in ARRAY_COMMANDS or c in (Command.SUBMIT, Command.READY)]
+        )
+    )
     header, _ = template(command)
     if command is Command.READY:
         header["models"] = {"huge": {"input_shape": draw(HUGE_SHAPES)}}
-    for name, values in (("count", st.sampled_from(HUGE_COUNTS) | st.integers(1, 4)),
-                         ("total", st.sampled_from(HUGE_COUNTS)), ("item_shape", HUGE_SHAPES)):
+    for name, values in (
+        ("count", st.sampled_from(HUGE_COUNTS) | st.integers(1, 4)),
+        ("total", st.sampled_from(HUGE_COUNTS)),
+        ("item_shape", HUGE_SHAPES),
+    ):
         if name in header:
             header[name] = draw(values)
     size = draw(st.integers(0, 64))
@@ -403,8 +572,7 @@ def big_headers(draw, commands) -> list[bytes]:
         return [SIGNATURE, command.value, filler * target, *payload]
     if kind == "fields":  # many fields, each within the msgpack limits: only the size is wrong
         count = draw(st.integers(14, 20))
-        return build(command, {**header, **{f"pad{i}": "p" * 4000 for i in range(count)}},
-                     payload)
+        return build(command, {**header, **{f"pad{i}": "p" * 4000 for i in range(count)}}, payload)
     pad = {"str": lambda n: "p" * n, "bin": lambda n: b"p" * n, "list": lambda n: [0] * n}[kind]
     length = max(0, target - len(pack(header)) - 10)
     for _ in range(2):  # the length prefix grows with the filler: settle it
@@ -430,9 +598,20 @@ def wrong_direction(draw, commands) -> list[bytes]:
 def unasked_for(draw, commands) -> list[bytes]:
     """To the broker: well-formed replies for chunks nobody asked this peer for, input for
     unknown jobs and for a job that is someone else's (the real one), that job's heartbeat."""
-    command = draw(st.sampled_from([Command.RESULT, Command.FAILED, Command.DATA,
-                                    Command.HEARTBEAT, Command.SUBMIT, Command.FETCH,
-                                    Command.DISCONNECT, Command.INFO]))
+    command = draw(
+        st.sampled_from(
+            [
+                Command.RESULT,
+                Command.FAILED,
+                Command.DATA,
+                Command.HEARTBEAT,
+                Command.SUBMIT,
+                Command.FETCH,
+                Command.DISCONNECT,
+                Command.INFO,
+            ]
+        )
+    )
     header, payload = template(command)
     job = draw(st.sampled_from([LIVE.decode(), "fuzz-job"]) | st.text(max_size=12))
     if "job" in header or command is Command.HEARTBEAT:
@@ -450,8 +629,11 @@ def unasked_for(draw, commands) -> list[bytes]:
 def odd_tasks(draw, commands) -> list[bytes]:
     """To a worker: well-formed TASKs it must refuse or fetch for, MODELs nobody asked for,
     ERRORs and heartbeats with odd intervals."""
-    variant = draw(st.sampled_from(["digest", "model", "shape", "float32", "run", "model-file",
-                                    "error", "heartbeat"]))
+    variant = draw(
+        st.sampled_from(
+            ["digest", "model", "shape", "float32", "run", "model-file", "error", "heartbeat"]
+        )
+    )
     header, payload = template(Command.TASK)
     header.update(job="fuzz-job", chunk=draw(st.integers(0, 2**48)))
     if variant == "digest":  # a model the worker lacks: it FETCHes (the test answers)
@@ -486,10 +668,18 @@ def random_frames(commands) -> st.SearchStrategy[list[bytes]]:
 
 
 FAMILIES = {
-    "random": random_frames, "truncated": truncated, "wrong-type": wrong_types,
-    "bad-value": bad_values, "lying-size": lying_sizes, "huge": huge_declarations,
-    "command": unknown_commands, "version": other_versions, "frames": too_many_frames,
-    "big-header": big_headers, "msgpack": odd_headers, "direction": wrong_direction,
+    "random": random_frames,
+    "truncated": truncated,
+    "wrong-type": wrong_types,
+    "bad-value": bad_values,
+    "lying-size": lying_sizes,
+    "huge": huge_declarations,
+    "command": unknown_commands,
+    "version": other_versions,
+    "frames": too_many_frames,
+    "big-header": big_headers,
+    "msgpack": odd_headers,
+    "direction": wrong_direction,
 }
 MODELS = frozenset(available())
 
@@ -528,11 +718,12 @@ def garbage(side: str) -> st.SearchStrategy[Garbage]:
     """Messages for the broker or a worker: every family, aimed at what that peer accepts."""
     accepts, extra, harmless = {
         "broker": (BROKER_ACCEPTS, {"unasked": unasked_for}, harmless_to_broker),
-        "worker": (WORKER_ACCEPTS, {"odd-task": odd_tasks}, harmless_to_worker)}[side]
+        "worker": (WORKER_ACCEPTS, {"odd-task": odd_tasks}, harmless_to_worker),
+    }[side]
     commands = [c for c in COMMANDS if c in accepts]
-    return st.one_of(*[tagged(name, strategy(commands))
-                       for name, strategy in {**FAMILIES, **extra}.items()]
-                     ).filter(lambda g: harmless(g.frames))
+    return st.one_of(
+        *[tagged(name, strategy(commands)) for name, strategy in {**FAMILIES, **extra}.items()]
+    ).filter(lambda g: harmless(g.frames))
 
 
 def corpus(side: str) -> list[Garbage]:
@@ -560,14 +751,23 @@ def corpus(side: str) -> list[Garbage]:
     return [Garbage("corpus", frames) for frames in common if harmless(frames)]
 
 
-FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                         phases=[Phase.explicit, Phase.generate], print_blob=False,
-                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                HealthCheck.filter_too_much,
-                                                HealthCheck.large_base_example])
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    print_blob=False,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+        HealthCheck.large_base_example,
+    ],
+)
 
 
 # ----------------------------------------------------------------- bookkeeping
+
 
 def test_every_template_is_a_valid_message() -> None:
     """The fuzzing starts from valid messages: each command's template decodes."""

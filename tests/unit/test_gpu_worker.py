@@ -33,8 +33,9 @@ def test_the_pipeline_returns_every_batch_in_order(lenet, digits, count) -> None
     images = np.resize(digits[:, None], (count, 1, *digits.shape[1:]))
     heard: list[int] = []
     outputs = engine.run(images, tally=lambda done, seconds: heard.append(done))
-    expected = np.concatenate([engine.forward(engine.transform(images[i:i + batch]))
-                               for i in range(0, count, batch)])
+    expected = np.concatenate(
+        [engine.forward(engine.transform(images[i : i + batch])) for i in range(0, count, batch)]
+    )
     assert np.array_equal(outputs, expected)
     assert heard == [min(batch, count - i) for i in range(0, count, batch)]
     assert engine.last_run.device > 0 and engine.last_run.copy == 0.0  # nothing to copy
@@ -59,8 +60,6 @@ def test_reduced_precision_is_a_gpu_option_and_refused_on_the_cpu(lenet) -> None
         load_engine(lenet, "torch", precision="f16")
 
 
-
-
 def test_a_ramped_chunk_starts_with_a_small_batch(lenet, digits) -> None:
     """As on CUDA: the first batch is 1/ramp of the others, the outputs are unchanged."""
     engine = load_engine(lenet, "torch", batch=16, threads=1)
@@ -80,8 +79,9 @@ def test_a_gpu_worker_keeps_one_more_chunk_in_flight() -> None:
 
     assert Device.parse("gpu:0").default_slots == defaults.GPU_SLOTS == defaults.SLOTS + 1
     assert Device.parse("cpu:1").default_slots == defaults.SLOTS
-    worker = Worker(WorkerConfig(broker="tcp://127.0.0.1:1", device=Device.parse("cpu:0"),
-                                 backend="opencv"))
+    worker = Worker(
+        WorkerConfig(broker="tcp://127.0.0.1:1", device=Device.parse("cpu:0"), backend="opencv")
+    )
     assert worker.ready_header().slots == defaults.SLOTS
     worker.config.slots = 5
     assert worker.ready_header().slots == 5

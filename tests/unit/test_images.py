@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from farm.engines.images import (MAX_PIXELS, DecodedBatch, ImageDecoder, ImageError, resized_size,
-                         split_files)
+from farm.engines.images import (
+    MAX_PIXELS,
+    DecodedBatch,
+    ImageDecoder,
+    ImageError,
+    resized_size,
+    split_files,
+)
 from farm.modelrepo.repository import ModelError, ModelSpec, Resize, find
 
 #: The flags farm.engines.images documents: what a "direct OpenCV" reading of a file does.
@@ -37,15 +43,20 @@ def with_resize(spec: ModelSpec, **settings) -> ModelSpec:
 
 
 def with_layout(spec: ModelSpec, layout: str) -> ModelSpec:
-    return dataclasses.replace(spec, preprocess=dataclasses.replace(spec.preprocess,
-                                                                    layout=layout))
+    return dataclasses.replace(spec, preprocess=dataclasses.replace(spec.preprocess, layout=layout))
 
 
 def photo(height: int, width: int, seed: int = 0) -> np.ndarray:
     """An RGB uint8 image with smooth gradients and some noise, as a photo might be."""
     y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([255 * x / max(width - 1, 1), 255 * y / max(height - 1, 1),
-                    128 + 100 * np.sin((x + y) / 7)], axis=-1)
+    rgb = np.stack(
+        [
+            255 * x / max(width - 1, 1),
+            255 * y / max(height - 1, 1),
+            128 + 100 * np.sin((x + y) / 7),
+        ],
+        axis=-1,
+    )
     noise = np.random.default_rng(seed).normal(0, 6, rgb.shape)
     return np.clip(rgb + noise, 0, 255).astype(np.uint8)
 
@@ -65,8 +76,13 @@ def save(tmp_path: Path, image: Image.Image | np.ndarray, name: str, **options) 
     return path.read_bytes()
 
 
-def by_hand(data: bytes, flags: int, size: tuple[int, int], crop: tuple[int, int],
-            interpolation: int = cv2.INTER_LINEAR) -> np.ndarray:
+def by_hand(
+    data: bytes,
+    flags: int,
+    size: tuple[int, int],
+    crop: tuple[int, int],
+    interpolation: int = cv2.INTER_LINEAR,
+) -> np.ndarray:
     """cv2.imdecode + cv2.resize + a centre crop, H x W x C RGB (or H x W grey)."""
     image = cv2.imdecode(np.frombuffer(data, np.uint8), flags)
     if image.ndim == 3:
@@ -74,25 +90,43 @@ def by_hand(data: bytes, flags: int, size: tuple[int, int], crop: tuple[int, int
     if image.shape[:2] != size:
         image = cv2.resize(image, (size[1], size[0]), interpolation=interpolation)
     top, left = (size[0] - crop[0]) // 2, (size[1] - crop[1]) // 2
-    return image[top:top + crop[0], left:left + crop[1]]
+    return image[top : top + crop[0], left : left + crop[1]]
 
 
 def png_declaring(width: int, height: int) -> bytes:
     """A PNG whose IHDR declares width x height RGB, with a tiny IDAT (a decompression bomb)."""
+
     def chunk(kind: bytes, payload: bytes) -> bytes:
-        return (struct.pack(">I", len(payload)) + kind + payload
-                + struct.pack(">I", zlib.crc32(kind + payload)))
+        return (
+            struct.pack(">I", len(payload))
+            + kind
+            + payload
+            + struct.pack(">I", zlib.crc32(kind + payload))
+        )
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-            + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 # --- formats and channel order ------------------------------------------------------------
 
-@pytest.mark.parametrize("name, options, tolerance", [
-    ("a.png", {}, 0), ("a.bmp", {}, 0), ("a.tiff", {}, 0), ("a.webp", {"lossless": True}, 0),
-    ("a.webp", {"quality": 90}, 6), ("a.jpg", {"quality": 95}, 6)])
+
+@pytest.mark.parametrize(
+    "name, options, tolerance",
+    [
+        ("a.png", {}, 0),
+        ("a.bmp", {}, 0),
+        ("a.tiff", {}, 0),
+        ("a.webp", {"lossless": True}, 0),
+        ("a.webp", {"quality": 90}, 6),
+        ("a.jpg", {"quality": 95}, 6),
+    ],
+)
 def test_each_format_decodes(tmp_path, cifar, name, options, tolerance):
     rgb = photo(48, 64)
     image = ImageDecoder(cifar).decode_one(save(tmp_path, rgb, name, **options))
@@ -125,19 +159,26 @@ def test_layouts_hold_the_same_pixels(tmp_path, cifar, lenet):
 
 # --- equal to OpenCV by hand --------------------------------------------------------------
 
-@pytest.mark.parametrize("settings, size", [
-    ({}, (32, 32)),
-    ({"size": (40, 50)}, (40, 50)),
-    ({"size": (40, 50), "interpolation": "area"}, (40, 50)),
-    ({"size": (37, 45), "interpolation": "cubic"}, (37, 45)),
-    ({"shorter_side": 36, "interpolation": "nearest"}, (36, 48)),
-    ({"crop": "none"}, (32, 32)),
-])
+
+@pytest.mark.parametrize(
+    "settings, size",
+    [
+        ({}, (32, 32)),
+        ({"size": (40, 50)}, (40, 50)),
+        ({"size": (40, 50), "interpolation": "area"}, (40, 50)),
+        ({"size": (37, 45), "interpolation": "cubic"}, (37, 45)),
+        ({"shorter_side": 36, "interpolation": "nearest"}, (36, 48)),
+        ({"crop": "none"}, (32, 32)),
+    ],
+)
 def test_decode_equals_opencv_by_hand(tmp_path, cifar, settings, size):
     data = save(tmp_path, photo(60, 80), "a.jpg", quality=90)
-    interpolation = {"linear": cv2.INTER_LINEAR, "area": cv2.INTER_AREA,
-                     "cubic": cv2.INTER_CUBIC, "nearest": cv2.INTER_NEAREST}[
-        settings.get("interpolation", "linear")]
+    interpolation = {
+        "linear": cv2.INTER_LINEAR,
+        "area": cv2.INTER_AREA,
+        "cubic": cv2.INTER_CUBIC,
+        "nearest": cv2.INTER_NEAREST,
+    }[settings.get("interpolation", "linear")]
     image = ImageDecoder(with_resize(cifar, **settings)).decode_one(data)
     np.testing.assert_array_equal(image[0], by_hand(data, COLOUR, size, (32, 32), interpolation))
 
@@ -146,8 +187,9 @@ def test_grey_net_equals_opencv_by_hand(tmp_path, lenet):
     data = save(tmp_path, photo(56, 70), "a.jpg", quality=90)
     spec = with_resize(lenet, shorter_side=40, interpolation="area")
     image = ImageDecoder(spec).decode_one(data)
-    np.testing.assert_array_equal(image[0, 0], by_hand(data, GREY, (40, 50), (28, 28),
-                                                       cv2.INTER_AREA))
+    np.testing.assert_array_equal(
+        image[0, 0], by_hand(data, GREY, (40, 50), (28, 28), cv2.INTER_AREA)
+    )
 
 
 def test_exif_orientation_is_ignored(tmp_path, cifar):
@@ -163,6 +205,7 @@ def test_exif_orientation_is_ignored(tmp_path, cifar):
 
 # --- resize and crops ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", [(50, 70), (51, 70), (50, 71), (32, 32)])
 def test_centre_crop_offsets(tmp_path, cifar, shape):
     data = save(tmp_path, coordinates(*shape), "xy.png")
@@ -174,24 +217,30 @@ def test_centre_crop_offsets(tmp_path, cifar, shape):
     assert (image[..., 2] == 7).all()
 
 
-@pytest.mark.parametrize("image_size, side, expected", [
-    ((480, 640), 256, (256, 341)),   # 341.33
-    ((640, 480), 256, (341, 256)),   # portrait
-    ((333, 500), 256, (256, 384)),   # 384.38
-    ((4, 6), 3, (3, 5)),             # 4.5 rounds half up
-    ((100, 100), 50, (50, 50)),
-])
+@pytest.mark.parametrize(
+    "image_size, side, expected",
+    [
+        ((480, 640), 256, (256, 341)),  # 341.33
+        ((640, 480), 256, (341, 256)),  # portrait
+        ((333, 500), 256, (256, 384)),  # 384.38
+        ((4, 6), 3, (3, 5)),  # 4.5 rounds half up
+        ((100, 100), 50, (50, 50)),
+    ],
+)
 def test_shorter_side_keeps_aspect(image_size, side, expected):
     assert resized_size(image_size, (2, 2), Resize(shorter_side=side)) == expected
 
 
-@pytest.mark.parametrize("settings, expected", [
-    (Resize(shorter_side=20), (32, 48)),           # 20 x 30 scaled up until 32 x 32 fits
-    (Resize(size=(16, 64)), (32, 128)),            # an exact size smaller than the crop
-    (Resize(size=(64, 16)), (128, 32)),
-    (Resize(), (32, 32)),                          # no resize settings: the crop is the whole
-    (Resize(size=(64, 64), crop="oversample"), (64, 64)),
-])
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (Resize(shorter_side=20), (32, 48)),  # 20 x 30 scaled up until 32 x 32 fits
+        (Resize(size=(16, 64)), (32, 128)),  # an exact size smaller than the crop
+        (Resize(size=(64, 16)), (128, 32)),
+        (Resize(), (32, 32)),  # no resize settings: the crop is the whole
+        (Resize(size=(64, 64), crop="oversample"), (64, 64)),
+    ],
+)
 def test_resize_makes_the_crop_fit(settings, expected):
     assert resized_size((60, 90), (32, 32), settings) == expected
 
@@ -229,8 +278,9 @@ def test_oversample_crops_stay_together_in_a_batch(tmp_path, lenet):
     assert batch.crops == 10 and batch.images.shape == (30, 1, 28, 28)
     np.testing.assert_array_equal(batch.ok, [0, 2, 3])
     for position, file in enumerate(files):
-        np.testing.assert_array_equal(batch.images[position * 10:(position + 1) * 10],
-                                      decoder.decode_one(file))
+        np.testing.assert_array_equal(
+            batch.images[position * 10 : (position + 1) * 10], decoder.decode_one(file)
+        )
 
 
 def test_crop_none_with_other_sizes_is_refused(cifar):
@@ -242,6 +292,7 @@ def test_crop_none_with_other_sizes_is_refused(cifar):
 
 
 # --- what each kind of file becomes -------------------------------------------------------
+
 
 def test_cmyk_jpeg_decodes_to_its_rgb(tmp_path, cifar):
     rgb = photo(32, 32)
@@ -289,8 +340,7 @@ def test_rgba_png_drops_alpha(tmp_path, cifar):
 
 
 def test_palette_png_expands_its_colours(tmp_path, cifar):
-    palette = Image.fromarray(photo(32, 32)).convert("P", palette=Image.Palette.ADAPTIVE,
-                                                     colors=16)
+    palette = Image.fromarray(photo(32, 32)).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
     data = save(tmp_path, palette, "p.png")
     assert Image.open(tmp_path / "p.png").mode == "P"
     expected = np.asarray(palette.convert("RGB"))
@@ -305,6 +355,7 @@ def test_memoryview_input(tmp_path, cifar):
 
 # --- refusals -----------------------------------------------------------------------------
 
+
 def refusal(decoder: ImageDecoder, data: bytes) -> str:
     with pytest.raises(ImageError) as caught:
         decoder.decode_one(data)
@@ -313,7 +364,7 @@ def refusal(decoder: ImageDecoder, data: bytes) -> str:
 
 def test_truncated_jpeg_is_refused(tmp_path, cifar):
     data = save(tmp_path, photo(120, 160), "a.jpg", quality=90)
-    reason = refusal(ImageDecoder(cifar), data[:len(data) // 2])
+    reason = refusal(ImageDecoder(cifar), data[: len(data) // 2])
     assert reason == "truncated JPEG: no end-of-image marker after the last scan"
 
 
@@ -322,7 +373,7 @@ def test_progressive_jpeg_cut_between_scans_is_refused(tmp_path, cifar):
     assert data.count(b"\xff\xda") > 1
     decoder = ImageDecoder(cifar)
     decoder.decode_one(data)  # the whole file decodes
-    assert "truncated JPEG" in refusal(decoder, data[:data.rfind(b"\xff\xda")])
+    assert "truncated JPEG" in refusal(decoder, data[: data.rfind(b"\xff\xda")])
 
 
 def test_thumbnail_end_marker_does_not_hide_a_truncation(tmp_path, cifar):
@@ -334,7 +385,7 @@ def test_thumbnail_end_marker_does_not_hide_a_truncation(tmp_path, cifar):
     data = main[:2] + segment + main[2:]
     decoder = ImageDecoder(cifar)
     np.testing.assert_array_equal(decoder.decode_one(data), decoder.decode_one(main))
-    assert "truncated JPEG" in refusal(decoder, data[:len(data) - 200])
+    assert "truncated JPEG" in refusal(decoder, data[: len(data) - 200])
 
 
 def test_other_refusals(tmp_path, cifar):
@@ -344,7 +395,7 @@ def test_other_refusals(tmp_path, cifar):
     assert refusal(decoder, b"label,value\ncat,1\n") == not_image
     assert refusal(decoder, b"P5x not a PGM") == not_image
     gif = save(tmp_path, photo(30, 40), "a.gif")
-    assert refusal(decoder, gif[:len(gif) // 2]).startswith("corrupt GIF: image file is truncated")
+    assert refusal(decoder, gif[: len(gif) // 2]).startswith("corrupt GIF: image file is truncated")
     png = save(tmp_path, photo(40, 40), "a.png")
     corrupt = png[:60] + bytes(200) + png[260:]
     assert refusal(decoder, corrupt) == "corrupt or unsupported PNG: OpenCV could not decode it"
@@ -356,8 +407,15 @@ def test_a_gif_is_its_first_frame_decoded_by_pillow(tmp_path, cifar, lenet):
     transparent pixel keeps its colour); a grey net gets OpenCV's grey of it."""
     first, second = coordinates(32, 32), photo(32, 32)
     frames = [Image.fromarray(first).quantize(256), Image.fromarray(second).quantize(256)]
-    data = save(tmp_path, frames[0], "a.gif", save_all=True, append_images=frames[1:],
-                duration=100, transparency=0)
+    data = save(
+        tmp_path,
+        frames[0],
+        "a.gif",
+        save_all=True,
+        append_images=frames[1:],
+        duration=100,
+        transparency=0,
+    )
     assert data.startswith(b"GIF89a")
     with Image.open(tmp_path / "a.gif") as image:
         assert image.n_frames == 2
@@ -377,8 +435,9 @@ def test_pnm_files_decode_as_opencv_reads_them(cifar, suffix, channels):
     if suffix == ".pbm":
         picture = np.where(picture > 128, 255, 0).astype(np.uint8)
     data = cv2.imencode(suffix, picture)[1].tobytes()
-    np.testing.assert_array_equal(ImageDecoder(cifar).decode_one(data)[0],
-                                  by_hand(data, COLOUR, (32, 32), (32, 32)))
+    np.testing.assert_array_equal(
+        ImageDecoder(cifar).decode_one(data)[0], by_hand(data, COLOUR, (32, 32), (32, 32))
+    )
 
 
 def test_decompression_bomb_is_refused_from_its_header(cifar):
@@ -400,11 +459,21 @@ def test_pixel_limit_is_the_decoders(tmp_path, cifar):
 
 
 def test_bad_files_fail_alone(tmp_path, cifar):
-    good = [save(tmp_path, photo(40, 60, seed), f"{seed}.{kind}")
-            for seed, kind in enumerate(("jpg", "png", "bmp", "webp"))]
+    good = [
+        save(tmp_path, photo(40, 60, seed), f"{seed}.{kind}")
+        for seed, kind in enumerate(("jpg", "png", "bmp", "webp"))
+    ]
     jpeg = good[0]
-    files = [good[0], jpeg[:len(jpeg) // 2], good[1], b"hello", b"", good[2],
-             png_declaring(50_000, 50_000), good[3]]
+    files = [
+        good[0],
+        jpeg[: len(jpeg) // 2],
+        good[1],
+        b"hello",
+        b"",
+        good[2],
+        png_declaring(50_000, 50_000),
+        good[3],
+    ]
     decoder = ImageDecoder(cifar)
     batch = decoder.decode(files)
     assert isinstance(batch, DecodedBatch) and batch.crops == 1
@@ -426,6 +495,7 @@ def test_all_bad_gives_an_empty_batch(lenet):
 
 
 # --- the wire -----------------------------------------------------------------------------
+
 
 def test_split_files_round_trip(tmp_path, cifar):
     files = [save(tmp_path, photo(30, 30), "a.png"), b"", save(tmp_path, photo(20, 50), "b.jpg")]

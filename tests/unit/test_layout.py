@@ -59,18 +59,24 @@ def absolute_base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return f"{package}.{node.module}" if node.module else package
 
 
-def imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
-             modules: set[str]) -> set[str]:
+def imported(
+    node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: set[str]
+) -> set[str]:
     """The farm modules one import statement loads (``from farm.x import y``: ``farm.x.y``
     when ``y`` is a submodule, else ``farm.x``)."""
     if isinstance(node, ast.Import):
         names = {alias.name for alias in node.names}
     else:
         base = absolute_base(module, is_package, node)
-        names = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                 for alias in node.names}
-    return {enclosing_module(name, modules) for name in names
-            if name == "farm" or name.startswith("farm.")}
+        names = {
+            f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+            for alias in node.names
+        }
+    return {
+        enclosing_module(name, modules)
+        for name in names
+        if name == "farm" or name.startswith("farm.")
+    }
 
 
 def enclosing_module(name: str, modules: set[str]) -> str:
@@ -145,8 +151,10 @@ def describe(graph: ImportGraph, component: list[str]) -> str:
     """One cycle of the component, ``a -> b (a line 3) -> a (b line 9)``, and the
     component's other members."""
     cycle = one_cycle(graph, component)
-    steps = [cycle[0]] + [f"{target} ({source} line {graph.where(source, target)})"
-                          for source, target in zip(cycle, cycle[1:])]
+    steps = [cycle[0]] + [
+        f"{target} ({source} line {graph.where(source, target)})"
+        for source, target in zip(cycle, cycle[1:])
+    ]
     others = sorted(set(component) - set(cycle))
     return " -> ".join(steps) + (f"; also in the cycle: {', '.join(others)}" if others else "")
 
@@ -155,11 +163,15 @@ def within(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == package or module.startswith(f"{package}.") for package in packages)
 
 
-def imports_across(graph: ImportGraph, sources: tuple[str, ...],
-                   targets: tuple[str, ...]) -> list[str]:
+def imports_across(
+    graph: ImportGraph, sources: tuple[str, ...], targets: tuple[str, ...]
+) -> list[str]:
     """Each import from a module in ``sources`` of one in ``targets``, with its line."""
-    return sorted(f"{e.source} line {e.line} imports {e.target}" for e in graph.edges
-                  if within(e.source, sources) and within(e.target, targets))
+    return sorted(
+        f"{e.source} line {e.line} imports {e.target}"
+        for e in graph.edges
+        if within(e.source, sources) and within(e.target, targets)
+    )
 
 
 def test_the_graph_sees_imports_at_every_level() -> None:
@@ -186,6 +198,8 @@ def test_policies_import_nothing_from_the_broker() -> None:
 
 def test_the_engine_leaves_auto_and_the_checks_to_the_modules_above_it() -> None:
     graph = build_graph()
-    assert not graph.targets("farm.engines.engine") & {"farm.engines.autoselect",
-                                                        "farm.engines.modelcheck"}
+    assert not graph.targets("farm.engines.engine") & {
+        "farm.engines.autoselect",
+        "farm.engines.modelcheck",
+    }
     assert graph.targets("farm.engines.tolerances") == set()

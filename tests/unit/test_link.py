@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -50,8 +50,12 @@ def reconnects(link: BrokerLink, count: int) -> list[float]:
 
 def test_a_silent_broker_gets_fresh_sockets_further_and_further_apart(silent_broker) -> None:
     context, router, endpoint = silent_broker
-    link = BrokerLink(context, LinkConfig(endpoint, HEARTBEAT, LIVENESS, max_retry=0.16),
-                      messages.Info, messages.Heartbeat)
+    link = BrokerLink(
+        context,
+        LinkConfig(endpoint, HEARTBEAT, LIVENESS, max_retry=0.16),
+        messages.Info,
+        messages.Heartbeat,
+    )
     try:
         first = greeted_by(router)
         gaps = reconnects(link, 5)
@@ -68,8 +72,12 @@ def test_a_silent_broker_gets_fresh_sockets_further_and_further_apart(silent_bro
 
 def test_without_back_off_every_try_waits_one_expiry(silent_broker) -> None:
     context, _, endpoint = silent_broker
-    link = BrokerLink(context, LinkConfig(endpoint, HEARTBEAT, LIVENESS, max_retry=0.0),
-                      lambda: None, lambda: None)
+    link = BrokerLink(
+        context,
+        LinkConfig(endpoint, HEARTBEAT, LIVENESS, max_retry=0.0),
+        lambda: None,
+        lambda: None,
+    )
     try:
         reconnects(link, 3)
         assert link.retry_interval == pytest.approx(HEARTBEAT * LIVENESS)
@@ -79,8 +87,9 @@ def test_without_back_off_every_try_waits_one_expiry(silent_broker) -> None:
 
 def test_the_brokers_longer_interval_stretches_the_expiry(silent_broker) -> None:
     context, _, endpoint = silent_broker
-    link = BrokerLink(context, LinkConfig(endpoint, HEARTBEAT, LIVENESS), lambda: None,
-                      lambda: None)
+    link = BrokerLink(
+        context, LinkConfig(endpoint, HEARTBEAT, LIVENESS), lambda: None, lambda: None
+    )
     try:
         link.heard(interval=0.5)
         assert link.expiry == pytest.approx(1.0) and link.wait() <= HEARTBEAT

@@ -36,19 +36,24 @@ def give(worker: str, start: int, count: int) -> list[Assign]:
 
 # ------------------------------------------------------------------ splitting
 
-@pytest.mark.parametrize("total, weights, floor, expected", [
-    (1000, {"a": 1, "b": 1, "c": 1}, 1, {"a": 334, "b": 333, "c": 333}),
-    (1000, {"a": 1, "b": 1, "c": 2}, 1, {"a": 250, "b": 250, "c": 500}),
-    (2000, {"a": 1000, "b": 333.3}, 100, {"a": 1500, "b": 500}),
-    (300, {"a": 10, "b": 1, "c": 1}, 100, {"a": 300}),  # b and c would get 25 each
-    (50, {"a": 1, "b": 3}, 100, {"b": 50}),  # less than the floor: all to the fastest
-    (0, {"a": 1}, 100, {}),
-])
+
+@pytest.mark.parametrize(
+    "total, weights, floor, expected",
+    [
+        (1000, {"a": 1, "b": 1, "c": 1}, 1, {"a": 334, "b": 333, "c": 333}),
+        (1000, {"a": 1, "b": 1, "c": 2}, 1, {"a": 250, "b": 250, "c": 500}),
+        (2000, {"a": 1000, "b": 333.3}, 100, {"a": 1500, "b": 500}),
+        (300, {"a": 10, "b": 1, "c": 1}, 100, {"a": 300}),  # b and c would get 25 each
+        (50, {"a": 1, "b": 3}, 100, {"b": 50}),  # less than the floor: all to the fastest
+        (0, {"a": 1}, 100, {}),
+    ],
+)
 def test_proportional_split(total, weights, floor, expected) -> None:
     assert proportional_split(total, weights, floor) == expected
 
 
 # ------------------------------------------------------------ scripted tables
+
 
 def test_static_cuts_the_job_once_by_ratio() -> None:
     policy = make_policy("static", 1000, ["a", "b", "c"], ratio=(1, 1, 2))
@@ -160,8 +165,9 @@ def test_fast_split_never_leaves_less_than_the_floor() -> None:
 
 
 def test_equal_finish_shares_by_remembered_speed_without_probing() -> None:
-    policy = make_policy("equal-finish", 10_000, ["a", "b"], {"a": 1000.0, "b": 3000.0},
-                         overhead=0.0)
+    policy = make_policy(
+        "equal-finish", 10_000, ["a", "b"], {"a": 1000.0, "b": 3000.0}, overhead=0.0
+    )
     # T = 10000 / 4000 = 2.5 s: a's share 2500, half of it now
     assert policy.handle(WorkerReady("a", at=0.0)) == give("a", 0, 1250)
     # a is busy until 1.25 s: T = (8750 + 1000 * 1.25) / 4000 = 2.5, b's share 7500
@@ -184,8 +190,9 @@ def test_equal_finish_leaves_the_end_to_the_worker_that_finishes_first() -> None
 
 
 def test_equal_finish_prefetches_while_its_share_lasts() -> None:
-    policy = make_policy("equal-finish", 10_000, ["a", "b"], {"a": 1000.0, "b": 1000.0},
-                         overhead=0.0)
+    policy = make_policy(
+        "equal-finish", 10_000, ["a", "b"], {"a": 1000.0, "b": 1000.0}, overhead=0.0
+    )
     assert policy.handle(WorkerReady("a")) == give("a", 0, 2500)  # T = 5 s, share 5000
     # a is busy until 2.5 s: its share after that is 2500, half of it now
     assert policy.handle(WorkerReady("a")) == give("a", 2500, 1250)
@@ -197,8 +204,9 @@ def test_equal_finish_alone_takes_everything_at_once() -> None:
 
 
 def test_equal_finish_caps_the_speed_of_an_overdue_worker() -> None:
-    policy = make_policy("equal-finish", 100_000, ["a", "b"], {"a": 1000.0, "b": 1000.0},
-                         overhead=0.0)
+    policy = make_policy(
+        "equal-finish", 100_000, ["a", "b"], {"a": 1000.0, "b": 1000.0}, overhead=0.0
+    )
     first = policy.handle(WorkerReady("a", at=0.0))[0].chunk  # 25 000 items: 25 s
     assert policy.rate("a") == 1000.0
     policy.handle(WorkerReady("a", at=50.0))  # still not done at 50 s: at most 500/s
@@ -223,10 +231,10 @@ def first_shares(name: str, total: int, workers: int, **params) -> dict[str, int
 
 
 @pytest.mark.parametrize("name", SPLITS_A_TINY_JOB)
-@pytest.mark.parametrize("total, workers", [(9, 2), (2, 2), (10, 3), (150, 2), (800, 2),
-                                            (1000, 16), (64, 64)])
-def test_a_job_smaller_than_the_first_round_reaches_every_free_worker(name, total,
-                                                                      workers) -> None:
+@pytest.mark.parametrize(
+    "total, workers", [(9, 2), (2, 2), (10, 3), (150, 2), (800, 2), (1000, 16), (64, 64)]
+)
+def test_a_job_smaller_than_the_first_round_reaches_every_free_worker(name, total, workers) -> None:
     """9 images on two workers used to go whole to one of them: a floor (100), a probe
     (500 / 200) or a minimum chunk per worker was more than the job.  These are cut to the
     job's even share now, so every worker gets a piece of the first round."""
@@ -236,14 +244,17 @@ def test_a_job_smaller_than_the_first_round_reaches_every_free_worker(name, tota
         assert sum(shares.values()) == total and min(shares.values()) >= total // workers
 
 
-@pytest.mark.parametrize("speeds, first", [({"a": 6000.0, "b": 6000.0}, 4),
-                                           ({"a": 5900.0, "b": 6100.0}, 5)])
+@pytest.mark.parametrize(
+    "speeds, first", [({"a": 6000.0, "b": 6000.0}, 4), ({"a": 5900.0, "b": 6100.0}, 5)]
+)
 def test_equal_finish_with_remembered_speeds_splits_a_tiny_job(speeds, first) -> None:
     """Pieces of the even share, each to the worker that would finish it first; a worker
     three times slower than the other still waits (it would finish later: by definition)."""
     policy = make_policy("equal-finish", 9, ["a", "b"], speeds)
     assert policy.handle(WorkerReady("a")) + policy.handle(WorkerReady("b")) == [
-        *give("a", 0, first), *give("b", first, 9 - first)]
+        *give("a", 0, first),
+        *give("b", first, 9 - first),
+    ]
     slow = make_policy("equal-finish", 9, ["a", "b"], {"a": 1000.0, "b": 3000.0})
     assert slow.handle(WorkerReady("a")) == []
 
@@ -262,6 +273,7 @@ def test_a_job_big_enough_for_the_floor_keeps_it() -> None:
 
 # ------------------------------------------------------------ properties
 
+
 def fewest(total: int) -> int:
     """The smallest chunk size or cap drawn (fifo's chunk, a slice, a max_chunk) for a job of
     ``total`` items: one that makes at most 100 chunks.  Each chunk costs a few drawn
@@ -278,27 +290,44 @@ def policy_parameters(name: str, floor: int, total: int) -> st.SearchStrategy[di
     return {
         "static": st.fixed_dictionaries({"floor": st.just(floor)}),
         "quick": st.fixed_dictionaries({"floor": st.just(floor), "probe": probe}),
-        "sliced": st.fixed_dictionaries({"floor": st.just(floor),
-                                         "slice": st.integers(least, 6000)}),
-        "hat": st.fixed_dictionaries({"floor": st.just(floor), "slice": st.integers(least, 3000),
-                                      "tolerance": st.floats(0, 0.5)}),
+        "sliced": st.fixed_dictionaries(
+            {"floor": st.just(floor), "slice": st.integers(least, 6000)}
+        ),
+        "hat": st.fixed_dictionaries(
+            {
+                "floor": st.just(floor),
+                "slice": st.integers(least, 3000),
+                "tolerance": st.floats(0, 0.5),
+            }
+        ),
         "fifo": st.fixed_dictionaries({"chunk": st.integers(fewest(total), 3000)}),
-        "fast-split": st.fixed_dictionaries({"floor": st.just(floor), "probe": probe,
-                                             "ratio": st.floats(0.05, 1.0)}),
-        "equal-finish": st.fixed_dictionaries({"floor": st.just(floor),
-                                               "probe": probe,
-                                               "fraction": st.floats(0.05, 1.0),
-                                               "speed_window": st.floats(0, 5)}),
+        "fast-split": st.fixed_dictionaries(
+            {"floor": st.just(floor), "probe": probe, "ratio": st.floats(0.05, 1.0)}
+        ),
+        "equal-finish": st.fixed_dictionaries(
+            {
+                "floor": st.just(floor),
+                "probe": probe,
+                "fraction": st.floats(0.05, 1.0),
+                "speed_window": st.floats(0, 5),
+            }
+        ),
     }[name]
 
 
 @settings(max_examples=150, deadline=None)
-@given(name=st.sampled_from(list(POLICIES)), total=st.integers(1, 20_000),
-       speeds=st.lists(st.floats(10, 20_000), min_size=1, max_size=6),
-       slots=st.integers(1, 2), remembered=st.booleans(), floor=st.integers(1, 200),
-       data=st.data())
-def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots, remembered,
-                                                      floor, data) -> None:
+@given(
+    name=st.sampled_from(list(POLICIES)),
+    total=st.integers(1, 20_000),
+    speeds=st.lists(st.floats(10, 20_000), min_size=1, max_size=6),
+    slots=st.integers(1, 2),
+    remembered=st.booleans(),
+    floor=st.integers(1, 200),
+    data=st.data(),
+)
+def test_every_policy_assigns_every_item_exactly_once(
+    name, total, speeds, slots, remembered, floor, data
+) -> None:
     """Random speeds, job sizes, joins, losses, failed chunks (retried or given up) and caps
     on chunk size: exact coverage, floors, caps and barriers hold."""
     params = data.draw(policy_parameters(name, floor, total))
@@ -323,11 +352,13 @@ def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots
             assert policy.cut_floor() == policy.floor or total < floor * most_members
             smallest = min(params.get("chunk", policy.cut_floor()), policy.max_chunk or total)
             assert policy.max_chunk is None or chunk.count <= policy.max_chunk
-            assert chunk.count >= smallest or chunk.stop == total or chunk in issued, \
+            assert chunk.count >= smallest or chunk.stop == total or chunk in issued, (
                 f"{chunk} is below the floor {smallest}"
+            )
             if name in BARRIER_POLICIES:
-                earlier = [c for chunks in held.values() for c in chunks
-                           if round_of[c] < policy.round]
+                earlier = [
+                    c for chunks in held.values() for c in chunks if round_of[c] < policy.round
+                ]
                 assert not earlier, f"round {policy.round} began while {earlier} ran"
                 round_of[chunk] = policy.round
             held[a.worker].append(chunk)
@@ -341,7 +372,7 @@ def test_every_policy_assigns_every_item_exactly_once(name, total, speeds, slots
 
     for worker in names:
         join(worker)
-    for step in range(10_000):
+    for _ in range(10_000):
         if policy.finished:
             break
         busy = [w for w in sorted(alive) if held[w]]

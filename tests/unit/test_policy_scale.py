@@ -23,11 +23,12 @@ import math
 import random
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
 from itertools import count
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -35,9 +36,20 @@ from hypothesis import strategies as st
 
 from farm.broker.jobs import JobOptions
 from farm.broker.state import SchedulingConfig
-from farm.policies import (PAPER_PARAMETERS, POLICIES, Assign, Chunk, ChunkDone, ChunkFailed,
-                           Policy, WorkerBusy, WorkerLost, WorkerReady, make_policy,
-                           proportional_split)
+from farm.policies import (
+    PAPER_PARAMETERS,
+    POLICIES,
+    Assign,
+    Chunk,
+    ChunkDone,
+    ChunkFailed,
+    Policy,
+    WorkerBusy,
+    WorkerLost,
+    WorkerReady,
+    make_policy,
+    proportional_split,
+)
 from farm.policies.base import SMALL_FARM
 from farm.policies.equal_finish import EqualFinishPolicy
 from farm.policies.rounds import RoundPolicy
@@ -51,6 +63,7 @@ Decision = tuple[Any, ...]
 
 
 # ------------------------------------------------------------------ simulations
+
 
 def paper_farms() -> dict[str, Scenario]:
     """The paper's calibrated farms, as bench/policies.py compares them."""
@@ -74,16 +87,33 @@ def random_farm(seed: int, devices: tuple[int, int] = (2, 16)) -> Scenario:
     models = []
     for i in range(count):
         drift = rng.random() < 0.3
-        models.append(DeviceModel(f"d{i}", steady(100 * 50 ** rng.random()),
-                                  rng.choice([0, 2e-4, 5e-3]),
-                                  noise, rng.uniform(1, 20) if drift else None,
-                                  rng.uniform(0.2, 3) if drift else 1.0))
-    return Scenario(f"random {seed}", tuple(models), rng.randint(500, 150_000),
-                    rng.choice([0.0, 0.001]), rng.choice([1, 2]))
+        models.append(
+            DeviceModel(
+                f"d{i}",
+                steady(100 * 50 ** rng.random()),
+                rng.choice([0, 2e-4, 5e-3]),
+                noise,
+                rng.uniform(1, 20) if drift else None,
+                rng.uniform(0.2, 3) if drift else 1.0,
+            )
+        )
+    return Scenario(
+        f"random {seed}",
+        tuple(models),
+        rng.randint(500, 150_000),
+        rng.choice([0.0, 0.001]),
+        rng.choice([1, 2]),
+    )
 
 
-def simulated_decisions(scenario: Scenario, algo: str, params: dict[str, Any], seed: int,
-                        cap: float = 0.0, extras: bool = False) -> list[Decision]:
+def simulated_decisions(
+    scenario: Scenario,
+    algo: str,
+    params: dict[str, Any],
+    seed: int,
+    cap: float = 0.0,
+    extras: bool = False,
+) -> list[Decision]:
     """Every chunk each job ran: (job, worker, start, count), in the order they came back.
 
     ``extras``: a second job joins later and a device is lost mid-job (picked by ``seed``).
@@ -96,14 +126,20 @@ def simulated_decisions(scenario: Scenario, algo: str, params: dict[str, Any], s
     farm.submit("a", scenario.total)
     if extras:
         seconds = scenario.total / scenario.standalone_rate
-        farm.submit("b", scenario.total // 3 + 1, at=seconds * rng.uniform(0.1, 0.5),
-                    options=JobOptions(algo=algo, params=tuple(params.items())))
+        farm.submit(
+            "b",
+            scenario.total // 3 + 1,
+            at=seconds * rng.uniform(0.1, 0.5),
+            options=JobOptions(algo=algo, params=tuple(params.items())),
+        )
         if len(scenario.devices) > 1:
             farm.lose(rng.choice(scenario.devices).name, seconds * rng.uniform(0.1, 0.8))
     farm.run()
-    return [(job, run.worker, run.chunk.start, run.chunk.count)
-            for job, runs in sorted(farm.runs.items()) for run in runs] + sorted(
-        farm.errors.items())
+    return [
+        (job, run.worker, run.chunk.start, run.chunk.count)
+        for job, runs in sorted(farm.runs.items())
+        for run in runs
+    ] + sorted(farm.errors.items())
 
 
 def simulation_cases() -> dict[str, tuple[Scenario, str, dict[str, Any], int, float, bool]]:
@@ -111,19 +147,29 @@ def simulation_cases() -> dict[str, tuple[Scenario, str, dict[str, Any], int, fl
     cases = {}
     for farm_name, scenario in paper_farms().items():
         for algo in POLICIES:
-            values = [{}] + [{PAPER_PARAMETERS[algo][0]: v} for v in PAPER_PARAMETERS.get(
-                algo, ("", ()))[1] if algo != "static"]
+            values = [{}] + [
+                {PAPER_PARAMETERS[algo][0]: v}
+                for v in PAPER_PARAMETERS.get(algo, ("", ()))[1]
+                if algo != "static"
+            ]
             for params in values:
                 cases[f"{farm_name} {algo} {params}"] = (scenario, algo, params, 0, 0.0, False)
     for seed in range(24):
         scenario = random_farm(seed)
         for algo in POLICIES:
-            cases[f"random {seed} {algo}"] = (scenario, algo, {}, seed, (0.0, 0.5, 1.0)[seed % 3],
-                                              seed % 2 == 1)
+            cases[f"random {seed} {algo}"] = (
+                scenario,
+                algo,
+                {},
+                seed,
+                (0.0, 0.5, 1.0)[seed % 3],
+                seed % 2 == 1,
+            )
     return cases
 
 
 # --------------------------------------------------------------- event sequences
+
 
 @dataclass
 class EventDriver:
@@ -141,8 +187,13 @@ class EventDriver:
 
     def feed(self, event: Any) -> None:
         assignments = self.policy.handle(event)
-        self.log.append((type(event).__name__, event.worker,
-                         *[(a.worker, a.chunk.start, a.chunk.count) for a in assignments]))
+        self.log.append(
+            (
+                type(event).__name__,
+                event.worker,
+                *[(a.worker, a.chunk.start, a.chunk.count) for a in assignments],
+            )
+        )
         for assignment in assignments:
             self.held[assignment.worker].append(assignment.chunk)
         if self.check:
@@ -181,7 +232,8 @@ class EventDriver:
         if not busy:  # stalled (a barrier waits for a member that is gone): one comes back
             away = sorted(set(self.policy.roster) | (set(self.held) - self.alive))
             self.join(self.rng.choice(away)) if away else self.feed(
-                WorkerReady(self.rng.choice(sorted(self.alive)), at=self.clock))
+                WorkerReady(self.rng.choice(sorted(self.alive)), at=self.clock)
+            )
             return
         worker = self.rng.choice(busy)
         chunk = self.held[worker].pop(0)
@@ -194,21 +246,25 @@ class EventDriver:
         self.feed(WorkerReady(worker, at=self.clock))
 
 
-def event_decisions(algo: str, seed: int, workers: tuple[int, int] = (1, 16), events: int = 3000,
-                    check: Callable[[EventDriver], None] | None = None) -> list[Decision]:
+def event_decisions(
+    algo: str,
+    seed: int,
+    workers: tuple[int, int] = (1, 16),
+    events: int = 3000,
+    check: Callable[[EventDriver], None] | None = None,
+) -> list[Decision]:
     """A random event sequence of up to ``events`` events fed to a fresh policy."""
     rng = random.Random(seed)
     count = rng.randint(*workers)
     speed = {f"w{i}": steady(100 * 50 ** rng.random()) for i in range(count)}
-    roster = list(speed)[:rng.randint(0, count)]
+    roster = list(speed)[: rng.randint(0, count)]
     remembered = {w: v * rng.uniform(0.5, 2) for w, v in speed.items() if rng.random() < 0.5}
     floor = rng.choice([1, 50, 100])
     params: dict[str, Any] = {} if algo == "fifo" else {"floor": floor}
     if algo in PAPER_PARAMETERS and algo != "static":
         name, values = PAPER_PARAMETERS[algo]
         params[name] = rng.choice(values)
-    policy = make_policy(algo, int(steady(10 ** rng.uniform(1, 5.5))), roster, remembered,
-                         **params)
+    policy = make_policy(algo, int(steady(10 ** rng.uniform(1, 5.5))), roster, remembered, **params)
     driver = EventDriver(policy, rng, speed, rng.choice([1, 2]), check=check)
     for worker in speed:
         if worker in roster or rng.random() < 0.5:
@@ -219,6 +275,7 @@ def event_decisions(algo: str, seed: int, workers: tuple[int, int] = (1, 16), ev
 
 
 # --------------------------------------------------------------------- capture
+
 
 def digest(decisions: list[Decision]) -> str:
     return hashlib.sha256(json.dumps(decisions).encode()).hexdigest()[:16]
@@ -232,12 +289,16 @@ def all_cases() -> dict[str, Any]:
         cases[f"sim {name}"] = lambda args=args: simulated_decisions(*args)
     for algo in POLICIES:
         for seed in range(150):
-            cases[f"events {algo} {seed}"] = lambda algo=algo, seed=seed: event_decisions(algo, seed)
+            cases[f"events {algo} {seed}"] = lambda algo=algo, seed=seed: event_decisions(
+                algo, seed
+            )
         for seed in range(5):
-            cases[f"large events {algo} {seed}"] = (
-                lambda algo=algo, seed=seed: event_decisions(algo, seed, (32, 128)))
+            cases[f"large events {algo} {seed}"] = lambda algo=algo, seed=seed: event_decisions(
+                algo, seed, (32, 128)
+            )
             cases[f"large sim {algo} {seed}"] = lambda algo=algo, seed=seed: simulated_decisions(
-                random_farm(seed, (32, 100)), algo, {}, seed, 0.5 * (seed % 3), seed % 2 == 1)
+                random_farm(seed, (32, 100)), algo, {}, seed, 0.5 * (seed % 3), seed % 2 == 1
+            )
     return cases
 
 
@@ -252,8 +313,11 @@ KINDS = ("sim", "events", "large sim", "large events")
 @pytest.mark.parametrize("algo", list(POLICIES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_decisions_are_the_ones_captured_before(kind: str, algo: str) -> None:
-    runs = {name: run for name, run in all_cases().items()
-            if name.startswith(f"{kind} ") and f" {algo} " in f"{name} "}
+    runs = {
+        name: run
+        for name, run in all_cases().items()
+        if name.startswith(f"{kind} ") and f" {algo} " in f"{name} "
+    }
     assert runs
     moved = [name for name, run in runs.items() if digest(run()) != CAPTURED[name]]
     assert not moved, f"{len(moved)} of {len(runs)} runs decided differently: {moved[:5]}"
@@ -267,24 +331,32 @@ def test_noisy_runs_do_not_depend_on_the_last_bit_of_exp(monkeypatch) -> None:
 
     import farm.simulation.simulator as simulator
 
-    bumped = types.SimpleNamespace(**{name: getattr(math, name) for name in dir(math)
-                                      if not name.startswith("_")})
+    bumped = types.SimpleNamespace(
+        **{name: getattr(math, name) for name in dir(math) if not name.startswith("_")}
+    )
     bumped.exp = lambda x: math.nextafter(math.exp(x), math.inf)
     monkeypatch.setattr(simulator, "math", bumped)
     noisy = {name: args for name, args in simulation_cases().items() if "noise" in name}
     assert len(noisy) >= 50
-    moved = [name for name, args in noisy.items()
-             if digest(simulated_decisions(*args)) != CAPTURED[f"sim {name}"]]
+    moved = [
+        name
+        for name, args in noisy.items()
+        if digest(simulated_decisions(*args)) != CAPTURED[f"sim {name}"]
+    ]
     assert not moved, moved
 
 
 # ------------------------------------------------------------------ bookkeeping
 
+
 def assert_bookkeeping(driver: EventDriver) -> None:
     """What the policy keeps as events come equals what a scan of everything finds."""
     policy = driver.policy
-    members = [w for w in dict.fromkeys([*policy.roster, *policy.in_flight])
-               if w in driver.alive or w not in driver.held]
+    members = [
+        w
+        for w in dict.fromkeys([*policy.roster, *policy.in_flight])
+        if w in driver.alive or w not in driver.held
+    ]
     assert policy.members == members
     assert list(policy.idle.values()) == sorted(policy.idle.values())
     assert policy.free == {w for w in policy.idle if not policy.in_flight[w]}
@@ -308,13 +380,16 @@ def assert_ranking(policy: MeasuredPolicy, members: list[str]) -> None:
     mean = ranking.mean()
     weight = {w: book.get(w, mean) for w in members}
     heaviest = sorted(members, key=lambda w: (-weight[w], policy.place[w]))
-    for count in (1, 3, len(members)):
-        assert [m.worker for m in ranking.heaviest(count)] == heaviest[:count]
+    for n in (1, 3, len(members)):
+        assert [m.worker for m in ranking.heaviest(n)] == heaviest[:n]
 
 
 @settings(max_examples=40, deadline=None)
-@given(algo=st.sampled_from(list(POLICIES)), seed=st.integers(0, 2 ** 32),
-       workers=st.sampled_from([(1, 8), (12, 40)]))
+@given(
+    algo=st.sampled_from(list(POLICIES)),
+    seed=st.integers(0, 2**32),
+    workers=st.sampled_from([(1, 8), (12, 40)]),
+)
 def test_what_is_kept_as_events_come_is_what_a_scan_finds(algo, seed, workers) -> None:
     """Random joins, rejoins, chunks done and failed, busy slots and losses: members, idle
     workers, speeds ranked, due pieces and equal-finish's running sums stay right."""
@@ -342,15 +417,20 @@ def split_one_at_a_time(total: int, weights: dict[str, float], floor: int) -> di
 
 
 @settings(max_examples=400, deadline=None)
-@given(total=st.integers(0, 20_000), floor=st.integers(1, 500),
-       weights=st.lists(st.sampled_from([0.0, 1.0, 2.0, 1000.0, 1234.5]) | st.floats(0.01, 1e5),
-                        max_size=60))
+@given(
+    total=st.integers(0, 20_000),
+    floor=st.integers(1, 500),
+    weights=st.lists(
+        st.sampled_from([0.0, 1.0, 2.0, 1000.0, 1234.5]) | st.floats(0.01, 1e5), max_size=60
+    ),
+)
 def test_split_is_the_one_of_dropping_the_lightest_one_at_a_time(total, floor, weights) -> None:
     named = {f"w{i}": weight for i, weight in enumerate(weights)}
     assert proportional_split(total, named, floor) == split_one_at_a_time(total, named, floor)
 
 
 # ----------------------------------------------------------------------- scale
+
 
 @dataclass
 class SteadyFarm:
@@ -385,6 +465,7 @@ def counted(calls: Counter[str], method: Callable[..., Any]) -> Callable[..., An
     def count(self: Policy, *args: Any) -> Any:
         calls[method.__name__] += 1
         return method(self, *args)
+
     return count
 
 
@@ -394,7 +475,7 @@ def test_a_chunk_costs_a_few_offers_with_thousands_of_workers(algo, monkeypatch)
     equal-finish's predictions stay a handful per chunk with 3 000 workers."""
     rng = random.Random(0)
     rates = {f"w{i}": rng.uniform(500, 2000) for i in range(3000)}
-    policy = make_policy(algo, 10 ** 9, rates)
+    policy = make_policy(algo, 10**9, rates)
     policy.max_chunk = 2000
     farm = SteadyFarm(policy, rates)
     farm.run(6000)  # the first rounds, which look at every worker

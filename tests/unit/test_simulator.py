@@ -72,8 +72,9 @@ def test_equal_finish_is_never_worse_than_fast_split_on_average() -> None:
         if len(case.scenario.devices) >= 100:
             continue
         ours = mean(run(case.scenario, "equal-finish", s).waste for s in case.seeds)
-        fast = mean(run(case.scenario, "fast-split", s, ratio=r).waste
-                    for r in PAPER_PARAMETERS["fast-split"][1] for s in case.seeds)
+        fast = mean(
+            run(case.scenario, "fast-split", s, ratio=r).waste
+            for r in PAPER_PARAMETERS["fast-split"][1]
+            for s in case.seeds
+        )
         assert ours <= fast, f"{case.label}: equal-finish {ours:.2%} > fast-split {fast:.2%}"
-
-

@@ -31,13 +31,22 @@ CLIENT, OTHER = b"client-1", b"client-2"
 A, B = b"worker-a", b"worker-b"
 #: The scheduling core: it speaks neither the protocol nor its messages (farm.broker.wire
 #: maps them onto its events and instructions).
-CORE = ("farm.broker.state", "farm.broker.jobs", "farm.broker.registry", "farm.broker.events",
-        "farm.broker.facts", "farm.broker.blame", "farm.broker.churn", "farm.policies")
+CORE = (
+    "farm.broker.state",
+    "farm.broker.jobs",
+    "farm.broker.registry",
+    "farm.broker.events",
+    "farm.broker.facts",
+    "farm.broker.blame",
+    "farm.broker.churn",
+    "farm.policies",
+)
 WIRE = {"farm.protocol", "farm.messages"}
 
 
-def submit(job: str, total: int, at: float = 0.0, client: bytes = CLIENT,
-           **options) -> ev.JobSubmitted:
+def submit(
+    job: str, total: int, at: float = 0.0, client: bytes = CLIENT, **options
+) -> ev.JobSubmitted:
     return submitted(job, total, at=at, client=client, options=JobOptions(**options))
 
 
@@ -45,23 +54,40 @@ def need(job: str, chunk: int, start: int, count: int, client: bytes = CLIENT) -
     return ev.SendNeed(client=client, job=job, chunk=chunk, start=start, count=count)
 
 
-def task(worker: bytes, job: str, chunk: int, start: int, count: int,
-         attempt: int = 1) -> ev.SendTask:
-    return ev.SendTask(worker=worker, job=job, chunk=chunk, attempt=attempt, start=start,
-                       count=count, model=kit.MODEL, digest=kit.DIGEST, dtype="float32",
-                       item_shape=kit.ITEM_SHAPE, engine=None)
+def task(
+    worker: bytes, job: str, chunk: int, start: int, count: int, attempt: int = 1
+) -> ev.SendTask:
+    return ev.SendTask(
+        worker=worker,
+        job=job,
+        chunk=chunk,
+        attempt=attempt,
+        start=start,
+        count=count,
+        model=kit.MODEL,
+        digest=kit.DIGEST,
+        dtype="float32",
+        item_shape=kit.ITEM_SHAPE,
+        engine=None,
+    )
 
 
 def fifo(chunk: int, **config) -> FarmState:
-    return FarmState(SchedulingConfig(algo="fifo", params={"chunk": chunk},
-                                      max_chunk_seconds=0.0, **config), first_chunk_id=1)
+    return FarmState(
+        SchedulingConfig(algo="fifo", params={"chunk": chunk}, max_chunk_seconds=0.0, **config),
+        first_chunk_id=1,
+    )
 
 
 def imports_of(path: str) -> set[str]:
     """The modules a file imports (``from farm import x``: ``farm.x`` too)."""
     tree = ast.parse(open(path).read())
-    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-             for alias in node.names}
+    names = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
             names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
@@ -71,15 +97,17 @@ def imports_of(path: str) -> set[str]:
 def test_the_core_imports_neither_the_protocol_nor_its_messages() -> None:
     """The state and every farm module it loads import neither ``farm.protocol`` nor
     ``farm.messages`` (not even for types), and neither is loaded."""
-    code = ("import sys, json; import farm.broker.state, farm.simulation.kit; "
-            f"print(json.dumps([sorted(n for n in {sorted(WIRE)!r} if n in sys.modules), "
-            "{n: m.__file__ for n, m in sys.modules.items() if n.startswith('farm')}]))")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True).stdout
+    code = (
+        "import sys, json; import farm.broker.state, farm.simulation.kit; "
+        f"print(json.dumps([sorted(n for n in {sorted(WIRE)!r} if n in sys.modules), "
+        "{n: m.__file__ for n, m in sys.modules.items() if n.startswith('farm')}]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
     loaded, files = json.loads(out)
     assert loaded == []
-    assert all(any(name == core or name.startswith(f"{core}.") for name in files)
-               for core in CORE)
+    assert all(any(name == core or name.startswith(f"{core}.") for name in files) for core in CORE)
     for path in files.values():
         assert not imports_of(path) & WIRE, path
 
@@ -91,9 +119,12 @@ def test_a_chunk_goes_need_data_task_result_done() -> None:
     assert state.handle(data_for(need("j", 1, 0, 100), 0.1)) == [task(A, "j", 1, 0, 100)]
     result = result_for(task(A, "j", 1, 0, 100), 0.5, 0.25)
     out = state.handle(result)
-    assert out == [ev.SendResult(client=CLIENT, result=result, worker="host:1/cpu", attempt=1,
-                                 trace=(0.0, 0.1, 0.5)),
-                   need("j", 2, 100, 50)]
+    assert out == [
+        ev.SendResult(
+            client=CLIENT, result=result, worker="host:1/cpu", attempt=1, trace=(0.0, 0.1, 0.5)
+        ),
+        need("j", 2, 100, 50),
+    ]
     state.handle(data_for(out[1], 0.6))
     out = state.handle(result_for(task(A, "j", 2, 100, 50), 0.8, 0.1))
     assert [type(i) for i in out] == [ev.SendResult, ev.SendDone]
@@ -151,19 +182,20 @@ def test_a_failed_chunk_runs_again_whole_on_another_device() -> None:
     state.handle(joined(A, device="cpu:0", pid=1))
     state.handle(joined(B, device="cpu:1", pid=2))
     first, second = state.handle(submit("j", 20))
-    task_a, = state.handle(data_for(first, 0.1))
-    task_b, = state.handle(data_for(second, 0.1))
+    (task_a,) = state.handle(data_for(first, 0.1))
+    (task_b,) = state.handle(data_for(second, 0.1))
     # A fails its chunk and is free first, but the chunk waits for another device
     assert state.handle(failure_for(task_a, 0.2, "oom")) == []
     out = state.handle(result_for(task_b, 0.3, 0.1))
     assert len(out) == 2 and matching(out, ev.SendNeed, start=0, count=10) == out[1:]
-    retry, = state.handle(data_for(out[1], 0.4))
+    (retry,) = state.handle(data_for(out[1], 0.4))
     assert (retry.worker, retry.attempt) == (B, 2)  # whole, not narrowed: one device failed it
     assert state.stats.narrowed_chunks == 0
 
 
-def run_with_poison(state: FarmState, workers: dict[bytes, dict], total: int,
-                    bad: set[int]) -> tuple[list[int], list[ev.SendFailed]]:
+def run_with_poison(
+    state: FarmState, workers: dict[bytes, dict], total: int, bad: set[int]
+) -> tuple[list[int], list[ev.SendFailed]]:
     """Answer every NEED and TASK at once: a chunk holding a ``bad`` item fails on any
     worker (``workers``: each one's facts for ``kit.worker_facts``).  The items delivered
     (with repeats, if any) and the FAILED sent."""
@@ -179,14 +211,17 @@ def run_with_poison(state: FarmState, workers: dict[bytes, dict], total: int,
                     queue.append(data_for(instruction, clock))
                 case ev.SendTask(start=start, count=count):
                     if bad & set(range(start, start + count)):
-                        queue.append(failure_for(instruction, clock,
-                                                 f"bad item in {start}+{count}"))
+                        queue.append(
+                            failure_for(instruction, clock, f"bad item in {start}+{count}")
+                        )
                     else:
                         queue.append(result_for(instruction, clock, 0.001 * count))
     assert driver.sent is not None
-    delivered = [item for forward in matching(driver.sent, ev.SendResult)
-                 for item in range(forward.result.start, forward.result.start
-                                   + forward.result.count)]
+    delivered = [
+        item
+        for forward in matching(driver.sent, ev.SendResult)
+        for item in range(forward.result.start, forward.result.start + forward.result.count)
+    ]
     return delivered, matching(driver.sent, ev.SendFailed)
 
 
@@ -238,14 +273,14 @@ def test_a_fatal_failure_fails_the_job_and_frees_the_worker() -> None:
     state.handle(submit("j", 20))
     state.handle(data_for(need("j", 1, 0, 10), 0.1))
     out = state.handle(failure_for(task(A, "j", 1, 0, 10), 0.2, "no such layer", fatal=True))
-    assert out == [ev.SendError(peer=CLIENT, error="items 0..9 failed on host:1/cpu: no such "
-                                                   "layer", job="j")]
+    assert out == [
+        ev.SendError(peer=CLIENT, error="items 0..9 failed on host:1/cpu: no such layer", job="j")
+    ]
     assert state.workers[A].free_slots == 1
 
 
 def test_chunks_are_capped_at_seconds_of_the_fastest_worker_and_shorter_when_shared() -> None:
-    state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 1000},
-                                       max_chunk_seconds=0.5))
+    state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 1000}, max_chunk_seconds=0.5))
     state.handle(joined(A))
     first = state.handle(submit("j", 10_000))[0]
     assert first.count == 1000  # no speed known yet
@@ -275,28 +310,37 @@ def test_a_job_past_its_timeout_is_cancelled_with_its_summary() -> None:
     state.handle(submit("j", 100, timeout=2.0))
     state.handle(ev.ClientHeard(client=CLIENT, job="j", at=2.0))
     out = state.handle(ev.Tick(at=2.5))
-    assert len(out) == 1 and matching(out, ev.SendCancel, peer=CLIENT, job="j",
-                                      reason="the job's timeout of 2 s passed") == out
+    assert (
+        len(out) == 1
+        and matching(
+            out, ev.SendCancel, peer=CLIENT, job="j", reason="the job's timeout of 2 s passed"
+        )
+        == out
+    )
     assert out[0].summary is not None
 
 
 def test_unknown_jobs_and_bad_submissions_are_refused_with_reasons() -> None:
     state = fifo(10)
     assert state.handle(ev.JobCancelled(client=CLIENT, job="nope", at=0.0)) == [
-        ev.SendError(peer=CLIENT, error="the broker has no job nope", job="nope",
-                     unknown_job=True)]
+        ev.SendError(peer=CLIENT, error="the broker has no job nope", job="nope", unknown_job=True)
+    ]
     state.handle(submit("j", 10))
     assert state.handle(submit("j", 10)) == [
-        ev.SendError(peer=CLIENT, error="job j already exists", job="j")]
+        ev.SendError(peer=CLIENT, error="job j already exists", job="j")
+    ]
     wrong = submitted("k", 10, client=CLIENT, item_shape=(2,))
-    assert state.handle(wrong) == [ev.SendError(
-        peer=CLIENT, error="images of shape (2,) do not match model 'm', which takes (1,)",
-        job="k")]
+    assert state.handle(wrong) == [
+        ev.SendError(
+            peer=CLIENT,
+            error="images of shape (2,) do not match model 'm', which takes (1,)",
+            job="k",
+        )
+    ]
 
 
 def test_matching_picks_instructions_by_type_and_fields() -> None:
-    out = [need("j", 1, 0, 10), ev.DropWorker(worker=A), need("j", 2, 10, 10),
-           need("k", 3, 0, 10)]
+    out = [need("j", 1, 0, 10), ev.DropWorker(worker=A), need("j", 2, 10, 10), need("k", 3, 0, 10)]
     assert matching(out, ev.SendNeed, job="j") == [out[0], out[2]]
     assert matching(out, ev.SendNeed, job="j", start=10) == [out[2]]
     assert matching(out, ev.DropWorker) == [out[1]]
@@ -308,10 +352,15 @@ def test_matching_picks_instructions_by_type_and_fields() -> None:
 
 
 def test_simulated_farm_runs_several_jobs_through_a_lost_worker_with_caps() -> None:
-    devices = (DeviceModel("fast", 2000.0, 0.001), DeviceModel("slow", 500.0, 0.001),
-               DeviceModel("doomed", 1000.0, 0.001))
-    farm = FarmSimulation(Scenario("three", devices, 0, latency=0.0005, slots=2),
-                          SchedulingConfig(algo="equal-finish", max_chunk_seconds=0.2))
+    devices = (
+        DeviceModel("fast", 2000.0, 0.001),
+        DeviceModel("slow", 500.0, 0.001),
+        DeviceModel("doomed", 1000.0, 0.001),
+    )
+    farm = FarmSimulation(
+        Scenario("three", devices, 0, latency=0.0005, slots=2),
+        SchedulingConfig(algo="equal-finish", max_chunk_seconds=0.2),
+    )
     farm.submit("a", 20_000)
     farm.submit("b", 5_000, at=1.0, options=JobOptions(priority=1))
     farm.lose("doomed", at=2.0)
@@ -320,7 +369,7 @@ def test_simulated_farm_runs_several_jobs_through_a_lost_worker_with_caps() -> N
     for job, total in (("a", 20_000), ("b", 5_000)):
         covered = np.zeros(total, int)
         for run in farm.runs[job]:
-            covered[run.chunk.start:run.chunk.stop] += 1
+            covered[run.chunk.start : run.chunk.stop] += 1
             assert run.chunk.count <= 2000 * 0.2  # the cap, on the fastest worker
         assert (covered == 1).all()  # every item once: the lost worker's chunks were rerun
     assert not any(r.worker == "doomed" and r.finished > 2.0 for r in farm.runs["a"])
@@ -347,31 +396,33 @@ def test_a_nine_item_job_runs_on_both_workers_of_a_simulated_farm(algo, remember
 # --------------------------------------------------------------- the broker runs this state
 
 
-
-
-
-
 @settings(max_examples=60, deadline=None)
-@given(algo=st.sampled_from(sorted(POLICIES)), total=st.integers(1, 3000),
-       rates=st.lists(st.floats(100, 5000), min_size=1, max_size=4),
-       slots=st.integers(1, 2),
-       poison=st.dictionaries(st.integers(0, 2999), st.sampled_from(["fail", "crash"]),
-                              max_size=3),
-       losses=st.lists(st.tuples(st.floats(0, 3), st.integers(0, 3), st.booleans()),
-                       max_size=6),
-       max_attempts=st.integers(1, 3), seed=st.integers(0, 1000))
+@given(
+    algo=st.sampled_from(sorted(POLICIES)),
+    total=st.integers(1, 3000),
+    rates=st.lists(st.floats(100, 5000), min_size=1, max_size=4),
+    slots=st.integers(1, 2),
+    poison=st.dictionaries(st.integers(0, 2999), st.sampled_from(["fail", "crash"]), max_size=3),
+    losses=st.lists(st.tuples(st.floats(0, 3), st.integers(0, 3), st.booleans()), max_size=6),
+    max_attempts=st.integers(1, 3),
+    seed=st.integers(0, 1000),
+)
 def test_under_churn_and_poison_every_item_comes_back_once_and_only_poison_fails(
-        algo, total, rates, slots, poison, losses, max_attempts, seed) -> None:
+    algo, total, rates, slots, poison, losses, max_attempts, seed
+) -> None:
     """Every policy, in a simulated farm whose workers die (charging the chunk they compute)
     or go silent (charging nothing) and are restarted, with items that fail or crash every
     worker: every clean item comes back exactly once, and exactly the poison items are
     reported, each alone."""
     devices = tuple(DeviceModel(f"cpu{i}", rate) for i, rate in enumerate(rates))
     poison = {item: kind for item, kind in poison.items() if item < total}
-    farm = FarmSimulation(Scenario("churn", devices, 0, latency=0.001, slots=slots),
-                          SchedulingConfig(algo=algo, max_chunk_seconds=0.2,
-                                           max_attempts=max_attempts), seed,
-                          poison=poison, restart=0.05)
+    farm = FarmSimulation(
+        Scenario("churn", devices, 0, latency=0.001, slots=slots),
+        SchedulingConfig(algo=algo, max_chunk_seconds=0.2, max_attempts=max_attempts),
+        seed,
+        poison=poison,
+        restart=0.05,
+    )
     farm.submit("j", total)
     charged = 0  # crashes charge the chunk computed: fewer than max_attempts fail no image
     for at, index, crashed in losses:
@@ -382,7 +433,7 @@ def test_under_churn_and_poison_every_item_comes_back_once_and_only_poison_fails
     assert "j" in farm.ended and not farm.errors
     covered = np.zeros(total, int)
     for run in farm.runs.get("j", []):
-        covered[run.chunk.start:run.chunk.stop] += 1
+        covered[run.chunk.start : run.chunk.stop] += 1
     failed = farm.failed.get("j", [])
     assert sorted((f.start, f.count) for f in failed) == [(item, 1) for item in sorted(poison)]
     for item in poison:
@@ -395,9 +446,11 @@ def test_chunks_shorten_while_workers_keep_dying_and_not_for_one_death() -> None
     Ten crashes within the 30 s window call for chunks of sqrt(2 x 0.01 / (10 / 90)) =
     0.42 s; every image still comes back once."""
     devices = tuple(DeviceModel(f"cpu{i}", 1000.0) for i in range(3))
-    farm = FarmSimulation(Scenario("churn", devices, 0, latency=0.001, slots=2),
-                          SchedulingConfig(algo="fifo", params={"chunk": 100_000},
-                                           max_chunk_seconds=1.0), restart=0.05)
+    farm = FarmSimulation(
+        Scenario("churn", devices, 0, latency=0.001, slots=2),
+        SchedulingConfig(algo="fifo", params={"chunk": 100_000}, max_chunk_seconds=1.0),
+        restart=0.05,
+    )
     farm.remember({device.name: 1000.0 for device in devices})
     farm.submit("j", 60_000)
     crashes = [2.0 + 0.5 * k for k in range(20)]
@@ -407,7 +460,7 @@ def test_chunks_shorten_while_workers_keep_dying_and_not_for_one_death() -> None
     runs = farm.runs["j"]
     covered = np.zeros(60_000, int)
     for run in runs:
-        covered[run.chunk.start:run.chunk.stop] += 1
+        covered[run.chunk.start : run.chunk.stop] += 1
     assert (covered == 1).all() and "j" not in farm.failed
     before = [r.chunk.count for r in runs if r.assigned < crashes[0]]
     during = [r.chunk.count for r in runs if crashes[9] < r.assigned < crashes[-1]]
@@ -417,10 +470,11 @@ def test_chunks_shorten_while_workers_keep_dying_and_not_for_one_death() -> None
 
 
 def test_one_death_does_not_shorten_chunks() -> None:
-    state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 100_000},
-                                       max_chunk_seconds=1.0))
+    state = FarmState(
+        SchedulingConfig(algo="fifo", params={"chunk": 100_000}, max_chunk_seconds=1.0)
+    )
     state.handle(joined(A, device="cpu:0", pid=1))
-    first, = state.handle(submit("j", 1_000_000))
+    (first,) = state.handle(submit("j", 1_000_000))
     sent = state.handle(data_for(first, 0.0))[0]
     out = state.handle(result_for(sent, 100.0, 100.0))  # 1 000 images/s
     assert out[-1].count == 1000

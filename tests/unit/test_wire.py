@@ -25,32 +25,45 @@ def farm_with_a_need(total: int = 3) -> tuple[FarmState, ev.SendNeed]:
     """A one-worker farm whose job of ``total`` float32 items waits for its input."""
     state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 10}, max_chunk_seconds=0))
     state.handle(kit.joined(WORKER))
-    need, = state.handle(kit.submitted("j", total, client=CLIENT))
+    (need,) = state.handle(kit.submitted("j", total, client=CLIENT))
     assert isinstance(need, ev.SendNeed)
     return state, need
 
 
 def data(need: ev.SendNeed, payload: list) -> protocol.Message:
-    return decoded(messages.Data(job=need.job, chunk=need.chunk, start=need.start,
-                                 count=need.count), payload)
+    return decoded(
+        messages.Data(job=need.job, chunk=need.chunk, start=need.start, count=need.count), payload
+    )
 
 
 def result(task: ev.SendTask, **fields) -> protocol.Message:
     """The worker's RESULT for ``task``, but for ``fields``."""
-    header = messages.Result(**{"job": task.job, "chunk": task.chunk, "start": task.start,
-                                "count": task.count, "dtype": "float32", "item_shape": (10,),
-                                "timings": {"compute": 0.5}, **fields})
+    header = messages.Result(
+        **{
+            "job": task.job,
+            "chunk": task.chunk,
+            "start": task.start,
+            "count": task.count,
+            "dtype": "float32",
+            "item_shape": (10,),
+            "timings": {"compute": 0.5},
+            **fields,
+        }
+    )
     return decoded(header, protocol.array_frames(np.zeros((header.count, 10), np.float32)))
 
 
 def test_a_chunk_crosses_the_adapter_both_ways_with_typed_headers() -> None:
     state, need = farm_with_a_need()
     peer, header, payload = wire.message_of(need)
-    assert (peer, header, payload) == (CLIENT, messages.Need(job="j", chunk=need.chunk,
-                                                             start=0, count=3), ())
+    assert (peer, header, payload) == (
+        CLIENT,
+        messages.Need(job="j", chunk=need.chunk, start=0, count=3),
+        (),
+    )
     arrived = wire.event_of(CLIENT, data(need, [bytes(12)]), 1.0, state)
     assert isinstance(arrived, ev.DataArrived) and arrived.problem is None
-    task, = state.handle(arrived)
+    (task,) = state.handle(arrived)
     peer, header, payload = wire.message_of(task)
     assert peer == WORKER and isinstance(header, messages.Task) and payload == arrived.payload
     assert (header.job, header.start, header.count, header.dtype) == ("j", 0, 3, "float32")
@@ -61,16 +74,27 @@ def test_a_chunk_crosses_the_adapter_both_ways_with_typed_headers() -> None:
     forward = ev.matching(state.handle(answered), ev.SendResult)[0]
     peer, header, payload = wire.message_of(forward)
     assert peer == CLIENT and payload is message.payload
-    assert header == messages.Result(job="j", chunk=task.chunk, start=0, count=3,
-                                     dtype="float32", item_shape=(10,),
-                                     timings={"compute": 0.5}, worker="host:1/cpu", attempt=1,
-                                     trace=forward.trace)
+    assert header == messages.Result(
+        job="j",
+        chunk=task.chunk,
+        start=0,
+        count=3,
+        dtype="float32",
+        item_shape=(10,),
+        timings={"compute": 0.5},
+        worker="host:1/cpu",
+        attempt=1,
+        trace=forward.trace,
+    )
 
 
-@pytest.mark.parametrize("payload, problem", [
-    ([bytes(11)], "job j: DATA of 11 bytes, expected 3 x 4"),
-    ([bytes(4), bytes(8)], "DATA carries exactly one frame"),
-])
+@pytest.mark.parametrize(
+    "payload, problem",
+    [
+        ([bytes(11)], "job j: DATA of 11 bytes, expected 3 x 4"),
+        ([bytes(4), bytes(8)], "DATA carries exactly one frame"),
+    ],
+)
 def test_data_that_is_not_the_chunks_input_carries_its_problem(payload, problem) -> None:
     state, need = farm_with_a_need()
     arrived = wire.event_of(CLIENT, data(need, payload), 1.0, state)
@@ -78,23 +102,26 @@ def test_data_that_is_not_the_chunks_input_carries_its_problem(payload, problem)
     assert state.handle(arrived) == [ev.SendError(peer=CLIENT, error=problem, job="j")]
 
 
-@pytest.mark.parametrize("fields, problem", [
-    ({"start": 1, "count": 2}, "answers items 1+2, not the chunk's"),
-    ({"timings": {"receive": 0.1}}, "no compute time"),
-    ({"timings": {"compute": -1.0}}, "compute time -1.0 is not a time"),
-])
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        ({"start": 1, "count": 2}, "answers items 1+2, not the chunk's"),
+        ({"timings": {"receive": 0.1}}, "no compute time"),
+        ({"timings": {"compute": -1.0}}, "compute time -1.0 is not a time"),
+    ],
+)
 def test_a_result_that_cannot_be_taken_fails_the_job_with_its_problem(fields, problem) -> None:
     state, need = farm_with_a_need()
-    task, = state.handle(wire.event_of(CLIENT, data(need, [bytes(12)]), 1.0, state))
+    (task,) = state.handle(wire.event_of(CLIENT, data(need, [bytes(12)]), 1.0, state))
     answered = wire.event_of(WORKER, result(task, **fields), 2.0, state)
     assert isinstance(answered, ev.ResultArrived) and answered.problem == problem
-    error, = state.handle(answered)
+    (error,) = state.handle(answered)
     assert isinstance(error, ev.SendError) and error.error.endswith(problem)
 
 
 def test_a_late_result_is_not_checked_and_is_dropped() -> None:
     state, need = farm_with_a_need()
-    task, = state.handle(wire.event_of(CLIENT, data(need, [bytes(12)]), 1.0, state))
+    (task,) = state.handle(wire.event_of(CLIENT, data(need, [bytes(12)]), 1.0, state))
     state.handle(ev.WorkerLeft(worker=WORKER, at=1.5))
     answered = wire.event_of(WORKER, result(task, timings={}), 2.0, state)
     assert isinstance(answered, ev.ResultArrived) and answered.problem is None
@@ -109,12 +136,22 @@ def test_error_texts_are_cut_to_the_limit() -> None:
 
 
 def test_a_ready_becomes_worker_facts_and_bad_models_are_refused() -> None:
-    ready = messages.Ready(device="cpu:0", host="h", pid=7, backend="opencv", slots=2,
-                           models={"m": messages.ModelFacts(input_shape=(1,))}, loaded=("m",),
-                           speeds={"m": (100, 2.0), "other": (5, 1.0)})
+    ready = messages.Ready(
+        device="cpu:0",
+        host="h",
+        pid=7,
+        backend="opencv",
+        slots=2,
+        models={"m": messages.ModelFacts(input_shape=(1,))},
+        loaded=("m",),
+        speeds={"m": (100, 2.0), "other": (5, 1.0)},
+    )
     facts = wire.worker_facts(ready)
     assert facts.models == {"m": (1,)} and facts.loaded == frozenset({"m"})
     assert facts.speeds == {"m": (100, 2.0)}  # only models it advertises
     with pytest.raises(protocol.ProtocolError, match="'loaded' must list advertised models"):
-        wire.worker_facts(messages.Ready(device="cpu:0", host="h", pid=7, backend="opencv",
-                                         slots=1, models={}, loaded=("m",)))
+        wire.worker_facts(
+            messages.Ready(
+                device="cpu:0", host="h", pid=7, backend="opencv", slots=1, models={}, loaded=("m",)
+            )
+        )

@@ -34,8 +34,11 @@ class OnnxRuntimeEngine(Engine):
 
     def precisions(self) -> tuple[str, ...]:
         on_gpu = self.device.startswith("cuda")
-        return ("f32", "f16") if on_gpu and "TensorrtExecutionProvider" in gpu_providers() \
+        return (
+            ("f32", "f16")
+            if on_gpu and "TensorrtExecutionProvider" in gpu_providers()
             else ("f32",)
+        )
 
     def precision_note(self) -> str:
         return "" if self.device.startswith("cuda") else " (ONNX Runtime's CPU kernels are f32)"
@@ -50,8 +53,9 @@ class OnnxRuntimeEngine(Engine):
         if self.threads is not None:
             options.intra_op_num_threads = self.threads
         options.log_severity_level = 3  # warnings about unused initializers are noise here
-        self.session = onnxruntime.InferenceSession(self.onnx_file(), options,
-                                                    providers=self.providers())
+        self.session = onnxruntime.InferenceSession(
+            self.onnx_file(), options, providers=self.providers()
+        )
         self.input_name = self.session.get_inputs()[0].name
         self.output_name = self.session.get_outputs()[0].name
 
@@ -61,13 +65,22 @@ class OnnxRuntimeEngine(Engine):
         index = int(self.device.partition(":")[2] or 0)
         offered = gpu_providers()
         if not offered:
-            raise ModelError(f"device {self.device}: this ONNX Runtime offers no CUDA execution "
-                             f"provider (pip install onnxruntime-gpu)")
+            raise ModelError(
+                f"device {self.device}: this ONNX Runtime offers no CUDA execution "
+                f"provider (pip install onnxruntime-gpu)"
+            )
         chosen: list[object] = []
         if "TensorrtExecutionProvider" in offered:
-            chosen.append(("TensorrtExecutionProvider", {
-                "device_id": index, "trt_fp16_enable": self.precision == "f16",
-                "trt_engine_cache_enable": True}))
+            chosen.append(
+                (
+                    "TensorrtExecutionProvider",
+                    {
+                        "device_id": index,
+                        "trt_fp16_enable": self.precision == "f16",
+                        "trt_engine_cache_enable": True,
+                    },
+                )
+            )
         if "CUDAExecutionProvider" in offered:
             chosen.append(("CUDAExecutionProvider", {"device_id": index}))
         return chosen

@@ -57,8 +57,11 @@ class OpenVINOEngine(Engine):
         if self.device != "cpu":
             return ()
         offered = cpu_capabilities()
-        return tuple(name for name, capability in CAPABILITIES.items()
-                     if name == "f32" or capability in offered)
+        return tuple(
+            name
+            for name, capability in CAPABILITIES.items()
+            if name == "f32" or capability in offered
+        )
 
     def precision_note(self) -> str:
         if self.device != "cpu":
@@ -71,12 +74,19 @@ class OpenVINOEngine(Engine):
         core = new_core()
         config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": self.precision}  # never the default
         if self.threads is not None:
-            config.update({"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": self.threads,
-                           "NUM_STREAMS": 1, "ENABLE_CPU_PINNING": False})
+            config.update(
+                {
+                    "PERFORMANCE_HINT": "LATENCY",
+                    "INFERENCE_NUM_THREADS": self.threads,
+                    "NUM_STREAMS": 1,
+                    "ENABLE_CPU_PINNING": False,
+                }
+            )
         self.compiled = core.compile_model(core.read_model(self.onnx_file()), "CPU", config)
         if (compiled := compiled_precision(self.compiled)) != self.precision:
-            raise ModelError(f"OpenVINO compiled the net in {compiled}, not the {self.precision} "
-                             f"asked for")
+            raise ModelError(
+                f"OpenVINO compiled the net in {compiled}, not the {self.precision} asked for"
+            )
         self.request = self.compiled.create_infer_request()
 
     def forward(self, batch: np.ndarray) -> np.ndarray:

@@ -8,18 +8,21 @@ import numpy as np
 
 from farm.engines.engine import BackendUnavailable, Engine
 
-INSTALL_HINT = ("install Caffe with its Python bindings (Debian/Ubuntu: apt-get install "
-                "python3-caffe-cpu, or python3-caffe-cuda; from source: make pycaffe and put "
-                "caffe/python on PYTHONPATH); the opencv and torch backends run the same "
-                "models without it")
+INSTALL_HINT = (
+    "install Caffe with its Python bindings (Debian/Ubuntu: apt-get install "
+    "python3-caffe-cpu, or python3-caffe-cuda; from source: make pycaffe and put "
+    "caffe/python on PYTHONPATH); the opencv and torch backends run the same "
+    "models without it"
+)
 
 
 def require() -> None:
     try:
         import caffe  # noqa: F401
     except ImportError as exc:
-        raise BackendUnavailable(f"the caffe backend needs pycaffe, and 'import caffe' "
-                                 f"failed ({exc}): {INSTALL_HINT}") from exc
+        raise BackendUnavailable(
+            f"the caffe backend needs pycaffe, and 'import caffe' failed ({exc}): {INSTALL_HINT}"
+        ) from exc
 
 
 class CaffeEngine(Engine):

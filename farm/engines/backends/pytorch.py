@@ -9,7 +9,8 @@ before the import (``prepare_process``) and calls ``torch.set_num_threads``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -25,8 +26,9 @@ def require() -> None:
     try:
         import torch  # noqa: F401
     except ImportError as exc:
-        raise BackendUnavailable(f"the torch backend needs PyTorch ({exc}): {INSTALL_HINT}") \
-            from exc
+        raise BackendUnavailable(
+            f"the torch backend needs PyTorch ({exc}): {INSTALL_HINT}"
+        ) from exc
 
 
 Op = Callable[[list[Any], list[Any]], Any]  # (bottom tensors, weight tensors) -> top tensor
@@ -49,15 +51,17 @@ def make_op(layer: Layer, shapes: dict[str, tuple[int, ...]]) -> Op:
     if kind == "Convolution":
         g = conv_geometry(p.convolution_param)
         group = p.convolution_param.group
-        return lambda x, w: F.conv2d(x[0], w[0], w[1] if len(w) > 1 else None, g.stride, g.pad,
-                                     g.dilation, group)
+        return lambda x, w: F.conv2d(
+            x[0], w[0], w[1] if len(w) > 1 else None, g.stride, g.pad, g.dilation, group
+        )
     if kind == "Pooling":
         g = pool_geometry(p.pooling_param, *in_shape[2:])
         ceil = pools_with_ceil(p.pooling_param)
         if p.pooling_param.pool == 0:
             return lambda x, w: F.max_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=ceil)
-        return lambda x, w: F.avg_pool2d(x[0], g.kernel, g.stride, g.pad, ceil_mode=ceil,
-                                         count_include_pad=True)
+        return lambda x, w: F.avg_pool2d(
+            x[0], g.kernel, g.stride, g.pad, ceil_mode=ceil, count_include_pad=True
+        )
     if kind == "InnerProduct":
         q = p.inner_product_param
         axis = q.axis % len(in_shape)
@@ -85,7 +89,7 @@ def make_op(layer: Layer, shapes: dict[str, tuple[int, ...]]) -> Op:
         return _scale(p.scale_param, len(in_shape))
     if kind == "Concat":
         q = p.concat_param
-        axis = (q.axis if q.HasField("axis") or not q.HasField("concat_dim") else q.concat_dim)
+        axis = q.axis if q.HasField("axis") or not q.HasField("concat_dim") else q.concat_dim
         return lambda x, w: torch.cat(x, dim=axis % len(in_shape))
     if kind == "Eltwise":
         return _eltwise(p.eltwise_param)
@@ -103,14 +107,14 @@ def _lrn(q: Any) -> Op:
     # computed in f32 whatever the net's precision: squares of activations above 256
     # overflow f16
     if q.norm_region == 0:  # ACROSS_CHANNELS: Caffe and torch share the formula
-        return lambda x, w: F.local_response_norm(x[0].float(), size, alpha, beta,
-                                                  k).to(x[0].dtype)
+        return lambda x, w: F.local_response_norm(x[0].float(), size, alpha, beta, k).to(x[0].dtype)
     pad = (size - 1) // 2  # WITHIN_CHANNEL: Caffe's average of squares over a size x size window
 
     def within(x: list[Any], w: list[Any]) -> Any:
         wide = x[0].float()
         square_mean = F.avg_pool2d(wide * wide, size, 1, pad, count_include_pad=True)
         return (wide * (1 + alpha * square_mean).pow(-beta)).to(x[0].dtype)
+
     return within
 
 
@@ -140,6 +144,7 @@ def _scale(q: Any, ndim: int) -> Op:
             factor, bias = w[0], (w[1] if len(w) > 1 else None)
         out = x[0] * _axis_view(factor, axis, ndim)
         return out if bias is None else out + _axis_view(bias, axis, ndim)
+
     return scale
 
 
@@ -161,6 +166,7 @@ def _eltwise(q: Any) -> Op:
         for factor, other in zip(factors[1:], x[1:]):
             out = out + factor * other
         return out
+
     return eltwise
 
 
@@ -183,22 +189,25 @@ def build_module(network: Network, trainable: bool = False) -> Any:
                 indices = []
                 for blob in blobs:
                     indices.append(len(self.weights))
-                    self.weights.append(torch.nn.Parameter(torch.from_numpy(blob.copy()),
-                                                           requires_grad=trainable))
+                    self.weights.append(
+                        torch.nn.Parameter(torch.from_numpy(blob.copy()), requires_grad=trainable)
+                    )
                 self.steps.append((layer, make_op(layer, network.shapes), indices))
             # the last step that reads each blob: after it, the blob is dropped, so a batch
             # holds a few blobs at a time, not the whole net's (GoogLeNet's: 27 MB an image)
-            self.last_read = {name: i for i, (layer, _, _) in enumerate(self.steps)
-                              for name in layer.bottoms}
+            self.last_read = {
+                name: i for i, (layer, _, _) in enumerate(self.steps) for name in layer.bottoms
+            }
 
         def forward(self, x: Any, until: str | None = None) -> Any:
             """The blob ``until`` (default: the net's output) after its last writer has run."""
             target = until or network.output
             last = max(i for i, (layer, _, _) in enumerate(self.steps) if target in layer.tops)
             blobs = {network.input: x}
-            for i, (layer, op, indices) in enumerate(self.steps[:last + 1]):
-                blobs[layer.tops[0]] = op([blobs[name] for name in layer.bottoms],
-                                          [self.weights[i] for i in indices])
+            for i, (layer, op, indices) in enumerate(self.steps[: last + 1]):
+                blobs[layer.tops[0]] = op(
+                    [blobs[name] for name in layer.bottoms], [self.weights[i] for i in indices]
+                )
                 for name in layer.bottoms:
                     if self.last_read[name] == i and name not in layer.tops and name != target:
                         blobs.pop(name, None)
@@ -206,9 +215,11 @@ def build_module(network: Network, trainable: bool = False) -> Any:
 
         def caffe_blobs(self) -> list[tuple[str, str, list[np.ndarray]]]:
             """(layer, type, blobs) for ``write_caffemodel``."""
-            return [(layer.name, layer.type,
-                     [self.weights[i].detach().cpu().numpy() for i in indices])
-                    for layer, _, indices in self.steps if indices]
+            return [
+                (layer.name, layer.type, [self.weights[i].detach().cpu().numpy() for i in indices])
+                for layer, _, indices in self.steps
+                if indices
+            ]
 
     return CaffeModule()
 
@@ -228,8 +239,11 @@ class TorchEngine(Engine):
         return ("f32", "f16", "bf16") if torch.cuda.is_bf16_supported() else ("f32", "f16")
 
     def precision_note(self) -> str:
-        return "" if self.device.startswith("cuda") else \
-            " (farm's torch backend computes in f32 on the CPU)"
+        return (
+            ""
+            if self.device.startswith("cuda")
+            else " (farm's torch backend computes in f32 on the CPU)"
+        )
 
     def build(self) -> None:
         import torch
@@ -238,8 +252,10 @@ class TorchEngine(Engine):
             torch.set_num_threads(self.threads)
         on_gpu = self.device.startswith("cuda")
         if on_gpu and not torch.cuda.is_available():
-            raise ModelError(f"device {self.device} asked for, but this torch "
-                             f"({torch.__version__}) sees no CUDA device")
+            raise ModelError(
+                f"device {self.device} asked for, but this torch "
+                f"({torch.__version__}) sees no CUDA device"
+            )
         if on_gpu and self.precision == "f32":
             exact_f32(torch)
         self.torch = torch
@@ -248,8 +264,9 @@ class TorchEngine(Engine):
         if on_gpu:
             module = module.to(memory_format=torch.channels_last)
         self.module = module
-        self.feeder = Feeder(self.call, DeviceTransform.on(self.transform, self.device),
-                             self.device, self.dtype)
+        self.feeder = Feeder(
+            self.call, DeviceTransform.on(self.transform, self.device), self.device, self.dtype
+        )
 
     def call(self, batch: Any) -> Any:
         """The module on one preprocessed batch already on the device."""
@@ -260,8 +277,12 @@ class TorchEngine(Engine):
             tensor = self.torch.from_numpy(batch).to(self.device, self.dtype, non_blocking=True)
             return self.call(tensor).float().cpu().numpy()
 
-    def run(self, images: np.ndarray, stop: Callable[[], bool] | None = None,
-            tally: Callable[[int, float], None] | None = None) -> np.ndarray:
+    def run(
+        self,
+        images: np.ndarray,
+        stop: Callable[[], bool] | None = None,
+        tally: Callable[[int, float], None] | None = None,
+    ) -> np.ndarray:
         """Outputs for ``images`` as clients send them; preprocessing runs on the device."""
         outputs = np.empty((images.shape[0], *self.output_shape), dtype=np.float32)
         stats = self.feeder.run(images, self.batch, outputs, stop, tally)
@@ -281,8 +302,9 @@ def exact_f32(torch: Any) -> None:
     """f32 means f32 on a GPU: no TensorFloat-32 (a 10-bit mantissa) in convolutions and
     matrix products (f16 and bf16 are there for speed).  torch 2.9 and later name it
     ``fp32_precision``; earlier ones ``allow_tf32``."""
-    if hasattr(torch.backends.cudnn, "conv") and \
-            hasattr(torch.backends.cudnn.conv, "fp32_precision"):
+    if hasattr(torch.backends.cudnn, "conv") and hasattr(
+        torch.backends.cudnn.conv, "fp32_precision"
+    ):
         torch.backends.cudnn.conv.fp32_precision = "ieee"
         torch.backends.cuda.matmul.fp32_precision = "ieee"
     else:
@@ -291,6 +313,8 @@ def exact_f32(torch: Any) -> None:
 
 
 #: Compute precision -> the torch dtype (read from torch once it is imported).
-DTYPES: dict[str, Callable[[Any], Any]] = {"f32": lambda torch: torch.float32,
-                                           "f16": lambda torch: torch.float16,
-                                           "bf16": lambda torch: torch.bfloat16}
+DTYPES: dict[str, Callable[[Any], Any]] = {
+    "f32": lambda torch: torch.float32,
+    "f16": lambda torch: torch.float16,
+    "bf16": lambda torch: torch.bfloat16,
+}

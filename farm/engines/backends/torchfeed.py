@@ -22,8 +22,9 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -59,10 +60,14 @@ class DeviceTransform:
     def on(cls, transform: Transformer, device: str) -> DeviceTransform:
         import torch
 
-        swap = (torch.tensor(transform.channel_swap, device=device)
-                if transform.channel_swap else None)
-        mean = (torch.tensor(np.asarray(transform.mean, np.float32), device=device)
-                if transform.mean is not None else None)
+        swap = (
+            torch.tensor(transform.channel_swap, device=device) if transform.channel_swap else None
+        )
+        mean = (
+            torch.tensor(np.asarray(transform.mean, np.float32), device=device)
+            if transform.mean is not None
+            else None
+        )
         return cls(transform.hwc, swap, transform.raw_scale, mean, transform.input_scale)
 
     def __call__(self, images: Any) -> Any:
@@ -115,9 +120,14 @@ class Feeder:
             self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
             self.ramp = RAMP
 
-    def run(self, images: np.ndarray, batch: int, outputs: np.ndarray,
-            stop: Callable[[], bool] | None = None,
-            tally: Callable[[int, float], None] | None = None) -> RunStats:
+    def run(
+        self,
+        images: np.ndarray,
+        batch: int,
+        outputs: np.ndarray,
+        stop: Callable[[], bool] | None = None,
+        tally: Callable[[int, float], None] | None = None,
+    ) -> RunStats:
         """Fill ``outputs`` with the module's outputs for ``images``, in batches of
         ``batch``; ``stop`` is asked before each launch, and when it says yes the batches
         in flight are waited for and ``Stopped`` is raised; ``tally`` hears each batch's
@@ -133,8 +143,7 @@ class Feeder:
                     if stop is not None and stop():
                         raise Stopped(f"stopped after {begin} of {len(images)} images")
                     slot = index % (DEPTH + 1)
-                    pending.append(self.launch(images, begin, end, batch, slot,
-                                               outputs.shape[1:]))
+                    pending.append(self.launch(images, begin, end, batch, slot, outputs.shape[1:]))
                     if len(pending) > DEPTH:
                         self.collect(pending.popleft(), outputs, stats, tally)
                 while pending:
@@ -143,8 +152,15 @@ class Feeder:
             self.drain(pending)  # a stop or an error: let the launched batches finish
         return stats
 
-    def launch(self, images: np.ndarray, begin: int, end: int, batch: int, slot: int,
-               output_shape: tuple[int, ...]) -> Launched:
+    def launch(
+        self,
+        images: np.ndarray,
+        begin: int,
+        end: int,
+        batch: int,
+        slot: int,
+        output_shape: tuple[int, ...],
+    ) -> Launched:
         """Start one batch; on CUDA its buffers are slot ``slot``'s, whose last batch was
         collected before this one was launched."""
         launched = Launched(begin, end - begin, slot)
@@ -157,7 +173,7 @@ class Feeder:
         assert self.streams is not None
         copy_stream, compute_stream = self.streams
         host_in = self.buffer("in", images.dtype, (batch, *images.shape[1:]), slot)
-        host_in[:end - begin].copy_(torch.from_numpy(images[begin:end]))
+        host_in[: end - begin].copy_(torch.from_numpy(images[begin:end]))
         padded = min(batch, -(-(end - begin) // PAD) * PAD)
         # blocking: the host sleeps in synchronize() instead of spinning on the core that
         # also receives the next chunks
@@ -173,7 +189,7 @@ class Feeder:
             events[2].record()
             result = self.compute(on_device)
             events[3].record()
-            host_out[:end - begin].copy_(result[:end - begin], non_blocking=True)
+            host_out[: end - begin].copy_(result[: end - begin], non_blocking=True)
             events[4].record()
         launched.events = events
         return launched
@@ -188,8 +204,13 @@ class Feeder:
             batch = batch.contiguous()
         return self.module(batch.to(self.dtype)).float()
 
-    def collect(self, launched: Launched, outputs: np.ndarray, stats: RunStats,
-                tally: Callable[[int, float], None] | None) -> None:
+    def collect(
+        self,
+        launched: Launched,
+        outputs: np.ndarray,
+        stats: RunStats,
+        tally: Callable[[int, float], None] | None,
+    ) -> None:
         """Wait for a launched batch and put its outputs in place."""
         begin, end = launched.begin, launched.begin + launched.count
         if not self.cuda:
@@ -199,7 +220,7 @@ class Feeder:
             copy_start, copied, started, computed, done = launched.events
             done.synchronize()
             host_out = self.staging[("out", launched.slot)][0]
-            outputs[begin:end] = host_out[:launched.count].numpy()
+            outputs[begin:end] = host_out[: launched.count].numpy()
             seconds = started.elapsed_time(computed) / 1000
             stats.copy += (copy_start.elapsed_time(copied) + computed.elapsed_time(done)) / 1000
         stats.device += seconds
@@ -220,8 +241,9 @@ class Feeder:
         found = self.staging.get(key)
         if found is not None and found[1] == (dtype, shape):
             return found[0]
-        tensor = self.torch.empty(shape, dtype=self.torch.from_numpy(np.empty(0, dtype)).dtype,
-                                  pin_memory=True)
+        tensor = self.torch.empty(
+            shape, dtype=self.torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True
+        )
         self.staging[key] = [tensor, (dtype, shape)]
         return tensor
 
