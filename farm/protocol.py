@@ -186,6 +186,11 @@ def _frame_size(frame: Any) -> int:
     return _buffer(frame).nbytes
 
 
+def payload_bytes(frames: Sequence[Any]) -> int:
+    """The bytes of a message's payload frames, together."""
+    return sum(_frame_size(frame) for frame in frames)
+
+
 def command_of(header: Header) -> Command:
     """The command a header struct belongs to."""
     return _COMMANDS[type(header)]
@@ -304,10 +309,7 @@ def _check_array(message: Message) -> None:
     """Check dtype against the allow-list and the declared shape against the byte count."""
     header = message.header
     assert isinstance(header, (messages.Task, messages.Result, messages.Data))
-    if (
-        message.command is not Command.RESULT
-        and sum(_frame_size(frame) for frame in message.payload) > MAX_TASK_BYTES
-    ):
+    if message.command is not Command.RESULT and payload_bytes(message.payload) > MAX_TASK_BYTES:
         raise ProtocolError(f"{message.command.name} carries more than {MAX_TASK_BYTES} bytes")
     if isinstance(header, messages.Data):
         return  # dtype and item shape were declared by the job's SUBMIT; checked by the broker
@@ -324,7 +326,7 @@ def _check_array(message: Message) -> None:
             )
         frames = frames[:-1]
     expected = header.count * item_bytes
-    actual = sum(_frame_size(frame) for frame in frames)
+    actual = payload_bytes(frames)
     if actual != expected:
         raise ProtocolError(
             f"payload is {actual} bytes, header declares {header.count} x "

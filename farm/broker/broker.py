@@ -56,6 +56,22 @@ MAX_BATCH = 1000
 #: Seconds an INFO request waits for workers before it is forgotten (its client gave up).
 INFO_WAIT_LIMIT = 120.0
 
+#: What peers may send a broker: everything but what only the broker sends.
+ACCEPTED = frozenset(
+    {
+        Command.READY,
+        Command.RESULT,
+        Command.FAILED,
+        Command.SUBMIT,
+        Command.DATA,
+        Command.INFO,
+        Command.DISCONNECT,
+        Command.HEARTBEAT,
+        Command.FETCH,
+        Command.CANCEL,
+    }
+)
+
 
 @dataclass(kw_only=True)
 class BrokerConfig(SchedulingConfig):
@@ -122,21 +138,6 @@ class Broker:
         self.recorded: list[tuple[ev.FarmEvent, list[ev.Instruction]]] | None = None
         self.next_heartbeat = self.clock()
         self.running = True
-        #: what peers may send a broker: everything but what only the broker sends
-        self.accepted = frozenset(
-            {
-                Command.READY,
-                Command.RESULT,
-                Command.FAILED,
-                Command.SUBMIT,
-                Command.DATA,
-                Command.INFO,
-                Command.DISCONNECT,
-                Command.HEARTBEAT,
-                Command.FETCH,
-                Command.CANCEL,
-            }
-        )
 
     # ----------------------------------------------------------------- loop
 
@@ -237,7 +238,7 @@ class Broker:
         identity, body = frames[0].bytes, frames[1:]
         message = None
         try:
-            message = protocol.decode(body, allowed=self.accepted)
+            message = protocol.decode(body, allowed=ACCEPTED)
             now = self.clock()
             if isinstance(message.header, (messages.Ready, messages.Submit)):
                 self.read_monitor()  # its connection's accept came before this message

@@ -178,7 +178,7 @@ def data_problem(
         return None
     if len(payload) != 1:
         return "DATA carries exactly one frame"
-    size = payload_bytes(payload)
+    size = protocol.payload_bytes(payload)
     if size != chunk.count * job.item_bytes:
         return f"job {job.id}: DATA of {size} bytes, expected {chunk.count} x {job.item_bytes}"
     return None
@@ -234,10 +234,6 @@ def result_problem(message: Message, awaited: ChunkRecord | None) -> str | None:
     if "compute" not in result.timings:
         return "no compute time"
     return None
-
-
-def payload_bytes(frames: Sequence[Any]) -> int:
-    return sum(f.buffer.nbytes if hasattr(f, "buffer") else len(f) for f in frames)
 
 
 # ------------------------------------------------------------------------ messages out

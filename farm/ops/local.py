@@ -59,11 +59,13 @@ class LocalFarm:
     ready_timeout: float = 60.0
     curve: str | None = None  # a `farm keys` folder: every process and client uses CurveZMQ
     launcher: Sequence[str] = ()  # prefix for the broker and worker commands (a cgroup, ...)
-    endpoint: str = ""
-    broker: subprocess.Popen | None = None
-    workers: list[subprocess.Popen] = field(default_factory=list)
-    start_seconds: float = 0.0  # from launch to every worker registered (models preloaded)
-    registered: dict[str, Any] = field(default_factory=dict)  # the broker's INFO then
+    # what starting it set up
+    endpoint: str = field(default="", init=False)
+    broker: subprocess.Popen | None = field(default=None, init=False)
+    workers: list[subprocess.Popen] = field(default_factory=list, init=False)
+    # from launch to every worker registered (models preloaded)
+    start_seconds: float = field(default=0.0, init=False)
+    registered: dict[str, Any] = field(default_factory=dict, init=False)  # the broker's INFO then
 
     def __enter__(self) -> LocalFarm:
         started = time.monotonic()

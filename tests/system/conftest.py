@@ -4,6 +4,7 @@ loopback), and raw peers for tests that speak the protocol frame by frame."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -15,17 +16,10 @@ from farm import protocol
 from farm.ops.local import LocalFarm, cores, farm_command
 from farm.protocol import Command
 
-#: ``local_farm(...)`` keywords that are LocalFarm's own; any other is a broker option.
-FARM_OPTIONS = {
-    "broker_options",
-    "worker_options",
-    "device_options",
-    "device_launchers",
-    "preload",
-    "log_level",
-    "ready_timeout",
-    "curve",
-    "launcher",
+#: ``local_farm(...)`` keywords that are LocalFarm's settings; any other is a broker option.
+FARM_OPTIONS = {field.name for field in dataclasses.fields(LocalFarm) if field.init} - {
+    "devices",
+    "algo",
 }
 
 StartFarm = Callable[..., LocalFarm]

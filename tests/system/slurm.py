@@ -11,7 +11,9 @@ returns the reason, for the tests to skip with.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import shutil
 import signal
 import socket
@@ -190,26 +192,31 @@ class SlurmCluster:
         ]
         if self.started_munge and Path("/run/munge/munged.pid").is_file():
             pids.append(int(Path("/run/munge/munged.pid").read_text()))
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 15
-        # daemons are not this process's children: there is no exit to wait on, only polls
-        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        end_daemons(pids, within=15.0)
 
 
-def alive(pid: int) -> bool:
+def end_daemons(pids: list[int], within: float) -> None:
+    """SIGTERM each process, wait up to ``within`` s for all to exit, SIGKILL those left.
+    They are not this process's children: each is awaited through a pidfd, readable once
+    its process has exited."""
+    handles = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            handles.append(os.pidfd_open(pid))
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        for handle in handles:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(handle, signal.SIGTERM)
+        running, deadline = set(handles), time.monotonic() + within
+        while running and (left := deadline - time.monotonic()) > 0:
+            exited, _, _ = select.select(list(running), [], [], left)
+            running -= set(exited)
+        for handle in running:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(handle, signal.SIGKILL)
+    finally:
+        for handle in handles:
+            os.close(handle)
 
 
 def munge_works() -> bool:

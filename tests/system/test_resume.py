@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from inotify_simple import INotify, flags
 
 from farm.client.answerjournal import AnswersJournal, parse_marks
 from farm.client.answers import ModelCard
@@ -92,12 +94,23 @@ def journaled_rows(out: Path) -> int:
     return marks[-1].rows if marks else 0
 
 
-def kill_when(process: subprocess.Popen, ready: Callable[[], bool]) -> str:
-    """SIGKILL ``process`` once ``ready()`` holds; its stderr.  Fails if it ended first."""
+def kill_when(process: subprocess.Popen, ready: Callable[[], bool], folder: Path) -> str:
+    """SIGKILL ``process`` once ``ready()`` holds, checked again at each change to a file in
+    ``folder`` (where the job writes); its stderr.  Fails if it ended first."""
     try:
-        deadline = time.monotonic() + 120
-        while not ready() and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.002)  # polling a file for a condition, with a deadline
+        with INotify() as changes:
+            changes.add_watch(folder, flags.CREATE | flags.MODIFY | flags.MOVED_TO)
+            exited = os.pidfd_open(process.pid)  # readable once the process has ended
+            try:
+                deadline = time.monotonic() + 120
+                while not ready() and process.poll() is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    select.select([changes, exited], [], [], left)
+                    changes.read(timeout=0)
+            finally:
+                os.close(exited)
         process.send_signal(signal.SIGKILL)
         _, stderr = process.communicate(timeout=30)
     finally:
@@ -152,7 +165,7 @@ def test_a_killed_submit_resumes_with_only_the_missing_images(
         stderr=subprocess.PIPE,
         text=True,
     )
-    kill_when(process, lambda: journaled_items(out) >= TOTAL // 2)
+    kill_when(process, lambda: journaled_items(out) >= TOTAL // 2, out.parent)
     kept = journaled_items(out)
     assert TOTAL // 2 <= kept < TOTAL
     assert (out.read_bytes() if out.exists() else None) == before, "OUT untouched"
@@ -367,7 +380,7 @@ def test_a_killed_answers_job_resumes_to_the_same_bytes(
         stderr=subprocess.PIPE,
         text=True,
     )
-    kill_when(process, lambda: journaled_rows(out) >= TOTAL // 2)
+    kill_when(process, lambda: journaled_rows(out) >= TOTAL // 2, out.parent)
     kept = journaled_rows(out)
     assert TOTAL // 2 <= kept < TOTAL
     assert not out.exists() and partial_path(out).exists() and journal_path(out).exists()
@@ -510,7 +523,7 @@ def test_a_killed_farm_run_leaves_only_its_partial_file(images_file, tmp_path) -
         return False
 
     try:
-        kill_when(process, first_result_written)
+        kill_when(process, first_result_written, out.parent)
     finally:
         for pid in farm:
             os.kill(pid, signal.SIGKILL)

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 from farm import messages, protocol
 from farm.broker import wire
+from farm.broker.broker import ACCEPTED as BROKER_ACCEPTS
 from farm.modelrepo.repository import available
 from farm.protocol import (
     MAX_HEADER_BYTES,
@@ -61,21 +62,6 @@ FUZZ_BUDGET = 240.0
 #: Seconds to wait for any one reply.
 REPLY_TIMEOUT = 30.0
 
-#: Commands the broker accepts (its handlers), and what a worker accepts.
-BROKER_ACCEPTS = frozenset(
-    {
-        Command.READY,
-        Command.RESULT,
-        Command.FAILED,
-        Command.SUBMIT,
-        Command.DATA,
-        Command.INFO,
-        Command.DISCONNECT,
-        Command.HEARTBEAT,
-        Command.FETCH,
-        Command.CANCEL,
-    }
-)
 #: A stand-in for the id of the real job running on the broker, put in at send time (the
 #: client makes its job ids with uuid4().hex: 32 characters, the placeholder's length).
 LIVE = b"L" * 32
