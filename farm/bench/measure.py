@@ -19,6 +19,7 @@ import numpy as np
 
 from farm.bench.setups import FarmSetup, WorkerSpec, make_images
 from farm.client.client import Client, FarmError, JobResult
+from farm.client.trace import idle_share
 from farm.engines.autoselect import choose, load_engine
 from farm.engines.engine import AUTO
 from farm.modelrepo.repository import find
@@ -30,6 +31,9 @@ from farm.workers.worker import Device, prepare_process
 BROKER_OPTIONS = ("--max-chunk-seconds", "0")
 #: Chunk of the standalone jobs: big enough that one worker never waits for the broker.
 STANDALONE_CHUNK = 2000
+#: Share of a policy job's images that each worker computes alone, per worker of the
+#: farm, in each standalone measurement around the job (see ``bracket_images``).
+BRACKET_SHARE = 0.1
 #: Seconds a benchmark job may take before the client gives up.
 JOB_TIMEOUT = 900.0
 #: Table 2's column: how many images are submitted at once.
@@ -152,9 +156,38 @@ def timed_job(
 
 def standalone_rate(worker: WorkerSpec, model: str, images: np.ndarray) -> float:
     """Images/s of ``worker`` alone: a one-worker farm, big fifo chunks, after a warm-up."""
-    fifo = Configuration("fifo", {"chunk": STANDALONE_CHUNK})
     with bench_farm([worker], model, images) as client:
-        return timed_job(client, images, model, fifo).summary.rate
+        return alone_rate(client, model, images)
+
+
+def alone_rate(client: Client, model: str, images: np.ndarray) -> float:
+    """Images/s of the one worker of ``client``'s farm: one job of big fifo chunks."""
+    fifo = Configuration("fifo", {"chunk": STANDALONE_CHUNK})
+    return timed_job(client, images, model, fifo).summary.rate
+
+
+#: Measures every worker of a setup alone, now, into its list of standalone speeds.
+Bracket = Callable[[], None]
+
+
+@contextlib.contextmanager
+def standalone_farms(
+    workers: Sequence[WorkerSpec],
+    model: str,
+    images: np.ndarray,
+    into: dict[str, list[float]],
+) -> Iterator[Bracket]:
+    """A warm one-worker farm per worker (same device, backend and batch), kept beside
+    the sweep's farm, whose workers idle meanwhile; yields a function that appends each
+    worker's speed alone on ``images``, now, to ``into[worker.label]``."""
+    with contextlib.ExitStack() as stack:
+        clients = [(w.label, stack.enter_context(bench_farm([w], model, images))) for w in workers]
+
+        def measure() -> None:
+            for label, client in clients:
+                into.setdefault(label, []).append(alone_rate(client, model, images))
+
+        yield measure
 
 
 def table2(
@@ -230,41 +263,79 @@ class PolicyRun:
     seconds: float
     in_job_theoretical: float  # sum of the workers' speeds measured inside this job
     chunks: int
+    idle: float  # the waste from the job's trace: idle worker time / (workers x span)
+    bracket: int  # index of its setup's standalone measurement just before it (+1: after)
+
+
+def bracket_images(images: int, workers: int) -> int:
+    """Images of each standalone measurement around a policy job of ``images`` on
+    ``workers`` workers: ``BRACKET_SHARE`` of the job split among its workers (so that
+    measuring them all, one after the other, costs about ``BRACKET_SHARE`` of the job's
+    images on one worker), at least one standalone chunk and at most the job."""
+    return min(images, max(STANDALONE_CHUNK, round(images * BRACKET_SHARE / max(1, workers))))
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What one round of the policy sweep runs on."""
+
+    setup: FarmSetup
+    model: str
+    images: np.ndarray  # every job's
+    alone: np.ndarray  # each standalone measurement's
+    standalone: dict[str, list[float]]  # worker label -> the setup's standalone speeds
 
 
 def policy_sweep(
-    setup: FarmSetup,
-    model: str,
-    images: np.ndarray,
+    sweep: Sweep,
     configs: Sequence[Configuration],
     round_: int,
     on_run: Callable[[PolicyRun], None],
 ) -> tuple[list[PolicyRun], np.ndarray]:
-    """One round: every configuration once, on one fresh, warm farm; the first job's
-    outputs (to check the peers' against)."""
+    """One round: every configuration once, on one fresh, warm farm, each job bracketed by
+    its workers' standalone speeds (measured before the first job and after each one, the
+    sweep's farm idle meanwhile); the first job's outputs (to check the peers' against)."""
     runs: list[PolicyRun] = []
     reference: np.ndarray | None = None
-    with bench_farm(setup.workers, model, images) as client:
+    setup, model, images = sweep.setup, sweep.model, sweep.images
+    with (
+        bench_farm(setup.workers, model, images) as client,
+        standalone_farms(setup.workers, model, sweep.alone, sweep.standalone) as bracket,
+    ):
+        bracket()
         for config in configs:
-            result = timed_job(client, images, model, config)
+            before = len(sweep.standalone[setup.workers[0].label]) - 1
+            result = timed_job(client, images, model, config, trace=True)
+            bracket()
             if reference is None:
                 reference = result.outputs
-            summary = result.summary
-            run = PolicyRun(
-                setup.name,
-                model,
-                config,
-                round_,
-                summary.rate,
-                summary.seconds,
-                summary.theoretical_rate,
-                sum(share.chunks for share in summary.workers),
-            )
+            run = policy_run(setup.name, model, config, round_, result, before)
             runs.append(run)
             on_run(run)
     if reference is None:
         raise FarmError(f"{setup.name}: no policy job returned outputs to check the peers with")
     return runs, reference
+
+
+def policy_run(
+    setup: str, model: str, config: Configuration, round_: int, result: JobResult, bracket: int
+) -> PolicyRun:
+    """The sweep's record of one traced job."""
+    summary = result.summary
+    if result.trace is None:
+        raise FarmError(f"{config.label}: the job came back without its trace")
+    return PolicyRun(
+        setup,
+        model,
+        config,
+        round_,
+        summary.rate,
+        summary.seconds,
+        summary.theoretical_rate,
+        sum(share.chunks for share in summary.workers),
+        idle_share(result.trace),
+        bracket,
+    )
 
 
 def farm_rate(setup: FarmSetup, model: str, images: np.ndarray, config: Configuration) -> float:

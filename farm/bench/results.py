@@ -1,11 +1,12 @@
 """What a suite run found, and how it is written: CSV tables, PNG figures, a Markdown report.
 
-Waste follows docs/scheduling.md: (theoretical - achieved) / theoretical, where
-theoretical is the sum of each worker's standalone speed, each worker alone in
-a one-worker farm, measured in the same run (before every round of the sweep
-and after the last; their mean).  Beside it, the sweep's own split: the
-workers' speeds inside the job (contention between cores the scheduler cannot
-recover) and the rest (scheduling and messaging: the farm's own waste).
+Waste is measured from each policy job's own trace (``farm.client.trace.idle_share``):
+each worker's idle time between the job's start and its end, summed, over workers x
+span.  The machine's drift cannot move it, and it cannot go negative.  Each job is
+bracketed by standalone measurements of the same workers (each alone in a warm one-worker
+farm, just before and just after it); how far they moved is reported beside the figures.
+The old figure, (theoretical - achieved) / theoretical against those standalone speeds,
+stays as a secondary column: it moves with the machine and can go negative.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import statistics
+import textwrap
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +56,26 @@ class ModelResults:
         """Sum over the setup's workers of their mean standalone speed."""
         return sum(statistics.mean(rates) for rates in self.standalone[setup].values())
 
+    def bracket(self, run: PolicyRun) -> tuple[list[float], list[float]]:
+        """The standalone speeds of ``run``'s workers just before it and just after it."""
+        workers = self.standalone[run.setup].values()
+        return [r[run.bracket] for r in workers], [r[run.bracket + 1] for r in workers]
+
+    def drift(self, run: PolicyRun) -> float:
+        """How far ``run``'s workers' standalone speeds moved across its bracket: the
+        largest |after / before - 1| among them."""
+        before, after = self.bracket(run)
+        return max(abs(a / b - 1) for b, a in zip(before, after))
+
+    def drifts(self, setup: str | None = None) -> list[float]:
+        """|after / before - 1| of every worker around every policy job (of ``setup``)."""
+        found = []
+        for run in self.runs:
+            if setup is None or run.setup == setup:
+                before, after = self.bracket(run)
+                found += [abs(a / b - 1) for b, a in zip(before, after)]
+        return found
+
     @property
     def setups(self) -> list[str]:
         """The farm setups of the sweep (not the head-to-head rounds)."""
@@ -76,9 +98,7 @@ class ModelResults:
         grouped: dict[tuple[str, str], list[PolicyRun]] = defaultdict(list)
         for run in self.runs:
             grouped[(run.setup, run.config.label)].append(run)
-        return [
-            PolicySummary.of(runs, self.theoretical(runs[0].setup)) for runs in grouped.values()
-        ]
+        return [PolicySummary.of(runs, self) for runs in grouped.values()]
 
     def peer_medians(self) -> list[PeerResult]:
         """Each peer's median round, in the order they ran."""
@@ -96,11 +116,11 @@ class ModelResults:
         return best.rate if best else 0.0
 
     def best_per_policy(self) -> dict[tuple[str, str], PolicySummary]:
-        """(setup, policy) -> its fastest parameter value."""
+        """(setup, policy) -> its parameter value of least waste (from the trace)."""
         best: dict[tuple[str, str], PolicySummary] = {}
         for s in self.summaries():
             key = (s.setup, s.config.algo)
-            if key not in best or s.rate > best[key].rate:
+            if key not in best or s.waste < best[key].waste:
                 best[key] = s
         return best
 
@@ -115,29 +135,38 @@ class PolicySummary:
     config: Configuration
     rate: float  # median images/s over rounds
     rounds: int
-    theoretical: float  # standalone sum
+    theoretical: float  # standalone sum, mean of every measurement of the setup
     in_job_theoretical: float  # the median run's in-job speed sum
+    waste: float  # median over rounds of the trace's idle share
+    bracket_theoretical: float  # the median run's standalone sum, mean of its bracket
+    drift: float  # the median run's largest standalone move across its bracket
 
     @classmethod
-    def of(cls, runs: Sequence[PolicyRun], theoretical: float) -> PolicySummary:
+    def of(cls, runs: Sequence[PolicyRun], found: ModelResults) -> PolicySummary:
         median = median_run(runs)
+        before, after = found.bracket(median)
         return cls(
             median.setup,
             median.config,
             median.rate,
             len(runs),
-            theoretical,
+            found.theoretical(median.setup),
             median.in_job_theoretical,
+            statistics.median(run.idle for run in runs),
+            (sum(before) + sum(after)) / 2,
+            found.drift(median),
         )
 
     @property
-    def waste(self) -> float:
-        return 1 - self.rate / self.theoretical
+    def standalone_waste(self) -> float:
+        """Secondary: 1 - rate / the standalone speeds measured around the median run.
+        It moves with the machine's drift and can go negative."""
+        return 1 - self.rate / self.bracket_theoretical
 
     @property
     def contention(self) -> float:
-        """Share of the standalone sum lost by the workers running side by side."""
-        return 1 - self.in_job_theoretical / self.theoretical
+        """Share of the bracket's standalone sum lost by the workers running side by side."""
+        return 1 - self.in_job_theoretical / self.bracket_theoretical
 
     @property
     def farm_waste(self) -> float:
@@ -172,7 +201,7 @@ class SuiteRun:
 
 
 def write_tables(folder: Path, run: SuiteRun) -> None:
-    """Every table as CSV; the machine and the run as JSON."""
+    """Every table the run measured, as CSV; the machine and the run as JSON."""
     results = run.results
     (folder / "machine.json").write_text(
         json.dumps(
@@ -201,6 +230,14 @@ def write_tables(folder: Path, run: SuiteRun) -> None:
             for b, v in rows
         ],
     )
+    if any(r.table2 for r in results):
+        write_table2(folder, results)
+    write_policy_tables(folder, results)
+    if any(r.peers or r.farm_rounds for r in results):
+        write_peer_tables(folder, results)
+
+
+def write_table2(folder: Path, results: Sequence[ModelResults]) -> None:
     write_csv(
         folder / "table2.csv",
         ["model", "device", "submitted", "images_per_s"],
@@ -211,6 +248,10 @@ def write_tables(folder: Path, run: SuiteRun) -> None:
             for n, v in rows
         ],
     )
+
+
+def write_policy_tables(folder: Path, results: Sequence[ModelResults]) -> None:
+    """The standalone speeds, every policy job, and each configuration's median."""
     write_csv(
         folder / "standalone.csv",
         ["model", "setup", "worker", "measurement", "images_per_s"],
@@ -235,6 +276,8 @@ def write_tables(folder: Path, run: SuiteRun) -> None:
             "seconds",
             "chunks",
             "in_job_theoretical_per_s",
+            "waste_from_trace",
+            "standalone_bracket",
         ],
         [
             (
@@ -248,6 +291,8 @@ def write_tables(folder: Path, run: SuiteRun) -> None:
                 round(job.seconds, 3),
                 job.chunks,
                 _r(job.in_job_theoretical),
+                round(job.idle, 6),
+                job.bracket,
             )
             for r in results
             for job in r.runs
@@ -264,6 +309,9 @@ def write_tables(folder: Path, run: SuiteRun) -> None:
             "images_per_s",
             "theoretical_per_s",
             "waste",
+            "bracket_theoretical_per_s",
+            "standalone_waste_secondary",
+            "bracket_drift",
             "contention",
             "farm_waste",
             "relative_to_one_core",
@@ -278,6 +326,9 @@ def write_tables(folder: Path, run: SuiteRun) -> None:
                 _r(s.rate),
                 _r(s.theoretical),
                 round(s.waste, 4),
+                _r(s.bracket_theoretical),
+                round(s.standalone_waste, 4),
+                round(s.drift, 4),
                 round(s.contention, 4),
                 round(s.farm_waste, 4),
                 round(s.rate / r.one_core() - 1, 4),
@@ -286,6 +337,9 @@ def write_tables(folder: Path, run: SuiteRun) -> None:
             for s in r.summaries()
         ],
     )
+
+
+def write_peer_tables(folder: Path, results: Sequence[ModelResults]) -> None:
     write_csv(
         folder / "peers.csv",
         [
@@ -379,6 +433,16 @@ def relative_table(r: ModelResults, setup: str) -> dict[str, float]:
     return {algo: statistics.mean(values) for algo, values in by_policy.items()}
 
 
+def waste_table(r: ModelResults, setup: str) -> dict[str, float]:
+    """Tables 4/5's waste: each policy's waste from the trace, averaged over its parameter
+    values."""
+    by_policy: dict[str, list[float]] = defaultdict(list)
+    for s in r.summaries():
+        if s.setup == setup:
+            by_policy[s.config.algo].append(s.waste)
+    return {algo: statistics.mean(values) for algo, values in by_policy.items()}
+
+
 def alone_table(r: ModelResults) -> dict[str, float]:
     """Each device kind alone relative to one CPU core (the paper's "1 GPU" column)."""
     rates: dict[str, list[float]] = defaultdict(list)
@@ -408,7 +472,9 @@ def _save(plt: Any, fig: Any, path: Path) -> None:
 
 def plot_policies(path: Path, r: ModelResults, figure: str) -> None:
     """Figures 3/4: images/s of every policy at each parameter value, a bar per farm
-    setup, its theoretical speed dashed, the peers dotted."""
+    setup labelled with its waste (from the job's trace), the peers dotted.  No standalone
+    "theoretical" line: it drifts with the machine, and a bar above it would read as a
+    negative waste."""
     plt = _pyplot()
     summaries = r.summaries()
     setups = list(dict.fromkeys(s.setup for s in summaries))
@@ -416,19 +482,17 @@ def plot_policies(path: Path, r: ModelResults, figure: str) -> None:
     width = 0.8 / max(1, len(setups))
     fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.6), 5))
     for i, setup in enumerate(setups):
-        rates = {s.config.label: s.rate for s in summaries if s.setup == setup}
+        ran = {s.config.label: s for s in summaries if s.setup == setup}
         bars = ax.bar(
             [x + i * width for x in range(len(labels))],
-            [rates.get(label, 0) for label in labels],
+            [ran[label].rate if label in ran else 0 for label in labels],
             width,
             label=f"farm, {setup}",
         )
-        ax.axhline(
-            r.theoretical(setup),
-            color=bars.patches[0].get_facecolor(),
-            ls="--",
-            lw=1,
-            label=f"theoretical, {setup}",
+        ax.bar_label(
+            bars,
+            [f"{ran[label].waste:.0%}" if label in ran else "" for label in labels],
+            fontsize=6,
         )
     for peer in r.peer_medians():
         ax.axhline(peer.rate, color="grey", ls=":", lw=1)
@@ -454,9 +518,10 @@ def plot_policies(path: Path, r: ModelResults, figure: str) -> None:
 
 
 def plot_waste(path: Path, results: Sequence[ModelResults]) -> None:
-    """Figure 5: waste of each policy (its best parameter value), per model and setup."""
+    """Figure 5: waste from each job's trace, per policy (its value of least waste), per
+    model and setup; the standalone drift across the jobs' brackets written under it."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.8), squeeze=False)
     for ax, r in zip(axes[0], results):
         best = {key: s.waste for key, s in r.best_per_policy().items()}
         setups = list(dict.fromkeys(k[0] for k in best))
@@ -483,10 +548,27 @@ def plot_waste(path: Path, results: Sequence[ModelResults]) -> None:
             rotation=30,
             ha="right",
         )
-        ax.set_ylabel("waste, % (best parameter value)")
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("waste, % (idle worker time, from the trace)")
         ax.set_title(f"Figure 5: {r.model}")
         ax.legend(fontsize=8)
-    _save(plt, fig, path)
+    note = textwrap.fill(drift_text(results), width=95 * len(results))
+    fig.text(0.01, 0.01, note, fontsize=8, color="dimgrey")
+    fig.tight_layout(rect=(0, 0.03 * (1 + note.count("\n")) + 0.02, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def drift_text(results: Sequence[ModelResults]) -> str:
+    """The standalone drift across the policy jobs' brackets, in one line."""
+    drifts = [d for r in results for d in r.drifts()]
+    if not drifts:
+        return "No standalone bracket around the policy jobs"
+    return (
+        f"Standalone speed drift across the bracket: median {statistics.median(drifts):.1%}, "
+        f"max {max(drifts):.1%} (|after / before - 1|, {len(drifts)} worker-jobs), which "
+        f"the waste from the trace does not depend on"
+    )
 
 
 def plot_peers(path: Path, results: Sequence[ModelResults]) -> None:
@@ -533,9 +615,14 @@ def write_figures(folder: Path, results: Sequence[ModelResults]) -> list[str]:
         plot_policies(folder / name, r, f"Figure {number}")
         names.append(name)
     plot_waste(folder / "figure5-waste.png", results)
-    plot_peers(folder / "peers.png", results)
-    plot_table2(folder / "table2.png", results)
-    return names + ["figure5-waste.png", "peers.png", "table2.png"]
+    names.append("figure5-waste.png")
+    if any(r.farm_rounds or r.peers for r in results):
+        plot_peers(folder / "peers.png", results)
+        names.append("peers.png")
+    if any(r.table2 for r in results):
+        plot_table2(folder / "table2.png", results)
+        names.append("table2.png")
+    return names
 
 
 # ---- Markdown ---------------------------------------------------------------------------
@@ -582,9 +669,8 @@ def headline(results: Sequence[ModelResults]) -> list[str]:
                 r.model,
                 f"{best.config.label}",
                 f"{farm:,.0f}",
-                "-" if waste is None else _pct(waste),
                 _pct(best.waste),
-                _pct(best.farm_waste),
+                "-" if waste is None else _pct(waste),
             ]
             + [f"{farm / rates[p]:.2f}x" if p in rates else "-" for p in peers]
         )
@@ -592,10 +678,9 @@ def headline(results: Sequence[ModelResults]) -> list[str]:
         [
             "model",
             "farm's best policy",
-            "images/s (head to head)",
-            "waste (head to head)",
-            "waste (sweep)",
-            "sweep's scheduling + messaging",
+            "images/s (head to head)" if peers else "images/s (sweep)",
+            "waste (sweep, from the trace)",
+            "head to head against standalone speeds (secondary)",
         ]
         + [f"farm ÷ {p}" for p in peers],
         rows,
@@ -656,7 +741,7 @@ def policy_lines(r: ModelResults) -> list[str]:
         + [cell for setup in setups for cell in (f"{r.theoretical(setup):,.0f}", "")]
     )
     header = ["policy"] + [
-        cell for setup in setups for cell in (f"{setup} images/s", f"{setup} waste")
+        cell for setup in setups for cell in (f"{setup} images/s", f"{setup} waste (trace)")
     ]
     return _table(header, rows)
 
@@ -678,16 +763,44 @@ def relative_lines(results: Sequence[ModelResults]) -> list[str]:
     return _table(["model", "setup"] + [f"{k} alone" for k in kinds] + algos, rows)
 
 
+def relative_waste_lines(results: Sequence[ModelResults]) -> list[str]:
+    """Tables 4/5's waste: from the trace, each policy's mean over its parameter values."""
+    rows = []
+    algos: list[str] = []
+    for r in results:
+        for setup in r.setups:
+            table = waste_table(r, setup)
+            algos = algos or list(table)
+            rows.append([r.model, setup] + [_pct(table.get(a, float("nan"))) for a in algos])
+    return _table(["model", "setup"] + algos, rows)
+
+
 def waste_lines(results: Sequence[ModelResults]) -> list[str]:
     rows = []
     for r in results:
         for (setup, algo), s in r.best_per_policy().items():
             value = f"{s.config.parameter}={s.config.value}" if s.config.params else "-"
             rows.append(
-                [r.model, setup, algo, value, _pct(s.waste), _pct(s.contention), _pct(s.farm_waste)]
+                [
+                    r.model,
+                    setup,
+                    algo,
+                    value,
+                    _pct(s.waste),
+                    _pct(s.standalone_waste),
+                    _pct(s.drift),
+                ]
             )
     return _table(
-        ["model", "setup", "policy", "best value", "waste", "contention", "scheduling + messaging"],
+        [
+            "model",
+            "setup",
+            "policy",
+            "value of least waste",
+            "waste (from the trace)",
+            "against standalone speeds (secondary: drifts, can go negative)",
+            "standalone drift across its bracket (largest worker)",
+        ],
         rows,
     )
 
@@ -700,64 +813,90 @@ def table2_lines(r: ModelResults) -> list[str]:
 
 
 def noise_line(results: Sequence[ModelResults]) -> str:
-    """How far apart one worker's standalone measurements fell: the run's noise."""
+    """How far the standalone speeds moved across the policy jobs' brackets, and over the
+    whole run: what the secondary, standalone-based figures are worth."""
+    drifts = [d for r in results for d in r.drifts()]
     spreads = noise(results)
-    if not spreads:
-        return "One standalone measurement per worker: no noise figure."
+    if not drifts:
+        return "No standalone bracket around the policy jobs: no drift figure."
     return (
-        f"Noise: one worker's standalone measurements in this run differ by up to "
-        f"{max(spreads):.1%} (median {statistics.median(spreads):.1%}); waste figures "
-        f"closer than that are ties, and a small negative waste means the farm ran "
-        f"faster than the standalone runs happened to."
+        f"{drift_text(results)}. Over the whole run one worker's standalone measurements "
+        f"differ by up to {max(spreads, default=0.0):.1%}: figures against standalone "
+        f"speeds move by as much, and can go negative."
     )
 
 
-def write_report(folder: Path, run: SuiteRun) -> None:
-    machine, setups, skipped, results = run.machine, run.setups, run.skipped, run.results
-    command, seconds = run.command, run.seconds
+def machine_lines(run: SuiteRun) -> list[str]:
+    """The report's first lines: the machine, the versions, the load, the command."""
+    machine = run.machine
     gpus = ", ".join(machine["gpus"]) or "no GPU"
     versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items())
     lines = [
-        f"# farm benchmark, {machine['date']}",
-        "",
         f"- machine: {machine['cpu']}, {machine['cores']} cores, "
         f"{machine['memory_gib']} GiB, {gpus}; Linux {machine['kernel']}, "
         f"Python {machine['python']}",
+    ]
+    if "cpu_family" in machine:  # folders written before these were recorded lack them
+        lines.append(f"- CPU: {cpu_line(machine)}")
+    lines += [
         f"- versions: {versions}",
-        f"- load average at start: {machine['load_average']}",
-        f"- command: `{command}` ({seconds / 60:.0f} min)",
+        f"- load average at start: {machine['load_average']}"
+        + (f", at the end: {machine['load_average_end']}" if "load_average_end" in machine else ""),
+        f"- command: `{run.command}` ({run.seconds / 60:.0f} min)",
     ]
     lines += [
-        f"- farm `{s.name}`: {s.about}: " + ", ".join(w.label for w in s.workers) for s in setups
+        f"- farm `{s.name}`: {s.about}: " + ", ".join(w.label for w in s.workers)
+        for s in run.setups
     ]
-    lines += [f"- not run: {why}" for why in skipped]
-    lines += [
-        "",
-        "Waste = (theoretical - achieved) / theoretical; theoretical is the sum of "
-        "each worker's standalone speed (alone in a one-worker farm), measured in this "
-        "run before each round and after the last. *Contention* is the part the "
-        "workers lose by running side by side (their speeds inside the job against "
-        "alone); *scheduling + messaging* is the rest. Each figure is the median of "
-        "its rounds. The head-to-head waste is the farm's median round between the "
-        "peers against the standalone speeds measured in those rounds; the sweep's "
-        "is its best configuration's, which the pick of the best of many runs "
-        "flatters.",
-        "",
-        noise_line(results),
-        "",
-        "## Headline",
-        "",
-    ]
+    return lines + [f"- not run: {why}" for why in run.skipped]
+
+
+def cpu_line(machine: dict[str, Any]) -> str:
+    """Family, model, generation and the instruction sets the engines care about."""
+    generation = machine.get("cpu_generation") or ""
+    flags = machine.get("cpu_flags", [])
+    amx = [flag for flag in flags if flag.startswith("amx")]
+    shown = [flag for flag in flags if not flag.startswith("amx")]
+    return (
+        f"family {machine['cpu_family']} model {machine['cpu_model']}"
+        + (f" ({generation})" if generation else "")
+        + f"; flags {' '.join(shown) or 'none of note'}; "
+        + (f"AMX: {' '.join(amx)}" if amx else "no AMX")
+    )
+
+
+WASTE_TEXT = (
+    "**Waste** is measured from each policy job's own trace: each worker's idle time "
+    "between the job's start (its submission) and its end (the last result back at the "
+    "broker), summed over the workers, over workers x span "
+    "(`farm.client.trace.idle_share`). A worker is busy only while it computes a chunk "
+    "(the compute time its RESULT reports); receiving, queueing, replying and loading "
+    "count as idle. It cannot go negative, and the machine's drift between measurements "
+    "cannot move it. Each policy job is bracketed by standalone measurements of the same "
+    "workers (each alone in a warm one-worker farm, just before and just after the job); "
+    "how far they moved is the drift. The old figure, (theoretical - achieved) / "
+    "theoretical against those standalone speeds, is kept as a secondary column only: it "
+    "moves with the drift. Each figure is the median of its rounds."
+)
+
+
+def write_report(folder: Path, run: SuiteRun) -> None:
+    results = run.results
+    peers_ran = any(r.peers or r.farm_rounds for r in results)
+    lines = [f"# farm benchmark, {run.machine['date']}", ""] + machine_lines(run)
+    lines += ["", WASTE_TEXT, "", noise_line(results), "", "## Headline", ""]
     lines += headline(results)
-    lines += ["## Where a peer is faster", ""] + peer_wins(results) + [""]
-    lines += [
-        "## Table 2: one worker, images/s by how many images are submitted at once",
-        "",
-        "![Table 2](table2.png)",
-        "",
-    ]
-    for r in results:
-        lines += [f"{r.model}:", ""] + table2_lines(r)
+    if peers_ran:
+        lines += ["## Where a peer is faster", ""] + peer_wins(results) + [""]
+    if any(r.table2 for r in results):
+        lines += [
+            "## Table 2: one worker, images/s by how many images are submitted at once",
+            "",
+            "![Table 2](table2.png)",
+            "",
+        ]
+        for r in results:
+            lines += [f"{r.model}:", ""] + table2_lines(r)
     lines += [
         "Compute batch of the farm's workers, tuned like the peers' settings "
         "(images/s of the engine alone): "
@@ -777,19 +916,48 @@ def write_report(folder: Path, run: SuiteRun) -> None:
             "",
         ] + policy_lines(r)
     lines += [
-        "## Tables 4/5: speed relative to one CPU core (mean over parameter values)",
+        "## Tables 4/5: speed relative to one CPU core, and waste (mean over parameter values)",
         "",
-        "One CPU core: the mean standalone speed of the `cores` farm's workers.",
+        "One CPU core: the mean standalone speed of the `cores` farm's workers (every "
+        "bracket measurement of the run).",
         "",
     ]
     lines += relative_lines(results)
+    lines += ["Waste from the trace, each policy's mean over its parameter values:", ""]
+    lines += relative_waste_lines(results)
     lines += [
-        "## Figure 5: waste per policy (its best parameter value)",
+        "## Figure 5: waste per policy (its parameter value of least waste)",
         "",
         "![Figure 5](figure5-waste.png)",
         "",
+        drift_text(results) + ".",
+        "",
     ] + waste_lines(results)
+    if peers_ran:
+        lines += peer_section(results)
     lines += [
+        "",
+        "## Standalone speeds (images/s, each measurement in order)",
+        "",
+        "In the sweep, one before each round's first job and one after each job: job k of "
+        "a round lies between measurements k and k + 1 of that round.",
+        "",
+    ]
+    lines += _table(
+        ["model", "setup", "worker", "measurements"],
+        [
+            (r.model, setup, worker, ", ".join(f"{v:,.0f}" for v in rates))
+            for r in results
+            for setup, workers in r.standalone.items()
+            for worker, rates in workers.items()
+        ],
+    )
+    (folder / "report.md").write_text("\n".join(lines))
+
+
+def peer_section(results: Sequence[ModelResults]) -> list[str]:
+    """The peers' section: farm's best and every peer, run in turn."""
+    lines = [
         "## Peers: same model, same images, same cores",
         "",
         "![peers](peers.png)",
@@ -813,24 +981,16 @@ def write_report(folder: Path, run: SuiteRun) -> None:
         ],
         peer_rows(results),
     )
-    lines += [f"- {why}" for r in results for why in r.skipped_peers]
-    lines += ["", "## Standalone speeds (images/s, each measurement)", ""]
-    lines += _table(
-        ["model", "setup", "worker", "measurements"],
-        [
-            (r.model, setup, worker, ", ".join(f"{v:,.0f}" for v in rates))
-            for r in results
-            for setup, workers in r.standalone.items()
-            for worker, rates in workers.items()
-        ],
-    )
-    (folder / "report.md").write_text("\n".join(lines))
+    return lines + [f"- {why}" for r in results for why in r.skipped_peers]
 
 
 # ---- reading a results folder back ------------------------------------------------------
 
 
-def _rows(folder: Path, name: str) -> list[dict[str, str]]:
+def _rows(folder: Path, name: str, optional: bool = False) -> list[dict[str, str]]:
+    """A CSV table's rows; none for an ``optional`` table the run did not write."""
+    if optional and not (folder / name).exists():
+        return []
     with open(folder / name, newline="") as handle:
         return list(csv.DictReader(handle))
 
@@ -861,7 +1021,7 @@ def read_folder(folder: Path) -> SuiteRun:
         results[row["model"]].batches.setdefault(row["device"], []).append(
             (int(row["batch"]), float(row["images_per_s"]))
         )
-    for row in _rows(folder, "table2.csv"):
+    for row in _rows(folder, "table2.csv", optional=True):
         results[row["model"]].table2.setdefault(row["device"], []).append(
             (int(row["submitted"]), float(row["images_per_s"]))
         )
@@ -869,7 +1029,13 @@ def read_folder(folder: Path) -> SuiteRun:
         results[row["model"]].standalone.setdefault(row["setup"], {}).setdefault(
             row["worker"], []
         ).append(float(row["images_per_s"]))
-    for row in _rows(folder, "policy_runs.csv"):
+    runs = _rows(folder, "policy_runs.csv")
+    if runs and "waste_from_trace" not in runs[0]:
+        raise ValueError(
+            "policy_runs.csv has no waste from the trace (written before farm bench traced "
+            "its policy jobs): its figures cannot be drawn again"
+        )
+    for row in runs:
         results[row["model"]].runs.append(
             PolicyRun(
                 row["setup"],
@@ -880,14 +1046,16 @@ def read_folder(folder: Path) -> SuiteRun:
                 float(row["seconds"]),
                 float(row["in_job_theoretical_per_s"]),
                 int(row["chunks"]),
+                float(row["waste_from_trace"]),
+                int(row["standalone_bracket"]),
             )
         )
     tuning: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
-    for row in _rows(folder, "peer_tuning.csv"):
+    for row in _rows(folder, "peer_tuning.csv", optional=True):
         tuning[(row["model"], row["peer"])].append(
             (int(row["setting"]), float(row["images_per_s"]))
         )
-    for row in _rows(folder, "peer_runs.csv"):
+    for row in _rows(folder, "peer_runs.csv", optional=True):
         found, rate = results[row["model"]], float(row["images_per_s"])
         if row["who"] == "farm":
             found.farm_rounds.append(rate)
@@ -906,7 +1074,7 @@ def read_folder(folder: Path) -> SuiteRun:
                 round_,
             )
         )
-    for row in _rows(folder, "peers.csv"):
+    for row in _rows(folder, "peers.csv", optional=True):
         if not row["peer"].startswith("farm ("):
             results[row["model"]].peer_differences[row["peer"]] = float(row["max_abs_difference"])
     return SuiteRun(

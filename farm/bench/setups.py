@@ -147,19 +147,55 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def describe_machine() -> dict[str, Any]:
-    """Date, CPU, memory, GPUs and library versions, for the report's first lines."""
-    model = "unknown CPU"
+#: The instruction sets the engines' kernels use, as /proc/cpuinfo names them.
+NOTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (``model name``, ``cpu family``...)."""
+    fields: dict[str, str] = {}
     with open("/proc/cpuinfo") as handle:
         for line in handle:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
+            if not line.strip():
                 break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def amd_generation(vendor: str, family: int, model: int) -> str:
+    """AMD's Zen generation of a CPU family and model ("" for another vendor or one not
+    listed): family 25 (19h) is Zen 3 or Zen 4 by model, 26 (1Ah) Zen 5."""
+    if vendor != "AuthenticAMD":
+        return ""
+    if family == 26:
+        return "Zen 5"
+    if family == 25:  # Genoa 1xh, Raphael 6xh, Phoenix 7xh, Bergamo Axh
+        return "Zen 4" if model >> 4 in (0x1, 0x6, 0x7, 0xA) else "Zen 3"
+    return "Zen to Zen 2" if family == 23 else ""
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU's name, family, model, generation and noted instruction sets."""
+    info = cpu_info()
+    family, model = int(info.get("cpu family", "0")), int(info.get("model", "0"))
+    flags = set(info.get("flags", "").split())
+    return {
+        "cpu": info.get("model name", "unknown CPU"),
+        "cpu_family": family,
+        "cpu_model": model,
+        "cpu_generation": amd_generation(info.get("vendor_id", ""), family, model),
+        "cpu_flags": [flag for flag in NOTED_FLAGS if flag in flags],
+    }
+
+
+def describe_machine() -> dict[str, Any]:
+    """Date, CPU, memory, GPUs and library versions, for the report's first lines."""
     with open("/proc/meminfo") as handle:
         memory = int(handle.readline().split()[1]) / 1024**2
     return {
         "date": datetime.date.today().isoformat(),
-        "cpu": model,
+        **cpu_description(),
         "cores": len(cores()),
         "memory_gib": round(memory, 1),
         "gpus": gpu_names(),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,10 +37,11 @@ class SuiteConfig:
     setups: tuple[str, ...] = SETUP_NAMES
     peers: tuple[str, ...] = peers.PEERS
     quick: bool = False  # one parameter value per policy, three Table 2 sizes
-    standalone_images: int = 30_000
+    standalone_images: int = 30_000  # the head-to-head rounds' standalone measurements
     table2_images: int = 10_000
     tune_images: int = 10_000
     peer_rounds: int = defaults.BENCH_PEER_ROUNDS  # farm's best and every peer, in turn
+    policies_only: bool = False  # the policy sweep alone: no Table 2, no peers
 
 
 def kinds(setups: list[FarmSetup]) -> dict[str, WorkerSpec]:
@@ -53,6 +56,7 @@ def kinds(setups: list[FarmSetup]) -> dict[str, WorkerSpec]:
 def standalone_round(
     setup: FarmSetup, model: str, images: np.ndarray, into: dict[str, list[float]]
 ) -> None:
+    """Each worker of ``setup`` alone, in a fresh one-worker farm (the head-to-head's)."""
     for worker in setup.workers:
         into.setdefault(worker.label, []).append(measure.standalone_rate(worker, model, images))
 
@@ -60,37 +64,18 @@ def standalone_round(
 def run_model(
     config: SuiteConfig, model: str, setups: list[FarmSetup], say: Callable[[str], None]
 ) -> ModelResults:
-    """Everything on one model: batches, Table 2, the sweeps with standalone speeds, peers."""
+    """Everything on one model: batches, Table 2, the sweeps with standalone speeds, peers
+    (only batches and the sweeps when ``config.policies_only``)."""
     found = ModelResults(model, config.images)
     images = make_images(model, config.images)
-    best: dict[str, int] = {}
-    for kind, worker in kinds(setups).items():
-        found.batches[kind] = measure.best_batch(worker, model, config.tune_images)
-        best[kind] = max(found.batches[kind], key=lambda trial: trial[1])[0]
-        say(f"{model}: {kind} computes fastest at batch {best[kind]}")
-    sizes = measure.TABLE2_SIZES[1:4] if config.quick else measure.TABLE2_SIZES
-    for kind, worker in kinds(setups).items():
-        found.table2[kind] = measure.table2(
-            worker.with_batch(best[kind]), model, images[: config.table2_images], sizes
-        )
-        say(
-            f"{model}: Table 2, {kind}: "
-            + ", ".join(f"{n}: {v:,.0f}/s" for n, v in found.table2[kind])
-        )
-    configs = measure.paper_configurations(config.quick)
-    reference: np.ndarray | None = None
+    best = tune_batches(config, found, setups, say)
+    if not config.policies_only:
+        measure_table2(config, found, setups, best, images, say)
+    reference = None
     for setup in (s.with_batches(best) for s in setups):
-        standalone = found.standalone.setdefault(setup.name, {})
-        alone = images[: config.standalone_images]
-        for round_ in range(config.repeat):
-            standalone_round(setup, model, alone, standalone)
-            runs, outputs = measure.policy_sweep(
-                setup, model, images, configs, round_, lambda run: say(_run_line(run))
-            )
-            found.runs += runs
-            reference = outputs if reference is None else reference
-        standalone_round(setup, model, alone, standalone)
-        say(f"{model}, {setup.name}: theoretical {found.theoretical(setup.name):,.0f}/s")
+        reference = sweep_setup(config, found, setup, images, say)
+    if config.policies_only:
+        return found
     available = []
     for peer in config.peers:
         why = peers.missing(peer)
@@ -106,6 +91,72 @@ def run_model(
     elif config.peers:
         found.skipped_peers.append("every peer: peers run beside the cores farm, not built")
     return found
+
+
+def tune_batches(
+    config: SuiteConfig, found: ModelResults, setups: list[FarmSetup], say: Callable[[str], None]
+) -> dict[str, int]:
+    """Each device kind's fastest compute batch (its trials go into ``found.batches``)."""
+    best: dict[str, int] = {}
+    for kind, worker in kinds(setups).items():
+        found.batches[kind] = measure.best_batch(worker, found.model, config.tune_images)
+        best[kind] = max(found.batches[kind], key=lambda trial: trial[1])[0]
+        say(f"{found.model}: {kind} computes fastest at batch {best[kind]}")
+    return best
+
+
+def measure_table2(
+    config: SuiteConfig,
+    found: ModelResults,
+    setups: list[FarmSetup],
+    best: dict[str, int],
+    images: np.ndarray,
+    say: Callable[[str], None],
+) -> None:
+    """The paper's Table 2, one worker of each device kind at its best batch."""
+    sizes = measure.TABLE2_SIZES[1:4] if config.quick else measure.TABLE2_SIZES
+    for kind, worker in kinds(setups).items():
+        found.table2[kind] = measure.table2(
+            worker.with_batch(best[kind]), found.model, images[: config.table2_images], sizes
+        )
+        say(
+            f"{found.model}: Table 2, {kind}: "
+            + ", ".join(f"{n}: {v:,.0f}/s" for n, v in found.table2[kind])
+        )
+
+
+def sweep_setup(
+    config: SuiteConfig,
+    found: ModelResults,
+    setup: FarmSetup,
+    images: np.ndarray,
+    say: Callable[[str], None],
+) -> np.ndarray:
+    """``config.repeat`` rounds of every policy at the paper's values on ``setup``, each
+    job bracketed by standalone measurements; the first job's outputs."""
+    sweep = measure.Sweep(
+        setup,
+        found.model,
+        images,
+        images[: measure.bracket_images(config.images, len(setup.workers))],
+        found.standalone.setdefault(setup.name, {}),
+    )
+    configs = measure.paper_configurations(config.quick)
+    reference: np.ndarray | None = None
+    for round_ in range(config.repeat):
+        runs, outputs = measure.policy_sweep(
+            sweep, configs, round_, lambda run: say(_run_line(run))
+        )
+        found.runs += runs
+        reference = outputs if reference is None else reference
+    drifts = found.drifts(setup.name)
+    say(
+        f"{found.model}, {setup.name}: theoretical {found.theoretical(setup.name):,.0f}/s; "
+        f"standalone drift across the brackets: median {statistics.median(drifts):.1%}, "
+        f"max {max(drifts):.1%}"
+    )
+    assert reference is not None  # repeat >= 1
+    return reference
 
 
 def head_to_head(
@@ -154,7 +205,8 @@ def head_to_head(
 
 def _run_line(run: PolicyRun) -> str:
     return (
-        f"{run.model}, {run.setup}, round {run.round_ + 1}: {run.config.label}: {run.rate:,.0f}/s"
+        f"{run.model}, {run.setup}, round {run.round_ + 1}: {run.config.label}: "
+        f"{run.rate:,.0f}/s, waste {run.idle:.1%}"
     )
 
 
@@ -170,6 +222,7 @@ def run_suite(config: SuiteConfig, command: str, say: Callable[[str], None]) -> 
     for why in skipped:
         say(f"not run: {why}")
     found = [run_model(config, model, setups, say) for model in config.models]
+    machine["load_average_end"] = [round(value, 2) for value in os.getloadavg()]
     results.write_folder(
         folder,
         results.SuiteRun(machine, setups, skipped, found, command, time.perf_counter() - started),

@@ -44,7 +44,7 @@ def comma_list(
 @click.command()
 @click.option(
     "--out",
-    default="farm-bench",
+    default="bench-results",
     show_default=True,
     type=click.Path(file_okay=False),
     help="Folder that receives the results folder (DATE-CORES-cpu|gpu).",
@@ -99,6 +99,13 @@ def comma_list(
     help="One parameter value per policy and three Table 2 sizes (a smoke run).",
 )
 @click.option(
+    "--policies-only",
+    is_flag=True,
+    help="Only the policy sweep (Figures 3/4, Tables 4/5, Figure 5: every policy at the "
+    "paper's values, each job's waste from its trace, bracketed by standalone speeds): no "
+    "Table 2, no peers.",
+)
+@click.option(
     "--render",
     type=click.Path(file_okay=False, exists=True),
     help="Measure nothing: write the report and figures again from the CSV "
@@ -113,23 +120,26 @@ def bench(
     peer_names: tuple[str, ...],
     peer_rounds: int,
     quick: bool,
+    policies_only: bool,
     render: str | None,
 ) -> None:
     """The paper's experiments on this machine, and farm beside what users pick instead.
 
     Writes CSV tables, PNG figures and report.md: Table 2 per device kind,
     every policy at the paper's parameter values (Figures 3/4, Tables 4/5),
-    waste per policy against the standalone speeds measured in the same run
-    (Figure 5), and farm's best policy against one OpenCV, ONNX Runtime or
+    waste per policy from each job's trace, its workers' idle time (Figure 5),
+    with the drift of their standalone speeds measured just before and after
+    each job, and farm's best policy against one OpenCV, ONNX Runtime or
     OpenVINO process on every core, a multiprocessing pool and Ray Data.  Run
-    it on an otherwise idle machine: every figure is a throughput.
+    it on an otherwise idle machine: every figure but the waste is a throughput.
 
     \b
     Examples:
       farm bench                                  # the full suite (about an hour on 2 cores)
       farm bench --quick --images 5000            # a smoke run, a minute or two
+      farm bench --policies-only --setups cores   # Tables 4/5 and Figures 3-5 alone
       farm bench --models lenet --setups cores --peers opencv-threads --repeat 3
-      farm bench --render farm-bench/2026-11-23-2cores-cpu   # report again from its CSV
+      farm bench --render bench-results/2026-11-23-2cores-cpu   # report again from its CSV
     """
     if render:
         render_again(Path(render))
@@ -148,6 +158,7 @@ def bench(
         table2_images=min(images, 10_000),
         tune_images=min(images, 10_000),
         peer_rounds=peer_rounds,
+        policies_only=policies_only,
     )
     command = "farm bench " + " ".join(shlex.quote(arg) for arg in sys.argv[2:])
     folder = run_suite(config, command, lambda line: click.echo(line, err=True))

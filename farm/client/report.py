@@ -36,7 +36,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import StrMethodFormatter
 
 from farm.client.status import table
-from farm.client.trace import TRACE_FORMAT, ChunkTrace, Trace
+from farm.client.trace import TRACE_FORMAT, ChunkTrace, Trace, busy_stretches
 from farm.summary import plural
 
 __all__ = [
@@ -183,32 +183,22 @@ def _by_worker(trace: Trace) -> dict[str, list[ChunkTrace]]:
 
 
 def _idle(chunks: list[ChunkTrace], seconds: float) -> tuple[float, float, float, float, float]:
-    """(busy, start, barrier, messaging, tail) seconds of one worker; chunks sorted by started."""
-
-    def clip(t: float) -> float:
-        return min(max(t, 0.0), seconds)
-
-    if not chunks:
+    """(busy, start, barrier, messaging, tail) seconds of one worker, from its busy stretches
+    (``busy_stretches``: chunks merged where they overlap, cut to the job's span)."""
+    stretches = busy_stretches(chunks, seconds)
+    if not stretches:
         return 0.0, seconds, 0.0, 0.0, 0.0
-    busy = barrier = messaging = 0.0
-    first = chunks[0]
-    begin = clip(first.started)
-    end = max(begin, clip(first.finished))
-    received = first.received
-    start = begin
-    for chunk in chunks[1:]:
-        started, finished = clip(chunk.started), clip(chunk.finished)
-        if started <= end:  # overlaps the current busy stretch: merge
-            if finished > end:
-                end, received = finished, chunk.received
-            continue
-        busy += end - begin
-        wait = max(0.0, min(started, chunk.assigned) - max(end, received))
+    barrier = messaging = 0.0
+    for before, after in zip(stretches, stretches[1:]):
+        # a barrier: the result was back and the next chunk not yet assigned
+        wait = max(
+            0.0,
+            min(after.begin, after.first.assigned) - max(before.end, before.last.received),
+        )
         barrier += wait
-        messaging += started - end - wait
-        begin, end, received = started, max(started, finished), chunk.received
-    busy += end - begin
-    return busy, start, barrier, messaging, seconds - end
+        messaging += after.begin - before.end - wait
+    busy = sum(stretch.end - stretch.begin for stretch in stretches)
+    return busy, stretches[0].begin, barrier, messaging, seconds - stretches[-1].end
 
 
 def _worker_lines(trace: Trace, seconds: float) -> tuple[WorkerLine, ...]:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -135,6 +136,61 @@ class TraceRecorder:
 def _optional_seconds(value: Any) -> float | None:
     """A time a worker may not report (older workers): None when absent."""
     return None if value is None else seconds_of(value)
+
+
+def idle_share(trace: Trace) -> float:
+    """The job's waste from its own trace: each worker's idle seconds between the job's
+    start (its submission, 0) and its end (``broker_seconds``, the last result back at the
+    broker), summed, over workers x that span.
+
+    A worker is busy only while it computes a chunk: from ``started`` to ``finished``, the
+    worker's own ``compute`` time (the forward passes, and the decoding of image files when
+    the job sends files).  Receiving a chunk, waiting behind the previous one, replying,
+    loading the model and chunks that failed all count as idle.  A worker's overlapping
+    chunks count once, and time outside the span is cut off.  The workers are those the
+    job was offered to and any that sent a result, so one that ran nothing is idle
+    throughout.  Between 0 and 1 by construction, whatever the workers' speeds were
+    before or after the job; 0 for a job with no span or no worker.
+    """
+    span = trace.broker_seconds
+    names = {share.name for share in trace.workers} | {chunk.worker for chunk in trace.chunks}
+    if span <= 0 or not names:
+        return 0.0
+    busy = sum(
+        stretch.end - stretch.begin
+        for name in names
+        for stretch in busy_stretches(
+            [chunk for chunk in trace.chunks if chunk.worker == name], span
+        )
+    )
+    return max(0.0, 1.0 - busy / (len(names) * span))
+
+
+class BusyStretch(NamedTuple):
+    """A stretch of time one worker computed without a break, cut to the job's span."""
+
+    begin: float
+    end: float
+    first: ChunkTrace  # the chunk that began it
+    last: ChunkTrace  # the chunk that finished last in it (its end)
+
+
+def busy_stretches(chunks: Iterable[ChunkTrace], span: float) -> list[BusyStretch]:
+    """One worker's computing, in order: each chunk from ``started`` to ``finished`` cut to
+    ``[0, span]``, chunks that overlap or touch merged into one stretch (a chunk wholly
+    outside the span adds no time).  The trace's waste (``idle_share``) and ``farm
+    report``'s breakdown of each worker's time (``farm.client.report``) both use it.
+    """
+    stretches: list[BusyStretch] = []
+    for chunk in sorted(chunks, key=lambda c: c.started):
+        begin = min(max(chunk.started, 0.0), span)
+        end = min(max(chunk.finished, 0.0), span)
+        if stretches and begin <= stretches[-1].end:
+            if end > stretches[-1].end:
+                stretches[-1] = stretches[-1]._replace(end=end, last=chunk)
+            continue
+        stretches.append(BusyStretch(begin, max(begin, end), chunk, chunk))
+    return stretches
 
 
 def save_trace(trace: Trace, path: str | Path) -> None:

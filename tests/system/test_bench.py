@@ -12,7 +12,15 @@ import pytest
 
 from farm.bench.measure import Configuration, PolicyRun, paper_configurations
 from farm.bench.peers import CANDIDATES, PEERS, missing
-from farm.bench.results import PEER_MECHANISM, ModelResults, PolicySummary, relative_table
+from farm.bench.results import (
+    PEER_MECHANISM,
+    ModelResults,
+    SuiteRun,
+    read_folder,
+    relative_table,
+    waste_table,
+    write_folder,
+)
 from farm.bench.setups import SETUP_ABOUT, WorkerSpec, farm_setups
 from farm.ops.local import cores, farm_command
 from farm.policies import POLICIES
@@ -99,7 +107,9 @@ def test_suite_writes_every_table_figure_and_the_report(suite_folder) -> None:
         assert heading in report
 
 
-def test_every_policy_ran_and_waste_is_against_standalone_speeds(suite_folder) -> None:
+def test_every_policy_ran_with_waste_from_its_trace_and_a_standalone_bracket(
+    suite_folder,
+) -> None:
     rows = read_csv(suite_folder / "policies.csv")
     assert {row["policy"] for row in rows} == set(POLICIES)
     standalone = read_csv(suite_folder / "standalone.csv")
@@ -108,15 +118,29 @@ def test_every_policy_ran_and_waste_is_against_standalone_speeds(suite_folder) -
         if row["setup"] == "cores":
             per_worker.setdefault(row["worker"], []).append(float(row["images_per_s"]))
     assert len(per_worker) == len(cores())
-    assert all(len(rates) == 2 for rates in per_worker.values())  # before the round, after
+    runs = read_csv(suite_folder / "policy_runs.csv")
+    # one measurement before the first job, one after each job
+    assert all(len(rates) == len(runs) + 1 for rates in per_worker.values())
+    assert [int(run["standalone_bracket"]) for run in runs] == list(range(len(runs)))
     again = [row for row in standalone if row["setup"] == "head-to-head"]
     assert len(again) == 2 * len(cores())  # every worker alone again in each peer round
     theoretical = sum(sum(r) / len(r) for r in per_worker.values())
-    for row in rows:
-        rate = float(row["images_per_s"])
+    for row, run in zip(rows, runs):
+        rate, bracket = float(row["images_per_s"]), int(run["standalone_bracket"])
+        before = [rates[bracket] for rates in per_worker.values()]
+        after = [rates[bracket + 1] for rates in per_worker.values()]
         assert float(row["theoretical_per_s"]) == pytest.approx(theoretical, rel=1e-3)
-        assert float(row["waste"]) == pytest.approx(1 - rate / theoretical, abs=2e-4)
+        assert float(row["waste"]) == pytest.approx(float(run["waste_from_trace"]), abs=1e-4)
+        assert 0 <= float(row["waste"]) < 1  # idle time over workers x span
+        bracketed = (sum(before) + sum(after)) / 2
+        assert float(row["standalone_waste_secondary"]) == pytest.approx(
+            1 - rate / bracketed, abs=2e-3
+        )
+        drift = max(abs(a / b - 1) for b, a in zip(before, after))
+        assert float(row["bracket_drift"]) == pytest.approx(drift, abs=2e-3)
         assert 0 < rate < 1.5 * theoretical
+    report = (suite_folder / "report.md").read_text()
+    assert "Standalone speed drift across the bracket: median" in report
 
 
 def test_peers_compute_what_the_farm_computes(suite_folder) -> None:
@@ -184,27 +208,89 @@ def test_paper_configurations_cover_every_value_or_one_when_quick() -> None:
 
 
 def run(
-    rate: float, round_: int, in_job: float = 100.0, algo: str = "fifo", chunk: int = 500
+    rate: float,
+    round_: int,
+    in_job: float = 100.0,
+    algo: str = "fifo",
+    chunk: int = 500,
+    idle: float = 0.05,
+    bracket: int = 0,
 ) -> PolicyRun:
     return PolicyRun(
-        "cores", "lenet", Configuration(algo, {"chunk": chunk}), round_, rate, 1.0, in_job, 10
+        "cores",
+        "lenet",
+        Configuration(algo, {"chunk": chunk}),
+        round_,
+        rate,
+        1.0,
+        in_job,
+        10,
+        idle,
+        bracket,
     )
 
 
-def test_a_summary_is_the_median_round_and_splits_its_waste() -> None:
-    summary = PolicySummary.of([run(90, 0, 95), run(70, 1, 80), run(80, 2, 90)], 100.0)
+def test_a_summary_is_the_median_round_with_its_bracket_and_the_median_waste() -> None:
+    # cpu:0 alone 50 then 60 then 40, cpu:1 alone 50 throughout
+    results = ModelResults(
+        "lenet", 1000, standalone={"cores": {"cpu:0": [50, 60, 40, 50], "cpu:1": [50] * 4}}
+    )
+    results.runs = [
+        run(90, 0, 95, idle=0.02, bracket=0),
+        run(70, 1, 80, idle=0.10, bracket=1),
+        run(80, 2, 90, idle=0.04, bracket=2),
+    ]
+    (summary,) = results.summaries()
     assert summary.rate == 80 and summary.rounds == 3
-    assert summary.waste == pytest.approx(0.20)
-    assert summary.contention == pytest.approx(0.10)  # in-job speeds 90 against alone 100
+    assert summary.waste == pytest.approx(0.04)  # the median of the traces' idle shares
+    assert summary.bracket_theoretical == pytest.approx(95)  # (40 + 50 + 50 + 50) / 2
+    assert summary.standalone_waste == pytest.approx(1 - 80 / 95)
+    assert summary.drift == pytest.approx(0.25)  # cpu:0 from 40 to 50
+    assert summary.contention == pytest.approx(1 - 90 / 95)
     assert summary.farm_waste == pytest.approx(1 - 80 / 90)
+    assert sorted(results.drifts()) == pytest.approx([0, 0, 0, 0.2, 0.25, 1 / 3])
 
 
-def test_relative_speed_is_against_one_opencv_core_averaged_over_values() -> None:
-    results = ModelResults("lenet", 1000, standalone={"cores": {"cpu:0": [40, 60], "cpu:1": [50]}})
-    results.runs = [run(150, 0, chunk=500), run(200, 0, chunk=1000)]
+def test_relative_speed_is_against_one_core_and_waste_averaged_over_values() -> None:
+    results = ModelResults(
+        "lenet", 1000, standalone={"cores": {"cpu:0": [40, 60], "cpu:1": [50, 50]}}
+    )
+    results.runs = [run(150, 0, chunk=500, idle=0.1), run(200, 0, chunk=1000, idle=0.3)]
     assert results.one_core() == 50 and results.theoretical("cores") == 100
     assert relative_table(results, "cores") == {"fifo": pytest.approx((2 + 3) / 2)}
-    assert results.farm_best().config.label == "fifo chunk=1000"
+    assert waste_table(results, "cores") == {"fifo": pytest.approx(0.2)}
+    fastest = results.farm_best()
+    assert fastest is not None and fastest.config.label == "fifo chunk=1000"
+    assert results.best_per_policy()[("cores", "fifo")].config.label == "fifo chunk=500"
+
+
+def test_a_policies_only_folder_has_no_table2_or_peers_and_renders_again(tmp_path) -> None:
+    results = ModelResults(
+        "lenet", 1000, standalone={"cores": {"cpu:0": [40, 60, 50], "cpu:1": [50, 50, 50]}}
+    )
+    results.batches = {"cpu core (auto)": [(64, 100.0)]}
+    results.runs = [run(90, 0, idle=0.1, bracket=0), run(95, 0, chunk=1000, bracket=1)]
+    setups, _ = farm_setups(("cores",))
+    machine = {
+        "date": "2026-11-26",
+        "cpu": "AMD EPYC",
+        "cores": 2,
+        "memory_gib": 1.0,
+        "gpus": [],
+        "kernel": "6",
+        "python": "3",
+        "versions": {},
+        "load_average": [1.0, 1.0, 1.0],
+    }
+    write_folder(tmp_path, SuiteRun(machine, setups, [], [results], "farm bench", 60.0))
+    names = {path.name for path in tmp_path.iterdir()}
+    assert {"figure5-waste.png", "figure3-lenet.png", "policies.csv", "report.md"} <= names
+    assert not names & {"table2.csv", "peers.csv", "table2.png", "peers.png"}
+    report = (tmp_path / "report.md").read_text()
+    assert "## Table 2" not in report and "## Peers" not in report
+    assert "median 8.3%, max 50.0%" in report  # cpu:0 40 -> 60 -> 50 (+50%, -16.7%); cpu:1 0, 0
+    again = read_folder(tmp_path)
+    assert [r.idle for r in again.results[0].runs] == [0.1, 0.05]
 
 
 def test_every_peer_has_candidates_a_mechanism_and_runs_here_but_ray() -> None:
