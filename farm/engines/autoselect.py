@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from farm import defaults
+from farm.engines import onnx_export
 from farm.engines.engine import (
     AUTO,
     BACKENDS,
@@ -195,9 +196,11 @@ def cache_path(
     batch: int | None = None,
 ) -> Path:
     """Where the choice is remembered; a fixed ``batch`` (only backends timed) is a choice
-    of its own."""
+    of its own, and so is each format of farm's ONNX export (it changes the ONNX backends'
+    speeds)."""
     key = hashlib.sha256(
-        f"{device_key(device, threads)}|{precision}|{batch or 'best'}".encode()
+        f"{device_key(device, threads)}|{precision}|{batch or 'best'}|"
+        f"onnx-v{onnx_export.FORMAT}".encode()
     ).hexdigest()
     return cache_root() / "engines" / f"{spec.name}-{digest[:16]}-{key[:16]}.json"
 
@@ -460,13 +463,14 @@ def time_batches(
     budget: float = BUDGET,
     warm_up: bool = True,
 ) -> dict[int, float]:
-    """Images/s of ``engine.forward`` at each batch (after a warm-up forward unless the
-    engine already ran that batch), spending about ``budget`` seconds; batches after one
-    whose forward exceeds ``LONGEST_FORWARD`` are skipped."""
+    """Images/s of ``engine.forward`` at each batch, on what ``Engine.feed`` makes of the
+    images (after a warm-up forward unless the engine already ran that batch), spending
+    about ``budget`` seconds; batches after one whose forward exceeds ``LONGEST_FORWARD``
+    are skipped."""
     rates: dict[int, float] = {}
     share = budget / len(batches)
     for size in batches:
-        batch = engine.transform(np.resize(images, (size, *images.shape[1:])))
+        batch = engine.feed(np.resize(images, (size, *images.shape[1:])))
         if warm_up:
             engine.forward(batch)
         runs, started = 0, time.perf_counter()

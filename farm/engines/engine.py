@@ -1,10 +1,14 @@
 """Inference engines: one model loaded in one backend, run in compute batches.
 
-Every backend builds from the same checked ``Network`` and is fed by the same
-``Transformer``; a backend only supplies ``forward`` (one float32 N x C x H x W
-batch in, the output blob out) and ``shrink`` (drop buffers sized for a batch
-larger than the net's resting one).  Backends are imported lazily, so commands
-that never run a model start fast and the default install needs no torch.
+Every backend builds from the same checked ``Network`` and preprocesses as the
+same ``Transformer``; a backend only supplies ``forward`` (one batch in, the output
+blob out) and ``shrink`` (drop buffers sized for a batch larger than the net's
+resting one).  ``Engine.folds`` alone decides where the preprocessing runs: the
+backends that run farm's ONNX export take uint8 images as they are, into a graph
+with the preprocessing folded in (no float32 copy on the host); every other input,
+and every other backend, gets the host's float32 batch.  Backends are imported
+lazily, so commands that never run a model start fast and the default install needs
+no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -98,7 +102,8 @@ class Engine:
     """A loaded model: ``run`` turns images as clients send them into the output blob."""
 
     backend: ClassVar[str] = ""
-    #: Builds from farm's ONNX export (``onnx_file``) rather than the Caffe weights.
+    #: Builds from farm's ONNX export (``onnx_file``) rather than the Caffe weights, and
+    #: takes uint8 images as they are, the preprocessing folded into the graph (``feed``).
     reads_onnx: ClassVar[bool] = False
 
     def __init__(
@@ -120,6 +125,7 @@ class Engine:
         self.output_shape: tuple[int, ...] = ()
         self.allocated = 0  # the largest batch the buffers were sized for since the last rest
         self.last_run = RunStats()  # the latest ``run``'s device and copy seconds
+        self.graphs: dict[bool, Any] = {}  # ONNX backends: folded or not -> the compiled net
 
     @classmethod
     def load(
@@ -133,7 +139,8 @@ class Engine:
         """Check the files, build the net in this backend, probe the output with one image."""
         prepare(spec)
         # a backend that reads a cached export needs the net's shapes, not its weights again
-        weights = None if cls.reads_onnx and onnx_path(spec).is_file() else spec.weights
+        cached = cls.reads_onnx and onnx_path(spec, folded=True).is_file()
+        weights = None if cached else spec.weights
         try:
             network = Network.load(spec.prototxt, weights, spec.declared_input)
         except NetworkError as exc:
@@ -152,7 +159,7 @@ class Engine:
             engine.build()
             network.drop_weights()  # the backend holds its own copy: keep one, not two
             release_free_memory()
-            probe = engine.forward(engine.transform(np.zeros((1, *spec.item_shape), np.float32)))
+            probe = engine.forward(engine.feed(np.zeros((1, *spec.item_shape), np.uint8)))
         except ModelError:
             raise
         except Exception as exc:  # the library's own error types: cv2.error, RuntimeError, ...
@@ -187,9 +194,21 @@ class Engine:
         """The engine as logs and ``farm status`` show it: ``openvino f32 batch 64``."""
         return f"{self.backend} {self.precision} batch {self.batch}"
 
-    def onnx_file(self) -> str:
+    def onnx_file(self, folded: bool = False) -> str:
         """farm's ONNX export of the net (see ``exported_onnx``)."""
-        return str(exported_onnx(self.spec, self.network))
+        return str(exported_onnx(self.spec, self.network, folded))
+
+    def graph(self, folded: bool) -> Any:
+        """An ONNX backend's compiled net, compiled on first use: ``folded``, the export
+        taking uint8 images with the preprocessing in the graph, else the plain export
+        taking the host's float32 batches."""
+        if folded not in self.graphs:
+            self.graphs[folded] = self.compile(self.onnx_file(folded))
+        return self.graphs[folded]
+
+    def compile(self, path: str) -> Any:
+        """An ONNX backend's net compiled from the export at ``path``."""
+        raise NotImplementedError
 
     def clean_prototxt(self, folder: str) -> str:
         """Write ``self.network`` as a clean deploy prototxt into ``folder``; its path."""
@@ -198,8 +217,29 @@ class Engine:
             handle.write(self.network.deploy_text())
         return path
 
+    def folds(self, dtype: np.dtype) -> bool:
+        """The one place deciding where the preprocessing runs: in the graph for uint8
+        images on a backend that runs farm's ONNX export, else on the host."""
+        return self.reads_onnx and dtype == np.uint8
+
+    def feed(self, images: np.ndarray) -> np.ndarray:
+        """What ``forward`` takes for images as clients send them: uint8 ones as they are
+        where the engine ``folds`` the preprocessing, else the host ``Transformer``'s
+        float32 batch, exactly as before."""
+        return images if self.folds(images.dtype) else self.transform(images)
+
+    def prepare(self, dtype: np.dtype) -> float:
+        """Compile now the graph that images of ``dtype`` run on, if not yet (a worker counts
+        it as loading, not computing); the seconds it took (0 when there was none to do)."""
+        folded = self.folds(dtype)
+        if not self.reads_onnx or folded in self.graphs:
+            return 0.0
+        started = time.perf_counter()
+        self.graph(folded)
+        return time.perf_counter() - started
+
     def forward(self, batch: np.ndarray) -> np.ndarray:
-        """The output blob for one preprocessed float32 batch."""
+        """The output blob for one batch as ``feed`` makes it."""
         raise NotImplementedError
 
     def shrink(self) -> None:
@@ -227,7 +267,7 @@ class Engine:
                 raise Stopped(f"stopped after {begin} of {count} images")
             end = min(begin + self.batch, count)
             started = time.perf_counter()
-            outputs[begin:end] = self.forward(self.transform(images[begin:end]))
+            outputs[begin:end] = self.forward(self.feed(images[begin:end]))
             seconds = time.perf_counter() - started
             stats.device += seconds
             if tally is not None:
@@ -247,22 +287,33 @@ class Engine:
         release_free_memory()
 
 
-def onnx_path(spec: ModelSpec) -> Path:
-    """Where farm's ONNX export of a model is cached: one file per model digest."""
+def onnx_path(spec: ModelSpec, folded: bool = False) -> Path:
+    """Where farm's ONNX export of a model is cached: one file per model digest (which
+    covers ``model.toml``'s preprocessing and the mean file), export format, and input:
+    ``-u8``, uint8 images with the preprocessing folded in."""
     digest = manifest_of(spec).digest
-    return cache_root() / "onnx" / f"{spec.name}-{digest[:24]}-v{onnx_export.FORMAT}.onnx"
+    suffix = "-u8" if folded else ""
+    return cache_root() / "onnx" / f"{spec.name}-{digest[:24]}-v{onnx_export.FORMAT}{suffix}.onnx"
 
 
-def exported_onnx(spec: ModelSpec, network: Network | None = None) -> Path:
+def exported_onnx(spec: ModelSpec, network: Network | None = None, folded: bool = False) -> Path:
     """farm's ONNX export of a model, written once per model digest into the cache
     (``$FARM_CACHE/onnx``), so a process that starts again reads it without exporting;
-    ``network``: the model already loaded with its weights, if at hand."""
-    path = onnx_path(spec)
+    ``network``: the model already loaded, if at hand (used where its weights are still
+    attached); ``folded``: the graph takes uint8 images, the preprocessing in it."""
+    path = onnx_path(spec, folded)
     if not path.is_file():
-        network = network or Network.load(spec.prototxt, spec.weights, spec.declared_input)
+        if network is None or not has_weights(network):
+            network = Network.load(spec.prototxt, spec.weights, spec.declared_input)
+        fold = Transformer.for_model(spec) if folded else None
         path.parent.mkdir(parents=True, exist_ok=True)
-        onnx_export.save(onnx_export.export(network, spec.output), path)
+        onnx_export.save(onnx_export.export(network, spec.output, fold), path)
     return path
+
+
+def has_weights(network: Network) -> bool:
+    """Whether every layer that takes weights still holds them (``drop_weights`` not run)."""
+    return all(layer.blobs for layer in network.layers if layer.blob_shapes)
 
 
 def job_engine(value: object) -> tuple[str, str]:

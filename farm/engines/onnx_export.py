@@ -9,6 +9,11 @@ In-place layers get a fresh value name for each write, and the graph ends at
 the model's output blob, which names the graph's output.  The batch dimension
 is left free (``N``), so every batch size runs on one graph.  Only the ``onnx``
 package is needed; no torch.
+
+With ``fold``, the model's preprocessing (Caffe's ``Transformer``: layout, channel
+swap, raw scale, mean, input scale) becomes the graph's first nodes, in the same
+order and in f32: the graph then takes uint8 images as clients send them, and no
+float32 copy of them is made on the host.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from farm.engines.preprocess import Transformer
 from farm.modelrepo.caffe_net import (
     Layer,
     Network,
@@ -34,8 +40,9 @@ from farm.modelrepo.caffe_net import (
 OPSET = 17
 #: The IR version matching ``OPSET``; readers older than the ``onnx`` package accept it.
 IR_VERSION = 8
-#: Bumped whenever the graph farm writes for a net changes: cached exports carry it.
-FORMAT = 1
+#: Bumped whenever the graph farm writes for a net changes: cached exports carry it
+#: (2: graphs with the preprocessing folded in).
+FORMAT = 2
 
 
 class ExportError(NetworkError):
@@ -80,8 +87,9 @@ class GraphBuilder:
 Converter = Callable[[GraphBuilder, Layer, list[str], list[Shape]], str]
 
 
-def export(network: Network, output: str | None = None) -> Any:
-    """The ONNX ``ModelProto`` of ``network`` (weights attached) up to blob ``output``.
+def export(network: Network, output: str | None = None, fold: Transformer | None = None) -> Any:
+    """The ONNX ``ModelProto`` of ``network`` (weights attached) up to blob ``output``;
+    with ``fold``, its input is uint8 images as clients send them (``fold_preprocessing``).
 
     ExportError names the layer that cannot be written.
     """
@@ -91,10 +99,12 @@ def export(network: Network, output: str | None = None) -> Any:
     if output not in network.shapes:
         raise ExportError(f"{network.source}: {output!r} is not a blob of the net")
     builder = GraphBuilder(network)
-    builder.values[network.input] = network.input
     # the graph's output takes the blob's own name, unless that is the input's too
     final = output if output != network.input else output + ":out"
     builder.taken.update({network.input, final})
+    builder.values[network.input] = (
+        network.input if fold is None else fold_preprocessing(builder, fold)
+    )
     last = max(i for i, layer in enumerate(network.layers) if output in layer.tops)
     for layer in network.layers[: last + 1]:
         if layer.blob_shapes and not layer.blobs:
@@ -117,12 +127,17 @@ def export(network: Network, output: str | None = None) -> Any:
         helper.make_node("Identity", [builder.values[output]], [final], name=final)
     )
     out_shape = network.shapes[output]
+    in_shape = network.input_shape[1:]
+    if fold is not None and fold.hwc:
+        in_shape = (*in_shape[1:], in_shape[0])
     graph = helper.make_graph(
         builder.nodes,
         network.name or "caffe",
         [
             helper.make_tensor_value_info(
-                network.input, TensorProto.FLOAT, ["N", *network.input_shape[1:]]
+                network.input,
+                TensorProto.FLOAT if fold is None else TensorProto.UINT8,
+                ["N", *in_shape],
             )
         ],
         [helper.make_tensor_value_info(final, TensorProto.FLOAT, ["N", *out_shape[1:]])],
@@ -133,6 +148,33 @@ def export(network: Network, output: str | None = None) -> Any:
     )
     model.ir_version = IR_VERSION
     return model
+
+
+def fold_preprocessing(b: GraphBuilder, transform: Transformer) -> str:
+    """``Transformer`` as the graph's first nodes, its steps in its order: uint8 images
+    as clients send them in (``N x H x W x C`` for HWC), the net's float32 N x C x H x W
+    out.  The layout and the channel swap move uint8 (4x fewer bytes than after the
+    cast); the arithmetic is the host's, in f32."""
+    from onnx import TensorProto
+
+    name = b.network.input
+    value = name
+    if transform.hwc:
+        value = b.node("Transpose", [value], name + ":chw", perm=[0, 3, 1, 2])
+    if transform.channel_swap:
+        swap = b.constant(name + ".swap", np.array(transform.channel_swap, np.int64))
+        value = b.node("Gather", [value, swap], name + ":swapped", axis=1)
+    value = b.node("Cast", [value], name + ":f32", to=TensorProto.FLOAT)
+    steps = (
+        ("Mul", "raw_scale", transform.raw_scale != 1.0, np.float32(transform.raw_scale)),
+        ("Sub", "mean", transform.mean is not None, transform.mean),
+        ("Mul", "input_scale", transform.input_scale != 1.0, np.float32(transform.input_scale)),
+    )
+    for op, step, applies, operand in steps:
+        if applies:
+            constant = b.constant(f"{name}.{step}", np.asarray(operand, np.float32))
+            value = b.node(op, [value, constant], f"{name}:{step}")
+    return value
 
 
 def save(model: Any, path: str | Path) -> Path:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,21 +14,24 @@ import onnxruntime
 import openvino
 import pytest
 
+from farm.bench.common import shared_squeezenet
 from farm.engines import autoselect
 from farm.engines.autoselect import Choice, choose, load_engine
-from farm.engines.engine import PRECISIONS
+from farm.engines.engine import PRECISIONS, Engine, onnx_path
 from farm.engines.modelcheck import check_inputs, check_model
-from farm.engines.onnx_export import export, save
+from farm.engines.onnx_export import FORMAT, export, save
 from farm.engines.tolerances import TOLERANCE, relative_difference
 from farm.modelrepo import caffe_proto
 from farm.modelrepo.caffe_net import Network, NetworkError
-from farm.modelrepo.repository import ModelError, find, load_spec
+from farm.modelrepo.repository import ModelError, ModelSpec, find, load_spec
 from tests.conftest import available_bundled
 from tests.unit.test_models import EVERY_LAYER, inline_net, needs_torch, write_model
 
 #: The models shipped in farm/models (not the user's nor $FARM_MODELS').
 BUNDLED = sorted(available_bundled())
 ONNX_BACKENDS = ("onnxruntime", "openvino")
+#: The shared ImageNet SqueezeNet v1.0 (not in the repository: its weights have no licence).
+SQUEEZENET = Path(__file__).resolve().parents[3] / "shared" / "models" / "squeezenet_v1.0"
 
 
 def assert_agree(checks, reference: str = "opencv") -> None:
@@ -225,6 +230,139 @@ def test_export_of_an_intermediate_blob_and_missing_weights(tmp_path, lenet) -> 
         export(Network.load(lenet.prototxt), "prob")
 
 
+# ------------------------------------------------------- preprocessing folded into the graph
+
+
+@pytest.fixture(scope="module")
+def squeezenet(tmp_path_factory) -> ModelSpec:
+    """The shared SqueezeNet v1.0 as a model folder: HWC RGB in, BGR minus channel means."""
+    if not (SQUEEZENET / "squeezenet_v1.0.caffemodel").is_file():
+        pytest.skip(f"no SqueezeNet v1.0 in {SQUEEZENET}")
+    return load_spec(shared_squeezenet(tmp_path_factory.mktemp("models"), SQUEEZENET))
+
+
+@pytest.fixture(scope="module")
+def lenet_scaled(tmp_path_factory) -> ModelSpec:
+    """The bundled LeNet with every arithmetic step: raw scale, a mean, the input scale."""
+    folder = tmp_path_factory.mktemp("models") / "lenet_scaled"
+    shutil.copytree(find("lenet").folder, folder)
+    toml = folder / "model.toml"
+    toml.write_text(
+        toml.read_text().replace(
+            "input_scale = 0.00390625", "raw_scale = 0.5\nmean = [3.0]\ninput_scale = 0.0078125"
+        )
+    )
+    return load_spec(folder)
+
+
+#: The models run with folded preprocessing: the bundled ones and two from fixtures.
+FIXTURE_MODELS = ("squeezenet", "lenet_scaled")
+
+
+def host_path(engine: Engine, images: np.ndarray, transform=None) -> np.ndarray:
+    """The outputs by the host's ``Transformer`` (or ``transform``) and the plain export, in
+    the engine's compute batches: the path every image took before folding."""
+    transform = transform or engine.transform
+    return np.concatenate(
+        [
+            engine.forward(transform(images[begin : begin + engine.batch]))
+            for begin in range(0, len(images), engine.batch)
+        ]
+    )
+
+
+#: Each preprocessing step, undone: the folded graph must not agree with the host path
+#: without it (so a step left out of the graph would fail the comparison).
+UNDONE = {"channel_swap": (), "raw_scale": 1.0, "mean": None, "input_scale": 1.0}
+
+
+def applies(transform, step: str) -> bool:
+    """Whether a model's preprocessing has ``step`` (a mean is an array: None when absent)."""
+    value = getattr(transform, step)
+    return value is not None if step == "mean" else value != UNDONE[step]
+
+
+@pytest.mark.parametrize("backend", ONNX_BACKENDS)
+@pytest.mark.parametrize("name", [*BUNDLED, *FIXTURE_MODELS])
+def test_uint8_images_go_into_the_graph_and_agree_with_the_host_path(
+    name, backend, request
+) -> None:
+    """uint8 images go into the folded graph as they are, and its outputs are the host
+    path's within the engines' tolerance; undoing any step of the model's preprocessing
+    on the host path puts it outside, so the comparison sees every step."""
+    spec = request.getfixturevalue(name) if name in FIXTURE_MODELS else find(name)
+    engine = load_engine(spec, backend, batch=4, threads=1)
+    sample = check_inputs(spec, 6)
+    # and dimmed copies: a confident net's softmax saturates on its sample, where a step
+    # left out can change little; on these it changes much
+    images = np.concatenate([sample, sample // 16])
+    assert images.dtype == np.uint8 and engine.feed(images) is images  # no host copy
+    graph = onnx.load(engine.onnx_file(folded=True)).graph
+    assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    folded = engine.run(images)
+    assert relative_difference(folded, host_path(engine, images)) <= TOLERANCE
+    steps = [step for step in UNDONE if applies(engine.transform, step)]
+    assert steps
+    for step in steps:
+        undone = replace(engine.transform, **{step: UNDONE[step]})
+        difference = relative_difference(folded, host_path(engine, images, undone))
+        assert difference > TOLERANCE, f"{name} without its {step} differs by {difference:.1e}"
+
+
+@pytest.mark.parametrize("backend", ONNX_BACKENDS)
+def test_float32_images_keep_the_host_preprocessing_and_the_plain_export(
+    backend, tmp_path, monkeypatch
+) -> None:
+    """float32 pixels are preprocessed on the host and run on the plain export, as before the
+    folding; ``prepare`` compiles that graph (a worker does so before it times a chunk), from
+    the weights again when the engine was loaded from a cached folded export (no weights)."""
+    monkeypatch.setenv("FARM_CACHE", str(tmp_path))
+    spec = find("cifar10_quick")  # HWC and a mean file
+    load_engine(spec, backend, threads=1)  # caches the folded export
+    engine = load_engine(spec, backend, batch=4, threads=1)
+    assert engine.network.parameter_count() and not any(
+        layer.blobs for layer in engine.network.layers
+    )
+    images = check_inputs(spec, 6).astype(np.float32)
+    assert sorted(engine.graphs) == [True]  # uint8 images' graph, compiled at load
+    assert engine.prepare(images.dtype) > 0.0 and sorted(engine.graphs) == [False, True]
+    assert engine.prepare(images.dtype) == engine.prepare(np.dtype(np.uint8)) == 0.0
+    fed = engine.feed(images)
+    assert fed.dtype == np.float32 and fed.shape == (6, *spec.input_shape)
+    assert np.array_equal(fed, engine.transform(images))
+    outputs = engine.run(images)
+    graph = onnx.load(engine.onnx_file(folded=False)).graph
+    assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert np.array_equal(outputs, host_path(engine, images))
+    uint8 = engine.run(images.astype(np.uint8))
+    assert relative_difference(outputs, uint8) <= TOLERANCE
+
+
+def test_exports_are_cached_by_format_and_input(lenet, digits, tmp_path, monkeypatch) -> None:
+    """An export cached by an older farm (plain, format 1) is never read for the folded
+    graph; the folded and the plain export are two files, each with its input type."""
+    monkeypatch.setenv("FARM_CACHE", str(tmp_path))
+    stale = onnx_path(lenet).with_name(onnx_path(lenet).name.replace(f"-v{FORMAT}", "-v1"))
+    assert FORMAT > 1 and stale != onnx_path(lenet)
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an export cached before the preprocessing was folded")
+    engine = load_engine(lenet, "onnxruntime", threads=1)
+    engine.run(digits[:3, None])
+    engine.run(digits[:3, None].astype(np.float32))
+    inputs = {
+        path.name: onnx.load(str(path)).graph.input[0].type.tensor_type.elem_type
+        for path in stale.parent.glob("*.onnx")
+        if path != stale
+    }
+    assert inputs == {
+        onnx_path(lenet, folded=True).name: onnx.TensorProto.UINT8,
+        onnx_path(lenet).name: onnx.TensorProto.FLOAT,
+    }
+    choice = autoselect.cache_path(lenet, "d" * 64, "cpu", 1, "f32")
+    monkeypatch.setattr("farm.engines.onnx_export.FORMAT", FORMAT + 1)
+    assert autoselect.cache_path(lenet, "d" * 64, "cpu", 1, "f32") != choice  # timed again
+
+
 # ------------------------------------------------------------------------------- auto
 
 
@@ -357,8 +495,11 @@ def test_openvino_runs_f32_whatever_the_cpu_default(lenet, digits, monkeypatch) 
     reference = load_engine(lenet, "opencv").run(images)
     monkeypatch.setattr(backend, "new_core", core_defaulting_to_bf16)
     engine = load_engine(lenet, "openvino", threads=1)
-    assert backend.compiled_precision(engine.compiled) == "f32"
     assert relative_difference(engine.run(images), reference) <= 1e-5
+    assert relative_difference(engine.run(images.astype(np.float32)), reference) <= 1e-5
+    assert sorted(engine.graphs) == [False, True]  # the float32 graph, compiled on demand
+    for request in engine.graphs.values():
+        assert backend.compiled_precision(request.get_compiled_model()) == "f32"
 
 
 def test_every_openvino_compile_states_its_precision() -> None:

@@ -1,12 +1,16 @@
 """The ONNX Runtime backend: farm's own ONNX export of the net, on the CPU or on CUDA.
 
 A pinned worker gets one intra-op thread and sequential execution; an
-unpinned one, ONNX Runtime's own thread pool.  On a GPU worker the TensorRT
+unpinned one, ONNX Runtime's own thread pool.  uint8 images run on the export
+with the preprocessing folded in (a session made at load); float32 ones on the
+plain export (a session made on their first batch).  On a GPU worker the TensorRT
 execution provider is tried first, then CUDA, when ``onnxruntime-gpu`` offers
 them; TensorRT also computes in f16 when asked.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +48,11 @@ class OnnxRuntimeEngine(Engine):
         return "" if self.device.startswith("cuda") else " (ONNX Runtime's CPU kernels are f32)"
 
     def build(self) -> None:
+        self.graph(folded=True)  # uint8 images, the common input; float32 builds on demand
+
+    def compile(self, path: str) -> Any:
+        """A session on the export at ``path``: one inter-op thread, this worker's intra-op
+        threads, this device's providers."""
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
@@ -53,11 +62,10 @@ class OnnxRuntimeEngine(Engine):
         if self.threads is not None:
             options.intra_op_num_threads = self.threads
         options.log_severity_level = 3  # warnings about unused initializers are noise here
-        self.session = onnxruntime.InferenceSession(
-            self.onnx_file(), options, providers=self.providers()
-        )
-        self.input_name = self.session.get_inputs()[0].name
-        self.output_name = self.session.get_outputs()[0].name
+        session = onnxruntime.InferenceSession(path, options, providers=self.providers())
+        self.input_name = session.get_inputs()[0].name  # the same in both graphs
+        self.output_name = session.get_outputs()[0].name
+        return session
 
     def providers(self) -> list[object]:
         if not self.device.startswith("cuda"):
@@ -86,4 +94,5 @@ class OnnxRuntimeEngine(Engine):
         return chosen
 
     def forward(self, batch: np.ndarray) -> np.ndarray:
-        return self.session.run([self.output_name], {self.input_name: batch})[0]
+        session = self.graph(self.folds(batch.dtype))
+        return session.run([self.output_name], {self.input_name: batch})[0]
