@@ -43,6 +43,8 @@ MODEL = "lenet"
 PRIORITY = 0
 #: Seconds of broker silence before a client gives up.
 CLIENT_TIMEOUT = 60.0
+#: Seconds without a job after which a ``farm up`` farm stops by itself.
+LOCAL_IDLE_TIMEOUT = 300.0
 #: Logging threshold of the services (broker, worker), and of every other command.
 SERVICE_LOG_LEVEL, LOG_LEVEL = "INFO", "WARNING"
 #: Log lines for people ("text") or for log shippers ("json").

@@ -80,6 +80,9 @@ class Ready(Header):
         dict[Name, tuple[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=0)]]],
         Meta(max_length=MAX_ENGINES),
     ] = {}
+    # when (wall clock) this process started, had imported its code, had loaded its
+    # --model models: ``farm run --timings`` shows a farm's start-up from them
+    startup: Annotated[dict[Name, float], Meta(max_length=MAX_MAP)] = {}
 
 
 class ChunkHeader(Header):

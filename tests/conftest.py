@@ -37,10 +37,12 @@ def available_bundled() -> list[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cache(tmp_path_factory) -> None:
-    """Fetched models and generated weights go to a fresh folder, not the user's ~/.cache, and
-    the user's own model repository (~/.local/share/farm/models) is left out."""
+    """Fetched models and generated weights go to a fresh folder, not the user's ~/.cache, the
+    user's own model repository (~/.local/share/farm/models) is left out, and so is a farm
+    the user started with ``farm up`` (``farm run`` would use it)."""
     os.environ["FARM_CACHE"] = str(tmp_path_factory.mktemp("farm-cache"))
     os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("data"))  # no user models
+    os.environ["FARM_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("runtime"))
 
 
 @pytest.fixture(scope="session")

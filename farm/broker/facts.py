@@ -29,6 +29,7 @@ class WorkerFacts:
     heartbeat: float = defaults.HEARTBEAT
     engines: dict[str, str] = field(default_factory=dict)
     speeds: dict[str, tuple[int, float]] = field(default_factory=dict)  # images, compute s
+    startup: dict[str, float] = field(default_factory=dict)  # stage -> wall-clock time
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -53,6 +53,7 @@ class WorkerEntry(Generic[A]):
     loaded: set[str]  # models it has loaded
     slots: int
     engines: dict[str, str] = field(default_factory=dict)  # model -> "openvino f32 batch 64"
+    startup: dict[str, float] = field(default_factory=dict)  # stage -> wall-clock time
     heartbeat: float = defaults.HEARTBEAT  # seconds between the worker's heartbeats
     last_seen: float = 0.0  # broker clock when the worker was last heard from
     in_flight: dict[int, A] = field(default_factory=dict)
@@ -92,6 +93,7 @@ class WorkerEntry(Generic[A]):
             slots=facts.slots,
             heartbeat=facts.heartbeat,
             engines=dict(facts.engines),
+            startup=dict(facts.startup),
         )
         for model, (images, seconds) in facts.speeds.items():
             entry.history[model] = ModelHistory(images, seconds)
@@ -142,6 +144,7 @@ class WorkerEntry(Generic[A]):
             "models": sorted(self.models),
             "loaded": sorted(self.loaded),
             "engines": dict(self.engines),
+            "startup": dict(self.startup),
             "fetched": dict(self.fetched),
             "state": "busy" if self.in_flight else "idle",
             "slots": self.slots,

@@ -94,6 +94,7 @@ def worker_facts(header: messages.Ready) -> WorkerFacts:
         slots=header.slots,
         heartbeat=header.heartbeat,
         engines=dict(header.engines),
+        startup=dict(header.startup),
         speeds={
             model: (images, seconds)
             for model, (images, seconds) in header.speeds.items()

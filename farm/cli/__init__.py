@@ -1,9 +1,11 @@
 """The ``farm`` command: a thin click group over the broker, workers and client.
 
 One module per command or group (``broker``, ``worker``, ``submit`` with ``run``
-and ``status``, ``report``, ``models``, ``keys``, ``deploy``, ``bench``); options
-several of them share are in ``options`` and ``policy``.  Commands import what
-they run when they run, so ``farm broker --help`` loads no inference library.
+and ``status``, ``local`` with ``up`` and ``down``, ``report``, ``models``, ``keys``,
+``deploy``, ``bench``); options several of them share are in ``options`` and
+``policy``.  A command's module is imported only when that command runs (``COMMANDS``),
+and commands import what they run when they run: ``farm worker`` loads neither the
+client nor the broker, and ``farm broker --help`` no inference library.
 
 Every option can also come from an environment variable (named in its help,
 else ``FARM_<COMMAND>_<OPTION>``) or a TOML file (``farm.ops.config``), in that order
@@ -12,26 +14,62 @@ of precedence after the command line.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import click
 
 from farm import defaults
-from farm.cli import bench, broker, deploy, keys, models, report, submit, worker
-from farm.client.client import FarmError
 
 #: Commands that run for a long time and log as they go: INFO by default; others WARNING.
-SERVICES = ("broker", "worker")
+SERVICES = ("broker", "worker", "up")
+
+#: Each command: the ``farm.cli`` module that defines it, and its function there.
+COMMANDS = {
+    "run": ("run", "run"),
+    "up": ("local", "up"),
+    "down": ("local", "down"),
+    "submit": ("submit", "submit"),
+    "status": ("submit", "status"),
+    "broker": ("broker", "broker"),
+    "worker": ("worker", "worker"),
+    "report": ("report", "report"),
+    "models": ("models", "models"),
+    "keys": ("keys", "keys"),
+    "deploy": ("deploy", "deploy"),
+    "bench": ("bench", "bench"),
+}
 
 
 class FarmGroup(click.Group):
-    """A click group that reports a farm error as one line, not a traceback."""
+    """A click group that imports a command's module only when the command is used, and
+    reports a farm error as one line, not a traceback."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            module, name = COMMANDS[cmd_name]
+            self.add_command(getattr(importlib.import_module(f"farm.cli.{module}"), name))
+        return self.commands.get(cmd_name)
+
+    def load_all(self, ctx: click.Context) -> None:
+        """Import every command (a settings file is checked against all their options)."""
+        for name in COMMANDS:
+            self.get_command(ctx, name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except FarmError as exc:
-            raise click.ClickException(str(exc)) from exc
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except Exception as exc:
+            from farm.client.client import FarmError  # the commands that raise it loaded it
+
+            if isinstance(exc, FarmError):
+                raise click.ClickException(str(exc)) from exc
+            raise
 
 
 @click.group(
@@ -104,6 +142,8 @@ def apply_config_file(ctx: click.Context, config_file: str | None) -> None:
     path = config_path(config_file)
     if path is None:
         return
+    if isinstance(ctx.command, FarmGroup):
+        ctx.command.load_all(ctx)
     settings = default_map(ctx.command, load_config(path), path)
     ctx.default_map = settings
     for param in ctx.command.params:
@@ -113,18 +153,3 @@ def apply_config_file(ctx: click.Context, config_file: str | None) -> None:
                 ctx.params[name] = param.type_cast_value(ctx, settings[name])
             except click.BadParameter as exc:
                 raise ConfigError(f"{path}: {name.replace('_', '-')}: {exc.message}") from exc
-
-
-for command in (
-    broker.broker,
-    worker.worker,
-    submit.submit,
-    submit.run,
-    submit.status,
-    report.report,
-    models.models,
-    keys.keys,
-    deploy.deploy,
-    bench.bench,
-):
-    main.add_command(command)

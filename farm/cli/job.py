@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from farm.client.client import Client, JobResult
     from farm.client.inputs import Source
     from farm.modelrepo.repository import ModelSpec
+    from farm.startup import Timeline
 
 NO_BROKER_HINT = (
     "is a broker running there? --broker or FARM_BROKER give its address; a "
@@ -165,6 +166,7 @@ def run_job(
     resume: bool = False,
     answers: Answers | None = None,
     nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
+    timeline: Timeline | None = None,
     **job_options: Any,
 ) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
@@ -177,6 +179,7 @@ def run_job(
     ``out``, a .csv or .jsonl, else the terminal) instead of raw scores.  ``nan_shape``:
     gives one output's shape (asked only if no result came), so that a `.npy` ``out`` of
     a job whose every image failed is written too (NaN rows; without it, none).
+    ``timeline``: marked when the job is submitted, and at its first and last result.
     ``job_options``: ``Client.run``'s priority, job_timeout, algo, params, backend and
     precision.  Returns the raw outputs when they were kept: in memory, or memory-mapped
     from ``out``.
@@ -212,10 +215,13 @@ def run_job(
                 tqdm(total=len(source), unit="img", disable=quiet, file=sys.stderr, desc=model)
             )
             interrupted = stack.enter_context(cancel_on_interrupt(client))
+            progress = bar.update if timeline is None else marking_first(bar.update, timeline)
+            if timeline is not None:
+                timeline.mark("job submitted")
             result = client.run(
                 source,
                 model,
-                progress=bar.update,
+                progress=progress,
                 trace=trace is not None,
                 notice=lambda line: bar.write(line, file=sys.stderr),
                 **output.arguments,
@@ -229,6 +235,8 @@ def run_job(
         raise Refused(str(exc)) from exc
     except (FarmError, OSError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
+    if timeline is not None:
+        timeline.mark("job ended")
     outputs = result.outputs
     written = output.written or outputs is not None  # a journaled .npy: mapped if written
     if outputs is None and out and written and answers is None:
@@ -236,6 +244,17 @@ def run_job(
     echo_result(result, out, outputs, trace, journaled=journal, answers=answers is not None)
     exit_if_incomplete(result, len(source), bool(interrupted), source, answers is not None, written)
     return outputs
+
+
+def marking_first(progress: Callable[[int], Any], timeline: Timeline) -> Callable[[int], Any]:
+    """``progress``, marking ``first result`` on the timeline at its first call."""
+
+    def update(count: int) -> Any:
+        if "first result" not in timeline.stamps:
+            timeline.mark("first result")
+        return progress(count)
+
+    return update
 
 
 @dataclass

@@ -151,6 +151,15 @@ top_k_option = click.option(
 )
 
 #: ``--model``: the model a job runs.
+workers_option = click.option(
+    "--workers", type=click.IntRange(1), help="Pinned workers to start (default: one per core)."
+)
+batch_option = click.option(
+    "--batch",
+    type=click.IntRange(1),
+    help="The workers' compute batch [default: auto's choice, else the prototxt's].",
+)
+
 model_option = click.option(
     "--model", default=defaults.MODEL, show_default=True, help="Model to run."
 )

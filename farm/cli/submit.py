@@ -1,17 +1,14 @@
-"""The client side: ``farm submit`` (a job on a farm), ``farm run`` (a job on a farm of
-this machine, started and stopped for it) and ``farm status`` (the broker's view)."""
+"""The client side: ``farm submit`` (a job on a farm) and ``farm status`` (the broker's
+view); ``farm run`` is in ``farm.cli.run``."""
 
 from __future__ import annotations
 
-import functools
 import json
-import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
-import numpy as np
 
 from farm import defaults
 from farm.cli.job import (
@@ -19,7 +16,6 @@ from farm.cli.job import (
     BrokerAccess,
     answers_wanted,
     load_input,
-    output_shape,
     run_job,
 )
 from farm.cli.options import (
@@ -34,12 +30,10 @@ from farm.cli.options import (
 )
 from farm.cli.policy import policy_options, policy_params
 from farm.client.answers import ModelCard
-from farm.client.client import Client, FarmError, FarmTimeout
-from farm.summary import plural
+from farm.client.client import Client, FarmTimeout
 
 if TYPE_CHECKING:
-    from farm.client.inputs import Source
-    from farm.modelrepo.repository import ModelSpec
+    pass
 
 #: ``farm status --watch`` without SECONDS: redraw this often.
 WATCH_INTERVAL = 2.0
@@ -190,203 +184,6 @@ def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:
     except ModelError as exc:
         raise click.ClickException(str(exc)) from exc
     return ModelCard(spec.labels, spec.softmax)
-
-
-@click.command()
-@click.argument("images", nargs=-1)
-@model_option
-@click.option(
-    "--workers", type=click.IntRange(1), help="Pinned workers to start (default: one per core)."
-)
-@image_out_options
-@top_k_option
-@backend_option(
-    "The workers' inference library (auto: the fastest that agrees, per model).", defaults.BACKEND
-)
-@precision_option("The workers' compute precision.", defaults.PRECISION)
-@click.option(
-    "--batch",
-    type=click.IntRange(1),
-    help="The workers' compute batch [default: auto's choice, else the prototxt's].",
-)
-@click.option(
-    "--repeat",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1),
-    metavar="N",
-    help="Run IMAGES N times over, as one job: long enough to measure the farm "
-    "(throughput, waste) on a small input; the outputs hold every pass.",
-)
-@models_dir_option(
-    "Model repository folder for the broker and workers (repeatable; also $FARM_MODELS).",
-    exists=True,
-)
-@policy_options()
-def run(
-    images: tuple[str, ...],
-    model: str,
-    workers: int | None,
-    out: str | None,
-    trace: str | None,
-    quiet: bool,
-    top_k: int | None,
-    backend: str,
-    precision: str,
-    batch: int | None,
-    repeat: int,
-    models_dir: tuple[str, ...],
-    algo: str,
-    **options: object,
-) -> None:
-    """Start a local farm (broker + one pinned worker per core), run IMAGES, stop it.
-
-    IMAGES are image files, folders, globs and lists, or one .npy array, as for
-    `farm submit`.  Without IMAGES, runs the model's bundled sample (and scores it
-    when the sample has labels).  Ctrl-C cancels the job and stops the farm.
-
-    \b
-    Examples:
-      farm run                                   # LeNet on its bundled sample
-      farm run --repeat 40                       # ... 40 times over: the farm measured
-      farm run photos/ --model squeezenet --top-k 5 --out answers.csv
-      farm run images.npy --model lenet --out scores.npy
-      farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
-      farm run images.npy --model mynet --models-dir ~/models --backend openvino
-    """
-    from farm.client.inputs import repeated
-    from farm.modelrepo.repository import ModelError, find
-    from farm.ops.local import LocalFarm, cores, policy_arguments
-
-    try:
-        spec = find(model, models_dir)
-    except ModelError as exc:
-        raise click.ClickException(str(exc)) from exc
-    labels = None
-    if not images:
-        if spec.sample is None:
-            raise click.ClickException(no_sample(spec, models_dir))
-        images, labels = (str(spec.sample),), spec.sample_labels
-    folders = [
-        arg for folder in models_dir for arg in ("--models-dir", str(Path(folder).resolve()))
-    ]
-    available = cores()
-    if workers is not None and workers > len(available):
-        raise click.UsageError(
-            f"--workers {workers}: this process may use "
-            f"{plural(len(available), 'core')} "
-            f"({', '.join(map(str, available))}), and each worker is pinned "
-            f"to a core of its own"
-        )
-    devices = [f"cpu:{core}" for core in available[: workers or len(available)]]
-    source = repeated(load_input(images), repeat)
-    check_model_input(source, spec)
-    answers = answers_wanted(source, out, top_k, ModelCard(spec.labels, spec.softmax))
-    click.echo(
-        f"starting a local farm: broker + {plural(len(devices), 'worker')} ({', '.join(devices)})",
-        err=True,
-    )
-    stop_on_hangup()
-    farm = LocalFarm(
-        devices=devices,
-        algo=algo,
-        preload=[model],
-        broker_options=[*policy_arguments(policy_params(algo, options)), *folders],
-        worker_options=[
-            "--backend",
-            backend,
-            "--precision",
-            precision,
-            *folders,
-            *(["--batch", str(batch)] if batch else []),
-        ],
-    )
-    try:
-        with farm as local:
-            engines = local.engines(model)
-            click.echo(
-                f"farm ready in {local.start_seconds:.2f} s (not counted in the job): "
-                f"{model} on {engines or 'its engine'}",
-                err=True,
-            )
-            outputs = run_job(
-                BrokerAccess(endpoint=local.endpoint),
-                source,
-                model,
-                out,
-                quiet,
-                trace,
-                answers=answers,
-                nan_shape=functools.partial(output_shape, spec),
-            )
-            stopping = time.monotonic()
-    except FarmError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if labels is not None and outputs is not None:
-        report_accuracy(outputs, labels, spec.labels, repeat)
-    click.echo(f"farm stopped in {time.monotonic() - stopping:.2f} s", err=True)
-
-
-def no_sample(spec: ModelSpec, models_dir: tuple[str, ...]) -> str:
-    """``farm run``'s error for a model without a sample: its folder, and the model it
-    shadows (which may have one)."""
-    from farm.modelrepo.repository import ModelError, load_spec, model_folders, origin, shown
-
-    text = f"model {spec.name!r} ({shown(spec.folder)}) has no sample"
-    for hidden in model_folders(models_dir).get(spec.name, [])[1:2]:
-        try:
-            sampled = load_spec(hidden).sample is not None
-        except ModelError:
-            sampled = False
-        text += f"; it shadows {origin(hidden)}{', which has one' if sampled else ''}"
-    return f"{text}; give IMAGES"
-
-
-def check_model_input(source: Source, spec: ModelSpec) -> None:
-    """Refuse, before a local farm starts, what the model cannot take (its broker would
-    refuse it in the same words)."""
-    from farm.shapes import input_mismatch
-
-    problem = input_mismatch(
-        spec.name, spec.item_shape, spec.preprocess.layout, source.dtype, tuple(source.item_shape)
-    )
-    if problem:
-        raise click.ClickException(problem)
-
-
-def stop_on_hangup() -> None:
-    """SIGTERM and SIGHUP exit through Python, so the local farm's processes are stopped."""
-
-    def stop(signum: int, _: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    for hangup in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(hangup, stop)
-
-
-def report_accuracy(
-    outputs: np.ndarray, labels_path: Path, class_names: tuple[str, ...], passes: int = 1
-) -> None:
-    """Top-1 accuracy of the outputs against the sample's labels, a few predictions, and
-    whether every pass over the sample answered alike."""
-    labels = np.load(labels_path)
-    predicted = outputs.reshape(len(outputs), -1).argmax(axis=1).reshape(passes, len(labels))
-    correct = int((predicted[0] == labels).sum())
-    names = class_names or tuple(map(str, range(outputs.shape[1])))
-    shown = ", ".join(names[p] for p in predicted[0, :10])
-    click.echo(f"first predictions: {shown} ...")
-    agree = ""
-    if passes > 1:
-        same = int((predicted == predicted[0]).all(axis=0).sum())
-        agree = (
-            f"; the {passes} passes agree"
-            if same == len(labels)
-            else f"; the {passes} passes disagree on {len(labels) - same:,} images"
-        )
-    click.echo(
-        f"accuracy on the bundled sample: {correct / len(labels):.2%} "
-        f"({correct:,} of {len(labels):,} against {labels_path.name}{agree})"
-    )
 
 
 def await_workers(client: Client, count: int, timeout: float) -> None:

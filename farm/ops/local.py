@@ -14,12 +14,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from farm import defaults
 from farm.client.client import Client, FarmError, FarmTimeout
+from farm.ops.forked import ForkedCommand, fork_command
+from farm.startup import Timeline
+
+#: A process of the farm: started by exec, or forked.
+FarmProcess = subprocess.Popen | ForkedCommand
 
 #: Seconds a process gets to exit after SIGTERM before SIGKILL.
 STOP_GRACE = 5.0
@@ -59,20 +64,33 @@ class LocalFarm:
     ready_timeout: float = 60.0
     curve: str | None = None  # a `farm keys` folder: every process and client uses CurveZMQ
     launcher: Sequence[str] = ()  # prefix for the broker and worker commands (a cgroup, ...)
+    bind: str | None = None  # the broker's endpoint (None: a free loopback TCP port)
+    # fork the broker and workers from this process (farm.ops.forked): no interpreter
+    # start-up, no imports again; only while this process has no threads and no zmq
+    # context in use (``farm run``, ``farm up``), and not with a launcher
+    fork: bool = False
+    # the caller's own work, done while the processes start (after they were launched)
+    while_starting: Callable[[], None] | None = None
     # what starting it set up
     endpoint: str = field(default="", init=False)
-    broker: subprocess.Popen | None = field(default=None, init=False)
-    workers: list[subprocess.Popen] = field(default_factory=list, init=False)
+    broker: FarmProcess | None = field(default=None, init=False)
+    workers: list[FarmProcess] = field(default_factory=list, init=False)
     # from launch to every worker registered (models preloaded)
     start_seconds: float = field(default=0.0, init=False)
     registered: dict[str, Any] = field(default_factory=dict, init=False)  # the broker's INFO then
+    # launched, broker listening, workers registered: ``farm run --timings``
+    timeline: Timeline = field(default_factory=Timeline)
 
     def __enter__(self) -> LocalFarm:
         started = time.monotonic()
+        if self.fork:
+            preload_modules()
+            self.timeline.mark("shared modules imported")
+        self.timeline.mark("farm launched")
         try:
             # the workers start beside the broker, not after it: they connect to the port
             # picked here and their READY waits in their socket until the broker binds it
-            self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+            self.endpoint = self.bind or f"tcp://127.0.0.1:{free_port()}"
             self.launch_broker(self.endpoint)
             for i, device in enumerate(self.devices):
                 launcher = self.device_launchers[i] if i < len(self.device_launchers) else ()
@@ -81,8 +99,12 @@ class LocalFarm:
                     *(self.device_options[i] if i < len(self.device_options) else ()),
                     launcher=launcher,
                 )
+            if self.while_starting is not None:
+                self.while_starting()
             self.read_endpoint()
+            self.timeline.mark("broker listening")
             self.registered = self.wait_for_workers(len(self.devices))
+            self.timeline.mark("every worker registered")
         except BaseException:
             self.stop()
             raise
@@ -106,28 +128,43 @@ class LocalFarm:
     def __exit__(self, *_: Any) -> None:
         self.stop()
 
+    @property
+    def processes(self) -> list[FarmProcess]:
+        """The broker and the workers started."""
+        return [*([self.broker] if self.broker is not None else []), *self.workers]
+
     def start_broker(self, bind: str = "tcp://127.0.0.1:*") -> None:
         """Start the broker (on a free loopback port by default); read the endpoint it bound."""
         self.launch_broker(bind)
         self.read_endpoint()
 
     def launch_broker(self, bind: str) -> None:
-        self.broker = subprocess.Popen(
+        self.broker = self.spawn(
             [
-                *self.launcher,
-                *farm_command(
-                    "--log-level",
-                    self.log_level,
-                    "broker",
-                    "--bind",
-                    bind,
-                    "--algo",
-                    self.algo,
-                    *self.curve_options,
-                    *self.broker_options,
-                ),
+                "--log-level",
+                self.log_level,
+                "broker",
+                "--bind",
+                bind,
+                "--algo",
+                self.algo,
+                *self.curve_options,
+                *self.broker_options,
             ],
-            stdout=subprocess.PIPE,
+            stdout_pipe=True,
+        )
+
+    def spawn(
+        self, args: list[str], launcher: Sequence[str] = (), stdout_pipe: bool = False
+    ) -> FarmProcess:
+        """Start ``farm ARGS``, in a session of its own: forked from this process with
+        ``fork`` (no launcher then), else as ``python -m farm ARGS``."""
+        prefix = [*self.launcher, *launcher]
+        if self.fork and not prefix:
+            return fork_command(args, stdout_pipe=stdout_pipe)
+        return subprocess.Popen(
+            [*prefix, *farm_command(*args)],
+            stdout=subprocess.PIPE if stdout_pipe else None,
             text=True,
             start_new_session=True,
         )
@@ -150,35 +187,29 @@ class LocalFarm:
             broker.stdout.close()
         self.start_broker(self.endpoint)
 
-    def running_broker(self) -> subprocess.Popen:
+    def running_broker(self) -> FarmProcess:
         """The broker process; FarmError before it was started."""
         if self.broker is None:
             raise FarmError("the local farm's broker was not started")
         return self.broker
 
-    def start_worker(
-        self, device: str, *options: str, launcher: Sequence[str] = ()
-    ) -> subprocess.Popen:
+    def start_worker(self, device: str, *options: str, launcher: Sequence[str] = ()) -> FarmProcess:
         preload = [arg for name in self.preload for arg in ("--model", name)]
-        process = subprocess.Popen(
+        process = self.spawn(
             [
-                *self.launcher,
-                *launcher,
-                *farm_command(
-                    "--log-level",
-                    self.log_level,
-                    "worker",
-                    "--device",
-                    device,
-                    "--broker",
-                    self.endpoint,
-                    *preload,
-                    *self.curve_options,
-                    *self.worker_options,
-                    *options,
-                ),
+                "--log-level",
+                self.log_level,
+                "worker",
+                "--device",
+                device,
+                "--broker",
+                self.endpoint,
+                *preload,
+                *self.curve_options,
+                *self.worker_options,
+                *options,
             ],
-            start_new_session=True,
+            launcher,
         )
         self.workers.append(process)
         return process
@@ -214,6 +245,17 @@ class LocalFarm:
         stop_processes([self.broker] if self.broker is not None else [])
 
 
+def preload_modules() -> None:
+    """Import, once and before forking, what every forked child would import on its own:
+    the broker's and the worker's code.  Not the inference libraries: each worker imports
+    its own after the fork (OpenVINO imported before the fork left a forked worker hung
+    in torch's import, when ``auto`` timed every backend).  Nothing here starts a thread."""
+    import farm.broker.broker
+    import farm.cli.broker
+    import farm.cli.worker
+    import farm.workers.worker  # noqa: F401
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the broker binds it a moment later)."""
     with socket.socket() as probe:
@@ -221,7 +263,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
-def stop_processes(processes: Sequence[subprocess.Popen]) -> None:
+def stop_processes(processes: Sequence[FarmProcess]) -> None:
     """SIGTERM every process, then SIGKILL whatever outlives the grace period."""
     for process in processes:
         if process.poll() is None:

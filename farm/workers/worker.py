@@ -58,6 +58,7 @@ from farm.modelrepo.repository import (
     prepare,
 )
 from farm.protocol import Command, Message, ProtocolError
+from farm.startup import Timeline
 from farm.wakeup import Wakeup
 
 if TYPE_CHECKING:
@@ -239,6 +240,7 @@ class Worker:
     # that (re)starts knows this worker's speed before its first chunk (compute thread)
     speeds: dict[str, tuple[int, float]] = field(default_factory=dict)
     decoders: dict[str, ImageDecoder] = field(default_factory=dict)  # by model digest
+    startup: Timeline = field(default_factory=Timeline.of_this_process)  # sent with READY
 
     def __post_init__(self) -> None:
         self.cache = (
@@ -359,6 +361,7 @@ class Worker:
             engines=self.engine_names(),
             heartbeat=self.config.heartbeat,
             speeds=dict(self.speeds),
+            startup=dict(self.startup.stamps),
         )
 
     def engine_names(self) -> dict[str, str]:
@@ -375,6 +378,7 @@ class Worker:
         """Serve chunks until stopped by a signal (``wakeup`` ends a wait at once) or
         ``max_tasks``."""
         self.preload()
+        self.startup.mark("loaded")
         config = self.config
         link = BrokerLink(
             context,
@@ -623,6 +627,8 @@ class Worker:
                         f"{engine.spec.name!r} input {engine.spec.item_shape}"
                     )
                 images = message.array(task.dtype, task.item_shape)
+                compiled = engine.prepare(images.dtype)  # a graph for a new dtype: loading
+                waited, received = waited + compiled, received + compiled
                 decoded = time.perf_counter()
                 outputs, failures = self.run_array(engine, images, task)
             log.debug(
@@ -778,9 +784,11 @@ class QueuedMessage:
 
 def serve(config: WorkerConfig) -> None:
     """Prepare the process for its device and serve until SIGINT/SIGTERM."""
+    startup = Timeline.of_this_process()
+    startup.mark("imported")
     prepare_process(config.device)
     config.device.check()
-    worker = Worker(config)
+    worker = Worker(config, startup=startup)
     wakeup = Wakeup(worker.stop)
     context = zmq.Context()
     try:

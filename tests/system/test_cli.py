@@ -35,6 +35,8 @@ COMMANDS = [
     ["worker"],
     ["submit"],
     ["run"],
+    ["up"],
+    ["down"],
     ["models"],
     ["models", "list"],
     ["models", "show"],
@@ -69,8 +71,25 @@ HEAVY = (
 def command_paths(command: click.Command, path: tuple[str, ...] = ()) -> Iterator[list[str]]:
     """Every command under ``command`` (itself first), as the words that invoke it."""
     yield list(path)
-    for name, sub in getattr(command, "commands", {}).items():
-        yield from command_paths(sub, (*path, name))
+    if isinstance(command, click.Group):
+        for name in command.list_commands(CONTEXT):
+            sub = command.get_command(CONTEXT, name)
+            assert sub is not None, name
+            yield from command_paths(sub, (*path, name))
+
+
+CONTEXT = click.Context(main)
+
+
+def subcommand(*words: str) -> click.Command:
+    """The command ``farm WORDS`` (its module imported, as when it runs)."""
+    command: click.Command = main
+    for word in words:
+        assert isinstance(command, click.Group)
+        found = command.get_command(CONTEXT, word)
+        assert found is not None, words
+        command = found
+    return command
 
 
 def test_every_command_is_registered_and_listed_here() -> None:
@@ -89,6 +108,26 @@ def test_help_loads_no_inference_library() -> None:
         "import sys\nfrom farm.cli import main\n"
         "try:\n    main(['broker', '--help'])\nexcept SystemExit:\n    pass\n"
         f"print(sorted(name for name in {HEAVY!r} if name in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    "command, foreign",
+    [
+        ("worker", ("farm.client.client", "farm.broker.state", "farm.cli.submit")),
+        ("broker", ("farm.client.client", "farm.workers.worker", "farm.cli.submit")),
+        ("run", ("farm.broker.state", "farm.workers.worker", "farm.cli.deploy")),
+    ],
+)
+def test_a_command_imports_only_its_own_module(command, foreign) -> None:
+    """The other commands' modules are imported when they run, not with every command."""
+    code = (
+        "import sys\nfrom farm.cli import main\n"
+        f"try:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(name for name in {foreign!r} if name in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -131,7 +170,7 @@ def field_defaults(config: type) -> dict[str, Any]:
     ],
 )
 def test_command_defaults_are_the_configs_defaults(command, config, shared) -> None:
-    options, fields = option_defaults(main.commands[command]), field_defaults(config)
+    options, fields = option_defaults(subcommand(command)), field_defaults(config)
     assert shared <= set(options) & set(fields)
     assert {name: options[name] for name in set(options) & set(fields)} == {
         name: fields[name] for name in set(options) & set(fields)
@@ -139,9 +178,9 @@ def test_command_defaults_are_the_configs_defaults(command, config, shared) -> N
 
 
 def test_every_part_of_farm_defaults_to_the_same_policy() -> None:
-    supervisord = main.commands["deploy"].commands["supervisord"]
-    assert option_defaults(main.commands["broker"])["algo"] == defaults.POLICY == "equal-finish"
-    assert option_defaults(main.commands["run"])["algo"] == defaults.POLICY
+    supervisord = subcommand("deploy", "supervisord")
+    assert option_defaults(subcommand("broker"))["algo"] == defaults.POLICY == "equal-finish"
+    assert option_defaults(subcommand("run"))["algo"] == defaults.POLICY
     assert option_defaults(supervisord)["algo"] == defaults.POLICY
     assert BrokerConfig().algo == LocalFarm().algo == defaults.POLICY
 

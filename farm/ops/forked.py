@@ -1,0 +1,131 @@
+"""A ``farm`` command run in a forked child of this process: what ``python -m farm ARGS``
+runs, without starting an interpreter and importing numpy, zmq and farm again.  A child
+gets SIGTERM when its parent dies.
+
+``farm run`` and ``farm up`` start their broker and workers this way: a child costs a
+fork, not a Python start-up, which on a small machine is most of a farm's start.  The
+child runs the same click command as the process would, then leaves with ``os._exit``
+(the parent's exit handlers and buffers are the parent's).  Fork before this process
+has threads of its own or a zmq context in use: a child inherits neither safely.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+PR_SET_PDEATHSIG = 1
+
+#: Signals the parent may handle its own way: a child starts with Python's defaults.
+RESET_SIGNALS: dict[signal.Signals, Any] = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGTERM: signal.SIG_DFL,
+    signal.SIGHUP: signal.SIG_DFL,
+}
+
+
+@dataclass
+class ForkedCommand:
+    """A forked ``farm`` command, with the part of ``subprocess.Popen``'s interface that a
+    local farm uses (poll, wait, send_signal, kill, stdout, args, pid)."""
+
+    args: list[str]
+    pid: int
+    stdout: IO[str] | None = None
+    returncode: int | None = field(default=None, init=False)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; ``subprocess.TimeoutExpired`` if still running after ``timeout``."""
+        if self.poll() is None and timeout is not None:
+            descriptor = os.pidfd_open(self.pid)  # readable once the child has exited
+            try:
+                select.select([descriptor], [], [], timeout)
+            finally:
+                os.close(descriptor)
+            if self.poll() is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_command(
+    args: Sequence[str], stdout_pipe: bool = False, new_session: bool = True
+) -> ForkedCommand:
+    """Run ``farm ARGS`` in a forked child.  ``stdout_pipe``: its stdout comes back as
+    ``stdout`` (a broker's first line names its endpoint); ``new_session``: a Ctrl-C at the
+    terminal reaches this process, not the child."""
+    read_end, write_end = os.pipe() if stdout_pipe else (-1, -1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        if stdout_pipe:
+            os.dup2(write_end, 1)
+            os.close(read_end)
+            os.close(write_end)
+        run_child(list(args), new_session)
+    if not stdout_pipe:
+        return ForkedCommand(list(args), pid)
+    os.close(write_end)
+    return ForkedCommand(list(args), pid, os.fdopen(read_end, "r"))
+
+
+def stop_with_parent() -> None:
+    """SIGTERM this process when its parent dies, even by SIGKILL: a killed ``farm run``
+    or ``farm up`` leaves no broker or worker behind (Linux's PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: a child outlives a killed parent, as an exec'd one does
+
+
+def run_child(args: list[str], new_session: bool) -> None:
+    code = 1
+    try:
+        parent = os.getppid()
+        stop_with_parent()
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+        if new_session:
+            os.setsid()
+        for signum, handler in RESET_SIGNALS.items():
+            signal.signal(signum, handler)
+        from farm.cli import main
+
+        main(args=args, prog_name="farm")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)

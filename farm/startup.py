@@ -1,0 +1,52 @@
+"""How long a farm took to start: when each process started, imported its code and was
+ready, on one wall clock (every process of a local farm shares it).
+
+``farm run --timings`` prints the stages; workers send theirs in READY (``startup``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+
+def process_started(pid: int | None = None) -> float:
+    """The wall-clock time the process started (``time.time()``'s clock), to the kernel's
+    tick (10 ms); now if /proc cannot say."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as uptime:
+            booted_s_ago = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - booted_s_ago + ticks / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Timeline:
+    """Named moments (wall clock) of one process's start-up, in order."""
+
+    stamps: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of_this_process(cls) -> Timeline:
+        return cls({"process": process_started()})
+
+    def mark(self, stage: str) -> None:
+        self.stamps[stage] = time.time()
+
+    def rows(self, origin: float, who: str = "") -> list[tuple[float, str]]:
+        """``(seconds since origin, "who: stage")`` for each stage."""
+        prefix = f"{who}: " if who else ""
+        return [(at - origin, prefix + stage) for stage, at in self.stamps.items()]
+
+
+def breakdown(rows: list[tuple[float, str]]) -> list[str]:
+    """One line per stage, in time order, with the seconds since the previous one."""
+    lines, previous = [], 0.0
+    for at, stage in sorted(rows):
+        lines.append(f"  {at:6.3f} s  (+{max(0.0, at - previous):.3f})  {stage}")
+        previous = at
+    return lines
