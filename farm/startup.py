@@ -10,10 +10,16 @@ import os
 import time
 from dataclasses import dataclass, field
 
+#: When this process was forked from its farm's (``farm.ops.forked``), to the microsecond.
+forked_at: float | None = None
+
 
 def process_started(pid: int | None = None) -> float:
-    """The wall-clock time the process started (``time.time()``'s clock), to the kernel's
-    tick (10 ms); now if /proc cannot say."""
+    """The wall-clock time the process started (``time.time()``'s clock): the fork's own
+    stamp for this process when it was forked by farm, else /proc's, to the kernel's tick
+    (10 ms); now if /proc cannot say."""
+    if forked_at is not None and pid in (None, os.getpid()):
+        return forked_at
     try:
         with open(f"/proc/{pid or os.getpid()}/stat") as stat:
             ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime

@@ -17,10 +17,13 @@ import select
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
+
+from farm import startup
 
 PR_SET_PDEATHSIG = 1
 
@@ -83,6 +86,7 @@ def fork_command(
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child: never returns
+        startup.forked_at = time.time()
         if stdout_pipe:
             os.dup2(write_end, 1)
             os.close(read_end)

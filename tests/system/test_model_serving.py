@@ -15,6 +15,7 @@ import pytest
 from farm import messages, protocol
 from farm.client.client import FarmError
 from farm.engines.autoselect import load_engine
+from farm.engines.tolerances import TOLERANCE, relative_difference
 from farm.modelrepo.modelstore import ModelCache, manifest_of
 from farm.modelrepo.repository import find, load_spec
 from farm.ops.local import LocalFarm, farm_command
@@ -70,7 +71,9 @@ def test_workers_with_empty_caches_fetch_each_model_once(tmp_path, digits, local
         assert results.keys() == jobs.keys(), "a job never finished"
         for name, outputs in results.items():
             assert not isinstance(outputs, Exception), outputs
-            np.testing.assert_allclose(outputs, expected[name], atol=1e-5)
+            # the same model: within the engines' own tolerance (a pinned worker and this
+            # process may run it on different engines and batches)
+            assert relative_difference(outputs, expected[name]) <= TOLERANCE, name
     with farm.client() as client:
         workers = client.info()["workers"]
     assert [w["fetched"] for w in workers] == [{"digits": 1, "pictures": 1}] * 2
