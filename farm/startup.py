@@ -20,14 +20,22 @@ def process_started(pid: int | None = None) -> float:
     (10 ms); now if /proc cannot say."""
     if forked_at is not None and pid in (None, os.getpid()):
         return forked_at
+    found = process_state(pid or os.getpid())
+    return time.time() if found is None else found[1]
+
+
+def process_state(pid: int) -> tuple[str, float] | None:
+    """A process's state letter (``R``, ``S``, ``Z`` for a zombie...) and the wall-clock
+    time it started, to the kernel's tick, from /proc; None if there is no such process."""
     try:
-        with open(f"/proc/{pid or os.getpid()}/stat") as stat:
-            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # from field 3, the state
         with open("/proc/uptime") as uptime:
             booted_s_ago = float(uptime.read().split()[0])
+        ticks = int(fields[19])  # field 22: starttime, in ticks since boot
     except (OSError, ValueError, IndexError):
-        return time.time()
-    return time.time() - booted_s_ago + ticks / os.sysconf("SC_CLK_TCK")
+        return None
+    return fields[0], time.time() - booted_s_ago + ticks / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -234,7 +235,7 @@ class LocalJob:
     quiet: bool
     trace: str | None
     answers: Answers | None
-    nan_shape: Any
+    nan_shape: Callable[[], tuple[int, ...] | None]
     timeline: Timeline
     workers: list[dict[str, Any]] | None = None  # a new farm's workers, as they registered
     stopping: float | None = None  # when a new farm began to stop

@@ -33,9 +33,12 @@ from pathlib import Path
 
 import msgspec
 
-from farm.client.client import FarmError, FarmTimeout
+from farm import defaults
+from farm.client.client import Client, FarmError, FarmTimeout
+from farm.ops.forked import wait_exited
 from farm.ops.local import LocalFarm, farm_command
-from farm.startup import process_started
+from farm.startup import process_started, process_state
+from farm.summary import plural
 
 log = logging.getLogger("farm.up")
 
@@ -58,10 +61,10 @@ class FarmSettings:
     devices: tuple[str, ...]
     models: tuple[str, ...]
     models_dirs: tuple[str, ...] = ()  # resolved --models-dir folders, then $FARM_MODELS
-    backend: str = "auto"
-    precision: str = "f32"
+    backend: str = defaults.BACKEND
+    precision: str = defaults.PRECISION
     batch: int | None = None
-    idle_timeout: float = 300.0
+    idle_timeout: float = defaults.LOCAL_IDLE_TIMEOUT
 
     def differences(self, other: FarmSettings) -> list[str]:
         """What a farm with ``other`` settings would change: the folders, batch and workers
@@ -90,10 +93,8 @@ class FarmRecord:
 
     def describe(self) -> str:
         devices = self.settings.devices
-        return (
-            f"pid {self.pid}, {len(devices)} worker{'s' if len(devices) != 1 else ''} "
-            f"({', '.join(devices)}), {self.endpoint}"
-        )
+        workers = f"{plural(len(devices), 'worker')} ({', '.join(devices)})"
+        return f"pid {self.pid}, {workers}, {self.endpoint}"
 
 
 @dataclass(frozen=True)
@@ -161,10 +162,15 @@ def alive(pid: int, started: float) -> bool:
     zombie, not a process that reused the pid)."""
     try:
         owner = Path(f"/proc/{pid}").stat().st_uid
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    except OSError:
         return False
-    return owner == os.getuid() and state != "Z" and abs(process_started(pid) - started) < 0.5
+    found = process_state(pid)
+    return (
+        owner == os.getuid()
+        and found is not None
+        and found[0] != "Z"
+        and abs(found[1] - started) < 0.5
+    )
 
 
 def find_running(answer_timeout: float = ANSWER_TIMEOUT) -> Found:
@@ -186,8 +192,6 @@ def staleness(record: FarmRecord, answer_timeout: float) -> str | None:
     """Why ``record``'s farm cannot be used, or None."""
     if not alive(record.pid, record.pid_started):
         return f"its supervisor (pid {record.pid}) is gone"
-    from farm.client.client import Client
-
     try:
         with Client(record.endpoint, timeout=answer_timeout) as client:
             info = client.info()
@@ -277,26 +281,9 @@ def stop(record: FarmRecord, grace: float = DOWN_GRACE) -> None:
         os.kill(record.pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    if not wait_gone(record.pid, record.pid_started, grace):
+    if alive(record.pid, record.pid_started) and not wait_exited(record.pid, grace):
         remove_stale(runtime_dir(), record)
     remove_files(runtime_dir())
-
-
-def wait_gone(pid: int, started: float, seconds: float) -> bool:
-    """Wait for a process that is not our child to exit (a pidfd becomes readable then)."""
-    import select
-
-    try:
-        descriptor = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        if not alive(pid, started):
-            return True
-        readable, _, _ = select.select([descriptor], [], [], seconds)
-        return bool(readable)
-    finally:
-        os.close(descriptor)
 
 
 # ------------------------------------------------------------------------ the supervisor

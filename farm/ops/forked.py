@@ -55,11 +55,7 @@ class ForkedCommand:
     def wait(self, timeout: float | None = None) -> int:
         """The exit code; ``subprocess.TimeoutExpired`` if still running after ``timeout``."""
         if self.poll() is None and timeout is not None:
-            descriptor = os.pidfd_open(self.pid)  # readable once the child has exited
-            try:
-                select.select([descriptor], [], [], timeout)
-            finally:
-                os.close(descriptor)
+            wait_exited(self.pid, timeout)
             if self.poll() is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
         if self.returncode is None:
@@ -73,6 +69,19 @@ class ForkedCommand:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def wait_exited(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` exits (or has) within ``seconds``, our child or not: its pidfd
+    becomes readable then.  It is not reaped."""
+    try:
+        descriptor = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([descriptor], [], [], seconds)[0])
+    finally:
+        os.close(descriptor)
 
 
 def fork_command(

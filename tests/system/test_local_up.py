@@ -7,7 +7,6 @@ socket and log live there, and ``farm run`` looks for a farm there only.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from farm.client.client import Client
+from farm.ops import forked
 from farm.ops.background import (
     RECORD,
     SOCKET,
@@ -25,7 +25,7 @@ from farm.ops.background import (
     write_record,
 )
 from farm.ops.local import farm_command
-from farm.startup import process_started
+from farm.startup import process_started, process_state
 from tests.conftest import reference_forward
 
 #: Seconds any command here may take (a farm's start on a slow, loaded machine).
@@ -75,24 +75,13 @@ def kill_if_alive(pid: int) -> None:
 
 
 def wait_exited(pid: int, seconds: float = COMMAND_TIMEOUT) -> bool:
-    """Whether ``pid`` (not our child) exits within ``seconds``: its pidfd becomes readable."""
-    try:
-        descriptor = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([descriptor], [], [], seconds)[0])
-    finally:
-        os.close(descriptor)
+    return forked.wait_exited(pid, seconds)
 
 
 def running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie, exited and not yet reaped, is not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+    found = process_state(pid)
+    return found is not None and found[0] != "Z"
 
 
 def run_digits(tmp_path: Path, digits: np.ndarray, *options: str) -> subprocess.CompletedProcess:
