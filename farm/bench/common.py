@@ -29,6 +29,24 @@ def machine() -> str:
     return f"machine: {os.cpu_count()} cores, {total:.0f} GiB memory, {gpu}"
 
 
+def cpu_line() -> str:
+    """The CPU's name and the flags that decide which precisions it runs fast."""
+    from farm.engines.quantize import cpu_flags
+
+    name = "unknown"
+    with open("/proc/cpuinfo") as handle:
+        for line in handle:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    flags = cpu_flags()
+    marks = ", ".join(
+        f"{flag} {'yes' if flag in flags else 'no'}"
+        for flag in ("avx512_bf16", "amx_bf16", "avx512_vnni", "avx_vnni", "amx_int8")
+    )
+    return f"CPU: {name}; {marks}"
+
+
 class Tee(io.TextIOBase):
     """Write to several text streams at once."""
 

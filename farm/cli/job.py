@@ -71,6 +71,51 @@ class Answers:
     card: ModelCard | None = None  # None: ask the broker for the model's labels
 
 
+def gated_precision(
+    precision: str | None,
+    spec: ModelSpec,
+    source: Source,
+    validate: tuple[str, ...],
+    min_agreement: float,
+    labels: np.ndarray | None = None,
+) -> tuple[str | None, str | None]:
+    """The precision a job asks for, and the line its summary ends with: ``auto``
+    resolved by the precision gate on the ``--validate`` images (else the job's first
+    ones, scored against ``labels`` when given), its verdicts on stderr; any other value
+    as it is, with no line."""
+    if precision != "auto":
+        return precision, None
+    from farm.client.inputs import InputError
+    from farm.client.samples import first_images, source_key
+    from farm.engines.gate import VALIDATION_IMAGES, judge_source
+    from farm.modelrepo.repository import ModelError
+
+    validation = load_input(validate) if validate else source
+    label = " ".join(validate) if validate else "the job's first images"
+    labels = None if validate or labels is None else labels[:VALIDATION_IMAGES]
+
+    def decoded() -> tuple[np.ndarray, np.ndarray | None]:
+        sample = first_images(validation, spec, VALIDATION_IMAGES, label)
+        click.echo(f"validation: {sample.describe()}", err=True)
+        return sample.images, None if labels is None else labels[: len(sample.images)]
+
+    try:
+        key = source_key(validation, VALIDATION_IMAGES, labels)
+        gate = judge_source(spec, key, decoded, min_agreement / 100)
+    except (InputError, ModelError) as exc:
+        raise click.ClickException(f"--precision auto: {exc}") from exc
+    for line in gate.lines():
+        click.echo(line, err=True)
+    best = gate.passed
+    summary = (
+        f"precision auto: {best[0].describe()} (the workers take the first they offer of "
+        f"{gate.precision})"
+        if best
+        else "precision auto: f32, no lower precision passed the gate"
+    )
+    return gate.precision, summary
+
+
 def answers_wanted(
     source: Source, out: str | None, top_k: int | None, card: ModelCard | None
 ) -> Answers | None:
@@ -167,6 +212,7 @@ def run_job(
     answers: Answers | None = None,
     nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
     timeline: Timeline | None = None,
+    notes: tuple[str, ...] = (),
     **job_options: Any,
 ) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
@@ -180,6 +226,7 @@ def run_job(
     gives one output's shape (asked only if no result came), so that a `.npy` ``out`` of
     a job whose every image failed is written too (NaN rows; without it, none).
     ``timeline``: marked when the job is submitted, and at its first and last result.
+    ``notes``: lines the summary ends with (the precision gate's choice).
     ``job_options``: ``Client.run``'s priority, job_timeout, algo, params, backend and
     precision.  Returns the raw outputs when they were kept: in memory, or memory-mapped
     from ``out``.
@@ -242,6 +289,8 @@ def run_job(
     if outputs is None and out and written and answers is None:
         outputs = np.load(out, mmap_mode="r")
     echo_result(result, out, outputs, trace, journaled=journal, answers=answers is not None)
+    for note in notes:
+        click.echo(note, err=True)
     exit_if_incomplete(result, len(source), bool(interrupted), source, answers is not None, written)
     return outputs
 

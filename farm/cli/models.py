@@ -40,6 +40,7 @@ def models() -> None:
       farm models check lenet
       farm models export lenet --onnx lenet.onnx
       farm models prepare caffenet
+      farm models quantize squeezenet --calibration photos/
       farm models add mynet --prototxt deploy.prototxt --weights mynet.caffemodel
     """
 
@@ -181,7 +182,10 @@ def layer_lines(net: Network) -> list[str]:
     help="Images to compare (the model's sample, else seeded random images).",
 )
 @precision_option(
-    "Compare this precision with the reference in f32 (top-1 agreement too).", defaults.PRECISION
+    "Compare this precision with the reference in f32 (top-1 agreement too); auto: run "
+    "the precision gate on --validate (default: the model's sample).",
+    defaults.PRECISION,
+    gated=True,
 )
 @click.option(
     "--threads",
@@ -192,24 +196,37 @@ def layer_lines(net: Network) -> list[str]:
 )
 @extra_models_option
 def check_model_command(
-    name: str, count: int, precision: str, threads: int, models_dir: tuple[str, ...]
+    name: str,
+    count: int,
+    precision: str,
+    min_agreement: float,
+    validate: tuple[str, ...],
+    threads: int,
+    models_dir: tuple[str, ...],
 ) -> None:
     """Load NAME on every backend here, compare their outputs, and show auto's choice.
 
     Differences are relative to the largest output of the reference (the first
-    backend that runs the model, in f32).
+    backend that runs the model, in f32).  The model's int8 version and the precision
+    gate's remembered verdicts follow, if there are any.
 
     \b
     Examples:
       farm models check lenet
       farm models check caffenet --count 2
       farm models check cifar10_quick --precision bf16
+      farm models check squeezenet --precision auto --validate photos/
     """
     from farm.engines.autoselect import choose
     from farm.modelrepo.repository import ModelError
 
     spec = find_model(name, models_dir)
+    if precision == "auto":
+        run_gate(spec, validate, min_agreement / 100, threads)
+        return
     problem = run_check(spec, count, precision, threads)
+    for line in precision_lines(spec):
+        click.echo(line)
     try:
         choice = choose(spec, "cpu", threads, precision)
         click.echo(f"auto on {threads} thread(s): {choice.describe()}")
@@ -217,6 +234,51 @@ def check_model_command(
         click.echo(f"auto: {exc}")
     if problem:
         raise click.ClickException(problem)
+
+
+def run_gate(
+    spec: ModelSpec, validate: tuple[str, ...], min_agreement: float, threads: int
+) -> None:
+    """``farm models check --precision auto``: the gate on ``validate`` (else the model's
+    sample, scored against its labels when it has them)."""
+    import numpy as np
+
+    from farm.client.inputs import InputError
+    from farm.client.samples import sample_of
+    from farm.engines.gate import VALIDATION_IMAGES, judge
+    from farm.modelrepo.repository import ModelError
+
+    labels = None
+    if not validate:
+        if spec.sample is None:
+            raise click.ClickException(
+                f"model {spec.name!r} has no sample: name validation images with --validate"
+            )
+        validate = (str(spec.sample),)
+        if spec.sample_labels is not None:
+            labels = np.load(spec.sample_labels)[:VALIDATION_IMAGES]
+    try:
+        sample = sample_of(validate, spec, VALIDATION_IMAGES)
+        labels = None if labels is None else labels[: len(sample.images)]
+        gate = judge(spec, sample.images, labels, min_agreement, threads)
+    except (InputError, ModelError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{spec.name}: validation: {sample.describe()}, {threads} thread(s)")
+    for line in gate.lines():
+        click.echo(line)
+
+
+def precision_lines(spec: ModelSpec) -> list[str]:
+    """The model's int8 version and the gate's remembered verdicts, as ``check`` shows them."""
+    from farm.engines.gate import remembered_for
+    from farm.engines.quantize import current
+
+    record = current(spec)
+    lines = [record.describe()] if record else []
+    for gate in remembered_for(spec):
+        lines.append(f"remembered gate on validation set {gate.validation[:12]}:")
+        lines.extend(f"  {verdict.describe()}" for verdict in gate.verdicts)
+    return lines
 
 
 def run_check(
@@ -263,6 +325,60 @@ def check_line(check: BackendCheck, count: int) -> str:
     return (
         f"  {check.backend:<11} {verdict:<7} difference {check.difference:.1e}, "
         f"top-1 agrees {check.top1_agreement:.0%}, {count / check.seconds:,.0f} images/s"
+    )
+
+
+@models.command("quantize")
+@click.argument("name")
+@click.option(
+    "--calibration",
+    multiple=True,
+    required=True,
+    metavar="IMAGES",
+    help="Calibration images (repeatable): folders, globs, lists of image files or a uint8 "
+    ".npy, decoded as a job's are; at least 100.",
+)
+@click.option(
+    "--count",
+    default=300,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Calibration images taken from the start of IMAGES.",
+)
+@extra_models_option
+def quantize_model(
+    name: str, calibration: tuple[str, ...], count: int, models_dir: tuple[str, ...]
+) -> None:
+    """Make an int8 version of NAME, calibrated on the user's images.
+
+    ONNX Runtime's static quantization (int8 weights per channel, uint8 activations)
+    on farm's export of the net, preprocessing included; OpenVINO and ONNX Runtime
+    run it.  It sits beside the f32 export in farm's cache, keyed by the model's and
+    the calibration set's digests.  Jobs use it with --precision int8, or with
+    --precision auto when its answers agree with f32's (docs/precision.md).
+
+    \b
+    Examples:
+      farm models quantize squeezenet --calibration photos/
+      farm models quantize lenet --calibration digits.npy --count 500
+    """
+    from farm.client.inputs import InputError
+    from farm.client.samples import sample_of
+    from farm.engines.quantize import QuantizeError, Unquantizable, quantize
+
+    spec = find_model(name, models_dir)
+    try:
+        sample = sample_of(calibration, spec, count)
+        click.echo(f"{spec.name}: calibrating on {sample.describe()}", err=True)
+        record = quantize(spec, sample.images)
+    except Unquantizable as exc:
+        raise click.ClickException(f"model {spec.name!r} stays in f32: {exc}") from exc
+    except (InputError, QuantizeError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{record.describe()}, in {record.seconds:.1f} s: {record.path}")
+    click.echo(
+        f"run it with --precision int8, or --precision auto to use it where its answers "
+        f"agree with f32's (farm models check {spec.name} --precision auto --validate IMAGES)"
     )
 
 
@@ -327,6 +443,7 @@ def prepare_models(names: tuple[str, ...], models_dir: tuple[str, ...]) -> None:
     Examples:
       farm models prepare              # every model that needs it
       farm models prepare caffenet
+      farm models quantize squeezenet --calibration photos/
     """
     from tqdm import tqdm
 

@@ -16,7 +16,9 @@ Decorator = Callable[[Command], Command]
 #: without importing the engines' modules; a test checks they match).
 BACKEND_CHOICES = ("auto", "caffe", "opencv", "torch", "onnxruntime", "openvino")
 #: ``--precision`` values: ``farm.engines.engine.PRECISIONS``.
-PRECISION_CHOICES = ("f32", "f16", "bf16")
+PRECISION_CHOICES = ("f32", "f16", "bf16", "int8")
+#: ``--precision auto``: the fastest precision the gate passes (``farm.engines.gate``).
+AUTO_PRECISION = "auto"
 
 
 def heartbeat_options(function: Command) -> Command:
@@ -113,15 +115,52 @@ def backend_option(text: str, default: str | None = None) -> Decorator:
     )
 
 
-def precision_option(text: str, default: str | None = None) -> Decorator:
-    """``--precision``: one of ``PRECISION_CHOICES``; no default: the workers' own."""
-    return click.option(
+def precision_option(text: str, default: str | None = None, gated: bool = False) -> Decorator:
+    """``--precision``: one of ``PRECISION_CHOICES``; no default: the workers' own.
+    ``gated``: also ``auto``, with ``--min-agreement`` and ``--validate``."""
+    choices = (*PRECISION_CHOICES, AUTO_PRECISION) if gated else PRECISION_CHOICES
+    precision = click.option(
         "--precision",
-        type=click.Choice(PRECISION_CHOICES),
+        type=click.Choice(choices),
         default=default,
         show_default=default is not None,
         help=text,
     )
+    if not gated:
+        return precision
+
+    def decorate(function: Command) -> Command:
+        function = click.option(
+            "--validate",
+            "validate",
+            multiple=True,
+            metavar="IMAGES",
+            help="auto: the images the precisions are checked on (repeatable; any input a "
+            "job takes); default: the job's first 300.",
+        )(function)
+        function = click.option(
+            "--min-agreement",
+            type=click.FloatRange(0, 100),
+            default=99.0,
+            show_default=True,
+            metavar="PERCENT",
+            help="auto: the top-1 agreement with f32 a lower precision needs.",
+        )(function)
+        return precision(function)
+
+    return decorate
+
+
+def worker_precision(context: click.Context, parameter: click.Parameter, value: str) -> str:
+    """A worker's ``--precision``: one precision, or the gate's several, fastest first."""
+    from farm.engines.engine import preference
+
+    if preference(value) is None:
+        raise click.BadParameter(
+            f"{value!r}: use one of {', '.join(PRECISION_CHOICES)}, or several, "
+            f"comma-separated, fastest first and ending in f32 (int8,bf16,f32)"
+        )
+    return value
 
 
 def image_out_options(function: Command) -> Command:

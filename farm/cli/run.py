@@ -17,7 +17,15 @@ import click
 import numpy as np
 
 from farm import defaults
-from farm.cli.job import Answers, BrokerAccess, answers_wanted, load_input, output_shape, run_job
+from farm.cli.job import (
+    Answers,
+    BrokerAccess,
+    answers_wanted,
+    gated_precision,
+    load_input,
+    output_shape,
+    run_job,
+)
 from farm.cli.options import (
     backend_option,
     batch_option,
@@ -49,7 +57,12 @@ if TYPE_CHECKING:
 @backend_option(
     "The workers' inference library (auto: the fastest that agrees, per model).", defaults.BACKEND
 )
-@precision_option("The workers' compute precision.", defaults.PRECISION)
+@precision_option(
+    "The workers' compute precision; auto: the fastest whose top-1 answers agree with f32's "
+    "on the validation images (docs/precision.md).",
+    defaults.PRECISION,
+    gated=True,
+)
 @batch_option
 @click.option(
     "--repeat",
@@ -85,6 +98,8 @@ def run(
     top_k: int | None,
     backend: str,
     precision: str,
+    min_agreement: float,
+    validate: tuple[str, ...],
     batch: int | None,
     repeat: int,
     models_dir: tuple[str, ...],
@@ -109,6 +124,7 @@ def run(
       farm run images.npy --model lenet --out scores.npy --timings
       farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
       farm run images.npy --model mynet --models-dir ~/models --backend openvino
+      farm run photos/ --model squeezenet --precision auto   # bf16/int8 if they agree
       farm up --model lenet && farm run images.npy && farm down   # start once, run often
     """
     timeline = Timeline.of_this_process()
@@ -141,6 +157,13 @@ def run(
     timeline.mark("input opened")
     stop_on_hangup()
     params = policy_params(algo, options)
+    gated, gate_summary = gated_precision(
+        precision, spec, source, validate, min_agreement, sample_labels(labels, repeat)
+    )
+    precision = gated or precision
+    if precision == "int8":
+        require_int8(spec)
+    job.notes = (gate_summary,) if gate_summary else ()
     wanted = farm_settings(devices, (model,), models_dir, backend, precision, batch)
     standing = None if own_farm else standing_farm(wanted, workers is not None)
     try:
@@ -157,6 +180,22 @@ def run(
     if timings:
         timeline.mark("done")
         print_timings(timeline, job.workers)
+
+
+def require_int8(spec: ModelSpec) -> None:
+    """One line before any farm starts when the model has no int8 version here."""
+    from farm.engines.quantize import current
+
+    if current(spec) is None:
+        raise click.ClickException(
+            f"model {spec.name!r} has no int8 version here: make one with `farm models "
+            f"quantize {spec.name} --calibration IMAGES`, or use --precision auto"
+        )
+
+
+def sample_labels(path: Path | None, repeat: int) -> np.ndarray | None:
+    """The bundled sample's labels, which the precision gate scores each precision on."""
+    return None if path is None else np.tile(np.load(path), repeat)
 
 
 def local_devices(workers: int | None) -> tuple[str, ...]:
@@ -239,6 +278,7 @@ class LocalJob:
     timeline: Timeline
     workers: list[dict[str, Any]] | None = None  # a new farm's workers, as they registered
     stopping: float | None = None  # when a new farm began to stop
+    notes: tuple[str, ...] = ()  # lines the summary ends with (the precision gate's choice)
 
     def submit(self, endpoint: str, **job_options: Any) -> np.ndarray | None:
         return run_job(
@@ -251,6 +291,7 @@ class LocalJob:
             answers=self.answers,
             nan_shape=self.nan_shape,
             timeline=self.timeline,
+            notes=self.notes,
             **job_options,
         )
 

@@ -15,6 +15,7 @@ from farm.cli.job import (
     NO_BROKER_HINT,
     BrokerAccess,
     answers_wanted,
+    gated_precision,
     load_input,
     run_job,
 )
@@ -33,7 +34,7 @@ from farm.client.answers import ModelCard
 from farm.client.client import Client, FarmTimeout
 
 if TYPE_CHECKING:
-    pass
+    from farm.modelrepo.repository import ModelSpec
 
 #: ``farm status --watch`` without SECONDS: redraw this often.
 WATCH_INTERVAL = 2.0
@@ -73,7 +74,11 @@ WATCH_INTERVAL = 2.0
     "other images.",
 )
 @backend_option("Run this job on this engine instead of the workers' own.")
-@precision_option("Run this job in this precision instead of the workers' own.")
+@precision_option(
+    "Run this job in this precision instead of the workers' own; auto: the fastest whose "
+    "top-1 answers agree with f32's on the validation images (the model's files needed here).",
+    gated=True,
+)
 @client_curve_option
 @models_dir_option(
     "Name answers with the labels of the model in this folder (repeatable); "
@@ -94,6 +99,8 @@ def submit(
     resume: bool,
     backend: str | None,
     precision: str | None,
+    min_agreement: float,
+    validate: tuple[str, ...],
     curve: str | None,
     curve_name: str,
     models_dir: tuple[str, ...],
@@ -151,6 +158,11 @@ def submit(
         endpoint=broker_address, timeout=timeout, curve=curve, curve_name=curve_name
     )
     source = load_input(images)
+    gate_summary = None
+    if precision == "auto":
+        precision, gate_summary = gated_precision(
+            precision, local_spec(model, models_dir), source, validate, min_agreement
+        )
     run_job(
         broker,
         source,
@@ -167,7 +179,20 @@ def submit(
         params=params,
         backend=backend,
         precision=precision,
+        notes=(gate_summary,) if gate_summary else (),
     )
+
+
+def local_spec(model: str, models_dir: tuple[str, ...]) -> ModelSpec:
+    """The model's files on this host, which ``--precision auto`` runs to check precisions."""
+    from farm.modelrepo.repository import ModelError, find
+
+    try:
+        return find(model, models_dir)
+    except ModelError as exc:
+        raise click.ClickException(
+            f"--precision auto runs the model here to check each precision: {exc}"
+        ) from exc
 
 
 def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:

@@ -13,7 +13,7 @@ from farm.cli.options import (
     curve_option,
     heartbeat_options,
     models_dir_option,
-    precision_option,
+    worker_precision,
 )
 
 
@@ -48,8 +48,13 @@ class ItemRange(click.ParamType):
     "loads and keeps the fastest whose outputs agree (remembered on disk).",
     defaults.BACKEND,
 )
-@precision_option(
-    "Compute precision; f16/bf16 where the engine and device offer them.", defaults.PRECISION
+@click.option(
+    "--precision",
+    default=defaults.PRECISION,
+    show_default=True,
+    callback=worker_precision,
+    help="Compute precision: f32, f16, bf16 or int8 where the engine and device offer it; "
+    "or several, fastest first (int8,bf16,f32): the first this device offers.",
 )
 @click.option(
     "--model",

@@ -900,9 +900,16 @@ class Client:
 
 
 def job_engine(backend: str | None, precision: str | None) -> tuple[str, str] | None:
-    """The engine ``(backend, precision)`` a job asks for (None: the workers' own)."""
+    """The engine ``(backend, precision)`` a job asks for (None: the workers' own);
+    ValueError for ``auto``, which the precision gate resolves before a job is submitted."""
     if backend is None and precision is None:
         return None
+    if precision == "auto":
+        raise ValueError(
+            "precision 'auto' is chosen by the precision gate before a job is submitted: "
+            "pass farm.engines.gate.judge(spec, images).precision, or use `farm run` or "
+            "`farm submit --precision auto`"
+        )
     return backend or "auto", precision or "f32"
 
 

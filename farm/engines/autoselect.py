@@ -32,13 +32,14 @@ from typing import Any
 import numpy as np
 
 from farm import defaults
-from farm.engines import onnx_export
+from farm.engines import onnx_export, quantize
 from farm.engines.engine import (
     AUTO,
     BACKENDS,
     BackendUnavailable,
     Engine,
     engine_class,
+    preference,
     release_free_memory,
 )
 from farm.engines.modelcheck import check_inputs
@@ -234,13 +235,19 @@ def remembered(path: Path, current: dict[str, str]) -> Choice | None:
 
 
 def remember(path: Path, choice: Choice) -> None:
+    remember_file(path, choice.to_json())
+
+
+def remember_file(path: Path, document: dict[str, Any]) -> None:
+    """Write a JSON document to the cache through a temporary name; a read-only cache costs
+    the next start its measuring, nothing more."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(choice.to_json(), indent=1))
+        partial.write_text(json.dumps(document, indent=1))
         partial.replace(path)
-    except OSError as exc:  # a read-only cache costs the next start its timing, nothing more
-        log.warning("cannot remember the engine choice in %s: %s", path, exc)
+    except OSError as exc:
+        log.warning("cannot remember %s: %s", path, exc)
 
 
 def load_engine(
@@ -253,7 +260,31 @@ def load_engine(
     digest: str | None = None,
 ) -> Engine:
     """A loaded engine: the named backend's, or for ``auto`` the fastest that agrees
-    (``digest``: the model's, when the caller knows it)."""
+    (``digest``: the model's, when the caller knows it).  ``precision``: one, or the
+    precision gate's several, fastest first (``engine.preference``): the first this device
+    computes in, int8 only where the CPU has VNNI or AMX."""
+    names = preference(precision) or (precision,)
+    for name in names[:-1]:
+        if name == "int8" and not quantize.fast_int8():
+            log.info("%s: int8 skipped: this CPU has no VNNI or AMX", spec.name)
+            continue
+        try:
+            return load_one(spec, backend, batch, device, threads, name, digest)
+        except ModelError as exc:
+            log.info("%s: %s not used on %s: %s", spec.name, name, device, exc)
+    return load_one(spec, backend, batch, device, threads, names[-1], digest)
+
+
+def load_one(
+    spec: ModelSpec,
+    backend: str,
+    batch: int | None,
+    device: str,
+    threads: int | None,
+    precision: str,
+    digest: str | None,
+) -> Engine:
+    """``load_engine`` in one precision."""
     if backend == AUTO:
         return choose(spec, device, threads, precision, batch, digest).loaded()
     return engine_class(backend).load(spec, batch, device, threads, precision)

@@ -21,17 +21,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
 from farm import defaults
-from farm.engines import onnx_export
+from farm.engines import quantize
+from farm.engines.onnx_export import exported_onnx, onnx_path
 from farm.engines.preprocess import Transformer
 from farm.modelrepo.caffe_net import Network, NetworkError
-from farm.modelrepo.modelstore import manifest_of
-from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, prepare
+from farm.modelrepo.repository import ModelError, ModelSpec, prepare
 
 log = logging.getLogger("farm.engines.engine")
 
@@ -60,8 +59,9 @@ AUTO = "auto"
 #: What a GPU worker needs installed at least (``Device.check``).
 GPU_BACKEND = "torch"
 #: Compute precisions; f32 is the default (``defaults.PRECISION``), the others are opt-in
-#: where engine and device support them.
-PRECISIONS = ("f32", "f16", "bf16")
+#: where engine and device support them (int8: a model's version made by ``farm models
+#: quantize``, on the engines that run farm's ONNX export).
+PRECISIONS = ("f32", "f16", "bf16", "int8")
 
 
 @dataclass
@@ -195,8 +195,20 @@ class Engine:
         return f"{self.backend} {self.precision} batch {self.batch}"
 
     def onnx_file(self, folded: bool = False) -> str:
-        """farm's ONNX export of the net (see ``exported_onnx``)."""
-        return str(exported_onnx(self.spec, self.network, folded))
+        """farm's ONNX export of the net (see ``exported_onnx``); in int8, the model's
+        quantized version, which takes uint8 images."""
+        if self.precision != "int8":
+            return str(exported_onnx(self.spec, self.network, folded))
+        if not folded:
+            raise ModelError(
+                f"model {self.spec.name!r}: int8 runs on uint8 images (its calibration's); "
+                f"send uint8 images or run float32 ones in another precision"
+            )
+        return str(quantize.quantized_file(self.spec))
+
+    def int8_offered(self) -> bool:
+        """Whether an int8 version of the model is here (an ONNX backend on the CPU runs it)."""
+        return self.reads_onnx and self.device == "cpu" and quantize.current(self.spec) is not None
 
     def graph(self, folded: bool) -> Any:
         """An ONNX backend's compiled net, compiled on first use: ``folded``, the export
@@ -287,49 +299,31 @@ class Engine:
         release_free_memory()
 
 
-def onnx_path(spec: ModelSpec, folded: bool = False) -> Path:
-    """Where farm's ONNX export of a model is cached: one file per model digest (which
-    covers ``model.toml``'s preprocessing and the mean file), export format, and input:
-    ``-u8``, uint8 images with the preprocessing folded in."""
-    digest = manifest_of(spec).digest
-    suffix = "-u8" if folded else ""
-    return cache_root() / "onnx" / f"{spec.name}-{digest[:24]}-v{onnx_export.FORMAT}{suffix}.onnx"
-
-
-def exported_onnx(spec: ModelSpec, network: Network | None = None, folded: bool = False) -> Path:
-    """farm's ONNX export of a model, written once per model digest into the cache
-    (``$FARM_CACHE/onnx``), so a process that starts again reads it without exporting;
-    ``network``: the model already loaded, if at hand (used where its weights are still
-    attached); ``folded``: the graph takes uint8 images, the preprocessing in it."""
-    path = onnx_path(spec, folded)
-    if not path.is_file():
-        if network is None or not has_weights(network):
-            network = Network.load(spec.prototxt, spec.weights, spec.declared_input)
-        fold = Transformer.for_model(spec) if folded else None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        onnx_export.save(onnx_export.export(network, spec.output, fold), path)
-    return path
-
-
-def has_weights(network: Network) -> bool:
-    """Whether every layer that takes weights still holds them (``drop_weights`` not run)."""
-    return all(layer.blobs for layer in network.layers if layer.blob_shapes)
-
-
 def job_engine(value: object) -> tuple[str, str]:
     """A job's ``engine`` option, ``[backend, precision]``, checked; ValueError if not."""
     if not (
         isinstance(value, (list, tuple))
         and len(value) == 2
         and value[0] in (AUTO, *BACKENDS)
-        and value[1] in PRECISIONS
+        and isinstance(value[1], str)
+        and preference(value[1]) is not None
     ):
         raise ValueError(
             f"a job's engine must be [backend, precision] with a backend of "
             f"{AUTO}, {', '.join(BACKENDS)} and a precision of "
-            f"{', '.join(PRECISIONS)}"
+            f"{', '.join(PRECISIONS)}, or several, fastest first, ending in f32"
         )
     return value[0], value[1]
+
+
+def preference(precision: str) -> tuple[str, ...] | None:
+    """The precisions a job's ``precision`` names, in the order a worker tries them: one,
+    or (from the precision gate) several, comma-separated, fastest first and ending in f32;
+    None when malformed."""
+    names = tuple(precision.split(","))
+    if len(set(names)) != len(names) or not all(name in PRECISIONS for name in names):
+        return None
+    return names if len(names) == 1 or names[-1] == "f32" else None
 
 
 def require_onnx_engine(backend: str, module: str, library: str, hint: str) -> None:

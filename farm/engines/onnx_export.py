@@ -35,6 +35,8 @@ from farm.modelrepo.caffe_net import (
     conv_geometry,
     pool_geometry,
 )
+from farm.modelrepo.modelstore import manifest_of
+from farm.modelrepo.repository import ModelSpec, cache_root
 
 #: The ONNX opset written (ONNX Runtime 1.14+ and OpenVINO 2023+ read it).
 OPSET = 17
@@ -444,3 +446,32 @@ def shape_check(model: Any, network: Network, output: str) -> None:
         raise ExportError(
             f"{network.source}: the ONNX graph's output {got} is not Caffe's {expected}"
         )
+
+
+def onnx_path(spec: ModelSpec, folded: bool = False) -> Path:
+    """Where farm's ONNX export of a model is cached: one file per model digest (which
+    covers ``model.toml``'s preprocessing and the mean file), export format, and input:
+    ``-u8``, uint8 images with the preprocessing folded in."""
+    digest = manifest_of(spec).digest
+    suffix = "-u8" if folded else ""
+    return cache_root() / "onnx" / f"{spec.name}-{digest[:24]}-v{FORMAT}{suffix}.onnx"
+
+
+def exported_onnx(spec: ModelSpec, network: Network | None = None, folded: bool = False) -> Path:
+    """farm's ONNX export of a model, written once per model digest into the cache
+    (``$FARM_CACHE/onnx``), so a process that starts again reads it without exporting;
+    ``network``: the model already loaded, if at hand (used where its weights are still
+    attached); ``folded``: the graph takes uint8 images, the preprocessing in it."""
+    path = onnx_path(spec, folded)
+    if not path.is_file():
+        if network is None or not has_weights(network):
+            network = Network.load(spec.prototxt, spec.weights, spec.declared_input)
+        fold = Transformer.for_model(spec) if folded else None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save(export(network, spec.output, fold), path)
+    return path
+
+
+def has_weights(network: Network) -> bool:
+    """Whether every layer that takes weights still holds them (``drop_weights`` not run)."""
+    return all(layer.blobs for layer in network.layers if layer.blob_shapes)

@@ -9,7 +9,10 @@ import numpy as np
 #: counts as agreement, by precision (reduced precisions are compared with the f32 reference).
 #: In f32, correct backends differ by up to 8e-5 on a seeded ResNet-50's softmax (logits in
 #: the hundreds); a layer computed wrongly differs by 1e-2 or more.
-TOLERANCES = {"f32": 1e-3, "f16": 5e-2, "bf16": 1e-1}
+#: int8's bound only catches a broken graph (a wrong layer differs by 1 or more): whether
+#: its answers are good enough is the precision gate's test, top-1 agreement on the user's
+#: images (``farm.engines.gate``); SqueezeNet's int8 differs by about 0.1.
+TOLERANCES = {"f32": 1e-3, "f16": 5e-2, "bf16": 1e-1, "int8": 0.5}
 #: The tolerance in f32: outputs this close are the same answer.
 TOLERANCE = TOLERANCES["f32"]
 

@@ -44,6 +44,7 @@ COMMANDS = [
     ["models", "export"],
     ["models", "prepare"],
     ["models", "add"],
+    ["models", "quantize"],
     ["status"],
     ["report"],
     ["bench"],

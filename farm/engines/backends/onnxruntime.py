@@ -3,7 +3,8 @@
 A pinned worker gets one intra-op thread and sequential execution; an
 unpinned one, ONNX Runtime's own thread pool.  uint8 images run on the export
 with the preprocessing folded in (a session made at load); float32 ones on the
-plain export (a session made on their first batch).  On a GPU worker the TensorRT
+plain export (a session made on their first batch).  On the CPU, int8 runs the
+model's quantized version (``farm.engines.quantize``).  On a GPU worker the TensorRT
 execution provider is tried first, then CUDA, when ``onnxruntime-gpu`` offers
 them; TensorRT also computes in f16 when asked.
 """
@@ -37,15 +38,15 @@ class OnnxRuntimeEngine(Engine):
     reads_onnx = True
 
     def precisions(self) -> tuple[str, ...]:
-        on_gpu = self.device.startswith("cuda")
-        return (
-            ("f32", "f16")
-            if on_gpu and "TensorrtExecutionProvider" in gpu_providers()
-            else ("f32",)
-        )
+        if self.device.startswith("cuda"):
+            trt = "TensorrtExecutionProvider" in gpu_providers()
+            return ("f32", "f16") if trt else ("f32",)
+        return ("f32", "int8") if self.int8_offered() else ("f32",)
 
     def precision_note(self) -> str:
-        return "" if self.device.startswith("cuda") else " (ONNX Runtime's CPU kernels are f32)"
+        if self.device.startswith("cuda"):
+            return ""
+        return " (ONNX Runtime's CPU runs f32, and int8 after `farm models quantize`)"
 
     def build(self) -> None:
         self.graph(folded=True)  # uint8 images, the common input; float32 builds on demand

@@ -7,7 +7,7 @@ float32 ones on the plain export, compiled on their first batch.  A
 pinned worker gets one inference thread and one stream, and OpenVINO's own
 thread pinning is off (the process is already pinned).  f32 is the default;
 bf16 and f16 are offered where the CPU lists them in its optimization
-capabilities.
+capabilities, int8 where the model has a quantized version (``farm.engines.quantize``).
 
 The precision is always stated when the net is compiled: on a CPU that offers
 bf16 (AVX512_BF16: AMD Zen 4 and later, Intel Sapphire Rapids and later),
@@ -59,16 +59,18 @@ class OpenVINOEngine(Engine):
         if self.device != "cpu":
             return ()
         offered = cpu_capabilities()
-        return tuple(
+        floats = tuple(
             name
             for name, capability in CAPABILITIES.items()
             if name == "f32" or capability in offered
         )
+        return (*floats, "int8") if self.int8_offered() else floats
 
     def precision_note(self) -> str:
         if self.device != "cpu":
             return " (farm runs OpenVINO on CPUs only)"
-        return f" (this CPU offers {', '.join(cpu_capabilities())})"
+        int8 = "" if self.int8_offered() else "; int8 needs `farm models quantize` first"
+        return f" (this CPU offers {', '.join(cpu_capabilities())}{int8})"
 
     def build(self) -> None:
         if self.device != "cpu":
@@ -83,8 +85,10 @@ class OpenVINOEngine(Engine):
         loads the same model again imports it in a fraction of the compile time.  A blob
         that cannot be read (cut short, another version) is compiled again."""
         core = new_core()
+        # int8: the quantized layers run in int8 as their QDQ nodes say, the others in f32
+        floats = "f32" if self.precision == "int8" else self.precision
         config: dict[str, Any] = {
-            "INFERENCE_PRECISION_HINT": self.precision,  # never the CPU's default
+            "INFERENCE_PRECISION_HINT": floats,  # never the CPU's default
             "CACHE_DIR": str(cache_root() / "openvino"),
         }
         if self.threads is not None:
@@ -97,9 +101,9 @@ class OpenVINOEngine(Engine):
                 }
             )
         compiled = core.compile_model(path, "CPU", config)
-        if (precision := compiled_precision(compiled)) != self.precision:
+        if (precision := compiled_precision(compiled)) != floats:
             raise ModelError(
-                f"OpenVINO compiled the net in {precision}, not the {self.precision} asked for"
+                f"OpenVINO compiled the net in {precision}, not the {floats} asked for"
             )
         return compiled.create_infer_request()
 

@@ -1,0 +1,96 @@
+"""A few images of an input, decoded as the workers decode them: the calibration set of
+``farm models quantize`` and the validation set of the precision gate (``--precision
+auto``).  Any input a job takes serves: folders, globs, lists of image files, or a
+`.npy` array of uint8 images."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from farm.client.inputs import ArraySource, FileSource, InputError, Source, open_input
+from farm.engines.images import ImageDecoder
+from farm.modelrepo.repository import ModelSpec
+
+
+@dataclass
+class Sample:
+    """Images ready for the model (uint8, its item shape), from where, and the reasons
+    of the files that could not be decoded."""
+
+    images: np.ndarray
+    label: str
+    skipped: list[str]
+
+    def describe(self) -> str:
+        skipped = f" ({len(self.skipped)} files could not be decoded)" if self.skipped else ""
+        return f"{len(self.images)} images of {self.label}{skipped}"
+
+
+def sample_of(arguments: Sequence[str], spec: ModelSpec, count: int) -> Sample:
+    """The first ``count`` images of the input ``arguments`` names (fewer if it has fewer);
+    InputError when they are not uint8 images of the model's shape."""
+    return first_images(open_input(arguments), spec, count, " ".join(arguments))
+
+
+def source_key(source: Source, count: int, labels: np.ndarray | None = None) -> str:
+    """What names the first ``count`` images of ``source`` without decoding them: each
+    file's path, size and modification time, or an array's rows (and the labels)."""
+    hasher = hashlib.sha256(f"{count}".encode())
+    if isinstance(source, ArraySource):
+        hasher.update(np.ascontiguousarray(source.read(0, min(count, len(source)))).data)
+    else:
+        for path in source.paths[:count]:
+            try:
+                stat = path.stat()
+                hasher.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            except OSError:
+                hasher.update(f"{path}\0unreadable\n".encode())
+    if labels is not None:
+        hasher.update(np.ascontiguousarray(labels).data)
+    return hasher.hexdigest()
+
+
+def first_images(source: Source, spec: ModelSpec, count: int, label: str) -> Sample:
+    """The first ``count`` images of a job's ``source``, as the workers will see them."""
+    if isinstance(source, ArraySource):
+        return Sample(array_images(source, spec, count), label, [])
+    return decoded_files(source, spec, count, label)
+
+
+def array_images(source: ArraySource, spec: ModelSpec, count: int) -> np.ndarray:
+    if source.wire != np.uint8:
+        raise InputError(
+            f"{source.label}: lower precisions are calibrated and checked on uint8 images, "
+            f"not {source.wire.name}"
+        )
+    if source.item_shape != tuple(spec.item_shape):
+        raise InputError(
+            f"{source.label}: images of shape {source.item_shape}, the model "
+            f"{spec.name!r} takes {tuple(spec.item_shape)}"
+        )
+    return source.read(0, min(count, len(source)))
+
+
+def decoded_files(source: FileSource, spec: ModelSpec, count: int, label: str) -> Sample:
+    """Image files decoded in order until ``count`` images are had (a file that fails is
+    skipped, with its reason)."""
+    decoder = ImageDecoder(spec)
+    images: list[np.ndarray] = []
+    skipped: list[str] = []
+    for index in range(len(source)):
+        if len(images) * decoder.crops >= count:
+            break
+        data = source.read_file(index)
+        batch = decoder.decode([data])
+        if batch.failures:
+            reason = source.problems.get(index) or batch.failures[0][1]
+            skipped.append(f"{source.paths[index]}: {reason}")
+        else:
+            images.append(batch.images)
+    if not images:
+        raise InputError(f"{label}: no image could be decoded ({'; '.join(skipped[:3])})")
+    return Sample(np.concatenate(images)[:count], label, skipped)

@@ -1,0 +1,302 @@
+"""The precision gate: ``--precision auto`` runs a job in the fastest precision whose
+answers agree with f32 on the user's own images, and never below that.
+
+Each precision this CPU offers below f32 is a candidate: bf16 and f16 where OpenVINO
+lists them in the CPU's capabilities, int8 where the model has a version made by ``farm
+models quantize`` and the CPU has VNNI or AMX (without them int8 is not faster).  The
+validation images run in f32 and in each candidate on the same engine, in this process;
+a candidate's verdict is its top-1 agreement with f32, its largest output difference
+(relative to f32's largest output), its speed over f32 timed in alternating windows of
+the same run, and its accuracy where the images have labels.  It passes when it agrees
+on at least ``min_agreement`` of the images and is faster than f32.
+
+The verdicts are remembered (``$FARM_CACHE/precision``), keyed by the model's digest, the
+validation set's, the int8 version's calibration, this CPU and thread count, and the
+libraries' versions; the threshold is applied when they are read, so another
+``--min-agreement`` needs no new run.  The job carries the passed precisions, fastest
+first and ending in f32 (``int8,bf16,f32``); each worker takes the first its device
+computes in, so a farm of mixed CPUs runs each worker at its own best gated precision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from farm.engines import quantize
+from farm.engines.autoselect import device_key, remember_file, time_batches, versions
+from farm.engines.engine import BackendUnavailable, Engine, engine_class
+from farm.engines.tolerances import relative_difference
+from farm.modelrepo.modelstore import manifest_of
+from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
+
+log = logging.getLogger("farm.engines.gate")
+
+#: Top-1 agreement with f32 a precision needs by default (``--min-agreement``).
+MIN_AGREEMENT = 0.99
+#: Validation images taken from the start of a job when ``--validate`` names none.
+VALIDATION_IMAGES = 300
+#: Fewest validation images: below this one image moves the agreement by more than 1%.
+MIN_VALIDATION = 100
+#: Candidates below f32, in the order they are tried.
+CANDIDATES = ("bf16", "f16", "int8")
+#: The compute batch of the timing windows, and the windows' rounds and seconds.
+TIMING_BATCH, TIMING_ROUNDS, TIMING_WINDOW = 16, 3, 0.25
+
+
+@dataclass
+class Verdict:
+    """One precision against f32 on the validation images."""
+
+    precision: str
+    images: int
+    agreement: float = 0.0  # share of images whose top-1 class is f32's
+    difference: float = 0.0  # largest output difference over f32's largest output
+    speedup: float = 0.0  # images/s over f32's, same engine, same threads
+    accuracy: float | None = None  # against the images' labels, where there are some
+    problem: str | None = None  # why it was not run here
+
+    def passes(self, min_agreement: float) -> bool:
+        return self.problem is None and self.agreement >= min_agreement and self.speedup > 1.0
+
+    def describe(self) -> str:
+        """``int8: 3.4x f32, top-1 agrees on 99.4% of 300 images (largest difference 2e-2)``."""
+        if self.problem is not None:
+            return f"{self.precision}: not tried: {self.problem}"
+        accuracy = "" if self.accuracy is None else f", accuracy {self.accuracy:.1%}"
+        return (
+            f"{self.precision}: {self.speedup:.1f}x f32, top-1 agrees on {self.agreement:.1%} "
+            f"of {self.images} images (largest difference {self.difference:.1e}{accuracy})"
+        )
+
+
+@dataclass
+class Gate:
+    """The verdicts on one model and validation set, and what they allow."""
+
+    model: str
+    validation: str  # the validation set's digest
+    images: int
+    backend: str
+    verdicts: list[Verdict]
+    f32_accuracy: float | None = None
+    min_agreement: float = MIN_AGREEMENT
+    cached: bool = field(default=False, compare=False)
+
+    @property
+    def passed(self) -> list[Verdict]:
+        """The precisions that pass, fastest first."""
+        passing = [v for v in self.verdicts if v.passes(self.min_agreement)]
+        return sorted(passing, key=lambda verdict: -verdict.speedup)
+
+    @property
+    def precision(self) -> str:
+        """What the job asks the workers for: the passed precisions, fastest first, then f32."""
+        return ",".join([*(verdict.precision for verdict in self.passed), "f32"])
+
+    def lines(self) -> list[str]:
+        """The gate as the job's output shows it, one line per precision, then the choice."""
+        accuracy = "" if self.f32_accuracy is None else f"; f32's accuracy {self.f32_accuracy:.1%}"
+        lines = [
+            f"precision gate on {self.images} validation images ({self.backend}"
+            f"{', remembered' if self.cached else ''}): top-1 agreement with f32 of at least "
+            f"{self.min_agreement:.1%} needed{accuracy}"
+        ]
+        for verdict in self.verdicts:
+            mark = "passes" if verdict.passes(self.min_agreement) else "refused"
+            lines.append(f"  {verdict.describe()}{'' if verdict.problem else f': {mark}'}")
+        best = self.passed
+        lines.append(
+            f"  running in {best[0].precision} ({best[0].speedup:.1f}x f32)"
+            if best
+            else "  running in f32: no lower precision passed"
+        )
+        return lines
+
+
+def judge(
+    spec: ModelSpec,
+    images: np.ndarray,
+    labels: np.ndarray | None = None,
+    min_agreement: float = MIN_AGREEMENT,
+    threads: int | None = None,
+    use_cache: bool = True,
+) -> Gate:
+    """The gate's verdicts on ``images`` (uint8, the model's item shape), from the cache
+    when this validation set was judged here before; ModelError for too few images."""
+    if len(images) < MIN_VALIDATION:
+        raise ModelError(
+            f"{len(images)} validation images are too few for the precision gate: below "
+            f"{MIN_VALIDATION}, one image moves the agreement by more than 1%"
+        )
+    digest = manifest_of(spec).digest
+    validation = set_digest(images, labels)
+    path = cache_path(spec, digest, validation, threads)
+    gate = remembered(path) if use_cache else None
+    if gate is None:
+        gate = measure(spec, images, labels, threads, validation)
+        if use_cache:
+            remember_file(path, {**asdict(gate), "cached": True})
+    gate.min_agreement = min_agreement
+    return gate
+
+
+def judge_source(
+    spec: ModelSpec,
+    source_key: str,
+    sample: Callable[[], tuple[np.ndarray, np.ndarray | None]],
+    min_agreement: float = MIN_AGREEMENT,
+    threads: int | None = None,
+) -> Gate:
+    """``judge`` on the images ``sample`` decodes (and their labels), decoding them only
+    when no verdicts are remembered for the input ``source_key`` names (its files' paths,
+    sizes and times, or its rows): a job run again starts without decoding them."""
+    index = cache_root() / "precision" / "inputs" / f"{spec.name}-{source_key[:32]}"
+    try:
+        validation = index.read_text().strip()
+        digest = manifest_of(spec).digest
+        gate = remembered(cache_path(spec, digest, validation, threads))
+    except OSError:
+        gate = None
+    if gate is None:
+        images, labels = sample()
+        gate = judge(spec, images, labels, min_agreement, threads)
+        try:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            index.write_text(gate.validation)
+        except OSError as exc:
+            log.warning("cannot remember the validation set of %s: %s", source_key[:12], exc)
+    gate.min_agreement = min_agreement
+    return gate
+
+
+def set_digest(images: np.ndarray, labels: np.ndarray | None) -> str:
+    hasher = hashlib.sha256(quantize.calibration_digest(images).encode())
+    if labels is not None:
+        hasher.update(np.ascontiguousarray(labels).data)
+    return hasher.hexdigest()
+
+
+def cache_path(spec: ModelSpec, digest: str, validation: str, threads: int | None) -> Path:
+    """Where the verdicts are remembered: per model, validation set, int8 version, CPU,
+    thread count and library versions."""
+    record = quantize.current(spec, digest)
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                validation,
+                record.calibration_digest if record else None,
+                device_key("cpu", threads),
+                versions(),
+                quantize.library_versions(),
+            ]
+        ).encode()
+    ).hexdigest()
+    return cache_root() / "precision" / f"{spec.name}-{digest[:16]}-{key[:16]}.json"
+
+
+def remembered(path: Path) -> Gate | None:
+    try:
+        document = json.loads(path.read_text())
+        verdicts = [Verdict(**verdict) for verdict in document.pop("verdicts")]
+        return Gate(**document, verdicts=verdicts)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        log.warning("ignoring unreadable precision verdicts %s: %s", path, exc)
+        return None
+
+
+def remembered_for(spec: ModelSpec) -> list[Gate]:
+    """Every gate remembered here for the model's current files, newest first."""
+    digest = manifest_of(spec).digest
+    paths = (cache_root() / "precision").glob(f"{spec.name}-{digest[:16]}-*.json")
+    ordered = sorted(paths, key=lambda path: -path.stat().st_mtime)
+    return [gate for gate in map(remembered, ordered) if gate is not None]
+
+
+def gate_backend() -> type[Engine]:
+    """OpenVINO, which offers every precision on the CPU; else ONNX Runtime (int8 only)."""
+    for backend in ("openvino", "onnxruntime"):
+        try:
+            return engine_class(backend)
+        except BackendUnavailable:
+            continue
+    raise ModelError("the precision gate needs OpenVINO or ONNX Runtime: pip install openvino")
+
+
+def measure(
+    spec: ModelSpec,
+    images: np.ndarray,
+    labels: np.ndarray | None,
+    threads: int | None,
+    validation: str,
+) -> Gate:
+    """Run the validation images in f32 and in each candidate; time them in turn."""
+    backend = gate_backend()
+    f32 = backend.load(spec, TIMING_BATCH, "cpu", threads, "f32")
+    reference = flat(f32.run(images))
+    offered = f32.precisions()
+    verdicts: list[Verdict] = []
+    engines: list[tuple[Verdict, Engine]] = []
+    for precision in CANDIDATES:
+        verdict = Verdict(precision, len(images))
+        verdicts.append(verdict)
+        verdict.problem = unavailable(precision, offered, backend.backend)
+        if verdict.problem is None:
+            try:
+                engine = backend.load(spec, TIMING_BATCH, "cpu", threads, precision)
+            except ModelError as exc:
+                verdict.problem = str(exc)
+                continue
+            outputs = flat(engine.run(images))
+            verdict.agreement = float((outputs.argmax(1) == reference.argmax(1)).mean())
+            verdict.difference = relative_difference(outputs, reference)
+            verdict.accuracy = accuracy(outputs, labels)
+            engines.append((verdict, engine))
+    rates = alternating_rates([f32, *(engine for _, engine in engines)], images)
+    for (verdict, _), rate in zip(engines, rates[1:]):
+        verdict.speedup = round(rate / rates[0], 3)
+    return Gate(
+        spec.name, validation, len(images), backend.backend, verdicts, accuracy(reference, labels)
+    )
+
+
+def unavailable(precision: str, offered: tuple[str, ...], backend: str) -> str | None:
+    """Why a candidate is not run on this CPU, or None."""
+    if precision == "int8":
+        if not quantize.fast_int8():
+            return "this CPU has no VNNI or AMX, so int8 is not faster than f32 here"
+        if "int8" not in offered:
+            return "no int8 version of the model here (farm models quantize)"
+        return None
+    if precision not in offered:
+        return f"{backend} does not offer {precision} on this CPU"
+    return None
+
+
+def flat(outputs: np.ndarray) -> np.ndarray:
+    return outputs.reshape(len(outputs), -1)
+
+
+def accuracy(outputs: np.ndarray, labels: np.ndarray | None) -> float | None:
+    if labels is None:
+        return None
+    return float((outputs.argmax(1) == np.asarray(labels).reshape(-1)).mean())
+
+
+def alternating_rates(engines: list[Engine], images: np.ndarray) -> list[float]:
+    """Each engine's images/s at ``TIMING_BATCH``, the best of ``TIMING_ROUNDS`` windows
+    taken in turn, so that a neighbour's burst slows one window, not one engine."""
+    best = [0.0] * len(engines)
+    for _ in range(TIMING_ROUNDS):
+        for index, engine in enumerate(engines):
+            rate = time_batches(engine, images, (TIMING_BATCH,), TIMING_WINDOW)[TIMING_BATCH]
+            best[index] = max(best[index], rate)
+    return best

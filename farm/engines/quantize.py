@@ -1,0 +1,317 @@
+"""int8 versions of a model: farm's ONNX export quantized on the user's calibration images.
+
+``farm models quantize NAME --calibration IMAGES`` runs ONNX Runtime's static
+quantization (``onnxruntime.quantization.quantize_static``: QDQ nodes, weights per output
+channel) on the export that takes uint8 images with the preprocessing folded in, so the
+calibration images go through exactly the preprocessing of a job.  Both CPU engines run
+the result: OpenVINO and ONNX Runtime execute QDQ graphs with int8 kernels (VNNI, AMX).
+
+The file sits next to the f32 export (``$FARM_CACHE/onnx``), named by the model's digest
+and the calibration set's; a record beside it (``-int8.json``) names the current one,
+with the libraries that made it.  The calibration images are kept too, so that a version
+made by another library version is made again, not trusted.  A net with no layer that
+has an int8 kernel raises ``Unquantizable``; callers run it in f32 and say why.
+
+Whether int8 answers are good enough is not decided here but by the precision gate
+(``farm.engines.gate``), on the user's own validation images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from farm.engines import onnx_export
+from farm.modelrepo.modelstore import manifest_of
+from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
+
+log = logging.getLogger("farm.engines.quantize")
+
+#: Fewest calibration images taken: the activation ranges of fewer images fit those images,
+#: not the job's.  OpenVINO's and NNCF's default calibration subset is 300 images.
+MIN_CALIBRATION = 100
+RECOMMENDED_CALIBRATION = 300
+#: Images per calibration batch (each batch's activations are gathered at once).
+CALIBRATION_BATCH = 10
+#: Bumped when the recipe changes: a file made by an older recipe is made again.
+RECIPE = 1
+#: The libraries whose versions a quantized file depends on.
+LIBRARIES = ("onnxruntime", "onnx")
+
+
+class QuantizeError(ModelError):
+    """The model or the calibration set cannot give an int8 version; the message says why."""
+
+
+class Unquantizable(QuantizeError):
+    """No layer of the net has an int8 kernel: it runs in f32."""
+
+
+@dataclass
+class Quantized:
+    """One int8 version of a model, as its record on disk describes it."""
+
+    model: str
+    model_digest: str
+    calibration_digest: str
+    images: int
+    file: str  # the quantized ONNX file's name, in the export folder
+    versions: dict[str, str]
+    recipe: int = RECIPE
+    quantized_layers: int = 0
+    float_layers: list[str] = field(default_factory=list)  # op types left in f32
+    seconds: float = 0.0
+
+    @property
+    def path(self) -> Path:
+        return export_folder() / self.file
+
+    def describe(self) -> str:
+        kept = f"; kept in f32: {', '.join(self.float_layers)}" if self.float_layers else ""
+        return (
+            f"int8 version of {self.model}: {self.quantized_layers} layers quantized on "
+            f"{self.images} calibration images ({self.calibration_digest[:12]}){kept}"
+        )
+
+
+def library_versions() -> dict[str, str]:
+    """The installed versions of the quantizing libraries, and the recipe's."""
+    found = {"recipe": str(RECIPE)}
+    for name in LIBRARIES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
+#: CPU flags (``/proc/cpuinfo``) of int8 dot-product instructions; without one, int8 runs
+#: no faster than f32 (ONNX Runtime's own figures: onnxruntime#17389).
+INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's flags as ``lscpu`` shows them (empty where /proc/cpuinfo is not)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def fast_int8() -> bool:
+    """Whether this CPU has int8 dot-product instructions (VNNI or AMX)."""
+    return any(flag in cpu_flags() for flag in INT8_FLAGS)
+
+
+def export_folder() -> Path:
+    return cache_root() / "onnx"
+
+
+def record_path(spec: ModelSpec, digest: str | None = None) -> Path:
+    """Where the record of the model's current int8 version is kept."""
+    digest = digest or manifest_of(spec).digest
+    return export_folder() / f"{spec.name}-{digest[:24]}-int8.json"
+
+
+def calibration_digest(images: np.ndarray) -> str:
+    """What keys a calibration or validation set: its shape, dtype and bytes."""
+    hasher = hashlib.sha256(f"{images.dtype.str}{images.shape}".encode())
+    hasher.update(np.ascontiguousarray(images).data)
+    return hasher.hexdigest()
+
+
+def check_calibration(spec: ModelSpec, images: np.ndarray) -> None:
+    """QuantizeError unless ``images`` are at least ``MIN_CALIBRATION`` uint8 images of the
+    model's input shape."""
+    if images.dtype != np.uint8 or images.shape[1:] != tuple(spec.item_shape):
+        raise QuantizeError(
+            f"calibration images must be uint8 images of {spec.name}'s input shape "
+            f"{tuple(spec.item_shape)}, got {images.dtype} {images.shape[1:]}"
+        )
+    if len(images) < MIN_CALIBRATION:
+        raise QuantizeError(
+            f"{len(images)} calibration images are too few: int8 ranges measured on fewer "
+            f"than {MIN_CALIBRATION} images fit those images, not a job's "
+            f"({RECOMMENDED_CALIBRATION} recommended)"
+        )
+
+
+def quantize(spec: ModelSpec, images: np.ndarray) -> Quantized:
+    """Make the int8 version of ``spec`` from ``images`` (N x item shape, uint8) and make it
+    the model's current one; QuantizeError (Unquantizable) when it cannot be made."""
+    check_calibration(spec, images)
+    digest = manifest_of(spec).digest
+    calibration = calibration_digest(images)
+    stem = f"{spec.name}-{digest[:24]}-v{onnx_export.FORMAT}-u8-int8-{calibration[:12]}"
+    folder = export_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder / f"{stem}-calibration.npy"
+    if not kept.is_file():
+        write_atomically(kept, lambda path: np.save(path, images))
+    started = time.perf_counter()
+    target = folder / f"{stem}.onnx"
+    layers, float_ops = quantize_file(source_export(spec), target, images)
+    record = Quantized(
+        spec.name,
+        digest,
+        calibration,
+        len(images),
+        target.name,
+        library_versions(),
+        quantized_layers=layers,
+        float_layers=float_ops,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    write_atomically(
+        record_path(spec, digest), lambda path: path.write_text(json.dumps(asdict(record)))
+    )
+    log.info("%s in %.1f s", record.describe(), record.seconds)
+    return record
+
+
+def source_export(spec: ModelSpec) -> Path:
+    """The f32 export taking uint8 images (the graph every job of uint8 images runs)."""
+    return onnx_export.exported_onnx(spec, folded=True)
+
+
+def current(spec: ModelSpec, digest: str | None = None) -> Quantized | None:
+    """The model's current int8 version, made again first if another library version or
+    recipe made it; None when there is none (or it cannot be read)."""
+    path = record_path(spec, digest)
+    try:
+        record = Quantized(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("ignoring unreadable int8 record %s: %s", path, exc)
+        return None
+    if record.versions == library_versions() and record.path.is_file():
+        return record
+    return remake(spec, record)
+
+
+def remake(spec: ModelSpec, record: Quantized) -> Quantized | None:
+    """The int8 version made again from its kept calibration images; None if they are gone."""
+    kept = record.path.with_name(record.path.stem + "-calibration.npy")
+    try:
+        images = np.load(kept)
+    except (OSError, ValueError) as exc:
+        log.warning("%s: cannot make it again (%s)", record.describe(), exc)
+        return None
+    log.info(
+        "%s was made with %s, not %s: making it again",
+        record.describe(),
+        record.versions,
+        library_versions(),
+    )
+    return quantize(spec, images)
+
+
+def quantized_file(spec: ModelSpec) -> Path:
+    """The model's current int8 file; ModelError saying how to make one when there is none."""
+    record = current(spec)
+    if record is None:
+        raise ModelError(
+            f"model {spec.name!r} has no int8 version here: make one with `farm models "
+            f"quantize {spec.name} --calibration IMAGES`"
+        )
+    return record.path
+
+
+def quantize_file(source: Path, target: Path, images: np.ndarray) -> tuple[int, list[str]]:
+    """Quantize the ONNX graph at ``source`` into ``target``, calibrated on ``images``; the
+    number of layers quantized and the op types left in f32."""
+    import onnx
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    input_name = onnx.load(str(source), load_external_data=False).graph.input[0].name
+
+    class Batches(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = calibration_batches(images, input_name)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.batches, None)
+
+    with tempfile.TemporaryDirectory(prefix="farm-quantize-") as scratch:
+        partial = Path(scratch) / target.name
+        prepared = Path(scratch) / "prepared.onnx"
+        try:
+            # shape inference and graph optimisation first, as ONNX Runtime asks
+            quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
+            quantize_static(
+                str(prepared),
+                str(partial),
+                Batches(),
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+            )
+        except Exception as exc:  # the library's own errors: say which, fall back to f32
+            raise Unquantizable(
+                f"ONNX Runtime cannot quantize it: {type(exc).__name__}: {exc}"
+            ) from exc
+        layers, float_ops = quantized_layers(onnx.load(str(partial)))
+        if layers == 0:
+            raise Unquantizable(
+                f"no layer of the net has an int8 kernel (farm quantizes "
+                f"{', '.join(sorted(COMPUTING))} layers; this net has none that could be)"
+            )
+        os.replace(partial, target)
+    return layers, float_ops
+
+
+def calibration_batches(images: np.ndarray, input_name: str) -> Iterator[dict[str, np.ndarray]]:
+    """Equal batches of calibration images (a short last batch is dropped: the calibrators
+    stack each batch's activations)."""
+    usable = len(images) - len(images) % CALIBRATION_BATCH or len(images)
+    for start in range(0, usable, CALIBRATION_BATCH):
+        yield {input_name: images[start : start + CALIBRATION_BATCH]}
+
+
+#: Op types with int8 kernels in both CPU engines: the layers that quantizing speeds up.
+COMPUTING = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
+
+
+def quantized_layers(model: object) -> tuple[int, list[str]]:
+    """How many computing layers take int8 inputs (fed by a DequantizeLinear), and the op
+    types of those left in f32."""
+    nodes = model.graph.node  # type: ignore[attr-defined]
+    dequantized = {
+        out for node in nodes if node.op_type == "DequantizeLinear" for out in node.output
+    }
+    computing = [node for node in nodes if node.op_type in COMPUTING]
+    quantized = [node for node in computing if node.input and node.input[0] in dequantized]
+    left = {node.op_type for node in computing if node not in quantized}
+    return len(quantized), sorted(left)
+
+
+def write_atomically(path: Path, write: object) -> None:
+    """Write ``path`` through a temporary name beside it, so readers see all of it or none."""
+    partial = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")
+    try:
+        write(partial)  # type: ignore[operator]
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

@@ -1,0 +1,90 @@
+"""Lower precisions from the command line, with real processes: `farm models quantize`
+makes LeNet's int8 version from a calibration `.npy`, and `farm run --precision auto`
+runs a real farm in the precision the gate passed, on its own cache."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from farm.ops.local import farm_command
+from tests.unit.test_precision import pooling_only
+
+
+@pytest.fixture()
+def cache(tmp_path) -> Path:
+    return tmp_path / "cache"
+
+
+def farm(cache: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "FARM_CACHE": str(cache)}
+    return subprocess.run(
+        farm_command(*args), capture_output=True, text=True, timeout=timeout, env=environment
+    )
+
+
+def test_quantize_then_auto_runs_the_farm_in_the_gated_precision(tmp_path, cache, digits) -> None:
+    calibration = tmp_path / "calibration.npy"
+    np.save(calibration, digits[500:800])
+    made = farm(cache, "models", "quantize", "lenet", "--calibration", str(calibration))
+    assert made.returncode == 0, made.stderr
+    assert "int8 version of lenet: 4 layers quantized on 300 calibration images" in made.stdout
+
+    auto = farm(cache, "run", "--precision", "auto", "--own-farm", "--quiet", "--out",
+                str(tmp_path / "auto.npy"))  # fmt: skip
+    assert auto.returncode == 0, auto.stderr
+    assert "precision gate on 300 validation images" in auto.stderr
+    chosen = re.search(r"running in (\w+)", auto.stderr)
+    assert chosen is not None, auto.stderr
+    ready = next(line for line in auto.stderr.splitlines() if line.startswith("farm ready"))
+    assert f" {chosen[1]} batch" in ready  # every worker runs the precision the gate passed
+    assert re.search(r"f32.s accuracy 9\d\.\d%", auto.stderr)  # scored on the sample labels
+    assert re.search(r"accuracy on the bundled sample: \d", auto.stdout)
+    assert "precision auto:" in auto.stderr
+
+    plain = farm(cache, "run", "--own-farm", "--quiet", "--out", str(tmp_path / "f32.npy"))
+    assert plain.returncode == 0, plain.stderr
+    outputs, reference = np.load(tmp_path / "auto.npy"), np.load(tmp_path / "f32.npy")
+    agreement = (outputs[:300].argmax(1) == reference[:300].argmax(1)).mean()
+    assert agreement >= 0.99  # what the gate vouched for, on its validation images
+    assert chosen[1] == "f32" or not np.array_equal(outputs, reference)
+
+    check = farm(cache, "models", "check", "lenet", "--count", "2")
+    assert check.returncode == 0, check.stderr
+    assert "int8 version of lenet" in check.stdout
+    assert "remembered gate on validation set" in check.stdout
+
+
+def test_quantize_refuses_a_calibration_set_too_small(tmp_path, cache, digits) -> None:
+    few = tmp_path / "few.npy"
+    np.save(few, digits[:40])
+    done = farm(cache, "models", "quantize", "lenet", "--calibration", str(few))
+    assert done.returncode == 1
+    assert "40 calibration images are too few" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (cache / "onnx").exists() or not list((cache / "onnx").glob("*int8*"))
+
+
+def test_a_net_with_no_int8_layer_is_told_it_stays_in_f32(tmp_path, cache) -> None:
+    spec = pooling_only(tmp_path / "models" / "pooling")
+    images = tmp_path / "images.npy"
+    np.save(images, np.random.default_rng(0).integers(0, 256, (120, 28, 28), np.uint8))
+    done = farm(cache, "models", "quantize", "pooling", "--calibration", str(images),
+                "--models-dir", str(spec.folder.parent))  # fmt: skip
+    assert done.returncode == 1
+    assert "model 'pooling' stays in f32: no layer of the net has an int8 kernel" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_int8_without_a_quantized_version_is_one_line_before_any_farm(cache) -> None:
+    done = farm(cache, "run", "--model", "cifar10_quick", "--precision", "int8", "--quiet")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "Error: model 'cifar10_quick' has no int8 version here: make one with `farm models "
+        "quantize cifar10_quick --calibration IMAGES`, or use --precision auto"
+    ]

@@ -1,0 +1,225 @@
+"""int8 versions of a model and the precision gate, on the bundled LeNet: real weights and
+its held-out digits (calibration on digits 500-799, validation on digits 0-299)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from farm.engines import gate, quantize
+from farm.engines.autoselect import load_engine
+from farm.engines.engine import PRECISIONS, job_engine, preference
+from farm.modelrepo.repository import ModelError, ModelSpec, load_spec
+from tests.unit.test_models import inline_net, write_model
+
+needs_int8 = pytest.mark.skipif(
+    not quantize.fast_int8(), reason="this CPU has no VNNI or AMX: the gate does not try int8"
+)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """Each test its own cache: int8 versions and verdicts do not leak between tests."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FARM_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def calibration(digits) -> np.ndarray:
+    return np.ascontiguousarray(digits[500:800, np.newaxis])
+
+
+@pytest.fixture(scope="module")
+def validation(digits) -> np.ndarray:
+    return np.ascontiguousarray(digits[:300, np.newaxis])
+
+
+def agreement(outputs: np.ndarray, reference: np.ndarray) -> float:
+    return float((outputs.argmax(1) == reference.argmax(1)).mean())
+
+
+def test_an_int8_version_runs_on_both_cpu_engines_and_keeps_the_answers(
+    lenet, calibration, validation
+) -> None:
+    record = quantize.quantize(lenet, calibration)
+    assert record.quantized_layers == 4  # conv1, conv2, ip1, ip2: every computing layer
+    assert record.float_layers == [] and record.images == 300
+    graph = onnx.load(str(record.path)).graph
+    assert sum(node.op_type == "QuantizeLinear" for node in graph.node) >= 4
+    assert graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    for backend in ("openvino", "onnxruntime"):
+        int8 = load_engine(lenet, backend, precision="int8")
+        assert int8.describe().startswith(f"{backend} int8")
+        outputs = int8.run(validation)
+        reference = load_engine(lenet, backend).run(validation)
+        assert agreement(outputs, reference) >= 0.98
+        assert not np.array_equal(outputs, reference)  # computed in int8, not f32
+
+
+def test_int8_without_a_quantized_version_is_refused_saying_how_to_make_one(lenet) -> None:
+    with pytest.raises(ModelError, match="int8 after `farm models quantize`.*offers f32"):
+        load_engine(lenet, "onnxruntime", precision="int8")
+
+
+def test_too_few_or_wrong_calibration_images_are_refused(lenet, calibration) -> None:
+    few = quantize.MIN_CALIBRATION - 1
+    with pytest.raises(quantize.QuantizeError, match=f"{few} calibration images are too few"):
+        quantize.quantize(lenet, calibration[:few])
+    with pytest.raises(quantize.QuantizeError, match="must be uint8 images"):
+        quantize.quantize(lenet, calibration.astype(np.float32))
+    assert quantize.current(lenet) is None  # nothing was written
+
+
+def pooling_only(folder: Path) -> ModelSpec:
+    """A net with no layer that has an int8 kernel: max pooling, then a softmax."""
+    body = (
+        'layer { name: "pool" type: "Pooling" bottom: "data" top: "pool" '
+        "pooling_param { pool: MAX kernel_size: 2 stride: 2 } }\n"
+        'layer { name: "prob" type: "Softmax" bottom: "pool" top: "prob" }'
+    )
+    return load_spec(write_model(folder, inline_net(body, "dim: 1 dim: 1 dim: 28 dim: 28"), []))
+
+
+def test_a_net_without_int8_layers_stays_in_f32_with_the_reason(tmp_path) -> None:
+    spec = pooling_only(tmp_path / "pooling")
+    images = np.random.default_rng(0).integers(0, 256, (100, *spec.item_shape), np.uint8)
+    with pytest.raises(quantize.Unquantizable, match="no layer of the net has an int8 kernel"):
+        quantize.quantize(spec, images)
+    assert quantize.current(spec) is None
+    # a job's gated preference falls through to f32 on it
+    assert load_engine(spec, "openvino", precision="int8,f32").precision == "f32"
+
+
+def test_a_version_made_by_other_library_versions_is_made_again(lenet, calibration) -> None:
+    made = quantize.quantize(lenet, calibration)
+    record = quantize.record_path(lenet)
+    document = json.loads(record.read_text())
+    document["versions"]["onnxruntime"] = "1.0.0"
+    record.write_text(json.dumps(document))
+    made.path.write_bytes(b"not the graph any more")
+    again = quantize.current(lenet)
+    assert again is not None and again.versions == quantize.library_versions()
+    assert again.calibration_digest == made.calibration_digest
+    assert onnx.load(str(again.path)).graph.node  # a real graph again
+
+
+def test_a_job_precision_is_one_or_the_gates_several_ending_in_f32() -> None:
+    assert PRECISIONS[0] == "f32" and "int8" in PRECISIONS
+    assert preference("int8,bf16,f32") == ("int8", "bf16", "f32")
+    assert job_engine(["auto", "int8,f32"]) == ("auto", "int8,f32")
+    for bad in ("f32,int8", "int8,int8,f32", "int4,f32", "", "int8,"):
+        assert preference(bad) is None
+        with pytest.raises(ValueError):
+            job_engine(["auto", bad])
+
+
+def verdict(precision: str, agreement: float, speedup: float) -> gate.Verdict:
+    return gate.Verdict(precision, 300, agreement, 0.01, speedup)
+
+
+def test_the_gate_passes_the_fastest_precision_at_the_threshold_and_never_below() -> None:
+    verdicts = [verdict("bf16", 0.995, 1.9), verdict("int8", 0.989, 3.4)]
+    judged = gate.Gate("net", "digest", 300, "openvino", verdicts, min_agreement=0.99)
+    assert judged.precision == "bf16,f32"
+    judged.min_agreement = 0.985
+    assert judged.precision == "int8,bf16,f32"
+    slower = gate.Gate("net", "d", 300, "openvino", [verdict("bf16", 1.0, 0.9)])
+    assert slower.precision == "f32" and "no lower precision passed" in slower.lines()[-1]
+
+
+@needs_int8
+def test_the_gate_refuses_an_int8_version_whose_answers_disagree(lenet, validation) -> None:
+    """Calibrated on blank images, LeNet's int8 ranges are wrong for digits: many answers
+    change, and the gate keeps it out of the job."""
+    quantize.quantize(lenet, np.zeros((100, *lenet.item_shape), np.uint8))
+    judged = gate.judge(lenet, validation)
+    int8 = next(v for v in judged.verdicts if v.precision == "int8")
+    assert int8.problem is None and int8.agreement < gate.MIN_AGREEMENT
+    assert not int8.passes(judged.min_agreement)
+    assert "int8" not in judged.precision.split(",")
+    assert judged.precision.endswith("f32")
+    assert f"int8: {int8.speedup:.1f}x f32" in "\n".join(judged.lines())
+    assert "refused" in next(line for line in judged.lines() if "int8:" in line)
+
+
+@needs_int8
+def test_the_gate_passes_a_good_int8_version_and_scores_labels(
+    lenet, calibration, validation, digits
+) -> None:
+    labels = np.load(lenet.sample_labels)[:300]
+    quantize.quantize(lenet, calibration)
+    judged = gate.judge(lenet, validation, labels)
+    int8 = next(v for v in judged.verdicts if v.precision == "int8")
+    assert int8.agreement >= gate.MIN_AGREEMENT and int8.accuracy is not None
+    assert judged.f32_accuracy is not None and judged.f32_accuracy > 0.9
+    assert abs(int8.accuracy - judged.f32_accuracy) <= 1 - int8.agreement
+    if int8.speedup > 1:
+        assert "int8" in judged.precision.split(",")
+
+
+def test_the_gates_verdicts_are_cached_by_validation_set_and_int8_version(
+    lenet, calibration, validation, own_cache
+) -> None:
+    first = gate.judge(lenet, validation)
+    assert not first.cached
+    again = gate.judge(lenet, validation, min_agreement=0.5)
+    assert again.cached and again.verdicts == first.verdicts and again.min_agreement == 0.5
+    other_set = gate.judge(lenet, validation[:200])
+    assert not other_set.cached and other_set.images == 200
+    quantize.quantize(lenet, calibration)  # a new int8 version: its verdict is measured anew
+    with_int8 = gate.judge(lenet, validation)
+    assert not with_int8.cached
+    assert len(list((own_cache / "precision").glob("lenet-*.json"))) == 3
+    assert gate.judge(lenet, validation).cached
+    assert [g.validation for g in gate.remembered_for(lenet)].count(first.validation) == 2
+
+
+def test_too_few_validation_images_are_refused(lenet, validation) -> None:
+    with pytest.raises(ModelError, match="too few for the precision gate"):
+        gate.judge(lenet, validation[: gate.MIN_VALIDATION - 1])
+
+
+def test_a_job_run_again_is_judged_without_decoding_its_images(lenet, validation) -> None:
+    decoded: list[int] = []
+
+    def sample() -> tuple[np.ndarray, None]:
+        decoded.append(len(validation))
+        return validation, None
+
+    first = gate.judge_source(lenet, "input-a", sample)
+    again = gate.judge_source(lenet, "input-a", sample, min_agreement=0.5)
+    assert decoded == [300] and not first.cached
+    assert again.cached and again.verdicts == first.verdicts and again.min_agreement == 0.5
+    gate.judge_source(lenet, "input-b", sample)  # another input is decoded, then remembered
+    assert decoded == [300, 300]
+
+
+def test_an_input_is_named_by_its_files_or_its_rows(tmp_path, digits) -> None:
+    from farm.client.inputs import ArraySource, FileSource
+    from farm.client.samples import source_key
+
+    files = [tmp_path / "a.png", tmp_path / "b.png"]
+    for path in files:
+        path.write_bytes(b"\x89PNG")
+    before = source_key(FileSource(files), 300)
+    assert source_key(FileSource(files), 300) == before
+    os.utime(files[1], ns=(1, 1))  # the same name, another file
+    assert source_key(FileSource(files), 300) != before
+    rows = source_key(ArraySource(digits[:300]), 300)
+    assert source_key(ArraySource(digits[:400]), 300) == rows  # only the first 300 count
+    assert source_key(ArraySource(digits[1:301]), 300) != rows
+    assert source_key(ArraySource(digits[:300]), 300, np.zeros(300)) != rows
+
+
+def test_python_clients_resolve_auto_through_the_gate_not_the_wire() -> None:
+    from farm.client.client import job_engine as client_engine
+
+    with pytest.raises(ValueError, match=r"farm.engines.gate.judge\(spec, images\).precision"):
+        client_engine(None, "auto")
+    assert client_engine(None, "int8,bf16,f32") == ("auto", "int8,bf16,f32")
