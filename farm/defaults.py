@@ -35,6 +35,11 @@ SLOTS, GPU_SLOTS = 2, 3
 BACKEND = "auto"
 #: Compute precision of workers and engines.
 PRECISION = "f32"
+#: ``--precision auto``: the top-1 agreement with f32, in percent, a lower precision needs,
+#: and the job's first images it is checked on when ``--validate`` names none.
+MIN_AGREEMENT, VALIDATION_IMAGES = 99.0, 300
+#: ``farm models quantize``: calibration images taken from the start of IMAGES.
+CALIBRATION_IMAGES = 300
 #: Key names in a `farm keys` folder: a worker's and a client's.
 WORKER_KEY, CLIENT_KEY = "worker", "client"
 #: Model a command runs when none is named.

@@ -31,20 +31,11 @@ def machine() -> str:
 
 def cpu_line() -> str:
     """The CPU's name and the flags that decide which precisions it runs fast."""
-    from farm.engines.quantize import cpu_flags
+    from farm.engines.cpu import PRECISION_FLAGS, cpu_flags, cpu_name
 
-    name = "unknown"
-    with open("/proc/cpuinfo") as handle:
-        for line in handle:
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
     flags = cpu_flags()
-    marks = ", ".join(
-        f"{flag} {'yes' if flag in flags else 'no'}"
-        for flag in ("avx512_bf16", "amx_bf16", "avx512_vnni", "avx_vnni", "amx_int8")
-    )
-    return f"CPU: {name}; {marks}"
+    marks = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in PRECISION_FLAGS)
+    return f"CPU: {cpu_name()}; {marks}"
 
 
 class Tee(io.TextIOBase):

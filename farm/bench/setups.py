@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from farm.engines.cpu import cpu_info
 from farm.engines.engine import AUTO, available_backends
 from farm.modelrepo.repository import find
 from farm.ops.deploy import Layout
@@ -149,18 +150,6 @@ def _version(package: str) -> str:
 
 #: The instruction sets the engines' kernels use, as /proc/cpuinfo names them.
 NOTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def cpu_info() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo (``model name``, ``cpu family``...)."""
-    fields: dict[str, str] = {}
-    with open("/proc/cpuinfo") as handle:
-        for line in handle:
-            if not line.strip():
-                break
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    return fields
 
 
 def amd_generation(vendor: str, family: int, model: int) -> str:

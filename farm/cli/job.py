@@ -73,47 +73,55 @@ class Answers:
 
 def gated_precision(
     precision: str | None,
-    spec: ModelSpec,
+    spec: ModelSpec | None,
     source: Source,
     validate: tuple[str, ...],
     min_agreement: float,
+    backend: str | None = None,
     labels: np.ndarray | None = None,
 ) -> tuple[str | None, str | None]:
     """The precision a job asks for, and the line its summary ends with: ``auto``
-    resolved by the precision gate on the ``--validate`` images (else the job's first
-    ones, scored against ``labels`` when given), its verdicts on stderr; any other value
-    as it is, with no line."""
+    resolved by the precision gate on ``backend`` with the ``--validate`` images (else the
+    job's first ones, scored against ``labels`` when given), its verdicts on stderr; any
+    other value as it is, with no line.  ``spec``: the model's files here (None: not here,
+    which ``auto`` refuses)."""
     if precision != "auto":
+        if validate or min_agreement != defaults.MIN_AGREEMENT:
+            raise click.UsageError("--validate and --min-agreement go with --precision auto")
         return precision, None
+    if spec is None:
+        raise click.ClickException(
+            "--precision auto runs the model here to check each precision: its files must be "
+            "in a --models-dir or $FARM_MODELS folder"
+        )
     from farm.client.inputs import InputError
-    from farm.client.samples import first_images, source_key
-    from farm.engines.gate import VALIDATION_IMAGES, judge_source
+    from farm.client.samples import first_images, input_key
+    from farm.engines.gate import judge_input
     from farm.modelrepo.repository import ModelError
 
+    count = defaults.VALIDATION_IMAGES
     validation = load_input(validate) if validate else source
     label = " ".join(validate) if validate else "the job's first images"
-    labels = None if validate or labels is None else labels[:VALIDATION_IMAGES]
+    labels = None if validate or labels is None else labels[:count]
 
     def decoded() -> tuple[np.ndarray, np.ndarray | None]:
-        sample = first_images(validation, spec, VALIDATION_IMAGES, label)
+        sample = first_images(validation, spec, count, label)
         click.echo(f"validation: {sample.describe()}", err=True)
-        return sample.images, None if labels is None else labels[: len(sample.images)]
+        kept = None if labels is None else labels[sample.kept]
+        return sample.images, kept
 
     try:
-        key = source_key(validation, VALIDATION_IMAGES, labels)
-        gate = judge_source(spec, key, decoded, min_agreement / 100)
-    except (InputError, ModelError) as exc:
+        key = input_key(validation, count, labels)
+        gate = judge_input(spec, key, decoded, min_agreement / 100, backend or "auto")
+    except (InputError, ModelError, OSError) as exc:
         raise click.ClickException(f"--precision auto: {exc}") from exc
+    if source.dtype == "float32":  # image files and uint8 arrays reach the graph as uint8
+        gate.refuse("int8", "the job's images are float32: int8 runs on uint8 images")
     for line in gate.lines():
         click.echo(line, err=True)
     best = gate.passed
-    summary = (
-        f"precision auto: {best[0].describe()} (the workers take the first they offer of "
-        f"{gate.precision})"
-        if best
-        else "precision auto: f32, no lower precision passed the gate"
-    )
-    return gate.precision, summary
+    summary = f"precision auto: {best[0].describe()}" if best else None
+    return gate.precision, summary or "precision auto: f32, no lower precision passed the gate"
 
 
 def answers_wanted(

@@ -245,9 +245,10 @@ def run_gate(
 
     from farm.client.inputs import InputError
     from farm.client.samples import sample_of
-    from farm.engines.gate import VALIDATION_IMAGES, judge
+    from farm.engines.gate import judge
     from farm.modelrepo.repository import ModelError
 
+    count = defaults.VALIDATION_IMAGES
     labels = None
     if not validate:
         if spec.sample is None:
@@ -256,12 +257,12 @@ def run_gate(
             )
         validate = (str(spec.sample),)
         if spec.sample_labels is not None:
-            labels = np.load(spec.sample_labels)[:VALIDATION_IMAGES]
+            labels = np.load(spec.sample_labels)[:count]
     try:
-        sample = sample_of(validate, spec, VALIDATION_IMAGES)
-        labels = None if labels is None else labels[: len(sample.images)]
+        sample = sample_of(validate, spec, count)
+        labels = None if labels is None else labels[sample.kept]
         gate = judge(spec, sample.images, labels, min_agreement, threads)
-    except (InputError, ModelError) as exc:
+    except (InputError, ModelError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"{spec.name}: validation: {sample.describe()}, {threads} thread(s)")
     for line in gate.lines():
@@ -271,9 +272,9 @@ def run_gate(
 def precision_lines(spec: ModelSpec) -> list[str]:
     """The model's int8 version and the gate's remembered verdicts, as ``check`` shows them."""
     from farm.engines.gate import remembered_for
-    from farm.engines.quantize import current
+    from farm.engines.quantize import recorded
 
-    record = current(spec)
+    record = recorded(spec)
     lines = [record.describe()] if record else []
     for gate in remembered_for(spec):
         lines.append(f"remembered gate on validation set {gate.validation[:12]}:")
@@ -340,7 +341,7 @@ def check_line(check: BackendCheck, count: int) -> str:
 )
 @click.option(
     "--count",
-    default=300,
+    default=defaults.CALIBRATION_IMAGES,
     show_default=True,
     type=click.IntRange(1),
     help="Calibration images taken from the start of IMAGES.",
@@ -373,7 +374,7 @@ def quantize_model(
         record = quantize(spec, sample.images)
     except Unquantizable as exc:
         raise click.ClickException(f"model {spec.name!r} stays in f32: {exc}") from exc
-    except (InputError, QuantizeError) as exc:
+    except (InputError, QuantizeError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"{record.describe()}, in {record.seconds:.1f} s: {record.path}")
     click.echo(

@@ -17,8 +17,6 @@ Decorator = Callable[[Command], Command]
 BACKEND_CHOICES = ("auto", "caffe", "opencv", "torch", "onnxruntime", "openvino")
 #: ``--precision`` values: ``farm.engines.engine.PRECISIONS``.
 PRECISION_CHOICES = ("f32", "f16", "bf16", "int8")
-#: ``--precision auto``: the fastest precision the gate passes (``farm.engines.gate``).
-AUTO_PRECISION = "auto"
 
 
 def heartbeat_options(function: Command) -> Command:
@@ -118,7 +116,7 @@ def backend_option(text: str, default: str | None = None) -> Decorator:
 def precision_option(text: str, default: str | None = None, gated: bool = False) -> Decorator:
     """``--precision``: one of ``PRECISION_CHOICES``; no default: the workers' own.
     ``gated``: also ``auto``, with ``--min-agreement`` and ``--validate``."""
-    choices = (*PRECISION_CHOICES, AUTO_PRECISION) if gated else PRECISION_CHOICES
+    choices = (*PRECISION_CHOICES, "auto") if gated else PRECISION_CHOICES
     precision = click.option(
         "--precision",
         type=click.Choice(choices),
@@ -136,12 +134,12 @@ def precision_option(text: str, default: str | None = None, gated: bool = False)
             multiple=True,
             metavar="IMAGES",
             help="auto: the images the precisions are checked on (repeatable; any input a "
-            "job takes); default: the job's first 300.",
+            f"job takes); default: the job's first {defaults.VALIDATION_IMAGES}.",
         )(function)
         function = click.option(
             "--min-agreement",
             type=click.FloatRange(0, 100),
-            default=99.0,
+            default=defaults.MIN_AGREEMENT,
             show_default=True,
             metavar="PERCENT",
             help="auto: the top-1 agreement with f32 a lower precision needs.",
@@ -152,13 +150,13 @@ def precision_option(text: str, default: str | None = None, gated: bool = False)
 
 
 def worker_precision(context: click.Context, parameter: click.Parameter, value: str) -> str:
-    """A worker's ``--precision``: one precision, or the gate's several, fastest first."""
+    """A worker's ``--precision``: one precision, or the precision gate's list."""
     from farm.engines.engine import preference
 
     if preference(value) is None:
         raise click.BadParameter(
-            f"{value!r}: use one of {', '.join(PRECISION_CHOICES)}, or several, "
-            f"comma-separated, fastest first and ending in f32 (int8,bf16,f32)"
+            f"{value!r}: use one of {', '.join(PRECISION_CHOICES)}, or the precision "
+            f"gate's list (openvino:int8,bf16,f32)"
         )
     return value
 

@@ -158,7 +158,7 @@ def run(
     stop_on_hangup()
     params = policy_params(algo, options)
     gated, gate_summary = gated_precision(
-        precision, spec, source, validate, min_agreement, sample_labels(labels, repeat)
+        precision, spec, source, validate, min_agreement, backend, sample_labels(labels, repeat)
     )
     precision = gated or precision
     if precision == "int8":
@@ -184,9 +184,9 @@ def run(
 
 def require_int8(spec: ModelSpec) -> None:
     """One line before any farm starts when the model has no int8 version here."""
-    from farm.engines.quantize import current
+    from farm.engines.quantize import recorded
 
-    if current(spec) is None:
+    if recorded(spec) is None:
         raise click.ClickException(
             f"model {spec.name!r} has no int8 version here: make one with `farm models "
             f"quantize {spec.name} --calibration IMAGES`, or use --precision auto"

@@ -158,11 +158,14 @@ def submit(
         endpoint=broker_address, timeout=timeout, curve=curve, curve_name=curve_name
     )
     source = load_input(images)
-    gate_summary = None
-    if precision == "auto":
-        precision, gate_summary = gated_precision(
-            precision, local_spec(model, models_dir), source, validate, min_agreement
-        )
+    precision, gate_summary = gated_precision(
+        precision,
+        local_spec(model, models_dir) if precision == "auto" else None,
+        source,
+        validate,
+        min_agreement,
+        backend,
+    )
     run_job(
         broker,
         source,
@@ -183,16 +186,14 @@ def submit(
     )
 
 
-def local_spec(model: str, models_dir: tuple[str, ...]) -> ModelSpec:
-    """The model's files on this host, which ``--precision auto`` runs to check precisions."""
+def local_spec(model: str, models_dir: tuple[str, ...]) -> ModelSpec | None:
+    """The model's files on this host, if they are here (``--precision auto`` runs them)."""
     from farm.modelrepo.repository import ModelError, find
 
     try:
         return find(model, models_dir)
-    except ModelError as exc:
-        raise click.ClickException(
-            f"--precision auto runs the model here to check each precision: {exc}"
-        ) from exc
+    except ModelError:
+        return None
 
 
 def local_card(model: str, models_dir: tuple[str, ...]) -> ModelCard | None:

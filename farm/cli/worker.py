@@ -54,7 +54,7 @@ class ItemRange(click.ParamType):
     show_default=True,
     callback=worker_precision,
     help="Compute precision: f32, f16, bf16 or int8 where the engine and device offer it; "
-    "or several, fastest first (int8,bf16,f32): the first this device offers.",
+    "or the precision gate's list (openvino:int8,bf16,f32): on a CPU, the first it offers.",
 )
 @click.option(
     "--model",

@@ -24,6 +24,7 @@ class Sample:
     images: np.ndarray
     label: str
     skipped: list[str]
+    kept: np.ndarray  # the indices, among the first ``count`` items, of those decoded
 
     def describe(self) -> str:
         skipped = f" ({len(self.skipped)} files could not be decoded)" if self.skipped else ""
@@ -36,7 +37,7 @@ def sample_of(arguments: Sequence[str], spec: ModelSpec, count: int) -> Sample:
     return first_images(open_input(arguments), spec, count, " ".join(arguments))
 
 
-def source_key(source: Source, count: int, labels: np.ndarray | None = None) -> str:
+def input_key(source: Source, count: int, labels: np.ndarray | None = None) -> str:
     """What names the first ``count`` images of ``source`` without decoding them: each
     file's path, size and modification time, or an array's rows (and the labels)."""
     hasher = hashlib.sha256(f"{count}".encode())
@@ -57,7 +58,8 @@ def source_key(source: Source, count: int, labels: np.ndarray | None = None) -> 
 def first_images(source: Source, spec: ModelSpec, count: int, label: str) -> Sample:
     """The first ``count`` images of a job's ``source``, as the workers will see them."""
     if isinstance(source, ArraySource):
-        return Sample(array_images(source, spec, count), label, [])
+        images = array_images(source, spec, count)
+        return Sample(images, label, [], np.arange(len(images)))
     return decoded_files(source, spec, count, label)
 
 
@@ -76,21 +78,16 @@ def array_images(source: ArraySource, spec: ModelSpec, count: int) -> np.ndarray
 
 
 def decoded_files(source: FileSource, spec: ModelSpec, count: int, label: str) -> Sample:
-    """Image files decoded in order until ``count`` images are had (a file that fails is
-    skipped, with its reason)."""
+    """The first ``count`` image files decoded, in order; a file that fails is left out,
+    with its reason."""
     decoder = ImageDecoder(spec)
-    images: list[np.ndarray] = []
-    skipped: list[str] = []
-    for index in range(len(source)):
-        if len(images) * decoder.crops >= count:
-            break
-        data = source.read_file(index)
-        batch = decoder.decode([data])
-        if batch.failures:
-            reason = source.problems.get(index) or batch.failures[0][1]
-            skipped.append(f"{source.paths[index]}: {reason}")
-        else:
-            images.append(batch.images)
-    if not images:
+    indices = range(min(count, len(source)))
+    batch = decoder.decode([source.read_file(index) for index in indices])
+    skipped = [
+        f"{source.paths[index]}: {source.problems.get(index) or reason}"
+        for index, reason in batch.failures
+    ]
+    if not len(batch.ok):
         raise InputError(f"{label}: no image could be decoded ({'; '.join(skipped[:3])})")
-    return Sample(np.concatenate(images)[:count], label, skipped)
+    kept = np.repeat(batch.ok, batch.crops)  # an oversampled model: each file's crops
+    return Sample(batch.images[:count], label, skipped, kept[:count])

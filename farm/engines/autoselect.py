@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
@@ -32,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from farm import defaults
-from farm.engines import onnx_export, quantize
+from farm.engines import onnx_export
+from farm.engines.cpu import cpu_name, fast_int8
 from farm.engines.engine import (
     AUTO,
     BACKENDS,
@@ -165,15 +165,7 @@ def _version(distribution: str) -> str | None:
 
 def device_key(device: str, threads: int | None) -> str:
     """What the speeds depend on besides the model: device, thread count, processor."""
-    processor = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            processor = next(
-                (line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")),
-                processor,
-            )
-    except OSError:
-        pass
+    processor = cpu_name()
     if device.startswith("cuda"):
         processor = _gpu_name(device) or device
     return f"{device.split(':')[0]}-{threads or 'all'}t-{processor}"
@@ -261,18 +253,25 @@ def load_engine(
 ) -> Engine:
     """A loaded engine: the named backend's, or for ``auto`` the fastest that agrees
     (``digest``: the model's, when the caller knows it).  ``precision``: one, or the
-    precision gate's several, fastest first (``engine.preference``): the first this device
-    computes in, int8 only where the CPU has VNNI or AMX."""
-    names = preference(precision) or (precision,)
-    for name in names[:-1]:
-        if name == "int8" and not quantize.fast_int8():
-            log.info("%s: int8 skipped: this CPU has no VNNI or AMX", spec.name)
+    precision gate's list (``engine.Preference``): the first of its gated precisions this
+    device computes in, on the gate's backend, and only on a CPU (int8 only with VNNI or
+    AMX); else f32 on ``backend``."""
+    chosen = preference(precision)
+    if chosen is None:
+        raise ModelError(f"malformed precision {precision!r}")
+    *gated, last = chosen.precisions
+    for token in gated:
+        if device != "cpu":
+            log.info("%s: %s not used on %s: the gate judged it on a CPU", spec.name, token, device)
+            continue
+        if token.startswith("int8") and not fast_int8():
+            log.info("%s: int8 not used: this CPU has no VNNI or AMX", spec.name)
             continue
         try:
-            return load_one(spec, backend, batch, device, threads, name, digest)
+            return load_one(spec, chosen.backend or backend, batch, device, threads, token, digest)
         except ModelError as exc:
-            log.info("%s: %s not used on %s: %s", spec.name, name, device, exc)
-    return load_one(spec, backend, batch, device, threads, names[-1], digest)
+            log.info("%s: %s not used on %s: %s", spec.name, token, device, exc)
+    return load_one(spec, backend, batch, device, threads, last, digest)
 
 
 def load_one(

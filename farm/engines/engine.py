@@ -13,13 +13,15 @@ no torch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import importlib
 import importlib.util
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -92,10 +94,47 @@ def limit_threads(threads: int | None) -> None:
 
 def release_free_memory() -> None:
     """Hand freed heap pages back to the OS (glibc ``malloc_trim``); a no-op elsewhere."""
+    library = libc()
+    if library is not None and hasattr(library, "malloc_trim"):
+        library.malloc_trim(0)
+
+
+class SignalStack(ctypes.Structure):
+    """glibc's ``stack_t``, for ``sigaltstack``."""
+
+    _fields_ = [
+        ("ss_sp", ctypes.c_void_p),
+        ("ss_flags", ctypes.c_int),
+        ("ss_size", ctypes.c_size_t),
+    ]
+
+
+@functools.cache
+def libc() -> ctypes.CDLL | None:
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def kept_signal_stack() -> Iterator[None]:
+    """Give the calling thread back its signal stack after a library call.
+
+    Compiling or running a net with OpenVINO 2026.4 can leave the thread a
+    ``sigaltstack`` of its own (11 568 bytes), freed with the net.  Python runs its
+    signal handlers on the alternate stack (``SA_ONSTACK``), so a Ctrl-C after the net was
+    gone wrote onto freed memory: ``farm run --precision auto``, whose gate runs and drops
+    nets before the job, died of SIGSEGV when interrupted.  A no-op without glibc."""
+    library = libc()
+    saved = SignalStack()
+    if library is None or library.sigaltstack(None, ctypes.byref(saved)) != 0:
+        yield
+        return
+    try:
+        yield
+    finally:
+        library.sigaltstack(ctypes.byref(saved), None)
 
 
 class Engine:
@@ -121,6 +160,7 @@ class Engine:
         self.device = device
         self.threads = threads
         self.precision = precision
+        self.calibration = ""  # int8: the start of the calibration digest it must have
         self.transform = Transformer.for_model(spec)
         self.output_shape: tuple[int, ...] = ()
         self.allocated = 0  # the largest batch the buffers were sized for since the last rest
@@ -145,10 +185,12 @@ class Engine:
             network = Network.load(spec.prototxt, weights, spec.declared_input)
         except NetworkError as exc:
             raise ModelError(f"model {spec.name!r}: {exc}") from None
+        precision, _, calibration = precision.partition("@")  # int8@...: the gate's version
         if precision not in PRECISIONS:
             raise ModelError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
         started = time.perf_counter()
         engine = cls(spec, network, batch, device, threads, precision)
+        engine.calibration = calibration
         try:
             if precision not in engine.precisions():
                 raise ModelError(
@@ -204,11 +246,11 @@ class Engine:
                 f"model {self.spec.name!r}: int8 runs on uint8 images (its calibration's); "
                 f"send uint8 images or run float32 ones in another precision"
             )
-        return str(quantize.quantized_file(self.spec))
+        return str(quantize.quantized_file(self.spec, self.calibration))
 
     def int8_offered(self) -> bool:
         """Whether an int8 version of the model is here (an ONNX backend on the CPU runs it)."""
-        return self.reads_onnx and self.device == "cpu" and quantize.current(self.spec) is not None
+        return self.reads_onnx and self.device == "cpu" and quantize.recorded(self.spec) is not None
 
     def graph(self, folded: bool) -> Any:
         """An ONNX backend's compiled net, compiled on first use: ``folded``, the export
@@ -311,19 +353,52 @@ def job_engine(value: object) -> tuple[str, str]:
         raise ValueError(
             f"a job's engine must be [backend, precision] with a backend of "
             f"{AUTO}, {', '.join(BACKENDS)} and a precision of "
-            f"{', '.join(PRECISIONS)}, or several, fastest first, ending in f32"
+            f"{', '.join(PRECISIONS)}, or the precision gate's list (openvino:int8,bf16,f32)"
         )
     return value[0], value[1]
 
 
-def preference(precision: str) -> tuple[str, ...] | None:
-    """The precisions a job's ``precision`` names, in the order a worker tries them: one,
-    or (from the precision gate) several, comma-separated, fastest first and ending in f32;
-    None when malformed."""
-    names = tuple(precision.split(","))
-    if len(set(names)) != len(names) or not all(name in PRECISIONS for name in names):
-        return None
-    return names if len(names) == 1 or names[-1] == "f32" else None
+#: The start of an int8 version's calibration digest in a gated precision (``int8@...``).
+CALIBRATION_PREFIX = 12
+
+
+@dataclass(frozen=True)
+class Preference:
+    """A job's precision as a worker reads it: one precision (``bf16``), or the precision
+    gate's ``openvino:int8@3fa9c1e2d4b5,bf16,f32``: the precisions that passed, fastest
+    first, on the backend that measured them (int8 naming the version it judged), then
+    f32 on the worker's own."""
+
+    precisions: tuple[str, ...]  # "int8@3fa9c1e2d4b5", "bf16", "f32"
+    backend: str | None = None  # the gate's backend, for every precision before the last
+
+    def text(self) -> str:
+        listed = ",".join(self.precisions)
+        return f"{self.backend}:{listed}" if self.backend else listed
+
+
+def preference(text: str) -> Preference | None:
+    """A job's precision parsed (``Preference``); None when malformed."""
+    backend, _, listed = text.rpartition(":")
+    tokens = tuple(listed.split(","))
+    names = [token.partition("@")[0] for token in tokens]
+    gated = len(tokens) > 1
+    well_formed = (
+        len(set(names)) == len(names)
+        and all(name in PRECISIONS for name in names)
+        and all(calibration_ok(token) for token in tokens)
+        and (not gated or (names[-1] == "f32" and backend in BACKENDS))
+        and (gated or (not backend and "@" not in listed))
+    )
+    return Preference(tokens, backend or None) if well_formed else None
+
+
+def calibration_ok(token: str) -> bool:
+    """``int8@`` names its version by a hex prefix; no other precision names a version."""
+    name, at, calibration = token.partition("@")
+    if not at:
+        return True
+    return name == "int8" and len(calibration) == CALIBRATION_PREFIX and calibration.isalnum()
 
 
 def require_onnx_engine(backend: str, module: str, library: str, hint: str) -> None:

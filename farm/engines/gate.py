@@ -1,21 +1,24 @@
 """The precision gate: ``--precision auto`` runs a job in the fastest precision whose
 answers agree with f32 on the user's own images, and never below that.
 
-Each precision this CPU offers below f32 is a candidate: bf16 and f16 where OpenVINO
-lists them in the CPU's capabilities, int8 where the model has a version made by ``farm
-models quantize`` and the CPU has VNNI or AMX (without them int8 is not faster).  The
-validation images run in f32 and in each candidate on the same engine, in this process;
-a candidate's verdict is its top-1 agreement with f32, its largest output difference
-(relative to f32's largest output), its speed over f32 timed in alternating windows of
-the same run, and its accuracy where the images have labels.  It passes when it agrees
-on at least ``min_agreement`` of the images and is faster than f32.
+Each precision the gate's engine offers below f32 on this CPU is a candidate: bf16 and
+f16 where OpenVINO lists them in the CPU's capabilities, int8 where the model has a
+version made by ``farm models quantize`` and the CPU has VNNI or AMX (without them int8
+is not faster).  The validation images run in f32 and in each candidate on the same
+engine, in this process, on one thread as a pinned worker runs; a candidate's verdict is
+its top-1 agreement with f32, its largest output difference (relative to f32's largest
+output), its speed over f32 timed in alternating windows of the same run, and its
+accuracy where the images have labels.  It passes when it agrees on at least
+``min_agreement`` of the images and is faster than f32.
 
 The verdicts are remembered (``$FARM_CACHE/precision``), keyed by the model's digest, the
-validation set's, the int8 version's calibration, this CPU and thread count, and the
-libraries' versions; the threshold is applied when they are read, so another
-``--min-agreement`` needs no new run.  The job carries the passed precisions, fastest
-first and ending in f32 (``int8,bf16,f32``); each worker takes the first its device
-computes in, so a farm of mixed CPUs runs each worker at its own best gated precision.
+validation set's, the int8 version's calibration, the engine, this CPU (name and
+precision flags) and the libraries' versions; the threshold is applied when they are
+read, so another ``--min-agreement`` needs no new run.  The job carries the passed
+precisions on the gate's engine, fastest first and ending in f32
+(``openvino:int8@3fa9c1e2d4b5,bf16,f32``, ``engine.Preference``): each CPU worker takes
+the first it computes in, exactly the int8 version judged, so a farm of mixed CPUs runs
+each worker at its own best gated precision; GPU workers run f32.
 """
 
 from __future__ import annotations
@@ -29,9 +32,18 @@ from pathlib import Path
 
 import numpy as np
 
+from farm import defaults
 from farm.engines import quantize
 from farm.engines.autoselect import device_key, remember_file, time_batches, versions
-from farm.engines.engine import BackendUnavailable, Engine, engine_class
+from farm.engines.cpu import fast_int8, precision_flags
+from farm.engines.engine import (
+    AUTO,
+    CALIBRATION_PREFIX,
+    BackendUnavailable,
+    Engine,
+    Preference,
+    engine_class,
+)
 from farm.engines.tolerances import relative_difference
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
@@ -39,13 +51,13 @@ from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
 log = logging.getLogger("farm.engines.gate")
 
 #: Top-1 agreement with f32 a precision needs by default (``--min-agreement``).
-MIN_AGREEMENT = 0.99
-#: Validation images taken from the start of a job when ``--validate`` names none.
-VALIDATION_IMAGES = 300
+MIN_AGREEMENT = defaults.MIN_AGREEMENT / 100
 #: Fewest validation images: below this one image moves the agreement by more than 1%.
 MIN_VALIDATION = 100
 #: Candidates below f32, in the order they are tried.
 CANDIDATES = ("bf16", "f16", "int8")
+#: The backends that run lower precisions on a CPU, the first installed gating.
+GATE_BACKENDS = ("openvino", "onnxruntime")
 #: The compute batch of the timing windows, and the windows' rounds and seconds.
 TIMING_BATCH, TIMING_ROUNDS, TIMING_WINDOW = 16, 3, 0.25
 
@@ -86,6 +98,7 @@ class Gate:
     backend: str
     verdicts: list[Verdict]
     f32_accuracy: float | None = None
+    calibration: str | None = None  # the int8 version judged (its calibration digest)
     min_agreement: float = MIN_AGREEMENT
     cached: bool = field(default=False, compare=False)
 
@@ -97,27 +110,43 @@ class Gate:
 
     @property
     def precision(self) -> str:
-        """What the job asks the workers for: the passed precisions, fastest first, then f32."""
-        return ",".join([*(verdict.precision for verdict in self.passed), "f32"])
+        """What the job asks the workers for: ``f32``, or the passed precisions on the gate's
+        backend, fastest first, int8 naming the version judged, then f32."""
+        passed = [self.token(verdict.precision) for verdict in self.passed]
+        if not passed:
+            return "f32"
+        return Preference((*passed, "f32"), self.backend).text()
+
+    def token(self, precision: str) -> str:
+        if precision != "int8" or self.calibration is None:
+            return precision
+        return f"int8@{self.calibration[:CALIBRATION_PREFIX]}"
+
+    def refuse(self, precision: str, reason: str) -> None:
+        """Keep ``precision`` out of this job (its verdict stays remembered as measured)."""
+        for verdict in self.verdicts:
+            if verdict.precision == precision and verdict.problem is None:
+                verdict.problem = reason
 
     def lines(self) -> list[str]:
         """The gate as the job's output shows it, one line per precision, then the choice."""
         accuracy = "" if self.f32_accuracy is None else f"; f32's accuracy {self.f32_accuracy:.1%}"
         lines = [
-            f"precision gate on {self.images} validation images ({self.backend}"
+            f"precision gate on {self.images} validation images ({self.backend}, one thread"
             f"{', remembered' if self.cached else ''}): top-1 agreement with f32 of at least "
             f"{self.min_agreement:.1%} needed{accuracy}"
         ]
         for verdict in self.verdicts:
             mark = "passes" if verdict.passes(self.min_agreement) else "refused"
             lines.append(f"  {verdict.describe()}{'' if verdict.problem else f': {mark}'}")
-        best = self.passed
-        lines.append(
-            f"  running in {best[0].precision} ({best[0].speedup:.1f}x f32)"
-            if best
-            else "  running in f32: no lower precision passed"
-        )
+        lines.append(f"  {self.choice()}")
         return lines
+
+    def choice(self) -> str:
+        best = self.passed
+        if not best:
+            return "running in f32: no lower precision passed"
+        return f"running in {best[0].precision} on {self.backend} ({best[0].speedup:.1f}x f32)"
 
 
 def judge(
@@ -125,74 +154,75 @@ def judge(
     images: np.ndarray,
     labels: np.ndarray | None = None,
     min_agreement: float = MIN_AGREEMENT,
-    threads: int | None = None,
+    threads: int | None = 1,
+    backend: str = AUTO,
     use_cache: bool = True,
 ) -> Gate:
-    """The gate's verdicts on ``images`` (uint8, the model's item shape), from the cache
-    when this validation set was judged here before; ModelError for too few images."""
+    """The gate's verdicts on ``images`` (uint8, the model's item shape) on ``backend``
+    (``auto``: ``GATE_BACKENDS``' first), from the cache when this validation set was
+    judged here before; ModelError for too few images."""
     if len(images) < MIN_VALIDATION:
         raise ModelError(
             f"{len(images)} validation images are too few for the precision gate: below "
             f"{MIN_VALIDATION}, one image moves the agreement by more than 1%"
         )
-    digest = manifest_of(spec).digest
+    engine = gate_backend(backend)
     validation = set_digest(images, labels)
-    path = cache_path(spec, digest, validation, threads)
+    path = cache_path(spec, validation, threads, engine.backend)
     gate = remembered(path) if use_cache else None
     if gate is None:
-        gate = measure(spec, images, labels, threads, validation)
-        if use_cache:
+        gate, transient = measure(spec, engine, images, labels, threads, validation)
+        if use_cache and not transient:
             remember_file(path, {**asdict(gate), "cached": True})
     gate.min_agreement = min_agreement
     return gate
 
 
-def judge_source(
+def judge_input(
     spec: ModelSpec,
-    source_key: str,
+    input_key: str,
     sample: Callable[[], tuple[np.ndarray, np.ndarray | None]],
     min_agreement: float = MIN_AGREEMENT,
-    threads: int | None = None,
+    backend: str = AUTO,
 ) -> Gate:
     """``judge`` on the images ``sample`` decodes (and their labels), decoding them only
-    when no verdicts are remembered for the input ``source_key`` names (its files' paths,
+    when no verdicts are remembered for the input ``input_key`` names (its files' paths,
     sizes and times, or its rows): a job run again starts without decoding them."""
-    index = cache_root() / "precision" / "inputs" / f"{spec.name}-{source_key[:32]}"
+    engine = gate_backend(backend).backend
+    index = cache_root() / "precision" / "inputs" / f"{spec.name}-{input_key[:32]}.json"
     try:
-        validation = index.read_text().strip()
-        digest = manifest_of(spec).digest
-        gate = remembered(cache_path(spec, digest, validation, threads))
-    except OSError:
+        validation = json.loads(index.read_text())["validation"]
+        gate = remembered(cache_path(spec, validation, 1, engine))
+    except (OSError, ValueError, KeyError, TypeError):
         gate = None
     if gate is None:
         images, labels = sample()
-        gate = judge(spec, images, labels, min_agreement, threads)
-        try:
-            index.parent.mkdir(parents=True, exist_ok=True)
-            index.write_text(gate.validation)
-        except OSError as exc:
-            log.warning("cannot remember the validation set of %s: %s", source_key[:12], exc)
+        gate = judge(spec, images, labels, min_agreement, backend=backend)
+        remember_file(index, {"validation": gate.validation})
     gate.min_agreement = min_agreement
     return gate
 
 
 def set_digest(images: np.ndarray, labels: np.ndarray | None) -> str:
-    hasher = hashlib.sha256(quantize.calibration_digest(images).encode())
+    hasher = hashlib.sha256(quantize.images_digest(images).encode())
     if labels is not None:
         hasher.update(np.ascontiguousarray(labels).data)
     return hasher.hexdigest()
 
 
-def cache_path(spec: ModelSpec, digest: str, validation: str, threads: int | None) -> Path:
-    """Where the verdicts are remembered: per model, validation set, int8 version, CPU,
-    thread count and library versions."""
-    record = quantize.current(spec, digest)
+def cache_path(spec: ModelSpec, validation: str, threads: int | None, backend: str) -> Path:
+    """Where the verdicts are remembered: per model, validation set, int8 version, engine,
+    CPU (name and precision flags), thread count and library versions."""
+    digest = manifest_of(spec).digest
+    record = quantize.recorded(spec, digest)
     key = hashlib.sha256(
         json.dumps(
             [
                 validation,
                 record.calibration_digest if record else None,
+                backend,
                 device_key("cpu", threads),
+                precision_flags(),
                 versions(),
                 quantize.library_versions(),
             ]
@@ -221,57 +251,72 @@ def remembered_for(spec: ModelSpec) -> list[Gate]:
     return [gate for gate in map(remembered, ordered) if gate is not None]
 
 
-def gate_backend() -> type[Engine]:
-    """OpenVINO, which offers every precision on the CPU; else ONNX Runtime (int8 only)."""
-    for backend in ("openvino", "onnxruntime"):
+def gate_backend(backend: str = AUTO) -> type[Engine]:
+    """The engine that judges: ``backend``, or for ``auto`` the first of ``GATE_BACKENDS``
+    installed (OpenVINO offers every precision on the CPU, ONNX Runtime int8 only)."""
+    for name in (backend,) if backend != AUTO else GATE_BACKENDS:
         try:
-            return engine_class(backend)
+            return engine_class(name)
         except BackendUnavailable:
             continue
-    raise ModelError("the precision gate needs OpenVINO or ONNX Runtime: pip install openvino")
+    raise ModelError(
+        f"the precision gate needs {' or '.join(GATE_BACKENDS) if backend == AUTO else backend}"
+        f": pip install openvino"
+    )
 
 
 def measure(
     spec: ModelSpec,
+    backend: type[Engine],
     images: np.ndarray,
     labels: np.ndarray | None,
     threads: int | None,
     validation: str,
-) -> Gate:
-    """Run the validation images in f32 and in each candidate; time them in turn."""
-    backend = gate_backend()
+) -> tuple[Gate, bool]:
+    """Run the validation images in f32 and in each candidate; time them in turn.  Also
+    whether a candidate failed to load (a verdict not to remember)."""
     f32 = backend.load(spec, TIMING_BATCH, "cpu", threads, "f32")
     reference = flat(f32.run(images))
     offered = f32.precisions()
+    record = quantize.recorded(spec)
     verdicts: list[Verdict] = []
     engines: list[tuple[Verdict, Engine]] = []
+    transient = False
     for precision in CANDIDATES:
         verdict = Verdict(precision, len(images))
         verdicts.append(verdict)
         verdict.problem = unavailable(precision, offered, backend.backend)
-        if verdict.problem is None:
-            try:
-                engine = backend.load(spec, TIMING_BATCH, "cpu", threads, precision)
-            except ModelError as exc:
-                verdict.problem = str(exc)
-                continue
-            outputs = flat(engine.run(images))
-            verdict.agreement = float((outputs.argmax(1) == reference.argmax(1)).mean())
-            verdict.difference = relative_difference(outputs, reference)
-            verdict.accuracy = accuracy(outputs, labels)
-            engines.append((verdict, engine))
+        if verdict.problem is not None:
+            continue
+        try:
+            engine = backend.load(spec, TIMING_BATCH, "cpu", threads, precision)
+        except ModelError as exc:
+            verdict.problem, transient = str(exc), True
+            continue
+        outputs = flat(engine.run(images))
+        verdict.agreement = float((outputs.argmax(1) == reference.argmax(1)).mean())
+        verdict.difference = relative_difference(outputs, reference)
+        verdict.accuracy = accuracy(outputs, labels)
+        engines.append((verdict, engine))
     rates = alternating_rates([f32, *(engine for _, engine in engines)], images)
     for (verdict, _), rate in zip(engines, rates[1:]):
         verdict.speedup = round(rate / rates[0], 3)
-    return Gate(
-        spec.name, validation, len(images), backend.backend, verdicts, accuracy(reference, labels)
+    gate = Gate(
+        spec.name,
+        validation,
+        len(images),
+        backend.backend,
+        verdicts,
+        accuracy(reference, labels),
+        record.calibration_digest if record else None,
     )
+    return gate, transient
 
 
 def unavailable(precision: str, offered: tuple[str, ...], backend: str) -> str | None:
     """Why a candidate is not run on this CPU, or None."""
     if precision == "int8":
-        if not quantize.fast_int8():
+        if not fast_int8():
             return "this CPU has no VNNI or AMX, so int8 is not faster than f32 here"
         if "int8" not in offered:
             return "no int8 version of the model here (farm models quantize)"

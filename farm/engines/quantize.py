@@ -8,9 +8,10 @@ the result: OpenVINO and ONNX Runtime execute QDQ graphs with int8 kernels (VNNI
 
 The file sits next to the f32 export (``$FARM_CACHE/onnx``), named by the model's digest
 and the calibration set's; a record beside it (``-int8.json``) names the current one,
-with the libraries that made it.  The calibration images are kept too, so that a version
-made by another library version is made again, not trusted.  A net with no layer that
-has an int8 kernel raises ``Unquantizable``; callers run it in f32 and say why.
+with the libraries and export format that made it.  The calibration images are kept
+too: a version made by other library versions is made again when it is next opened
+(``quantized_file``), never trusted and never used in the meantime.  A net with no layer
+that has an int8 kernel raises ``Unquantizable``; callers run it in f32 and say why.
 
 Whether int8 answers are good enough is not decided here but by the precision gate
 (``farm.engines.gate``), on the user's own validation images.
@@ -24,13 +25,14 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
+from farm import defaults
 from farm.engines import onnx_export
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
@@ -38,15 +40,17 @@ from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
 log = logging.getLogger("farm.engines.quantize")
 
 #: Fewest calibration images taken: the activation ranges of fewer images fit those images,
-#: not the job's.  OpenVINO's and NNCF's default calibration subset is 300 images.
+#: not the job's.  OpenVINO's and NNCF's default calibration subset is 300 images
+#: (``defaults.CALIBRATION_IMAGES``).
 MIN_CALIBRATION = 100
-RECOMMENDED_CALIBRATION = 300
 #: Images per calibration batch (each batch's activations are gathered at once).
 CALIBRATION_BATCH = 10
 #: Bumped when the recipe changes: a file made by an older recipe is made again.
 RECIPE = 1
 #: The libraries whose versions a quantized file depends on.
 LIBRARIES = ("onnxruntime", "onnx")
+#: Op types with int8 kernels in both CPU engines: the layers that quantizing speeds up.
+COMPUTING = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
 
 
 class QuantizeError(ModelError):
@@ -54,7 +58,7 @@ class QuantizeError(ModelError):
 
 
 class Unquantizable(QuantizeError):
-    """No layer of the net has an int8 kernel: it runs in f32."""
+    """No int8 version can be made of the net: it runs in f32."""
 
 
 @dataclass
@@ -66,55 +70,43 @@ class Quantized:
     calibration_digest: str
     images: int
     file: str  # the quantized ONNX file's name, in the export folder
-    versions: dict[str, str]
-    recipe: int = RECIPE
+    versions: dict[str, str]  # the libraries, the recipe and the export format that made it
     quantized_layers: int = 0
-    float_layers: list[str] = field(default_factory=list)  # op types left in f32
+    float_layers: list[str] = field(default_factory=list)  # computing op types left in f32
     seconds: float = 0.0
 
     @property
     def path(self) -> Path:
         return export_folder() / self.file
 
+    @property
+    def calibration_path(self) -> Path:
+        """The calibration images, kept to make the version again."""
+        return self.path.with_name(f"{self.path.stem}-calibration.npy")
+
+    @property
+    def fresh(self) -> bool:
+        """Made by the libraries, recipe and export format installed now."""
+        return self.versions == library_versions() and self.path.is_file()
+
     def describe(self) -> str:
         kept = f"; kept in f32: {', '.join(self.float_layers)}" if self.float_layers else ""
+        stale = "" if self.fresh else "; made by other library versions: made again when used"
         return (
             f"int8 version of {self.model}: {self.quantized_layers} layers quantized on "
-            f"{self.images} calibration images ({self.calibration_digest[:12]}){kept}"
+            f"{self.images} calibration images ({self.calibration_digest[:12]}){kept}{stale}"
         )
 
 
 def library_versions() -> dict[str, str]:
-    """The installed versions of the quantizing libraries, and the recipe's."""
-    found = {"recipe": str(RECIPE)}
+    """The installed versions of the quantizing libraries, the recipe and the export format."""
+    found = {"recipe": str(RECIPE), "export": str(onnx_export.FORMAT)}
     for name in LIBRARIES:
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = "absent"
     return found
-
-
-#: CPU flags (``/proc/cpuinfo``) of int8 dot-product instructions; without one, int8 runs
-#: no faster than f32 (ONNX Runtime's own figures: onnxruntime#17389).
-INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's flags as ``lscpu`` shows them (empty where /proc/cpuinfo is not)."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def fast_int8() -> bool:
-    """Whether this CPU has int8 dot-product instructions (VNNI or AMX)."""
-    return any(flag in cpu_flags() for flag in INT8_FLAGS)
 
 
 def export_folder() -> Path:
@@ -127,8 +119,8 @@ def record_path(spec: ModelSpec, digest: str | None = None) -> Path:
     return export_folder() / f"{spec.name}-{digest[:24]}-int8.json"
 
 
-def calibration_digest(images: np.ndarray) -> str:
-    """What keys a calibration or validation set: its shape, dtype and bytes."""
+def images_digest(images: np.ndarray) -> str:
+    """What keys a set of images (calibration, validation): its shape, dtype and bytes."""
     hasher = hashlib.sha256(f"{images.dtype.str}{images.shape}".encode())
     hasher.update(np.ascontiguousarray(images).data)
     return hasher.hexdigest()
@@ -146,103 +138,104 @@ def check_calibration(spec: ModelSpec, images: np.ndarray) -> None:
         raise QuantizeError(
             f"{len(images)} calibration images are too few: int8 ranges measured on fewer "
             f"than {MIN_CALIBRATION} images fit those images, not a job's "
-            f"({RECOMMENDED_CALIBRATION} recommended)"
+            f"({defaults.CALIBRATION_IMAGES} recommended)"
         )
 
 
 def quantize(spec: ModelSpec, images: np.ndarray) -> Quantized:
     """Make the int8 version of ``spec`` from ``images`` (N x item shape, uint8) and make it
-    the model's current one; QuantizeError (Unquantizable) when it cannot be made."""
+    the model's current one; QuantizeError (Unquantizable) when it cannot be made, with
+    nothing written."""
     check_calibration(spec, images)
     digest = manifest_of(spec).digest
-    calibration = calibration_digest(images)
-    stem = f"{spec.name}-{digest[:24]}-v{onnx_export.FORMAT}-u8-int8-{calibration[:12]}"
-    folder = export_folder()
-    folder.mkdir(parents=True, exist_ok=True)
-    kept = folder / f"{stem}-calibration.npy"
-    if not kept.is_file():
-        write_atomically(kept, lambda path: np.save(path, images))
+    calibration = images_digest(images)
+    name = f"{spec.name}-{digest[:24]}-v{onnx_export.FORMAT}-u8-int8-{calibration[:12]}.onnx"
+    record = Quantized(spec.name, digest, calibration, len(images), name, library_versions())
     started = time.perf_counter()
-    target = folder / f"{stem}.onnx"
-    layers, float_ops = quantize_file(source_export(spec), target, images)
-    record = Quantized(
-        spec.name,
-        digest,
-        calibration,
-        len(images),
-        target.name,
-        library_versions(),
-        quantized_layers=layers,
-        float_layers=float_ops,
-        seconds=round(time.perf_counter() - started, 2),
-    )
-    write_atomically(
-        record_path(spec, digest), lambda path: path.write_text(json.dumps(asdict(record)))
-    )
+    try:
+        source = onnx_export.exported_onnx(spec, folded=True)
+    except (onnx_export.ExportError, ModelError) as exc:
+        raise Unquantizable(f"farm cannot export the net to quantize it: {exc}") from exc
+    try:
+        export_folder().mkdir(parents=True, exist_ok=True)
+        record.quantized_layers, record.float_layers = quantize_file(source, record.path, images)
+        if not record.calibration_path.is_file():
+            write_atomically(record.calibration_path, lambda path: np.save(path, images))
+        record.seconds = round(time.perf_counter() - started, 2)
+        write_atomically(
+            record_path(spec, digest), lambda path: path.write_text(json.dumps(asdict(record)))
+        )
+    except OSError as exc:
+        raise QuantizeError(f"cannot write the int8 version into {export_folder()}: {exc}") from exc
     log.info("%s in %.1f s", record.describe(), record.seconds)
     return record
 
 
-def source_export(spec: ModelSpec) -> Path:
-    """The f32 export taking uint8 images (the graph every job of uint8 images runs)."""
-    return onnx_export.exported_onnx(spec, folded=True)
-
-
-def current(spec: ModelSpec, digest: str | None = None) -> Quantized | None:
-    """The model's current int8 version, made again first if another library version or
-    recipe made it; None when there is none (or it cannot be read)."""
+def recorded(spec: ModelSpec, digest: str | None = None) -> Quantized | None:
+    """The record of the model's current int8 version, as it is (None when there is none or
+    it cannot be read); cheap: nothing is made."""
     path = record_path(spec, digest)
+    known = {each.name for each in fields(Quantized)}
     try:
-        record = Quantized(**json.loads(path.read_text()))
+        document = json.loads(path.read_text())
+        return Quantized(**{key: value for key, value in document.items() if key in known})
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as exc:
         log.warning("ignoring unreadable int8 record %s: %s", path, exc)
         return None
-    if record.versions == library_versions() and record.path.is_file():
-        return record
-    return remake(spec, record)
 
 
-def remake(spec: ModelSpec, record: Quantized) -> Quantized | None:
-    """The int8 version made again from its kept calibration images; None if they are gone."""
-    kept = record.path.with_name(record.path.stem + "-calibration.npy")
-    try:
-        images = np.load(kept)
-    except (OSError, ValueError) as exc:
-        log.warning("%s: cannot make it again (%s)", record.describe(), exc)
-        return None
-    log.info(
-        "%s was made with %s, not %s: making it again",
-        record.describe(),
-        record.versions,
-        library_versions(),
-    )
-    return quantize(spec, images)
-
-
-def quantized_file(spec: ModelSpec) -> Path:
-    """The model's current int8 file; ModelError saying how to make one when there is none."""
-    record = current(spec)
+def quantized_file(spec: ModelSpec, calibration: str = "") -> Path:
+    """The model's current int8 file, made again first when other library versions made
+    it; ``calibration``: the start of the calibration digest it must have (the version the
+    precision gate judged).  ModelError saying why when there is none to use."""
+    record = recorded(spec)
     if record is None:
         raise ModelError(
             f"model {spec.name!r} has no int8 version here: make one with `farm models "
             f"quantize {spec.name} --calibration IMAGES`"
         )
+    if not record.calibration_digest.startswith(calibration):
+        raise ModelError(
+            f"model {spec.name!r}: the int8 version here ({record.calibration_digest[:12]}) "
+            f"is not the one the precision gate judged ({calibration})"
+        )
+    if not record.fresh:
+        record = remake(spec, record)
     return record.path
+
+
+def remake(spec: ModelSpec, record: Quantized) -> Quantized:
+    """The int8 version made again from its kept calibration images; ModelError if it
+    cannot be."""
+    log.info("%s: making it again with %s", record.describe(), library_versions())
+    try:
+        images = np.load(record.calibration_path)
+    except (OSError, ValueError) as exc:
+        raise ModelError(
+            f"{record.describe()}, and its calibration images cannot be read ({exc}): run "
+            f"farm models quantize {spec.name} again"
+        ) from exc
+    return quantize(spec, images)
 
 
 def quantize_file(source: Path, target: Path, images: np.ndarray) -> tuple[int, list[str]]:
     """Quantize the ONNX graph at ``source`` into ``target``, calibrated on ``images``; the
-    number of layers quantized and the op types left in f32."""
-    import onnx
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-    from onnxruntime.quantization.shape_inference import quant_pre_process
+    number of layers quantized and the op types left in f32.  Unquantizable says why."""
+    try:
+        import onnx
+        from onnxruntime.quantization import (
+            CalibrationDataReader,
+            QuantFormat,
+            QuantType,
+            quantize_static,
+        )
+        from onnxruntime.quantization.shape_inference import quant_pre_process
+    except ImportError as exc:
+        raise Unquantizable(
+            f"quantizing needs ONNX Runtime and onnx ({exc}): pip install onnxruntime onnx"
+        ) from exc
 
     input_name = onnx.load(str(source), load_external_data=False).graph.input[0].name
 
@@ -253,9 +246,8 @@ def quantize_file(source: Path, target: Path, images: np.ndarray) -> tuple[int, 
         def get_next(self) -> dict[str, np.ndarray] | None:
             return next(self.batches, None)
 
-    with tempfile.TemporaryDirectory(prefix="farm-quantize-") as scratch:
-        partial = Path(scratch) / target.name
-        prepared = Path(scratch) / "prepared.onnx"
+    with tempfile.TemporaryDirectory(prefix=".quantizing-", dir=target.parent) as scratch:
+        partial, prepared = Path(scratch) / target.name, Path(scratch) / "prepared.onnx"
         try:
             # shape inference and graph optimisation first, as ONNX Runtime asks
             quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
@@ -285,13 +277,8 @@ def quantize_file(source: Path, target: Path, images: np.ndarray) -> tuple[int, 
 def calibration_batches(images: np.ndarray, input_name: str) -> Iterator[dict[str, np.ndarray]]:
     """Equal batches of calibration images (a short last batch is dropped: the calibrators
     stack each batch's activations)."""
-    usable = len(images) - len(images) % CALIBRATION_BATCH or len(images)
-    for start in range(0, usable, CALIBRATION_BATCH):
+    for start in range(0, len(images) - CALIBRATION_BATCH + 1, CALIBRATION_BATCH):
         yield {input_name: images[start : start + CALIBRATION_BATCH]}
-
-
-#: Op types with int8 kernels in both CPU engines: the layers that quantizing speeds up.
-COMPUTING = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
 
 
 def quantized_layers(model: object) -> tuple[int, list[str]]:
@@ -307,11 +294,11 @@ def quantized_layers(model: object) -> tuple[int, list[str]]:
     return len(quantized), sorted(left)
 
 
-def write_atomically(path: Path, write: object) -> None:
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` through a temporary name beside it, so readers see all of it or none."""
     partial = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")
     try:
-        write(partial)  # type: ignore[operator]
+        write(partial)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -88,3 +90,71 @@ def test_int8_without_a_quantized_version_is_one_line_before_any_farm(cache) -> 
         "Error: model 'cifar10_quick' has no int8 version here: make one with `farm models "
         "quantize cifar10_quick --calibration IMAGES`, or use --precision auto"
     ]
+
+
+def test_gate_options_without_auto_are_refused(cache, tmp_path) -> None:
+    done = farm(cache, "run", "--validate", str(tmp_path), "--quiet")
+    assert done.returncode == 2
+    assert "--validate and --min-agreement go with --precision auto" in done.stderr
+
+
+SIGNAL_STACK_PROBE = """
+import ctypes
+import numpy as np
+from farm.engines.autoselect import load_engine
+from farm.engines.engine import SignalStack
+from farm.modelrepo.repository import find
+
+def stack():
+    found = SignalStack()
+    ctypes.CDLL("libc.so.6").sigaltstack(None, ctypes.byref(found))
+    return found.ss_sp or 0, found.ss_flags, found.ss_size
+
+before = stack()
+lenet = find("lenet")
+engine = load_engine(lenet, "openvino", threads=1)
+engine.run(np.load(lenet.sample)[:64, np.newaxis])
+print(before, stack())
+"""
+
+
+def test_compiling_with_openvino_leaves_the_signal_stack_as_it_was(cache) -> None:
+    """OpenVINO gives the compiling thread a signal stack of its own, freed with the net;
+    Python runs its handlers on it.  farm gives the thread its own back (a fresh process:
+    pytest's faulthandler already holds one, and OpenVINO then adds none)."""
+    environment = {**os.environ, "FARM_CACHE": str(cache)}
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_STACK_PROBE], capture_output=True, text=True,
+        env=environment, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.strip().split(") (")
+    assert before + ")" == "(0, 2, 0)" and "(" + after == "(0, 2, 0)", done.stdout
+
+
+def test_ctrl_c_after_the_gate_cancels_the_job(tmp_path, cache, digits) -> None:
+    """The gate compiles and drops nets in farm run's own process before the job; Ctrl-C
+    in the job then cancels it (exit status 130), as without the gate."""
+    calibration = tmp_path / "calibration.npy"
+    np.save(calibration, digits[500:800])
+    assert (
+        farm(cache, "models", "quantize", "lenet", "--calibration", str(calibration)).returncode
+        == 0
+    )
+    environment = {**os.environ, "FARM_CACHE": str(cache)}
+    process = subprocess.Popen(
+        farm_command("run", "--precision", "auto", "--repeat", "100000", "--own-farm"),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env=environment,
+    )
+    assert process.stderr is not None
+    seen = b""
+    while not re.search(rb" [1-9][0-9]*/[0-9]+ \[", seen):  # the bar: images came back
+        chunk = os.read(process.stderr.fileno(), 4096)
+        assert chunk, seen.decode()
+        seen += chunk
+    process.send_signal(signal.SIGINT)
+    rest = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 130, seen.decode() + rest
+    assert "job stopped: cancelled by the client" in rest

@@ -13,12 +13,13 @@ import pytest
 
 from farm.engines import gate, quantize
 from farm.engines.autoselect import load_engine
-from farm.engines.engine import PRECISIONS, job_engine, preference
+from farm.engines.cpu import fast_int8
+from farm.engines.engine import PRECISIONS, Preference, engine_class, job_engine, preference
 from farm.modelrepo.repository import ModelError, ModelSpec, load_spec
 from tests.unit.test_models import inline_net, write_model
 
 needs_int8 = pytest.mark.skipif(
-    not quantize.fast_int8(), reason="this CPU has no VNNI or AMX: the gate does not try int8"
+    not fast_int8(), reason="this CPU has no VNNI or AMX: the gate does not try int8"
 )
 
 
@@ -73,7 +74,7 @@ def test_too_few_or_wrong_calibration_images_are_refused(lenet, calibration) -> 
         quantize.quantize(lenet, calibration[:few])
     with pytest.raises(quantize.QuantizeError, match="must be uint8 images"):
         quantize.quantize(lenet, calibration.astype(np.float32))
-    assert quantize.current(lenet) is None  # nothing was written
+    assert quantize.recorded(lenet) is None  # nothing was written
 
 
 def pooling_only(folder: Path) -> ModelSpec:
@@ -91,30 +92,75 @@ def test_a_net_without_int8_layers_stays_in_f32_with_the_reason(tmp_path) -> Non
     images = np.random.default_rng(0).integers(0, 256, (100, *spec.item_shape), np.uint8)
     with pytest.raises(quantize.Unquantizable, match="no layer of the net has an int8 kernel"):
         quantize.quantize(spec, images)
-    assert quantize.current(spec) is None
+    assert quantize.recorded(spec) is None
+    assert not [p.name for p in quantize.export_folder().iterdir() if "int8" in p.name]
     # a job's gated preference falls through to f32 on it
-    assert load_engine(spec, "openvino", precision="int8,f32").precision == "f32"
+    assert load_engine(spec, "auto", precision="openvino:int8,f32").precision == "f32"
 
 
-def test_a_version_made_by_other_library_versions_is_made_again(lenet, calibration) -> None:
-    made = quantize.quantize(lenet, calibration)
-    record = quantize.record_path(lenet)
+def make_stale(spec: ModelSpec) -> None:
+    """Make the int8 record say another ONNX Runtime made it."""
+    record = quantize.record_path(spec)
     document = json.loads(record.read_text())
     document["versions"]["onnxruntime"] = "1.0.0"
     record.write_text(json.dumps(document))
+
+
+def test_a_version_made_by_other_library_versions_is_made_again_when_opened(
+    lenet, calibration
+) -> None:
+    made = quantize.quantize(lenet, calibration)
+    make_stale(lenet)
     made.path.write_bytes(b"not the graph any more")
-    again = quantize.current(lenet)
-    assert again is not None and again.versions == quantize.library_versions()
-    assert again.calibration_digest == made.calibration_digest
-    assert onnx.load(str(again.path)).graph.node  # a real graph again
+    assert not quantize.recorded(lenet).fresh  # reading the record makes nothing
+    assert load_engine(lenet, "openvino").precision == "f32"  # f32 loads as it is
+    int8 = load_engine(lenet, "openvino", precision="int8")  # opening int8 makes it again
+    again = quantize.recorded(lenet)
+    assert again.fresh and again.calibration_digest == made.calibration_digest
+    assert int8.run(calibration[:4]).shape == (4, 10)
 
 
-def test_a_job_precision_is_one_or_the_gates_several_ending_in_f32() -> None:
+def test_a_stale_version_that_cannot_be_made_again_blocks_only_int8(lenet, calibration) -> None:
+    made = quantize.quantize(lenet, calibration)
+    make_stale(lenet)
+    made.calibration_path.unlink()
+    assert load_engine(lenet, "onnxruntime").precision == "f32"
+    with pytest.raises(ModelError, match="calibration images cannot be read"):
+        load_engine(lenet, "onnxruntime", precision="int8")
+    assert load_engine(lenet, "auto", precision="openvino:int8,f32").precision == "f32"
+
+
+def test_a_gated_job_runs_only_the_int8_version_the_gate_judged(lenet, calibration) -> None:
+    judged = quantize.quantize(lenet, calibration)
+    token = f"openvino:int8@{judged.calibration_digest[:12]},f32"
+    if fast_int8():
+        assert load_engine(lenet, "auto", precision=token).precision == "int8"
+    quantize.quantize(lenet, calibration[::-1])  # another version since the gate ran
+    assert load_engine(lenet, "auto", precision=token).precision == "f32"
+    with pytest.raises(ModelError, match="not the one the precision gate judged"):
+        engine_class("openvino").load(lenet, precision=f"int8@{judged.calibration_digest[:12]}")
+
+
+def test_a_job_precision_is_one_or_the_gates_list() -> None:
     assert PRECISIONS[0] == "f32" and "int8" in PRECISIONS
-    assert preference("int8,bf16,f32") == ("int8", "bf16", "f32")
-    assert job_engine(["auto", "int8,f32"]) == ("auto", "int8,f32")
-    for bad in ("f32,int8", "int8,int8,f32", "int4,f32", "", "int8,"):
-        assert preference(bad) is None
+    gated = preference("openvino:int8@0123456789ab,bf16,f32")
+    assert gated == Preference(("int8@0123456789ab", "bf16", "f32"), "openvino")
+    assert gated.text() == "openvino:int8@0123456789ab,bf16,f32"
+    assert preference("bf16") == Preference(("bf16",))
+    assert job_engine(["auto", "onnxruntime:int8,f32"]) == ("auto", "onnxruntime:int8,f32")
+    for bad in (
+        "int8,bf16,f32",  # a list names the backend the gate measured
+        "openvino:f32,int8",  # f32 comes last
+        "openvino:int8,int8,f32",
+        "openvino:int4,f32",
+        "caffe9:int8,f32",
+        "openvino:bf16@0123456789ab,f32",  # only int8 names a version
+        "openvino:int8@12,f32",
+        "openvino:int8",  # one precision takes no backend
+        "int8@0123456789ab",
+        "",
+    ):
+        assert preference(bad) is None, bad
         with pytest.raises(ValueError):
             job_engine(["auto", bad])
 
@@ -125,10 +171,15 @@ def verdict(precision: str, agreement: float, speedup: float) -> gate.Verdict:
 
 def test_the_gate_passes_the_fastest_precision_at_the_threshold_and_never_below() -> None:
     verdicts = [verdict("bf16", 0.995, 1.9), verdict("int8", 0.989, 3.4)]
-    judged = gate.Gate("net", "digest", 300, "openvino", verdicts, min_agreement=0.99)
-    assert judged.precision == "bf16,f32"
+    judged = gate.Gate(
+        "net", "digest", 300, "openvino", verdicts, calibration="c" * 64, min_agreement=0.99
+    )
+    assert judged.precision == "openvino:bf16,f32"
     judged.min_agreement = 0.985
-    assert judged.precision == "int8,bf16,f32"
+    assert judged.precision == f"openvino:int8@{'c' * 12},bf16,f32"
+    judged.refuse("int8", "the job's images are float32")
+    assert judged.precision == "openvino:bf16,f32"
+    assert "int8: not tried: the job's images are float32" in "\n".join(judged.lines())
     slower = gate.Gate("net", "d", 300, "openvino", [verdict("bf16", 1.0, 0.9)])
     assert slower.precision == "f32" and "no lower precision passed" in slower.lines()[-1]
 
@@ -142,8 +193,7 @@ def test_the_gate_refuses_an_int8_version_whose_answers_disagree(lenet, validati
     int8 = next(v for v in judged.verdicts if v.precision == "int8")
     assert int8.problem is None and int8.agreement < gate.MIN_AGREEMENT
     assert not int8.passes(judged.min_agreement)
-    assert "int8" not in judged.precision.split(",")
-    assert judged.precision.endswith("f32")
+    assert "int8" not in judged.precision and judged.precision.endswith("f32")
     assert f"int8: {int8.speedup:.1f}x f32" in "\n".join(judged.lines())
     assert "refused" in next(line for line in judged.lines() if "int8:" in line)
 
@@ -160,7 +210,7 @@ def test_the_gate_passes_a_good_int8_version_and_scores_labels(
     assert judged.f32_accuracy is not None and judged.f32_accuracy > 0.9
     assert abs(int8.accuracy - judged.f32_accuracy) <= 1 - int8.agreement
     if int8.speedup > 1:
-        assert "int8" in judged.precision.split(",")
+        assert f"int8@{judged.calibration[:12]}" in judged.precision
 
 
 def test_the_gates_verdicts_are_cached_by_validation_set_and_int8_version(
@@ -192,29 +242,29 @@ def test_a_job_run_again_is_judged_without_decoding_its_images(lenet, validation
         decoded.append(len(validation))
         return validation, None
 
-    first = gate.judge_source(lenet, "input-a", sample)
-    again = gate.judge_source(lenet, "input-a", sample, min_agreement=0.5)
+    first = gate.judge_input(lenet, "input-a", sample)
+    again = gate.judge_input(lenet, "input-a", sample, min_agreement=0.5)
     assert decoded == [300] and not first.cached
     assert again.cached and again.verdicts == first.verdicts and again.min_agreement == 0.5
-    gate.judge_source(lenet, "input-b", sample)  # another input is decoded, then remembered
+    gate.judge_input(lenet, "input-b", sample)  # another input is decoded, then remembered
     assert decoded == [300, 300]
 
 
 def test_an_input_is_named_by_its_files_or_its_rows(tmp_path, digits) -> None:
     from farm.client.inputs import ArraySource, FileSource
-    from farm.client.samples import source_key
+    from farm.client.samples import input_key
 
     files = [tmp_path / "a.png", tmp_path / "b.png"]
     for path in files:
         path.write_bytes(b"\x89PNG")
-    before = source_key(FileSource(files), 300)
-    assert source_key(FileSource(files), 300) == before
+    before = input_key(FileSource(files), 300)
+    assert input_key(FileSource(files), 300) == before
     os.utime(files[1], ns=(1, 1))  # the same name, another file
-    assert source_key(FileSource(files), 300) != before
-    rows = source_key(ArraySource(digits[:300]), 300)
-    assert source_key(ArraySource(digits[:400]), 300) == rows  # only the first 300 count
-    assert source_key(ArraySource(digits[1:301]), 300) != rows
-    assert source_key(ArraySource(digits[:300]), 300, np.zeros(300)) != rows
+    assert input_key(FileSource(files), 300) != before
+    rows = input_key(ArraySource(digits[:300]), 300)
+    assert input_key(ArraySource(digits[:400]), 300) == rows  # only the first 300 count
+    assert input_key(ArraySource(digits[1:301]), 300) != rows
+    assert input_key(ArraySource(digits[:300]), 300, np.zeros(300)) != rows
 
 
 def test_python_clients_resolve_auto_through_the_gate_not_the_wire() -> None:

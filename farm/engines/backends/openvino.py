@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from farm.engines.engine import Engine, require_onnx_engine
+from farm.engines.engine import Engine, kept_signal_stack, require_onnx_engine
 from farm.modelrepo.repository import ModelError, cache_root
 
 INSTALL_HINT = "pip install openvino onnx"
@@ -100,7 +100,8 @@ class OpenVINOEngine(Engine):
                     "ENABLE_CPU_PINNING": False,
                 }
             )
-        compiled = core.compile_model(path, "CPU", config)
+        with kept_signal_stack():  # OpenVINO may leave the thread a signal stack it frees
+            compiled = core.compile_model(path, "CPU", config)
         if (precision := compiled_precision(compiled)) != floats:
             raise ModelError(
                 f"OpenVINO compiled the net in {precision}, not the {floats} asked for"
@@ -109,4 +110,5 @@ class OpenVINOEngine(Engine):
 
     def forward(self, batch: np.ndarray) -> np.ndarray:
         request = self.graph(self.folds(batch.dtype))
-        return request.infer({0: batch}, share_inputs=True)[0].copy()
+        with kept_signal_stack():
+            return request.infer({0: batch}, share_inputs=True)[0].copy()
