@@ -39,7 +39,7 @@ import numpy as np
 from farm.bench.common import cpu_line, machine, saved, shared_squeezenet
 from farm.bench.photos import crops
 from farm.engines import gate, quantize
-from farm.engines.autoselect import load_engine, time_batches
+from farm.engines.autoselect import load_engine
 from farm.engines.engine import Engine
 from farm.engines.tolerances import relative_difference
 from farm.modelrepo.repository import ModelSpec, find, load_spec, prepare
@@ -48,7 +48,7 @@ from farm.ops.local import cores, farm_command
 NETS = Path(__file__).with_name("nets")
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "squeezenet_v1.0"
 MODELS = ("squeezenet_v1.0", "resnet50", "googlenet", "mobilenet_v2", "lenet")
-BATCH = 16
+BATCH = gate.TIMING_BATCH
 
 
 @dataclass
@@ -107,7 +107,8 @@ def bench_model(name: str, args: argparse.Namespace, work: Path) -> list[Row]:
         spec, "onnxruntime", BATCH, threads=1, precision="int8"
     )
     outputs = {label: flat(engine.run(validation)) for label, engine in engines.items()}
-    rates = best_rates(engines, validation, args.rounds, args.window)
+    found = gate.alternating_rates(list(engines.values()), validation, args.rounds, args.window)
+    rates = dict(zip(engines, found))
     rows = []
     for label in engines:
         backend, precision = label.split()
@@ -132,18 +133,6 @@ def bench_model(name: str, args: argparse.Namespace, work: Path) -> list[Row]:
 
 def flat(outputs: np.ndarray) -> np.ndarray:
     return outputs.reshape(len(outputs), -1)
-
-
-def best_rates(
-    engines: dict[str, Engine], images: np.ndarray, rounds: int, window: float
-) -> dict[str, float]:
-    """Each engine's best images/s over ``rounds`` windows, the engines taken in turn."""
-    best = dict.fromkeys(engines, 0.0)
-    for _ in range(rounds):
-        for label, engine in engines.items():
-            rate = time_batches(engine, images, (BATCH,), window)[BATCH]
-            best[label] = max(best[label], rate)
-    return best
 
 
 def print_rows(rows: list[Row]) -> None:

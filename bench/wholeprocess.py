@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from farm.bench.common import shared_squeezenet
+from farm.engines.cpu import cpu_flags
 from farm.engines.modelcheck import check_inputs
 from farm.engines.tolerances import relative_difference
 from farm.modelrepo.repository import find, prepare
@@ -139,15 +140,6 @@ def lscpu() -> str:
         return subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     except OSError:
         return ""
-
-
-def cpu_flags() -> set[str]:
-    """The first CPU's flags in /proc/cpuinfo."""
-    with open("/proc/cpuinfo") as handle:
-        for line in handle:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def load_average() -> str:

@@ -5,8 +5,9 @@ Each precision the gate's engine offers below f32 on this CPU is a candidate: bf
 f16 where OpenVINO lists them in the CPU's capabilities, int8 where the model has a
 version made by ``farm models quantize`` and the CPU has VNNI or AMX (without them int8
 is not faster).  The validation images run in f32 and in each candidate on the same
-engine, in this process, on one thread as a pinned worker runs; a candidate's verdict is
-its top-1 agreement with f32, its largest output difference (relative to f32's largest
+engine, on one thread as a pinned worker runs (in a process of its own for a command
+that starts a farm next: ``judge_apart``); a candidate's verdict is its top-1
+agreement with f32, its largest output difference (relative to f32's largest
 output), its speed over f32 timed in alternating windows of the same run, and its
 accuracy where the images have labels.  It passes when it agrees on at least
 ``min_agreement`` of the images and is faster than f32.
@@ -24,9 +25,13 @@ each worker at its own best gated precision; GPU workers run f32.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
+import multiprocessing
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,7 +44,6 @@ from farm.engines.cpu import fast_int8, precision_flags
 from farm.engines.engine import (
     AUTO,
     CALIBRATION_PREFIX,
-    BackendUnavailable,
     Engine,
     Preference,
     engine_class,
@@ -166,7 +170,7 @@ def judge(
             f"{len(images)} validation images are too few for the precision gate: below "
             f"{MIN_VALIDATION}, one image moves the agreement by more than 1%"
         )
-    engine = gate_backend(backend)
+    engine = engine_class(backend_name(backend))
     validation = set_digest(images, labels)
     path = cache_path(spec, validation, threads, engine.backend)
     gate = remembered(path) if use_cache else None
@@ -185,10 +189,12 @@ def judge_input(
     min_agreement: float = MIN_AGREEMENT,
     backend: str = AUTO,
 ) -> Gate:
-    """``judge`` on the images ``sample`` decodes (and their labels), decoding them only
-    when no verdicts are remembered for the input ``input_key`` names (its files' paths,
-    sizes and times, or its rows): a job run again starts without decoding them."""
-    engine = gate_backend(backend).backend
+    """``judge`` for a command that starts a farm next: on the images ``sample`` decodes
+    (and their labels), decoding them only when no verdicts are remembered for the input
+    ``input_key`` names (its files' paths, sizes and times, or its rows), and measuring in
+    a process of its own (``judge_apart``).  Reading remembered verdicts imports no
+    inference library."""
+    engine = backend_name(backend)
     index = cache_root() / "precision" / "inputs" / f"{spec.name}-{input_key[:32]}.json"
     try:
         validation = json.loads(index.read_text())["validation"]
@@ -197,10 +203,28 @@ def judge_input(
         gate = None
     if gate is None:
         images, labels = sample()
-        gate = judge(spec, images, labels, min_agreement, backend=backend)
+        gate = judge_apart(spec, images, labels, min_agreement, engine)
         remember_file(index, {"validation": gate.validation})
     gate.min_agreement = min_agreement
     return gate
+
+
+def judge_apart(
+    spec: ModelSpec,
+    images: np.ndarray,
+    labels: np.ndarray | None,
+    min_agreement: float,
+    backend: str,
+) -> Gate:
+    """``judge`` in a fresh interpreter (``spawn``), so that the inference libraries it
+    loads never enter the caller: ``farm run`` forks its farm after the gate, and a library
+    imported, with threads running, before a fork can deadlock the children's imports."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            return pool.submit(judge, spec, images, labels, min_agreement, 1, backend).result()
+        except BrokenProcessPool as exc:
+            raise ModelError(f"the precision gate's process died: {exc}") from exc
 
 
 def set_digest(images: np.ndarray, labels: np.ndarray | None) -> str:
@@ -251,18 +275,16 @@ def remembered_for(spec: ModelSpec) -> list[Gate]:
     return [gate for gate in map(remembered, ordered) if gate is not None]
 
 
-def gate_backend(backend: str = AUTO) -> type[Engine]:
+def backend_name(backend: str = AUTO) -> str:
     """The engine that judges: ``backend``, or for ``auto`` the first of ``GATE_BACKENDS``
-    installed (OpenVINO offers every precision on the CPU, ONNX Runtime int8 only)."""
-    for name in (backend,) if backend != AUTO else GATE_BACKENDS:
-        try:
-            return engine_class(name)
-        except BackendUnavailable:
-            continue
-    raise ModelError(
-        f"the precision gate needs {' or '.join(GATE_BACKENDS) if backend == AUTO else backend}"
-        f": pip install openvino"
-    )
+    installed (OpenVINO offers every precision on the CPU, ONNX Runtime int8 only); found
+    without importing it."""
+    if backend != AUTO:
+        return backend
+    for name in GATE_BACKENDS:
+        if importlib.util.find_spec(name) is not None:
+            return name
+    raise ModelError(f"the precision gate needs {' or '.join(GATE_BACKENDS)}: pip install openvino")
 
 
 def measure(
@@ -336,12 +358,18 @@ def accuracy(outputs: np.ndarray, labels: np.ndarray | None) -> float | None:
     return float((outputs.argmax(1) == np.asarray(labels).reshape(-1)).mean())
 
 
-def alternating_rates(engines: list[Engine], images: np.ndarray) -> list[float]:
-    """Each engine's images/s at ``TIMING_BATCH``, the best of ``TIMING_ROUNDS`` windows
-    taken in turn, so that a neighbour's burst slows one window, not one engine."""
+def alternating_rates(
+    engines: list[Engine],
+    images: np.ndarray,
+    rounds: int = TIMING_ROUNDS,
+    window: float = TIMING_WINDOW,
+) -> list[float]:
+    """Each engine's images/s at ``TIMING_BATCH``, the best of ``rounds`` windows of
+    ``window`` seconds taken in turn, so that a neighbour's burst slows one window, not
+    one engine."""
     best = [0.0] * len(engines)
-    for _ in range(TIMING_ROUNDS):
+    for _ in range(rounds):
         for index, engine in enumerate(engines):
-            rate = time_batches(engine, images, (TIMING_BATCH,), TIMING_WINDOW)[TIMING_BATCH]
+            rate = time_batches(engine, images, (TIMING_BATCH,), window)[TIMING_BATCH]
             best[index] = max(best[index], rate)
     return best

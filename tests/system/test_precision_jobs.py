@@ -158,3 +158,30 @@ def test_ctrl_c_after_the_gate_cancels_the_job(tmp_path, cache, digits) -> None:
     rest = process.stderr.read().decode()
     assert process.wait(timeout=60) == 130, seen.decode() + rest
     assert "job stopped: cancelled by the client" in rest
+
+
+GATE_PROBE = """
+import sys
+import numpy as np
+from farm.engines.gate import judge_input
+from farm.modelrepo.repository import find
+
+lenet = find("lenet")
+digits = np.load(lenet.sample)[:300, np.newaxis]
+first = judge_input(lenet, "probe", lambda: (digits, None))
+again = judge_input(lenet, "probe", lambda: (digits, None))
+loaded = [name for name in ("openvino", "onnxruntime", "torch") if name in sys.modules]
+print(first.cached, again.cached, first.verdicts == again.verdicts, loaded)
+"""
+
+
+def test_the_gate_of_a_farm_command_keeps_inference_libraries_out_of_it(cache) -> None:
+    """farm run forks its farm after the gate: the gate measures in a process of its own,
+    and its remembered verdicts are read without importing an engine."""
+    environment = {**os.environ, "FARM_CACHE": str(cache)}
+    done = subprocess.run(
+        [sys.executable, "-c", GATE_PROBE], capture_output=True, text=True,
+        env=environment, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "False True True []", done.stdout
