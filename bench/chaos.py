@@ -69,6 +69,7 @@ def chaos(args: argparse.Namespace) -> int:
         link_cut=args.link_cut,
         algo=args.algo,
         poison=args.poison,
+        shared=args.shared,
     )
     print(machine())
     print("command: python bench/chaos.py " + " ".join(sys.argv[1:]))
@@ -135,6 +136,11 @@ def main() -> None:
         type=int,
         metavar="ITEM",
         help="poison mode: this item fails on every worker, no other faults",
+    )
+    parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="farm submit --shared: the workers read the job's .npy themselves",
     )
     parser.add_argument("--keep", action="store_true", help="keep the run's folder even on PASS")
     parser.add_argument(

@@ -48,6 +48,9 @@ SUBMIT_LINE = re.compile(
     r"^(\S+) INFO farm\.broker pid=\d+ (?:job (\w+): \d+ x |broker "
     r"listening on )"
 )
+DELIVERED_LINE = re.compile(
+    r"^(\S+) DEBUG farm\.broker pid=\d+ delivered (kept )?items (\d+)\.\.(\d+) of job (\w+)"
+)
 FAILED_LINE = re.compile(r" ERROR farm\.worker pid=\d+ chunk \d+ of job \S+ failed")
 
 
@@ -66,6 +69,7 @@ class ChaosConfig:
     algo: str | None = None  # the broker's policy (None: its default)
     poison: int | None = None  # poison mode: this item fails on every worker, no faults
     job_timeout: float = 900.0  # seconds the whole job may take before it is killed
+    shared: bool = False  # farm submit --shared: the workers read the .npy themselves
 
 
 @dataclass(frozen=True)
@@ -218,7 +222,7 @@ class ChaosFarm:
         self.broker = subprocess.Popen(
             farm_command(
                 "--log-level",
-                "INFO",
+                "DEBUG",  # a line per delivered chunk: the report's figures per broker life
                 "--log-format",
                 "text",
                 "broker",
@@ -418,6 +422,7 @@ def submit(farm: ChaosFarm, job: Job, out: Path, name: str, resume: bool = False
                 str(out),
                 "--quiet",
                 *(["--resume"] if resume else []),
+                *(["--shared"] if farm.config.shared else []),
             ),
             stdout=stdout,
             stderr=errors,
@@ -581,6 +586,7 @@ class SeedReport:
     kill_waste: list[int]  # images recomputed because of each client kill
     chunk_mean: float
     problems: list[str]
+    lives: list[Life] = field(default_factory=list)  # the chaos run's broker lives
 
     @property
     def passed(self) -> bool:
@@ -614,6 +620,40 @@ def outcome_problems(name: str, outcome: Outcome) -> list[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class Life:
+    """One broker process's part of the chaos run: images the workers computed while it
+    lived, and images it delivered to the client (of them, results workers kept from the
+    broker before it)."""
+
+    computed: int
+    delivered: int
+    kept: int
+
+
+def broker_lives(folder: Path, chunks: list[Computed], since: float) -> list[Life]:
+    """Per broker process (``broker-N.log``, in order), from ``since``: images computed while
+    it lived (the workers' logs) and delivered by it (its debug log)."""
+    logs = sorted(folder.glob("broker-*.log"), key=lambda p: int(p.stem.split("-")[1]))
+    starts = [
+        min((when for when, job in submitted_jobs([log]) if not job), default=0.0) for log in logs
+    ]
+    lives = []
+    for n, log in enumerate(logs):
+        begin = max(starts[n], since)
+        end = starts[n + 1] if n + 1 < len(logs) else float("inf")
+        delivered = kept = 0
+        for line in log.read_text(errors="replace").splitlines():
+            match = DELIVERED_LINE.match(line)
+            if match and epoch(match.group(1)) >= since:
+                count = int(match.group(4)) - int(match.group(3)) + 1
+                delivered += count
+                kept += count if match.group(2) else 0
+        computed = sum(chunk.count for chunk in chunks if begin <= chunk.time < end)
+        lives.append(Life(computed, delivered, kept))
+    return lives
+
+
 def submitted_jobs(paths: Iterable[Path]) -> list[tuple[float, str]]:
     """(epoch seconds, job id) of every submission the brokers' logs record, and (epoch
     seconds, "") for every broker start."""
@@ -627,25 +667,35 @@ def submitted_jobs(paths: Iterable[Path]) -> list[tuple[float, str]]:
 
 
 def kill_waste(
-    chunks: list[Computed], jobs: list[tuple[float, str]], kills: list[float]
+    chunks: list[Computed], jobs: list[tuple[float, str]], kills: list[float], folder: Path
 ) -> list[int]:
-    """Images computed for a killed client's job after it was killed: their results had no
-    one to reach, so the resumed submit asks for them again.  The client's job is the last
-    one the brokers saw submitted before the kill (one client runs at a time), unless a
-    broker started after it (that job died with its broker: a broker kill's cost, not this
-    one's).  One figure per kill."""
+    """Images computed for a killed client's job after it was killed and not passed on to
+    the resumed client as kept results: the resumed submit asks for them again.  The
+    client's job is the last one the brokers saw submitted before the kill (one client runs
+    at a time), unless a broker started after it (that job died with its broker: a broker
+    kill's cost, not this one's).  One figure per kill."""
     wasted = []
+    passed_on = kept_deliveries(folder)
     for at in kills:
         earlier = [(when, job) for when, job in jobs if when < at]
         current = max(earlier)[1] if earlier else ""
-        wasted.append(
-            sum(
-                chunk.count
-                for chunk in chunks
-                if chunk.time >= at and current and chunk.job == current
-            )
+        computed = sum(
+            chunk.count for chunk in chunks if chunk.time >= at and current and chunk.job == current
         )
+        wasted.append(max(0, computed - passed_on.get(current, 0)))
     return wasted
+
+
+def kept_deliveries(folder: Path) -> dict[str, int]:
+    """Images of kept results the brokers passed on, by the job they were computed for."""
+    passed: dict[str, int] = {}
+    for log in folder.glob("broker-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            match = DELIVERED_LINE.match(line)
+            if match and match.group(2):
+                count = int(match.group(4)) - int(match.group(3)) + 1
+                passed[match.group(5)] = passed.get(match.group(5), 0) + count
+    return passed
 
 
 def seed_folder(root: Path, seed: int) -> Path:
@@ -714,9 +764,10 @@ def run_seed(config: ChaosConfig, seed: int, root: Path) -> SeedReport:
         run.outcome,
         run.faults,
         sum(c.count for c in chunks) - job.count,
-        kill_waste(chunks, submitted_jobs(folder.glob("broker-*.log")), run.client_kills),
+        kill_waste(chunks, submitted_jobs(folder.glob("broker-*.log")), run.client_kills, folder),
         float(np.mean([c.count for c in chunks])) if chunks else 0.0,
         problems,
+        broker_lives(folder, chunks, chaos_start),
     )
     print_seed(report, config, sum(c.count for c in clean_chunks) - job.count)
     return report
@@ -741,6 +792,11 @@ def print_seed(report: SeedReport, config: ChaosConfig, clean_recomputed: int) -
             f"{report.chunk_mean:,.0f}, the mean chunk): {wasted / per_worker:.2f}x"
             if per_worker
             else f"  client kill {k}: {wasted:,} images computed twice"
+        )
+    for n, life in enumerate(report.lives, 1):
+        print(
+            f"  broker life {n}: {life.computed:,} images computed, {life.delivered:,} "
+            f"delivered ({life.kept:,} of them from results the workers kept)"
         )
     chaos = report.chaos
     print(

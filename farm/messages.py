@@ -12,7 +12,7 @@ has what they need.
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -94,8 +94,22 @@ class ChunkHeader(Header):
     count: Count
 
 
+class ArrayPlace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a shared `.npy` file's rows lie, and what the client saw of it (``farm.storage``)."""
+
+    path: Text
+    offset: Annotated[int, Meta(ge=0)]
+    size: Annotated[int, Meta(ge=0)]
+    head: Annotated[str, Meta(max_length=64)]
+
+
 class Task(ChunkHeader):
-    """broker -> worker: a chunk to run; ``engine`` the job's own, if it chose one."""
+    """broker -> worker: a chunk to run; ``engine`` the job's own, if it chose one.
+
+    ``stored``: the payload says where the items lie on shared storage, not what they are
+    (``farm.storage``): "files", their paths and sizes; "npy", row ranges of the file at
+    ``place``.
+    """
 
     attempt: int
     model: Text
@@ -103,6 +117,8 @@ class Task(ChunkHeader):
     dtype: Text
     item_shape: Shape
     engine: Engine | None = None
+    stored: Literal["files", "npy"] | None = None
+    place: ArrayPlace | None = None
 
 
 class Result(ChunkHeader):
@@ -121,6 +137,7 @@ class Result(ChunkHeader):
     item_shape: Shape
     timings: Annotated[dict[Name, Any], Meta(max_length=MAX_MAP)]
     failed: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] = 0
+    kept: bool = False  # offered again after a lost broker (``farm.workers.kept``)
     worker: Text = ""
     attempt: int = 1
     trace: tuple[Finite, Finite, Finite] | None = None
@@ -129,11 +146,13 @@ class Result(ChunkHeader):
 class Failed(ChunkHeader):
     """worker -> broker -> client: a chunk could not run; ``fatal``: no retry can help;
     ``charge``: the failure may be the items' fault (False: the worker's own trouble, such
-    as a cancelled job or a model fetch that timed out)."""
+    as a cancelled job or a model fetch that timed out); ``unshared``: the worker cannot
+    read the job's shared inputs (``farm.storage``): send it their bytes."""
 
     error: Text
     fatal: bool = True
     charge: bool = True
+    unshared: bool = False
 
 
 class Options(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -149,7 +168,8 @@ class Options(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fi
 
 class Submit(Header):
     """client -> broker: a new job; ``heartbeat``: the client's interval (default the
-    broker's)."""
+    broker's).  Its document (``SubmitDocument``), if any, says where shared inputs lie and
+    which earlier submissions of the same job it follows."""
 
     job: JobId
     model: Text
@@ -158,6 +178,45 @@ class Submit(Header):
     total: Count
     options: Options
     heartbeat: Interval | None = None
+
+
+#: ``(job_start, item_start, count)``: a submission's items ``job_start..`` are the client's
+#: items ``item_start..`` (a resubmission holds only the items still missing).
+Run = tuple[Start, Start, Count]
+Runs = Annotated[list[Run], Meta(max_length=MAX_ITEMS)]
+
+
+class StoredInputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a job's items lie on storage its workers share (``farm.storage``).
+
+    ``kind`` "files": ``names``, the items' paths joined by NUL, and ``sizes``, their sizes
+    on the client (little-endian uint64); an empty name is an item the client refused (a
+    broken link): it fails as an empty file.  ``kind`` "npy": the file ``path``, where its
+    rows start (``offset``), its size and a hash of its first bytes (``head``), its
+    ``rows``, and ``runs``: the job's items ``job_start..`` are rows ``row..`` (modulo
+    ``rows``: a job may repeat the array), ``(job_start, row, count)``.
+    """
+
+    kind: Literal["files", "npy"]
+    names: bytes = b""
+    sizes: bytes = b""
+    path: Text = ""
+    offset: Annotated[int, Meta(ge=0)] = 0
+    size: Annotated[int, Meta(ge=0)] = 0
+    head: Annotated[str, Meta(max_length=64)] = ""
+    rows: Annotated[int, Meta(ge=0)] = 0
+    runs: Runs = []
+
+
+class SubmitDocument(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """SUBMIT's document: ``inputs``, where the workers read the items themselves; ``runs``,
+    which of the client's items this submission holds, and ``earlier``, the same for the
+    client's earlier submissions of the job (lost with a broker, or with a killed client
+    now resumed): results workers kept for those count for this one (``Result.kept``)."""
+
+    inputs: StoredInputs | None = None
+    runs: Runs = []
+    earlier: Annotated[dict[JobId, Runs], Meta(max_length=MAX_LIST)] = {}
 
 
 class Data(ChunkHeader):
@@ -176,11 +235,13 @@ class Done(Header):
 
 class Error(Header):
     """broker -> client or worker: a request was refused; ``job`` when it concerns one,
-    ``unknown_job`` when the broker does not know it."""
+    ``unknown_job`` when the broker does not know it, ``resubmit`` when the client should
+    submit what it still misses (results kept from a lost broker just reached it)."""
 
     error: Text
     job: JobId | None = None
     unknown_job: bool = False
+    resubmit: bool = False
 
 
 class Info(Header):
@@ -232,10 +293,12 @@ class Model(Header):
 
 class Cancel(Header):
     """client -> broker: stop a job; broker -> client: it stopped, and why; broker ->
-    worker: drop the job's chunks."""
+    worker: drop the job's chunks (with ``chunk``: that attempt alone, which kept results
+    answered meanwhile)."""
 
     job: JobId
     reason: Text | None = None
+    chunk: int | None = None
 
 
 def job_of(header: Header) -> str | None:

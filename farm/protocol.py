@@ -4,7 +4,7 @@ A message is a list of frames (after any ROUTER identity frame)::
 
     [SIGNATURE, command (1 byte), header (msgpack map), *payload]
 
-``SIGNATURE`` carries the protocol version (``b"FARM06"``).  The header is a
+``SIGNATURE`` carries the protocol version (``b"FARM07"``).  The header is a
 small msgpack map, decoded straight into the command's struct (``HEADERS``,
 defined in ``farm.messages``), which checks every field's type and range.  The
 payload frames are raw numpy buffers; their dtype and shape live in the header,
@@ -16,6 +16,7 @@ default) anyway, because zero-copy only pays off above that size.
 from __future__ import annotations
 
 import enum
+import functools
 import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from farm import messages, shapes
 from farm.messages import MAX_DIMS, MAX_ITEMS, Header
 from farm.shapes import ALLOWED_DTYPES, ENCODED, MAX_FILE_BYTES, MAX_TASK_BYTES, SIZE_BYTES
 
-SIGNATURE = b"FARM06"
+SIGNATURE = b"FARM07"
 PROTOCOL_FAMILY = b"FARM"
 
 #: The dtype of a file sizes frame (``file_frames``).
@@ -104,8 +105,13 @@ _ARRAY_COMMANDS = frozenset({Command.TASK, Command.RESULT, Command.DATA})
 _FILE_COMMANDS = frozenset({Command.MODEL})
 
 #: Commands that may carry one document frame (``document_frames``, ``Message.document``):
-#: INFO's snapshot, DONE's and CANCEL's job summary.
-_DOCUMENT_COMMANDS = frozenset({Command.INFO, Command.DONE, Command.CANCEL})
+#: INFO's snapshot, DONE's and CANCEL's job summary, SUBMIT's shared inputs; and how large.
+_DOCUMENT_COMMANDS = {
+    Command.INFO: MAX_DOCUMENT_BYTES,
+    Command.DONE: MAX_DOCUMENT_BYTES,
+    Command.CANCEL: MAX_DOCUMENT_BYTES,
+    Command.SUBMIT: MAX_MESSAGE_BYTES,  # a path per image: 20 MB for a million images
+}
 
 
 @dataclass
@@ -178,8 +184,12 @@ FailureList = Annotated[
 
 
 def _buffer(frame: Any) -> memoryview:
-    """A memoryview of a zmq.Frame, bytes or memoryview."""
-    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    """A memoryview of a zmq.Frame, bytes, memoryview or mmap (all have the buffer
+    protocol; a frame's ``buffer`` attribute costs three times as much)."""
+    return memoryview(frame)
+
+
+frame_view = _buffer
 
 
 def _frame_size(frame: Any) -> int:
@@ -194,6 +204,11 @@ def payload_bytes(frames: Sequence[Any]) -> int:
 def command_of(header: Header) -> Command:
     """The command a header struct belongs to."""
     return _COMMANDS[type(header)]
+
+
+def command_of_class(kind: type) -> Command:
+    """The command a header struct class belongs to."""
+    return _COMMANDS[kind]
 
 
 def encode(
@@ -276,20 +291,24 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
     elif command in _FILE_COMMANDS:
         _check_files(message)
     elif command in _DOCUMENT_COMMANDS:
-        if len(payload) > 1 or payload and _frame_size(payload[0]) > MAX_DOCUMENT_BYTES:
+        limit = _DOCUMENT_COMMANDS[command]
+        if len(payload) > 1 or payload and _frame_size(payload[0]) > limit:
             raise ProtocolError(
-                f"{command.name} carries at most one document frame of {MAX_DOCUMENT_BYTES} bytes"
+                f"{command.name} carries at most one document frame of {limit} bytes"
             )
     elif payload:
         raise ProtocolError(f"{command.name} carries no payload, got {len(payload)} frames")
     return message
 
 
+_COMMANDS_BY_BYTE = {command.value: command for command in Command}
+
+
 def _decode_command(raw: bytes) -> Command:
-    try:
-        return Command(raw)
-    except ValueError:
-        raise ProtocolError(f"unknown command {raw[:8]!r}") from None
+    command = _COMMANDS_BY_BYTE.get(raw)  # a dict: an Enum call costs a few us a message
+    if command is None:
+        raise ProtocolError(f"unknown command {raw[:8]!r}")
+    return command
 
 
 def _decode_header(raw: memoryview, command: Command) -> Header:
@@ -314,6 +333,9 @@ def _check_array(message: Message) -> None:
     if isinstance(header, messages.Data):
         return  # dtype and item shape were declared by the job's SUBMIT; checked by the broker
     item_bytes = check_array_spec(header.dtype, header.item_shape)
+    if isinstance(header, messages.Task) and header.stored is not None:
+        _check_located(header, message.payload)
+        return
     if header.dtype == ENCODED:
         check_files(message.payload, header.count, item_bytes)
         return
@@ -334,6 +356,16 @@ def _check_array(message: Message) -> None:
         )
 
 
+def _check_located(task: messages.Task, frames: Sequence[Any]) -> None:
+    """A TASK of shared inputs: files' paths and sizes, or an array's place and row ranges."""
+    if task.stored == "files":
+        if len(frames) != 2 or _frame_size(frames[1]) != task.count * 8 or task.place:
+            raise ProtocolError("a TASK of shared files is 2 frames: paths, then a size per file")
+        return
+    if task.place is None or len(frames) != 1 or _frame_size(frames[0]) % 16:
+        raise ProtocolError("a TASK of shared rows names its file and carries (row, count) pairs")
+
+
 def _check_files(message: Message) -> None:
     """One payload frame per listed file, each of the size the header gives."""
     header = message.header
@@ -351,6 +383,17 @@ def _check_files(message: Message) -> None:
 def check_array_spec(dtype: str, item_shape: Sequence[Any]) -> int:
     """Validate a dtype name and item shape; return the bytes per item (for ``ENCODED``: the
     most one file may have)."""
+    if type(item_shape) is tuple and type(dtype) is str:  # every header's: a job's few
+        return _checked_spec(dtype, item_shape)
+    return _check_spec(dtype, item_shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_spec(dtype: str, item_shape: tuple[Any, ...]) -> int:
+    return _check_spec(dtype, item_shape)
+
+
+def _check_spec(dtype: str, item_shape: Sequence[Any]) -> int:
     if dtype == ENCODED:
         if (
             len(item_shape) != 1

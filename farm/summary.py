@@ -51,13 +51,21 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
     failed_attempts: int = 0  # attempts failed, or cut short by their worker dying
     lost_attempts: int = 0  # attempts whose worker was lost while they waited or ran
     items_run: int = 0  # images sent to workers: the job's size plus what ran again
+    # images of ``items`` done by results workers kept across a lost broker, worker or
+    # client: computed before, so not in the shares, the rate or the waste
+    kept: int = 0
     broker_seconds: float = 0.0  # submission to the last result, on the broker's clock
     seconds: float = 0.0  # the client's wall time, submit to last result
 
     @property
+    def computed(self) -> int:
+        """Images done by the job's own attempts (kept results aside)."""
+        return self.items - self.kept
+
+    @property
     def rate(self) -> float:
-        """Achieved images per second."""
-        return self.items / self.seconds if self.seconds > 0 else 0.0
+        """Achieved images per second (of the job's own attempts)."""
+        return self.computed / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def theoretical_rate(self) -> float:
@@ -73,13 +81,13 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
         """1 - images done / what the workers could have done in the job's time, each at
         its standalone speed, minus the time it spent loading the model."""
         capacity = sum(share.rate * max(0.0, self.seconds - share.load_s) for share in self.workers)
-        return (capacity - self.items) / capacity if capacity > 0 else 0.0
+        return (capacity - self.computed) / capacity if capacity > 0 else 0.0
 
     @property
     def work_seconds(self) -> float:
         """The job's work at the sum of the standalone speeds: its ideal length."""
         theoretical = self.theoretical_rate
-        return self.total / theoretical if theoretical > 0 else 0.0
+        return (self.total - self.kept) / theoretical if theoretical > 0 else 0.0
 
     def waste_text(self) -> str:
         if self.items < self.total:

@@ -27,7 +27,7 @@ import mmap
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from farm.broker.catalog import ModelCatalog
 from farm.broker.connections import Connections, source_fd
 from farm.broker.facts import ModelFound
 from farm.broker.state import FarmState, SchedulingConfig
-from farm.link import limit_socket, send_frames
+from farm.link import limit_socket, recv_frames, send_frames
 from farm.messages import Header, job_of
 from farm.modelrepo.repository import ModelError
 from farm.protocol import Command, ProtocolError
@@ -71,6 +71,38 @@ ACCEPTED = frozenset(
         Command.CANCEL,
     }
 )
+
+
+#: Messages that carry jobs' inputs, or where they lie: their bytes are counted (``Traffic``).
+INPUT_HEADERS = frozenset({messages.Submit, messages.Data, messages.Need, messages.Task})
+#: ``zmq.NOBLOCK`` as a plain int (an enum costs a conversion a call).
+NOBLOCK = int(zmq.NOBLOCK)
+
+
+@dataclass
+class Traffic:
+    """What crossed the broker's socket: messages by kind, in and out, and the bytes of
+    those that carry jobs' inputs (``INPUT_HEADERS``: results and heartbeats are not
+    counted byte by byte, to keep the count cheap)."""
+
+    received: dict[type, int] = field(default_factory=dict)  # header class -> messages
+    sent: dict[type, int] = field(default_factory=dict)
+    input_bytes: int = 0  # of INPUT_HEADERS' frames, in and out
+
+    def count(self, table: dict[type, int], kind: type, frames: Sequence[Any]) -> None:
+        table[kind] = table.get(kind, 0) + 1
+        if kind in INPUT_HEADERS:
+            self.input_bytes += protocol.payload_bytes(frames)
+
+    def describe(self) -> dict[str, Any]:
+        def named(table: dict[type, int]) -> dict[str, int]:
+            return {protocol.command_of_class(kind).name: count for kind, count in table.items()}
+
+        return {
+            "received": named(self.received),
+            "sent": named(self.sent),
+            "input_bytes": self.input_bytes,
+        }
 
 
 @dataclass(kw_only=True)
@@ -116,6 +148,7 @@ class Broker:
         self.wakeup: Wakeup | None = None  # serve() ends the loop's wait on SIGINT/SIGTERM
         self.models = ModelCatalog(config.model_dirs)
         self.info_waiters: list[tuple[bytes, int, float]] = []  # identity, workers, since
+        self.traffic = Traffic()
         self.started_at = self.clock()
         self.metrics = None
         self.metrics_url = ""
@@ -200,7 +233,7 @@ class Broker:
             self.read_monitor()
         for _ in range(MAX_BATCH):
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(self.socket, NOBLOCK)
             except zmq.Again:  # all read: what a dead peer sent before it died is handled
                 for peer in self.connections.closed_peers():
                     self.connection_closed(peer)
@@ -239,6 +272,7 @@ class Broker:
         message = None
         try:
             message = protocol.decode(body, allowed=ACCEPTED)
+            self.traffic.count(self.traffic.received, type(message.header), body)
             now = self.clock()
             if isinstance(message.header, (messages.Ready, messages.Submit)):
                 self.read_monitor()  # its connection's accept came before this message
@@ -248,8 +282,8 @@ class Broker:
                     self.on_info(identity, info, now)
                 case messages.Fetch() as fetch:
                     self.on_fetch(identity, fetch, now)
-                case messages.Submit() as submit:
-                    self.on_submit(identity, submit, now)
+                case messages.Submit():
+                    self.on_submit(identity, message, now)
                 case _:
                     self.feed(wire.event_of(identity, message, now, self.state))
         except ProtocolError as exc:
@@ -272,19 +306,25 @@ class Broker:
             self.answer_info_waiters()
 
     def send(self, identity: bytes, header: Header, payload: Sequence[Any] = ()) -> None:
-        send_frames(self.socket, [identity, *wire.frames(header, payload)])
+        frames = wire.frames(header, payload)
+        self.traffic.count(self.traffic.sent, type(header), frames)
+        send_frames(self.socket, [identity, *frames])
 
     # ----------------------------------------------------------------- jobs
 
-    def on_submit(self, identity: bytes, header: messages.Submit, now: float) -> None:
+    def on_submit(self, identity: bytes, message: protocol.Message, now: float) -> None:
         """A SUBMIT becomes a job; one whose dtype or item shape cannot cross the wire is
         refused with an ERROR: a well-formed request refused, not a bad message."""
+        header = message.header
+        assert isinstance(header, messages.Submit)
         refusal = wire.refusal(header)
         if refusal is not None:
             log.info("job %s refused: %s", header.job, refusal)
             self.send(identity, messages.Error(error=refusal, job=header.job))
             return
-        self.feed(wire.job_submitted(identity, header, now, self.config.heartbeat, self.find_model))
+        self.feed(
+            wire.job_submitted(identity, message, now, self.config.heartbeat, self.find_model)
+        )
 
     def find_model(self, name: str) -> ModelFound | str:
         """What the repository says of a job's model: its shape and digest, or why not."""
@@ -391,6 +431,7 @@ class Broker:
             "endpoint": self.endpoint,
             "uptime_s": now - self.started_at,
             "metrics": self.metrics_url,
+            "traffic": self.traffic.describe(),
             **self.state.describe(now),
         }
 

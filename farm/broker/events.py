@@ -10,8 +10,8 @@ Both are built by keyword; ``matching`` picks instructions out by their fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar
 
 from farm.broker.facts import JobOptions, ModelFound, WorkerFacts
 from farm.summary import JobSummary
@@ -66,6 +66,8 @@ class ResultArrived:
     header: Any = None
     payload: Any = ()
     problem: str | None = None  # why the result cannot be taken (the wire's checks)
+    kept: bool = False  # offered again by a worker that lost its broker
+    size: int = 0  # the payload's bytes (kept results are held within a bound)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,6 +82,7 @@ class FailureArrived:
     fatal: bool
     at: float
     charge: bool = True
+    unshared: bool = False  # the worker cannot read the job's shared inputs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +100,12 @@ class JobSubmitted:
     options: JobOptions
     model: ModelFound | str
     at: float
+    # where the workers read the items themselves (``farm.storage.SharedInputs``), if they do
+    inputs: Any = None
+    # (job_start, item_start, count): which of the client's items the job holds, and the
+    # same for the client's earlier submissions of it (lost with a broker or a client)
+    runs: tuple[tuple[int, int, int], ...] = ()
+    earlier: dict[str, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,6 +198,8 @@ class SendTask:
     item_shape: tuple[int, ...]
     engine: tuple[str, str] | None
     payload: Any = ()
+    stored: Literal["files", "npy"] | None = None  # the payload says where the items lie
+    place: Any = None  # a shared array's file
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,7 +211,8 @@ class SendResult:
     result: ResultArrived
     worker: str
     attempt: int
-    trace: tuple[float, float, float]
+    trace: tuple[float, float, float] | None  # None: a kept result, from a lost broker
+    kept: bool = False  # from a worker counted lost, a lost broker or a vanished client
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -225,12 +237,13 @@ class SendDone:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SendCancel:
     """To a client: its job stopped (``reason``, ``summary``); to a worker: drop the job's
-    chunks (neither)."""
+    chunks (neither), or (``chunk``) that attempt alone."""
 
     peer: Peer
     job: str
     reason: str | None = None
     summary: JobSummary | None = None
+    chunk: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -239,6 +252,7 @@ class SendError:
     error: str
     job: str | None = None
     unknown_job: bool = False
+    resubmit: bool = False  # the job was not made: submit what is still missing
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,6 +3,7 @@ shares."""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,32 @@ class ChunkRecord:
     @property
     def job_id(self) -> str:
         return self.job.id
+
+
+@dataclass
+class Ranges:
+    """Disjoint item ranges ``[start, stop)``, sorted: what kept results delivered of a job
+    outside any attempt (a worker counted lost came back with them).  The job's policy
+    still holds them; when it hands one out again it is done at once
+    (``FarmState.assign``)."""
+
+    starts: list[int] = field(default_factory=list)
+    stops: list[int] = field(default_factory=list)
+
+    def add(self, start: int, stop: int) -> None:
+        """Add ``[start, stop)``, merged with the ranges it touches."""
+        first = bisect.bisect_left(self.stops, start)
+        last = bisect.bisect_right(self.starts, stop)
+        if first < last:
+            start, stop = min(start, self.starts[first]), max(stop, self.stops[last - 1])
+        self.starts[first:last], self.stops[first:last] = [start], [stop]
+
+    def covers(self, start: int, stop: int) -> bool:
+        index = bisect.bisect_right(self.starts, start) - 1
+        return index >= 0 and self.stops[index] >= stop
+
+    def __bool__(self) -> bool:
+        return bool(self.starts)
 
 
 @dataclass
@@ -85,6 +112,16 @@ class Job:
     # workers offered this job
     eligible: dict[str, WorkerEntry[ChunkRecord]] = field(default_factory=dict)
     output_shape: tuple[int, ...] | None = None  # of its chunks' outputs, once one came back
+    # where its workers read the items themselves (``farm.storage.SharedInputs``), if they do
+    inputs: Any = None
+    unshared: set[str] = field(default_factory=set)  # workers that cannot: sent the bytes
+    # which of the client's items the job holds, and the same for the client's earlier
+    # submissions of it, lost with a broker (``(job_start, item_start, count)`` runs)
+    runs: tuple[tuple[int, int, int], ...] = ()
+    earlier: dict[str, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
+    # ranges kept results delivered outside any attempt: done when next handed out
+    delivered: Ranges = field(default_factory=lambda: Ranges())
+    kept_items: int = 0  # items done by ranges kept results delivered (not in any share)
 
     def __post_init__(self) -> None:
         self.item_bytes = item_bytes(self.dtype, self.item_shape)
@@ -204,6 +241,7 @@ class Job:
             failed_attempts=self.evidence.charged,
             lost_attempts=self.evidence.lost,
             items_run=self.items_run,
+            kept=self.kept_items,
         )
 
 

@@ -26,7 +26,14 @@ The rules:
   worker (a quarter of that while jobs share the farm), and at the byte limit of
   a message.
 * Silent workers and clients expire after ``liveness`` heartbeats; a lost
-  worker's chunks go back to their jobs.
+  worker's chunks go back to their jobs.  A job whose client vanished ends, but its
+  chunks in flight finish: their results are held for a client resuming it.
+* A job whose workers read its items from shared storage (``inputs``) gets its TASKs
+  at once, without NEED and DATA; a worker that cannot read them is sent the bytes.
+* Results workers kept across a lost broker, a lost worker or a vanished client
+  (``Result.kept``) are passed to the job's client, or held (``farm.broker.kept``) until
+  a resubmission naming the lost job comes; the ranges they cover are done without
+  running again (``Job.delivered``).
 """
 
 from __future__ import annotations
@@ -36,13 +43,14 @@ import logging
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from farm import defaults
 from farm.broker import events as ev
 from farm.broker.blame import Mark, halves, suspect
 from farm.broker.churn import Churn
 from farm.broker.jobs import ChunkRecord, Job, Worker
+from farm.broker.kept import KeptResults, translate
 from farm.broker.registry import WorkerEntry
 from farm.policies import (
     Assign,
@@ -107,6 +115,10 @@ class FarmStats:
     workers_expired: int = 0  # lost to silence
     workers_crashed: int = 0  # lost as their connection closed with no goodbye
     jobs_expired: int = 0
+    unshared_workers: int = 0  # workers sent a job's bytes: they cannot read its shared inputs
+    kept_results: int = 0  # results offered again by workers that lost their broker
+    kept_delivered: int = 0  # ... of them passed on to the job's client
+    kept_used: int = 0  # ranges a kept result delivered, not computed again
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,10 +177,17 @@ class FarmState:
         self.now = 0.0
         self.out: list[ev.Instruction] = []
         self.retries_added = False  # a range joined a retry line during this event
+        self.kept = KeptResults()  # results of jobs this state does not know, kept by workers
+        self.aliases: dict[str, str] = {}  # a job lost with a broker -> its resubmission here
+        # jobs whose client vanished, by when: their chunks in flight still finish, and
+        # their results are kept for the client's resumption (``KeptResults``)
+        self.vanished: dict[str, float] = {}
 
     def handle(self, event: ev.FarmEvent) -> list[ev.Instruction]:
         """Apply one event; return the instructions it causes, in order."""
         self.now = max(self.now, event.at)
+        if self.churn.since is None:
+            self.churn.since = event.at
         self.out = []
         HANDLERS[type(event)](self, event)
         if self.retries_added:  # a retry may wait for a worker that is idle now
@@ -326,6 +345,12 @@ class FarmState:
         return record
 
     def on_result_arrived(self, event: ev.ResultArrived) -> None:
+        if event.kept:
+            self.take_kept(event)
+            return
+        if event.job in self.vanished:
+            self.keep_vanished(event)
+            return
         record = self.answered_record(event.worker, event.job, event.chunk)
         if record is None:
             return
@@ -342,15 +367,17 @@ class FarmState:
         job.account(entry, chunk, compute, float(event.timings.get("load", 0.0)))
         self.note_rate(job.model, entry)
         origin, sent = job.submitted_at, record.sent_at or record.assigned_at
-        self.out.append(
-            ev.SendResult(
-                client=job.client,
-                result=event,
-                worker=entry.name,
-                attempt=record.attempt,
-                trace=(record.assigned_at - origin, sent - origin, event.at - origin),
+        if not job.delivered or not job.delivered.covers(chunk.start, chunk.stop):
+            self.out.append(
+                ev.SendResult(
+                    client=job.client,
+                    result=event,
+                    worker=entry.name,
+                    attempt=record.attempt,
+                    trace=(record.assigned_at - origin, sent - origin, event.at - origin),
+                )
             )
-        )
+        log.debug("delivered items %d..%d of job %s", chunk.start, chunk.stop - 1, job.id)
         self.cap_chunks(job)  # speeds changed
         if self.observer:
             self.observer.chunk_done(
@@ -364,12 +391,128 @@ class FarmState:
         self.finish_if_done(job)
         self.fill(entry)
 
+    def take_kept(self, event: ev.ResultArrived) -> None:
+        """A result a worker kept and offers again: of a job this broker runs (the worker
+        was counted lost meanwhile), or of one lost with a broker: to its resubmission's
+        client if it came, else held until it does (or for a while)."""
+        entry = self.heard_worker(event.worker)
+        if event.problem:
+            log.info("dropped a kept result: %s", event.problem)
+            return
+        running = self.running.get(event.job)
+        if running is not None:
+            self.take_late(running, event, entry.name if entry else "")
+            return
+        self.hold_or_pass(event, entry.name if entry else "")
+
+    def hold_or_pass(self, event: ev.ResultArrived, worker: str) -> None:
+        """A kept result of a job this state no longer runs: to the job that resubmitted it,
+        if one did, else held for one that will."""
+        self.stats.kept_results += 1
+        job = self.jobs.get(self.aliases.get(event.job, ""))
+        if job is None:
+            self.kept.add(event)
+        else:
+            self.pass_kept(job, event, worker)
+
+    def pass_kept(self, job: Job, event: ev.ResultArrived, worker: str) -> None:
+        """A kept result of an earlier submission of ``job``: to its client, and the items
+        both hold are done in ``job`` when next handed out."""
+        runs = job.earlier.get(event.job)
+        self.forward_kept(job.client, event, worker)
+        if runs and job.runs:
+            for first, stop in translate(runs, job.runs, event.start, event.count):
+                job.delivered.add(first, stop)
+            self.settle_delivered(job)
+
+    def take_late(self, job: Job, event: ev.ResultArrived, worker: str) -> None:
+        """A kept result of a running job, from a worker counted lost when it was computing
+        it: the client gets it now, and the range, wherever its policy holds it, is done
+        when next assigned.  A range delivered before is not sent twice."""
+        chunk = Chunk(event.start, event.count)
+        if chunk.stop > job.total or job.output_shape not in (None, event.output_shape):
+            log.info("dropped a kept result of job %s that does not fit it", job.id)
+            return
+        if job.delivered.covers(chunk.start, chunk.stop):
+            return
+        job.output_shape = event.output_shape
+        job.delivered.add(chunk.start, chunk.stop)
+        self.stats.kept_results += 1
+        self.forward_kept(job.client, event, worker)
+        self.settle_delivered(job)
+
+    def settle_delivered(self, job: Job) -> None:
+        """The job's attempts in flight whose items kept results delivered are answered now:
+        their workers drop them (CANCEL of the attempt) and take other chunks."""
+        for entry in list(self.workers.values()):
+            if job.outcome is not None:
+                return
+            covered = [
+                record
+                for record in entry.in_flight.values()
+                if record.job is job and job.delivered.covers(record.chunk.start, record.chunk.stop)
+            ]
+            for record in covered:
+                del entry.in_flight[record.id]
+                job.pending.pop(record.id, None)
+                if record.sent_at is not None:
+                    self.out.append(ev.SendCancel(peer=entry.identity, job=job.id, chunk=record.id))
+                self.complete_delivered(job, record.chunk, entry, record.retry)
+            if covered:
+                self.fill(entry)
+
+    def complete_delivered(self, job: Job, chunk: Chunk, entry: Worker, retry: bool) -> None:
+        """A range kept results delivered, handed out again: done now, in no worker's
+        share; the policy hears it done at ``entry``'s own speed (it learns nothing)."""
+        self.stats.kept_used += 1
+        job.kept_items += chunk.count
+        rate = entry.history[job.model].rate if job.model in entry.history else 0.0
+        rate = rate or self.fastest.get(job.model, (0.0, ""))[0]
+        compute = chunk.count / rate if rate > 0 else 0.0
+        job.evidence.settle(chunk)
+        if job.started_at is None:
+            job.started_at = self.now
+        if retry:
+            job.retry_items -= chunk.count
+        else:
+            self.step(job, ChunkDone(entry.id, chunk, compute, at=self.now))
+        self.finish_if_done(job)
+
+    def keep_vanished(self, event: ev.ResultArrived) -> None:
+        """A result of a job whose client vanished: its slot frees, and it is kept for a
+        client that resumes the job naming it."""
+        entry = self.heard_worker(event.worker)
+        record = entry.in_flight.pop(event.chunk, None) if entry else None
+        if record is None or record.job.id != event.job:
+            self.stats.late_replies += 1
+            return
+        if not event.problem:
+            self.hold_or_pass(event, record.worker.name)
+        self.fill(record.worker)
+
+    def forward_kept(self, client: bytes, result: ev.ResultArrived, worker: str) -> None:
+        self.stats.kept_delivered += 1
+        log.debug(
+            "delivered kept items %d..%d of job %s",
+            result.start,
+            result.start + result.count - 1,
+            result.job,
+        )
+        self.out.append(
+            ev.SendResult(
+                client=client, result=result, worker=worker, attempt=1, trace=None, kept=True
+            )
+        )
+
     def on_failure_arrived(self, event: ev.FailureArrived) -> None:
         """A chunk failed on its worker: a model error fails the job, anything else retries."""
         record = self.answered_record(event.worker, event.job, event.chunk)
         if record is None:
             return
         chunk = record.chunk
+        if event.unshared:
+            self.send_bytes(record, event.error)
+            return
         if event.fatal:
             self.fail_job(
                 record.job,
@@ -379,6 +522,23 @@ class FarmState:
             return
         self.attempt_failed(record, f"{record.worker.name}: {event.error}", event.charge)
         self.fill(record.worker)
+
+    def send_bytes(self, record: ChunkRecord, error: str) -> None:
+        """The worker cannot read the job's shared inputs: it gets their bytes from now on
+        (NEED and DATA), and the chunk runs again, uncharged."""
+        job, entry = record.job, record.worker
+        if entry.id not in job.unshared:
+            job.unshared.add(entry.id)
+            self.stats.unshared_workers += 1
+            log.warning(
+                "job %s: worker %s cannot read the shared inputs (%s): sending it their bytes",
+                job.id,
+                entry.name,
+                error,
+                extra={"event": "inputs_unshared", "job": job.id, "worker": entry.name},
+            )
+        self.attempt_failed(record, f"{entry.name}: {error}", charged=False)
+        self.fill(entry)
 
     def attempt_failed(
         self, record: ChunkRecord, error: str, charged: bool, worker_lost: bool = False
@@ -519,14 +679,14 @@ class FarmState:
         """Offer one slot to the jobs in ``job_order``; True if one took it."""
         if entry.identity not in self.workers:
             return False
-        before = len(entry.in_flight)
+        before, done_before = len(entry.in_flight), self.stats.kept_used
         for job in self.job_order():
             job.eligible[entry.id] = entry
             if job.retries and self.run_retry(job, entry):
                 return True
             self.step(job, WorkerReady(entry.id, at=self.now))
-            if len(entry.in_flight) > before:
-                return True
+            if len(entry.in_flight) > before or self.stats.kept_used > done_before:
+                return True  # a chunk, or a range a kept result had done: offer the slot again
             entry.offered.add(job.id)  # its policy keeps the worker as idle
         return False
 
@@ -620,7 +780,12 @@ class FarmState:
         return others > sum(1 for p in blamed if p != place and p in self.places)
 
     def assign(self, job: Job, chunk: Chunk, entry: Worker, retry: bool = False) -> None:
-        """A new attempt: it takes the worker's slot now and asks the client for its input."""
+        """A new attempt: it takes the worker's slot now and asks the client for its input
+        (or sends the TASK at once when the worker reads the items itself).  A range a
+        kept result delivered is done at once instead."""
+        if job.delivered and job.delivered.covers(chunk.start, chunk.stop):
+            self.complete_delivered(job, chunk, entry, retry)
+            return
         record = ChunkRecord(
             self.next_chunk_id,
             job,
@@ -632,9 +797,13 @@ class FarmState:
         )
         self.next_chunk_id += 1
         entry.in_flight[record.id] = record
-        job.pending[record.id] = record
         if job.started_at is None:
             job.started_at = self.now
+        if job.inputs is not None and entry.id not in job.unshared:  # the worker reads them
+            located = job.inputs.locate(chunk.start, chunk.count)
+            self.send_task(record, located.payload, located.stored, located.place)
+            return
+        job.pending[record.id] = record
         self.out.append(
             ev.SendNeed(
                 client=job.client, job=job.id, chunk=record.id, start=chunk.start, count=chunk.count
@@ -653,7 +822,18 @@ class FarmState:
         if event.problem is not None:
             self.fail_job(job, event.problem)
             return
-        record.sent_at = event.at
+        self.send_task(record, event.payload)
+
+    def send_task(
+        self,
+        record: ChunkRecord,
+        payload: Any,
+        stored: Literal["files", "npy"] | None = None,
+        place: Any = None,
+    ) -> None:
+        """The attempt's TASK to its worker: its items (``payload``), or where they lie."""
+        job = record.job
+        record.sent_at = self.now
         record.sent_seq = self.next_seq_sent
         self.next_seq_sent += 1
         chunk = record.chunk
@@ -671,7 +851,9 @@ class FarmState:
                 dtype=job.dtype,
                 item_shape=job.item_shape,
                 engine=job.options.engine,
-                payload=event.payload,
+                payload=payload,
+                stored=stored,
+                place=place,
             )
         )
 
@@ -713,7 +895,7 @@ class FarmState:
         seconds = self.config.max_chunk_seconds
         if len(self.running) > 1:
             seconds *= SHARED_CHUNK_FRACTION
-        churn = self.churn.chunk_seconds(len(self.workers))
+        churn = self.churn.chunk_seconds(len(self.workers), self.now)
         if churn is not None and seconds > 0:
             seconds = min(seconds, churn)
         if fastest > 0 and seconds > 0:  # min() first: a rate may be huge, even inf
@@ -728,6 +910,8 @@ class FarmState:
             self.out.append(
                 ev.SendError(peer=event.client, error=refusal, job=event.job[:100] or None)
             )
+            return
+        if self.pass_on_kept(event):
             return
         config = self.config
         algo, params = event.options.policy(config.algo, config.params)
@@ -744,9 +928,14 @@ class FarmState:
             algo,
             params,
             self.next_seq,
+            inputs=event.inputs,
+            runs=event.runs,
+            earlier=event.earlier,
         )
         self.next_seq += 1
         self.jobs[job.id] = job
+        for earlier in job.earlier:
+            self.aliases[earlier] = job.id
         if len(self.jobs) > 1:
             for each in self.jobs.values():
                 each.shared = True
@@ -771,6 +960,26 @@ class FarmState:
         )
         if self.start_job(job, event.model):
             self.fill_all()
+
+    def pass_on_kept(self, event: ev.JobSubmitted) -> bool:
+        """A resubmission after a lost broker, with results of its earlier submissions held
+        here: they go to the client, which submits again what is still missing (True).  The
+        job is not made: its items would be computed twice."""
+        kept = self.kept.take(tuple(event.earlier)) if event.earlier else []
+        for result in kept:
+            entry = self.workers.get(result.worker)
+            self.forward_kept(event.client, result, entry.name if entry else "")
+        if kept:
+            self.out.append(
+                ev.SendError(
+                    peer=event.client,
+                    job=event.job,
+                    error=f"{len(kept)} results kept from before the broker restarted were "
+                    f"passed on: submit what is still missing",
+                    resubmit=True,
+                )
+            )
+        return bool(kept)
 
     def refusal(self, event: ev.JobSubmitted) -> str | None:
         """Why a SUBMIT cannot even become a job, or None."""
@@ -902,6 +1111,8 @@ class FarmState:
         """Forget a job.  Chunks still waiting for input are dropped; workers running its
         chunks are told to stop, and their slots free when they answer."""
         self.jobs.pop(job.id, None)
+        for earlier in job.earlier:
+            self.aliases.pop(earlier, None)
         if self.running.pop(job.id, None) is not None:
             self.unplace(job)
         job.outcome = outcome
@@ -913,8 +1124,10 @@ class FarmState:
             for record in records:
                 if record.sent_at is None:
                     del entry.in_flight[record.id]
-            if outcome != "done" and any(r.sent_at is not None for r in records):
+            if outcome not in ("done", "expired") and any(r.sent_at is not None for r in records):
                 self.out.append(ev.SendCancel(peer=entry.identity, job=job.id))
+        if outcome == "expired":  # what its workers are computing is kept for a resumption
+            self.vanished[job.id] = self.now
         self.cap_all()  # one job fewer: longer chunks may do
         self.fill_all()
 
@@ -930,6 +1143,9 @@ class FarmState:
                 self.lose_worker(identity, f"silent for {silent:.1f} s")
         if self.churn.forget(event.at):
             self.cap_all()
+        self.kept.expire(event.at)
+        while self.vanished and next(iter(self.vanished.values())) < event.at - self.kept.seconds:
+            del self.vanished[next(iter(self.vanished))]
         for job in list(self.jobs.values()):
             silent = event.at - job.client_seen
             if silent > job.client_expiry:

@@ -21,9 +21,10 @@ from farm.broker import events as ev
 from farm.broker.facts import JobOptions, ModelFound, WorkerFacts
 from farm.broker.jobs import ChunkRecord
 from farm.broker.state import FarmState
-from farm.messages import Header
+from farm.messages import Header, StoredInputs
 from farm.protocol import Message, ProtocolError
 from farm.shapes import ENCODED
+from farm.storage import SharedInputs, StoredError
 
 #: Longest error text sent: a reply must stay within the protocol's own string limits.
 MAX_ERROR_CHARS = 1000
@@ -56,6 +57,7 @@ def event_of(identity: bytes, message: Message, now: float, state: FarmState) ->
                 fatal=failed.fatal,
                 at=now,
                 charge=failed.charge,
+                unshared=failed.unshared,
             )
         case messages.Data() as data:
             return ev.DataArrived(
@@ -115,14 +117,16 @@ def refusal(submit: messages.Submit) -> str | None:
 
 def job_submitted(
     identity: bytes,
-    submit: messages.Submit,
+    message: Message,
     now: float,
     heartbeat: float,
     find_model: Callable[[str], ModelFound | str],
 ) -> ev.JobSubmitted:
     """A SUBMIT, with what ``find_model`` (the broker's repository) says of its model;
     ``heartbeat``: the client's interval unless it gave one.  ProtocolError if the workers
-    have no such engine as the job asks for."""
+    have no such engine as the job asks for, or its shared inputs do not fit it."""
+    submit = message.header
+    assert isinstance(submit, messages.Submit)
     options = job_options(submit.options)
     return ev.JobSubmitted(
         client=identity,
@@ -135,7 +139,44 @@ def job_submitted(
         options=options,
         model=find_model(submit.model),
         at=now,
+        **submitted_with(message),
     )
+
+
+def submitted_with(message: Message) -> dict[str, Any]:
+    """What a SUBMIT's document says (``messages.SubmitDocument``): the job's shared
+    inputs, checked against it, and its runs and its earlier submissions'."""
+    document = message.document(messages.SubmitDocument)
+    if document is None:
+        return {}
+    submit = message.header
+    assert isinstance(submit, messages.Submit)
+    if document.runs and sum(count for _, _, count in document.runs) != submit.total:
+        raise ProtocolError(f"SUBMIT runs do not hold the job's {submit.total} items")
+    return {
+        "inputs": shared_inputs(document.inputs, submit),
+        "runs": tuple(document.runs),
+        "earlier": {job: tuple(runs) for job, runs in document.earlier.items()},
+    }
+
+
+def shared_inputs(stored: StoredInputs | None, submit: messages.Submit) -> SharedInputs | None:
+    """A job's shared inputs (``farm.storage``), checked against it; None if its client
+    sends the items."""
+    if stored is None:
+        return None
+    if (stored.kind == "files") != (submit.dtype == ENCODED):
+        raise ProtocolError(f"shared {stored.kind} cannot hold a job of {submit.dtype} items")
+    try:
+        return SharedInputs.check(
+            stored, submit.total, 0 if submit.dtype == ENCODED else job_item_bytes(submit)
+        )
+    except StoredError as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+def job_item_bytes(submit: messages.Submit) -> int:
+    return protocol.check_array_spec(submit.dtype, submit.item_shape)
 
 
 def job_options(options: messages.Options) -> JobOptions:
@@ -203,8 +244,22 @@ def result_arrived(
         at=now,
         header=result,
         payload=message.payload,
-        problem=result_problem(message, awaited),
+        problem=kept_problem(message) if result.kept else result_problem(message, awaited),
+        kept=result.kept,
+        size=protocol.payload_bytes(message.payload),
     )
+
+
+def kept_problem(message: Message) -> str | None:
+    """Why a kept result (``Result.kept``) cannot go to a client: the checks that need no
+    attempt to check it against."""
+    result = message.header
+    assert isinstance(result, messages.Result)
+    try:
+        message.failures()
+    except ProtocolError as exc:
+        return str(exc)
+    return None if result.dtype == "float32" else f"outputs are {result.dtype}, not float32"
 
 
 def result_problem(message: Message, awaited: ChunkRecord | None) -> str | None:
@@ -259,14 +314,20 @@ def message_of(instruction: ev.Instruction) -> tuple[bytes, Header, Sequence[Any
             )
         case ev.SendDone(client=client, job=job, summary=summary):
             return client, messages.Done(job=job), protocol.document_frames(summary)
-        case ev.SendCancel(peer=peer, job=job, reason=reason, summary=summary):
+        case ev.SendCancel(peer=peer, job=job, reason=reason, summary=summary, chunk=chunk):
             return (
                 peer,
-                messages.Cancel(job=job, reason=reason),
+                messages.Cancel(job=job, reason=reason, chunk=chunk),
                 protocol.document_frames(summary) if summary is not None else (),
             )
-        case ev.SendError(peer=peer, error=error, job=job, unknown_job=unknown_job):
-            return peer, messages.Error(error=error, job=job, unknown_job=unknown_job), ()
+        case ev.SendError(
+            peer=peer, error=error, job=job, unknown_job=unknown_job, resubmit=resubmit
+        ):
+            return (
+                peer,
+                messages.Error(error=error, job=job, unknown_job=unknown_job, resubmit=resubmit),
+                (),
+            )
         case ev.DropWorker(worker=worker):
             return worker, messages.Disconnect(), ()
     raise TypeError(f"not an instruction: {instruction!r}")
@@ -284,6 +345,8 @@ def task_header(task: ev.SendTask) -> messages.Task:
         dtype=task.dtype,
         item_shape=task.item_shape,
         engine=task.engine,
+        stored=task.stored,
+        place=task.place,
     )
 
 
@@ -293,7 +356,11 @@ def result_header(forward: ev.SendResult) -> messages.Result:
     header = forward.result.header
     assert isinstance(header, messages.Result)
     return msgspec.structs.replace(
-        header, worker=forward.worker, attempt=forward.attempt, trace=forward.trace
+        header,
+        worker=forward.worker,
+        attempt=forward.attempt,
+        trace=forward.trace,
+        kept=header.kept or forward.kept,
     )
 
 

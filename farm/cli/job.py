@@ -423,6 +423,16 @@ def echo_result(
             f"the broker was lost and the missing images submitted again "
             f"{result.resubmissions} time(s)"
         )
+    if result.kept:
+        click.echo(
+            f"{result.kept:,} images came back from results the workers kept across a lost "
+            f"broker, worker or client: not computed again"
+        )
+    if result.shared:
+        click.echo(
+            f"the workers read the images from shared storage: {result.input_bytes:,} bytes "
+            f"said where they lie"
+        )
     if out and answers:
         click.echo(f"answers for {result.summary.items + result.resumed:,} images written to {out}")
     elif out and outputs is not None:

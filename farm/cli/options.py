@@ -200,3 +200,34 @@ batch_option = click.option(
 model_option = click.option(
     "--model", default=defaults.MODEL, show_default=True, help="Model to run."
 )
+
+
+def path_maps(
+    context: click.Context, parameter: click.Parameter, values: tuple[str, ...]
+) -> tuple[tuple[str, str], ...]:
+    """``--path-map`` values as (client prefix, worker prefix) pairs."""
+    from farm.storage import parse_path_map
+
+    try:
+        return tuple(parse_path_map(value) for value in values)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def shared_options(function: Command) -> Command:
+    """``--shared`` and ``--path-map``: the workers read the inputs themselves (submit, run)."""
+    function = click.option(
+        "--path-map",
+        multiple=True,
+        callback=path_maps,
+        metavar="CLIENT_PREFIX=WORKER_PREFIX",
+        help="With --shared: the workers see paths under CLIENT_PREFIX under WORKER_PREFIX "
+        "instead (repeatable; the first match wins).",
+    )(function)
+    return click.option(
+        "--shared",
+        is_flag=True,
+        help="The workers read IMAGES from storage they share with this host (NFS, Lustre; "
+        "image files or a uint8/float32 .npy): the broker carries paths and row ranges, "
+        "not bytes.  A worker that cannot read them is sent the bytes.",
+    )(function)

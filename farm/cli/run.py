@@ -33,6 +33,7 @@ from farm.cli.options import (
     model_option,
     models_dir_option,
     precision_option,
+    shared_options,
     top_k_option,
     workers_option,
 )
@@ -82,6 +83,7 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Start a farm for this job even when `farm up` has one running.",
 )
+@shared_options
 @click.option(
     "--timings",
     is_flag=True,
@@ -104,6 +106,8 @@ def run(
     repeat: int,
     models_dir: tuple[str, ...],
     own_farm: bool,
+    shared: bool,
+    path_map: tuple[tuple[str, str], ...],
     timings: bool,
     algo: str,
     **options: object,
@@ -153,6 +157,8 @@ def run(
         answers=answers_wanted(source, out, top_k, ModelCard(spec.labels, spec.softmax)),
         nan_shape=functools.partial(output_shape, spec),
         timeline=timeline,
+        shared=shared,
+        path_map=path_map,
     )
     timeline.mark("input opened")
     stop_on_hangup()
@@ -279,6 +285,8 @@ class LocalJob:
     workers: list[dict[str, Any]] | None = None  # a new farm's workers, as they registered
     stopping: float | None = None  # when a new farm began to stop
     notes: tuple[str, ...] = ()  # lines the summary ends with (the precision gate's choice)
+    shared: bool = False  # the workers read the images themselves
+    path_map: tuple[tuple[str, str], ...] = ()
 
     def submit(self, endpoint: str, **job_options: Any) -> np.ndarray | None:
         return run_job(
@@ -292,6 +300,8 @@ class LocalJob:
             nan_shape=self.nan_shape,
             timeline=self.timeline,
             notes=self.notes,
+            shared=self.shared,
+            path_map=self.path_map,
             **job_options,
         )
 

@@ -27,6 +27,7 @@ from farm.cli.options import (
     model_option,
     models_dir_option,
     precision_option,
+    shared_options,
     top_k_option,
 )
 from farm.cli.policy import policy_options, policy_params
@@ -79,6 +80,7 @@ WATCH_INTERVAL = 2.0
     "top-1 answers agree with f32's on the validation images (the model's files needed here).",
     gated=True,
 )
+@shared_options
 @client_curve_option
 @models_dir_option(
     "Name answers with the labels of the model in this folder (repeatable); "
@@ -101,6 +103,8 @@ def submit(
     precision: str | None,
     min_agreement: float,
     validate: tuple[str, ...],
+    shared: bool,
+    path_map: tuple[tuple[str, str], ...],
     curve: str | None,
     curve_name: str,
     models_dir: tuple[str, ...],
@@ -149,6 +153,7 @@ def submit(
       farm submit urgent.npy --priority 10 --job-timeout 600
       farm submit images.npy --algo fifo --chunk 1000     # this job's own policy
       farm submit images.npy --backend openvino           # this job's own engine
+      farm submit /nfs/photos/ --shared --model squeezenet  # workers read the files
       FARM_BROKER=tcp://10.0.0.1:5555 farm submit images.npy --curve keys/
     """
     params = policy_params(algo, options) if algo else {}
@@ -182,6 +187,8 @@ def submit(
         params=params,
         backend=backend,
         precision=precision,
+        shared=shared,
+        path_map=path_map,
         notes=(gate_summary,) if gate_summary else (),
     )
 

@@ -48,13 +48,24 @@ import zmq
 
 from farm import messages, protocol
 from farm.client.answers import AnswerSink, ModelCard
-from farm.client.inputs import ArraySource, FileSource, InputError, Source, open_input
+from farm.client.inputs import (
+    ArraySource,
+    FileSource,
+    InputError,
+    Source,
+    open_input,
+    stored_inputs,
+    unshareable,
+)
 from farm.client.journal import (
     InputIdentity,
     Journaled,
     JournalHeader,
     JournalMismatch,
     JournalSink,
+    record_submission,
+    recorded_submissions,
+    submissions_path,
 )
 from farm.client.npy import NpyReader, NpyWriter
 from farm.client.trace import Trace, TraceRecorder
@@ -70,6 +81,8 @@ DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 FIRST_CONTACT_TIMEOUT = 8.0
 #: Seconds with no worker connected before the client says so, and between repeats.
 NO_WORKER_NOTICE, NO_WORKER_REPEAT = 3.0, 30.0
+#: Earlier submissions of a job a resubmission names (the most recent ones).
+MAX_EARLIER = 100
 
 #: Commands a client accepts from the broker.
 ACCEPTED = frozenset(
@@ -191,6 +204,7 @@ class Progress:
     answered: np.ndarray = field(init=False)
     failed: list[FailedItems] = field(default_factory=list)
     duplicates: int = 0  # results for items already answered: ignored
+    kept: int = 0  # items answered by results workers kept across a lost broker
 
     def __post_init__(self) -> None:
         self.answered = np.zeros(self.total, dtype=bool)
@@ -199,13 +213,24 @@ class Progress:
     def complete(self) -> bool:
         return bool(self.answered.all())
 
-    def mark(self, start: int, count: int) -> bool:
-        """Record items as answered; False (and counted) if any was answered before."""
-        if self.answered[start : start + count].any():
-            self.duplicates += 1
-            return False
-        self.answered[start : start + count] = True
-        return True
+    def take(self, start: int, count: int, kept: bool = False) -> list[tuple[int, int]]:
+        """Record items ``start..start + count`` as answered: the runs ``(first, stop)`` of
+        those not answered before (what to write).  A range answered before is counted as
+        a duplicate, unless ``kept``: a worker offers again what it sent a lost broker,
+        delivered or not, cut into other chunks than a resubmission's."""
+        seen = self.answered[start : start + count]
+        if not seen.any():
+            runs = [(start, start + count)]
+        elif seen.all():
+            self.duplicates += not kept
+            return []
+        else:
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], ~seen, [0])).astype(np.int8)))
+            runs = [(start + int(a), start + int(b)) for a, b in zip(edges[::2], edges[1::2])]
+        taken = sum(stop - first for first, stop in runs)
+        seen[:] = True
+        self.kept += taken if kept else 0
+        return runs
 
     def missing_runs(self) -> list[tuple[int, int]]:
         """``(start, count)`` of each run of unanswered items."""
@@ -224,6 +249,8 @@ class JobResult:
     trace: Trace | None = None  # per-chunk timings (``run(trace=True)``)
     resumed: int = 0  # items taken from the journal (``run(resume=...)``), not submitted
     input_bytes: int = 0  # bytes of input the client sent (DATA payloads): files or pixels
+    shared: bool = False  # the workers read the items from shared storage
+    kept: int = 0  # items whose results workers kept across a lost broker, not recomputed
 
 
 @dataclass(frozen=True)
@@ -268,7 +295,13 @@ class JobRun:
     cancel_sent: float | None = None  # when CANCEL went out
     deadline: float | None = None  # monotonic time the job's timeout ends
     output_error: OSError | None = None  # writing an output failed: the job is cancelled
-    input_bytes: int = 0  # DATA payload bytes sent
+    input_bytes: int = 0  # DATA payload bytes sent, and shared inputs' places
+    shared: bool = False  # the workers read the items themselves (``farm.storage``)
+    path_map: tuple[tuple[str, str], ...] = ()  # client prefix -> worker prefix
+    # earlier submissions of the job, lost with a broker (or with a killed client, when
+    # resumed): results kept for them still count
+    earlier: dict[str, Submission] = field(default_factory=dict)
+    journal: Path | None = None  # a journaled job's journal: its submissions noted beside
     notice: Callable[[str], None] = log.warning  # what the user should hear while it waits
     started: float = field(default_factory=time.monotonic)
     no_workers_since: float | None = None  # since when the broker has reported no worker
@@ -278,19 +311,37 @@ class JobRun:
         """Seconds left of the job's timeout (None: it has none)."""
         return None if self.deadline is None else self.deadline - time.monotonic()
 
-    def new_submission(self, missing: list[tuple[int, int]], heartbeat: float) -> messages.Submit:
+    def new_submission(
+        self, missing: list[tuple[int, int]], heartbeat: float
+    ) -> tuple[messages.Submit, list[Any]]:
         """A new submission of the ``missing`` ranges of items: recorded, and its SUBMIT
-        header returned (``heartbeat``: the client's interval)."""
+        (header and payload) returned (``heartbeat``: the client's interval).  It names
+        the earlier submissions (lost with a broker), whose kept results still count."""
         runs, job_start = [], 0
         for start, count in missing:
             runs.append((job_start, start, count))
             job_start += count
+        if self.submission is not None:
+            self.earlier[self.submission.job] = self.submission
+        while len(self.earlier) > MAX_EARLIER:
+            del self.earlier[next(iter(self.earlier))]
         self.submission = Submission(uuid.uuid4().hex, runs)
+        if self.journal is not None:
+            record_submission(self.journal, self.submission.job, runs)
+        payload = []
+        if self.shared or self.earlier:
+            document = messages.SubmitDocument(
+                inputs=stored_inputs(self.source, runs, self.path_map) if self.shared else None,
+                runs=runs if self.earlier else [],
+                earlier={job: list(earlier.runs) for job, earlier in self.earlier.items()},
+            )
+            payload = protocol.document_frames(document)
+            self.input_bytes += len(payload[0])
         self.first_id = self.first_id or self.submission.job
         if self.trace:
             self.trace.new_submission()
-        timeout = self.remaining() if self.resubmissions else self.options.job_timeout
-        return messages.Submit(
+        timeout = self.remaining() if self.earlier else self.options.job_timeout
+        submit = messages.Submit(
             job=self.submission.job,
             model=self.model,
             dtype=self.source.dtype,
@@ -299,6 +350,7 @@ class JobRun:
             options=self.options.header(timeout),
             heartbeat=heartbeat,
         )
+        return submit, payload
 
 
 @dataclass
@@ -314,14 +366,15 @@ class Running:
     # context's term() waiting on that socket
     link: weakref.ref[BrokerLink] | None = None
 
-    def resubmission(self) -> messages.Submit | None:
+    def resubmission(self, lost: bool = True) -> tuple[messages.Submit, list[Any]] | None:
         """The SUBMIT of the items the job still misses (None: no job running, or none
-        missing, or its timeout passed)."""
+        missing, or its timeout passed); ``lost``: the broker was (not: it asked for it)."""
         job = self.job
         if job is None or job.submission is None:
             return None
-        job.resubmissions += 1
+        job.resubmissions += lost
         missing = job.state.missing_runs()
+        job.earlier[job.submission.job] = job.submission
         job.submission = None
         remaining = job.remaining()
         if missing and remaining is not None and remaining <= 0:
@@ -332,7 +385,7 @@ class Running:
         link = self.link() if self.link is not None else None
         answered = link is not None and link.answered
         log.log(
-            logging.WARNING if answered else logging.DEBUG,  # never there: not news
+            logging.WARNING if answered and lost else logging.DEBUG,  # never there: not news
             "submitting the %d missing images again",
             job.state.total - job.state.answered.sum(),
         )
@@ -465,6 +518,8 @@ class Client:
         precision: str | None = None,
         resume: str | os.PathLike[str] | None = None,
         notice: Callable[[str], None] | None = None,
+        shared: bool = False,
+        path_map: Sequence[tuple[str, str]] = (),
     ) -> JobResult:
         """Submit a job and gather its outputs (into ``out``, an array or a sink such as
         ``NpyWriter`` or ``farm.client.answers.AnswerSink``, written where the caller said) and a
@@ -501,6 +556,13 @@ class Client:
         OutputError if writing an output fails (disk full, EIO...): the job is cancelled
         on the broker first; what was journaled stays valid for a resume.
 
+        ``shared``: the workers read the items themselves from storage they share with
+        this client (image files, or a `.npy` file of uint8 or float32): the broker carries
+        where each lies, not its bytes (``farm.storage``).  ``path_map``: ``(client prefix,
+        worker prefix)`` pairs where the workers mount it elsewhere.  A worker that cannot
+        read them is sent their bytes; an input that cannot be shared (an array in
+        memory, a `.npy` file converted on the client) is sent, with a notice.
+
         ``notice``: called with a line for the user while the job waits (no worker is
         connected; default: a logged warning).  FarmTimeout if no broker ever answers
         within ``FIRST_CONTACT_TIMEOUT`` seconds (or the client's timeout); NoWorker
@@ -516,6 +578,9 @@ class Client:
         if resume is not None and out is not None:
             raise FarmError("give out or resume, not both")
         engine = job_engine(backend, precision)
+        if shared and (reason := unshareable(source)):
+            (notice or log.warning)(f"inputs not shared: {reason}")
+            shared = False
         sink = self._open_sink(out, resume, source, model, engine)
         try:
             job = JobRun(
@@ -528,6 +593,8 @@ class Client:
                 trace=TraceRecorder() if trace else None,
                 deadline=None if job_timeout is None else time.monotonic() + job_timeout,
                 notice=notice or log.warning,
+                shared=shared,
+                path_map=tuple(path_map),
             )
             return self._run_job(job)
         finally:
@@ -563,11 +630,17 @@ class Client:
             resumed = int(state.answered.sum())
             if resumed and job.progress:
                 job.progress(resumed)
+            job.journal = sink.journal
+            if sink.journal.exists():  # resumed: name the killed client's submissions
+                for earlier, runs in recorded_submissions(sink.journal).items():
+                    job.earlier[earlier] = Submission(earlier, runs)
+            else:
+                submissions_path(sink.journal).unlink(missing_ok=True)
         missing = state.missing_runs()
         self._running.job = job
         try:
             if missing:
-                self._send(job.new_submission(missing, self.heartbeat))
+                self._send(*job.new_submission(missing, self.heartbeat))
                 self._collect(job)
         finally:
             self._running.job = None
@@ -579,12 +652,18 @@ class Client:
                 sink.stop_journal()  # what did not come back is retried by a resume
             for start, count in state.missing_runs():
                 self._record_failure(job, start, count, job.cancelled)
+        elif not state.complete:  # never silently short: the broker said done too early
+            log.error("the job ended with items missing: reported as failed")
+            for start, count in state.missing_runs():
+                self._record_failure(job, start, count, "did not come back before the job ended")
         state.failed.sort(key=lambda failure: failure.start)  # in input order, not as they arrived
         try:
             for failure in state.failed:
                 sink.fill(failure.start, failure.count, np.nan)
             if isinstance(sink, Journaled):
                 sink.finish(complete=state.complete and not state.failed)
+                if not sink.journal.exists():
+                    submissions_path(sink.journal).unlink(missing_ok=True)
         except OSError as exc:
             raise self._output_error(job, exc) from exc
         elapsed = time.perf_counter() - started
@@ -609,6 +688,8 @@ class Client:
             recorded,
             resumed,
             job.input_bytes,
+            job.shared,
+            state.kept,
         )
 
     @staticmethod
@@ -716,26 +797,21 @@ class Client:
         if isinstance(header, messages.Error) and header.job is None:
             raise FarmError(f"the broker refused a request: {header.error}")
         submission = job.submission
-        if (
-            not isinstance(header, messages.Heartbeat)
-            and submission is not None
-            and messages.job_of(header) == submission.job
-        ):
+        if isinstance(header, messages.Heartbeat) or submission is None:
+            return
+        about = messages.job_of(header)
+        if about == submission.job:
             self._handle(job, submission, message)
+        elif isinstance(header, messages.Result) and about in job.earlier:
+            self._take_message(job, job.earlier[about], message)  # kept from a lost broker
 
     def _handle(self, job: JobRun, submission: Submission, message: protocol.Message) -> None:
         """One message about the job's current submission."""
         match message.header:
             case messages.Need() as need:
                 self._send_input(job, submission, need)
-            case messages.Result() as result:
-                self._take_result(
-                    job,
-                    submission,
-                    result,
-                    message.array(result.dtype, result.item_shape),
-                    message.failures(),
-                )
+            case messages.Result():
+                self._take_message(job, submission, message)
             case messages.Failed() as failed:
                 self._take_failure(job, failed, submission)
             case messages.Done():
@@ -743,6 +819,11 @@ class Client:
             case messages.Cancel(reason=reason):
                 job.cancelled = reason or "cancelled"
                 job.summary, job.submission = message.document(JobSummary), None
+            case messages.Error(resubmit=True) if job.cancel_sent is None:
+                log.info("%s", message.header.error)
+                resubmission = self._running.resubmission(lost=False)
+                if resubmission is not None:
+                    self._send(*resubmission)
             case messages.Error(unknown_job=True) if job.cancel_sent is not None:
                 job.cancelled, job.submission = "cancelled", None  # nothing left to cancel
             case messages.Error(unknown_job=True):  # a restarted broker: ask again
@@ -750,6 +831,17 @@ class Client:
                 self.link.reconnect()
             case messages.Error(error=error):
                 raise FarmError(error)
+
+    def _take_message(self, job: JobRun, submission: Submission, message: protocol.Message) -> None:
+        result = message.header
+        assert isinstance(result, messages.Result)
+        self._take_result(
+            job,
+            submission,
+            result,
+            message.array(result.dtype, result.item_shape),
+            message.failures(),
+        )
 
     def _send_input(self, job: JobRun, submission: Submission, need: messages.Need) -> None:
         """DATA for a NEED: the chunk's items, read from the source now."""
@@ -781,24 +873,43 @@ class Client:
             raise FarmError(f"result for {header.count} items holds {len(values)}")
         pieces = submission.pieces(header.start, header.count)
         for offset, item_start, count in pieces:
-            if job.output_error is not None or not job.state.mark(item_start, count):
-                continue
-            for low, high, error in split_failures(offset, count, failures):
-                start = item_start + low - offset
-                if error is not None:
-                    self._record_failure(job, start, high - low, error)
-                    continue
-                try:
-                    job.sink.write(start, values[low:high])
-                except OSError as exc:  # this run and the piece's later ones are not written
-                    job.state.answered[start : item_start + count] = False
-                    self._output_failed(job, exc)
+            if job.output_error is not None:
+                break
+            runs = job.state.take(item_start, count, header.kept)
+            for first, stop in runs:
+                if not self._write_run(
+                    job, values, failures, first - item_start + offset, first, stop
+                ):
+                    job.state.answered[first : item_start + count] = False  # not written
                     break
             else:
-                if job.progress:
-                    job.progress(count)
+                if job.progress and runs:
+                    job.progress(sum(stop - first for first, stop in runs))
         if job.trace and pieces:
             job.trace.add(header, pieces[0][1], header.count)
+
+    def _write_run(
+        self,
+        job: JobRun,
+        values: np.ndarray,
+        failures: list[tuple[int, int, str]],
+        offset: int,
+        first: int,
+        stop: int,
+    ) -> bool:
+        """Write items ``first..stop`` (at ``offset`` in the result) and record those that
+        failed on their own; False if writing failed (the job is cancelled)."""
+        for low, high, error in split_failures(offset, stop - first, failures):
+            start = first + low - offset
+            if error is not None:
+                self._record_failure(job, start, high - low, error)
+                continue
+            try:
+                job.sink.write(start, values[low:high])
+            except OSError as exc:
+                self._output_failed(job, exc)
+                return False
+        return True
 
     @staticmethod
     def _record_failure(job: JobRun, start: int, count: int, error: str) -> None:
@@ -823,10 +934,10 @@ class Client:
 
     def _take_failure(self, job: JobRun, header: messages.Failed, submission: Submission) -> None:
         for _, item_start, count in submission.pieces(header.start, header.count):
-            if job.state.mark(item_start, count):
-                self._record_failure(job, item_start, count, header.error)
+            for first, stop in job.state.take(item_start, count):
+                self._record_failure(job, first, stop - first, header.error)
                 if job.progress:
-                    job.progress(count)
+                    job.progress(stop - first)
 
     def _send(self, header: messages.Header, payload: list[Any] | None = None) -> None:
         """Send without blocking: with no broker to take it, the message is dropped (the

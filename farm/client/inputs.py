@@ -27,7 +27,9 @@ import numpy as np
 
 from farm.client.imagefiles import InputError, find_image_files, find_inputs, unreadable
 from farm.client.npy import NpyError, NpyReader
+from farm.messages import StoredInputs
 from farm.protocol import ENCODED, MAX_FILE_BYTES, ProtocolError, check_array_spec, file_frames
+from farm.storage import stored_array, stored_files
 
 __all__ = [
     "ArraySource",
@@ -282,6 +284,44 @@ def repeated(source: Source, passes: int) -> Source:
             for index, reason in source.refused.items()
         },
     )
+
+
+def unshareable(source: Source) -> str | None:
+    """Why the workers cannot read this source's items themselves (None: they can, given
+    shared storage): only files can be shared, and a `.npy` file only as it travels."""
+    if isinstance(source, FileSource):
+        return None
+    if not isinstance(source.images, NpyReader):
+        return "an array in memory cannot be shared: save it as a .npy file, or send it"
+    if source.wire != source.images.dtype:
+        return (
+            f"{source.label} is {describe_dtype(source.images.dtype)}, converted to "
+            f"{source.wire.name} on the client: its bytes are sent"
+        )
+    return None
+
+
+def stored_inputs(
+    source: Source, runs: Sequence[tuple[int, int, int]], path_map: Sequence[tuple[str, str]]
+) -> StoredInputs:
+    """Where a submission's items lie (``runs``: its items ``job_start..`` are the source's
+    ``item_start..``), for workers that read them from shared storage (``farm.storage``).
+    A file the client cannot send is listed without a path: it fails with the client's
+    reason, as when sent."""
+    if isinstance(source, FileSource):
+        indices = np.concatenate(
+            [np.arange(start, start + count) for _, start, count in runs]
+        ).astype(np.int64)
+        for index in np.flatnonzero(source.sizes[indices] > MAX_FILE_BYTES).tolist():
+            source.read_file(int(indices[index]))  # records why it is not sent
+        paths = [
+            "" if index in source.problems else os.fspath(source.paths[index])
+            for index in indices.tolist()
+        ]
+        return stored_files(paths, source.sizes[indices].tolist(), path_map)
+    reader = source.images
+    assert isinstance(reader, NpyReader)  # unshareable() said so
+    return stored_array(os.fspath(reader.path), reader.offset, len(reader), runs, path_map)
 
 
 def wire_dtype(given: np.dtype, label: str) -> np.dtype:

@@ -240,6 +240,44 @@ def open_for_append(journal: Path) -> int:
     return fd
 
 
+#: Beside the journal (``OUT.journal.jobs``): the job's submissions, one JSON line each.
+SUBMISSIONS_SUFFIX = ".jobs"
+#: Most submissions a resumed client names (the latest).
+MAX_SUBMISSIONS = 100
+
+
+def submissions_path(journal: Path) -> Path:
+    return Path(f"{journal}{SUBMISSIONS_SUFFIX}")
+
+
+def record_submission(journal: Path, job: str, runs: list[tuple[int, int, int]]) -> None:
+    """Note a submission of the job (its id, and which items its ``runs`` hold): a client
+    that resumes the job names it, so that what the workers finished for it after this
+    client died still counts.  Best effort: a failure costs only that recomputation."""
+    try:
+        with open(submissions_path(journal), "a") as handle:
+            handle.write(json.dumps({"job": job, "runs": runs}) + "\n")
+    except OSError as exc:
+        log.debug("cannot note the submission in %s: %s", submissions_path(journal), exc)
+
+
+def recorded_submissions(journal: Path) -> dict[str, list[tuple[int, int, int]]]:
+    """The submissions ``record_submission`` noted, the latest ``MAX_SUBMISSIONS`` (torn or
+    foreign lines skipped)."""
+    try:
+        lines = submissions_path(journal).read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    found: dict[str, list[tuple[int, int, int]]] = {}
+    for line in lines[-MAX_SUBMISSIONS:]:
+        try:
+            entry = json.loads(line)
+            found[str(entry["job"])] = [(int(a), int(b), int(c)) for a, b, c in entry["runs"]]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
 @runtime_checkable
 class Journaled(Protocol):
     """A sink that journals what it writes, so that a killed job resumes (``Client.run``

@@ -99,6 +99,13 @@ def format_status(snapshot: dict[str, Any]) -> str:
             "recovered from: "
             + ", ".join(f"{count} {name.replace('_', ' ')}" for name, count in events.items())
         )
+    traffic = snapshot.get("traffic")
+    if traffic:
+        lines.append(
+            f"through the broker: {sum(traffic['received'].values()):,} messages in, "
+            f"{sum(traffic['sent'].values()):,} out; jobs' inputs (or where they lie) "
+            f"{traffic['input_bytes'] / 1e6:,.1f} MB"
+        )
     lines.append("")
     busy = sum(1 for w in workers if w["state"] == "busy")
     lines.append(

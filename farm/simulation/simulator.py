@@ -300,6 +300,7 @@ class FarmSimulation:
                 else:
                     self.at(answered, kit.result_for(instruction, answered, end - began))
             case ev.SendResult(result=result, trace=trace):
+                assert trace is not None  # no broker is lost here: no result is kept
                 began, end = self.running.pop(result.chunk)
                 self.runs.setdefault(result.job, []).append(
                     ChunkRun(

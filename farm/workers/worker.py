@@ -6,9 +6,13 @@ the broker declared lost after ``liveness`` silent intervals, then a fresh
 socket and a new READY, with back-off); the compute thread runs the chunks,
 so a long chunk never silences the heartbeats.  Replies come back to the
 main thread over an inproc pipe.  Chunks that arrived over a connection since
-replaced are not run (the broker has requeued them); a reply computed before
-the reconnect is still sent, and the broker, which alone decides what counts,
-drops it as late.
+replaced are not run (the broker has requeued them); a result computed across
+the reconnect goes out marked *kept*, and the results sent last are offered again
+on every new connection (``farm.workers.kept``): a broker that restarted passes them
+to the job's client, and the broker, which alone decides what counts, takes or drops
+them.  A TASK of shared inputs (``farm.storage``) names where its items lie; the
+worker reads them itself, and a chunk it cannot read fails uncharged as
+``unshared`` (the broker then sends it the bytes).
 
 ``--device cpu:N`` pins the process to core N and caps every compute library
 at one thread; ``--device cpu`` runs unpinned with the libraries' defaults;
@@ -59,7 +63,9 @@ from farm.modelrepo.repository import (
 )
 from farm.protocol import Command, Message, ProtocolError
 from farm.startup import Timeline
+from farm.storage import ArrayFiles, UnsharedError, read_files
 from farm.wakeup import Wakeup
+from farm.workers.kept import SentResults, as_kept
 
 if TYPE_CHECKING:
     from farm.engines.images import ImageDecoder
@@ -232,6 +238,7 @@ class Worker:
     running: bool = True
     # jobs the broker cancelled, oldest first: written by the I/O thread, read by compute
     cancelled: dict[str, None] = field(default_factory=dict)
+    cancelled_chunks: dict[int, None] = field(default_factory=dict)  # attempts, likewise
     # images computed and seconds spent computing them, counted batch by batch (compute
     # thread) and sent with every heartbeat (I/O thread): the broker's live view
     computed_images: int = 0
@@ -240,6 +247,8 @@ class Worker:
     # that (re)starts knows this worker's speed before its first chunk (compute thread)
     speeds: dict[str, tuple[int, float]] = field(default_factory=dict)
     decoders: dict[str, ImageDecoder] = field(default_factory=dict)  # by model digest
+    arrays: ArrayFiles = field(default_factory=ArrayFiles)  # shared .npy files (compute thread)
+    sent: SentResults = field(default_factory=SentResults)  # offered again to a new broker
     startup: Timeline = field(default_factory=Timeline.of_this_process)  # sent with READY
 
     def __post_init__(self) -> None:
@@ -427,11 +436,20 @@ class Worker:
             if link.socket in events:
                 self.receive(link, tasks)
             if pipe in events:
-                link.send(pipe.recv_multipart(copy=False))
+                reply = pipe.recv_multipart(copy=False)
+                self.sent.note(reply)
+                link.send(reply)
                 if self.config.max_tasks and self.tasks_done >= self.config.max_tasks:
                     return
             if link.tick():  # a new connection: the old one's fetches died
-                tasks.put(QueuedMessage(link.generation, None, 0.0))
+                self.reconnected(link, tasks)
+
+    def reconnected(self, link: BrokerLink, tasks: queue.Queue) -> None:
+        """A new connection (READY sent): the old one's fetches died; the results sent last
+        are offered again, in case the broker that took them was lost."""
+        tasks.put(QueuedMessage(link.generation, None, 0.0))
+        for offer in self.sent.offers():
+            link.send(offer)
 
     def receive(self, link: BrokerLink, tasks: queue.Queue) -> None:
         """One message from the broker: liveness, a reconnect order, or work for compute."""
@@ -446,6 +464,8 @@ class Worker:
         header = message.header
         if isinstance(header, messages.Heartbeat):
             link.heard(header.interval)
+        elif isinstance(header, messages.Cancel) and header.chunk is not None:
+            self.cancel_chunk(header.chunk)
         elif isinstance(header, messages.Cancel):
             self.cancel(header.job)
         elif message.command is Command.DISCONNECT:
@@ -454,9 +474,19 @@ class Worker:
                 "dead): registering again"
             )
             link.reconnect()
-            tasks.put(QueuedMessage(link.generation, None, 0.0))
+            self.reconnected(link, tasks)
         else:
             tasks.put(QueuedMessage(link.generation, message, received))
+
+    def cancel_chunk(self, chunk: int) -> None:
+        """Remember an attempt the broker no longer wants (kept results answered it)."""
+        self.cancelled_chunks[chunk] = None
+        if len(self.cancelled_chunks) > CANCELLED_MEMORY:
+            del self.cancelled_chunks[next(iter(self.cancelled_chunks))]
+
+    def stopped(self, task: messages.Task) -> bool:
+        """Whether the task's job, or the task itself, was cancelled."""
+        return task.job in self.cancelled or task.chunk in self.cancelled_chunks
 
     def cancel(self, job: str) -> None:
         """Remember a cancelled job: its queued chunks are not run, its running one stops."""
@@ -492,7 +522,10 @@ class Worker:
                 if queued.generation != link.generation:
                     continue  # sent over a connection that was replaced: the broker requeued it
                 for reply in self.dispatch(queued.message, queued.received):
-                    pipe.send_multipart(reply, copy=False)
+                    if queued.generation != link.generation:  # the connection went meanwhile
+                        reply = kept_reply(reply)
+                    if reply:
+                        pipe.send_multipart(reply, copy=False)
         finally:
             pipe.close(linger=0)
 
@@ -508,7 +541,7 @@ class Worker:
 
     def on_task(self, message: Message, task: messages.Task, received: float) -> list[Reply]:
         """Run a chunk now, or park it while its model's files are fetched."""
-        if task.job in self.cancelled:  # nothing to load or fetch for it
+        if self.stopped(task):  # nothing to load or fetch for it
             return [self.failed(message, "job cancelled", fatal=False, charge=False)]
         model, digest = task.model, task.digest
         if digest in self.waiting:
@@ -572,10 +605,17 @@ class Worker:
         return replies
 
     @staticmethod
-    def failed(message: Message, error: str, fatal: bool = True, charge: bool = True) -> Reply:
+    def failed(
+        message: Message,
+        error: str,
+        fatal: bool = True,
+        charge: bool = True,
+        unshared: bool = False,
+    ) -> Reply:
         """FAILED for a TASK's chunk: ``fatal`` when no worker could run it (the model is
         unusable), not fatal when another attempt may succeed; ``charge`` False when the
-        chunk's items are not to blame (a cancelled job, a fetch that timed out)."""
+        chunk's items are not to blame (a cancelled job, a fetch that timed out);
+        ``unshared`` when this worker cannot read the chunk's shared inputs."""
         task = message.header
         assert isinstance(task, messages.Task)  # only a TASK names a chunk to run
         return protocol.encode(
@@ -588,6 +628,7 @@ class Worker:
                 error=error,
                 fatal=fatal,
                 charge=charge,
+                unshared=unshared,
             ),
         )
 
@@ -618,15 +659,16 @@ class Worker:
             engine.last_run = RunStats()  # a chunk whose every file fails computes nothing
             failures: list[tuple[int, int, str]] = []
             if task.dtype == protocol.ENCODED:
+                files, unread = self.chunk_files(message, task)
                 decoded = time.perf_counter()  # decoding the files counts as compute
-                outputs, failures = self.run_files(engine, message, task)
+                outputs, failures = self.run_files(engine, files, unread, task)
             else:
                 if task.item_shape != engine.spec.item_shape:
                     raise ValueError(
                         f"item shape {task.item_shape} does not match model "
                         f"{engine.spec.name!r} input {engine.spec.item_shape}"
                     )
-                images = message.array(task.dtype, task.item_shape)
+                images = self.chunk_array(message, task)
                 compiled = engine.prepare(images.dtype)  # a graph for a new dtype: loading
                 waited, received = waited + compiled, received + compiled
                 decoded = time.perf_counter()
@@ -641,6 +683,8 @@ class Worker:
             self.inject_fault(task.start, task.count)  # after the compute, which it wastes
         except Stopped as exc:
             return self.failed(message, f"job cancelled ({exc})", fatal=False, charge=False)
+        except UnsharedError as exc:  # the broker sends this worker the bytes instead
+            return self.failed(message, str(exc), fatal=False, charge=False, unshared=True)
         except (ModelError, ValueError, ProtocolError) as exc:
             return self.failed(message, str(exc))
         except Exception as exc:  # backend errors and anything unforeseen: worth a retry
@@ -676,29 +720,55 @@ class Worker:
             frames,
         )
 
+    def chunk_files(
+        self, message: Message, task: messages.Task
+    ) -> tuple[list[Any], dict[int, str]]:
+        """A chunk's image files: sent, or read here from shared storage; with the reasons of
+        those that could not be read (UnsharedError if none could)."""
+        if task.stored is None:
+            return message.files(), {}
+        files, unread = read_files(
+            protocol.frame_view(message.payload[0]), protocol.frame_view(message.payload[1])
+        )
+        return files, dict(unread)
+
+    def chunk_array(self, message: Message, task: messages.Task) -> np.ndarray:
+        """A chunk's pixels: sent, or read here from a shared `.npy` file."""
+        if task.place is None:
+            return message.array(task.dtype, task.item_shape)
+        item_bytes = protocol.check_array_spec(task.dtype, task.item_shape)
+        rows = self.arrays.read_rows(
+            task.place, protocol.frame_view(message.payload[0]), item_bytes
+        )
+        images = np.frombuffer(rows, dtype=task.dtype).reshape(-1, *task.item_shape)
+        if len(images) != task.count:
+            raise ProtocolError(
+                f"the chunk's row ranges hold {len(images)} items, not {task.count}"
+            )
+        return images
+
     def run_files(
-        self, engine: Engine, message: Message, task: messages.Task
+        self, engine: Engine, files: list[Any], unread: dict[int, str], task: messages.Task
     ) -> tuple[np.ndarray, list[tuple[int, int, str]]]:
         """Decode a chunk of image files and run the ones that decode: their outputs (NaN
         for the others; the mean over the crops when the model oversamples), and the runs
-        of files that failed, with their reasons."""
+        of files that failed, with their reasons (``unread``: read failures, by index)."""
         decoder = self.decoders.get(task.digest)
         if decoder is None:
             from farm.engines.images import ImageDecoder
 
             decoder = self.decoders[task.digest] = ImageDecoder(engine.spec)
-        batch = decoder.decode(message.files())
+        batch = decoder.decode(files)
         outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
         if len(batch.ok):
-            computed = engine.run(
-                batch.images, stop=lambda: task.job in self.cancelled, tally=self.tally
-            )
+            computed = engine.run(batch.images, stop=lambda: self.stopped(task), tally=self.tally)
             if batch.crops > 1:
                 computed = computed.reshape(len(batch.ok), batch.crops, *engine.output_shape).mean(
                     axis=1
                 )
             outputs[batch.ok] = computed
-        return outputs, failure_runs(batch.failures)
+        failures = [(index, unread.get(index, reason)) for index, reason in batch.failures]
+        return outputs, failure_runs(failures)
 
     def run_array(
         self, engine: Engine, images: np.ndarray, task: messages.Task
@@ -707,11 +777,11 @@ class Worker:
         the runs of float32 items that hold a NaN or an infinite pixel."""
         finite = finite_items(images)
         if finite.all():
-            return engine.run(images, stop=lambda: task.job in self.cancelled, tally=self.tally), []
+            return engine.run(images, stop=lambda: self.stopped(task), tally=self.tally), []
         outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
         if finite.any():
             outputs[finite] = engine.run(
-                images[finite], stop=lambda: task.job in self.cancelled, tally=self.tally
+                images[finite], stop=lambda: self.stopped(task), tally=self.tally
             )
         bad = np.flatnonzero(~finite).tolist()
         return outputs, failure_runs([(index, NON_FINITE) for index in bad])
@@ -742,6 +812,15 @@ class Worker:
 
     def stop(self, *_: Any) -> None:
         self.running = False
+
+
+def kept_reply(reply: Reply) -> Reply:
+    """A reply to a chunk of a connection since replaced: a RESULT goes out marked kept (its
+    broker may be gone, and a new one holds it for the job's client); anything else is
+    dropped (empty)."""
+    if bytes(protocol.frame_view(reply[1])) != Command.RESULT.value:
+        return []
+    return as_kept(reply)
 
 
 def finite_items(images: np.ndarray) -> np.ndarray:

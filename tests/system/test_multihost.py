@@ -52,9 +52,11 @@ import msgspec
 import numpy as np
 
 from farm.client.client import Client
+from farm.client.npy import NpyReader
 
 endpoint, keys, images_path, out_path, workers = sys.argv[1:6]
-images = np.load(images_path)
+shared = sys.argv[6:] == ["shared"]  # the workers read the .npy themselves
+images = NpyReader.open(images_path) if shared else np.load(images_path)
 
 
 def say(tag, value):
@@ -63,11 +65,14 @@ def say(tag, value):
 
 with Client(endpoint, timeout=60.0, heartbeat=0.2, curve=keys) as client:
     say("ready", client.info(wait_workers=int(workers)))
-    result = client.run(images, "lenet", progress=lambda n: print("progress", n, flush=True))
+    result = client.run(
+        images, "lenet", progress=lambda n: print("progress", n, flush=True), shared=shared
+    )
     np.save(out_path, result.outputs)
     say("result", {"duplicates": result.duplicates, "resubmissions": result.resubmissions,
                    "failed": [asdict(f) for f in result.failed],
                    "items": result.summary.items, "seconds": result.summary.seconds,
+                   "shared": result.shared,
                    "rate": result.summary.rate, "waste": result.summary.waste,
                    "workers": msgspec.to_builtins(result.summary.workers)})
     say("info", client.info())
@@ -281,7 +286,7 @@ class Hosts:
         )
 
     def start_client(
-        self, script: Path, keys: Path, images: Path, out: Path, workers: int
+        self, script: Path, keys: Path, images: Path, out: Path, workers: int, shared: bool = False
     ) -> Process:
         return self.start(
             "client",
@@ -294,6 +299,7 @@ class Hosts:
                 str(images),
                 str(out),
                 str(workers),
+                *(["shared"] if shared else []),
             ],
         )
 
@@ -406,6 +412,36 @@ def test_a_job_over_curve_tcp_across_hosts(hosts, keys, client_script, job, tmp_
         f"({result['rate']:,.0f} images/s, waste {result['waste']:.1%}), shares {shares}, "
         f"test {time.monotonic() - started:.1f} s; broker stats {info['stats']}"
     )
+
+
+def test_workers_on_other_hosts_read_a_shared_npy(
+    hosts, keys, client_script, job, tmp_path
+) -> None:
+    """The hosts share this machine's file system, as a cluster's nodes share NFS: the
+    workers read their rows of the client's .npy, and only where they lie crosses the
+    broker (a few bytes a chunk, not 784 an image)."""
+    images, expected = job
+    np.save(tmp_path / "images.npy", images)
+    hosts.start_broker(keys)
+    for n, core in enumerate(pinned_cores(), 1):
+        hosts.start_worker(n, keys, core)
+    client = hosts.start_client(
+        client_script,
+        keys,
+        tmp_path / "images.npy",
+        tmp_path / "out.npy",
+        workers=2,
+        shared=True,
+    )
+    client.expect(r"^ready ", hosts=hosts)
+    result, info = read_report(client, hosts)
+
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), expected, atol=1e-5)
+    assert result["shared"] and result["failed"] == [] and result["items"] == JOB
+    assert info["stats"]["unshared_workers"] == 0
+    per_image = info["traffic"]["input_bytes"] / JOB
+    assert per_image < 200, info["traffic"]
+    assert "DATA" not in info["traffic"]["received"], "no image crossed the broker"
 
 
 def test_a_worker_host_cut_off_mid_job(hosts, keys, client_script, job, tmp_path) -> None:

@@ -130,6 +130,8 @@ def expected(lenet, digits: np.ndarray, count: int) -> np.ndarray:
 
 
 def test_sbatch_runs_a_job_exactly_and_leaves_nothing(cluster, tmp_path, lenet, digits) -> None:
+    """The nodes share the job's folder (as a cluster shares NFS): the workers read the
+    images themselves (``--shared``), and the broker carries only where they lie."""
     path, _ = save_images(tmp_path, digits, 20_000)
     script = deploy(
         tmp_path,
@@ -138,7 +140,9 @@ def test_sbatch_runs_a_job_exactly_and_leaves_nothing(cluster, tmp_path, lenet, 
         "--model",
         "lenet",
         "--submit",
-        f"farm submit {path} --model lenet --out {tmp_path / 'out.npy'} --quiet",
+        f"farm submit {path} --model lenet --out {tmp_path / 'out.npy'} --quiet --shared",
+        "--submit",
+        f"farm status --json > {tmp_path / 'status.json'}",
     )
     submitted = sbatch(cluster, script, wait=True)
     job = job_id(submitted)
@@ -147,6 +151,10 @@ def test_sbatch_runs_a_job_exactly_and_leaves_nothing(cluster, tmp_path, lenet, 
     assert "4 workers registered" in log and "done (exit status 0)" in log
     outputs = np.load(tmp_path / "out.npy")
     np.testing.assert_allclose(outputs, expected(lenet, digits, 20_000), atol=1e-5)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["stats"]["unshared_workers"] == 0
+    assert "DATA" not in status["traffic"]["received"], "no image crossed the broker"
+    assert status["traffic"]["input_bytes"] / 20_000 < 200
     keys = tmp_path / f"farm-{job}" / "keys"
     assert stat.S_IMODE(keys.stat().st_mode) == 0o700
     for key in [*keys.glob("*.key*"), *keys.glob("authorized/*")]:

@@ -109,9 +109,15 @@ def test_the_scale_bench_drives_the_state_and_a_real_broker() -> None:
     broker_scale = bench_script("broker_scale")
     run = broker_scale.drive_state("equal-finish", 50, 2, 300)
     assert run.chunks == 300 and run.us_per_chunk > 0
-    for command in (
-        farm_command("--log-level", "ERROR", "broker", "--bind", "{}"),
-        [sys.executable, broker_scale.__file__, "--bare", "{}"],
-    ):
-        rate, cpu = broker_scale.measure_broker(command, free_port(), 3, 200)
-        assert rate > 0 and cpu > 0
+    broker = farm_command("--log-level", "ERROR", "broker", "--bind", "{}")
+    sent = broker_scale.measure_broker(broker, free_port(), 3, 200)
+    shared = broker_scale.measure_broker(broker, free_port(), 3, 200, shared=True)
+    bare = broker_scale.measure_broker(
+        [sys.executable, broker_scale.__file__, "--bare", "{}"], free_port(), 3, 200
+    )
+    for measured in (sent, shared, bare):
+        assert measured.rate > 0 and measured.cpu_us > 0
+    # one-image chunks of 784 bytes: sent, each crosses the broker twice; shared, only where
+    # it lies does (the SUBMIT's document, the TASK's row range and header)
+    assert sent.bytes_per_image > 2 * 784
+    assert shared.bytes_per_image < sent.bytes_per_image / 4

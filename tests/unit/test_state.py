@@ -259,12 +259,17 @@ def test_no_item_runs_more_than_max_runs_times() -> None:
     assert out[1].summary.failed_items == 10
 
 
-def test_a_closed_client_connection_ends_its_jobs_and_stops_their_chunks() -> None:
+def test_a_closed_client_connection_ends_its_jobs_and_keeps_their_chunks_results() -> None:
+    """The chunk its worker is computing still finishes: its result is held for a client
+    that resumes the job naming it, and the worker's slot frees."""
     state = fifo(10)
     state.handle(joined(A))
-    state.handle(data_for(state.handle(submit("j", 100))[0], 0.1))
-    assert state.handle(ev.ClientLeft(client=CLIENT, at=0.2)) == [ev.SendCancel(peer=A, job="j")]
+    sent = state.handle(data_for(state.handle(submit("j", 100))[0], 0.1))[0]
+    assert state.handle(ev.ClientLeft(client=CLIENT, at=0.2)) == []
     assert state.jobs == {} and state.outcomes["expired"] == 1
+    assert state.handle(result_for(sent, 0.5, 0.3)) == []
+    assert state.stats.kept_results == 1 and len(state.kept) == 1
+    assert state.workers[A].free_slots == 1
 
 
 def test_a_fatal_failure_fails_the_job_and_frees_the_worker() -> None:
@@ -299,8 +304,8 @@ def test_silence_expires_workers_and_clients_on_the_tick() -> None:
     state.handle(submit("j", 100))
     state.handle(data_for(need("j", 1, 0, 10), 0.1))
     state.handle(ev.WorkerHeard(worker=A, at=2.0))
-    # the client: silent 4.5 s
-    assert state.handle(ev.Tick(at=4.5)) == [ev.SendCancel(peer=A, job="j")]
+    # the client: silent 4.5 s (the chunk in flight finishes, kept for a resumption)
+    assert state.handle(ev.Tick(at=4.5)) == []
     assert state.outcomes["expired"] == 1 and A in state.workers
     assert state.handle(ev.Tick(at=5.5)) == [] and A not in state.workers
 
