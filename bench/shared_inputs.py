@@ -93,7 +93,7 @@ def measure(name: str, farm: LocalFarm, inputs: list[str], model: str, rounds: i
     sent, shared = best[False], best[True]
     equal = np.array_equal(sent.outputs, shared.outputs)
     print(
-        f"{name:<28}{sent.bytes_per_image:>12,.1f}{shared.bytes_per_image:>12,.1f}"
+        f"{name:<28}{sent.bytes_per_image:>12,.1f}{shared.bytes_per_image:>14,.1f}"
         f"{sent.messages_per_chunk:>8.1f}{shared.messages_per_chunk:>8.1f}"
         f"{sent.seconds:>9.2f}{shared.seconds:>9.2f}{sent.seconds / shared.seconds:>9.2f}x"
         f"   {'equal' if equal else 'DIFFERENT'}",
@@ -125,7 +125,7 @@ def bench(args: argparse.Namespace) -> int:
         f"DATA, TASK frames, in and out; results not counted)"
     )
     print(
-        f"{'job':<28}{'sent B/img':>12}{'shared B/img':>12}{'msg/ch':>8}{'shared':>8}"
+        f"{'job':<28}{'sent B/img':>12}{'shared B/img':>14}{'msg/ch':>8}{'shared':>8}"
         f"{'sent s':>9}{'shared s':>9}{'speed':>10}"
     )
     with tempfile.TemporaryDirectory(prefix="farm-shared-") as folder:
