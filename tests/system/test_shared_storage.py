@@ -43,6 +43,13 @@ def run_counted(farm: LocalFarm, *args, **kwargs):
     return result, after["input_bytes"] - before["input_bytes"], grown
 
 
+def run_mapped(farm: LocalFarm, inputs, client_prefix: Path, worker_prefix: Path | str):
+    """A shared LeNet job whose workers see ``client_prefix`` at ``worker_prefix``."""
+    return run_counted(
+        farm, inputs, "lenet", shared=True, path_map=[(str(client_prefix), str(worker_prefix))]
+    )
+
+
 @pytest.fixture(scope="module")
 def digits_npy(tmp_path_factory, digits) -> Path:
     path = tmp_path_factory.mktemp("npy") / "digits.npy"
@@ -106,12 +113,8 @@ def test_a_path_map_points_the_workers_at_their_own_mount(
     paths."""
     client_side = write_digits(tmp_path / "client", digits[:100], ".bmp")
     write_digits(tmp_path / "mount", digits[100:200], ".bmp")
-    result, _, grown = run_counted(
-        farm_two_workers,
-        client_side,
-        "lenet",
-        shared=True,
-        path_map=[(str(tmp_path / "client"), str(tmp_path / "mount"))],
+    result, _, grown = run_mapped(
+        farm_two_workers, client_side, tmp_path / "client", tmp_path / "mount"
     )
     assert not result.failed and grown["unshared_workers"] == 0
     np.testing.assert_allclose(result.outputs, reference_forward(lenet, digits[100:200]), atol=1e-5)
@@ -123,22 +126,12 @@ def test_workers_that_cannot_read_the_paths_are_sent_the_bytes(
     """A map to a folder no worker has: each worker fails its first chunk uncharged, says
     why, and the broker sends it the bytes from then on; every answer is exact."""
     paths = write_digits(tmp_path / "digits", digits[:300])
-    result, sent_bytes, grown = run_counted(
-        farm_two_workers,
-        paths,
-        "lenet",
-        shared=True,
-        path_map=[(str(tmp_path), "/nonexistent-mount")],
-    )
+    result, sent_bytes, grown = run_mapped(farm_two_workers, paths, tmp_path, "/nonexistent-mount")
     assert not result.failed and grown["unshared_workers"] == 2
     np.testing.assert_allclose(result.outputs, reference_forward(lenet, digits[:300]), atol=1e-5)
     assert result.summary.failed_attempts == 0, "a worker's blindness is not the images' fault"
-    result, _, grown = run_counted(
-        farm_two_workers,
-        open_input([str(digits_npy)]),
-        "lenet",
-        shared=True,
-        path_map=[(str(digits_npy.parent), "/nonexistent-mount")],
+    result, _, grown = run_mapped(
+        farm_two_workers, open_input([str(digits_npy)]), digits_npy.parent, "/nonexistent-mount"
     )
     assert not result.failed and grown["unshared_workers"] == 2
 
@@ -149,12 +142,8 @@ def test_a_file_missing_on_the_mount_fails_alone_with_the_worker_s_reason(
     client_side = write_digits(tmp_path / "client", digits[:50], ".bmp")
     mounted = write_digits(tmp_path / "mount", digits[:50], ".bmp")
     mounted[7].unlink()
-    result, _, grown = run_counted(
-        farm_two_workers,
-        client_side,
-        "lenet",
-        shared=True,
-        path_map=[(str(tmp_path / "client"), str(tmp_path / "mount"))],
+    result, _, grown = run_mapped(
+        farm_two_workers, client_side, tmp_path / "client", tmp_path / "mount"
     )
     assert grown["unshared_workers"] == 0, "the other files of its chunk were read"
     assert [(f.start, f.count) for f in result.failed] == [(7, 1)]
@@ -173,12 +162,8 @@ def test_a_changed_npy_is_not_read_as_the_client_s(
     np.save(tmp_path / "client.npy", digits[:200])
     (tmp_path / "mount").mkdir()
     np.save(tmp_path / "mount" / "client.npy", digits[200:400])
-    result, _, grown = run_counted(
-        farm_two_workers,
-        open_input([str(tmp_path / "client.npy")]),
-        "lenet",
-        shared=True,
-        path_map=[(str(tmp_path), str(tmp_path / "mount"))],
+    result, _, grown = run_mapped(
+        farm_two_workers, open_input([str(tmp_path / "client.npy")]), tmp_path, tmp_path / "mount"
     )
     assert not result.failed and grown["unshared_workers"] == 2
     np.testing.assert_allclose(result.outputs, reference_forward(lenet, digits[:200]), atol=1e-5)
