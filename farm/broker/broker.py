@@ -96,7 +96,8 @@ class Traffic:
 
     def describe(self) -> dict[str, Any]:
         def named(table: dict[type, int]) -> dict[str, int]:
-            return {protocol.command_of_class(kind).name: count for kind, count in table.items()}
+            # a copy first: the HTTP thread of the metrics reads it while the loop counts
+            return {protocol.command_of_class(kind).name: n for kind, n in list(table.items())}
 
         return {
             "received": named(self.received),
@@ -155,7 +156,9 @@ class Broker:
         if config.metrics:
             from farm.broker.metrics import BrokerMetrics  # prometheus, only when asked for
 
-            self.metrics = BrokerMetrics(self.clock, lambda: self.state.counts())
+            self.metrics = BrokerMetrics(
+                self.clock, lambda: self.state.counts(), self.traffic.describe
+            )
             try:
                 self.metrics_url = self.metrics.serve(*config.metrics)
             except OSError as exc:

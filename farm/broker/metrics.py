@@ -55,9 +55,15 @@ JOB_STATES = ("queued", "running")
 class BrokerMetrics:
     """The broker's metrics in a registry of their own; ``serve`` starts the HTTP endpoint."""
 
-    def __init__(self, clock: Callable[[], float], counts: Callable[[], FarmCounts]) -> None:
-        """``clock``: the broker's; ``counts``: the farm's numbers now (read at scrape time,
-        from the HTTP server's thread)."""
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        counts: Callable[[], FarmCounts],
+        traffic: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """``clock``: the broker's; ``counts``: the farm's numbers now, ``traffic`` its
+        socket's (``Traffic.describe``; both read at scrape time, from the HTTP server's
+        thread)."""
         disable_created_metrics()  # no *_created series: they double the output, say little
         self.clock = clock
         self.registry = CollectorRegistry()
@@ -108,7 +114,7 @@ class BrokerMetrics:
             "Seconds since the broker last heard from the worker.",
             **per_worker,
         )
-        self.registry.register(_LiveCollector(counts))
+        self.registry.register(_LiveCollector(counts, traffic))
         self.server: Any = None
 
     def serve(self, host: str, port: int) -> str:
@@ -178,8 +184,10 @@ class _LiveCollector:
     """Series read from the farm's numbers at scrape time: jobs by state, workers, and
     the recovery counters of ``FarmStats``."""
 
-    def __init__(self, counts: Callable[[], FarmCounts]) -> None:
-        self.counts = counts
+    def __init__(
+        self, counts: Callable[[], FarmCounts], traffic: Callable[[], dict[str, Any]] | None
+    ) -> None:
+        self.counts, self.traffic = counts, traffic
 
     def collect(self) -> Iterator[Any]:
         counts = self.counts()
@@ -211,3 +219,25 @@ class _LiveCollector:
         for name, value in counts.stats.items():
             events.add_metric([name], value)
         yield events
+        if self.traffic is not None:
+            yield from traffic_series(self.traffic())
+
+
+def traffic_series(traffic: dict[str, Any]) -> Iterator[Any]:
+    """The broker socket's messages by direction and command, and the bytes of jobs' inputs
+    (or where they lie) that crossed it."""
+    messages = CounterMetricFamily(
+        "farm_broker_messages",
+        "Messages through the broker's socket, by direction and command.",
+        labels=["direction", "command"],
+    )
+    for direction in ("received", "sent"):
+        for command, count in traffic[direction].items():
+            messages.add_metric([direction, command], count)
+    yield messages
+    yield CounterMetricFamily(
+        "farm_broker_input_bytes",
+        "Bytes of jobs' inputs, or of where they lie, through the broker (SUBMIT, NEED, DATA "
+        "and TASK frames, in and out; results not counted).",
+        value=traffic["input_bytes"],
+    )
