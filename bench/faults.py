@@ -642,15 +642,10 @@ def broker_lives(folder: Path, chunks: list[Computed], since: float) -> list[Lif
     for n, log in enumerate(logs):
         begin = max(starts[n], since)
         end = starts[n + 1] if n + 1 < len(logs) else float("inf")
-        delivered = kept = 0
-        for line in log.read_text(errors="replace").splitlines():
-            match = DELIVERED_LINE.match(line)
-            if match and epoch(match.group(1)) >= since:
-                count = int(match.group(4)) - int(match.group(3)) + 1
-                delivered += count
-                kept += count if match.group(2) else 0
+        delivered = [d for d in deliveries([log]) if d.time >= since]
+        kept = sum(d.count for d in delivered if d.kept)
         computed = sum(chunk.count for chunk in chunks if begin <= chunk.time < end)
-        lives.append(Life(computed, delivered, kept))
+        lives.append(Life(computed, sum(d.count for d in delivered), kept))
     return lives
 
 
@@ -689,13 +684,32 @@ def kill_waste(
 def kept_deliveries(folder: Path) -> dict[str, int]:
     """Images of kept results the brokers passed on, by the job they were computed for."""
     passed: dict[str, int] = {}
-    for log in folder.glob("broker-*.log"):
-        for line in log.read_text(errors="replace").splitlines():
-            match = DELIVERED_LINE.match(line)
-            if match and match.group(2):
-                count = int(match.group(4)) - int(match.group(3)) + 1
-                passed[match.group(5)] = passed.get(match.group(5), 0) + count
+    for delivered in deliveries(folder.glob("broker-*.log")):
+        if delivered.kept:
+            passed[delivered.job] = passed.get(delivered.job, 0) + delivered.count
     return passed
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A chunk's outputs a broker's debug log says it passed to the client."""
+
+    time: float
+    count: int
+    job: str
+    kept: bool  # a result a worker kept across a lost broker, worker or client
+
+
+def deliveries(paths: Iterable[Path]) -> list[Delivery]:
+    """Every delivery the brokers' debug logs record."""
+    found = []
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            match = DELIVERED_LINE.match(line)
+            if match:
+                stamp, kept, first, last, job = match.groups()
+                found.append(Delivery(epoch(stamp), int(last) - int(first) + 1, job, bool(kept)))
+    return found
 
 
 def seed_folder(root: Path, seed: int) -> Path:

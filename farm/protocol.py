@@ -129,7 +129,7 @@ class Message:
         if not self.payload:
             return None
         try:
-            document: D = msgspec.msgpack.decode(_buffer(self.payload[0]), type=kind)
+            document: D = msgspec.msgpack.decode(memoryview(self.payload[0]), type=kind)
             return document
         except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError included
             raise ProtocolError(f"{self.command.name} document: {exc}") from None
@@ -140,7 +140,7 @@ class Message:
         frames = self.payload
         if isinstance(self.header, messages.Result) and self.header.failed:
             frames = frames[:-1]
-        buffers = [_buffer(frame) for frame in frames]
+        buffers = [memoryview(frame) for frame in frames]
         data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
         return np.frombuffer(data, dtype=dtype).reshape(-1, *item_shape)
 
@@ -151,7 +151,7 @@ class Message:
         if not isinstance(header, messages.Result) or not header.failed:
             return []
         try:
-            failures = msgspec.msgpack.decode(_buffer(self.payload[-1]), type=FailureList)
+            failures = msgspec.msgpack.decode(memoryview(self.payload[-1]), type=FailureList)
         except (msgspec.DecodeError, RecursionError) as exc:
             raise ProtocolError(f"RESULT failures: {exc}") from None
         end, failed = 0, 0
@@ -170,7 +170,7 @@ class Message:
 
     def files(self) -> list[memoryview]:
         """A chunk of image files (dtype ``ENCODED``) as one view per file."""
-        sizes, blob = (_buffer(frame) for frame in self.payload)
+        sizes, blob = (memoryview(frame) for frame in self.payload)
         offsets = np.cumsum(np.frombuffer(sizes, SIZES_DTYPE), dtype=np.int64)
         starts = np.concatenate(([0], offsets[:-1]))
         return [blob[start:stop] for start, stop in zip(starts.tolist(), offsets.tolist())]
@@ -183,17 +183,8 @@ FailureList = Annotated[
 ]
 
 
-def _buffer(frame: Any) -> memoryview:
-    """A memoryview of a zmq.Frame, bytes, memoryview or mmap (all have the buffer
-    protocol; a frame's ``buffer`` attribute costs three times as much)."""
-    return memoryview(frame)
-
-
-frame_view = _buffer
-
-
 def _frame_size(frame: Any) -> int:
-    return _buffer(frame).nbytes
+    return memoryview(frame).nbytes
 
 
 def payload_bytes(frames: Sequence[Any]) -> int:
@@ -249,7 +240,7 @@ def check_files(frames: Sequence[Any], count: int, max_bytes: int) -> None:
     makes it; ProtocolError if not."""
     if len(frames) != 2:
         raise ProtocolError(f"a chunk of image files is 2 frames (sizes, bytes), got {len(frames)}")
-    sizes, blob = (_buffer(frame) for frame in frames)
+    sizes, blob = (memoryview(frame) for frame in frames)
     if sizes.nbytes != count * SIZES_DTYPE.itemsize:
         raise ProtocolError(
             f"the sizes frame has {sizes.nbytes} bytes, not {count} x {SIZES_DTYPE.itemsize}"
@@ -271,7 +262,7 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
     if len(frames) < 3:
         raise ProtocolError(f"expected at least 3 frames, got {len(frames)}")
     signature, command_frame, header_frame, *payload = frames
-    head = bytes(_buffer(signature)[: len(SIGNATURE) + 1])  # a slice: a huge frame is not copied
+    head = bytes(memoryview(signature)[: len(SIGNATURE) + 1])  # a slice: a huge frame is not copied
     if head != SIGNATURE:
         if head.startswith(PROTOCOL_FAMILY) and len(head) == len(SIGNATURE):
             raise ProtocolError(
@@ -279,10 +270,10 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
                 f"supported; this farm speaks {SIGNATURE.decode()}"
             )
         raise ProtocolError(f"unknown protocol signature {head!r}")
-    command = _decode_command(bytes(_buffer(command_frame)[:2]))
+    command = _decode_command(bytes(memoryview(command_frame)[:2]))
     if allowed is not None and command not in allowed:
         raise ProtocolError(f"command {command.name} not accepted here")
-    header = _decode_header(_buffer(header_frame), command)
+    header = _decode_header(memoryview(header_frame), command)
     if len(payload) > MAX_PAYLOAD_FRAMES:
         raise ProtocolError(f"too many payload frames: {len(payload)}")
     message = Message(command, header, list(payload))

@@ -71,13 +71,14 @@ class SharedInputs:
     def check(cls, stored: StoredInputs, total: int, item_bytes: int) -> SharedInputs:
         """The broker's copy of a job's document; StoredError if it does not fit the job."""
         if stored.kind == "files":
-            names = stored.names.split(SEPARATOR) if stored.names else []
-            if len(names) != total or len(stored.sizes) != total * SIZE_DTYPE.itemsize:
+            shared = cls(stored, 0)
+            names = len(shared.starts) - 1
+            if names != total or len(stored.sizes) != total * SIZE_DTYPE.itemsize:
                 raise StoredError(
-                    f"shared inputs list {len(names)} paths and "
+                    f"shared inputs list {names} paths and "
                     f"{len(stored.sizes) // SIZE_DTYPE.itemsize} sizes for a job of {total}"
                 )
-            return cls(stored, 0)
+            return shared
         counted = sum(count for _, _, count in stored.runs)
         if counted != total or not stored.rows or not stored.path:
             raise StoredError(f"shared .npy rows cover {counted} items of a job of {total}")
@@ -86,13 +87,14 @@ class SharedInputs:
         return cls(stored, item_bytes)
 
     def __post_init__(self) -> None:
-        lengths = (
-            np.fromiter((len(name) + 1 for name in self.stored.names.split(SEPARATOR)), np.int64)
-            if self.stored.kind == "files"
-            else np.zeros(0, np.int64)
-        )
-        self.starts = np.concatenate(([0], np.cumsum(lengths)))
         stored = self.stored
+        # name i is names[starts[i] : starts[i + 1] - 1]: one NUL after each name but the last
+        ends = np.flatnonzero(np.frombuffer(stored.names, np.uint8) == SEPARATOR[0])
+        self.starts = (
+            np.concatenate(([0], ends + 1, [len(stored.names) + 1]))
+            if stored.kind == "files"
+            else np.zeros(1, np.int64)
+        )
         self.place = (
             ArrayPlace(stored.path, stored.offset, stored.size, stored.head)
             if stored.kind == "npy"

@@ -120,7 +120,7 @@ class Job:
     runs: tuple[tuple[int, int, int], ...] = ()
     earlier: dict[str, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
     # ranges kept results delivered outside any attempt: done when next handed out
-    delivered: Ranges = field(default_factory=lambda: Ranges())
+    delivered: Ranges = field(default_factory=Ranges)
     kept_items: int = 0  # items done by ranges kept results delivered (not in any share)
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ class KeptResults:
 
     max_bytes: int = MAX_KEPT_BYTES
     seconds: float = KEPT_SECONDS
-    held: OrderedDict[int, tuple[ev.ResultArrived, int]] = field(default_factory=OrderedDict)
+    held: OrderedDict[int, ev.ResultArrived] = field(default_factory=OrderedDict)
     by_job: dict[str, list[int]] = field(default_factory=dict)
     size: int = 0
     next_id: int = 0
@@ -36,7 +36,7 @@ class KeptResults:
 
     def add(self, result: ev.ResultArrived) -> None:
         """Hold a kept result; drop the oldest beyond the byte bound."""
-        self.held[self.next_id] = (result, result.size)
+        self.held[self.next_id] = result
         self.by_job.setdefault(result.job, []).append(self.next_id)
         self.next_id += 1
         self.size += result.size
@@ -48,19 +48,19 @@ class KeptResults:
         ids = sorted(i for job in jobs for i in self.by_job.pop(job, ()))
         taken = []
         for i in ids:
-            result, size = self.held.pop(i)
-            self.size -= size
+            result = self.held.pop(i)
+            self.size -= result.size
             taken.append(result)
         return taken
 
     def expire(self, now: float) -> None:
         """Drop the results older than ``seconds``."""
-        while self.held and next(iter(self.held.values()))[0].at < now - self.seconds:
+        while self.held and next(iter(self.held.values())).at < now - self.seconds:
             self.drop_oldest()
 
     def drop_oldest(self) -> None:
-        i, (result, size) = self.held.popitem(last=False)
-        self.size -= size
+        i, result = self.held.popitem(last=False)
+        self.size -= result.size
         self.dropped += 1
         ids = self.by_job[result.job]
         ids.remove(i)

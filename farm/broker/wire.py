@@ -169,14 +169,14 @@ def shared_inputs(stored: StoredInputs | None, submit: messages.Submit) -> Share
         raise ProtocolError(f"shared {stored.kind} cannot hold a job of {submit.dtype} items")
     try:
         return SharedInputs.check(
-            stored, submit.total, 0 if submit.dtype == ENCODED else job_item_bytes(submit)
+            stored,
+            submit.total,
+            0
+            if submit.dtype == ENCODED
+            else protocol.check_array_spec(submit.dtype, submit.item_shape),
         )
     except StoredError as exc:
         raise ProtocolError(str(exc)) from None
-
-
-def job_item_bytes(submit: messages.Submit) -> int:
-    return protocol.check_array_spec(submit.dtype, submit.item_shape)
 
 
 def job_options(options: messages.Options) -> JobOptions:

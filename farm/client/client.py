@@ -69,7 +69,7 @@ from farm.client.journal import (
 )
 from farm.client.npy import NpyReader, NpyWriter
 from farm.client.trace import Trace, TraceRecorder
-from farm.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint
+from farm.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint, recv_frames
 from farm.protocol import Command, ProtocolError
 from farm.summary import FailedItems, JobSummary, plural
 
@@ -321,8 +321,6 @@ class JobRun:
         for start, count in missing:
             runs.append((job_start, start, count))
             job_start += count
-        if self.submission is not None:
-            self.earlier[self.submission.job] = self.submission
         while len(self.earlier) > MAX_EARLIER:
             del self.earlier[next(iter(self.earlier))]
         self.submission = Submission(uuid.uuid4().hex, runs)
@@ -964,7 +962,7 @@ class Client:
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 continue
-            frames = self.link.socket.recv_multipart(copy=False)
+            frames = recv_frames(self.link.socket)
             try:
                 return protocol.decode(frames, allowed=ACCEPTED)
             except ProtocolError as exc:

@@ -40,7 +40,7 @@ class SentResults:
 
     def note(self, frames: list[Any]) -> None:
         """A message going to the broker: kept if it is a RESULT."""
-        if bytes(protocol.frame_view(frames[1])) != Command.RESULT.value:
+        if bytes(memoryview(frames[1])) != Command.RESULT.value:
             return
         size = protocol.payload_bytes(frames[3:])
         self.sent.append((self.clock(), size, frames))
@@ -64,5 +64,5 @@ class SentResults:
 
 def as_kept(frames: list[Any]) -> list[Any]:
     """A RESULT message marked ``kept``."""
-    header = _result_decoder.decode(protocol.frame_view(frames[2]))
+    header = _result_decoder.decode(memoryview(frames[2]))
     return protocol.encode(Command.RESULT, msgspec.structs.replace(header, kept=True), frames[3:])

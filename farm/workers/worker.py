@@ -51,7 +51,7 @@ from farm.engines.engine import (
     job_engine,
     limit_threads,
 )
-from farm.link import BrokerLink, LinkConfig
+from farm.link import BrokerLink, LinkConfig, recv_frames
 from farm.modelrepo.modelstore import Manifest, ModelCache, manifest_of
 from farm.modelrepo.repository import (
     ModelError,
@@ -436,7 +436,7 @@ class Worker:
             if link.socket in events:
                 self.receive(link, tasks)
             if pipe in events:
-                reply = pipe.recv_multipart(copy=False)
+                reply = recv_frames(pipe)
                 self.sent.note(reply)
                 link.send(reply)
                 if self.config.max_tasks and self.tasks_done >= self.config.max_tasks:
@@ -454,7 +454,7 @@ class Worker:
     def receive(self, link: BrokerLink, tasks: queue.Queue) -> None:
         """One message from the broker: liveness, a reconnect order, or work for compute."""
         received = time.perf_counter()
-        frames = link.socket.recv_multipart(copy=False)
+        frames = recv_frames(link.socket)
         link.heard()
         try:
             message = protocol.decode(frames, allowed=ACCEPTED)
@@ -727,9 +727,7 @@ class Worker:
         those that could not be read (UnsharedError if none could)."""
         if task.stored is None:
             return message.files(), {}
-        files, unread = read_files(
-            protocol.frame_view(message.payload[0]), protocol.frame_view(message.payload[1])
-        )
+        files, unread = read_files(memoryview(message.payload[0]), memoryview(message.payload[1]))
         return files, dict(unread)
 
     def chunk_array(self, message: Message, task: messages.Task) -> np.ndarray:
@@ -737,9 +735,7 @@ class Worker:
         if task.place is None:
             return message.array(task.dtype, task.item_shape)
         item_bytes = protocol.check_array_spec(task.dtype, task.item_shape)
-        rows = self.arrays.read_rows(
-            task.place, protocol.frame_view(message.payload[0]), item_bytes
-        )
+        rows = self.arrays.read_rows(task.place, memoryview(message.payload[0]), item_bytes)
         images = np.frombuffer(rows, dtype=task.dtype).reshape(-1, *task.item_shape)
         if len(images) != task.count:
             raise ProtocolError(
@@ -818,7 +814,7 @@ def kept_reply(reply: Reply) -> Reply:
     """A reply to a chunk of a connection since replaced: a RESULT goes out marked kept (its
     broker may be gone, and a new one holds it for the job's client); anything else is
     dropped (empty)."""
-    if bytes(protocol.frame_view(reply[1])) != Command.RESULT.value:
+    if bytes(memoryview(reply[1])) != Command.RESULT.value:
         return []
     return as_kept(reply)
 

@@ -118,15 +118,20 @@ print(before, stack())
 """
 
 
+def run_probe(probe: str, cache: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``probe`` run by a fresh Python with ``cache`` as its $FARM_CACHE."""
+    environment = {**os.environ, "FARM_CACHE": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=environment,
+        timeout=timeout,
+    )  # fmt: skip
+
+
 def test_compiling_with_openvino_leaves_the_signal_stack_as_it_was(cache) -> None:
     """OpenVINO gives the compiling thread a signal stack of its own, freed with the net;
     Python runs its handlers on it.  farm gives the thread its own back (a fresh process:
     pytest's faulthandler already holds one, and OpenVINO then adds none)."""
-    environment = {**os.environ, "FARM_CACHE": str(cache)}
-    done = subprocess.run(
-        [sys.executable, "-c", SIGNAL_STACK_PROBE], capture_output=True, text=True,
-        env=environment, timeout=120,
-    )  # fmt: skip
+    done = run_probe(SIGNAL_STACK_PROBE, cache, timeout=120)
     assert done.returncode == 0, done.stderr
     before, after = done.stdout.strip().split(") (")
     assert before + ")" == "(0, 2, 0)" and "(" + after == "(0, 2, 0)", done.stdout
@@ -178,10 +183,6 @@ print(first.cached, again.cached, first.verdicts == again.verdicts, loaded)
 def test_the_gate_of_a_farm_command_keeps_inference_libraries_out_of_it(cache) -> None:
     """farm run forks its farm after the gate: the gate measures in a process of its own,
     and its remembered verdicts are read without importing an engine."""
-    environment = {**os.environ, "FARM_CACHE": str(cache)}
-    done = subprocess.run(
-        [sys.executable, "-c", GATE_PROBE], capture_output=True, text=True,
-        env=environment, timeout=300,
-    )  # fmt: skip
+    done = run_probe(GATE_PROBE, cache, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "False True True []", done.stdout

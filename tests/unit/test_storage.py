@@ -71,6 +71,9 @@ def test_the_broker_cuts_a_chunk_s_paths_without_copying_the_list(tmp_path: Path
     assert np.frombuffer(sizes, "<u8").tolist() == [20, 30, 40]
     with pytest.raises(StoredError, match="5 paths"):
         SharedInputs.check(stored, 6, 0)
+    # a one-file job whose file the client refused: one empty name
+    lone = SharedInputs.check(stored_files([""], [0]), 1, 0)
+    assert bytes(lone.locate(0, 1).payload[0]) == b""
 
 
 def test_a_worker_reads_shared_files_and_names_those_it_cannot(tmp_path: Path) -> None:
