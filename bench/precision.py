@@ -96,7 +96,7 @@ def bench_model(name: str, args: argparse.Namespace, work: Path) -> list[Row]:
         f"{len(validation)} validation images"
     )
     engines: dict[str, Engine] = {"openvino f32": load_engine(spec, "openvino", BATCH, threads=1)}
-    offered = engines["openvino f32"].precisions()
+    offered = engines["openvino f32"].precisions(spec, "cpu")
     for precision in ("bf16", "f16", "int8"):
         if precision in offered:
             engines[f"openvino {precision}"] = load_engine(

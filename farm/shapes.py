@@ -35,6 +35,11 @@ def item_bytes(dtype: str, item_shape: Sequence[int]) -> int:
     return DTYPE_BYTES[dtype] * math.prod(item_shape)
 
 
+def chunk_items(item_shape: Sequence[int]) -> int:
+    """The most uint8 images of ``item_shape`` one chunk holds (``MAX_TASK_BYTES``)."""
+    return max(1, MAX_TASK_BYTES // item_bytes("uint8", item_shape))
+
+
 def input_mismatch(
     model: str, model_shape: tuple[int, ...], layout: str, dtype: str, item_shape: tuple[int, ...]
 ) -> str | None:

@@ -47,6 +47,7 @@ from farm.engines.tolerances import TOLERANCES, relative_difference
 from farm.modelrepo.caffe_net import Network, NetworkError
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, prepare
+from farm.shapes import chunk_items
 
 log = logging.getLogger("farm.engines.autoselect")
 
@@ -356,9 +357,9 @@ def time_backends(
                 f"{TOLERANCES[precision]:g})"
             )
             continue
-        trial.rates = time_batches(
-            engine, images, (batch,) if batch else candidate_batches(spec.batch, device)
-        )
+        most = chunk_items(spec.item_shape)
+        sizes = (batch,) if batch else candidate_batches(spec.batch, device, most)
+        trial.rates = time_batches(engine, images, sizes)
         leaders = sorted([*leaders, (trial, engine)], key=lambda pair: -pair[0].best_rate)[:2]
         del engine
     release_free_memory()
@@ -481,9 +482,17 @@ def refuse_unconfirmed(
         )
 
 
-def candidate_batches(resting: int, device: str = "cpu") -> tuple[int, ...]:
+def candidate_batches(
+    resting: int, device: str = "cpu", most: int | None = None
+) -> tuple[int, ...]:
+    """The compute batches timed: ``BATCHES``, the prototxt's, and on a GPU larger ones,
+    none above ``most`` (what one chunk holds: a larger batch would never fill), which is
+    tried itself in their place."""
     larger = GPU_BATCHES if device.startswith("cuda") else ()
-    return tuple(sorted({*BATCHES, *larger, resting}))
+    sizes = {*BATCHES, *larger, resting}
+    if most is not None and max(sizes) > most:
+        sizes = {size for size in sizes if size <= most} | {most}
+    return tuple(sorted(sizes))
 
 
 def time_batches(

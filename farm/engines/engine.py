@@ -176,7 +176,10 @@ class Engine:
         threads: int | None = None,
         precision: str = defaults.PRECISION,
     ) -> Engine:
-        """Check the files, build the net in this backend, probe the output with one image."""
+        """Refuse a device or precision this backend lacks (before any model file is read),
+        check the files, build the net in this backend, probe the output with one image."""
+        precision, _, calibration = precision.partition("@")  # int8@...: the gate's version
+        cls.refuse(spec, device, precision)
         prepare(spec)
         # a backend that reads a cached export needs the net's shapes, not its weights again
         cached = cls.reads_onnx and onnx_path(spec, folded=True).is_file()
@@ -185,19 +188,10 @@ class Engine:
             network = Network.load(spec.prototxt, weights, spec.declared_input)
         except NetworkError as exc:
             raise ModelError(f"model {spec.name!r}: {exc}") from None
-        precision, _, calibration = precision.partition("@")  # int8@...: the gate's version
-        if precision not in PRECISIONS:
-            raise ModelError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
         started = time.perf_counter()
         engine = cls(spec, network, batch, device, threads, precision)
         engine.calibration = calibration
         try:
-            if precision not in engine.precisions():
-                raise ModelError(
-                    f"the {cls.backend} backend does not compute in {precision} on "
-                    f"{device}{engine.precision_note()}; it offers "
-                    f"{', '.join(engine.precisions())}"
-                )
             engine.build()
             network.drop_weights()  # the backend holds its own copy: keep one, not two
             release_free_memory()
@@ -220,17 +214,35 @@ class Engine:
         )
         return engine
 
+    @classmethod
+    def refuse(cls, spec: ModelSpec, device: str, precision: str) -> None:
+        """ModelError when this backend cannot compute in ``precision`` on ``device``:
+        decided from the device and the libraries alone, before a model file is parsed
+        or exported (``auto`` tries every backend on a GPU, and most refuse it)."""
+        if precision not in PRECISIONS:
+            raise ModelError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+        offered = cls.precisions(spec, device)
+        if precision not in offered:
+            listed = f"it offers {', '.join(offered)}" if offered else "it offers none there"
+            raise ModelError(
+                f"the {cls.backend} backend does not compute in {precision} on "
+                f"{device}{cls.precision_note(spec, device)}; {listed}"
+            )
+
     def build(self) -> None:
         """Construct the backend's net from ``self.network``."""
         raise NotImplementedError
 
-    def precisions(self) -> tuple[str, ...]:
-        """The precisions this backend computes in on ``self.device``."""
-        return ("f32",)
+    @classmethod
+    def precisions(cls, spec: ModelSpec, device: str) -> tuple[str, ...]:
+        """The precisions this backend computes in on ``device`` (none: it cannot run
+        there); cheap: no model file is read."""
+        return ("f32",) if device == "cpu" else ()
 
-    def precision_note(self) -> str:
-        """Why a precision is missing here (``" (this CPU lacks bf16)"``), or nothing."""
-        return ""
+    @classmethod
+    def precision_note(cls, spec: ModelSpec, device: str) -> str:
+        """Why a precision is missing there (``" (this CPU lacks bf16)"``), or nothing."""
+        return "" if device == "cpu" else f" (farm runs {cls.backend} on CPUs only)"
 
     def describe(self) -> str:
         """The engine as logs and ``farm status`` show it: ``openvino f32 batch 64``."""
@@ -248,9 +260,10 @@ class Engine:
             )
         return str(quantize.quantized_file(self.spec, self.calibration))
 
-    def int8_offered(self) -> bool:
+    @classmethod
+    def int8_offered(cls, spec: ModelSpec, device: str) -> bool:
         """Whether an int8 version of the model is here (an ONNX backend on the CPU runs it)."""
-        return self.reads_onnx and self.device == "cpu" and quantize.recorded(self.spec) is not None
+        return cls.reads_onnx and device == "cpu" and quantize.recorded(spec) is not None
 
     def graph(self, folded: bool) -> Any:
         """An ONNX backend's compiled net, compiled on first use: ``folded``, the export
@@ -304,6 +317,7 @@ class Engine:
         images: np.ndarray,
         stop: Callable[[], bool] | None = None,
         tally: Callable[[int, float], None] | None = None,
+        then: Callable[[], None] | None = None,
     ) -> np.ndarray:
         """Outputs for ``images`` (N x item shape, uint8 or float32), in compute batches.
 
@@ -311,7 +325,8 @@ class Engine:
         back (a worker does so when it falls idle, not between chunks: reshaping a net
         costs more than a chunk of LeNet).  ``stop`` is asked before each batch; when it
         says yes, ``Stopped`` is raised (a cancelled job).  ``tally`` hears each batch's
-        images and seconds as it finishes (the worker's live counters).
+        images and seconds as it finishes (the worker's live counters).  ``then`` is for
+        engines that ``feeds_ahead``: the others compute each batch at once, and ignore it.
         """
         count = images.shape[0]
         outputs = np.empty((count, *self.output_shape), dtype=np.float32)
@@ -328,6 +343,17 @@ class Engine:
                 tally(end - begin, seconds)
             self.allocated = max(self.allocated, end - begin)
         return outputs
+
+    @property
+    def feeds_ahead(self) -> bool:
+        """Whether ``start_ahead`` can launch a chunk while the one before it computes
+        (a GPU's engine: the device works while the host waits); if so, ``run`` calls its
+        ``then`` once the chunk's batches are launched, before waiting for the last."""
+        return False
+
+    def start_ahead(self, images: np.ndarray, stop: Callable[[], bool] | None = None) -> None:
+        """Launch the first batches of the next chunk (``images``), whose ``run`` follows."""
+        raise NotImplementedError(f"the {self.backend} engine does not feed ahead")
 
     @property
     def grown(self) -> bool:

@@ -299,7 +299,7 @@ def measure(
     whether a candidate failed to load (a verdict not to remember)."""
     f32 = backend.load(spec, TIMING_BATCH, "cpu", threads, "f32")
     reference = flat(f32.run(images))
-    offered = f32.precisions()
+    offered = backend.precisions(spec, "cpu")
     record = quantize.recorded(spec)
     verdicts: list[Verdict] = []
     engines: list[tuple[Verdict, Engine]] = []

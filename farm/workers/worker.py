@@ -32,6 +32,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -149,7 +150,8 @@ class Device:
         return f"cuda:{self.index}" if self.kind == "gpu" else "cpu"
 
     def check(self) -> None:
-        """A GPU must be visible to torch; ValueError says what torch sees instead."""
+        """A GPU must be visible to torch (ValueError says what torch sees instead); it is
+        then this process's current device, so that nothing lands on GPU 0 by default."""
         if self.kind != "gpu":
             return
         engine_class(GPU_BACKEND)  # BackendUnavailable if torch is not installed
@@ -162,6 +164,7 @@ class Device:
                 f"{count} CUDA device(s)"
                 + ("" if count else " (a CPU-only build, or no GPU driver)")
             )
+        torch.cuda.set_device(self.index or 0)
 
     def __str__(self) -> str:
         return self.kind if self.index is None else f"{self.kind}:{self.index}"
@@ -250,6 +253,12 @@ class Worker:
     arrays: ArrayFiles = field(default_factory=ArrayFiles)  # shared .npy files (compute thread)
     sent: SentResults = field(default_factory=SentResults)  # offered again to a new broker
     startup: Timeline = field(default_factory=Timeline.of_this_process)  # sent with READY
+    # the compute thread's queue, and the connection of the message it runs: a GPU engine
+    # launches the next queued chunk before the current one's last batches are in
+    upcoming: queue.Queue[QueuedMessage | None] | None = None
+    serving: int = 0
+    # the next chunk's message and pixels, launched ahead: its run_task takes these pixels
+    prefetched: tuple[Message, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         self.cache = (
@@ -403,6 +412,7 @@ class Worker:
             self.heartbeat_header,
         )
         tasks: queue.Queue[QueuedMessage | None] = queue.Queue()
+        self.upcoming = tasks
         pipe = context.socket(zmq.PAIR)
         pipe.bind(f"inproc://farm-worker-{id(self)}")
         compute = threading.Thread(
@@ -521,6 +531,7 @@ class Worker:
                     continue
                 if queued.generation != link.generation:
                     continue  # sent over a connection that was replaced: the broker requeued it
+                self.serving = queued.generation
                 for reply in self.dispatch(queued.message, queued.received):
                     if queued.generation != link.generation:  # the connection went meanwhile
                         reply = kept_reply(reply)
@@ -732,6 +743,9 @@ class Worker:
 
     def chunk_array(self, message: Message, task: messages.Task) -> np.ndarray:
         """A chunk's pixels: sent, or read here from a shared `.npy` file."""
+        prefetched, self.prefetched = self.prefetched, None
+        if prefetched is not None and prefetched[0] is message:
+            return prefetched[1]  # read already, and launched ahead
         if task.place is None:
             return message.array(task.dtype, task.item_shape)
         item_bytes = protocol.check_array_spec(task.dtype, task.item_shape)
@@ -757,7 +771,12 @@ class Worker:
         batch = decoder.decode(files)
         outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
         if len(batch.ok):
-            computed = engine.run(batch.images, stop=lambda: self.stopped(task), tally=self.tally)
+            computed = engine.run(
+                batch.images,
+                stop=lambda: self.stopped(task),
+                tally=self.tally,
+                then=self.ahead_of(engine),
+            )
             if batch.crops > 1:
                 computed = computed.reshape(len(batch.ok), batch.crops, *engine.output_shape).mean(
                     axis=1
@@ -773,7 +792,15 @@ class Worker:
         the runs of float32 items that hold a NaN or an infinite pixel."""
         finite = finite_items(images)
         if finite.all():
-            return engine.run(images, stop=lambda: self.stopped(task), tally=self.tally), []
+            return (
+                engine.run(
+                    images,
+                    stop=lambda: self.stopped(task),
+                    tally=self.tally,
+                    then=self.ahead_of(engine),
+                ),
+                [],
+            )
         outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
         if finite.any():
             outputs[finite] = engine.run(
@@ -781,6 +808,55 @@ class Worker:
             )
         bad = np.flatnonzero(~finite).tolist()
         return outputs, failure_runs([(index, NON_FINITE) for index in bad])
+
+    def ahead_of(self, engine: Engine) -> Callable[[], None] | None:
+        """What ``engine.run`` calls once a chunk's batches are launched, for an engine that
+        ``feeds_ahead``: launch the next chunk's first batches behind them."""
+        return (lambda: self.launch_ahead(engine)) if engine.feeds_ahead else None
+
+    def launch_ahead(self, engine: Engine) -> None:
+        """Launch the next queued chunk's first batches on ``engine`` while the current
+        chunk's last ones compute, when that chunk is ready to run there; its ``run_task``
+        goes on from them.  Anything else waits for its turn, and is reported then."""
+        found = self.next_array_chunk(engine)
+        if found is None:
+            return
+        message, task, images = found
+        try:
+            engine.start_ahead(images, stop=lambda: self.stopped(task))
+        except Exception as exc:  # its own run_task tries again, and reports
+            log.warning("could not launch chunk %d ahead: %s", task.chunk, exc)
+            return
+        self.prefetched = (message, images)
+
+    def next_array_chunk(self, engine: Engine) -> tuple[Message, messages.Task, np.ndarray] | None:
+        """The next queued message, when it is a chunk of pixels from the connection being
+        served, for ``engine``, not cancelled, and read without a problem: with its
+        pixels."""
+        if self.upcoming is None:
+            return None
+        with self.upcoming.mutex:
+            queued = self.upcoming.queue[0] if self.upcoming.queue else None
+        if queued is None or queued.message is None or queued.generation != self.serving:
+            return None
+        task = queued.message.header
+        if (
+            not isinstance(task, messages.Task)
+            or task.dtype == protocol.ENCODED
+            or task.item_shape != engine.spec.item_shape
+            or task.digest in self.waiting
+            or self.stopped(task)
+        ):
+            return None
+        try:
+            if self.engines.get(self.engine_key(task)) is not engine:
+                return None
+            images = self.chunk_array(queued.message, task)
+        except Exception:  # a bad chunk: its run_task reports it
+            return None
+        if not finite_items(images).all():
+            return None
+        return queued.message, task, images
 
     def tally(self, images: int, seconds: float) -> None:
         """One compute batch done (compute thread)."""

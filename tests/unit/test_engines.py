@@ -557,3 +557,46 @@ def test_a_fixed_batch_is_remembered_apart_from_the_free_choice(
     free = choose(lenet, threads=1)
     assert not free.cached and len(next(t for t in free.trials if t.rates).rates) > 1
     assert choose(lenet, threads=1, batch=3).cached and choose(lenet, threads=1).cached
+
+
+@pytest.mark.parametrize("backend", ["opencv", "openvino", "onnxruntime", "torch"])
+def test_a_backend_that_cannot_use_the_device_refuses_before_reading_the_model(
+    tmp_path, monkeypatch, backend
+) -> None:
+    """This machine has no CUDA device (and an ONNX Runtime without a CUDA provider): each
+    backend refuses cuda:0 from the device alone. The model's weights are cut short, so a
+    backend that read them would fail on them instead, and no ONNX export is written."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+        if __import__("torch").cuda.is_available():
+            pytest.skip("this machine has a CUDA device")
+    monkeypatch.setenv("FARM_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "lenet"
+    shutil.copytree(find("lenet").folder, folder)
+    weights = folder / "lenet.caffemodel"
+    weights.write_bytes(weights.read_bytes()[:100])
+    spec = load_spec(folder)
+    with pytest.raises(ModelError, match=r"does not compute in f32 on cuda:0 \(.+\); it offers"):
+        autoselect.engine_class(backend).load(spec, device="cuda:0")
+    assert not onnx_path(spec, folded=True).exists() and not onnx_path(spec, folded=False).exists()
+
+
+def test_auto_on_a_device_no_backend_runs_names_each_refusal(tmp_path, monkeypatch, lenet) -> None:
+    monkeypatch.setenv("FARM_CACHE", str(tmp_path))
+    with pytest.raises(ModelError, match="no backend runs it on cuda:0") as raised:
+        choose(lenet, "cuda:0", use_cache=False)
+    message = str(raised.value)
+    assert "farm runs opencv on CPUs only" in message and "OpenVINO on CPUs only" in message
+    assert "no CUDA execution provider" in message
+    assert not onnx_path(lenet, folded=True).exists()  # ONNX Runtime exported nothing
+
+
+def test_gpu_batches_stay_within_what_one_chunk_holds() -> None:
+    from farm.engines.autoselect import candidate_batches
+    from farm.shapes import MAX_TASK_BYTES, chunk_items
+
+    caffenet = chunk_items((227, 227, 3))
+    assert caffenet == MAX_TASK_BYTES // (227 * 227 * 3) < 1024
+    assert candidate_batches(10, "cuda:0", caffenet) == (1, 8, 10, 32, 128, 256, caffenet)
+    assert candidate_batches(64, "cuda:0", chunk_items((1, 28, 28)))[-2:] == (256, 1024)
+    assert candidate_batches(64, "cpu", caffenet) == (1, 8, 32, 64, 128)

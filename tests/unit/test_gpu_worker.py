@@ -85,3 +85,117 @@ def test_a_gpu_worker_keeps_one_more_chunk_in_flight() -> None:
     assert worker.ready_header().slots == defaults.SLOTS
     worker.config.slots = 5
     assert worker.ready_header().slots == 5
+
+
+def recording_launches(engine) -> list[str]:
+    """Log each batch the engine's module computes ("launch"; on the CPU a launch
+    computes at once) into the returned list."""
+    events: list[str] = []
+    module = engine.feeder.module
+
+    def recorded(batch):
+        events.append("launch")
+        return module(batch)
+
+    engine.feeder.module = recorded
+    return events
+
+
+def test_the_next_chunk_is_launched_before_the_last_batches_are_waited_for(lenet, digits) -> None:
+    """Across a chunk boundary the pipeline stays DEPTH batches deep: the next chunk's first
+    batches are launched before the current chunk's last ones are collected, each chunk's
+    outputs equal its run alone, and no batch is computed twice."""
+    from farm.engines.backends.torchfeed import DEPTH
+
+    engine = load_engine(lenet, "torch", batch=8, threads=1)
+    first = np.resize(digits[:, None], (40, 1, *digits.shape[1:]))  # 5 batches
+    second = np.ascontiguousarray(first[::-1][:20])  # 3 batches: 8, 8, 4
+    alone = engine.run(first), engine.run(second)
+    events = recording_launches(engine)
+
+    def launch_second() -> None:
+        events.append("ahead")
+        engine.start_ahead(second)
+
+    outputs = engine.run(
+        first, tally=lambda done, _: events.append("collect first"), then=launch_second
+    )
+    assert events.count("collect first") == 5  # every batch in before its run returned
+    outputs_second = engine.run(second, tally=lambda done, _: events.append("collect second"))
+    assert np.array_equal(outputs, alone[0]) and np.array_equal(outputs_second, alone[1])
+    assert events.count("launch") == 5 + 3 and events.count("collect second") == 3
+    ahead = events.index("ahead")
+    last_of_first = len(events) - 1 - events[::-1].index("collect first")
+    launched_ahead = events[ahead:last_of_first].count("launch")
+    assert launched_ahead == DEPTH  # launched while the first chunk's last batches computed
+    assert not engine.feeder.pending and engine.feeder.ahead is None
+
+
+def test_a_chunk_launched_ahead_and_then_cancelled_stops_and_leaves_nothing_in_flight(
+    lenet, digits
+) -> None:
+    engine = load_engine(lenet, "torch", batch=8, threads=1)
+    first = np.resize(digits[:, None], (24, 1, *digits.shape[1:]))
+    second = np.ascontiguousarray(first[:20])
+    cancelled: list[bool] = []
+    engine.run(first, then=lambda: engine.start_ahead(second, stop=lambda: bool(cancelled)))
+    cancelled.append(True)  # the job is cancelled after its first batches were launched
+    with pytest.raises(Stopped, match="after 16 of 20"):
+        engine.run(second, stop=lambda: bool(cancelled))
+    assert not engine.feeder.pending and engine.feeder.ahead is None
+    assert np.array_equal(engine.run(second), load_engine(lenet, "torch", 8, threads=1).run(second))
+
+
+def test_a_chunk_launched_ahead_but_not_run_next_changes_no_other_chunks_outputs(
+    lenet, digits
+) -> None:
+    """The broker's next message was not the chunk launched ahead (its connection went, say):
+    its batches finish into its own outputs, and the chunk run instead is right."""
+    engine = load_engine(lenet, "torch", batch=8, threads=1)
+    images = np.resize(digits[:, None], (30, 1, *digits.shape[1:]))
+    skipped, other = images[:20].copy(), images[10:].copy()
+    expected = engine.run(other)
+    engine.run(images, then=lambda: engine.start_ahead(skipped))
+    assert np.array_equal(engine.run(other), expected)
+    assert not engine.feeder.pending
+
+
+def test_a_worker_launches_its_next_queued_chunk_ahead_and_runs_it_from_there(
+    lenet, digits
+) -> None:
+    """A real worker and its real compute path, in-process, with the torch engine feeding
+    ahead as on a GPU: while chunk 1's last batches compute, chunk 2 (queued behind it) is
+    read and launched; chunk 2's turn goes on from there, and both results are right."""
+    import queue
+
+    from farm import messages, protocol
+    from farm.protocol import Command
+    from farm.workers.worker import Device, QueuedMessage, Worker, WorkerConfig
+    from tests.frames import task
+
+    worker = Worker(
+        WorkerConfig(broker="tcp://127.0.0.1:1", device=Device.parse("cpu:0"), backend="torch")
+    )
+    worker.config.batch = 8
+    images = np.resize(digits[:, None], (40, 1, *digits.shape[1:]))
+    chunks = [
+        protocol.decode(task(b"w", chunk, part)[1:])
+        for chunk, part in ((1, images[:24]), (2, images[24:]))
+    ]
+    engine = worker.load(lenet, worker.engine_key(chunks[0].header))
+    expected = [engine.run(message.array("uint8", (1, 28, 28))) for message in chunks]
+    engine.feeder.overlap = True  # as on CUDA
+    events = recording_launches(engine)
+    worker.upcoming = queue.Queue()
+    worker.upcoming.put(QueuedMessage(0, chunks[1], 0.0))
+    replies = worker.dispatch(chunks[0], 0.0)
+    assert worker.prefetched is not None and worker.prefetched[0] is chunks[1]
+    assert events.count("launch") == 3 + 2  # chunk 2's first two batches, launched ahead
+    worker.upcoming.get()
+    replies += worker.dispatch(chunks[1], 0.0)
+    assert events.count("launch") == 3 + 2  # chunk 2's 16 images: none launched again
+    assert worker.prefetched is None
+    for reply, want in zip(replies, expected):
+        result = protocol.decode(reply)
+        assert result.command is Command.RESULT and isinstance(result.header, messages.Result)
+        assert np.array_equal(result.array("float32", result.header.item_shape), want)

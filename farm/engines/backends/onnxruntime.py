@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from farm.engines.engine import Engine, require_onnx_engine
-from farm.modelrepo.repository import ModelError
+from farm.modelrepo.repository import ModelError, ModelSpec
 
 INSTALL_HINT = "pip install onnxruntime onnx (on GPUs: pip install onnxruntime-gpu onnx)"
 
@@ -37,14 +37,23 @@ class OnnxRuntimeEngine(Engine):
     backend = "onnxruntime"
     reads_onnx = True
 
-    def precisions(self) -> tuple[str, ...]:
-        if self.device.startswith("cuda"):
-            trt = "TensorrtExecutionProvider" in gpu_providers()
-            return ("f32", "f16") if trt else ("f32",)
-        return ("f32", "int8") if self.int8_offered() else ("f32",)
+    @classmethod
+    def precisions(cls, spec: ModelSpec, device: str) -> tuple[str, ...]:
+        if device.startswith("cuda"):
+            offered = gpu_providers()
+            if not offered:
+                return ()
+            return ("f32", "f16") if "TensorrtExecutionProvider" in offered else ("f32",)
+        return ("f32", "int8") if cls.int8_offered(spec, device) else ("f32",)
 
-    def precision_note(self) -> str:
-        if self.device.startswith("cuda"):
+    @classmethod
+    def precision_note(cls, spec: ModelSpec, device: str) -> str:
+        if device.startswith("cuda"):
+            if not gpu_providers():
+                return (
+                    " (this ONNX Runtime offers no CUDA execution provider: "
+                    "pip install onnxruntime-gpu)"
+                )
             return ""
         return " (ONNX Runtime's CPU runs f32, and int8 after `farm models quantize`)"
 

@@ -53,11 +53,6 @@ class OpenCVEngine(Engine):
     def build(self) -> None:
         import cv2
 
-        if self.device != "cpu":
-            raise ModelError(
-                f"the opencv backend runs on the CPU only, not {self.device}; "
-                f"use --backend torch for GPUs"
-            )
         refuse_what_opencv_gets_wrong(self.network)
         if self.threads is not None:
             cv2.setNumThreads(self.threads)

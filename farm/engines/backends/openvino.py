@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from farm.engines.engine import Engine, kept_signal_stack, require_onnx_engine
-from farm.modelrepo.repository import ModelError, cache_root
+from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
 
 INSTALL_HINT = "pip install openvino onnx"
 
@@ -55,8 +55,9 @@ class OpenVINOEngine(Engine):
     backend = "openvino"
     reads_onnx = True
 
-    def precisions(self) -> tuple[str, ...]:
-        if self.device != "cpu":
+    @classmethod
+    def precisions(cls, spec: ModelSpec, device: str) -> tuple[str, ...]:
+        if device != "cpu":
             return ()
         offered = cpu_capabilities()
         floats = tuple(
@@ -64,17 +65,16 @@ class OpenVINOEngine(Engine):
             for name, capability in CAPABILITIES.items()
             if name == "f32" or capability in offered
         )
-        return (*floats, "int8") if self.int8_offered() else floats
+        return (*floats, "int8") if cls.int8_offered(spec, device) else floats
 
-    def precision_note(self) -> str:
-        if self.device != "cpu":
+    @classmethod
+    def precision_note(cls, spec: ModelSpec, device: str) -> str:
+        if device != "cpu":
             return " (farm runs OpenVINO on CPUs only)"
-        int8 = "" if self.int8_offered() else "; int8 needs `farm models quantize` first"
+        int8 = "" if cls.int8_offered(spec, device) else "; int8 needs `farm models quantize` first"
         return f" (this CPU offers {', '.join(cpu_capabilities())}{int8})"
 
     def build(self) -> None:
-        if self.device != "cpu":
-            raise ModelError(f"the openvino backend runs on the CPU only, not {self.device}")
         self.graph(folded=True)  # uint8 images, the common input; float32 compiles on demand
 
     def compile(self, path: str) -> Any:

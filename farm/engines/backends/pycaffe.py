@@ -7,6 +7,7 @@ import tempfile
 import numpy as np
 
 from farm.engines.engine import BackendUnavailable, Engine
+from farm.modelrepo.repository import ModelSpec
 
 INSTALL_HINT = (
     "install Caffe with its Python bindings (Debian/Ubuntu: apt-get install "
@@ -27,6 +28,10 @@ def require() -> None:
 
 class CaffeEngine(Engine):
     backend = "caffe"
+
+    @classmethod
+    def precisions(cls, spec: ModelSpec, device: str) -> tuple[str, ...]:
+        return ("f32",)  # pycaffe runs on the CPU or, built with CUDA, on a GPU
 
     def build(self) -> None:
         import caffe

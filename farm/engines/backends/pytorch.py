@@ -17,7 +17,7 @@ import numpy as np
 from farm.engines.backends.torchfeed import DeviceTransform, Feeder
 from farm.engines.engine import BackendUnavailable, Engine
 from farm.modelrepo.caffe_net import Layer, Network, conv_geometry, pool_geometry, pools_with_ceil
-from farm.modelrepo.repository import ModelError
+from farm.modelrepo.repository import ModelError, ModelSpec
 
 INSTALL_HINT = "pip install 'farm[torch]' (CPU build: pip install torch==2.13.0)"
 
@@ -231,31 +231,34 @@ class TorchEngine(Engine):
 
     backend = "torch"
 
-    def precisions(self) -> tuple[str, ...]:
-        if not self.device.startswith("cuda"):
+    @classmethod
+    def precisions(cls, spec: ModelSpec, device: str) -> tuple[str, ...]:
+        if not device.startswith("cuda"):
             return ("f32",)
         import torch
 
+        if not torch.cuda.is_available():
+            return ()
         return ("f32", "f16", "bf16") if torch.cuda.is_bf16_supported() else ("f32", "f16")
 
-    def precision_note(self) -> str:
-        return (
-            ""
-            if self.device.startswith("cuda")
-            else " (farm's torch backend computes in f32 on the CPU)"
-        )
+    @classmethod
+    def precision_note(cls, spec: ModelSpec, device: str) -> str:
+        if not device.startswith("cuda"):
+            return " (farm's torch backend computes in f32 on the CPU)"
+        import torch
+
+        if not torch.cuda.is_available():
+            return f" (this torch, {torch.__version__}, sees no CUDA device)"
+        return ""
 
     def build(self) -> None:
         import torch
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        on_gpu = self.device.startswith("cuda")
-        if on_gpu and not torch.cuda.is_available():
-            raise ModelError(
-                f"device {self.device} asked for, but this torch "
-                f"({torch.__version__}) sees no CUDA device"
-            )
+        on_gpu = self.device.startswith("cuda")  # refused before here where CUDA is missing
+        if on_gpu:
+            torch.cuda.set_device(self.device)  # gpu:N's context, not GPU 0's
         if on_gpu and self.precision == "f32":
             exact_f32(torch)
         self.torch = torch
@@ -282,13 +285,21 @@ class TorchEngine(Engine):
         images: np.ndarray,
         stop: Callable[[], bool] | None = None,
         tally: Callable[[int, float], None] | None = None,
+        then: Callable[[], None] | None = None,
     ) -> np.ndarray:
-        """Outputs for ``images`` as clients send them; preprocessing runs on the device."""
-        outputs = np.empty((images.shape[0], *self.output_shape), dtype=np.float32)
-        stats = self.feeder.run(images, self.batch, outputs, stop, tally)
-        self.last_run = stats
+        """Outputs for ``images`` as clients send them; preprocessing runs on the device,
+        and ``then`` may launch the next chunk before this one's last batches are in."""
+        done = self.feeder.run(images, self.batch, self.output_shape, stop, tally, then)
+        self.last_run = done.stats
         self.allocated = max(self.allocated, min(self.batch, images.shape[0]))
-        return outputs
+        return done.outputs
+
+    @property
+    def feeds_ahead(self) -> bool:
+        return self.feeder.overlap
+
+    def start_ahead(self, images: np.ndarray, stop: Callable[[], bool] | None = None) -> None:
+        self.feeder.start_ahead(images, self.batch, self.output_shape, stop)
 
     def shrink(self) -> None:
         """On the CPU, free what the feeder holds; a GPU worker keeps its pinned buffers and
