@@ -1,4 +1,5 @@
-"""CPU cores and a GPU in one farm: every GPU measurement in one go (run by bench/gpu.sh).
+"""CPU cores and a GPU in one farm: every GPU measurement in one go (run by bench/gpu.sh, or
+by bench/gpu-run.sh after its smoke test).
 
     bench/gpu.sh RESULTS_DIR                # on a machine with a CUDA GPU
     bench/gpu.sh RESULTS_DIR --stand-in     # anywhere: a CPU worker stands in for the GPU
@@ -8,12 +9,13 @@ pinned to each core but the last, and the GPU worker on the last core, which fee
 With ``--stand-in`` that worker is ``--device cpu`` on the torch backend, pinned to the
 last core: the same code path without CUDA (the tests run it so).
 
-For each model in turn, within ``--budget`` seconds (the models it has no time left for
-are named in the report):
+For each model in turn, big nets first, within ``--budget`` seconds (a model with less
+than its floor left is "not started"; one that runs out of time keeps what it measured, and
+the report names the steps left out):
 
-1. **engines**: the backend and compute batch ``auto`` picks for the GPU worker and for
-   one pinned core, and the GPU in f16 and bf16, each checked against f32 by ``auto``'s
-   agreement check (a refusal is a result);
+1. **engines**: the backend and compute batch ``auto`` picks for the GPU worker (in f32,
+   f16 and bf16, in one process: one CUDA start), each checked against f32 by ``auto``'s
+   agreement check (a refusal is a result), and for one pinned core;
 2. **standalone speeds**: every worker alone in a one-worker farm (all the farms start at
    once, then run one at a time);
 3. **Tables 4/5, Figure 5**: every policy at the paper's values (only the first value of
@@ -23,7 +25,8 @@ are named in the report):
    GPU's busy share (seconds its CUDA events timed over the job's span), its copy
    seconds and the gaps between its chunks, and the CPU time of the core feeding it;
 4. **peers**: torch alone on the GPU at its best batch, and ONNX Runtime and OpenCV on
-   every core in one process, at theirs;
+   every core in one process, at theirs (a larger batch that fails, out of GPU memory,
+   is a note beside the smaller batches' figures);
 5. **Table 2's GPU column**: one GPU worker and one pinned CPU worker, images/s by chunk
    size (a size whose one chunk would take longer than ``MAX_CHUNK_SECONDS`` is skipped).
 
@@ -38,9 +41,11 @@ import argparse
 import concurrent.futures
 import contextlib
 import csv
+import gc
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -70,7 +75,8 @@ from farm.protocol import MAX_TASK_BYTES
 ROOT = Path(__file__).resolve().parents[1]
 #: Where googlenet (and the other public nets) are found, for this process and its children.
 NETS = ROOT / "bench" / "nets"
-MODELS = ("lenet", "cifar10_quick", "caffenet", "googlenet")
+#: Big nets first: a budget that runs short leaves out the small nets, measured sooner.
+MODELS = ("googlenet", "caffenet", "cifar10_quick", "lenet")
 #: Nets whose sweep runs 100 000 images and every paper value (the paper's small nets).
 SMALL = ("lenet", "cifar10_quick")
 SWEEP_IMAGES_SMALL = 100_000
@@ -81,6 +87,8 @@ TABLE2_SIZES = (1, 10, 100, 1000, 10_000)
 MAX_CHUNK_SECONDS = 5.0
 #: Most chunks one Table 2 row sends (chunks of 1 image cost the broker a round trip each).
 MAX_TABLE2_CHUNKS = 2000
+#: The GPU worker's precisions, measured in one process (f32 first: the others' reference).
+GPU_PRECISIONS = ("f32", "f16", "bf16")
 #: Compute batches tried for torch alone on the GPU (the peer).
 GPU_PEER_BATCHES = (64, 256, 1024, 4096)
 CPU_PEER_BATCHES = (16, 64, 256)
@@ -168,50 +176,85 @@ def say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
+#: What begins a progress line (one per model and step): bench/gpu-run.sh shows only these.
+PROGRESS = "-- "
+
+
+def progress(text: str) -> None:
+    say(PROGRESS + text)
+
+
 # ---- step 1: engines ------------------------------------------------------------------------
 
 
 def engines(
     layout: Layout, model: str, run: ModelRun, args: argparse.Namespace, clock: Clock
 ) -> None:
-    """The GPU worker's and a pinned core's engine choice, remembered for their workers."""
-    for kind, device, threads, backend in (
-        ("gpu", layout.engine_device, None, "torch" if layout.stand_in else "auto"),
-        ("cpu", "cpu", 1, "auto"),
+    """The GPU worker's engine choice in each precision (one fresh process: one CUDA start)
+    and a pinned core's, remembered for their workers."""
+    for kind, device, threads, backend, precisions, core in (
+        (
+            "gpu",
+            layout.engine_device,
+            None,
+            "torch" if layout.stand_in else "auto",
+            GPU_PRECISIONS,
+            layout.feeder,
+        ),
+        ("cpu", "cpu", 1, "auto", ("f32",), layout.cpus[0]),
     ):
-        core = layout.feeder if kind == "gpu" else layout.cpus[0]
-        for precision in ("f32", "f16", "bf16") if kind == "gpu" else ("f32",):
-            clock.check(f"{model}: {kind} engine in {precision}")
-            row = in_fresh_process(engine_choice, model, device, threads, backend, precision, core)
+        clock.check(f"{model}: {kind} engine")
+        rows = in_fresh_process(engine_choices, model, device, threads, backend, precisions, core)
+        for row in rows:
             row["kind"] = kind
             run.engines.append(row)
-            if precision == "f32":
-                if row["problem"]:
-                    raise FarmError(f"{model} cannot run on the {kind} worker: {row['problem']}")
-                run.batches[kind], run.rates[kind] = row["batch"], row["rate"]
-            say(
-                f"{model}: {kind} {precision}: "
-                + (
-                    row["problem"]
-                    or f"{row['backend']} batch {row['batch']}, {row['rate']:,.0f}/s"
-                    + (
-                        ""
-                        if row["difference"] is None
-                        else f", differs from the f32 reference by {row['difference']:.1e}"
-                    )
-                )
-            )
+            say(f"{model}: {kind} {row['precision']}: {engine_text(row)}")
+        if rows[0]["problem"]:
+            raise FarmError(f"{model} cannot run on the {kind} worker: {rows[0]['problem']}")
+        run.batches[kind], run.rates[kind] = rows[0]["batch"], rows[0]["rate"]
+
+
+def engine_text(row: dict[str, Any]) -> str:
+    if row["problem"]:
+        return row["problem"]
+    text = f"{row['backend']} batch {row['batch']}, {row['rate']:,.0f}/s"
+    if row["difference"] is not None:
+        text += f", differs from the f32 reference by {row['difference']:.1e}"
+    return text
+
+
+def engine_choices(
+    model: str,
+    device: str,
+    threads: int | None,
+    backend: str,
+    precisions: tuple[str, ...],
+    core: int,
+) -> list[dict[str, Any]]:
+    """In a fresh process pinned to ``core``: ``engine_choice`` in each precision."""
+    os.sched_setaffinity(0, {core})
+    rows = []
+    for precision in precisions:
+        rows.append(engine_choice(model, device, threads, backend, precision))
+        release_memory()
+    return rows
+
+
+def release_memory() -> None:
+    """Free the engines gone out of use, and their GPU memory (for the next precision)."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def engine_choice(
-    model: str, device: str, threads: int | None, backend: str, precision: str, core: int
+    model: str, device: str, threads: int | None, backend: str, precision: str
 ) -> dict[str, Any]:
-    """In a fresh process pinned to ``core``: what ``auto`` (or ``backend``) chooses, its
-    speed on a chunk run as a worker runs it, and how far it is from f32."""
-    from farm.engines.autoselect import choose, load_engine
-    from farm.modelrepo.repository import ModelError, find
+    """What ``auto`` (or ``backend``) chooses, its speed on a chunk run as a worker runs it,
+    and how far it is from f32; a refusal or an error (out of GPU memory) is its problem."""
+    from farm.modelrepo.repository import ModelError
 
-    os.sched_setaffinity(0, {core})
     row: dict[str, Any] = {
         "model": model,
         "device": device,
@@ -223,36 +266,41 @@ def engine_choice(
         "problem": None,
     }
     try:
-        spec = find(model)
-        if backend == "auto":
-            choice = choose(spec, device, threads, precision)
-            engine = choice.loaded()
-            row["difference"] = next(
-                t.difference for t in choice.trials if t.backend == choice.backend
-            )
-        else:
-            engine = load_engine(spec, backend, None, device, threads, precision)
-            engine.batch = best_batch(engine, make_images(model, 256))
-            if precision != "f32":
-                reference = load_engine(spec, backend, None, device, threads, "f32")
-                images = make_images(model, 64)
-                row["difference"] = relative_difference(engine.run(images), reference.run(images))
+        engine, row["difference"] = chosen_engine(model, device, threads, backend, precision)
+        images = make_images(model, max(engine.batch * 4, 256))
+        engine.run(images[: engine.batch])
+        started = time.perf_counter()
+        engine.run(images)
+        rate = len(images) / (time.perf_counter() - started)
     except ModelError as exc:
         row["problem"] = str(exc)
         return row
     except Exception as exc:  # the library's own errors: out of GPU memory, ...
-        row["problem"] = f"{type(exc).__name__}: {exc}"
+        row["problem"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         return row
-    images = make_images(model, max(engine.batch * 4, 256))
-    engine.run(images[: engine.batch])
-    started = time.perf_counter()
-    engine.run(images)
-    row.update(
-        backend=engine.backend,
-        batch=engine.batch,
-        rate=len(images) / (time.perf_counter() - started),
-    )
+    row.update(backend=engine.backend, batch=engine.batch, rate=rate)
     return row
+
+
+def chosen_engine(
+    model: str, device: str, threads: int | None, backend: str, precision: str
+) -> tuple[Any, float | None]:
+    """The engine ``auto`` (or ``backend``, at its best batch) loads, and its difference
+    from f32 (None in f32)."""
+    from farm.engines.autoselect import choose, load_engine
+
+    spec = find(model)
+    if backend == "auto":
+        choice = choose(spec, device, threads, precision)
+        difference = next(t.difference for t in choice.trials if t.backend == choice.backend)
+        return choice.loaded(), difference
+    engine = load_engine(spec, backend, None, device, threads, precision)
+    engine.batch = best_batch(engine, make_images(model, 256))
+    if precision == "f32":
+        return engine, None
+    reference = load_engine(spec, backend, None, device, threads, "f32")
+    images = make_images(model, 64)
+    return engine, relative_difference(engine.run(images), reference.run(images))
 
 
 def best_batch(engine: Any, images: np.ndarray) -> int:
@@ -462,10 +510,14 @@ def peers(
             )
         )
     for peer in run.peers:
-        say(
-            f"{model}: {peer['peer']}: "
-            + (peer["problem"] or f"{peer['images_per_s']:,.0f}/s at batch {peer['batch']}")
-        )
+        say(f"{model}: {peer['peer']}: {peer_text(peer)}")
+
+
+def peer_text(peer: dict[str, Any]) -> str:
+    if peer["problem"]:
+        return peer["problem"]
+    text = f"{peer['images_per_s']:,.0f}/s at batch {peer['batch']}"
+    return text + (f" ({peer['note']})" if peer["note"] else "")
 
 
 def alone(
@@ -479,9 +531,10 @@ def alone(
     name: str,
 ) -> dict[str, Any]:
     """In a fresh process on ``allowed`` cores: the engine at each batch on ``count`` images
-    (after a warm-up batch), the best kept."""
-    from farm.engines.autoselect import load_engine
-    from farm.modelrepo.repository import ModelError, find
+    (after a warm-up batch), the best kept.  A batch that fails (out of GPU memory, a
+    refusal) ends the tries: after a batch that ran, as the row's ``note`` (the figures
+    stand); before any, as its ``problem``."""
+    from farm.modelrepo.repository import ModelError
 
     os.sched_setaffinity(0, set(allowed))
     images = make_images(model, count)
@@ -492,24 +545,33 @@ def alone(
         "images": count,
         "images_per_s": 0.0,
         "problem": None,
+        "note": None,
     }
     for batch in batches:
         try:
-            engine = load_engine(find(model), backend, batch, device, threads)
-            engine.run(images[:batch])
-            started_at = time.perf_counter()
-            engine.run(images)
-        except ModelError as exc:
-            row["problem"] = str(exc)
+            rate = batch_rate(model, backend, device, threads, batch, images)
+        except Exception as exc:  # out of GPU memory at a larger batch, a refusal, ...
+            text = str(exc) if isinstance(exc, ModelError) else f"{type(exc).__name__}: {exc}"
+            row["note" if row["images_per_s"] else "problem"] = f"batch {batch}: {text[:200]}"
             break
-        except Exception as exc:  # out of GPU memory at a larger batch: keep the smaller
-            row["problem"] = f"batch {batch}: {type(exc).__name__}: {str(exc)[:200]}"
-            break
-        rate = count / (time.perf_counter() - started_at)
+        finally:
+            release_memory()
         if rate > row["images_per_s"]:
             row.update(batch=batch, images_per_s=rate)
-        del engine
     return row
+
+
+def batch_rate(
+    model: str, backend: str, device: str, threads: int | None, batch: int, images: np.ndarray
+) -> float:
+    """Images/s of the engine at ``batch`` on ``images``, after a warm-up batch."""
+    from farm.engines.autoselect import load_engine
+
+    engine = load_engine(find(model), backend, batch, device, threads)
+    engine.run(images[:batch])
+    started = time.perf_counter()
+    engine.run(images)
+    return len(images) / (time.perf_counter() - started)
 
 
 # ---- step 5: Table 2 ------------------------------------------------------------------------
@@ -581,63 +643,70 @@ def measure_model(
     named in the report, and the steps after a needed one that did are not run."""
     model = run.model
     for name, step in STEPS:
+        began, outcome = time.perf_counter(), "done"
         try:
             clock.check(f"{model}: {name}")
             step(layout, model, run, args, clock)
         except OutOfTime as exc:
             run.skipped.append(str(exc))
+            outcome = "out of time"
         except Exception as exc:  # a farm that would not start, a job that failed, ...
             run.skipped.append(f"{model}: {name} failed: {type(exc).__name__}: {exc}")
             say(run.skipped[-1])
+            outcome = "failed"
         save()
+        progress(
+            f"{model}: {name}: {outcome} in {time.perf_counter() - began:.0f} s, "
+            f"{clock.left():.0f} s of the budget left"
+        )
         if run.skipped and name in NEEDED:
             run.skipped.append(f"{model}: the steps after {name}: not run without it")
             break
 
 
 def summary_rows(layout: Layout, runs: list[ModelRun]) -> list[dict[str, Any]]:
-    """Per model: the best policy, its waste, the GPU's busy share, farm against the GPU
-    alone, and the goals."""
-    rows = []
-    for run in runs:
-        if not run.policies:
-            continue
-        best = max(run.policies, key=lambda row: row["images_per_s"])
-        if run.standalone.get(layout.gpu) is None:
-            continue
-        gpu_alone = next(
-            (
-                p["images_per_s"]
-                for p in run.peers
-                if p["peer"].endswith("GPU alone") and not p["problem"]
-            ),
-            None,
-        )
-        cores_add = (
-            sum(v for d, v in run.standalone.items() if d != layout.gpu)
-            / run.standalone[layout.gpu]
-        )
-        beats = best["images_per_s"] / gpu_alone if gpu_alone else None
-        rows.append(
-            {
-                "model": run.model,
-                "best": f"{best['policy']} {best['parameter']}={best['value']}"
-                if best["parameter"]
-                else best["policy"],
-                "images_per_s": best["images_per_s"],
-                "waste": best["waste"],
-                "in_job_waste": best["in_job_waste"],
-                "gpu_busy": best["gpu_busy"],
-                "feeder_cpu": best["feeder_cpu"],
-                "gpu_alone": gpu_alone,
-                "vs_gpu_alone": beats,
-                "cores_add": cores_add,
-                "goal_waste": best["waste"] is not None and best["waste"] <= 0.03,
-                "goal_busy": best["gpu_busy"] >= 0.95,
-                "goal_beats_gpu": None if cores_add <= 0.05 or beats is None else beats > 1.0,
-            }
-        )
-    return rows
+    """Per model started: the best policy, its waste, the GPU's busy share, farm against the
+    GPU alone, and the goals; None where a step did not measure it (out of time, failed)."""
+    return [summary_row(layout, run) for run in runs]
+
+
+def summary_row(layout: Layout, run: ModelRun) -> dict[str, Any]:
+    best = max(run.policies, key=lambda row: row["images_per_s"], default=None)
+    gpu_alone = next(
+        (p["images_per_s"] for p in run.peers if p["peer"].endswith("GPU alone")), None
+    )
+    gpu_alone = gpu_alone or None  # 0.0: no batch ran
+    gpu_standalone = run.standalone.get(layout.gpu)
+    cores_add = (
+        sum(v for d, v in run.standalone.items() if d != layout.gpu) / gpu_standalone
+        if gpu_standalone
+        else None
+    )
+    beats = best["images_per_s"] / gpu_alone if best and gpu_alone else None
+    waste = best["waste"] if best else None
+    return {
+        "model": run.model,
+        "best": policy_label(best) if best else None,
+        "images_per_s": best["images_per_s"] if best else None,
+        "waste": waste,
+        "in_job_waste": best["in_job_waste"] if best else None,
+        "gpu_busy": best["gpu_busy"] if best else None,
+        "feeder_cpu": best["feeder_cpu"] if best else None,
+        "gpu_alone": gpu_alone,
+        "vs_gpu_alone": beats,
+        "cores_add": cores_add,
+        "goal_waste": None if waste is None else waste <= 0.03,
+        "goal_busy": None if best is None else best["gpu_busy"] >= 0.95,
+        "goal_beats_gpu": None
+        if cores_add is None or cores_add <= 0.05 or beats is None
+        else beats > 1.0,
+    }
+
+
+def policy_label(row: dict[str, Any]) -> str:
+    return (
+        f"{row['policy']} {row['parameter']}={row['value']}" if row["parameter"] else row["policy"]
+    )
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -666,15 +735,19 @@ def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def goal(value: bool | None) -> str:
+    return "n/a" if value is None else "met" if value else "missed"
+
+
 def goals_text(row: dict[str, Any]) -> str:
-    beats = row["goal_beats_gpu"]
-    return "; ".join(
-        [
-            f"waste {'met' if row['goal_waste'] else 'missed'}",
-            f"busy {'met' if row['goal_busy'] else 'missed'}",
-            "beats GPU: " + ("n/a" if beats is None else "met" if beats else "missed"),
-        ]
+    return (
+        f"waste {goal(row['goal_waste'])}; busy {goal(row['goal_busy'])}; "
+        f"beats GPU: {goal(row['goal_beats_gpu'])}"
     )
+
+
+def rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -736,13 +809,13 @@ def report(
         [
             [
                 r["model"],
-                r["best"],
-                f"{r['images_per_s']:,.0f}",
+                r["best"] or "not measured",
+                rate(r["images_per_s"]),
                 percent(r["waste"]),
                 percent(r["in_job_waste"]),
                 percent(r["gpu_busy"]),
                 percent(r["feeder_cpu"]),
-                f"{r['gpu_alone'] or 0:,.0f}",
+                rate(r["gpu_alone"]),
                 ratio(r["vs_gpu_alone"]),
                 percent(r["cores_add"]),
                 goals_text(r),
@@ -793,9 +866,7 @@ def report(
             ],
             [
                 [
-                    f"{p['policy']} {p['parameter']}={p['value']}"
-                    if p["parameter"]
-                    else p["policy"],
+                    policy_label(p),
                     f"{p['images']:,}",
                     f"{p['images_per_s']:,.0f}",
                     percent(p["waste"]),
@@ -812,7 +883,7 @@ def report(
         )
         lines += ["", "Peers:", ""]
         lines += table(
-            ["peer", "batch", "images", "images/s", "problem"],
+            ["peer", "batch", "images", "images/s", "problem", "note"],
             [
                 [
                     p["peer"],
@@ -820,6 +891,7 @@ def report(
                     f"{p['images']:,}",
                     f"{p['images_per_s']:,.0f}",
                     p["problem"] or "",
+                    p["note"] or "",
                 ]
                 for p in run.peers
             ],
@@ -874,6 +946,21 @@ def write_results(
     (out / "report.md").write_text(report(layout, machine, runs, skipped, command, seconds))
 
 
+def add_nets() -> None:
+    """bench/nets (googlenet) among the model folders of this process and its children."""
+    folders = [folder for folder in os.environ.get("FARM_MODELS", "").split(os.pathsep) if folder]
+    if str(NETS) not in folders:
+        os.environ["FARM_MODELS"] = os.pathsep.join([*folders, str(NETS)])
+
+
+def interrupt_on_term() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, on which the results so far are written:
+    SIGTERM is how a machine's own time limit ends a run, and a shell starts a background
+    command with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="the results folder")
@@ -903,9 +990,16 @@ def main() -> None:
         f"{MODEL_FLOOR:.0f} s left ({LARGE_MODEL_FLOOR:.0f} for an "
         f"ImageNet-sized one), a step or job with less than it needs",
     )
+    parser.add_argument(
+        "--copy-report",
+        type=Path,
+        help="also write report.md here each time the results are saved (bench/gpu-run.sh: "
+        "into what comes back even if the run is killed)",
+    )
     args = parser.parse_args()
     clock = Clock(args.budget)
-    os.environ.setdefault("FARM_MODELS", str(NETS))
+    interrupt_on_term()
+    add_nets()
     layout = Layout.here(args.stand_in, args.cpu_workers)
     if not args.stand_in:
         try:
@@ -930,6 +1024,8 @@ def main() -> None:
         write_results(
             args.out, layout, machine, runs, skipped, command, time.perf_counter() - clock.started
         )
+        if args.copy_report:
+            shutil.copyfile(args.out / "report.md", args.copy_report)
 
     try:
         for model in (name.strip() for name in args.models.split(",") if name.strip()):
@@ -939,11 +1035,13 @@ def main() -> None:
                     f"{model}: not started, {clock.left():.0f} s of the budget "
                     f"left (it needs {floor:.0f})"
                 )
+                progress(skipped[-1])
                 continue
             runs.append(ModelRun(model))  # saved as it goes, interrupted or not
             measure_model(layout, runs[-1], args, clock, save)
     except KeyboardInterrupt:  # bench/gpu.sh's time limit (SIGINT), or Ctrl-C
         skipped.append("interrupted: the time limit was reached (or Ctrl-C)")
+        progress(skipped[-1])
     save()
     say(f"results in {args.out}")
     print((args.out / "report.md").read_text())

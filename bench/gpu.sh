@@ -27,19 +27,9 @@ fi
 out=${1:?usage: bench/gpu.sh RESULTS_DIR [--stand-in] [options], or bench/gpu.sh --download}
 shift
 mkdir -p "$out"
-if ! "$python" -c 'import zmq, msgspec, supervisor' 2>/dev/null; then
-    if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
-        echo "bench/gpu.sh: pyzmq, msgspec or supervisor is missing and $wheels holds no" \
-             "wheels: run bench/gpu.sh --download where pip reaches PyPI" >&2
-        exit 2
-    fi
-    site=$(mktemp -d /tmp/farm-gpu-site.XXXXXX)
-    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target "$site" "$wheels"/*.whl
-    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
+# shellcheck source=bench/gpu-env.sh
+source "$root/bench/gpu-env.sh"
+farm_gpu_env "$root" || exit 2
 # a hard stop short of 10 minutes: SIGINT, on which bench/gpu.py writes what it has
 limit=${FARM_GPU_LIMIT:-565}
 timeout -s INT -k 30 "$limit" "$python" "$root/bench/gpu.py" "$out" "$@" 2>&1 \
