@@ -14,7 +14,8 @@
 #   3. bench/gpu.py, big nets first, with --budget and its hard limit from the time left;
 #      its log goes to a file: stdout shows a line per model and step, then the summary;
 #   4. packs OUT: smoke.txt, report.md, log-tail.txt, results.tar.gz (the results folder,
-#      the full logs, the smoke's JSON), also on SIGINT or SIGTERM. report.md is copied
+#      the full logs, the smoke's JSON), also on SIGINT or SIGTERM. Exit status: the
+#      bench's, but 4 where it reached its hard limit (124 would read as the call's own). report.md is copied
 #      into OUT after each step of the bench, so a run killed outright keeps it.
 # --stand-in: a CPU worker stands in for the GPU everywhere (a dry run, anywhere).
 set -uo pipefail
@@ -153,6 +154,11 @@ if [ -f "$results/report.md" ]; then
     awk '/^## /{show = ($0 == "## Summary" || $0 == "## Not measured")} /^# /{show = 1}
         show && !/^Waste: /' \
         "$results/report.md" | cut -c1-400 | head -c 4000
+fi
+if [ "$status" -eq 124 ]; then
+    # not 124 itself: a lent machine reads a command's 124 as its own time limit reached
+    say "bench/gpu.py reached its hard limit (timeout's status 124): what it measured is packed"
+    finish 4
 fi
 say "bench/gpu.py ended with status $status"
 finish "$status"

@@ -85,15 +85,9 @@ class Settings:
         return cls("cuda:0", False, 256, 2048, 64, 1024)
 
 
-@dataclass
-class Budget:
-    """The smoke's seconds; each step gets its own box within what is left."""
-
-    seconds: float
-    started: float = field(default_factory=time.perf_counter)
-
-    def left(self) -> float:
-        return self.seconds - (time.perf_counter() - self.started)
+class Budget(gpu.Clock):
+    """The smoke's seconds (the bench's clock); each step gets its own box within what is
+    left."""
 
     def box(self, most: float) -> float:
         return min(most, self.left())
@@ -544,7 +538,7 @@ def main() -> int:
     report.add(
         [
             f"smoke: {document['worked']} of {document['tried']} GPU engine runs worked "
-            f"({budget.seconds - budget.left():.0f} s)"
+            f"({budget.budget - budget.left():.0f} s)"
         ]
     )
     return 0
