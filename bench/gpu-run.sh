@@ -50,6 +50,10 @@ work=$(mktemp -d /tmp/farm-gpu-run.XXXXXX)
 results=$work/results
 mkdir -p "$results"
 child=
+# marks every process this run starts: a local farm's broker and workers run in sessions of
+# their own, so a bench killed at its limit can leave them behind (a GPU worker holding the
+# GPU); they are found by this mark and ended before packing
+export FARM_GPU_RUN=${FARM_GPU_RUN:-gpu-run-$$-$started}
 
 elapsed() { echo $(($(date +%s) - started)); }
 
@@ -71,8 +75,19 @@ pack() { # every result into at most 8 files directly under $out
     fi
 }
 
+reap() { # end the processes of this run still running, but this script
+    local pid ended=0
+    for pid in $(grep -lsz "^FARM_GPU_RUN=$FARM_GPU_RUN\$" /proc/[0-9]*/environ | cut -d/ -f3); do
+        if [ "$pid" != $$ ] && kill -KILL "$pid" 2>/dev/null; then
+            ended=$((ended + 1))
+        fi
+    done
+    [ "$ended" -eq 0 ] || say "ended $ended process(es) this run left behind"
+}
+
 finish() { # pack, list what comes back, exit with $1
     trap '' INT TERM
+    reap
     pack
     say "done with exit status $1; in $out:"
     (cd "$out" && ls -l --time-style=+ | tail -n +2 | awk '{print "  " $5 "  " $NF}')

@@ -181,16 +181,33 @@ def test_a_budget_too_small_for_the_second_model(tmp_path) -> None:
         assert lenet[field] or any(f"lenet: {step}" in note for note in lenet["skipped"])
 
 
-def test_stopped_it_packs_what_it_has(tmp_path) -> None:
+def marked(mark: str) -> list[int]:
+    """The processes whose environment carries the run's mark (``FARM_GPU_RUN``)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"FARM_GPU_RUN={mark}".encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def test_stopped_it_packs_what_it_has_and_leaves_no_process(tmp_path) -> None:
     """SIGTERM (a machine's limit) during the bench: the step running writes what it has,
-    and the out folder holds it."""
+    and the out folder holds it.  A process of the run's in a session of its own (as a
+    local farm's are), left behind, is ended: on a lent machine it would hold the GPU."""
     out = tmp_path / "out"
+    mark = f"test-{os.getpid()}-{tmp_path.name}"
+    left_behind = subprocess.Popen(
+        ["sleep", "600"], start_new_session=True, env=environment(FARM_GPU_RUN=mark)
+    )
     process = subprocess.Popen(
         ["bash", str(ONE_CALL), str(out), *DRY_RUN, "--models", "lenet"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=environment(),
+        env=environment(FARM_GPU_RUN=mark),
     )
     assert process.stdout is not None
     lines = []
@@ -205,6 +222,8 @@ def test_stopped_it_packs_what_it_has(tmp_path) -> None:
     assert "interrupted" in (out / "report.md").read_text()
     results = json.loads((unpack(out, tmp_path / "unpacked") / "results/results.json").read_text())
     assert results["models"][0]["engines"]
+    assert left_behind.wait(timeout=10) == -signal.SIGKILL and not marked(mark)
+    assert "process(es) this run left behind" in "".join(lines)
 
 
 OUT_OF_MEMORY = textwrap.dedent(
