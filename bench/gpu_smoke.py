@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib
-import importlib.metadata
 import json
 import os
 import platform
@@ -47,7 +45,7 @@ import numpy as np
 
 from farm import defaults
 from farm.bench.measure import Configuration, timed_job
-from farm.bench.setups import make_images
+from farm.bench.setups import make_images, package_version
 from farm.engines.autoselect import NOT_INSTALLED
 from farm.ops.local import cores
 
@@ -201,17 +199,6 @@ class ModelSmoke:
 # ---- the machine ---------------------------------------------------------------------------
 
 
-def version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        return str(importlib.import_module(name).__version__)
-    except Exception:
-        return "missing"
-
-
 def nvidia_smi() -> list[str]:
     try:
         done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
@@ -261,7 +248,7 @@ def header(settings: Settings, layout: gpu.Layout, torch_info: dict[str, Any]) -
         f"# farm GPU smoke, {datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.node()}: "
         + ("a CPU stand-in for the GPU" if settings.stand_in else settings.device),
         f"python {platform.python_version()}; "
-        + "; ".join(f"{name} {version(name)}" for name in VERSIONS),
+        + "; ".join(f"{name} {package_version(name)}" for name in VERSIONS),
         "nvidia-smi -L: " + "; ".join(nvidia_smi()),
         f"cores: {os.cpu_count()} ({len(layout.cpus) + 1} usable); the GPU worker's core: {feeder}",
         f"onnxruntime providers: {providers()}",

@@ -141,7 +141,8 @@ def make_images(model: str, count: int) -> np.ndarray:
     return np.resize(np.load(spec.sample), (count, *spec.item_shape))
 
 
-def _version(package: str) -> str:
+def package_version(package: str) -> str:
+    """The installed version of a distribution, or "not installed"."""
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -191,7 +192,7 @@ def describe_machine() -> dict[str, Any]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "versions": {
-            name: _version(name)
+            name: package_version(name)
             for name in (
                 "farm",
                 "opencv-python-headless",

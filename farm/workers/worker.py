@@ -831,8 +831,9 @@ class Worker:
 
     def next_array_chunk(self, engine: Engine) -> tuple[Message, messages.Task, np.ndarray] | None:
         """The next queued message, when it is a chunk of pixels from the connection being
-        served, for ``engine``, not cancelled, and read without a problem: with its
-        pixels."""
+        served, for ``engine``, not cancelled, and read without a problem: with its pixels.
+        Its pixels are not checked for NaNs here (``run_array`` does, once): a chunk that
+        holds some runs its finite items afresh, and the batches launched ahead are lost."""
         if self.upcoming is None:
             return None
         with self.upcoming.mutex:
@@ -853,8 +854,6 @@ class Worker:
                 return None
             images = self.chunk_array(queued.message, task)
         except Exception:  # a bad chunk: its run_task reports it
-            return None
-        if not finite_items(images).all():
             return None
         return queued.message, task, images
 

@@ -158,8 +158,7 @@ class Feeder:
 
         self.torch = torch
         self.cuda = self.device.startswith("cuda")
-        if self.cuda:
-            torch.cuda.set_device(self.device)  # pinned buffers live in this GPU's context
+        if self.cuda:  # the engine made self.device current before building the feeder
             self.streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
             self.ramp = RAMP
             self.overlap = True
