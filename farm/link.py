@@ -12,6 +12,7 @@ silent each new try waits twice as long as the one before, up to a cap.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import zmq
 import zmq.backend
+from zmq.utils.monitor import recv_monitor_message
 
 from farm import protocol
 from farm.messages import Header, Heartbeat
@@ -64,8 +66,91 @@ def parse_endpoint(text: str, bind: bool = False) -> str:
     return f"tcp://{address}"
 
 
+def endpoint_host(endpoint: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` endpoint, without an IPv6 literal's brackets; ""
+    for another transport."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    return endpoint.removeprefix("tcp://").rpartition(":")[0].removeprefix("[").removesuffix("]")
+
+
+def is_ipv6(endpoint: str) -> bool:
+    """Whether a TCP endpoint names an IPv6 address (``tcp://[::1]:5555``): its socket
+    needs ``zmq.IPV6``, else ZeroMQ answers ``No such device``."""
+    return ":" in endpoint_host(endpoint)
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether a TCP endpoint is reachable from this machine only: 127.0.0.0/8, ::1, the
+    ``lo`` interface or ``localhost``."""
+    host = endpoint_host(endpoint)
+    if host in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, an interface, or *
+        return False
+
+
+def enable_ipv6(socket: zmq.Socket, endpoint: str) -> None:
+    """Let ``socket`` bind or connect to ``endpoint`` if it is an IPv6 address."""
+    if is_ipv6(endpoint):
+        socket.setsockopt(zmq.IPV6, 1)
+
+
 class BrokerRefused(ValueError):
-    """The broker refused this peer's CURVE key (libzmq does not retry such a connection)."""
+    """The broker refused this peer's handshake: its CURVE key, or plain text where the
+    broker speaks CURVE (libzmq does not retry such a connection)."""
+
+
+#: Handshake failures libzmq does not retry: the broker refused this peer (a failure without
+#: detail is a broken connection, which libzmq connects again).
+REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+class Handshakes:
+    """Watches a link's socket: a broker that refuses its handshake is an error, not a hang.
+
+    libzmq does not retry a connection whose handshake was refused (a CURVE key the
+    broker does not allow, or a mechanism it does not speak), so without this a peer
+    would wait forever without a word.  ``name``: the CURVE key it connects as (None:
+    plain text).
+    """
+
+    def __init__(self, socket: zmq.Socket, name: str | None) -> None:
+        self.socket, self.name = socket, name
+        self.monitor = socket.get_monitor_socket(REFUSED)
+
+    def failure(self) -> str | None:
+        """Why the broker refused us, if a handshake failed since the last call."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] & REFUSED:
+                return handshake_failure(event["event"], event["value"], self.name)
+        return None
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+
+
+def handshake_failure(event: int, value: int, name: str | None) -> str:
+    """What a failed handshake means, for a peer connecting as CURVE key ``name`` (None:
+    plain text)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            f"the broker refused key {name!r} (status {value}): its public key is not in "
+            "the broker's authorized/ folder"
+        )
+    if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return (
+            "the broker uses CURVE: give --curve with a `farm keys` folder"
+            if name is None
+            else "the broker does not use CURVE (started without --curve), but --curve was given"
+        )
+    return f"the handshake with the broker failed ({zmq.Event(event).name}, {value:#x})" + (
+        ": do broker.key and the broker's key pair match?" if name is not None else ""
+    )
 
 
 @dataclass(frozen=True)
@@ -104,7 +189,7 @@ class BrokerLink:
         self.interval = config.heartbeat  # the broker's heartbeat interval, once heard
         self.retry_interval = self.expiry
         self.answered = False  # whether the broker ever spoke on this link
-        self.handshakes: Any = None  # farm.ops.keys.Handshakes, with CURVE
+        self.handshakes: Handshakes | None = None
         self.socket: zmq.Socket
         self._open()
 
@@ -119,15 +204,21 @@ class BrokerLink:
         limit_socket(sock, linger_ms=self.config.linger_ms)
         try:
             if self.config.curve:
-                from farm.ops.keys import Handshakes, make_client
+                from farm.ops.keys import make_client
 
                 make_client(sock, self.config.curve, self.config.curve_name)
-                self.handshakes = Handshakes(sock, self.config.curve_name)
-                self.poller.register(self.handshakes.monitor, zmq.POLLIN)
-            sock.connect(self.config.broker)
+            enable_ipv6(sock, self.config.broker)
+            handshakes = Handshakes(sock, self.config.curve_name if self.config.curve else None)
+            try:
+                sock.connect(self.config.broker)
+            except BaseException:
+                handshakes.close()
+                raise
         except BaseException:
             sock.close(linger=0)
             raise
+        self.handshakes = handshakes
+        self.poller.register(handshakes.monitor, zmq.POLLIN)
         self.poller.register(sock, zmq.POLLIN)
         self.socket = sock
         now = time.monotonic()

@@ -119,6 +119,7 @@ class Task(ChunkHeader):
     engine: Engine | None = None
     stored: Literal["files", "npy"] | None = None
     place: ArrayPlace | None = None
+    exif_rotate: bool = True  # image files turned upright by their EXIF orientation
 
 
 class Result(ChunkHeader):
@@ -141,6 +142,8 @@ class Result(ChunkHeader):
     worker: Text = ""
     attempt: int = 1
     trace: tuple[Finite, Finite, Finite] | None = None
+    # image files whose EXIF orientation is not "as stored" (turned upright if the job said so)
+    oriented: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] = 0
 
 
 class Failed(ChunkHeader):
@@ -164,6 +167,7 @@ class Options(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fi
     algo: Name | None = None
     params: Annotated[dict[Name, Param], Meta(max_length=MAX_MAP)] = {}
     engine: Engine | None = None
+    exif_rotate: bool = True  # False: image files decoded as stored, EXIF orientation ignored
 
 
 class Submit(Header):
@@ -236,12 +240,14 @@ class Done(Header):
 class Error(Header):
     """broker -> client or worker: a request was refused; ``job`` when it concerns one,
     ``unknown_job`` when the broker does not know it, ``resubmit`` when the client should
-    submit what it still misses (results kept from a lost broker just reached it)."""
+    submit what it still misses (results kept from a lost broker just reached it),
+    ``registration`` when it refuses a worker's READY (the worker then exits)."""
 
     error: Text
     job: JobId | None = None
     unknown_job: bool = False
     resubmit: bool = False
+    registration: bool = False
 
 
 class Info(Header):

@@ -26,6 +26,17 @@ def plural(count: int, noun: str) -> str:
     return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
+def per_second(rate: float, noun: str = "image") -> str:
+    """A rate as shown, rounded to a whole number: ``1 image/s``, ``2,400 images/s``."""
+    shown = f"{rate:,.0f}"
+    return f"{shown} {noun}{'' if shown == '1' else 's'}/s"
+
+
+def were(count: int) -> str:
+    """``1 was``, ``2 were``."""
+    return f"{count:,} {'was' if count == 1 else 'were'}"
+
+
 class WorkerShare(msgspec.Struct, frozen=True, kw_only=True):
     """One worker's part in a job, and its standalone speed on the job's model."""
 
@@ -109,17 +120,15 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
             if self.items >= self.total
             else f"{self.items:,} of {plural(self.total, 'image')} (stopped early)"
         )
-        lines = [
-            f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s (policy {self.policy})"
-        ]
+        lines = [f"{done} in {self.seconds:.3f} s: {per_second(self.rate)} (policy {self.policy})"]
         loading = self.load_seconds
         if loading > 0.001 * self.seconds and loading < self.seconds:
             lines.append(
                 f"{loading:.3f} s of it went to loading the model on fresh workers; "
-                f"{self.items / (self.seconds - loading):,.0f} images/s once loaded"
+                f"{per_second(self.items / (self.seconds - loading))} once loaded"
             )
         lines += [
-            f"theoretical {self.theoretical_rate:,.0f} images/s (sum of standalone "
+            f"theoretical {per_second(self.theoretical_rate)} (sum of standalone "
             f"worker speeds), " + self.waste_text(),
             f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}",
         ]
@@ -132,8 +141,8 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
         if self.failed_attempts or self.lost_attempts:
             lines.append(
                 f"{plural(max(0, self.items_run - self.total), 'image')} ran again: "
-                f"{self.failed_attempts} attempts failed, {self.lost_attempts} were "
-                f"lost with their workers"
+                f"{plural(self.failed_attempts, 'attempt')} failed, "
+                f"{were(self.lost_attempts)} lost with their workers"
             )
         return "\n".join(lines)
 

@@ -41,7 +41,13 @@ from farm.broker.catalog import ModelCatalog
 from farm.broker.connections import Connections, source_fd
 from farm.broker.facts import ModelFound
 from farm.broker.state import FarmState, SchedulingConfig
-from farm.link import limit_socket, recv_frames, send_frames
+from farm.link import (
+    REFUSED,
+    enable_ipv6,
+    limit_socket,
+    recv_frames,
+    send_frames,
+)
 from farm.messages import Header, job_of
 from farm.modelrepo.repository import ModelError
 from farm.protocol import Command, ProtocolError
@@ -55,6 +61,8 @@ MAX_INFO_WAITERS = 1000
 MAX_BATCH = 1000
 #: Seconds an INFO request waits for workers before it is forgotten (its client gave up).
 INFO_WAIT_LIMIT = 120.0
+#: Seconds between two log lines about refused handshakes of the same kind.
+REFUSAL_LOG_INTERVAL = 60.0
 
 #: What peers may send a broker: everything but what only the broker sends.
 ACCEPTED = frozenset(
@@ -135,6 +143,7 @@ class Broker:
                 from farm.ops.keys import make_server
 
                 make_server(self.socket, config.curve)
+            enable_ipv6(self.socket, config.bind)
             self.socket.bind(config.bind)
         except Exception:
             self.socket.close()
@@ -142,8 +151,12 @@ class Broker:
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
-        # connections closing (a peer's process died) name their peer through ``connections``
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # connections closing (a peer's process died) name their peer through ``connections``;
+        # refused handshakes (a peer without the right CURVE keys) are logged
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | REFUSED
+        )
+        self.refusals = Refusals(bool(config.curve))
         self.poller.register(self.monitor, zmq.POLLIN)
         self.connections = Connections()
         self.wakeup: Wakeup | None = None  # serve() ends the loop's wait on SIGINT/SIGTERM
@@ -254,6 +267,8 @@ class Broker:
                 self.connections.on_accepted(int(event["value"]))
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connections.on_closed(int(event["value"]))
+            elif event["event"] & REFUSED:
+                self.refusals.note(int(event["event"]), int(event["value"]), self.clock())
 
     def connection_closed(self, peer: bytes) -> None:
         """A peer's connection closed: a worker crashed, or a client's jobs end."""
@@ -293,7 +308,8 @@ class Broker:
             self.state.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
             job = job_of(message.header) if message else None
-            self.send(identity, messages.Error(error=str(exc), job=job))
+            registration = message is not None and message.command is Command.READY
+            self.send(identity, messages.Error(error=str(exc), job=job, registration=registration))
         except Exception:  # a bug must not take the farm down; log it and keep serving
             log.exception("error handling a message from %s", identity.hex())
 
@@ -306,7 +322,30 @@ class Broker:
             self.send(*wire.message_of(instruction))
         if isinstance(event, ev.WorkerJoined):
             self.send(event.worker, messages.Heartbeat(interval=self.config.heartbeat))
+            self.warn_if_shared(event.worker)
             self.answer_info_waiters()
+
+    def warn_if_shared(self, identity: bytes) -> None:
+        """A worker joined on a device (host and ``--device``) that another registered
+        worker serves already: they compete for it, each slower than it says."""
+        entry = self.state.workers.get(identity)
+        if entry is None or self.state.places[entry.place] < 2:
+            return
+        others = [
+            other.name
+            for other in self.state.workers.values()
+            if other.place == entry.place and other is not entry
+        ]
+        log.warning(
+            "worker %s runs on %s of host %s, which %s serve%s already: they compete for "
+            "it; give each worker a device of its own (--device cpu:N)",
+            entry.name,
+            entry.device,
+            entry.host,
+            ", ".join(others),
+            "s" if len(others) == 1 else "",
+            extra={"event": "device_shared", "worker": entry.name},
+        )
 
     def send(self, identity: bytes, header: Header, payload: Sequence[Any] = ()) -> None:
         frames = wire.frames(header, payload)
@@ -428,15 +467,63 @@ class Broker:
         return {"name": name, "labels": list(spec.labels), "softmax": spec.softmax}
 
     def snapshot(self) -> dict[str, Any]:
-        """What ``farm status`` shows: the broker, its workers and its jobs (in slot order)."""
+        """What ``farm status`` shows: the broker, its workers and its jobs (in slot order);
+        each worker with how many registered workers serve its device
+        (``device_shared_by``: 1 when it has the device to itself)."""
         now = self.clock()
+        described = self.state.describe(now)
+        for worker in described["workers"]:
+            worker["device_shared_by"] = self.state.places[f"{worker['host']}/{worker['device']}"]
         return {
             "endpoint": self.endpoint,
             "uptime_s": now - self.started_at,
             "metrics": self.metrics_url,
             "traffic": self.traffic.describe(),
-            **self.state.describe(now),
+            **described,
         }
+
+
+@dataclass
+class Refusals:
+    """Handshakes the broker's socket refused (a peer without the right CURVE keys, or with
+    keys where the broker has none), logged as warnings: the first of each kind at once,
+    then at most one line a ``REFUSAL_LOG_INTERVAL`` with how many more came (a refused
+    peer that retries would flood the log)."""
+
+    curve: bool  # whether the broker speaks CURVE
+    logged: dict[str, float] = field(default_factory=dict)  # reason -> when last logged
+    since: dict[str, int] = field(default_factory=dict)  # reason -> refusals not logged
+
+    def note(self, event: int, value: int, now: float) -> None:
+        reason = self.reason(event, value)
+        last = self.logged.get(reason)
+        if last is not None and now - last < REFUSAL_LOG_INTERVAL:
+            self.since[reason] = self.since.get(reason, 0) + 1
+            return
+        more = self.since.pop(reason, 0)
+        self.logged[reason] = now
+        log.warning(
+            "refused a connection: %s%s",
+            reason,
+            f" ({more} more since the last such line)" if more else "",
+            extra={"event": "handshake_refused"},
+        )
+
+    def reason(self, event: int, value: int) -> str:
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (
+                f"a CURVE key that is not in the --curve folder's authorized/ (status {value}); "
+                "authorize it with `farm keys add`, or give the peer a key from there"
+            )
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return (
+                "a peer without CURVE keys (start workers and clients with --curve KEYS)"
+                if self.curve
+                else "a peer with CURVE keys, but this broker runs without --curve"
+            )
+        return f"handshake failed ({zmq.Event(event).name}, {value:#x})" + (
+            ": does the peer's broker.key match this broker's key pair?" if self.curve else ""
+        )
 
 
 def mapped(path: Path) -> Any:

@@ -200,6 +200,7 @@ class SendTask:
     payload: Any = ()
     stored: Literal["files", "npy"] | None = None  # the payload says where the items lie
     place: Any = None  # a shared array's file
+    exif_rotate: bool = True  # image files turned upright by their EXIF orientation
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -41,7 +41,8 @@ class JobOptions:
     ``timeout``: seconds after submission at which the broker cancels the job;
     ``client``: who submitted it (``host:pid``), shown by ``farm status``;
     ``engine``: ``(backend, precision)`` the workers run this job's chunks on, instead of
-    their own.
+    their own; ``exif_rotate``: image files are turned upright by their EXIF orientation
+    (False: decoded as stored).
     """
 
     algo: str | None = None
@@ -50,6 +51,7 @@ class JobOptions:
     timeout: float | None = None
     client: str = ""
     engine: tuple[str, str] | None = None
+    exif_rotate: bool = True
 
     def policy(self, default_algo: str, default_params: dict[str, Any]) -> tuple[str, dict]:
         """The job's policy name and parameters: the broker's unless the job chose (they are

@@ -851,6 +851,7 @@ class FarmState:
                 dtype=job.dtype,
                 item_shape=job.item_shape,
                 engine=job.options.engine,
+                exif_rotate=job.options.exif_rotate,
                 payload=payload,
                 stored=stored,
                 place=place,
@@ -1007,6 +1008,8 @@ class FarmState:
         if problem:
             self.fail_job(job, problem)
             return False
+        if job.dtype != ENCODED:  # a 1-channel model's 1 x H x W items are its H x W x 1
+            job.item_shape = tuple(model.item_shape)
         if job.dtype == ENCODED:
             job.decoded_bytes = math.prod(model.item_shape) * model.crops
         job.digest = model.digest

@@ -10,6 +10,7 @@ advertised models, a job's dtype and engine, and a chunk's input (DATA) and outp
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from farm.messages import Header, StoredInputs
 from farm.protocol import Message, ProtocolError
 from farm.shapes import ENCODED
 from farm.storage import SharedInputs, StoredError
+
+log = logging.getLogger("farm.broker")
 
 #: Longest error text sent: a reply must stay within the protocol's own string limits.
 MAX_ERROR_CHARS = 1000
@@ -80,11 +83,21 @@ def event_of(identity: bytes, message: Message, now: float, state: FarmState) ->
 
 
 def worker_facts(header: messages.Ready) -> WorkerFacts:
-    """A READY header's facts; ProtocolError if its models do not fit or do not add up."""
+    """A READY header's facts; ProtocolError if an advertised model's input cannot cross
+    the wire.  ``loaded`` is a hint: names it lists that the worker does not advertise (a
+    worker of an older farm, which advertised only its own disk's models) are dropped with
+    a warning, never a refusal that would lock the worker out."""
     for model in header.models.values():  # an advertised model's input must fit in a frame
         protocol.check_array_spec("float32", model.input_shape)
-    if not all(name in header.models for name in header.loaded):
-        raise ProtocolError("READY 'loaded' must list advertised models")
+    unknown = sorted(set(header.loaded) - set(header.models))
+    if unknown:
+        log.warning(
+            "worker %s:%d/%s lists loaded models it does not advertise (%s): ignored",
+            header.host,
+            header.pid,
+            header.device,
+            ", ".join(unknown),
+        )
     return WorkerFacts(
         device=header.device,
         host=header.host,
@@ -92,7 +105,7 @@ def worker_facts(header: messages.Ready) -> WorkerFacts:
         backend=header.backend,
         threads=header.threads,
         models={name: tuple(model.input_shape) for name, model in header.models.items()},
-        loaded=frozenset(header.loaded),
+        loaded=frozenset(header.loaded) - frozenset(unknown),
         slots=header.slots,
         heartbeat=header.heartbeat,
         engines=dict(header.engines),
@@ -196,6 +209,7 @@ def job_options(options: messages.Options) -> JobOptions:
         timeout=options.timeout,
         client=options.client,
         engine=engine,
+        exif_rotate=options.exif_rotate,
     )
 
 
@@ -347,6 +361,7 @@ def task_header(task: ev.SendTask) -> messages.Task:
         engine=task.engine,
         stored=task.stored,
         place=task.place,
+        exif_rotate=task.exif_rotate,
     )
 
 

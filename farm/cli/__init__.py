@@ -15,6 +15,7 @@ of precedence after the command line.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 import click
@@ -23,6 +24,9 @@ from farm import defaults
 
 #: Commands that run for a long time and log as they go: INFO by default; others WARNING.
 SERVICES = ("broker", "worker", "up")
+#: Commands that look models up by name: a ``$FARM_MODELS`` entry that is no folder is
+#: said at their start (``farm models add`` creates it, so it is not said there).
+SEARCH_MODELS = ("run", "up", "submit", "broker", "worker", "bench")
 
 #: Each command: the ``farm.cli`` module that defines it, and its function there.
 COMMANDS = {
@@ -131,6 +135,11 @@ def main(
     setup_logging(
         ctx.params["log_level"] or default_level, ctx.params["log_format"] or defaults.LOG_FORMAT
     )
+    if ctx.invoked_subcommand in SEARCH_MODELS:
+        from farm.modelrepo.repository import missing_env_models_dirs
+
+        for warning in missing_env_models_dirs():
+            logging.getLogger("farm").warning(warning)
 
 
 def apply_config_file(ctx: click.Context, config_file: str | None) -> None:

@@ -14,8 +14,6 @@ from farm.cli.policy import policy_options, policy_params
 if TYPE_CHECKING:
     from farm.broker.broker import Broker
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
-
 
 @click.command()
 @click.option(
@@ -142,9 +140,11 @@ def announce(running: Broker) -> None:
 
 
 def warn_if_exposed(bind: str, curve: str | None) -> None:
-    """A broker reachable from other machines without CURVE lets anyone in: say so."""
-    host = bind.split("://", 1)[-1].rsplit(":", 1)[0]
-    if not curve and bind.startswith("tcp://") and host not in LOOPBACK_HOSTS:
+    """A broker reachable from other machines without CURVE lets anyone in: say so (not for
+    a loopback address: 127.0.0.0/8, ::1, lo, localhost)."""
+    from farm.link import is_loopback
+
+    if not curve and bind.startswith("tcp://") and not is_loopback(bind):
         click.echo(
             f"warning: {bind} is reachable from other machines and --curve is off: "
             "anyone who can connect can submit jobs or pose as a worker",

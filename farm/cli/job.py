@@ -4,13 +4,15 @@ arrive, the summary, and an exit status that says whether every image came back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import click
 import numpy as np
@@ -22,12 +24,14 @@ if TYPE_CHECKING:
     from farm.client.answers import AnswerSink, ModelCard
     from farm.client.client import Client, JobResult
     from farm.client.inputs import Source
+    from farm.client.journal import Journaled, JournalHeader, JournalSink
     from farm.modelrepo.repository import ModelSpec
     from farm.startup import Timeline
 
 NO_BROKER_HINT = (
-    "is a broker running there? --broker or FARM_BROKER give its address; a "
-    "broker started with --curve needs --curve here too"
+    "is a broker running there? --broker or FARM_BROKER give its address, `farm up` "
+    "starts a local farm that commands find by themselves; a broker started with --curve "
+    "needs --curve here too"
 )
 
 
@@ -35,7 +39,7 @@ NO_BROKER_HINT = (
 class BrokerAccess:
     """How a command reaches its broker: where, with which keys, and how long it waits."""
 
-    endpoint: str
+    endpoint: str | None  # None: found (``farm.runtime.choose_broker``)
     timeout: float = defaults.CLIENT_TIMEOUT  # seconds of broker silence before giving up
     curve: str | None = None
     curve_name: str = defaults.CLIENT_KEY
@@ -43,9 +47,12 @@ class BrokerAccess:
     def connect(self) -> Client:
         from farm.client.client import Client
 
-        return Client(
+        client = Client(
             self.endpoint, timeout=self.timeout, curve=self.curve, curve_name=self.curve_name
         )
+        if client.broker_choice.found == "local farm":
+            click.echo(f"using the local farm of `farm up` at {client.broker}", err=True)
+        return client
 
 
 def load_input(arguments: tuple[str, ...]) -> Source:
@@ -146,6 +153,20 @@ def answers_wanted(
     return Answers(top_k or (DEFAULT_TOP_K if to_file else 1), card)
 
 
+def warn_unkept(source: Source, out: str | None, top_k: int | None) -> None:
+    """Say, before the job, when its outputs would go nowhere: an array's (a .npy) with no
+    --out nor --top-k (image files print their answers then)."""
+    from farm.client.inputs import ArraySource
+
+    if out is None and top_k is None and isinstance(source, ArraySource):
+        click.echo(
+            f"{source.label}: no --out, so the outputs are not kept (only the summary is "
+            f"shown): add --out scores.npy to write them, or --top-k 1 to print each "
+            f"image's top class",
+            err=True,
+        )
+
+
 def output_shape(spec: ModelSpec) -> tuple[int, ...] | None:
     """One output's shape as the model's prototxt gives it (None if it cannot be read):
     ``run_job``'s ``nan_shape``."""
@@ -159,9 +180,12 @@ def output_shape(spec: ModelSpec) -> tuple[int, ...] | None:
 
 
 @contextlib.contextmanager
-def cancel_on_interrupt(client: Client) -> Iterator[list[bool]]:
-    """The first Ctrl-C cancels the job (the broker confirms what finished); a second one
-    quits at once.  Yields a list that holds True once Ctrl-C was pressed."""
+def cancel_on_interrupt(
+    client: Client, on_interrupt: Callable[[], None] = lambda: None
+) -> Iterator[list[bool]]:
+    """The first Ctrl-C calls ``on_interrupt`` and cancels the job (the broker confirms what
+    finished); a second one quits at once.  Yields a list that holds True once Ctrl-C was
+    pressed."""
     pressed: list[bool] = []
 
     def interrupted(*_: Any) -> None:
@@ -170,6 +194,7 @@ def cancel_on_interrupt(client: Client) -> Iterator[list[bool]]:
             raise SystemExit(130)
         pressed.append(True)
         click.echo("\ncancelling the job; Ctrl-C again to quit at once", err=True)
+        on_interrupt()
         client.cancel()
 
     previous = signal.signal(signal.SIGINT, interrupted)
@@ -221,37 +246,140 @@ def run_job(
     nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
     timeline: Timeline | None = None,
     notes: tuple[str, ...] = (),
+    inputs: tuple[str, ...] = (),
     **job_options: Any,
 ) -> np.ndarray | None:
     """Submit with a progress bar, write outputs as they come, print the summary.
 
     ``out`` is written as ``OUT.partial``, renamed to ``out`` when the job ends with every
     row written (or NaN-filled, or a row with the reason): a killed client leaves no
-    ``out`` that reads as complete, and an earlier job's ``out`` stays until then.
-    ``journal``: keep ``OUT.journal`` beside ``out`` (``farm.client.journal``) so that a killed
-    job can be finished with ``resume``.  ``answers``: write each image's top classes (to
-    ``out``, a .csv or .jsonl, else the terminal) instead of raw scores.  ``nan_shape``:
-    gives one output's shape (asked only if no result came), so that a `.npy` ``out`` of
-    a job whose every image failed is written too (NaN rows; without it, none).
-    ``timeline``: marked when the job is submitted, and at its first and last result.
-    ``notes``: lines the summary ends with (the precision gate's choice).
-    ``job_options``: ``Client.run``'s priority, job_timeout, algo, params, backend and
-    precision.  Returns the raw outputs when they were kept: in memory, or memory-mapped
-    from ``out``.
+    ``out`` that reads as complete, and an earlier job's ``out`` stays until then.  It is
+    refused if it, or a file written beside it, is one of the job's input files (or of
+    ``inputs``: the command's arguments, list files included), and while another job
+    writes it (``OUT.lock``).  ``journal``: keep ``OUT.journal`` beside ``out``
+    (``farm.client.journal``) so that a killed or interrupted job can be finished with
+    ``resume``; Ctrl-C then leaves ``OUT.partial``, as a kill does.  ``answers``: write
+    each image's top classes (to ``out``, a .csv or .jsonl, else the terminal) instead of
+    raw scores.  ``nan_shape``: gives one output's shape (asked only if no result came),
+    so that a `.npy` ``out`` of a job whose every image failed is written too (NaN rows;
+    without it, none).  ``timeline``: marked when the job is submitted, and at its first
+    and last result.  ``notes``: lines the summary ends with (the precision gate's
+    choice).  ``job_options``: ``Client.run``'s priority, job_timeout, algo, params,
+    backend and precision.  Returns the raw outputs when they were kept: in memory, or
+    memory-mapped from ``out``.
     """
-    from tqdm import tqdm
-
-    from farm.client.client import job_engine
-
     journal = journal and out is not None
     if resume and not journal:
         raise click.UsageError("--resume needs --out: the outputs of the job to resume")
-    if out and not os.access(Path(out).resolve().parent, os.W_OK):
+    with contextlib.ExitStack() as held:
+        if out:
+            held.enter_context(guarded_output(out, source, inputs, resume if journal else None))
+        result, output, interrupted = submit_job(
+            broker,
+            source,
+            model,
+            out,
+            quiet,
+            trace,
+            journal,
+            answers,
+            nan_shape,
+            timeline,
+            job_options,
+        )
+        if timeline is not None:
+            timeline.mark("job ended")
+        outputs = result.outputs
+        written = output.written or outputs is not None  # a journaled .npy: mapped if written
+        if outputs is None and out and written and answers is None:
+            outputs = np.load(out, mmap_mode="r")
+        echo_result(
+            result,
+            out,
+            outputs,
+            trace,
+            journaled=journal,
+            answers=answers is not None,
+            written=written,
+        )
+        for note in notes:
+            click.echo(note, err=True)
+        exit_if_incomplete(
+            result,
+            len(source),
+            interrupted,
+            source,
+            answers is not None,
+            written,
+            held=out if output.held else None,
+        )
+    return outputs
+
+
+def check_output(
+    out: str, source: Source, inputs: tuple[str, ...] = (), resume: bool | None = None
+) -> None:
+    """Refuse ``out`` (Refused, exit status 2) before anything is written: an input file
+    among the files written there, another job writing it, or (``resume`` False: a
+    journaled output without ``--resume``) an unfinished job's journal.  A look, held by
+    nothing: ``guarded_output`` checks again and holds the lock for the job."""
+    from farm.client.journal import OutputBusy, OutputIsInput, check_free, check_not_input
+
+    writable(out)
+    try:
+        check_not_input(out, source, [arg for arg in inputs if os.path.isfile(arg)])
+        check_free(out)
+    except (OutputIsInput, OutputBusy) as exc:
+        raise Refused(str(exc)) from exc
+    if resume is False:
+        check_journal(out, resume)
+
+
+def writable(out: str) -> None:
+    """ClickException unless ``out``'s folder is there and writable."""
+    if not os.access(Path(out).resolve().parent, os.W_OK):
         raise click.ClickException(
             f"cannot write {out}: its folder does not exist or is not writable"
         )
-    if out and journal:
-        check_journal(out, resume)
+
+
+@contextlib.contextmanager
+def guarded_output(
+    out: str, source: Source, inputs: tuple[str, ...] = (), resume: bool | None = None
+) -> Iterator[None]:
+    """``out`` checked (``check_output``) and locked while the job writes it: Refused (exit
+    status 2), nothing written, if it is an input or another job holds it.  ``resume`` (a
+    journaled output): ``check_journal`` then."""
+    from farm.client.journal import OutputBusy, output_lock
+
+    check_output(out, source, inputs)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(output_lock(out))
+        except OutputBusy as exc:
+            raise Refused(str(exc)) from exc
+        if resume is not None:
+            check_journal(out, resume)
+        yield
+
+
+def submit_job(
+    broker: BrokerAccess,
+    source: Source,
+    model: str,
+    out: str | None,
+    quiet: bool,
+    trace: str | None,
+    journal: bool,
+    answers: Answers | None,
+    nan_shape: Callable[[], tuple[int, ...] | None] | None,
+    timeline: Timeline | None,
+    job_options: dict[str, Any],
+) -> tuple[JobResult, JobOutput, bool]:
+    """Run the job (``run_job``'s arguments) with its progress shown: its result, its
+    output, and whether Ctrl-C stopped it.  ClickException for what stopped it early."""
+    from farm.client.client import job_engine
+
     try:
         with broker.connect() as client, contextlib.ExitStack() as stack:
             output = stack.enter_context(
@@ -264,12 +392,11 @@ def run_job(
                     answers,
                     nan_shape,
                     job_engine(job_options.get("backend"), job_options.get("precision")),
+                    job_options.get("exif_rotate", True),
                 )
             )
-            bar = stack.enter_context(
-                tqdm(total=len(source), unit="img", disable=quiet, file=sys.stderr, desc=model)
-            )
-            interrupted = stack.enter_context(cancel_on_interrupt(client))
+            bar = stack.enter_context(progress_display(len(source), model, quiet))
+            interrupted = stack.enter_context(cancel_on_interrupt(client, output.hold))
             progress = bar.update if timeline is None else marking_first(bar.update, timeline)
             if timeline is not None:
                 timeline.mark("job submitted")
@@ -289,18 +416,21 @@ def run_job(
     except ResumeRefused as exc:
         raise Refused(str(exc)) from exc
     except (FarmError, OSError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    if timeline is not None:
-        timeline.mark("job ended")
-    outputs = result.outputs
-    written = output.written or outputs is not None  # a journaled .npy: mapped if written
-    if outputs is None and out and written and answers is None:
-        outputs = np.load(out, mmap_mode="r")
-    echo_result(result, out, outputs, trace, journaled=journal, answers=answers is not None)
-    for note in notes:
-        click.echo(note, err=True)
-    exit_if_incomplete(result, len(source), bool(interrupted), source, answers is not None, written)
-    return outputs
+        raise click.ClickException(with_resume_hint(str(exc), out, journal)) from exc
+    return result, output, bool(interrupted)
+
+
+def with_resume_hint(error: str, out: str | None, journal: bool) -> str:
+    """An error that stopped a journaled job, and how to finish that job once it is fixed
+    (when its journal is there: some outputs were written)."""
+    from farm.client.journal import journal_path
+
+    if not (out and journal and journal_path(out).exists()) or "--resume" in error:
+        return error
+    return (
+        f"{error}\n(the outputs written so far are kept, with {journal_path(out)}: once "
+        f"that is fixed, the same command with --resume submits only the images missing)"
+    )
 
 
 def marking_first(progress: Callable[[int], Any], timeline: Timeline) -> Callable[[int], Any]:
@@ -314,6 +444,69 @@ def marking_first(progress: Callable[[int], Any], timeline: Timeline) -> Callabl
     return update
 
 
+#: Seconds between the plain progress lines written where stderr is not a terminal.
+PROGRESS_LINE_SECONDS = 10.0
+
+
+class ProgressDisplay(Protocol):
+    """A job's progress on stderr: a bar (tqdm) or plain lines."""
+
+    def update(self, n: float = 1) -> None: ...
+
+    def write(self, line: str, file: IO[str] | None = None) -> None: ...
+
+
+@dataclass
+class PlainProgress:
+    """Progress where stderr is not a terminal (a log file, a pipe): a line when the first
+    images come back (or are resumed), then one every ``period`` seconds with the rate
+    since the line before, and no carriage return:
+    ``lenet: 12,000/40,000 images (30%), 24,000 images/s``."""
+
+    total: int
+    name: str
+    period: float = PROGRESS_LINE_SECONDS
+    done: int = 0
+    shown: tuple[float, int] | None = None  # when the last line was written, and its count
+
+    def update(self, n: float = 1) -> None:
+        self.done += int(n)
+        now = time.monotonic()
+        if self.shown is None:
+            click.echo(self.line(), err=True)
+        elif now - self.shown[0] >= self.period:
+            click.echo(self.line((self.done - self.shown[1]) / (now - self.shown[0])), err=True)
+        else:
+            return
+        self.shown = (now, self.done)
+
+    def line(self, rate: float | None = None) -> str:
+        """The line for the count so far, and the rate since the last line (if any)."""
+        from farm.summary import per_second, plural
+
+        return (
+            f"{self.name}: {self.done:,}/{plural(self.total, 'image')} "
+            f"({self.done / max(1, self.total):.0%})"
+            + ("" if rate is None else f", {per_second(rate)}")
+        )
+
+    def write(self, line: str, file: IO[str] | None = None) -> None:
+        click.echo(line, file=file or sys.stderr)
+
+
+@contextlib.contextmanager
+def progress_display(total: int, name: str, quiet: bool) -> Iterator[ProgressDisplay]:
+    """A progress bar on a terminal; elsewhere (stderr redirected) ``PlainProgress``'s
+    lines; nothing with ``quiet``."""
+    if quiet or sys.stderr.isatty():
+        from tqdm import tqdm
+
+        with tqdm(total=total, unit="img", disable=quiet, file=sys.stderr, desc=name) as bar:
+            yield bar
+    else:
+        yield PlainProgress(total, name)
+
+
 @dataclass
 class JobOutput:
     """``Client.run``'s output argument, and whether the job wrote ``out`` (its ``.partial``
@@ -321,6 +514,18 @@ class JobOutput:
 
     arguments: dict[str, Any]
     written: bool = False
+    journaled: Journaled | None = None  # a journaled file: Ctrl-C leaves it to --resume
+
+    def hold(self) -> None:
+        """Ctrl-C: leave a journaled output unfinished (``OUT.partial`` and its journal),
+        as a killed job does, for ``--resume`` to finish."""
+        if self.journaled is not None:
+            self.journaled.hold = True
+
+    @property
+    def held(self) -> bool:
+        """Whether the job ended held, its output not renamed to ``out``."""
+        return self.journaled is not None and self.journaled.hold and not self.journaled.published
 
 
 @contextlib.contextmanager
@@ -333,6 +538,7 @@ def job_sink(
     answers: Answers | None,
     nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
     engine: tuple[str, str] | None = None,
+    exif_rotate: bool = True,
 ) -> Iterator[JobOutput]:
     """``Client.run``'s output argument: answers (journaled, to a file, or on the terminal),
     a journaled `.npy`, a plain `.npy`, or memory.  A file is written as ``OUT.partial``
@@ -340,20 +546,28 @@ def job_sink(
     ``Client.run``); whatever it opens is closed after the job."""
     from farm.client.answers import AnswerSink, open_writer
     from farm.client.client import ArraySink
-    from farm.client.journal import Journaled
+    from farm.client.inputs import FileSource
+    from farm.client.journal import InputIdentity, Journaled, JournalHeader
     from farm.client.npy import NpyWriter, partial_path, publish
 
     partial = partial_path(out) if out else None
+    identity = JournalHeader(
+        model,
+        InputIdentity.of(source),
+        engine,
+        exif_rotate=exif_rotate if isinstance(source, FileSource) else None,
+    )
     if answers is not None:
         card = answers.card or client.model_card(model)
+        k, cut = card.top_k(answers.k)
+        if cut:
+            click.echo(cut, err=True)
         sink = (
-            answers_journal(out, source, model, engine, answers.k, card)
+            answers_journal(out, identity, k, card, source.names)
             if out and journal
-            else AnswerSink(
-                answers.k, card, open_writer(out, card, answers.k, partial), source.names
-            )
+            else AnswerSink(k, card, open_writer(out, card, k, partial), source.names)
         )
-        output = JobOutput({"out": sink})
+        output = JobOutput({"out": sink}, journaled=sink if isinstance(sink, Journaled) else None)
         try:
             yield output
         finally:
@@ -363,7 +577,13 @@ def job_sink(
             publish(partial, Path(out))
             output.written = True
     elif out and journal:
-        yield JobOutput({"resume": out})  # Client.run renames it
+        journaled = npy_journal(out, identity, nan_shape)
+        output = JobOutput({"out": journaled}, journaled=journaled)
+        try:
+            yield output  # Client.run renames it, unless held
+        finally:
+            journaled.close()
+        output.written = journaled.published
     elif out and partial:
         npy = NpyWriter(partial, len(source), nan_shape)
         output = JobOutput({"out": npy})
@@ -379,19 +599,36 @@ def job_sink(
 
 
 def answers_journal(
-    out: str, source: Source, model: str, engine: tuple[str, str] | None, k: int, card: ModelCard
+    out: str,
+    job: JournalHeader,
+    k: int,
+    card: ModelCard,
+    names: Callable[[int, int], Sequence[str]],
 ) -> AnswerSink:
-    """A journaled answers file (``farm.client.answerjournal``), resumed if its journal is there;
-    ResumeRefused if that journal is another job's."""
+    """A journaled answers file (``farm.client.answerjournal``) of ``job``, resumed if its
+    journal is there; ResumeRefused if that journal is another job's."""
     from farm.client.answerjournal import AnswersJournal
     from farm.client.answers import answers_format
-    from farm.client.journal import InputIdentity, JournalHeader, JournalMismatch
+    from farm.client.journal import JournalMismatch
 
-    header = JournalHeader(
-        model, InputIdentity.of(source), engine, format=answers_format(out), top_k=k
-    )
+    header = dataclasses.replace(job, format=answers_format(out), top_k=k)
     try:
-        return AnswersJournal.open(out, header, card, source.names)
+        return AnswersJournal.open(out, header, card, names)
+    except JournalMismatch as exc:
+        raise ResumeRefused(str(exc)) from exc
+
+
+def npy_journal(
+    out: str,
+    header: JournalHeader,
+    nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
+) -> JournalSink:
+    """A journaled `.npy` output (``farm.client.journal``) of the job ``header`` describes,
+    resumed if its journal is there; ResumeRefused if that journal is another job's."""
+    from farm.client.journal import JournalMismatch, JournalSink
+
+    try:
+        return JournalSink.open(out, header, nan_shape)
     except JournalMismatch as exc:
         raise ResumeRefused(str(exc)) from exc
 
@@ -403,11 +640,13 @@ def echo_result(
     trace: str | None,
     journaled: bool = False,
     answers: bool = False,
+    written: bool = True,
 ) -> None:
     """Save the trace; say how the job went, what came from the journal, and where its
-    outputs, journal and trace are."""
+    outputs (``written``: whether ``out`` was), journal and trace are."""
     from farm.client.journal import journal_path
     from farm.client.trace import save_trace
+    from farm.summary import plural
 
     if trace and result.trace is not None:
         save_trace(result.trace, trace)
@@ -415,26 +654,29 @@ def echo_result(
         click.echo(result.summary.format())
     if result.resumed:
         click.echo(
-            f"{result.resumed:,} images resumed from {journal_path(out or '')} "
+            f"{plural(result.resumed, 'image')} resumed from {journal_path(out or '')} "
             f"(checked against the outputs); {result.summary.total:,} submitted"
         )
     if result.resubmissions:
         click.echo(
             f"the broker was lost and the missing images submitted again "
-            f"{result.resubmissions} time(s)"
+            f"({plural(result.resubmissions, 'time')})"
         )
     if result.kept:
         click.echo(
-            f"{result.kept:,} images came back from results the workers kept across a lost "
+            f"{plural(result.kept, 'image')} came back from results the workers kept across a lost "
             f"broker, worker or client: not computed again"
         )
+    if result.oriented:
+        click.echo(orientation_line(result.oriented, result.exif_rotate))
     if result.shared:
         click.echo(
             f"the workers read the images from shared storage: {result.input_bytes:,} bytes "
             f"said where they lie"
         )
-    if out and answers:
-        click.echo(f"answers for {result.summary.items + result.resumed:,} images written to {out}")
+    if out and answers and written:
+        answered = plural(result.summary.items + result.resumed, "image")
+        click.echo(f"answers for {answered} written to {out}")
     elif out and outputs is not None:
         click.echo(f"outputs {outputs.shape} {outputs.dtype} written to {out}")
     if out and journaled and journal_path(out).exists():
@@ -448,6 +690,18 @@ def echo_result(
         )
 
 
+def orientation_line(oriented: int, rotated: bool) -> str:
+    """The summary's line on image files with an EXIF orientation: turned, or not."""
+    from farm.summary import plural
+
+    if rotated:
+        return (
+            f"{plural(oriented, 'image')} turned upright by EXIF orientation, as photo "
+            f"viewers do (--no-exif-rotate: the stored pixels)"
+        )
+    return f"{plural(oriented, 'image')} with an EXIF orientation ran as stored (--no-exif-rotate)"
+
+
 def exit_if_incomplete(
     result: JobResult,
     total: int,
@@ -455,15 +709,24 @@ def exit_if_incomplete(
     source: Source | None = None,
     answers: bool = False,
     written: bool = True,
+    held: str | None = None,
 ) -> None:
     """Exit 130 (Ctrl-C) or 1 (cancelled, timed out, failed images) when images are missing;
     failed image files are named.  ``written``: whether raw outputs were written (no file
-    when no image came back and their shape was not known)."""
+    when no image came back and their shape was not known).  ``held``: the output a
+    Ctrl-C left unfinished (``OUT.partial``, for ``--resume``)."""
     from farm.client.client import describe_failures
+    from farm.client.npy import partial_path
 
     if result.cancelled:
         missing = sum(f.count for f in result.failed)
-        if answers or written:
+        if held is not None and partial_path(held).exists():
+            rest = (
+                f"{total - missing:,} of {total:,} images came back, kept in "
+                f"{partial_path(held)}; the same command with --resume submits the other "
+                f"{missing:,} ({held} is written once the job is finished)"
+            )
+        elif held is None and (answers or written):
             rest = (
                 f"{total - missing:,} of {total:,} images came back, the other "
                 f"{missing:,} {'have rows with the reason' if answers else 'have NaN outputs'}"

@@ -82,7 +82,19 @@ def endpoint_value(
         raise click.BadParameter(str(exc), context, parameter) from None
 
 
-#: ``--broker``: where a client or worker finds the broker.
+#: ``--broker`` of a client command: None finds the farm (``farm.runtime.choose_broker``).
+client_broker_option = click.option(
+    "--broker",
+    "broker_address",
+    default=None,
+    envvar="FARM_BROKER",
+    show_envvar=True,
+    callback=endpoint_value,
+    help="Broker endpoint to connect to (tcp://HOST:PORT, or HOST:PORT) [default: "
+    "$FARM_BROKER, else the running `farm up` farm, else tcp://127.0.0.1:5555].",
+)
+
+#: ``--broker`` of a worker: where it finds the broker.
 broker_option = click.option(
     "--broker",
     "broker_address",
@@ -185,6 +197,15 @@ top_k_option = click.option(
     help="Name each image's K best classes with their probabilities (the model's labels; a "
     "softmax where the net ends before one) [default: 5 in a .csv/.jsonl --out, 1 on "
     "the terminal for image files].",
+)
+
+#: ``--no-exif-rotate``: image files' stored pixels, their EXIF orientation ignored (submit, run).
+exif_option = click.option(
+    "--no-exif-rotate",
+    "no_exif_rotate",
+    is_flag=True,
+    help="Decode image files as stored, ignoring their EXIF orientation [default: turn each "
+    "one upright by it, as viewers show it].",
 )
 
 #: ``--model``: the model a job runs.

@@ -21,14 +21,17 @@ from farm.cli.job import (
     Answers,
     BrokerAccess,
     answers_wanted,
+    check_output,
     gated_precision,
     load_input,
     output_shape,
     run_job,
+    warn_unkept,
 )
 from farm.cli.options import (
     backend_option,
     batch_option,
+    exif_option,
     image_out_options,
     model_option,
     models_dir_option,
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
 @workers_option
 @image_out_options
 @top_k_option
+@exif_option
 @backend_option(
     "The workers' inference library (auto: the fastest that agrees, per model).", defaults.BACKEND
 )
@@ -83,6 +87,12 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Start a farm for this job even when `farm up` has one running.",
 )
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Finish the interrupted or killed job writing --out: keep the rows its journal "
+    "(OUT.journal) vouches for and run only the other images.",
+)
 @shared_options
 @click.option(
     "--timings",
@@ -98,6 +108,7 @@ def run(
     trace: str | None,
     quiet: bool,
     top_k: int | None,
+    no_exif_rotate: bool,
     backend: str,
     precision: str,
     min_agreement: float,
@@ -106,6 +117,7 @@ def run(
     repeat: int,
     models_dir: tuple[str, ...],
     own_farm: bool,
+    resume: bool,
     shared: bool,
     path_map: tuple[tuple[str, str], ...],
     timings: bool,
@@ -118,7 +130,9 @@ def run(
     IMAGES are image files, folders, globs and lists, or one .npy array, as for
     `farm submit`.  Without IMAGES, runs the model's bundled sample (and scores it
     when the sample has labels).  Ctrl-C cancels the job (and stops the farm it
-    started).
+    started); --out is written as `farm submit` writes it (OUT.partial and a
+    journal until the job is finished), so the same command with --resume
+    finishes an interrupted or killed job.
 
     \b
     Examples:
@@ -126,6 +140,7 @@ def run(
       farm run --repeat 40                       # ... 40 times over: the farm measured
       farm run photos/ --model squeezenet --top-k 5 --out answers.csv
       farm run images.npy --model lenet --out scores.npy --timings
+      farm run images.npy --model lenet --out scores.npy --resume   # after Ctrl-C
       farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
       farm run images.npy --model mynet --models-dir ~/models --backend openvino
       farm run photos/ --model squeezenet --precision auto   # bf16/int8 if they agree
@@ -141,6 +156,7 @@ def run(
     except ModelError as exc:
         raise click.ClickException(str(exc)) from exc
     labels = None
+    source_given = bool(images)
     if not images:
         if spec.sample is None:
             raise click.ClickException(no_sample(spec, models_dir))
@@ -148,6 +164,12 @@ def run(
     devices = local_devices(workers)
     source = repeated(load_input(images), repeat)
     check_model_input(source, spec)
+    if resume and not out:
+        raise click.UsageError("--resume needs --out: the outputs of the job to resume")
+    if out:  # refused before a farm starts; the lock is taken once it has (forked)
+        check_output(out, source, images, resume)
+    elif source_given:
+        warn_unkept(source, out, top_k)
     job = LocalJob(
         source=source,
         model=model,
@@ -159,6 +181,9 @@ def run(
         timeline=timeline,
         shared=shared,
         path_map=path_map,
+        exif_rotate=not no_exif_rotate,
+        resume=resume,
+        inputs=images,
     )
     timeline.mark("input opened")
     stop_on_hangup()
@@ -287,6 +312,9 @@ class LocalJob:
     notes: tuple[str, ...] = ()  # lines the summary ends with (the precision gate's choice)
     shared: bool = False  # the workers read the images themselves
     path_map: tuple[tuple[str, str], ...] = ()
+    exif_rotate: bool = True  # image files turned upright by their EXIF orientation
+    resume: bool = False  # finish the interrupted job writing ``out`` (its journal)
+    inputs: tuple[str, ...] = ()  # the command's arguments (list files: never written)
 
     def submit(self, endpoint: str, **job_options: Any) -> np.ndarray | None:
         return run_job(
@@ -297,11 +325,15 @@ class LocalJob:
             self.quiet,
             self.trace,
             answers=self.answers,
+            journal=True,
+            resume=self.resume,
             nan_shape=self.nan_shape,
             timeline=self.timeline,
             notes=self.notes,
+            inputs=self.inputs,
             shared=self.shared,
             path_map=self.path_map,
+            exif_rotate=self.exif_rotate,
             **job_options,
         )
 
@@ -354,12 +386,21 @@ class LocalJob:
                 f"{self.model} on {engines or 'its engine'}",
                 err=True,
             )
+            if ";" in engines:  # the workers timed the engines, each on its own core
+                click.echo(ENGINES_DIFFER, err=True)
             self.workers = list(local.registered.get("workers", []))
             outputs = self.submit(local.endpoint)
             self.stopping = time.time()
             self.timeline.mark("farm stopping")
         self.timeline.mark("farm stopped")
         return outputs
+
+
+#: Said when the workers of a local farm run a model on different engines.
+ENGINES_DIFFER = (
+    "  (each worker timed the engines on its first start of this model, and close speeds "
+    "picked differently; the choice is remembered, so later starts use one engine)"
+)
 
 
 def import_progress_bar() -> None:

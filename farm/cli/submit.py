@@ -15,14 +15,17 @@ from farm.cli.job import (
     NO_BROKER_HINT,
     BrokerAccess,
     answers_wanted,
+    check_output,
     gated_precision,
     load_input,
     run_job,
+    warn_unkept,
 )
 from farm.cli.options import (
     backend_option,
-    broker_option,
+    client_broker_option,
     client_curve_option,
+    exif_option,
     image_out_options,
     model_option,
     models_dir_option,
@@ -44,9 +47,10 @@ WATCH_INTERVAL = 2.0
 @click.command()
 @click.argument("images", nargs=-1, required=True)
 @model_option
-@broker_option
+@client_broker_option
 @image_out_options
 @top_k_option
+@exif_option
 @click.option(
     "--priority",
     default=defaults.PRIORITY,
@@ -90,11 +94,12 @@ WATCH_INTERVAL = 2.0
 def submit(
     images: tuple[str, ...],
     model: str,
-    broker_address: str,
+    broker_address: str | None,
     out: str | None,
     trace: str | None,
     quiet: bool,
     top_k: int | None,
+    no_exif_rotate: bool,
     priority: int,
     job_timeout: float | None,
     timeout: float,
@@ -126,7 +131,8 @@ def submit(
 
     IMAGES is read a chunk at a time and outputs are written as they arrive, so
     a file larger than memory runs in bounded memory.  Ctrl-C cancels the job:
-    the images done so far are kept.  Exit status 1 if any image failed or the
+    the images done so far are kept (in OUT.partial, which the same command with
+    --resume finishes).  Exit status 1 if any image failed or the
     job timed out (the failures are listed; their outputs are NaN), 130 if it
     was cancelled.
 
@@ -141,7 +147,8 @@ def submit(
     and retries the images a stopped job (cancelled, timed out) did not get.
     Without --resume an unfinished job's journal is not overwritten; a resume
     with another input, model, engine, format or --top-k is refused (exit
-    status 2).
+    status 2).  So is an --out that is one of the input files (links
+    included), and one that another job is writing (it holds OUT.lock).
 
     \b
     Examples:
@@ -163,6 +170,9 @@ def submit(
         endpoint=broker_address, timeout=timeout, curve=curve, curve_name=curve_name
     )
     source = load_input(images)
+    warn_unkept(source, out, top_k)
+    if out:  # refused before the precision gate runs (run_job holds the lock)
+        check_output(out, source, images, resume)
     precision, gate_summary = gated_precision(
         precision,
         local_spec(model, models_dir) if precision == "auto" else None,
@@ -189,7 +199,9 @@ def submit(
         precision=precision,
         shared=shared,
         path_map=path_map,
+        exif_rotate=not no_exif_rotate,
         notes=(gate_summary,) if gate_summary else (),
+        inputs=images,
     )
 
 
@@ -245,7 +257,7 @@ WAIT_ROUND = 60.0
 
 
 @click.command()
-@broker_option
+@client_broker_option
 @click.option("--json", "as_json", is_flag=True, help="The broker's snapshot as JSON, for scripts.")
 @click.option(
     "--watch",
@@ -271,7 +283,7 @@ WAIT_ROUND = 60.0
 )
 @client_curve_option
 def status(
-    broker_address: str,
+    broker_address: str | None,
     as_json: bool,
     watch: float | None,
     timeout: float,

@@ -14,6 +14,7 @@ _PUBLIC = (
     "FarmTimeout",
     "NoWorker",
     "OutputError",
+    "OutputRefused",
     "ResumeRefused",
     "JobResult",
 )

@@ -153,6 +153,7 @@ class AnswersJournal(AnswerSink):
         self.resumed_rows = resumed.rows if resumed else 0
         self.marked = self.resumed_rows  # rows the journal vouches for
         self.journaling, self.published = True, False
+        self.hold = False  # leave OUT.partial unpublished at the end: an interrupted job
         self.synced = time.monotonic()
         self.fd = open_for_append(self.journal) if resumed else -1  # new: with the first rows
 
@@ -236,12 +237,18 @@ class AnswersJournal(AnswerSink):
     def finish(self, complete: bool) -> None:
         """Rename ``OUT.partial`` to ``out`` once every row is written; delete the journal if
         it vouches for every row (failed images' rows included: ``complete`` is not
-        needed)."""
+        needed).  Held: leave ``OUT.partial`` and its journal for a resume, unless the
+        journal vouches for every row (none: nothing to keep)."""
         self.sync()
+        whole = self.marked == self.header.input.count
+        if self.hold and not whole:
+            if self.fd < 0:
+                self.file.path.unlink(missing_ok=True)
+            return
         if self.next_row == self.header.input.count:
             publish(self.file.path, self.path)
             self.published = True
-        if self.marked == self.header.input.count:
+        if whole:
             self.journal.unlink(missing_ok=True)
 
     def close(self) -> None:

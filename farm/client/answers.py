@@ -38,6 +38,14 @@ class ModelCard:
     def name(self, index: int) -> str:
         return self.labels[index] if index < len(self.labels) else str(index)
 
+    def top_k(self, k: int) -> tuple[int, str | None]:
+        """``--top-k k`` within the model's classes (when its labels count them), and the
+        notice when it was cut down."""
+        classes = len(self.labels)
+        if not classes or k <= classes:
+            return k, None
+        return classes, f"--top-k {k}: the model has {classes} classes; each answer lists them all"
+
 
 @dataclass(frozen=True)
 class Answer:

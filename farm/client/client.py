@@ -30,6 +30,7 @@ journaled stays valid for a resume.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -54,6 +55,7 @@ from farm.client.inputs import (
     InputError,
     Source,
     open_input,
+    stacked,
     stored_inputs,
     unshareable,
 )
@@ -63,19 +65,23 @@ from farm.client.journal import (
     JournalHeader,
     JournalMismatch,
     JournalSink,
+    OutputBusy,
+    OutputIsInput,
+    check_not_input,
+    output_lock,
     record_submission,
     recorded_submissions,
     submissions_path,
 )
-from farm.client.npy import NpyReader, NpyWriter
+from farm.client.npy import NpyError, NpyReader, NpyWriter
 from farm.client.trace import Trace, TraceRecorder
 from farm.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint, recv_frames
 from farm.protocol import Command, ProtocolError
+from farm.runtime import choose_broker
 from farm.summary import FailedItems, JobSummary, plural
 
 log = logging.getLogger("farm.client.client")
 
-DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 #: Seconds a job waits for a broker that never answered before it is given up (at most the
 #: client's timeout): a wrong address or a broker not started should not cost a minute.
 FIRST_CONTACT_TIMEOUT = 8.0
@@ -113,6 +119,11 @@ class NoWorker(FarmTimeout):
 
 class ResumeRefused(FarmError):
     """``resume`` found a journal written for another job (input, model or engine)."""
+
+
+class OutputRefused(FarmError):
+    """The output file is one of the job's inputs, or another job is writing it: nothing
+    was run."""
 
 
 class OutputError(FarmError):
@@ -251,6 +262,8 @@ class JobResult:
     input_bytes: int = 0  # bytes of input the client sent (DATA payloads): files or pixels
     shared: bool = False  # the workers read the items from shared storage
     kept: int = 0  # items whose results workers kept across a lost broker, not recomputed
+    oriented: int = 0  # image files with an EXIF orientation: turned upright if exif_rotate
+    exif_rotate: bool = True
 
 
 @dataclass(frozen=True)
@@ -262,6 +275,7 @@ class SubmitOptions:
     algo: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
     engine: tuple[str, str] | None = None  # (backend, precision) instead of the workers' own
+    exif_rotate: bool = True  # image files turned upright by their EXIF orientation
 
     def header(self, remaining: float | None) -> messages.Options:
         """SUBMIT's options; ``remaining``: what is left of the job's timeout (a
@@ -273,6 +287,7 @@ class SubmitOptions:
             algo=self.algo,
             params=dict(self.params) if self.algo is not None else {},
             engine=self.engine,
+            exif_rotate=self.exif_rotate,
         )
 
 
@@ -295,9 +310,11 @@ class JobRun:
     cancel_sent: float | None = None  # when CANCEL went out
     deadline: float | None = None  # monotonic time the job's timeout ends
     output_error: OSError | None = None  # writing an output failed: the job is cancelled
+    input_error: Exception | None = None  # reading the input failed: the job is cancelled
     input_bytes: int = 0  # DATA payload bytes sent, and shared inputs' places
     shared: bool = False  # the workers read the items themselves (``farm.storage``)
     path_map: tuple[tuple[str, str], ...] = ()  # client prefix -> worker prefix
+    oriented: int = 0  # image files the workers found an EXIF orientation in
     # earlier submissions of the job, lost with a broker (or with a killed client, when
     # resumed): results kept for them still count
     earlier: dict[str, Submission] = field(default_factory=dict)
@@ -397,13 +414,15 @@ class Running:
 
 ProgressCallback = Callable[[int], None]
 #: What ``Client.run`` takes as its images.
-Input = np.ndarray | NpyReader | Source | Sequence[str | os.PathLike[str]]
+Input = np.ndarray | NpyReader | Source | Sequence[str | os.PathLike[str]] | Sequence[np.ndarray]
 
 
 class Client:
     """A connection to a broker; one job at a time per client.
 
-    ``timeout``: seconds of broker silence after which the job is given up
+    ``broker``: its endpoint; None finds it as the commands do: ``$FARM_BROKER``, else
+    this user's running ``farm up`` farm, else tcp://127.0.0.1:5555 (``broker_choice``
+    says which).  ``timeout``: seconds of broker silence after which the job is given up
     (FarmTimeout).  ``heartbeat`` and ``liveness``: the client heartbeats its
     job every ``heartbeat`` seconds, and submits again on a fresh socket when
     the broker has been silent for ``liveness`` of its heartbeat intervals.
@@ -411,7 +430,7 @@ class Client:
 
     def __init__(
         self,
-        broker: str = DEFAULT_BROKER,
+        broker: str | None = None,
         timeout: float | None = 60.0,
         context: zmq.Context | None = None,
         heartbeat: float = 1.0,
@@ -419,8 +438,12 @@ class Client:
         curve: str | None = None,
         curve_name: str = "client",
     ) -> None:
+        self.broker_choice = choose_broker(broker)
+        if self.broker_choice.found != "named":
+            log.info("broker: %s", self.broker_choice.describe())
         try:
-            self.broker = broker = parse_endpoint(broker)  # HOST:PORT is tcp://HOST:PORT
+            # HOST:PORT is tcp://HOST:PORT
+            self.broker = broker = parse_endpoint(self.broker_choice.endpoint)
         except ValueError as exc:
             raise FarmError(str(exc)) from None
         self.timeout = timeout
@@ -518,6 +541,7 @@ class Client:
         notice: Callable[[str], None] | None = None,
         shared: bool = False,
         path_map: Sequence[tuple[str, str]] = (),
+        exif_rotate: bool = True,
     ) -> JobResult:
         """Submit a job and gather its outputs (into ``out``, an array or a sink such as
         ``NpyWriter`` or ``farm.client.answers.AnswerSink``, written where the caller said) and a
@@ -526,11 +550,12 @@ class Client:
         resumes and
         ends as ``resume`` does.
 
-        ``images``: an array (N x C x H x W, N x H x W, or N x H x W x C for an HWC model)
-        or a `.npy` ``NpyReader``; or image files: a list of files, folders, globs and
-        list files (``farm.client.inputs``), sent encoded and decoded by the workers as the
-        model's ``[resize]`` says.  A file that cannot be read or decoded fails alone,
-        with its reason.
+        ``images``: an array in the model's layout (N x C x H x W, or N x H x W x C for an
+        HWC model; N x H x W for any 1-channel model) or a `.npy` ``NpyReader``; a list of
+        arrays, one image each, stacked (``farm.client.inputs.stacked``); or image files:
+        a list of files, folders, globs and list files (``farm.client.inputs``), sent
+        encoded and decoded by the workers as the model's ``[resize]`` says.  A file that
+        cannot be read or decoded fails alone, with its reason.
 
         ``priority``: jobs of higher priority get free workers first (default 0);
         ``job_timeout``: seconds after which the broker cancels the job; ``algo`` and
@@ -552,7 +577,12 @@ class Client:
         the whole file, memory-mapped (None if no item came back: no file).
 
         OutputError if writing an output fails (disk full, EIO...): the job is cancelled
-        on the broker first; what was journaled stays valid for a resume.
+        on the broker first; what was journaled stays valid for a resume.  The same if
+        reading the input fails (a `.npy` file cut short while the job ran: NpyError
+        naming it), which is then raised.  OutputRefused,
+        before anything is written, if the ``resume`` file (or an ``NpyWriter``'s), or a
+        file written beside it, is one of the job's input files (a link to one included),
+        or if another job is writing it (it holds ``PATH.lock``: ``output_lock``).
 
         ``shared``: the workers read the items themselves from storage they share with
         this client (image files, or a `.npy` file of uint8 or float32): the broker carries
@@ -560,6 +590,10 @@ class Client:
         worker prefix)`` pairs where the workers mount it elsewhere.  A worker that cannot
         read them is sent their bytes; an input that cannot be shared (an array in
         memory, a `.npy` file converted on the client) is sent, with a notice.
+
+        ``exif_rotate``: image files are turned upright by their EXIF orientation, as viewers
+        show them (False: the pixels as stored); ``JobResult.oriented`` counts the files
+        that have one.
 
         ``notice``: called with a line for the user while the job waits (no worker is
         connected; default: a logged warning).  FarmTimeout if no broker ever answers
@@ -579,14 +613,19 @@ class Client:
         if shared and (reason := unshareable(source)):
             (notice or log.warning)(f"inputs not shared: {reason}")
             shared = False
-        sink = self._open_sink(out, resume, source, model, engine)
+        guard = guard_output(out, resume, source)
+        try:
+            sink = self._open_sink(out, resume, source, model, engine)
+        except BaseException:
+            guard.close()
+            raise
         try:
             job = JobRun(
                 model,
                 source,
                 sink,
                 Progress(len(source)),
-                SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine),
+                SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine, exif_rotate),
                 progress,
                 trace=TraceRecorder() if trace else None,
                 deadline=None if job_timeout is None else time.monotonic() + job_timeout,
@@ -598,6 +637,7 @@ class Client:
         finally:
             if isinstance(sink, JournalSink):
                 sink.close()
+            guard.close()
 
     @staticmethod
     def _open_sink(
@@ -645,6 +685,10 @@ class Client:
             self._cancel_requested = False  # the next run starts afresh
         if job.output_error is not None:
             raise self._output_error(job, job.output_error)
+        if job.input_error is not None:
+            if isinstance(sink, Journaled):
+                sink.sync()  # the rows written stay for a resume
+            raise job.input_error
         if job.cancelled:
             if isinstance(sink, Journaled):
                 sink.stop_journal()  # what did not come back is retried by a resume
@@ -688,6 +732,8 @@ class Client:
             job.input_bytes,
             job.shared,
             state.kept,
+            job.oriented,
+            job.options.exif_rotate,
         )
 
     @staticmethod
@@ -849,7 +895,15 @@ class Client:
                 f"the broker asked for items {need.start}+{need.count} of a job "
                 f"of {submission.total}"
             )
-        frames = job.source.frames([(item_start, n) for _, item_start, n in pieces])
+        if job.input_error is not None:
+            return  # the job is being cancelled
+        try:
+            frames = job.source.frames([(item_start, n) for _, item_start, n in pieces])
+        except (NpyError, OSError) as exc:  # the `.npy` input cut short, unreadable...
+            log.info("cannot read the input (%s): cancelling the job", exc)
+            job.input_error = exc
+            self._cancel_requested = True  # _collect sends CANCEL and waits for its answer
+            return
         job.input_bytes += sum(memoryview(frame).nbytes for frame in frames)
         self._send(
             messages.Data(job=submission.job, chunk=need.chunk, start=need.start, count=need.count),
@@ -870,10 +924,13 @@ class Client:
         if len(values) != header.count:
             raise FarmError(f"result for {header.count} items holds {len(values)}")
         pieces = submission.pieces(header.start, header.count)
+        oriented = header.oriented  # counted once, and not for a duplicate (no run taken)
         for offset, item_start, count in pieces:
             if job.output_error is not None:
                 break
             runs = job.state.take(item_start, count, header.kept)
+            if runs:
+                job.oriented, oriented = job.oriented + oriented, 0
             for first, stop in runs:
                 if not self._write_run(
                     job, values, failures, first - item_start + offset, first, stop
@@ -1008,6 +1065,25 @@ class Client:
                 raise FarmError(header.error)
 
 
+def guard_output(
+    out: np.ndarray | ResultSink | None, resume: str | os.PathLike[str] | None, source: Source
+) -> contextlib.ExitStack:
+    """What keeps a file output safe while its job runs (close it at the job's end): the
+    ``resume`` file locked (``output_lock``); OutputRefused if another job holds it, or if
+    it (or an ``NpyWriter``'s file) is one of the job's inputs."""
+    guard = contextlib.ExitStack()
+    path = resume if resume is not None else out.path if isinstance(out, NpyWriter) else None
+    if path is None:
+        return guard
+    try:
+        check_not_input(path, source)
+        if resume is not None:
+            guard.enter_context(output_lock(resume))
+    except (OutputIsInput, OutputBusy) as exc:
+        raise OutputRefused(str(exc)) from exc
+    return guard
+
+
 def job_engine(backend: str | None, precision: str | None) -> tuple[str, str] | None:
     """The engine ``(backend, precision)`` a job asks for (None: the workers' own);
     ValueError for ``auto``, which the precision gate resolves before a job is submitted."""
@@ -1023,8 +1099,9 @@ def job_engine(backend: str | None, precision: str | None) -> tuple[str, str] | 
 
 
 def as_source(images: Input) -> Source:
-    """A job's input: an array or `.npy` reader, a source, or image files, folders, globs
-    and lists (``farm.client.inputs.find_image_files``)."""
+    """A job's input: an array or `.npy` reader, a list of arrays (one image each,
+    stacked), a source, or image files, folders, globs and lists
+    (``farm.client.inputs.find_image_files``)."""
     if isinstance(images, (ArraySource, FileSource)):
         return images
     try:
@@ -1032,7 +1109,9 @@ def as_source(images: Input) -> Source:
             return ArraySource(images)
         if isinstance(images, (str, os.PathLike)):
             images = [images]  # one file, folder, glob or list
-        return open_input([os.fspath(path) for path in images])
+        if any(isinstance(image, np.ndarray) for image in images):
+            return ArraySource(stacked(images))
+        return open_input([os.fspath(path) for path in images])  # type: ignore[arg-type]
     except InputError as exc:
         raise FarmError(str(exc)) from None
 

@@ -6,11 +6,14 @@ smaller than the decoded float32 pixels) and the workers decode them
 (``farm.engines.images``).  ``farm.client.imagefiles`` turns command-line arguments into one ordered
 list of files, with the reasons of those that fail before they are read.
 
-An array travels as uint8 or float32 (``protocol.ALLOWED_DTYPES``).  Other integer and
-float arrays, and float32 in the other byte order, are converted to float32 here, a
-chunk at a time as the broker asks for it, and ``ArraySource.notices`` says so; a float
-whose value float32 cannot hold (a finite ``abs`` over 3.4e38) is refused before anything
-is submitted.  bool, complex, string, object and structured arrays are refused.
+An array travels as uint8 or float32 (``protocol.ALLOWED_DTYPES``).  Integers are
+pixels, 0..255 as image files decode: an integer array of another dtype (int16, uint16,
+int32...) is sent as uint8 when every value lies in 0..255, and refused otherwise, with
+what to do (never rescaled here).  Other float arrays, and float32 in the other byte
+order, are converted to float32; a float whose value float32 cannot hold (a finite
+``abs`` over 3.4e38) is refused.  Conversions happen a chunk at a time as the broker asks
+for it, ``ArraySource.notices`` says so, and refusals come before anything is submitted.
+bool, complex, string, object and structured arrays are refused.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "is_array_input",
     "open_input",
     "repeated",
+    "stacked",
 ]
 
 #: Items read at once when a float64 array is checked for values float32 cannot hold.
@@ -69,7 +73,10 @@ class ArraySource:
     def __post_init__(self) -> None:
         shape = self.images.shape
         if len(shape) not in (3, 4):
-            raise InputError(f"images must be N x C x H x W or N x H x W, got shape {shape}")
+            raise InputError(
+                f"images must be N x C x H x W, N x H x W x C (an HWC model) or N x H x W "
+                f"(a 1-channel model), got shape {shape}"
+            )
         if shape[0] == 0:
             raise InputError(f"{self.label}: no images (shape {shape})")
         self.item_shape = tuple(shape[1:]) if len(shape) == 4 else (1, *shape[1:])
@@ -82,6 +89,13 @@ class ArraySource:
         if given != self.wire:
             if given.kind == "f" and given.itemsize > self.wire.itemsize:
                 self.check_range()
+            if given.kind in "iu":
+                self.check_pixels()
+                self.notices.append(
+                    f"{self.label}: {describe_dtype(given)} values all within 0..255: sent "
+                    f"as uint8 pixels, unchanged"
+                )
+                return
             native = "" if given.isnative else "native "
             self.notices.append(
                 f"{self.label}: {describe_dtype(given)} converted to "
@@ -113,6 +127,19 @@ class ArraySource:
                     f"be converted to float32 without losing it; nothing was "
                     f"submitted"
                 )
+
+    def check_pixels(self) -> None:
+        """InputError unless every value of an integer array lies in 0..255 (read a block
+        at a time): integers are pixels, and farm does not guess another scale."""
+        low, high = 0, 0
+        per_block = max(1, RANGE_CHECK_BYTES // max(1, self.item_bytes))
+        for start in range(0, len(self.images), per_block):
+            block = self.raw(start, min(per_block, len(self.images) - start))
+            low, high = min(low, int(block.min())), max(high, int(block.max()))
+        if low >= 0 and high <= 255:
+            return
+        given = describe_dtype(np.dtype(self.images.dtype))
+        raise InputError(pixel_refusal(self.label, given, low, high))
 
     @property
     def item_bytes(self) -> int:
@@ -325,17 +352,59 @@ def stored_inputs(
 
 
 def wire_dtype(given: np.dtype, label: str) -> np.dtype:
-    """The dtype an array of ``given`` travels as: uint8 as it is, other integers and
-    floats as native float32; InputError for the rest."""
-    if given.kind == "u" and given.itemsize == 1:
+    """The dtype an array of ``given`` travels as: integers as uint8 (pixels: checked by
+    ``ArraySource.check_pixels``), floats as native float32; InputError for the rest."""
+    if given.kind in "iu":
         return np.dtype(np.uint8)
-    if given.kind in "iuf":
+    if given.kind == "f":
         return np.dtype(np.float32)
     raise InputError(
         f"{label}: {describe_dtype(given)} images cannot be sent: farm takes "
-        f"numbers (uint8 and float32 as they are; other integer and float types "
-        f"converted to float32)"
+        f"numbers (uint8 and float32 as they are; other integers as pixels 0..255, other "
+        f"floats converted to float32)"
     )
+
+
+def pixel_refusal(label: str, dtype: str, low: int, high: int) -> str:
+    """Why an integer array is refused: its values, the 0..255 farm takes, and the two
+    ways on (scale the pixels, or send the values as float32)."""
+    values = f"values up to {high:,}" if low >= 0 else f"values from {low:,} to {high:,}"
+    scale = (
+        "for 16-bit pixels divide by 257 (np.round(images / 257).astype(np.uint8))"
+        if low >= 0 and high <= 65535
+        else "scale them to 0..255 as uint8"
+    )
+    return (
+        f"{label} is {dtype} with {values}; integer images are pixels and the model "
+        f"takes 0..255: {scale}, or, if the model takes these values as they are, save "
+        f"them as float32 (images.astype(np.float32)); nothing was submitted"
+    )
+
+
+def stacked(images: Sequence[Any]) -> np.ndarray:
+    """A list of arrays, one image each (C x H x W, H x W x C or H x W), as one N x ...
+    array; InputError naming the first one that is not an array or differs from the first
+    in shape or dtype."""
+    first = images[0]
+    for index, image in enumerate(images):
+        if not isinstance(image, np.ndarray):
+            raise InputError(
+                f"images[{index}] is a {type(image).__name__}, images[0] an array: give a "
+                f"list of arrays or a list of image files, not both"
+            )
+        if image.ndim not in (2, 3):
+            raise InputError(
+                f"images[{index}] has shape {image.shape}: a list of arrays holds one image "
+                f"each (C x H x W, H x W x C or H x W); give a batch as one array "
+                f"(np.concatenate a list of batches)"
+            )
+        if (image.shape, image.dtype) != (first.shape, first.dtype):
+            raise InputError(
+                f"images[{index}] is {describe_dtype(image.dtype)} {image.shape}, "
+                f"images[0] {describe_dtype(first.dtype)} {first.shape}: a list of "
+                f"arrays is stacked into one, so every image needs the same shape and dtype"
+            )
+    return np.stack(images)
 
 
 def describe_dtype(dtype: np.dtype) -> str:

@@ -24,11 +24,15 @@ header and their own lines (``farm.client.answerjournal``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import socket
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -63,6 +67,143 @@ def journal_path(out: str | os.PathLike[str]) -> Path:
     return Path(os.fspath(out) + SUFFIX)
 
 
+#: Appended to the output's path to name the file a job writing it holds locked.
+LOCK_SUFFIX = ".lock"
+
+
+class OutputIsInput(ValueError):
+    """An output (or a file written beside it) that is one of the job's input files."""
+
+
+class OutputBusy(ValueError):
+    """Another job holds the output's lock: it is writing that file now."""
+
+
+def lock_path(out: str | os.PathLike[str]) -> Path:
+    """The lock file of output ``out``: its path with ``.lock`` appended."""
+    return Path(os.fspath(out) + LOCK_SUFFIX)
+
+
+def output_files(out: str | os.PathLike[str]) -> list[Path]:
+    """Every file a job writing ``out`` may write: ``out``, ``OUT.partial``, its journal,
+    the journal's list of submissions, and the lock."""
+    journal = journal_path(out)
+    return [Path(out), partial_path(out), journal, submissions_path(journal), lock_path(out)]
+
+
+def input_files(source: Source) -> Iterator[tuple[Path, os.stat_result | int]]:
+    """The files a job reads, each with its stat (a `.npy` input, from its open file) or
+    its size as read when the job was opened (image files)."""
+    from farm.client.inputs import FileSource
+
+    if isinstance(source, FileSource):
+        yield from zip(source.paths, source.sizes.tolist())
+    elif isinstance(source.images, NpyReader) and source.images.fd >= 0:
+        yield source.images.path, os.fstat(source.images.fd)
+
+
+def check_not_input(
+    out: str | os.PathLike[str], source: Source, others: Iterable[str | os.PathLike[str]] = ()
+) -> None:
+    """OutputIsInput if ``out`` or a file written beside it (``output_files``) is one of the
+    job's input files (``input_files``, and ``others``: list files, say), under its own
+    name or through a symbolic or hard link; nothing is written."""
+    written = {}
+    for path in output_files(out):
+        try:
+            found = path.stat()
+        except OSError:  # not there: written afresh, no input's file (a link to none)
+            continue
+        written[(found.st_dev, found.st_ino)] = path
+    if not written:
+        return
+    sizes = {os.stat(path).st_size for path in written.values()}
+    candidates: list[tuple[Path, os.stat_result | int]] = [*input_files(source)]
+    candidates += [(Path(other), -1) for other in others]
+    for path, known in candidates:
+        if isinstance(known, int):
+            if 0 <= known and known not in sizes:  # a link has its file's size: not this one
+                continue
+            try:
+                known = path.stat()
+            except OSError:
+                continue
+        clash = written.get((known.st_dev, known.st_ino))
+        if clash is not None:
+            what = str(out) if clash == Path(out) else f"{clash} (written with {out})"
+            same = os.path.abspath(clash) == os.path.abspath(path)
+            input_named = "the job's input" if same else f"the same file as the job's input {path}"
+            raise OutputIsInput(
+                f"{what} is {input_named}: the outputs written there would destroy it; "
+                f"write them to another file"
+            )
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold ``OUT.lock`` locked (``flock``, advisory) while a job writes ``out``: a second
+    job on the same output gets OutputBusy, naming the process holding it, and touches
+    nothing.  The lock file holds that process's id and host; it is removed at the end (a
+    killed job's stays, unlocked: the next job takes it over)."""
+    path = lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            busy = held_by(fd, out)
+            os.close(fd)
+            raise busy from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if same_file(fd, path):
+            break
+        os.close(fd)  # removed by a job that just ended (and maybe made again): again
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def check_free(out: str | os.PathLike[str]) -> None:
+    """OutputBusy if another job holds ``out``'s lock now (a look: nothing stays held)."""
+    try:
+        fd = os.open(lock_path(out), os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise held_by(fd, out) from None
+    finally:
+        os.close(fd)
+
+
+def held_by(fd: int, out: str | os.PathLike[str]) -> OutputBusy:
+    """The error for a lock (open as ``fd``) that another job holds: its process, if the
+    file names it yet."""
+    holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+    by = f" (pid {holder[0]} on {holder[1]})" if len(holder) == 2 else ""
+    return OutputBusy(
+        f"another job{by} is writing {out} now: wait for it to end, or write the outputs "
+        f"to another file"
+    )
+
+
+def same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        there = path.stat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
 @dataclass(frozen=True)
 class InputIdentity:
     """What a journal records of a job's input: a resume must read the same."""
@@ -91,6 +232,7 @@ class JournalHeader:
     version: int = VERSION
     format: str = "npy"  # the output file's: npy, or answers as csv or jsonl
     top_k: int | None = None  # classes per answer (answers files only)
+    exif_rotate: bool | None = None  # image files: turned upright by EXIF; None: arrays
 
     def line(self) -> bytes:
         document = {
@@ -101,6 +243,7 @@ class JournalHeader:
                 "count": self.input.count,
                 "dtype": self.input.dtype,
                 "item_shape": list(self.input.item_shape),
+                "exif_rotate": self.exif_rotate,
             },
             "engine": list(self.engine) if self.engine else None,
             "output": {
@@ -133,6 +276,9 @@ class JournalHeader:
                 version=int(document["version"]),
                 format=str(output.get("format", "npy")),
                 top_k=None if output.get("top_k") is None else int(output["top_k"]),
+                exif_rotate=None
+                if source.get("exif_rotate") is None
+                else bool(source["exif_rotate"]),
             )
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise JournalUnreadable(f"its header is not a journal header ({exc})") from exc
@@ -150,12 +296,17 @@ class JournalHeader:
             ("engine (backend, precision)", self.engine, job.engine),
             ("output format", self.format, job.format),
             ("top-k", self.top_k, job.top_k),
+            ("EXIF orientation applied", self.exif_rotate, job.exif_rotate),
         ]
         return [
             f"{what}: {now!r} here, {before!r} in the journal"
             for what, before, now in checks
             if before != now
         ]
+
+
+def optional_bool(value: Any) -> bool | None:
+    return None if value is None else bool(value)
 
 
 @dataclass(frozen=True)
@@ -286,6 +437,7 @@ class Journaled(Protocol):
     path: Path  # the output, once published
     journal: Path
     published: bool  # whether the job's end renamed the partial file to ``path``
+    hold: bool  # leave ``OUT.partial`` unpublished at the job's end (an interrupted job)
 
     def resumed_items(self) -> np.ndarray:
         """A bitmap of the items resumed from the journal (not to be asked for)."""
@@ -312,10 +464,12 @@ class Journaled(Protocol):
 class JournalSink:
     """A ``ResultSink`` writing a job's outputs to a `.npy` file and journaling each range.
 
-    The outputs are written to ``OUT.partial`` and renamed to ``out`` by ``finish``.
-    ``open`` resumes from the output's journal when there is one for the same job;
-    ``resumed`` are then the entries it verified (their items need not be asked for
-    again).  Call ``finish`` when the job ends and ``close`` in any case.
+    The outputs are written to ``OUT.partial`` and renamed to ``out`` by ``finish``
+    (unless ``hold`` was set: an interrupted job, left as a killed one is).  ``open``
+    resumes from the output's journal when there is one for the same job; ``resumed``
+    are then the entries it verified (their items need not be asked for again).
+    ``nan_shape``: as ``NpyWriter``'s, for a job started afresh.  Call ``finish`` when the
+    job ends and ``close`` in any case.
     """
 
     def __init__(
@@ -324,40 +478,47 @@ class JournalSink:
         header: JournalHeader,
         writer: NpyWriter | None = None,
         resumed: list[JournalEntry] | None = None,
+        nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
     ) -> None:
         self.path = Path(out)
         self.partial = partial_path(out)
         self.journal = journal_path(out)
         self.header = header
-        self.writer = writer or NpyWriter(self.partial, header.input.count)
+        self.writer = writer or NpyWriter(self.partial, header.input.count, nan_shape)
         self.resumed = resumed or []
         self.resumed_count = int(self.resumed_items().sum())  # once: safe is asked often
         self.written = 0  # items journaled by this run
         self.published = False
+        self.hold = False
         self.fd = -1
         self.synced = time.monotonic()
         if writer is not None:  # resuming: append to the journal there
             self.fd = open_for_append(self.journal)
 
     @classmethod
-    def open(cls, out: str | os.PathLike[str], job: JournalHeader) -> JournalSink:
+    def open(
+        cls,
+        out: str | os.PathLike[str],
+        job: JournalHeader,
+        nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
+    ) -> JournalSink:
         """A sink for ``job``'s outputs at ``out``, resumed from its journal if there is
         one (JournalMismatch if that journal is for another job), else started afresh."""
         journal = journal_path(out)
         if not journal.exists():
-            return cls(out, job)
+            return cls(out, job, nan_shape=nan_shape)
         try:
             header, entries = read_journal(journal, job.input.count)
         except JournalUnreadable as exc:
             log.warning("%s is unreadable (%s): starting afresh", journal, exc)
-            return cls.afresh(out, job)
+            return cls.afresh(out, job, nan_shape)
         differences = header.differences(job)
         if differences:
             raise JournalMismatch(
                 f"{journal} was written for another job, not resumed: "
                 f"{'; '.join(differences)} (delete it to start afresh)"
             )
-        return cls._resumed(out, job, header, entries)
+        return cls._resumed(out, job, header, entries, nan_shape)
 
     @classmethod
     def _resumed(
@@ -366,6 +527,7 @@ class JournalSink:
         job: JournalHeader,
         header: JournalHeader,
         entries: list[JournalEntry],
+        nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
     ) -> JournalSink:
         """A sink resuming into ``OUT.partial`` (a killed job's), else into ``out`` (a job
         that ended with failed items: taken back as ``OUT.partial`` while they are retried):
@@ -377,7 +539,7 @@ class JournalSink:
             writer = NpyWriter.update(found, job.input.count)
         except (FileNotFoundError, NpyError) as exc:  # other errors: the caller's to fix
             log.warning("cannot resume into %s (%s): starting afresh", found, exc)
-            return cls.afresh(out, job)
+            return cls.afresh(out, job, nan_shape)
         try:
             layout = (writer.item_shape, str(writer.dtype))
             if layout != (header.output_shape, header.output_dtype):
@@ -389,7 +551,7 @@ class JournalSink:
                     header.output_dtype,
                 )
                 writer.close()
-                return cls.afresh(out, job)
+                return cls.afresh(out, job, nan_shape)
             good = verified(found, entries)
             if len(good) < len(entries):
                 log.warning(
@@ -408,10 +570,15 @@ class JournalSink:
             raise
 
     @classmethod
-    def afresh(cls, out: str | os.PathLike[str], job: JournalHeader) -> JournalSink:
+    def afresh(
+        cls,
+        out: str | os.PathLike[str],
+        job: JournalHeader,
+        nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
+    ) -> JournalSink:
         """A sink starting afresh: an unusable journal there is deleted first."""
         journal_path(out).unlink(missing_ok=True)
-        return cls(out, job)
+        return cls(out, job, nan_shape=nan_shape)
 
     def resumed_items(self) -> np.ndarray:
         """A bitmap of the items the verified entries hold (a range journaled twice
@@ -458,8 +625,13 @@ class JournalSink:
 
     def finish(self, complete: bool) -> None:
         """Sync both files, rename ``OUT.partial`` (every row written or NaN-filled) to
-        ``out``; delete the journal if ``complete`` (every item came back)."""
+        ``out``; delete the journal if ``complete`` (every item came back).  Held: leave
+        ``OUT.partial`` and its journal for a resume (no journal: nothing to keep)."""
         self.sync()
+        if self.hold and not complete:
+            if self.fd < 0:
+                self.partial.unlink(missing_ok=True)
+            return
         if self.writer.fd >= 0:  # else no row was written, nor filled: no file
             publish(self.partial, self.path)
             self.writer.path, self.published = self.path, True

@@ -59,13 +59,23 @@ def publish(partial: Path, out: Path) -> None:
     sync_folder(out)
 
 
-def _read_exact(fd: int, size: int, offset: int) -> bytearray:
+def _read_exact(fd: int, size: int, offset: int, path: Path) -> bytearray:
+    """``size`` bytes of ``path`` at ``offset``; NpyError if the file ends before (cut
+    short since it was opened), OSError naming it if it cannot be read."""
     buffer = bytearray(size)
     view, done = memoryview(buffer), 0
     while done < size:
-        count = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            count = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:  # preadv names no file
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         if count == 0:
-            raise NpyError(f"file ends {size - done} bytes early")
+            now = os.fstat(fd).st_size
+            raise NpyError(
+                f"{path} ends {offset + size - now:,} bytes early: it is {now:,} bytes "
+                f"now, shorter than when the job opened it (truncated or rewritten "
+                f"meanwhile); put the whole file back and run the job again"
+            )
         done += count
     return buffer
 
@@ -121,7 +131,9 @@ class NpyReader:
 
     def read(self, start: int, count: int) -> np.ndarray:
         """Items ``[start, start + count)`` as a new array."""
-        data = _read_exact(self.fd, count * self.item_bytes, self.offset + start * self.item_bytes)
+        data = _read_exact(
+            self.fd, count * self.item_bytes, self.offset + start * self.item_bytes, self.path
+        )
         return np.frombuffer(data, self.dtype).reshape(count, *self.shape[1:])
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ from matplotlib.ticker import StrMethodFormatter
 
 from farm.client.status import table
 from farm.client.trace import TRACE_FORMAT, ChunkTrace, Trace, busy_stretches
-from farm.summary import plural
+from farm.summary import per_second, plural
 
 __all__ = [
     "TRACE_FORMAT",
@@ -125,12 +125,12 @@ class Breakdown:
         done = (
             plural(self.items, "image")
             if self.items >= self.total
-            else f"{self.items:,} of {self.total:,} images"
+            else f"{self.items:,} of {plural(self.total, 'image')}"
         )
         lines = [
-            f"{done} in {self.seconds:.3f} s: {self.rate:,.0f} images/s "
+            f"{done} in {self.seconds:.3f} s: {per_second(self.rate)} "
             f"(model {self.model}, policy {self.policy}){stopped}",
-            f"theoretical {self.theoretical_rate:,.0f} images/s (sum of the workers' "
+            f"theoretical {per_second(self.theoretical_rate)} (sum of the workers' "
             f"standalone speeds), waste {self.waste:.1%}",
             "where the waste went (% of the workers' capacity):",
         ]
@@ -411,7 +411,7 @@ def _draw_throughput(ax: Any, trace: Trace, breakdown: Breakdown, wide: bool) ->
         linestyle="--",
         linewidth=1,
         zorder=4,
-        label=f"theoretical {breakdown.theoretical_rate:,.0f} images/s",
+        label=f"theoretical {per_second(breakdown.theoretical_rate)}",
     )
     ax.axhline(
         breakdown.rate,
@@ -419,7 +419,7 @@ def _draw_throughput(ax: Any, trace: Trace, breakdown: Breakdown, wide: bool) ->
         linestyle=":",
         linewidth=1.2,
         zorder=4,
-        label=f"achieved average {breakdown.rate:,.0f} images/s",
+        label=f"achieved average {per_second(breakdown.rate)}",
     )
     ax.set_xlim(0.0, span)
     top = max([breakdown.theoretical_rate, 10.0] + list(rates))
@@ -438,8 +438,8 @@ def _title(b: Breakdown, columns: int) -> str:
     """Headline and where the waste went, wrapped to about `columns` characters."""
     parts = ", ".join(f"{part} {_percent(getattr(b, part))}" for part, _ in _PARTS)
     lines = [
-        f"{b.model}, policy {b.policy}: {b.items:,} images in {b.seconds:.3f} s, "
-        f"{b.rate:,.0f} images/s, waste {b.waste:.1%}",
+        f"{b.model}, policy {b.policy}: {plural(b.items, 'image')} in {b.seconds:.3f} s, "
+        f"{per_second(b.rate)}, waste {b.waste:.1%}",
         f"where it went: {parts}",
     ]
     if b.cancelled:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from farm.summary import per_second
+
 
 def duration(seconds: float | None) -> str:
     """``0:01:05``-style; ``-`` when unknown."""
@@ -39,9 +41,10 @@ def worker_rows(workers: list[dict[str, Any]]) -> list[list[str]]:
             )
             or "-"
         )
+        sharing = int(w.get("device_shared_by", 1))  # workers on its device, itself included
         rows.append(
             [
-                w["name"],
+                w["name"] + (f" (device shared by {sharing})" if sharing > 1 else ""),
                 w["backend"],
                 w["state"].upper(),
                 f"{w['rate']:,.0f}",
@@ -110,7 +113,7 @@ def format_status(snapshot: dict[str, Any]) -> str:
     busy = sum(1 for w in workers if w["state"] == "busy")
     lines.append(
         f"WORKERS  {len(workers)} ({busy} busy), "
-        f"{sum(w['rate'] for w in workers):,.0f} images/s over the last 5 s"
+        f"{per_second(sum(w['rate'] for w in workers))} over the last 5 s"
     )
     if workers:
         lines += table(

@@ -23,10 +23,12 @@ makes the net's input.  One file, in order:
    colour, alpha is dropped (not blended) and palettes are expanded.  A GIF is
    decoded by Pillow instead (OpenCV reads GIF only from 4.11 on): its first frame,
    the palette expanded to RGB (a transparent pixel keeps its palette colour), then
-   converted by OpenCV as a decoded PNG would be (``decode_gif``).  EXIF
-   orientation is ignored: the pixels are used as stored, as Caffe's
-   ``classify.py`` (skimage/Pillow) and ``convert_imageset`` (OpenCV 2) read
-   them, and as the header's width x height say.  BGR -> RGB follows;
+   converted by OpenCV as a decoded PNG would be (``decode_gif``).  OpenCV's
+   own EXIF handling is off (it differs across releases and formats): the
+   orientation that Pillow reads from the header turns the image upright, as
+   viewers show it (``orient``), unless the job asked for the stored pixels
+   (``exif_rotate=False``, as Caffe's ``classify.py`` and ``convert_imageset``
+   read them).  BGR -> RGB follows;
 6. resized per ``spec.resize`` with ``cv2.resize`` and cropped (centre, or
    Caffe's 10-crop ``oversample``), see ``resized_size`` and ``crop_boxes``;
 7. laid out H x W x C for HWC models, else C x H x W.
@@ -81,6 +83,9 @@ NOT_AN_IMAGE = (
     f"not an image file (no {', '.join(DECODED_FORMATS[:-1])} or {DECODED_FORMATS[-1]} header)"
 )
 
+#: The EXIF tag of an image's orientation: how to turn the stored pixels to show them.
+ORIENTATION_TAG = 0x0112
+
 INTERPOLATION = {
     "linear": cv2.INTER_LINEAR,
     "area": cv2.INTER_AREA,
@@ -101,6 +106,7 @@ class DecodedBatch:
     ok: np.ndarray  # int64 indices into the input list of the images decoded, ascending
     failures: list[tuple[int, str]]  # (index into the input list, reason), ascending
     crops: int
+    oriented: int = 0  # images decoded whose EXIF orientation is not "as stored"
 
 
 def imread_flags(channels: int) -> int:
@@ -131,21 +137,23 @@ class ImageDecoder:
         self.crops = spec.resize.crops
         self.flags = imread_flags(channels)
 
-    def decode_one(self, data: bytes | memoryview) -> np.ndarray:
+    def decode_one(self, data: bytes | memoryview, exif_rotate: bool = True) -> np.ndarray:
         """``(crops, *item_shape)`` uint8 for one file; ImageError says why it cannot be."""
         out = np.empty((self.crops, *self.spec.item_shape), np.uint8)
-        self._decode_into(data, out)
+        self._decode_into(data, out, exif_rotate)
         return out
 
-    def decode(self, files: Sequence[bytes | memoryview]) -> DecodedBatch:
-        """Every file decoded, in order; a bad file is listed in ``failures``, never raised."""
+    def decode(self, files: Sequence[bytes | memoryview], exif_rotate: bool = True) -> DecodedBatch:
+        """Every file decoded, in order, turned upright by its EXIF orientation unless
+        ``exif_rotate`` is False; a bad file is listed in ``failures``, never raised."""
         images = np.empty((len(files) * self.crops, *self.spec.item_shape), np.uint8)
         ok: list[int] = []
         failures: list[tuple[int, str]] = []
+        oriented = 0
         for index, data in enumerate(files):
             start = len(ok) * self.crops
             try:
-                self._decode_into(data, images[start : start + self.crops])
+                oriented += self._decode_into(data, images[start : start + self.crops], exif_rotate)
             except ImageError as exc:
                 failures.append((index, str(exc)))
             except (cv2.error, MemoryError) as exc:  # the file's fault, not its chunk's
@@ -155,10 +163,12 @@ class ImageDecoder:
             else:
                 ok.append(index)
         return DecodedBatch(
-            images[: len(ok) * self.crops], np.array(ok, np.int64), failures, self.crops
+            images[: len(ok) * self.crops], np.array(ok, np.int64), failures, self.crops, oriented
         )
 
-    def _decode_into(self, data: bytes | memoryview, out: np.ndarray) -> None:
+    def _decode_into(self, data: bytes | memoryview, out: np.ndarray, exif_rotate: bool) -> bool:
+        """Decode one file into ``out``; whether its EXIF orientation is not "as stored"
+        (applied when ``exif_rotate``)."""
         data = bytes(data)  # Pillow's BytesIO copies anyway; bytes have find/rfind
         if not data:
             raise ImageError("empty file")
@@ -167,9 +177,11 @@ class ImageDecoder:
             raise ImageError(NOT_AN_IMAGE)
         if kind == "JPEG":
             check_jpeg_complete(data)
-        width, height = declared_size(data, kind)
+        width, height, orientation = read_header(data, kind)
         _check_size(width, height, self.max_pixels)
         image = decode_pixels(data, self.flags, kind)
+        if exif_rotate:
+            image = orient(image, orientation)
         target = resized_size(image.shape[:2], self.net_size, self.spec.resize)
         if target[0] * target[1] > self.max_pixels:  # a 1 x 100 000 strip at shorter_side 256
             raise ImageError(
@@ -181,20 +193,57 @@ class ImageDecoder:
             cv2.cvtColor(image, cv2.COLOR_BGR2RGB, dst=image)
         boxes = crop_boxes(image.shape[:2], self.net_size, self.spec.resize.crop)
         lay_out(cropped(image, boxes, self.net_size), out, self.hwc)
+        return orientation != 1
 
 
-def declared_size(data: bytes, kind: str) -> tuple[int, int]:
-    """The (width, height) the header of a ``kind`` file declares, read by Pillow without
-    decoding any pixel."""
+def read_header(data: bytes, kind: str) -> tuple[int, int, int]:
+    """The (width, height) the header of a ``kind`` file declares, as stored, and its EXIF
+    orientation (1, "as stored", when it has none or an invalid one): read by Pillow
+    without decoding any pixel."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "Corrupt EXIF data": OpenCV decides
             with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS[kind]) as image:
-                return image.size
+                return (*image.size, exif_orientation(image))
     except UnidentifiedImageError:
         raise ImageError(f"corrupt {kind} header") from None
     except Exception as exc:  # Pillow raises many kinds on a broken header
         raise ImageError(f"corrupt {kind} header: {exc}") from None
+
+
+def exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation tag (0x0112) of an opened image, 1 to 8; 1 when it has none,
+    an invalid one, or EXIF that cannot be read (a GIF has none).  Read from the header
+    alone: ``Image.getexif`` itself, as PNG's override would decode the pixels first (a PNG's
+    ``eXIf`` chunk counts when it comes before the pixel data, as the PNG spec asks)."""
+    if image.format == "GIF":
+        return 1
+    try:
+        value = Image.Image.getexif(image).get(ORIENTATION_TAG, 1)
+    except Exception:  # broken EXIF: the pixels as stored, as a viewer would show them
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def orient(image: np.ndarray, orientation: int) -> np.ndarray:
+    """``image`` (H x W or H x W x C) turned as EXIF ``orientation`` says, to show it upright:
+    2 mirror, 3 rotate 180, 4 flip, 5 transpose, 6 rotate 90 clockwise, 7 transverse,
+    8 rotate 90 counter-clockwise (Pillow's ``ImageOps.exif_transpose``)."""
+    if orientation == 2:
+        return cv2.flip(image, 1)
+    if orientation == 3:
+        return cv2.rotate(image, cv2.ROTATE_180)
+    if orientation == 4:
+        return cv2.flip(image, 0)
+    if orientation == 5:
+        return cv2.transpose(image)
+    if orientation == 6:
+        return cv2.rotate(image, cv2.ROTATE_90_CLOCKWISE)
+    if orientation == 7:
+        return cv2.rotate(cv2.transpose(image), cv2.ROTATE_180)
+    if orientation == 8:
+        return cv2.rotate(image, cv2.ROTATE_90_COUNTERCLOCKWISE)
+    return image
 
 
 def sniff(data: bytes) -> str | None:

@@ -220,6 +220,17 @@ def search_path(extra: Sequence[str | os.PathLike] = ()) -> list[Path]:
     return [*map(Path, extra), *env_models_dirs(), user_models_dir(), BUNDLED_DIR]
 
 
+def missing_env_models_dirs() -> list[str]:
+    """A warning for each ``$FARM_MODELS`` entry that is not a folder (a typo, an
+    unmounted share): no model is found there, and nothing else would say so."""
+    return [
+        f"$FARM_MODELS names {folder}, which is not a folder: no models are found there "
+        "(`farm models add` creates it)"
+        for folder in env_models_dirs()
+        if not folder.is_dir()
+    ]
+
+
 def add_target(extra: Sequence[str | os.PathLike] = ()) -> Path:
     """Where ``farm models add`` writes: the first ``--models-dir``, else the first
     ``$FARM_MODELS`` folder, else the user's repository."""

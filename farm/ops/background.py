@@ -22,10 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -37,14 +35,12 @@ from farm import defaults
 from farm.client.client import Client, FarmError, FarmTimeout
 from farm.ops.forked import wait_exited
 from farm.ops.local import LocalFarm, farm_command
-from farm.startup import process_started, process_state
+from farm.runtime import LOG, RECORD, SOCKET, alive, private_dir_problem, runtime_dir
+from farm.startup import process_started
 from farm.summary import plural
 
 log = logging.getLogger("farm.up")
 
-RECORD = "farm.json"
-SOCKET = "broker.sock"
-LOG = "farm.log"
 #: Seconds ``farm run`` waits for a recorded farm's broker before calling it stale.
 ANSWER_TIMEOUT = 2.0
 #: Longest wait between two looks at the broker's jobs (shorter for a short idle timeout).
@@ -106,30 +102,6 @@ class Found:
     notice: str = ""
 
 
-def runtime_dir() -> Path:
-    """This user's folder for its background farm (not created)."""
-    if folder := os.environ.get("FARM_RUNTIME_DIR"):
-        return Path(folder)
-    if xdg := os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(xdg) / "farm"
-    return Path(tempfile.gettempdir()) / f"farm-{os.getuid()}"
-
-
-def private_dir_problem(folder: Path) -> str | None:
-    """Why ``folder`` cannot hold this user's farm (another owner, open to others), or None."""
-    try:
-        info = folder.lstat()
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISDIR(info.st_mode):
-        return f"{folder} is not a folder"
-    if info.st_uid != os.getuid():
-        return f"{folder} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()})"
-    if info.st_mode & 0o077:
-        return f"{folder} may be opened by other users (mode {stat.S_IMODE(info.st_mode):o})"
-    return None
-
-
 def make_runtime_dir() -> Path:
     folder = runtime_dir()
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -155,22 +127,6 @@ def write_record(folder: Path, record: FarmRecord) -> None:
     with os.fdopen(descriptor, "wb") as out:
         out.write(msgspec.json.format(msgspec.json.encode(record)))
     partial.replace(folder / RECORD)
-
-
-def alive(pid: int, started: float) -> bool:
-    """Whether ``pid`` is still this user's process that started at ``started`` (not a
-    zombie, not a process that reused the pid)."""
-    try:
-        owner = Path(f"/proc/{pid}").stat().st_uid
-    except OSError:
-        return False
-    found = process_state(pid)
-    return (
-        owner == os.getuid()
-        and found is not None
-        and found[0] != "Z"
-        and abs(found[1] - started) < 0.5
-    )
 
 
 def find_running(answer_timeout: float = ANSWER_TIMEOUT) -> Found:

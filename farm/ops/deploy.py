@@ -18,6 +18,17 @@ from pathlib import Path
 #: Seconds supervisord gives a program to exit after SIGTERM before SIGKILL.
 STOP_WAIT_SECONDS = 10
 
+#: Seconds a program must stay up before supervisord counts it as started. A worker that
+#: fails at start (a GPU torch cannot see, a missing library) fails in 2-6 s, most of it
+#: importing torch; with ``startsecs = 1`` each such start counted as a success and the
+#: worker was respawned for ever. Longer than that, it is a failed start: retried
+#: ``STARTRETRIES`` times, then FATAL, shown by ``supervisorctl status``. A GPU worker
+#: gets longer: CUDA's start adds seconds before it could fail.
+BROKER_STARTSECS = 5
+CPU_STARTSECS = 10
+GPU_STARTSECS = 30
+STARTRETRIES = 3
+
 #: Longest path a unix socket may have (sun_path is 108 bytes with its NUL).
 MAX_SOCKET_PATH = 107
 
@@ -89,6 +100,9 @@ class Program:
     name: str
     command: tuple[str, ...]
     priority: int
+    # seconds it must stay up to count as started: a process that fails sooner is a failed
+    # start, retried STARTRETRIES times and then left FATAL, not respawned for ever
+    startsecs: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +129,7 @@ class Deployment:
             "farm-broker",
             (*self.farm, "broker", "--bind", self.bind, "--algo", self.algo, *self.broker_args),
             10,
+            BROKER_STARTSECS,
         )
 
     def worker_command(self, device: str) -> tuple[str, ...]:
@@ -132,7 +147,7 @@ class Deployment:
 
     def worker_programs(self) -> list[Program]:
         cpus = [
-            Program(f"farm-cpu-{core}", self.worker_command(f"cpu:{core}"), 20)
+            Program(f"farm-cpu-{core}", self.worker_command(f"cpu:{core}"), 20, CPU_STARTSECS)
             for core in self.layout.cpu_cores
         ]
         gpus = [
@@ -140,6 +155,7 @@ class Deployment:
                 f"farm-gpu-{gpu}",
                 ("taskset", "-c", str(core), *self.worker_command(f"gpu:{gpu}")),
                 20,
+                GPU_STARTSECS,
             )
             for gpu, core in self.layout.gpus
         ]
@@ -178,7 +194,8 @@ def program_section(program: Program, run_dir: Path) -> Section:
             "command": shlex.join(program.command),
             "priority": str(program.priority),
             "autorestart": "true",
-            "startsecs": "1",
+            "startsecs": str(program.startsecs),
+            "startretries": str(STARTRETRIES),
             "stopsignal": "TERM",
             "stopwaitsecs": str(STOP_WAIT_SECONDS),
             "redirect_stderr": "true",

@@ -14,7 +14,6 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 from farm import defaults
 
@@ -22,12 +21,6 @@ BROKER = "broker"
 AUTHORIZED = "authorized"
 #: Key pairs ``farm keys init`` makes besides the broker's, all authorized.
 DEFAULT_PEERS = (defaults.WORKER_KEY, defaults.CLIENT_KEY)
-#: Socket events that mean the CURVE handshake with the broker failed.
-HANDSHAKE_FAILURES = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 
 
 class KeysError(ValueError):
@@ -100,35 +93,3 @@ def make_client(socket: zmq.Socket, folder: str | Path, name: str) -> None:
     )
     socket.curve_publickey, socket.curve_secretkey = public, secret
     socket.curve_serverkey = server
-
-
-class Handshakes:
-    """Watches a CURVE client socket: a broker that refuses its key is an error, not a hang.
-
-    libzmq does not retry a connection whose handshake was refused, so without
-    this a peer with an unknown key would wait forever.
-    """
-
-    def __init__(self, socket: zmq.Socket, name: str) -> None:
-        self.socket, self.name = socket, name
-        self.monitor = socket.get_monitor_socket(HANDSHAKE_FAILURES)
-
-    def failure(self) -> str | None:
-        """Why the broker refused us, if a handshake failed since the last call."""
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return (
-                    f"the broker refused key {self.name!r} (status {event['value']}): "
-                    f"its public key is not in the broker's authorized/ folder"
-                )
-            if event["event"] & HANDSHAKE_FAILURES:
-                return (
-                    f"the CURVE handshake with the broker failed ({event['event']:#x}, "
-                    f"{event['value']}): do broker.key and the broker's key pair match?"
-                )
-        return None
-
-    def close(self) -> None:
-        self.socket.disable_monitor()
-        self.monitor.close(linger=0)

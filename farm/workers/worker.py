@@ -259,6 +259,12 @@ class Worker:
     serving: int = 0
     # the next chunk's message and pixels, launched ahead: its run_task takes these pixels
     prefetched: tuple[Message, np.ndarray] | None = None
+    # whether the broker took this connection's READY (its first heartbeat came), whether
+    # it ever did, and whether the silence of this wait was reported (I/O thread)
+    registered: bool = False
+    was_registered: bool = False
+    silence_reported: bool = False
+    started_waiting: float = 0.0  # monotonic clock when this worker began to wait
 
     def __post_init__(self) -> None:
         self.cache = (
@@ -362,11 +368,17 @@ class Worker:
         ]
 
     def ready_header(self) -> messages.Ready:
-        """The registration sent on every new connection to the broker."""
+        """The registration sent on every new connection to the broker: the models it can
+        run (its disk's, and those it loaded, fetched ones included: ``loaded`` lists only
+        advertised models, or the broker would ignore them), and what it brings."""
         models = {
-            name: messages.ModelFacts(input_shape=spec.item_shape)
-            for name, spec in self.local_models().items()
+            engine.spec.name: messages.ModelFacts(input_shape=engine.spec.item_shape)
+            for engine in list(self.engines.values())
         }
+        models.update(
+            (name, messages.ModelFacts(input_shape=spec.item_shape))
+            for name, spec in self.local_models().items()
+        )
         return messages.Ready(
             device=str(self.config.device),
             host=socket.gethostname(),
@@ -423,8 +435,12 @@ class Worker:
         )
         compute.start()
         log.info(
-            "worker %s (%s) ready, broker %s", self.config.device, self.backend, self.config.broker
+            "worker %s (%s) started: waiting for the broker at %s (no answer yet)",
+            self.config.device,
+            self.backend,
+            self.config.broker,
         )
+        self.started_waiting = time.monotonic()
         try:
             self.io_loop(link, pipe, tasks, wakeup)
         finally:
@@ -452,11 +468,42 @@ class Worker:
                 if self.config.max_tasks and self.tasks_done >= self.config.max_tasks:
                     return
             if link.tick():  # a new connection: the old one's fetches died
+                self.report_silence(link)
                 self.reconnected(link, tasks)
+
+    def report_silence(self, link: BrokerLink) -> None:
+        """A connection expired before the broker took its READY: say once what may be
+        wrong (a broker that was lost is reported by the link itself)."""
+        if self.registered or self.was_registered or self.silence_reported:
+            return
+        self.silence_reported = True
+        keys = (
+            f"the keys in {self.config.curve} are not the broker's"
+            if self.config.curve
+            else "the broker runs with --curve (this worker has no --curve keys)"
+        )
+        log.warning(
+            "no answer from the broker at %s after %.0f s: is it running, and at that "
+            "address? Or %s.  Still trying.",
+            self.config.broker,
+            time.monotonic() - self.started_waiting,
+            keys,
+        )
+
+    def on_registered(self) -> None:
+        """The broker took this connection's READY (its first heartbeat came)."""
+        self.registered = True
+        log.info(
+            "registered with the broker at %s%s",
+            self.config.broker,
+            " again" if self.was_registered else "",
+        )
+        self.was_registered = True
 
     def reconnected(self, link: BrokerLink, tasks: queue.Queue) -> None:
         """A new connection (READY sent): the old one's fetches died; the results sent last
         are offered again, in case the broker that took them was lost."""
+        self.registered = False
         tasks.put(QueuedMessage(link.generation, None, 0.0))
         for offer in self.sent.offers():
             link.send(offer)
@@ -474,6 +521,14 @@ class Worker:
         header = message.header
         if isinstance(header, messages.Heartbeat):
             link.heard(header.interval)
+            if not self.registered:
+                self.on_registered()
+        elif isinstance(header, messages.Error) and header.registration:
+            raise WorkerRefused(
+                f"the broker at {self.config.broker} refused this worker's registration: "
+                f"{header.error}.  Exiting, so that a fresh start (supervisord restarts "
+                "it) registers anew"
+            )
         elif isinstance(header, messages.Cancel) and header.chunk is not None:
             self.cancel_chunk(header.chunk)
         elif isinstance(header, messages.Cancel):
@@ -669,10 +724,11 @@ class Worker:
             engine = self.engines[key]
             engine.last_run = RunStats()  # a chunk whose every file fails computes nothing
             failures: list[tuple[int, int, str]] = []
+            oriented = 0  # image files with an EXIF orientation
             if task.dtype == protocol.ENCODED:
                 files, unread = self.chunk_files(message, task)
                 decoded = time.perf_counter()  # decoding the files counts as compute
-                outputs, failures = self.run_files(engine, files, unread, task)
+                outputs, failures, oriented = self.run_files(engine, files, unread, task)
             else:
                 if task.item_shape != engine.spec.item_shape:
                     raise ValueError(
@@ -727,6 +783,7 @@ class Worker:
                 item_shape=outputs.shape[1:],
                 timings=timings,
                 failed=sum(count for _, count, _ in failures),
+                oriented=oriented,
             ),
             frames,
         )
@@ -759,16 +816,17 @@ class Worker:
 
     def run_files(
         self, engine: Engine, files: list[Any], unread: dict[int, str], task: messages.Task
-    ) -> tuple[np.ndarray, list[tuple[int, int, str]]]:
+    ) -> tuple[np.ndarray, list[tuple[int, int, str]], int]:
         """Decode a chunk of image files and run the ones that decode: their outputs (NaN
-        for the others; the mean over the crops when the model oversamples), and the runs
-        of files that failed, with their reasons (``unread``: read failures, by index)."""
+        for the others; the mean over the crops when the model oversamples), the runs
+        of files that failed, with their reasons (``unread``: read failures, by index), and
+        how many had an EXIF orientation (applied unless the job said not to)."""
         decoder = self.decoders.get(task.digest)
         if decoder is None:
             from farm.engines.images import ImageDecoder
 
             decoder = self.decoders[task.digest] = ImageDecoder(engine.spec)
-        batch = decoder.decode(files)
+        batch = decoder.decode(files, task.exif_rotate)
         outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
         if len(batch.ok):
             computed = engine.run(
@@ -783,7 +841,7 @@ class Worker:
                 )
             outputs[batch.ok] = computed
         failures = [(index, unread.get(index, reason)) for index, reason in batch.failures]
-        return outputs, failure_runs(failures)
+        return outputs, failure_runs(failures), batch.oriented
 
     def run_array(
         self, engine: Engine, images: np.ndarray, task: messages.Task
@@ -883,6 +941,11 @@ class Worker:
 
     def stop(self, *_: Any) -> None:
         self.running = False
+
+
+class WorkerRefused(ValueError):
+    """The broker refused this worker's READY: the worker exits (status 1) rather than
+    register again, unheard, forever."""
 
 
 def kept_reply(reply: Reply) -> Reply:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import subprocess
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import zmq
 
 from farm import protocol
-from farm.ops.local import LocalFarm, cores, farm_command
+from farm.ops.local import LocalFarm, cores, farm_command, stop_processes
 from farm.protocol import Command
 
 #: ``local_farm(...)`` keywords that are LocalFarm's settings; any other is a broker option.
@@ -129,3 +130,36 @@ def lone_worker() -> Iterator[tuple[zmq.Socket, bytes]]:
         process.wait(10)
         router.close()
         context.term()
+
+
+@contextlib.contextmanager
+def logged_broker(log: Any, *options: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A ``farm broker`` on a free loopback port (unless ``options`` bind another) whose log
+    (INFO and up) goes to the file ``log``: the process and the endpoint it bound."""
+    with open(log, "w") as stderr:
+        broker = subprocess.Popen(
+            farm_command("--log-level", "INFO", "broker", "--bind", "tcp://127.0.0.1:*", *options),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    try:
+        assert broker.stdout is not None
+        line = broker.stdout.readline()
+        assert line.startswith("farm broker listening on "), f"broker did not start: {line!r}"
+        yield broker, line.rsplit(" ", 1)[1].strip()
+    finally:
+        stop_processes([broker])
+
+
+def await_text(path: Any, text: str, process: subprocess.Popen | None = None) -> str:
+    """The file's contents once ``text`` is in them (AssertionError if ``process`` exits or a
+    minute passes first)."""
+    deadline = time.monotonic() + 60
+    while True:
+        contents = open(path).read()
+        if text in contents:
+            return contents
+        assert process is None or process.poll() is None, f"exited before {text!r}: {contents}"
+        assert time.monotonic() < deadline, f"no {text!r} in {path}: {contents}"
+        time.sleep(0.05)

@@ -277,7 +277,9 @@ def test_submit_writes_outputs_in_order(farm_two_workers, lenet, digits, tmp_pat
     )
     assert done.returncode == 0, done.stderr
     assert "321 images in" in done.stdout and "waste" in done.stdout
-    assert "100%" in done.stderr  # the progress bar ran to the end
+    # stderr is a pipe, not a terminal: a plain progress line, no bar redrawn with \r
+    assert re.search(r"^lenet: [\d,]+/321 images \(\d+%\)$", done.stderr, re.MULTILINE)
+    assert "\r" not in done.stderr
     np.testing.assert_allclose(np.load(out), reference_forward(lenet, digits[:321]), atol=1e-5)
 
 
@@ -574,3 +576,23 @@ def test_a_submit_cancelled_before_its_first_result_says_nothing_was_written(
     assert "no outputs were written: none of the 200 images came back" in stderr
     assert not out.exists() and not partial_path(out).exists()
     assert not journal_path(out).exists()
+
+
+def test_a_farm_models_entry_that_is_not_a_folder_is_said_where_models_are_searched(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A typo in $FARM_MODELS is said at the start of a command that looks models up (here
+    `farm submit`, which then fails on its input), not by `farm models add`, which creates
+    the folder."""
+    missing = tmp_path / "typo"
+    monkeypatch.setenv("FARM_MODELS", str(missing))
+    submitted = subprocess.run(
+        farm_command("submit", str(tmp_path / "none.npy")), capture_output=True, text=True
+    )
+    assert submitted.returncode != 0
+    assert (
+        f"$FARM_MODELS names {missing}, which is not a folder: no models are found there"
+        in submitted.stderr
+    )
+    listed = subprocess.run(farm_command("models", "list"), capture_output=True, text=True)
+    assert listed.returncode == 0 and "FARM_MODELS" not in listed.stderr

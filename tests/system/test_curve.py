@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm.client.client import Client, FarmError, FarmTimeout
+from farm.client.client import Client, FarmError
 from farm.ops.local import LocalFarm, cores, farm_command
 from tests.conftest import reference_forward
+from tests.system.conftest import await_text, logged_broker
 
 
 def make_keys(folder: Path) -> Path:
@@ -48,13 +49,42 @@ def test_with_the_right_keys_the_job_runs(curve_farm, lenet, digits) -> None:
     assert len(result.summary.workers) == 2
 
 
-def test_a_client_without_curve_gets_nothing(curve_farm, digits) -> None:
+def test_a_client_without_curve_gets_nothing_and_is_told_why(curve_farm, digits) -> None:
     with Client(curve_farm.endpoint, timeout=2.0) as client:
-        with pytest.raises(FarmTimeout):
+        with pytest.raises(FarmError, match="the broker uses CURVE: give --curve"):
             client.info()
     with Client(curve_farm.endpoint, timeout=2.0, heartbeat=0.5) as client:
-        with pytest.raises(FarmTimeout):
+        with pytest.raises(FarmError, match="the broker uses CURVE: give --curve"):
             client.run(digits[:10], "lenet")
+
+
+def test_the_broker_logs_the_handshakes_it_refuses_and_the_workers_exit(
+    tmp_path, keys, strangers
+) -> None:
+    """A worker without keys, or with keys the broker does not know, exits 1 with the
+    reason; the broker logs each refusal."""
+    log = tmp_path / "broker.log"
+    with logged_broker(log, "--curve", str(keys)) as (broker, endpoint):
+        for folder in (None, strangers):
+            worker = subprocess.run(
+                farm_command(
+                    "worker",
+                    "--device",
+                    f"cpu:{cores()[0]}",
+                    "--broker",
+                    endpoint,
+                    *(["--curve", str(folder)] if folder else []),
+                ),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert worker.returncode == 1, worker.stderr
+            assert (
+                "refused key 'worker'" if folder else "the broker uses CURVE: give --curve"
+            ) in worker.stderr
+        logged = await_text(log, "a CURVE key that is not in", broker)
+    assert "refused a connection: a peer without CURVE keys" in logged
 
 
 def test_a_client_with_an_unknown_key_is_told_it_was_refused(curve_farm, strangers, digits) -> None:

@@ -23,7 +23,14 @@ from click.testing import CliRunner
 
 from farm.cli.deploy import deploy
 from farm.client.client import Client, FarmTimeout
-from farm.ops.deploy import Layout, parse_ids
+from farm.ops.deploy import (
+    BROKER_STARTSECS,
+    CPU_STARTSECS,
+    GPU_STARTSECS,
+    STARTRETRIES,
+    Layout,
+    parse_ids,
+)
 from tests.conftest import reference_forward
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,7 +184,8 @@ def test_a_broker_and_one_pinned_worker_per_core_and_gpu(tmp_path: Path) -> None
     for group in groups.values():
         for process in group.process_configs:
             assert process.priority == (10 if process.name == "farm-broker" else 20)
-            assert process.startsecs == 1 and process.redirect_stderr
+            assert process.startsecs == STARTSECS.get(process.name, CPU_STARTSECS)
+            assert process.startretries == STARTRETRIES and process.redirect_stderr
             assert process.stopsignal == signal.SIGTERM
             assert process.stdout_logfile == str(tmp_path / f"{process.name}.log")
     assert server.logfile == str(tmp_path / "supervisord.log")
@@ -185,6 +193,9 @@ def test_a_broker_and_one_pinned_worker_per_core_and_gpu(tmp_path: Path) -> None
     assert server.server_configs[0]["file"] == str(tmp_path / "supervisor.sock")
     assert server.server_configs[0]["chmod"] == 0o700
     assert server.nodaemon is False
+
+
+STARTSECS = {"farm-broker": BROKER_STARTSECS, "farm-gpu-0": GPU_STARTSECS}
 
 
 def test_default_cores_are_those_this_process_may_run_on(tmp_path: Path) -> None:
@@ -410,6 +421,9 @@ def test_supervised_farm_runs_a_job_through_a_kill_9_and_restarts_the_worker(
         "-o",
         str(config),
     )
+    # started after 1 s instead of CPU_STARTSECS (the FATAL test checks those): the kill
+    # and the restart, not the start, are what this test is about
+    config.write_text(config.read_text().replace(f"startsecs = {CPU_STARTSECS}", "startsecs = 1"))
     workers = [f"farm-cpu-{core}" for core in cores]
     images = np.resize(digits, (20_000, 28, 28))
     farm = Supervised(SUPERVISORD, SUPERVISORCTL, config)
@@ -461,6 +475,46 @@ def test_supervised_farm_runs_a_job_through_a_kill_9_and_restarts_the_worker(
         }
     finally:
         farm.shutdown()
+
+
+@pytest.mark.skipif(
+    SUPERVISORD is None or SUPERVISORCTL is None,
+    reason="supervisord is not installed (pip install 'supervisor>=4.2')",
+)
+def test_a_worker_that_fails_at_start_ends_fatal_not_respawned_for_ever(run_dir: Path) -> None:
+    """A GPU worker on a machine whose torch sees no GPU fails after seconds (the torch
+    import): each start is a failed one, and supervisord gives up on it."""
+    if cuda_devices() > 0:
+        pytest.skip("this machine has a GPU: the GPU worker would start")
+    config = run_dir / "farm.conf"
+    core = str(sorted(os.sched_getaffinity(0))[-1])
+    generate(
+        "--cpus", core, "--gpus", "0", "--no-broker", "--connect",
+        f"tcp://127.0.0.1:{free_port()}", "--run-dir", str(run_dir), "-o", str(config),
+    )  # fmt: skip
+    text = config.read_text()
+    assert f"startsecs = {GPU_STARTSECS}\n" in text
+    # one retry instead of STARTRETRIES: the same verdict, in two failed starts
+    config.write_text(text.replace(f"startretries = {STARTRETRIES}", "startretries = 1"))
+    farm = Supervised(SUPERVISORD, SUPERVISORCTL, config)
+    try:
+        farm.log.wait_for(r"gave up: farm-gpu-0 entered FATAL state", timeout=120)
+        spawned = [line for line in farm.log.lines if "spawned: 'farm-gpu-0'" in line]
+        assert len(spawned) == 2, farm.log.text()
+        states = dict(line.split()[:2] for line in farm.ctl("status").stdout.splitlines())
+        assert states == {"farm-workers:farm-gpu-0": "FATAL"}
+        assert "Error: device gpu:0" in (run_dir / "farm-gpu-0.log").read_text()
+    finally:
+        farm.shutdown()
+
+
+def cuda_devices() -> int:
+    """CUDA devices torch sees here; 0 without torch."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
 
 
 # ----------------------------------------------------------------- slurm

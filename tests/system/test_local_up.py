@@ -6,6 +6,7 @@ socket and log live there, and ``farm run`` looks for a farm there only.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -91,7 +92,7 @@ def run_digits(tmp_path: Path, digits: np.ndarray, *options: str) -> subprocess.
 
 
 def test_farm_up_is_used_by_farm_run_and_stopped_by_farm_down(
-    farm_up: FarmRecord, runtime: Path, tmp_path: Path, lenet, digits
+    farm_up: FarmRecord, runtime: Path, tmp_path: Path, lenet, digits, monkeypatch
 ) -> None:
     assert oct((runtime / RECORD).stat().st_mode & 0o777) == oct(0o600)
     assert oct(runtime.stat().st_mode & 0o777) == oct(0o700)
@@ -111,6 +112,8 @@ def test_farm_up_is_used_by_farm_run_and_stopped_by_farm_down(
     assert info["jobs_ended"].get("done") == 1  # the job ran on the warm farm
     assert [w["pid"] for w in info["workers"]] == pids(farm_up)[1:]
 
+    found_by_client_commands(farm_up, tmp_path, monkeypatch)
+
     down = farm("down")
     assert down.returncode == 0, down.stderr
     assert "local farm stopped" in down.stderr
@@ -118,6 +121,31 @@ def test_farm_up_is_used_by_farm_run_and_stopped_by_farm_down(
     for pid in (farm_up.pid, *pids(farm_up)):
         assert wait_exited(pid, 30) and not running(pid), pid
     assert "no local farm is up" in farm("down").stderr
+
+
+def found_by_client_commands(
+    farm_up: FarmRecord, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no --broker and no $FARM_BROKER, farm status, farm submit and Client() talk to
+    the farm of `farm up`, and the commands say so."""
+    monkeypatch.delenv("FARM_BROKER", raising=False)
+    status = farm("status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert f"using the local farm of `farm up` at {farm_up.endpoint}" in status.stderr
+    assert {w["pid"] for w in json.loads(status.stdout)["workers"]} == set(pids(farm_up)[1:])
+    submitted = farm(
+        "submit", str(tmp_path / "digits.npy"), "--model", "lenet", "--quiet",
+        "--out", str(tmp_path / "submitted.npy"),
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    assert "using the local farm of `farm up`" in submitted.stderr
+    np.testing.assert_array_equal(
+        np.load(tmp_path / "submitted.npy"), np.load(tmp_path / "out.npy")
+    )
+    with Client(timeout=10) as client:
+        assert client.broker_choice.found == "local farm"
+        assert client.broker == farm_up.endpoint
+        assert len(client.info()["workers"]) == len(pids(farm_up)) - 1
 
 
 def test_a_farm_with_farm_models_set_is_used(

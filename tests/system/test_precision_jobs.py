@@ -155,7 +155,7 @@ def test_ctrl_c_after_the_gate_cancels_the_job(tmp_path, cache, digits) -> None:
     )
     assert process.stderr is not None
     seen = b""
-    while not re.search(rb" [1-9][0-9]*/[0-9]+ \[", seen):  # the bar: images came back
+    while not re.search(rb"lenet: [1-9][0-9,]*/[0-9,]+ images", seen):  # images came back
         chunk = os.read(process.stderr.fileno(), 4096)
         assert chunk, seen.decode()
         seen += chunk

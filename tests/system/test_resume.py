@@ -97,6 +97,17 @@ def journaled_rows(out: Path) -> int:
 def kill_when(process: subprocess.Popen, ready: Callable[[], bool], folder: Path) -> str:
     """SIGKILL ``process`` once ``ready()`` holds, checked again at each change to a file in
     ``folder`` (where the job writes); its stderr.  Fails if it ended first."""
+    stderr = signal_when(process, ready, folder, signal.SIGKILL)
+    assert process.returncode == -signal.SIGKILL, f"the job ended before the kill:\n{stderr}"
+    return stderr
+
+
+def signal_when(
+    process: subprocess.Popen, ready: Callable[[], bool], folder: Path, signum: int
+) -> str:
+    """Send ``signum`` to ``process`` once ``ready()`` holds, checked again at each change to
+    a file in ``folder``; its stderr once it has ended (TimeoutExpired, and killed, if it
+    runs on for 60 s)."""
     try:
         with INotify() as changes:
             changes.add_watch(folder, flags.CREATE | flags.MODIFY | flags.MOVED_TO)
@@ -111,13 +122,12 @@ def kill_when(process: subprocess.Popen, ready: Callable[[], bool], folder: Path
                     changes.read(timeout=0)
             finally:
                 os.close(exited)
-        process.send_signal(signal.SIGKILL)
-        _, stderr = process.communicate(timeout=30)
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert process.returncode == -signal.SIGKILL, f"the job ended before the kill:\n{stderr}"
     return stderr
 
 
@@ -497,31 +507,36 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def farm_run(images: Path, out: Path, *extra: str) -> list[str]:
+    """``farm run`` of LeNet on one pinned worker, fifo chunks of 100."""
+    return farm_command(
+        "--log-level",
+        "WARNING",
+        "run",
+        str(images),
+        "--model",
+        "lenet",
+        "--out",
+        str(out),
+        "--workers",
+        "1",
+        "--algo",
+        "fifo",
+        "--chunk",
+        "100",
+        *extra,
+    )
+
+
 def test_a_killed_farm_run_leaves_only_its_partial_file(images_file, tmp_path) -> None:
-    """``farm run --out x.npy`` (no journal): killed mid-job, it leaves ``x.npy.partial``;
+    """``farm run --out x.npy`` killed mid-job leaves ``x.npy.partial`` and its journal;
     the earlier ``x.npy`` is as it was."""
     out = tmp_path / "x.npy"
     np.save(out, np.arange(3))
     before = out.read_bytes()
     with open(tmp_path / "run.log", "w") as log:  # not a pipe: the orphans would hold it
         process = subprocess.Popen(
-            farm_command(
-                "--log-level",
-                "WARNING",
-                "run",
-                str(images_file),
-                "--model",
-                "lenet",
-                "--out",
-                str(out),
-                "--quiet",
-                "--workers",
-                "1",
-                "--algo",
-                "fifo",
-                "--chunk",
-                "100",
-            ),
+            farm_run(images_file, out, "--quiet"),
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -541,4 +556,74 @@ def test_a_killed_farm_run_leaves_only_its_partial_file(images_file, tmp_path) -
             os.kill(pid, signal.SIGKILL)
     assert farm, (tmp_path / "run.log").read_text()
     assert out.read_bytes() == before
-    assert partial_path(out).exists() and not journal_path(out).exists()
+    assert partial_path(out).exists() and journal_path(out).exists()
+
+
+def test_an_interrupted_farm_run_resumes_to_a_whole_output(job, images_file, tmp_path) -> None:
+    """Ctrl-C (SIGINT) once the first range is journaled: no file under the final name, its
+    ``.partial`` and journal kept; ``farm run --resume`` submits only the rest, and the
+    output is an uninterrupted run's.  stderr is a file: plain progress lines, no bar."""
+    out = tmp_path / "scores.npy"
+    logs = [tmp_path / "interrupted.log", tmp_path / "resumed.log"]
+    with open(logs[0], "w") as log:
+        process = subprocess.Popen(
+            farm_run(images_file, out), stdout=subprocess.DEVNULL, stderr=log, text=True
+        )
+    signal_when(process, lambda: journaled_items(out) > 0, out.parent, signal.SIGINT)
+    interrupted = logs[0].read_text()
+    assert process.returncode == 130, interrupted
+    kept = journaled_items(out)
+    assert 0 < kept < TOTAL
+    assert not out.exists() and partial_path(out).exists() and journal_path(out).exists()
+    assert (
+        f"of {TOTAL:,} images came back, kept in {partial_path(out)}; the same command "
+        f"with --resume submits the other"
+    ) in interrupted
+
+    refused = run(farm_run(images_file, out))
+    assert refused.returncode == 2, refused.stderr
+    assert "add --resume to finish that job" in refused.stderr
+    assert "starting a local farm" not in refused.stderr, "refused before a farm started"
+
+    with open(logs[1], "w") as log:
+        done = subprocess.run(
+            farm_run(images_file, out, "--resume"),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+    assert done.returncode == 0, logs[1].read_text()
+    assert number(r"([\d,]+) images resumed from", done.stdout) == kept
+    assert_only_the_rest_ran(done.stdout, TOTAL - kept)
+    np.testing.assert_allclose(np.load(out), job[1], atol=1e-5)
+    assert not journal_path(out).exists() and not partial_path(out).exists()
+    for log_file in logs:
+        text = log_file.read_text()
+        assert "\r" not in text, "no progress bar in a file"
+        assert re.search(
+            rf"^lenet: [\d,]+/{TOTAL:,} images \(\d+%\)(, [\d,]+ images?/s)?$", text, re.MULTILINE
+        ), text
+
+
+def test_a_journal_of_rotated_photos_does_not_resume_a_job_that_keeps_stored_pixels(
+    tmp_path: Path,
+) -> None:
+    """No farm: the journal records whether image files were turned upright by their EXIF
+    orientation, and a resume that asks otherwise is refused (its rows would mix both)."""
+    from farm.client.journal import JournalMismatch, JournalSink
+
+    images = np.zeros((10, 1, 2, 2), dtype=np.uint8)
+    identity = InputIdentity.of(ArraySource(images))
+    upright = JournalHeader("squeezenet", identity, None, exif_rotate=True)
+    parsed = JournalHeader.parse(upright.line())
+    assert parsed.exif_rotate is True and not parsed.differences(upright)
+    out = tmp_path / "scores.npy"
+    sink = JournalSink.open(out, upright)
+    sink.write(0, np.ones((5, 3), dtype=np.float32))
+    sink.close()
+    stored = JournalHeader("squeezenet", identity, None, exif_rotate=False)
+    with pytest.raises(JournalMismatch, match="EXIF orientation applied: False here, True in"):
+        JournalSink.open(out, stored)
+    assert JournalSink.open(out, upright).resumed_items().sum() == 5

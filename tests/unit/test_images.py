@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import struct
 import time
 import zlib
@@ -11,13 +12,15 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 
 from farm.engines.images import (
     MAX_PIXELS,
     DecodedBatch,
     ImageDecoder,
     ImageError,
+    orient,
+    read_header,
     resized_size,
     split_files,
 )
@@ -192,15 +195,49 @@ def test_grey_net_equals_opencv_by_hand(tmp_path, lenet):
     )
 
 
-def test_exif_orientation_is_ignored(tmp_path, cifar):
+def exif_photo(tmp_path: Path, orientation: int, fmt: str = "jpg") -> bytes:
+    """A real file of ``photo(40, 64)`` stored with this EXIF orientation."""
     exif = Image.Exif()
-    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
-    data = save(tmp_path, photo(40, 64), "rotated.jpg", quality=95, exif=exif.tobytes())
-    # the test means something: OpenCV's default would turn the image upright (64 x 40)
-    assert cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR).shape == (64, 40, 3)
+    exif[0x0112] = orientation
+    options = {"quality": 95} if fmt == "jpg" else {}
+    return save(tmp_path, photo(40, 64), f"o{orientation}.{fmt}", exif=exif.tobytes(), **options)
+
+
+def test_exif_orientation_turns_the_image_upright_by_default(tmp_path, cifar):
+    data = exif_photo(tmp_path, 6)  # "rotate 90 degrees clockwise to display"
+    upright = cv2.rotate(cv2.imdecode(np.frombuffer(data, np.uint8), COLOUR), 0)  # 64 x 40
+    spec = with_resize(cifar, size=(64, 40))  # no resampling of the upright image's size
+    expected = by_hand(cv2.imencode(".png", upright)[1].tobytes(), COLOUR, (64, 40), (32, 32))
+    np.testing.assert_array_equal(ImageDecoder(spec).decode_one(data)[0], expected)
+    batch = ImageDecoder(spec).decode([data, save(tmp_path, photo(40, 64), "plain.jpg")])
+    assert batch.oriented == 1  # the file without EXIF is not counted
+
+
+def test_exif_orientation_is_ignored_when_asked(tmp_path, cifar):
+    data = exif_photo(tmp_path, 6)
     spec = with_resize(cifar, size=(40, 64))
-    image = ImageDecoder(spec).decode_one(data)
+    image = ImageDecoder(spec).decode_one(data, exif_rotate=False)
     np.testing.assert_array_equal(image[0], by_hand(data, COLOUR, (40, 64), (32, 32)))
+    assert ImageDecoder(spec).decode([data], exif_rotate=False).oriented == 1  # still told
+
+
+@pytest.mark.parametrize("fmt", ["jpg", "png", "webp"])
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientations_match_pillow(tmp_path, orientation, fmt):
+    """Every orientation, in each format that carries EXIF, as Pillow's exif_transpose
+    turns it (PNG and WebP losslessly, so the pixels compare exactly)."""
+    data = exif_photo(tmp_path, orientation, fmt)
+    stored = cv2.imdecode(np.frombuffer(data, np.uint8), COLOUR)
+    width, height, found = read_header(data, {"jpg": "JPEG", "png": "PNG", "webp": "WebP"}[fmt])
+    assert (width, height, found) == (64, 40, orientation)
+    with Image.open(io.BytesIO(data)) as opened:
+        expected = np.asarray(ImageOps.exif_transpose(opened.convert("RGB")))
+    if fmt == "jpg":  # Pillow's and OpenCV's JPEG decoders differ: OpenCV's own turning
+        turned = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+        assert turned.shape[:2] == expected.shape[:2]
+        np.testing.assert_array_equal(orient(stored, orientation), turned)
+    else:
+        np.testing.assert_array_equal(orient(stored, orientation)[..., ::-1], expected)
 
 
 # --- resize and crops ---------------------------------------------------------------------

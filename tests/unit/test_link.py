@@ -10,7 +10,7 @@ import zmq
 
 from farm import messages, protocol
 from farm.client.client import Client
-from farm.link import BrokerLink, LinkConfig
+from farm.link import BrokerLink, LinkConfig, is_ipv6, is_loopback
 from farm.protocol import Command
 
 HEARTBEAT, LIVENESS = 0.02, 2  # the broker counts as lost after 0.04 s of silence
@@ -107,3 +107,40 @@ def test_a_client_dropped_unclosed_is_freed_at_once(silent_broker) -> None:
     del client
     assert dropped() is None
     assert its_link() is None, "a cycle holds the link (and its socket) until a collection"
+
+
+@pytest.mark.parametrize(
+    "endpoint, loopback",
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.0.0.2:5555", True),
+        ("tcp://127.255.0.9:*", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://lo:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://*:5555", False),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://10.0.0.1:5555", False),
+        ("tcp://[::]:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://128.0.0.1:5555", False),
+        ("ipc:///tmp/farm", False),
+    ],
+)
+def test_loopback_endpoints_are_told_apart(endpoint: str, loopback: bool) -> None:
+    assert is_loopback(endpoint) is loopback
+
+
+def test_the_unencrypted_warning_skips_loopback_binds(capsys) -> None:
+    from farm.cli.broker import warn_if_exposed
+
+    for bind in ("tcp://127.0.0.2:5555", "tcp://lo:5555", "tcp://[::1]:5555"):
+        warn_if_exposed(bind, None)
+    assert capsys.readouterr().err == ""
+    warn_if_exposed("tcp://0.0.0.0:5555", None)
+    assert "reachable from other machines and --curve is off" in capsys.readouterr().err
+
+
+def test_ipv6_endpoints_get_an_ipv6_socket() -> None:
+    assert is_ipv6("tcp://[::1]:5555") and is_ipv6("tcp://[fe80::1%lo]:5555")
+    assert not is_ipv6("tcp://127.0.0.1:5555") and not is_ipv6("ipc:///tmp/x:y")
