@@ -308,8 +308,9 @@ class Broker:
             self.state.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
             job = job_of(message.header) if message else None
-            registration = message is not None and message.command is Command.READY
-            self.send(identity, messages.Error(error=str(exc), job=job, registration=registration))
+            self.send(
+                identity, messages.Error(error=str(exc), job=job, registration=is_ready(body))
+            )
         except Exception:  # a bug must not take the farm down; log it and keep serving
             log.exception("error handling a message from %s", identity.hex())
 
@@ -331,11 +332,13 @@ class Broker:
         entry = self.state.workers.get(identity)
         if entry is None or self.state.places[entry.place] < 2:
             return
-        others = [
+        others = [  # its own earlier entry (a reconnect whose goodbye was lost) is no other
             other.name
             for other in self.state.workers.values()
-            if other.place == entry.place and other is not entry
+            if other.place == entry.place and (other.host, other.pid) != (entry.host, entry.pid)
         ]
+        if not others:
+            return
         log.warning(
             "worker %s runs on %s of host %s, which %s serve%s already: they compete for "
             "it; give each worker a device of its own (--device cpu:N)",
@@ -472,8 +475,12 @@ class Broker:
         (``device_shared_by``: 1 when it has the device to itself)."""
         now = self.clock()
         described = self.state.describe(now)
+        processes: dict[str, set[tuple[str, int]]] = {}  # place -> its workers' processes
         for worker in described["workers"]:
-            worker["device_shared_by"] = self.state.places[f"{worker['host']}/{worker['device']}"]
+            place = f"{worker['host']}/{worker['device']}"
+            processes.setdefault(place, set()).add((worker["host"], worker["pid"]))
+        for worker in described["workers"]:
+            worker["device_shared_by"] = len(processes[f"{worker['host']}/{worker['device']}"])
         return {
             "endpoint": self.endpoint,
             "uptime_s": now - self.started_at,
@@ -524,6 +531,15 @@ class Refusals:
         return f"handshake failed ({zmq.Event(event).name}, {value:#x})" + (
             ": does the peer's broker.key match this broker's key pair?" if self.curve else ""
         )
+
+
+def is_ready(body: list[Any]) -> bool:
+    """Whether a message is a READY of this protocol version, decodable or not: refusing
+    it refuses the worker's registration (``Error.registration``), and the worker exits."""
+    if len(body) < 2:
+        return False
+    signature, command = memoryview(body[0]), memoryview(body[1])  # no copy of a huge frame
+    return signature == protocol.SIGNATURE and command == Command.READY.value
 
 
 def mapped(path: Path) -> Any:

@@ -86,6 +86,7 @@ def gated_precision(
     min_agreement: float,
     backend: str | None = None,
     labels: np.ndarray | None = None,
+    exif_rotate: bool = True,
 ) -> tuple[str | None, str | None]:
     """The precision a job asks for, and the line its summary ends with: ``auto``
     resolved by the precision gate on ``backend`` with the ``--validate`` images (else the
@@ -112,13 +113,13 @@ def gated_precision(
     labels = None if validate or labels is None else labels[:count]
 
     def decoded() -> tuple[np.ndarray, np.ndarray | None]:
-        sample = first_images(validation, spec, count, label)
+        sample = first_images(validation, spec, count, label, exif_rotate)
         click.echo(f"validation: {sample.describe()}", err=True)
         kept = None if labels is None else labels[sample.kept]
         return sample.images, kept
 
     try:
-        key = input_key(validation, count, labels)
+        key = input_key(validation, count, labels, exif_rotate)
         gate = judge_input(spec, key, decoded, min_agreement / 100, backend or "auto")
     except (InputError, ModelError, OSError) as exc:
         raise click.ClickException(f"--precision auto: {exc}") from exc
@@ -546,24 +547,21 @@ def job_sink(
     ``Client.run``); whatever it opens is closed after the job."""
     from farm.client.answers import AnswerSink, open_writer
     from farm.client.client import ArraySink
-    from farm.client.inputs import FileSource
-    from farm.client.journal import InputIdentity, Journaled, JournalHeader
+    from farm.client.journal import Journaled, JournalHeader
     from farm.client.npy import NpyWriter, partial_path, publish
 
     partial = partial_path(out) if out else None
-    identity = JournalHeader(
-        model,
-        InputIdentity.of(source),
-        engine,
-        exif_rotate=exif_rotate if isinstance(source, FileSource) else None,
-    )
+
+    def job() -> JournalHeader:  # the input is hashed only for a journal
+        return JournalHeader.of_job(model, source, engine, exif_rotate)
+
     if answers is not None:
         card = answers.card or client.model_card(model)
         k, cut = card.top_k(answers.k)
         if cut:
             click.echo(cut, err=True)
         sink = (
-            answers_journal(out, identity, k, card, source.names)
+            answers_journal(out, job(), k, card, source.names)
             if out and journal
             else AnswerSink(k, card, open_writer(out, card, k, partial), source.names)
         )
@@ -577,7 +575,7 @@ def job_sink(
             publish(partial, Path(out))
             output.written = True
     elif out and journal:
-        journaled = npy_journal(out, identity, nan_shape)
+        journaled = npy_journal(out, job(), nan_shape)
         output = JobOutput({"out": journaled}, journaled=journaled)
         try:
             yield output  # Client.run renames it, unless held

@@ -189,7 +189,14 @@ def run(
     stop_on_hangup()
     params = policy_params(algo, options)
     gated, gate_summary = gated_precision(
-        precision, spec, source, validate, min_agreement, backend, sample_labels(labels, repeat)
+        precision,
+        spec,
+        source,
+        validate,
+        min_agreement,
+        backend,
+        sample_labels(labels, repeat),
+        exif_rotate=not no_exif_rotate,
     )
     precision = gated or precision
     if precision == "int8":

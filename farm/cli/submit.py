@@ -180,6 +180,7 @@ def submit(
         validate,
         min_agreement,
         backend,
+        exif_rotate=not no_exif_rotate,
     )
     run_job(
         broker,

@@ -60,7 +60,6 @@ from farm.client.inputs import (
     unshareable,
 )
 from farm.client.journal import (
-    InputIdentity,
     Journaled,
     JournalHeader,
     JournalMismatch,
@@ -615,7 +614,7 @@ class Client:
             shared = False
         guard = guard_output(out, resume, source)
         try:
-            sink = self._open_sink(out, resume, source, model, engine)
+            sink = self._open_sink(out, resume, source, model, engine, exif_rotate)
         except BaseException:
             guard.close()
             raise
@@ -646,10 +645,11 @@ class Client:
         source: Source,
         model: str,
         engine: tuple[str, str] | None,
+        exif_rotate: bool,
     ) -> ResultSink:
         """Where the outputs go: ``out``, a journaled file (``resume``), else memory."""
         if resume is not None:
-            header = JournalHeader(model, InputIdentity.of(source), engine)
+            header = JournalHeader.of_job(model, source, engine, exif_rotate)
             try:
                 return JournalSink.open(resume, header)
             except JournalMismatch as exc:

@@ -76,7 +76,14 @@ class OutputIsInput(ValueError):
 
 
 class OutputBusy(ValueError):
-    """Another job holds the output's lock: it is writing that file now."""
+    """Another job holds the output's lock: it is writing that file now (``named``: the
+    lock file names its process)."""
+
+    named: bool = False
+
+
+#: Looks again, and seconds between them, at a lock held by no named process.
+UNNAMED_RETRIES, UNNAMED_WAIT = 20, 0.005
 
 
 def lock_path(out: str | os.PathLike[str]) -> Path:
@@ -100,6 +107,17 @@ def input_files(source: Source) -> Iterator[tuple[Path, os.stat_result | int]]:
         yield from zip(source.paths, source.sizes.tolist())
     elif isinstance(source.images, NpyReader) and source.images.fd >= 0:
         yield source.images.path, os.fstat(source.images.fd)
+    elif (mapped := memory_mapped_file(source.images)) is not None:
+        yield mapped, -1  # np.load(..., mmap_mode=...): the file under the array
+
+
+def memory_mapped_file(images: object) -> Path | None:
+    """The file an array maps (``np.memmap``, or a view of one), if it maps one."""
+    while isinstance(images, np.ndarray):
+        if isinstance(images, np.memmap) and images.filename:
+            return Path(images.filename)
+        images = images.base
+    return None
 
 
 def check_not_input(
@@ -146,6 +164,8 @@ def output_lock(out: str | os.PathLike[str]) -> Iterator[None]:
     nothing.  The lock file holds that process's id and host; it is removed at the end (a
     killed job's stays, unlocked: the next job takes it over)."""
     path = lock_path(out)
+    unnamed = 0  # refusals by a holder that names no process: a look (check_free), or a
+    # job between its lock and its pid: both last microseconds, so look again
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -153,7 +173,11 @@ def output_lock(out: str | os.PathLike[str]) -> Iterator[None]:
         except BlockingIOError:
             busy = held_by(fd, out)
             os.close(fd)
-            raise busy from None
+            if busy.named or unnamed >= UNNAMED_RETRIES:
+                raise busy from None
+            unnamed += 1
+            time.sleep(UNNAMED_WAIT)
+            continue
         except BaseException:
             os.close(fd)
             raise
@@ -188,10 +212,12 @@ def held_by(fd: int, out: str | os.PathLike[str]) -> OutputBusy:
     file names it yet."""
     holder = os.pread(fd, 200, 0).decode(errors="replace").split()
     by = f" (pid {holder[0]} on {holder[1]})" if len(holder) == 2 else ""
-    return OutputBusy(
+    busy = OutputBusy(
         f"another job{by} is writing {out} now: wait for it to end, or write the outputs "
         f"to another file"
     )
+    busy.named = bool(by)
+    return busy
 
 
 def same_file(fd: int, path: Path) -> bool:
@@ -233,6 +259,16 @@ class JournalHeader:
     format: str = "npy"  # the output file's: npy, or answers as csv or jsonl
     top_k: int | None = None  # classes per answer (answers files only)
     exif_rotate: bool | None = None  # image files: turned upright by EXIF; None: arrays
+
+    @classmethod
+    def of_job(
+        cls, model: str, source: Source, engine: tuple[str, str] | None, exif_rotate: bool
+    ) -> JournalHeader:
+        """The header of a job on ``source``: ``exif_rotate`` counts for image files only."""
+        from farm.client.inputs import FileSource
+
+        rotate = exif_rotate if isinstance(source, FileSource) else None
+        return cls(model, InputIdentity.of(source), engine, exif_rotate=rotate)
 
     def line(self) -> bytes:
         document = {

@@ -14,6 +14,7 @@ import numpy as np
 from farm.client.inputs import ArraySource, FileSource, InputError, Source, open_input
 from farm.engines.images import ImageDecoder
 from farm.modelrepo.repository import ModelSpec
+from farm.shapes import fitted_shape
 
 
 @dataclass
@@ -37,10 +38,15 @@ def sample_of(arguments: Sequence[str], spec: ModelSpec, count: int) -> Sample:
     return first_images(open_input(arguments), spec, count, " ".join(arguments))
 
 
-def input_key(source: Source, count: int, labels: np.ndarray | None = None) -> str:
+def input_key(
+    source: Source, count: int, labels: np.ndarray | None = None, exif_rotate: bool = True
+) -> str:
     """What names the first ``count`` images of ``source`` without decoding them: each
-    file's path, size and modification time, or an array's rows (and the labels)."""
+    file's path, size and modification time (and whether EXIF turns them), or an array's
+    rows (and the labels)."""
     hasher = hashlib.sha256(f"{count}".encode())
+    if not exif_rotate and isinstance(source, FileSource):
+        hasher.update(b"stored pixels\n")
     if isinstance(source, ArraySource):
         hasher.update(np.ascontiguousarray(source.read(0, min(count, len(source)))).data)
     else:
@@ -55,12 +61,15 @@ def input_key(source: Source, count: int, labels: np.ndarray | None = None) -> s
     return hasher.hexdigest()
 
 
-def first_images(source: Source, spec: ModelSpec, count: int, label: str) -> Sample:
-    """The first ``count`` images of a job's ``source``, as the workers will see them."""
+def first_images(
+    source: Source, spec: ModelSpec, count: int, label: str, exif_rotate: bool = True
+) -> Sample:
+    """The first ``count`` images of a job's ``source``, as the workers will see them
+    (image files turned upright by their EXIF orientation unless ``exif_rotate`` is off)."""
     if isinstance(source, ArraySource):
         images = array_images(source, spec, count)
         return Sample(images, label, [], np.arange(len(images)))
-    return decoded_files(source, spec, count, label)
+    return decoded_files(source, spec, count, label, exif_rotate)
 
 
 def array_images(source: ArraySource, spec: ModelSpec, count: int) -> np.ndarray:
@@ -69,20 +78,24 @@ def array_images(source: ArraySource, spec: ModelSpec, count: int) -> np.ndarray
             f"{source.label}: lower precisions are calibrated and checked on uint8 images, "
             f"not {source.wire.name}"
         )
-    if source.item_shape != tuple(spec.item_shape):
+    fitted = fitted_shape(tuple(spec.item_shape), spec.preprocess.layout, source.item_shape)
+    if fitted is None:
         raise InputError(
             f"{source.label}: images of shape {source.item_shape}, the model "
             f"{spec.name!r} takes {tuple(spec.item_shape)}"
         )
-    return source.read(0, min(count, len(source)))
+    images = source.read(0, min(count, len(source)))
+    return images.reshape(len(images), *fitted)  # 1-channel: the same bytes, its layout
 
 
-def decoded_files(source: FileSource, spec: ModelSpec, count: int, label: str) -> Sample:
+def decoded_files(
+    source: FileSource, spec: ModelSpec, count: int, label: str, exif_rotate: bool = True
+) -> Sample:
     """The first ``count`` image files decoded, in order; a file that fails is left out,
     with its reason."""
     decoder = ImageDecoder(spec)
     indices = range(min(count, len(source)))
-    batch = decoder.decode([source.read_file(index) for index in indices])
+    batch = decoder.decode([source.read_file(index) for index in indices], exif_rotate)
     skipped = [
         f"{source.paths[index]}: {source.problems.get(index) or reason}"
         for index, reason in batch.failures

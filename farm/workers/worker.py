@@ -375,10 +375,17 @@ class Worker:
             engine.spec.name: messages.ModelFacts(input_shape=engine.spec.item_shape)
             for engine in list(self.engines.values())
         }
-        models.update(
-            (name, messages.ModelFacts(input_shape=spec.item_shape))
-            for name, spec in self.local_models().items()
-        )
+        local = self.local_models()
+        for name, spec in local.items():
+            if len(models) < messages.MAX_MAP or name in models:  # a READY names at most 64
+                models[name] = messages.ModelFacts(input_shape=spec.item_shape)
+        if len(models) < len(local.keys() | models.keys()):
+            log.warning(
+                "this host has %d models; a READY names at most %d: the others are not "
+                "advertised (jobs for them still run: the broker sends their files)",
+                len(local.keys() | models.keys()),
+                messages.MAX_MAP,
+            )
         return messages.Ready(
             device=str(self.config.device),
             host=socket.gethostname(),

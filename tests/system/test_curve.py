@@ -62,7 +62,7 @@ def test_the_broker_logs_the_handshakes_it_refuses_and_the_workers_exit(
     tmp_path, keys, strangers
 ) -> None:
     """A worker without keys, or with keys the broker does not know, exits 1 with the
-    reason; the broker logs each refusal."""
+    reason; the broker logs the refused key."""
     log = tmp_path / "broker.log"
     with logged_broker(log, "--curve", str(keys)) as (broker, endpoint):
         for folder in (None, strangers):
@@ -83,8 +83,10 @@ def test_the_broker_logs_the_handshakes_it_refuses_and_the_workers_exit(
             assert (
                 "refused key 'worker'" if folder else "the broker uses CURVE: give --curve"
             ) in worker.stderr
-        logged = await_text(log, "a CURVE key that is not in", broker)
-    assert "refused a connection: a peer without CURVE keys" in logged
+        await_text(log, "refused a connection: a CURVE key that is not in", broker)
+    # not asserted: "a peer without CURVE keys". The keyless worker sees the mismatch and
+    # hangs up at once; when that reset reaches the broker before it has read the worker's
+    # greeting (a loaded machine), Linux drops the greeting and libzmq reports nothing
 
 
 def test_a_client_with_an_unknown_key_is_told_it_was_refused(curve_farm, strangers, digits) -> None:

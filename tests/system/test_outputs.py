@@ -132,14 +132,18 @@ def test_run_refuses_its_input_as_out_before_starting_a_farm(images) -> None:
 
 
 def test_the_python_client_refuses_its_input_as_output(images, digits) -> None:
-    """``resume=`` and an ``NpyWriter``: OutputRefused before a broker is asked (none
-    listens there), the input whole."""
+    """``resume=`` and an ``NpyWriter``, on a reader or a memory-mapped array:
+    OutputRefused before a broker is asked (none listens there), the input whole."""
     before = images.read_bytes()
     with Client("tcp://127.0.0.1:9", timeout=5) as client:
         with pytest.raises(OutputRefused, match="is the job's input"):
             client.run(NpyReader.open(images), "lenet", resume=images)
         with pytest.raises(OutputRefused, match="is the job's input"):
             client.run(NpyReader.open(images), "lenet", out=NpyWriter(images, 200))
+        mapped = np.load(images, mmap_mode="r")  # a memory map, and a view of one
+        for array in (mapped, mapped[10:20]):
+            with pytest.raises(OutputRefused, match="is the job's input"):
+                client.run(array, "lenet", resume=images)
     assert images.read_bytes() == before
     assert not partial_path(images).exists() and not lock_path(images).exists()
 

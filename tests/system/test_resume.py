@@ -627,3 +627,17 @@ def test_a_journal_of_rotated_photos_does_not_resume_a_job_that_keeps_stored_pix
     with pytest.raises(JournalMismatch, match="EXIF orientation applied: False here, True in"):
         JournalSink.open(out, stored)
     assert JournalSink.open(out, upright).resumed_items().sum() == 5
+
+
+def test_the_exif_choice_is_journaled_for_image_files_only(tmp_path: Path) -> None:
+    """The CLI and the Python client build the journal header alike: the EXIF choice
+    counts for image files, and arrays journal none."""
+    from farm.client.inputs import open_input
+
+    photo = tmp_path / "one.png"
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)  # hashed, never decoded here
+    files = open_input([str(photo)])
+    assert JournalHeader.of_job("m", files, None, False).exif_rotate is False
+    assert JournalHeader.of_job("m", files, None, True).exif_rotate is True
+    array = ArraySource(np.zeros((3, 1, 2, 2), dtype=np.uint8))
+    assert JournalHeader.of_job("m", array, None, False).exif_rotate is None

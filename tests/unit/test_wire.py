@@ -3,6 +3,8 @@ headers, and a chunk's input and outputs are checked against the attempt the sta
 
 from __future__ import annotations
 
+import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -169,3 +171,26 @@ def test_a_ready_becomes_worker_facts_and_bad_models_are_refused() -> None:
                 models={"huge": messages.ModelFacts(input_shape=(1 << 20, 1 << 20))},
             )
         )
+
+
+def test_a_ready_refused_even_undecodable_is_marked_a_refused_registration() -> None:
+    """A worker exits only on a refused READY (``Error.registration``); a READY whose
+    header does not decode (65 models: a READY names at most 64) is refused as one."""
+    import zmq
+
+    from farm.broker.broker import is_ready
+
+    limit = messages.MAX_MAP
+    models = {f"m{i}": messages.ModelFacts(input_shape=(1, 2, 2)) for i in range(limit)}
+    header = msgspec.to_builtins(
+        messages.Ready(device="cpu:0", host="h", pid=7, backend="auto", models=models, slots=2)
+    )
+    header["models"][f"m{limit}"] = {"input_shape": [1, 2, 2]}
+    ready = [protocol.SIGNATURE, Command.READY.value, msgpack.packb(header)]
+    with pytest.raises(protocol.ProtocolError, match=f"length <= {limit}"):
+        protocol.decode(ready)
+    assert is_ready([zmq.Frame(frame) for frame in ready])
+    heartbeat = protocol.encode(Command.HEARTBEAT, messages.Heartbeat())
+    assert not is_ready([zmq.Frame(bytes(frame)) for frame in heartbeat])
+    older = [b"FARM07", Command.READY.value, b"\x80"]
+    assert not is_ready([zmq.Frame(frame) for frame in older])
