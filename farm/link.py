@@ -13,6 +13,7 @@ silent each new try waits twice as long as the one before, up to a cap.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import math
 import time
@@ -108,6 +109,10 @@ class BrokerRefused(ValueError):
 REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
+#: Numbers for the handshake monitors' inproc addresses: one per socket ever monitored.
+MONITOR_NUMBERS = itertools.count()
+
+
 class Handshakes:
     """Watches a link's socket: a broker that refuses its handshake is an error, not a hang.
 
@@ -119,7 +124,11 @@ class Handshakes:
 
     def __init__(self, socket: zmq.Socket, name: str | None) -> None:
         self.socket, self.name = socket, name
-        self.monitor = socket.get_monitor_socket(REFUSED)
+        # an address of its own: pyzmq's default names it after the socket's file descriptor,
+        # which the next socket of a reconnect may reuse while libzmq still holds the old
+        # monitor's endpoint (binding it again can fail or hang: libzmq#1315)
+        address = f"inproc://farm-handshakes-{next(MONITOR_NUMBERS)}"
+        self.monitor = socket.get_monitor_socket(REFUSED, address)
 
     def failure(self) -> str | None:
         """Why the broker refused us, if a handshake failed since the last call."""
