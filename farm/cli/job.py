@@ -324,16 +324,28 @@ def check_output(
     among the files written there, another job writing it, or (``resume`` False: a
     journaled output without ``--resume``) an unfinished job's journal.  A look, held by
     nothing: ``guarded_output`` checks again and holds the lock for the job."""
-    from farm.client.journal import OutputBusy, OutputIsInput, check_free, check_not_input
+    from farm.client.journal import OutputBusy, check_free
+
+    refuse_input(out, source, inputs)
+    try:
+        check_free(out)
+    except OutputBusy as exc:
+        raise Refused(str(exc)) from exc
+    if resume is False:
+        check_journal(out, resume)
+
+
+def refuse_input(out: str, source: Source, inputs: tuple[str, ...]) -> None:
+    """Refused if ``out``, or a file written beside it, is one of the job's inputs (its
+    files, or the list files named on the command line); ClickException if ``out``'s
+    folder cannot be written."""
+    from farm.client.journal import OutputIsInput, check_not_input
 
     writable(out)
     try:
         check_not_input(out, source, [arg for arg in inputs if os.path.isfile(arg)])
-        check_free(out)
-    except (OutputIsInput, OutputBusy) as exc:
+    except OutputIsInput as exc:
         raise Refused(str(exc)) from exc
-    if resume is False:
-        check_journal(out, resume)
 
 
 def writable(out: str) -> None:
@@ -348,12 +360,12 @@ def writable(out: str) -> None:
 def guarded_output(
     out: str, source: Source, inputs: tuple[str, ...] = (), resume: bool | None = None
 ) -> Iterator[None]:
-    """``out`` checked (``check_output``) and locked while the job writes it: Refused (exit
+    """``out`` checked (``refuse_input``) and locked while the job writes it: Refused (exit
     status 2), nothing written, if it is an input or another job holds it.  ``resume`` (a
     journaled output): ``check_journal`` then."""
     from farm.client.journal import OutputBusy, output_lock
 
-    check_output(out, source, inputs)
+    refuse_input(out, source, inputs)
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(output_lock(out))

@@ -49,6 +49,13 @@ def farm_submit(endpoint: str, *arguments: str) -> list[str]:
     return farm_command("submit", *arguments, "--model", "lenet", "--broker", endpoint)
 
 
+def submitted(endpoint: str, *arguments: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """A `farm submit` of LeNet run to its end: status, stdout and stderr."""
+    return subprocess.run(
+        farm_submit(endpoint, *arguments), capture_output=True, text=True, timeout=timeout
+    )
+
+
 def invoke(*arguments: str) -> click.testing.Result:
     """``farm ARGUMENTS`` in this process (a refusal comes before any broker is asked)."""
     return CliRunner().invoke(main, list(arguments))
@@ -67,12 +74,7 @@ def test_submit_refuses_an_out_that_is_its_input(images) -> None:
     """The issue's command, as a real process: exit status 2, the input as it was, no file
     written beside it."""
     before = folder_state(images.parent)
-    done = subprocess.run(
-        farm_submit("tcp://127.0.0.1:9", str(images), "--out", str(images)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = submitted("tcp://127.0.0.1:9", str(images), "--out", str(images), timeout=60)
     assert done.returncode == 2, done.stderr
     assert f"Error: {images} is the job's input: the outputs written there would destroy it" in (
         done.stderr
@@ -170,11 +172,8 @@ def test_a_second_job_on_the_same_out_is_refused_while_the_first_writes_it(
             assert first.poll() is None, first.communicate()
         before = folder_state(tmp_path)
         for extra in ([], ["--resume"]):
-            second = subprocess.run(
-                farm_submit(farm_alone.endpoint, str(images), "--out", str(out), *extra),
-                capture_output=True,
-                text=True,
-                timeout=60,
+            second = submitted(
+                farm_alone.endpoint, str(images), "--out", str(out), *extra, timeout=60
             )
             assert second.returncode == 2, second.stderr
             assert (
@@ -196,24 +195,14 @@ def test_a_second_job_on_the_same_out_is_refused_while_the_first_writes_it(
 
 
 def test_an_npy_job_without_out_says_its_outputs_are_not_kept(farm_two_workers, images) -> None:
-    done = subprocess.run(
-        farm_submit(farm_two_workers.endpoint, str(images), "--quiet"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = submitted(farm_two_workers.endpoint, str(images), "--quiet")
     assert done.returncode == 0, done.stderr
     assert (
         f"{images}: no --out, so the outputs are not kept (only the summary is shown): add "
         f"--out scores.npy to write them, or --top-k 1 to print each image's top class"
     ) in done.stderr
     assert "200 images in" in done.stdout
-    kept = subprocess.run(
-        farm_submit(farm_two_workers.endpoint, str(images), "--quiet", "--top-k", "1"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    kept = submitted(farm_two_workers.endpoint, str(images), "--quiet", "--top-k", "1")
     assert kept.returncode == 0, kept.stderr
     assert "not kept" not in kept.stderr
     assert re.search(r"^199: \d ", kept.stdout, re.MULTILINE), kept.stdout
@@ -300,12 +289,7 @@ def test_counts_of_one_are_singular(farm_two_workers, digits, tmp_path) -> None:
 
     image, out = tmp_path / "one.npy", tmp_path / "one.csv"
     np.save(image, digits[:1])
-    done = subprocess.run(
-        farm_submit(farm_two_workers.endpoint, str(image), "--out", str(out), "--quiet"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = submitted(farm_two_workers.endpoint, str(image), "--out", str(out), "--quiet")
     assert done.returncode == 0, done.stderr
     assert f"answers for 1 image written to {out}" in done.stdout
     assert re.search(r"^1 image in [\d.]+ s: ", done.stdout, re.MULTILINE), done.stdout
