@@ -112,6 +112,12 @@ REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 #: Numbers for the handshake monitors' inproc addresses: one per socket ever monitored.
 MONITOR_NUMBERS = itertools.count()
 
+#: Handshakes in a row that the broker ends without a word before a peer gives up.  A broker
+#: that speaks CURVE to a plain-text peer (or the reverse) either says why (a protocol
+#: error) or, when its side notices first, just closes: libzmq then connects again, and
+#: again, each try with the same chance of ending either way.
+SILENT_REFUSALS = 3
+
 
 class Handshakes:
     """Watches a link's socket: a broker that refuses its handshake is an error, not a hang.
@@ -122,25 +128,50 @@ class Handshakes:
     plain text).
     """
 
+    EVENTS = REFUSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED
+
     def __init__(self, socket: zmq.Socket, name: str | None) -> None:
         self.socket, self.name = socket, name
+        self.silent = 0  # handshakes in a row the broker ended without a reason
         # an address of its own: pyzmq's default names it after the socket's file descriptor,
         # which the next socket of a reconnect may reuse while libzmq still holds the old
         # monitor's endpoint (binding it again can fail or hang: libzmq#1315)
         address = f"inproc://farm-handshakes-{next(MONITOR_NUMBERS)}"
-        self.monitor = socket.get_monitor_socket(REFUSED, address)
+        self.monitor = socket.get_monitor_socket(self.EVENTS, address)
 
     def failure(self) -> str | None:
-        """Why the broker refused us, if a handshake failed since the last call."""
+        """Why the broker refused us, if a handshake failed since the last call (or
+        ``SILENT_REFUSALS`` in a row ended without a reason)."""
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             if event["event"] & REFUSED:
                 return handshake_failure(event["event"], event["value"], self.name)
+            if event["event"] & zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.silent = 0
+            elif event["event"] & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self.silent += 1
+                if self.silent >= SILENT_REFUSALS:
+                    return silent_refusal(self.silent, self.name)
         return None
 
     def close(self) -> None:
         self.socket.disable_monitor()
         self.monitor.close(linger=0)
+
+
+def silent_refusal(count: int, name: str | None) -> str:
+    """What ``count`` handshakes in a row that the broker closed without a reason most
+    likely mean, for a peer connecting as CURVE key ``name`` (None: plain text)."""
+    closed = f"the broker closed {count} handshakes in a row without a reason: "
+    if name is None:
+        return closed + (
+            "it most likely uses CURVE: give --curve with a `farm keys` folder (or the "
+            "address is not a farm broker's)"
+        )
+    return closed + (
+        "it most likely does not use CURVE (started without --curve), or does not allow "
+        f"key {name!r} (or the address is not a farm broker's)"
+    )
 
 
 def handshake_failure(event: int, value: int, name: str | None) -> str:

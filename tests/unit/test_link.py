@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -9,8 +11,8 @@ import pytest
 import zmq
 
 from farm import messages, protocol
-from farm.client.client import Client
-from farm.link import BrokerLink, LinkConfig, is_ipv6, is_loopback
+from farm.client.client import Client, FarmError
+from farm.link import SILENT_REFUSALS, BrokerLink, LinkConfig, is_ipv6, is_loopback
 from farm.protocol import Command
 
 HEARTBEAT, LIVENESS = 0.02, 2  # the broker counts as lost after 0.04 s of silence
@@ -144,3 +146,32 @@ def test_the_unencrypted_warning_skips_loopback_binds(capsys) -> None:
 def test_ipv6_endpoints_get_an_ipv6_socket() -> None:
     assert is_ipv6("tcp://[::1]:5555") and is_ipv6("tcp://[fe80::1%lo]:5555")
     assert not is_ipv6("tcp://127.0.0.1:5555") and not is_ipv6("ipc:///tmp/x:y")
+
+
+@pytest.fixture
+def hanging_up_listener() -> Iterator[str]:
+    """A TCP listener that closes every connection as soon as it accepts it: to a ZeroMQ
+    peer, a handshake ended without a reason, as a CURVE broker's is when its own side
+    notices a plain-text peer first."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    closer = threading.Thread(target=close_every_connection, args=(listener,), daemon=True)
+    closer.start()
+    yield f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+
+
+def close_every_connection(listener: socket.socket) -> None:
+    while True:
+        try:
+            connection, _ = listener.accept()
+        except OSError:
+            return  # the listener was closed
+        connection.close()
+
+
+def test_handshakes_ended_without_a_reason_are_an_error_not_a_hang(
+    hanging_up_listener: str,
+) -> None:
+    with Client(hanging_up_listener, timeout=60.0) as client:
+        with pytest.raises(FarmError, match=f"closed {SILENT_REFUSALS} handshakes in a row"):
+            client.info()
