@@ -40,11 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-from farm import protocol
-from farm.bench.common import machine, saved, status_kib
+from farm.benchsuite.common import machine, saved, status_kib
 from farm.client.npy import NpyReader, NpyWriter
 from farm.modelrepo.repository import find
 from farm.ops.local import LocalFarm, cores, farm_command
+from farm.wire import protocol
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 #: Images written per block when making the input.

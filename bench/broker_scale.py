@@ -11,7 +11,7 @@ Part 2 starts a real broker (``farm broker``) and drives it over loopback with
 protocol-level fake workers and a fake client that answer at once (no model runs),
 and prints chunks/s and the broker process's CPU per chunk: for a job whose client sends
 the items (NEED, DATA, TASK, RESULT in, RESULT out: five messages a chunk) and for one
-whose workers read them from shared storage (``farm.storage``: TASK, RESULT in, RESULT
+whose workers read them from shared storage (``farm.wire.storage``: TASK, RESULT in, RESULT
 out), with the broker's bytes of input per image for each.
 
     python bench/broker_scale.py                  # both parts, about 20 minutes
@@ -127,9 +127,9 @@ def fake_farm(
     import numpy as np
     import zmq
 
-    from farm import messages, protocol
-    from farm.link import limit_socket
-    from farm.protocol import Command
+    from farm.wire import messages, protocol
+    from farm.wire.link import limit_socket
+    from farm.wire.protocol import Command
 
     context = zmq.Context()
     poller = zmq.Poller()
@@ -256,9 +256,9 @@ def bare_broker(endpoint: str) -> None:
     import msgspec
     import zmq
 
-    from farm import protocol
-    from farm.link import limit_socket
-    from farm.protocol import Command
+    from farm.wire import protocol
+    from farm.wire.link import limit_socket
+    from farm.wire.protocol import Command
 
     def frames(command: Command, header: dict, payload: list | tuple = ()) -> list:
         return [protocol.SIGNATURE, command.value, msgspec.msgpack.encode(header), *payload]

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from faults import ChaosConfig, keep_or_remove, run_poison, run_resume, run_seed
 
-from farm.bench.common import machine, saved
+from farm.benchsuite.common import machine, saved
 
 
 def interval(text: str) -> tuple[float, float]:

@@ -56,21 +56,21 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from farm.bench.measure import (
+from farm.benchsuite.measure import (
     BROKER_OPTIONS,
     Configuration,
     in_fresh_process,
     paper_configurations,
     timed_job,
 )
-from farm.bench.setups import describe_machine, make_images
+from farm.benchsuite.setups import describe_machine, make_images
 from farm.client.client import FarmError
 from farm.client.report import analyse
 from farm.client.trace import Trace, idle_share
 from farm.engines.tolerances import relative_difference
 from farm.modelrepo.repository import find
 from farm.ops.local import LocalFarm, cores
-from farm.protocol import MAX_TASK_BYTES
+from farm.wire.protocol import MAX_TASK_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Where googlenet (and the other public nets) are found, for this process and its children.

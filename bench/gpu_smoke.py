@@ -44,8 +44,8 @@ import gpu
 import numpy as np
 
 from farm import defaults
-from farm.bench.measure import Configuration, timed_job
-from farm.bench.setups import make_images, package_version
+from farm.benchsuite.measure import Configuration, timed_job
+from farm.benchsuite.setups import make_images, package_version
 from farm.engines.autoselect import NOT_INSTALLED
 from farm.ops.local import cores
 

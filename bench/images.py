@@ -27,7 +27,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from farm.bench.common import machine, saved, shared_squeezenet
+from farm.benchsuite.common import machine, saved, shared_squeezenet
 from farm.client.client import Client
 from farm.client.inputs import find_image_files
 from farm.client.npy import NpyReader

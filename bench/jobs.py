@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from farm import defaults
-from farm.bench.common import Tee, machine
+from farm.benchsuite.common import Tee, machine
 from farm.client.client import JobResult
 from farm.modelrepo.repository import find
 from farm.ops.local import LocalFarm, cores

@@ -68,7 +68,7 @@ def images_for(model: str, count: int) -> np.ndarray:
 
 def sweep(model: str, backend: str, device: str) -> dict[int, float]:
     """In this (pinned) process: batch -> images/s, best of two runs each."""
-    from farm.bench.measure import engine_rates
+    from farm.benchsuite.measure import engine_rates
 
     return dict(
         engine_rates(

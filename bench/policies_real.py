@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from farm.bench.measure import paper_configurations
+from farm.benchsuite.measure import paper_configurations
 from farm.modelrepo.repository import find
 from farm.ops.local import LocalFarm, cores, policy_arguments
 from farm.policies import POLICIES

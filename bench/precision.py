@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from farm.bench.common import cpu_line, machine, saved, shared_squeezenet
-from farm.bench.photos import crops
+from farm.benchsuite.common import cpu_line, machine, saved, shared_squeezenet
+from farm.benchsuite.photos import crops
 from farm.engines import gate, quantize
 from farm.engines.autoselect import load_engine
 from farm.engines.engine import Engine

@@ -2,7 +2,7 @@
 recipe and its variants) against NNCF's, on one pinned core.
 
 Each method quantizes farm's export of the real SqueezeNet v1.0 (uint8 images in, the
-preprocessing folded in) on 300 crops of scikit-image's photos (``farm.bench.photos``,
+preprocessing folded in) on 300 crops of scikit-image's photos (``farm.benchsuite.photos``,
 seed 1), and runs on OpenVINO, one thread, batch 16, against the f32 export in the same
 process.  Printed per method: the speed over f32 (the best of ``--rounds`` windows taken
 in turn), the top-1 agreement with f32 on 300 other crops (seed 2), how often f32's top-1
@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from farm.bench.common import cpu_line, machine, saved, shared_squeezenet
-from farm.bench.photos import crops
+from farm.benchsuite.common import cpu_line, machine, saved, shared_squeezenet
+from farm.benchsuite.photos import crops
 from farm.engines import quantize
 from farm.engines.onnx_export import exported_onnx
 from farm.modelrepo.repository import load_spec

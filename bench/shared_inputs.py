@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from wholeprocess import make_jpegs
 
-from farm.bench.common import machine, saved, shared_squeezenet
+from farm.benchsuite.common import machine, saved, shared_squeezenet
 from farm.client.client import Client
 from farm.client.inputs import open_input
 from farm.modelrepo.repository import find

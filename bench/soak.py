@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from farm.bench.common import machine, saved, status_kib
+from farm.benchsuite.common import machine, saved, status_kib
 from farm.modelrepo.repository import find
 from farm.ops.local import LocalFarm, cores
 

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from farm.bench.common import shared_squeezenet
+from farm.benchsuite.common import shared_squeezenet
 from farm.engines.cpu import cpu_flags
 from farm.engines.modelcheck import check_inputs
 from farm.engines.tolerances import relative_difference

@@ -7,10 +7,10 @@ import msgpack
 import numpy as np
 import zmq
 
-from farm import messages, protocol
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, find
-from farm.protocol import Command
+from farm.wire import messages, protocol
+from farm.wire.protocol import Command
 
 REPLY_TIMEOUT_MS = 10_000
 

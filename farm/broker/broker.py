@@ -34,24 +34,25 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from farm import defaults, messages, protocol
+from farm import defaults
 from farm.broker import events as ev
 from farm.broker import wire
 from farm.broker.catalog import ModelCatalog
 from farm.broker.connections import Connections, source_fd
 from farm.broker.facts import ModelFound
 from farm.broker.state import FarmState, SchedulingConfig
-from farm.link import (
+from farm.modelrepo.repository import ModelError
+from farm.wire import messages, protocol
+from farm.wire.link import (
     REFUSED,
     enable_ipv6,
     limit_socket,
     recv_frames,
     send_frames,
 )
-from farm.messages import Header, job_of
-from farm.modelrepo.repository import ModelError
-from farm.protocol import Command, ProtocolError
-from farm.wakeup import Wakeup
+from farm.wire.messages import Header, job_of
+from farm.wire.protocol import Command, ProtocolError
+from farm.wire.wakeup import Wakeup
 
 log = logging.getLogger("farm.broker")
 
@@ -140,7 +141,7 @@ class Broker:
         limit_socket(self.socket)
         try:
             if config.curve:
-                from farm.ops.keys import make_server
+                from farm.wire.curve import make_server
 
                 make_server(self.socket, config.curve)
             enable_ipv6(self.socket, config.bind)
@@ -555,7 +556,7 @@ def serve(config: BrokerConfig, on_bound: Callable[[Broker], None] | None = None
     context = zmq.Context()
     authenticator = None
     if config.curve:
-        from farm.ops.keys import start_authenticator
+        from farm.wire.curve import start_authenticator
 
         authenticator = start_authenticator(context, config.curve)
     broker = None

@@ -100,7 +100,7 @@ class JobSubmitted:
     options: JobOptions
     model: ModelFound | str
     at: float
-    # where the workers read the items themselves (``farm.storage.SharedInputs``), if they do
+    # where the workers read the items themselves (``farm.wire.storage.SharedInputs``), if they do
     inputs: Any = None
     # (job_start, item_start, count): which of the client's items the job holds, and the
     # same for the client's earlier submissions of it (lost with a broker or a client)

@@ -13,8 +13,8 @@ from farm.broker.blame import Evidence
 from farm.broker.facts import JobOptions
 from farm.broker.registry import WorkerEntry
 from farm.policies import Chunk, Policy
-from farm.shapes import ENCODED, MAX_TASK_BYTES, SIZE_BYTES, item_bytes
 from farm.summary import FailedItems, JobSummary, WorkerShare
+from farm.wire.shapes import ENCODED, MAX_TASK_BYTES, SIZE_BYTES, item_bytes
 
 
 @dataclass
@@ -112,7 +112,7 @@ class Job:
     # workers offered this job
     eligible: dict[str, WorkerEntry[ChunkRecord]] = field(default_factory=dict)
     output_shape: tuple[int, ...] | None = None  # of its chunks' outputs, once one came back
-    # where its workers read the items themselves (``farm.storage.SharedInputs``), if they do
+    # where its workers read the items themselves (``farm.wire.storage.SharedInputs``), if they do
     inputs: Any = None
     unshared: set[str] = field(default_factory=set)  # workers that cannot: sent the bytes
     # which of the client's items the job holds, and the same for the client's earlier

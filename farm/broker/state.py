@@ -63,8 +63,8 @@ from farm.policies import (
     WorkerReady,
     make_policy,
 )
-from farm.shapes import ENCODED, input_mismatch
 from farm.summary import FailedItems
+from farm.wire.shapes import ENCODED, input_mismatch
 
 log = logging.getLogger("farm.broker")
 

@@ -1,6 +1,6 @@
 """The broker's wire adapter: decoded messages in, events out; instructions in, messages out.
 
-The only module that maps the protocol (``farm.protocol``, ``farm.messages``) onto the
+The only module that maps the protocol (``farm.wire.protocol``, ``farm.wire.messages``) onto the
 scheduling core (``farm.broker.state`` and its events, which import neither).  Besides
 the mapping it makes the checks a message needs beyond its own decoding: a worker's
 advertised models, a job's dtype and engine, and a chunk's input (DATA) and outputs
@@ -17,15 +17,15 @@ from typing import Any
 
 import msgspec
 
-from farm import messages, protocol
 from farm.broker import events as ev
 from farm.broker.facts import JobOptions, ModelFound, WorkerFacts
 from farm.broker.jobs import ChunkRecord
 from farm.broker.state import FarmState
-from farm.messages import Header, StoredInputs
-from farm.protocol import Message, ProtocolError
-from farm.shapes import ENCODED
-from farm.storage import SharedInputs, StoredError
+from farm.wire import messages, protocol
+from farm.wire.messages import Header, StoredInputs
+from farm.wire.protocol import Message, ProtocolError
+from farm.wire.shapes import ENCODED
+from farm.wire.storage import SharedInputs, StoredError
 
 log = logging.getLogger("farm.broker")
 
@@ -174,7 +174,7 @@ def submitted_with(message: Message) -> dict[str, Any]:
 
 
 def shared_inputs(stored: StoredInputs | None, submit: messages.Submit) -> SharedInputs | None:
-    """A job's shared inputs (``farm.storage``), checked against it; None if its client
+    """A job's shared inputs (``farm.wire.storage``), checked against it; None if its client
     sends the items."""
     if stored is None:
         return None

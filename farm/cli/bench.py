@@ -11,8 +11,8 @@ import click
 
 from farm import defaults
 
-#: ``--setups`` and ``--peers`` values: ``farm.bench.setups.SETUP_NAMES`` and
-#: ``farm.bench.peers.PEERS`` (kept here so that ``farm --help`` loads no engine; a test
+#: ``--setups`` and ``--peers`` values: ``farm.benchsuite.setups.SETUP_NAMES`` and
+#: ``farm.benchsuite.peers.PEERS`` (kept here so that ``farm --help`` loads no engine; a test
 #: checks they match).
 SETUP_CHOICES = ("cores", "mixed", "gpu")
 PEER_CHOICES = (
@@ -144,7 +144,7 @@ def bench(
     if render:
         render_again(Path(render))
         return
-    from farm.bench.suite import SuiteConfig, run_suite
+    from farm.benchsuite.suite import SuiteConfig, run_suite
 
     config = SuiteConfig(
         out=Path(out),
@@ -167,7 +167,7 @@ def bench(
 
 def render_again(folder: Path) -> None:
     """``--render``: the report and figures of a results folder, from its CSV tables."""
-    from farm.bench.results import read_folder, write_folder
+    from farm.benchsuite.results import read_folder, write_folder
 
     try:
         write_folder(folder, read_folder(folder))

@@ -142,7 +142,7 @@ def announce(running: Broker) -> None:
 def warn_if_exposed(bind: str, curve: str | None) -> None:
     """A broker reachable from other machines without CURVE lets anyone in: say so (not for
     a loopback address: 127.0.0.0/8, ::1, lo, localhost)."""
-    from farm.link import is_loopback
+    from farm.wire.link import is_loopback
 
     if not curve and bind.startswith("tcp://") and not is_loopback(bind):
         click.echo(

@@ -25,7 +25,7 @@ def keys() -> None:
 
 def write_keys(make: Callable[[], list[Path]]) -> None:
     """Run ``make`` and name the files it wrote; a keys problem is one line, not a traceback."""
-    from farm.ops.keys import KeysError
+    from farm.wire.curve import KeysError
 
     try:
         made = make()
@@ -46,7 +46,7 @@ def keys_init(folder: str) -> None:
     Copy broker.key and worker.key_secret to worker hosts, broker.key and
     client.key_secret to client hosts; the rest stays on the broker host.
     """
-    from farm.ops.keys import init_keys
+    from farm.wire.curve import init_keys
 
     write_keys(lambda: init_keys(Path(folder)))
 
@@ -62,7 +62,7 @@ def keys_add(folder: str, name: str) -> None:
       farm keys add /etc/farm/keys rack2
       farm worker --curve keys/ --curve-name rack2 --broker tcp://10.0.0.1:5555
     """
-    from farm.ops.keys import add_key
+    from farm.wire.curve import add_key
 
     write_keys(lambda: add_key(Path(folder), name))
     click.echo(
@@ -80,7 +80,7 @@ def keys_list(folder: str) -> None:
     Example:
       farm keys list /etc/farm/keys
     """
-    from farm.ops.keys import authorized_keys
+    from farm.wire.curve import authorized_keys
 
     for path in authorized_keys(Path(folder)):
         click.echo(path.stem)

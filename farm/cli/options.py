@@ -72,7 +72,7 @@ def endpoint_value(
 ) -> str | None:
     """An endpoint option's value: ``HOST:PORT`` as ``tcp://HOST:PORT``; a usage error in
     one line for anything else that is not an endpoint."""
-    from farm.link import parse_endpoint
+    from farm.wire.link import parse_endpoint
 
     if value is None:
         return None
@@ -227,7 +227,7 @@ def path_maps(
     context: click.Context, parameter: click.Parameter, values: tuple[str, ...]
 ) -> tuple[tuple[str, str], ...]:
     """``--path-map`` values as (client prefix, worker prefix) pairs."""
-    from farm.storage import parse_path_map
+    from farm.wire.storage import parse_path_map
 
     try:
         return tuple(parse_path_map(value) for value in values)

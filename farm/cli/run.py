@@ -449,7 +449,7 @@ def no_sample(spec: ModelSpec, models_dir: tuple[str, ...]) -> str:
 def check_model_input(source: Source, spec: ModelSpec) -> None:
     """Refuse, before a local farm starts, what the model cannot take (its broker would
     refuse it in the same words)."""
-    from farm.shapes import input_mismatch
+    from farm.wire.shapes import input_mismatch
 
     problem = input_mismatch(
         spec.name, spec.item_shape, spec.preprocess.layout, source.dtype, tuple(source.item_shape)

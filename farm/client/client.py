@@ -47,7 +47,6 @@ import msgspec
 import numpy as np
 import zmq
 
-from farm import messages, protocol
 from farm.client.answers import AnswerSink, ModelCard
 from farm.client.inputs import (
     ArraySource,
@@ -74,10 +73,11 @@ from farm.client.journal import (
 )
 from farm.client.npy import NpyError, NpyReader, NpyWriter
 from farm.client.trace import Trace, TraceRecorder
-from farm.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint, recv_frames
-from farm.protocol import Command, ProtocolError
 from farm.runtime import choose_broker
 from farm.summary import FailedItems, JobSummary, plural
+from farm.wire import messages, protocol
+from farm.wire.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint, recv_frames
+from farm.wire.protocol import Command, ProtocolError
 
 log = logging.getLogger("farm.client.client")
 
@@ -311,7 +311,7 @@ class JobRun:
     output_error: OSError | None = None  # writing an output failed: the job is cancelled
     input_error: Exception | None = None  # reading the input failed: the job is cancelled
     input_bytes: int = 0  # DATA payload bytes sent, and shared inputs' places
-    shared: bool = False  # the workers read the items themselves (``farm.storage``)
+    shared: bool = False  # the workers read the items themselves (``farm.wire.storage``)
     path_map: tuple[tuple[str, str], ...] = ()  # client prefix -> worker prefix
     oriented: int = 0  # image files the workers found an EXIF orientation in
     # earlier submissions of the job, lost with a broker (or with a killed client, when
@@ -585,7 +585,7 @@ class Client:
 
         ``shared``: the workers read the items themselves from storage they share with
         this client (image files, or a `.npy` file of uint8 or float32): the broker carries
-        where each lies, not its bytes (``farm.storage``).  ``path_map``: ``(client prefix,
+        where each lies, not its bytes (``farm.wire.storage``).  ``path_map``: ``(client prefix,
         worker prefix)`` pairs where the workers mount it elsewhere.  A worker that cannot
         read them is sent their bytes; an input that cannot be shared (an array in
         memory, a `.npy` file converted on the client) is sent, with a notice.

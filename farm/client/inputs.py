@@ -30,9 +30,9 @@ import numpy as np
 
 from farm.client.imagefiles import InputError, find_image_files, find_inputs, unreadable
 from farm.client.npy import NpyError, NpyReader
-from farm.messages import StoredInputs
-from farm.protocol import ENCODED, MAX_FILE_BYTES, ProtocolError, check_array_spec, file_frames
-from farm.storage import stored_array, stored_files
+from farm.wire.messages import StoredInputs
+from farm.wire.protocol import ENCODED, MAX_FILE_BYTES, ProtocolError, check_array_spec, file_frames
+from farm.wire.storage import stored_array, stored_files
 
 __all__ = [
     "ArraySource",
@@ -332,7 +332,7 @@ def stored_inputs(
     source: Source, runs: Sequence[tuple[int, int, int]], path_map: Sequence[tuple[str, str]]
 ) -> StoredInputs:
     """Where a submission's items lie (``runs``: its items ``job_start..`` are the source's
-    ``item_start..``), for workers that read them from shared storage (``farm.storage``).
+    ``item_start..``), for workers that read them from shared storage (``farm.wire.storage``).
     A file the client cannot send is listed without a path: it fails with the client's
     reason, as when sent."""
     if isinstance(source, FileSource):

@@ -14,7 +14,7 @@ import numpy as np
 from farm.client.inputs import ArraySource, FileSource, InputError, Source, open_input
 from farm.engines.images import ImageDecoder
 from farm.modelrepo.repository import ModelSpec
-from farm.shapes import fitted_shape
+from farm.wire.shapes import fitted_shape
 
 
 @dataclass

@@ -25,8 +25,8 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-from farm.messages import Result
 from farm.summary import FailedItems, JobSummary, WorkerShare, network_seconds, seconds_of
+from farm.wire.messages import Result
 
 TRACE_FORMAT: Literal["farm-trace/1"] = "farm-trace/1"
 

@@ -47,7 +47,7 @@ from farm.engines.tolerances import TOLERANCES, relative_difference
 from farm.modelrepo.caffe_net import Network, NetworkError
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, prepare
-from farm.shapes import chunk_items
+from farm.wire.shapes import chunk_items
 
 log = logging.getLogger("farm.engines.autoselect")
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from farm.messages import Model
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, load_spec
+from farm.wire.messages import Model
 
 log = logging.getLogger("farm.modelrepo.modelstore")
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from farm import messages, protocol
-from farm.protocol import Command
+from farm.wire import messages, protocol
+from farm.wire.protocol import Command
 
 #: Most bytes of results a worker keeps.
 MAX_KEPT_BYTES = 64 << 20

@@ -1,7 +1,7 @@
 """A stateless DEALER worker: receive a chunk, run the model, reply with outputs and timings.
 
 Two threads: the main thread owns the broker socket and keeps the link alive
-(``farm.link``, the ZeroMQ guide's Paranoid Pirate: heartbeats out on every interval,
+(``farm.wire.link``, the ZeroMQ guide's Paranoid Pirate: heartbeats out on every interval,
 the broker declared lost after ``liveness`` silent intervals, then a fresh
 socket and a new READY, with back-off); the compute thread runs the chunks,
 so a long chunk never silences the heartbeats.  Replies come back to the
@@ -10,7 +10,7 @@ replaced are not run (the broker has requeued them); a result computed across
 the reconnect goes out marked *kept*, and the results sent last are offered again
 on every new connection (``farm.workers.kept``): a broker that restarted passes them
 to the job's client, and the broker, which alone decides what counts, takes or drops
-them.  A TASK of shared inputs (``farm.storage``) names where its items lie; the
+them.  A TASK of shared inputs (``farm.wire.storage``) names where its items lie; the
 worker reads them itself, and a chunk it cannot read fails uncharged as
 ``unshared`` (the broker then sends it the bytes).
 
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import zmq
 
-from farm import defaults, messages, protocol
+from farm import defaults
 from farm.engines.autoselect import load_engine
 from farm.engines.engine import (
     AUTO,
@@ -52,7 +52,6 @@ from farm.engines.engine import (
     job_engine,
     limit_threads,
 )
-from farm.link import BrokerLink, LinkConfig, recv_frames
 from farm.modelrepo.modelstore import Manifest, ModelCache, manifest_of
 from farm.modelrepo.repository import (
     ModelError,
@@ -62,10 +61,12 @@ from farm.modelrepo.repository import (
     load_spec,
     prepare,
 )
-from farm.protocol import Command, Message, ProtocolError
 from farm.startup import Timeline
-from farm.storage import ArrayFiles, UnsharedError, read_files
-from farm.wakeup import Wakeup
+from farm.wire import messages, protocol
+from farm.wire.link import BrokerLink, LinkConfig, recv_frames
+from farm.wire.protocol import Command, Message, ProtocolError
+from farm.wire.storage import ArrayFiles, UnsharedError, read_files
+from farm.wire.wakeup import Wakeup
 from farm.workers.kept import SentResults, as_kept
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import zmq
 
-from farm import protocol
 from farm.ops.local import LocalFarm, cores, farm_command, stop_processes
-from farm.protocol import Command
+from farm.wire import protocol
+from farm.wire.protocol import Command
 
 #: ``local_farm(...)`` keywords that are LocalFarm's settings; any other is a broker option.
 FARM_OPTIONS = {field.name for field in dataclasses.fields(LocalFarm) if field.init} - {

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import zmq
 
-from farm import messages, protocol
-from farm.messages import Header
-from farm.protocol import Command, Message
+from farm.wire import messages, protocol
+from farm.wire.messages import Header
+from farm.wire.protocol import Command, Message
 
 
 class ScriptedWorker:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import zmq
 
-from farm import messages, protocol
 from farm.client.client import FarmError
 from farm.ops.local import LocalFarm, farm_command
-from farm.protocol import Command
+from farm.wire import messages, protocol
+from farm.wire.protocol import Command
 from tests.conftest import reference_forward
 from tests.frames import (
     GARBAGE,

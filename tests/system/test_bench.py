@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from farm.bench.measure import Configuration, PolicyRun, paper_configurations
-from farm.bench.peers import CANDIDATES, PEERS, missing
-from farm.bench.results import (
+from farm.benchsuite.measure import Configuration, PolicyRun, paper_configurations
+from farm.benchsuite.peers import CANDIDATES, PEERS, missing
+from farm.benchsuite.results import (
     PEER_MECHANISM,
     ModelResults,
     SuiteRun,
@@ -21,7 +21,7 @@ from farm.bench.results import (
     waste_table,
     write_folder,
 )
-from farm.bench.setups import SETUP_ABOUT, WorkerSpec, farm_setups
+from farm.benchsuite.setups import SETUP_ABOUT, WorkerSpec, farm_setups
 from farm.ops.local import cores, farm_command
 from farm.policies import POLICIES
 

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import zmq
 
-from farm import messages, protocol
 from farm.client.client import FarmError
 from farm.engines.autoselect import load_engine
 from farm.engines.tolerances import TOLERANCE, relative_difference
 from farm.modelrepo.repository import find, load_spec
 from farm.ops.local import LocalFarm, farm_command
-from farm.protocol import Command
+from farm.wire import messages, protocol
+from farm.wire.protocol import Command
 from tests.system.conftest import pinned_devices
 
 LINK = ["--heartbeat", "0.2", "--liveness", "5"]  # a lost broker counts as gone after 1 s

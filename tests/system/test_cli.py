@@ -198,8 +198,8 @@ def test_configs_are_built_by_keyword_only() -> None:
 
 
 def test_choices_kept_in_the_cli_match_the_modules_they_name() -> None:
-    from farm.bench.peers import PEERS
-    from farm.bench.setups import SETUP_NAMES
+    from farm.benchsuite.peers import PEERS
+    from farm.benchsuite.setups import SETUP_NAMES
     from farm.cli.bench import PEER_CHOICES, SETUP_CHOICES
     from farm.cli.options import BACKEND_CHOICES, PRECISION_CHOICES
     from farm.engines.engine import AUTO, BACKENDS, PRECISIONS

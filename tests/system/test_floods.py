@@ -21,9 +21,9 @@ import zmq
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from farm import messages, protocol
 from farm.ops.local import LocalFarm, cores, farm_command
-from farm.protocol import (
+from farm.wire import messages, protocol
+from farm.wire.protocol import (
     Command,
     ProtocolError,
 )

@@ -20,8 +20,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from farm.bench.measure import paper_configurations
-from farm.bench.setups import describe_machine
+from farm.benchsuite.measure import paper_configurations
+from farm.benchsuite.setups import describe_machine
 from farm.client.trace import Trace, idle_share
 from farm.ops.local import cores
 from tests.conftest import BENCH, bench_script
@@ -231,7 +231,7 @@ OUT_OF_MEMORY = textwrap.dedent(
     import json, resource, sys
     sys.path.insert(0, sys.argv[1])
     import gpu
-    from farm.bench.setups import make_images
+    from farm.benchsuite.setups import make_images
 
     core = int(sys.argv[2])
     gpu.batch_rate("lenet", "torch", "cpu", 1, 16, make_images("lenet", 16))  # torch loaded

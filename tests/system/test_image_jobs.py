@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from farm import messages, protocol
-from farm.bench.common import shared_squeezenet
+from farm.benchsuite.common import shared_squeezenet
 from farm.client.answers import AnswerSink, ModelCard, top_k
 from farm.client.client import Client, split_failures
 from farm.client.inputs import FileSource, InputError, find_image_files
 from farm.engines.preprocess import Transformer
 from farm.modelrepo.repository import find
 from farm.ops.local import LocalFarm, farm_command
-from farm.protocol import Command
+from farm.wire import messages, protocol
+from farm.wire.protocol import Command
 from tests.conftest import reference_forward
 from tests.frames import reply
 from tests.unit.test_images import png_declaring

@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm import messages, protocol
 from farm.client.client import FarmError
 from farm.engines.autoselect import load_engine
 from farm.engines.tolerances import TOLERANCE, relative_difference
 from farm.modelrepo.modelstore import ModelCache, manifest_of
 from farm.modelrepo.repository import find, load_spec
 from farm.ops.local import LocalFarm, farm_command
-from farm.protocol import Command
+from farm.wire import messages, protocol
+from farm.wire.protocol import Command
 from tests.frames import next_reply, task
 from tests.system.conftest import pinned_devices
 from tests.unit.test_models import break_model, needs_torch

@@ -1,4 +1,4 @@
-"""Arrays as a job's input: layouts against the model (``farm.shapes``), integer dtypes
+"""Arrays as a job's input: layouts against the model (``farm.wire.shapes``), integer dtypes
 (``farm.client.inputs``), lists of arrays, and ``--top-k`` within a model's classes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from farm.client.answers import ModelCard
 from farm.client.inputs import ArraySource, InputError, stacked
 from farm.client.npy import NpyReader
-from farm.shapes import ENCODED, fitted_shape, input_mismatch
+from farm.wire.shapes import ENCODED, fitted_shape, input_mismatch
 
 GREY_HWC, GREY_CHW = (32, 48, 1), (1, 32, 48)
 COLOUR_HWC, COLOUR_CHW = (32, 48, 3), (3, 32, 48)

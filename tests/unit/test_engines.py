@@ -14,7 +14,7 @@ import onnxruntime
 import openvino
 import pytest
 
-from farm.bench.common import shared_squeezenet
+from farm.benchsuite.common import shared_squeezenet
 from farm.engines import autoselect
 from farm.engines.autoselect import Choice, choose, load_engine
 from farm.engines.engine import PRECISIONS, Engine, onnx_path
@@ -593,7 +593,7 @@ def test_auto_on_a_device_no_backend_runs_names_each_refusal(tmp_path, monkeypat
 
 def test_gpu_batches_stay_within_what_one_chunk_holds() -> None:
     from farm.engines.autoselect import candidate_batches
-    from farm.shapes import MAX_TASK_BYTES, chunk_items
+    from farm.wire.shapes import MAX_TASK_BYTES, chunk_items
 
     caffenet = chunk_items((227, 227, 3))
     assert caffenet == MAX_TASK_BYTES // (227 * 227 * 3) < 1024

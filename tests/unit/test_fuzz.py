@@ -33,11 +33,11 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from farm import messages, protocol
 from farm.broker import wire
 from farm.broker.broker import ACCEPTED as BROKER_ACCEPTS
 from farm.modelrepo.repository import available
-from farm.protocol import (
+from farm.wire import messages, protocol
+from farm.wire.protocol import (
     MAX_HEADER_BYTES,
     MAX_ITEMS,
     MAX_PAYLOAD_FRAMES,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from farm.bench.setups import make_images
+from farm.benchsuite.setups import make_images
 from farm.engines.autoselect import load_engine
 from farm.engines.engine import Stopped
 from farm.modelrepo.repository import find
@@ -168,8 +168,8 @@ def test_a_worker_launches_its_next_queued_chunk_ahead_and_runs_it_from_there(
     read and launched; chunk 2's turn goes on from there, and both results are right."""
     import queue
 
-    from farm import messages, protocol
-    from farm.protocol import Command
+    from farm.wire import messages, protocol
+    from farm.wire.protocol import Command
     from farm.workers.worker import Device, QueuedMessage, Worker, WorkerConfig
     from tests.frames import task
 

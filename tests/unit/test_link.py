@@ -1,4 +1,4 @@
-"""The Paranoid Pirate link (farm.link) against a real ROUTER on loopback that says nothing."""
+"""The Paranoid Pirate link (farm.wire.link) against a real ROUTER on loopback that says nothing."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from farm import messages, protocol
 from farm.client.client import Client, FarmError
-from farm.link import SILENT_REFUSALS, BrokerLink, LinkConfig, is_ipv6, is_loopback
-from farm.protocol import Command
+from farm.wire import messages, protocol
+from farm.wire.link import SILENT_REFUSALS, BrokerLink, LinkConfig, is_ipv6, is_loopback
+from farm.wire.protocol import Command
 
 HEARTBEAT, LIVENESS = 0.02, 2  # the broker counts as lost after 0.04 s of silence
 

@@ -7,9 +7,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from farm import messages, protocol
-from farm.protocol import Command, ProtocolError
 from farm.summary import JobSummary, WorkerShare
+from farm.wire import messages, protocol
+from farm.wire.protocol import Command, ProtocolError
 
 
 def task_header(count: int = 2, shape=(1, 28, 28), dtype: str = "uint8") -> dict:

@@ -41,7 +41,7 @@ CORE = (
     "farm.broker.churn",
     "farm.policies",
 )
-WIRE = {"farm.protocol", "farm.messages"}
+WIRE = {"farm.wire.protocol", "farm.wire.messages"}
 
 
 def submit(
@@ -95,8 +95,8 @@ def imports_of(path: str) -> set[str]:
 
 
 def test_the_core_imports_neither_the_protocol_nor_its_messages() -> None:
-    """The state and every farm module it loads import neither ``farm.protocol`` nor
-    ``farm.messages`` (not even for types), and neither is loaded."""
+    """The state and every farm module it loads import neither ``farm.wire.protocol`` nor
+    ``farm.wire.messages`` (not even for types), and neither is loaded."""
     code = (
         "import sys, json; import farm.broker.state, farm.simulation.kit; "
         f"print(json.dumps([sorted(n for n in {sorted(WIRE)!r} if n in sys.modules), "

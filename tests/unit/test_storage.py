@@ -12,16 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from farm import messages, protocol
 from farm.broker import events as ev
 from farm.broker.jobs import Ranges
 from farm.broker.kept import KeptResults, translate
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.client.client import Progress
-from farm.messages import StoredInputs
-from farm.protocol import Command
 from farm.simulation import kit
-from farm.storage import (
+from farm.wire import messages, protocol
+from farm.wire.messages import StoredInputs
+from farm.wire.protocol import Command
+from farm.wire.storage import (
     ArrayFiles,
     SharedInputs,
     StoredError,

@@ -8,12 +8,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from farm import messages, protocol
 from farm.broker import events as ev
 from farm.broker import wire
 from farm.broker.state import FarmState, SchedulingConfig
-from farm.protocol import Command
 from farm.simulation import kit
+from farm.wire import messages, protocol
+from farm.wire.protocol import Command
 
 CLIENT, WORKER = b"client", b"worker"
 

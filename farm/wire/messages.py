@@ -1,4 +1,4 @@
-"""Message headers: one typed struct per command (``farm.protocol`` maps commands to them).
+"""Message headers: one typed struct per command (``farm.wire.protocol`` maps commands to them).
 
 A header is decoded with ``msgspec`` straight into its struct, so a missing
 field, a field of the wrong type, a number out of range or a string or list too
@@ -95,7 +95,7 @@ class ChunkHeader(Header):
 
 
 class ArrayPlace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where a shared `.npy` file's rows lie, and what the client saw of it (``farm.storage``)."""
+    """Where a shared `.npy` file's rows lie, and what the client saw of it (``storage``)."""
 
     path: Text
     offset: Annotated[int, Meta(ge=0)]
@@ -107,7 +107,7 @@ class Task(ChunkHeader):
     """broker -> worker: a chunk to run; ``engine`` the job's own, if it chose one.
 
     ``stored``: the payload says where the items lie on shared storage, not what they are
-    (``farm.storage``): "files", their paths and sizes; "npy", row ranges of the file at
+    (``farm.wire.storage``): "files", their paths and sizes; "npy", row ranges of the file at
     ``place``.
     """
 
@@ -150,7 +150,7 @@ class Failed(ChunkHeader):
     """worker -> broker -> client: a chunk could not run; ``fatal``: no retry can help;
     ``charge``: the failure may be the items' fault (False: the worker's own trouble, such
     as a cancelled job or a model fetch that timed out); ``unshared``: the worker cannot
-    read the job's shared inputs (``farm.storage``): send it their bytes."""
+    read the job's shared inputs (``farm.wire.storage``): send it their bytes."""
 
     error: Text
     fatal: bool = True
@@ -191,7 +191,7 @@ Runs = Annotated[list[Run], Meta(max_length=MAX_ITEMS)]
 
 
 class StoredInputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where a job's items lie on storage its workers share (``farm.storage``).
+    """Where a job's items lie on storage its workers share (``farm.wire.storage``).
 
     ``kind`` "files": ``names``, the items' paths joined by NUL, and ``sizes``, their sizes
     on the client (little-endian uint64); an empty name is an item the client refused (a

@@ -6,7 +6,7 @@ A message is a list of frames (after any ROUTER identity frame)::
 
 ``SIGNATURE`` carries the protocol version (``b"FARM08"``).  The header is a
 small msgpack map, decoded straight into the command's struct (``HEADERS``,
-defined in ``farm.messages``), which checks every field's type and range.  The
+defined in ``farm.wire.messages``), which checks every field's type and range.  The
 payload frames are raw numpy buffers; their dtype and shape live in the header,
 never in the payload; no object serialiser is ever involved.  Payloads are sent with
 ``copy=False``: pyzmq copies frames below ``socket.copy_threshold`` (64 kB by
@@ -26,9 +26,9 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from farm import messages, shapes
-from farm.messages import MAX_DIMS, MAX_ITEMS, Header
-from farm.shapes import ALLOWED_DTYPES, ENCODED, MAX_FILE_BYTES, MAX_TASK_BYTES, SIZE_BYTES
+from farm.wire import messages, shapes
+from farm.wire.messages import MAX_DIMS, MAX_ITEMS, Header
+from farm.wire.shapes import ALLOWED_DTYPES, ENCODED, MAX_FILE_BYTES, MAX_TASK_BYTES, SIZE_BYTES
 
 SIGNATURE = b"FARM08"
 PROTOCOL_FAMILY = b"FARM"

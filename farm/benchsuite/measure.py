@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from farm.bench.setups import FarmSetup, WorkerSpec, make_images
+from farm.benchsuite.setups import FarmSetup, WorkerSpec, make_images
 from farm.client.client import Client, FarmError, JobResult
 from farm.client.trace import idle_share
 from farm.engines.autoselect import choose, load_engine

@@ -35,8 +35,8 @@ from functools import partial
 
 import numpy as np
 
-from farm.bench.measure import in_fresh_process
-from farm.bench.setups import make_images
+from farm.benchsuite.measure import in_fresh_process
+from farm.benchsuite.setups import make_images
 from farm.engines.autoselect import load_engine
 from farm.engines.engine import Engine, exported_onnx
 from farm.engines.preprocess import Transformer

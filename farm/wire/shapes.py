@@ -1,6 +1,6 @@
 """What a job's items are: dtypes, item sizes and the byte limits of a chunk.
 
-Plain arithmetic shared by the wire (``farm.protocol``, which checks what peers send
+Plain arithmetic shared by the wire (``farm.wire.protocol``, which checks what peers send
 against it) and the broker's scheduling core (``farm.broker.state``, which cuts chunks
 by it), so the core needs neither the protocol nor its messages.
 """

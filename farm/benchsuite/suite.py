@@ -1,4 +1,4 @@
-"""``farm bench``: measure, then write the results folder (see ``farm.bench``)."""
+"""``farm bench``: measure, then write the results folder (see ``farm.benchsuite``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from farm import defaults
-from farm.bench import measure, peers, results
-from farm.bench.measure import PolicyRun
-from farm.bench.results import ModelResults
-from farm.bench.setups import (
+from farm.benchsuite import measure, peers, results
+from farm.benchsuite.measure import PolicyRun
+from farm.benchsuite.results import ModelResults
+from farm.benchsuite.setups import (
     SETUP_NAMES,
     FarmSetup,
     WorkerSpec,

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from farm.bench.measure import Configuration, PolicyRun
-from farm.bench.peers import PeerResult
-from farm.bench.setups import SETUP_ABOUT, FarmSetup, WorkerSpec
+from farm.benchsuite.measure import Configuration, PolicyRun
+from farm.benchsuite.peers import PeerResult
+from farm.benchsuite.setups import SETUP_ABOUT, FarmSetup, WorkerSpec
 
 #: The paper's figures quoted beside ours (docs/scheduling.md): fast-split's and HAT's waste.
 PAPER_WASTE = {"fast-split": 0.094, "hat": 0.11}

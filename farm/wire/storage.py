@@ -2,7 +2,7 @@
 they lie.
 
 A job submitted with shared inputs (``farm run --shared``, ``Client.run(shared=True)``) sends
-no image bytes.  Its SUBMIT's document carries ``StoredInputs`` (``farm.messages``), which
+no image bytes.  Its SUBMIT's document carries ``StoredInputs`` (``farm.wire.messages``), which
 says where each of its items lies:
 
 * image files: each file's path as the workers see it and its size on the client;
@@ -29,7 +29,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from farm.messages import ArrayPlace, StoredInputs
+from farm.wire.messages import ArrayPlace, StoredInputs
 
 #: Bytes of a `.npy` file hashed to check that a worker reads the client's file, and the
 #: hex digits of their sha256 kept (every TASK carries them).

@@ -25,11 +25,11 @@ import zmq
 import zmq.backend
 from zmq.utils.monitor import recv_monitor_message
 
-from farm import protocol
-from farm.messages import Header, Heartbeat
-from farm.protocol import Command
+from farm.wire import protocol
+from farm.wire.messages import Header, Heartbeat
+from farm.wire.protocol import Command
 
-log = logging.getLogger("farm.link")
+log = logging.getLogger("farm.wire.link")
 
 #: Longest wait between reconnection attempts while the broker is silent, in seconds.
 MAX_RECONNECT_INTERVAL = 32.0
@@ -244,7 +244,7 @@ class BrokerLink:
         limit_socket(sock, linger_ms=self.config.linger_ms)
         try:
             if self.config.curve:
-                from farm.ops.keys import make_client
+                from farm.wire.curve import make_client
 
                 make_client(sock, self.config.curve, self.config.curve_name)
             enable_ipv6(sock, self.config.broker)
