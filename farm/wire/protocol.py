@@ -58,14 +58,14 @@ class Command(bytes, enum.Enum):
     READY = b"\x01"  # worker -> broker: registration with the worker's facts
     TASK = b"\x02"  # broker -> worker: a chunk to run
     RESULT = b"\x03"  # worker -> broker -> client: a chunk's outputs
-    FAILED = b"\x04"  # worker -> broker: a chunk could not run
+    FAILED = b"\x04"  # worker -> broker -> client: a chunk (or some of its images) could not run
     SUBMIT = b"\x05"  # client -> broker: a new job (no payload)
     DATA = b"\x06"  # client -> broker: a block of a job's items
     DONE = b"\x07"  # broker -> client: every item of a job came back
     ERROR = b"\x08"  # broker -> client or worker: a request was refused
     INFO = b"\x09"  # client -> broker and back: registry snapshot
     HEARTBEAT = b"\x0a"  # any direction: liveness
-    DISCONNECT = b"\x0b"  # worker -> broker: leaving cleanly
+    DISCONNECT = b"\x0b"  # worker or client -> broker: leaving cleanly; broker -> worker: go away
     FETCH = b"\x0c"  # worker -> broker: send me a model's files
     MODEL = b"\x0d"  # broker -> worker: a model's manifest, one payload frame per file
     NEED = b"\x0e"  # broker -> client: send the input of one chunk (answered by DATA)
