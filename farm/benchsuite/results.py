@@ -250,6 +250,40 @@ def write_table2(folder: Path, results: Sequence[ModelResults]) -> None:
     )
 
 
+#: policy_runs.csv's columns: one row per policy job.
+POLICY_RUNS_COLUMNS = [
+    "model",
+    "setup",
+    "policy",
+    "parameter",
+    "value",
+    "round",
+    "images_per_s",
+    "seconds",
+    "chunks",
+    "in_job_theoretical_per_s",
+    "waste_from_trace",
+    "standalone_bracket",
+]
+#: policies.csv's columns: one row per configuration, medians over its rounds.
+POLICIES_COLUMNS = [
+    "model",
+    "setup",
+    "policy",
+    "parameter",
+    "value",
+    "images_per_s",
+    "theoretical_per_s",
+    "waste",
+    "bracket_theoretical_per_s",
+    "standalone_waste_secondary",
+    "bracket_drift",
+    "contention",
+    "farm_waste",
+    "relative_to_one_core",
+]
+
+
 def write_policy_tables(folder: Path, results: Sequence[ModelResults]) -> None:
     """The standalone speeds, every policy job, and each configuration's median."""
     write_csv(
@@ -265,77 +299,51 @@ def write_policy_tables(folder: Path, results: Sequence[ModelResults]) -> None:
     )
     write_csv(
         folder / "policy_runs.csv",
-        [
-            "model",
-            "setup",
-            "policy",
-            "parameter",
-            "value",
-            "round",
-            "images_per_s",
-            "seconds",
-            "chunks",
-            "in_job_theoretical_per_s",
-            "waste_from_trace",
-            "standalone_bracket",
-        ],
-        [
-            (
-                r.model,
-                job.setup,
-                job.config.algo,
-                job.config.parameter,
-                job.config.value,
-                job.round_,
-                _r(job.rate),
-                round(job.seconds, 3),
-                job.chunks,
-                _r(job.in_job_theoretical),
-                round(job.idle, 6),
-                job.bracket,
-            )
-            for r in results
-            for job in r.runs
-        ],
+        POLICY_RUNS_COLUMNS,
+        [policy_run_row(r.model, job) for r in results for job in r.runs],
     )
     write_csv(
         folder / "policies.csv",
-        [
-            "model",
-            "setup",
-            "policy",
-            "parameter",
-            "value",
-            "images_per_s",
-            "theoretical_per_s",
-            "waste",
-            "bracket_theoretical_per_s",
-            "standalone_waste_secondary",
-            "bracket_drift",
-            "contention",
-            "farm_waste",
-            "relative_to_one_core",
-        ],
-        [
-            (
-                r.model,
-                s.setup,
-                s.config.algo,
-                s.config.parameter,
-                s.config.value,
-                _r(s.rate),
-                _r(s.theoretical),
-                round(s.waste, 4),
-                _r(s.bracket_theoretical),
-                round(s.standalone_waste, 4),
-                round(s.drift, 4),
-                round(s.contention, 4),
-                round(s.farm_waste, 4),
-                round(s.rate / r.one_core() - 1, 4),
-            )
-            for r in results
-            for s in r.summaries()
-        ],
+        POLICIES_COLUMNS,
+        [policy_row(r, summary) for r in results for summary in r.summaries()],
+    )
+
+
+def policy_run_row(model: str, job: PolicyRun) -> tuple[object, ...]:
+    """One policy job, as ``POLICY_RUNS_COLUMNS``."""
+    return (
+        model,
+        job.setup,
+        job.config.algo,
+        job.config.parameter,
+        job.config.value,
+        job.round_,
+        _r(job.rate),
+        round(job.seconds, 3),
+        job.chunks,
+        _r(job.in_job_theoretical),
+        round(job.idle, 6),
+        job.bracket,
+    )
+
+
+def policy_row(r: ModelResults, s: PolicySummary) -> tuple[object, ...]:
+    """One configuration's medians, as ``POLICIES_COLUMNS``."""
+    return (
+        r.model,
+        s.setup,
+        s.config.algo,
+        s.config.parameter,
+        s.config.value,
+        _r(s.rate),
+        _r(s.theoretical),
+        round(s.waste, 4),
+        _r(s.bracket_theoretical),
+        round(s.standalone_waste, 4),
+        round(s.drift, 4),
+        round(s.contention, 4),
+        round(s.farm_waste, 4),
+        round(s.rate / r.one_core() - 1, 4),
     )
 
 
@@ -889,33 +897,56 @@ def write_report(folder: Path, run: SuiteRun) -> None:
     if peers_ran:
         lines += ["## Where a peer is faster", ""] + peer_wins(results) + [""]
     if any(r.table2 for r in results):
-        lines += [
-            "## Table 2: one worker, images/s by how many images are submitted at once",
-            "",
-            "![Table 2](table2.png)",
-            "",
-        ]
-        for r in results:
-            lines += [f"{r.model}:", ""] + table2_lines(r)
-    lines += [
+        lines += table2_section(results)
+    lines += [batches_line(results), ""]
+    for number, r in enumerate(results, start=3):
+        lines += figure_section(number, r)
+    lines += relative_section(results) + waste_section(results)
+    if peers_ran:
+        lines += peer_section(results)
+    lines += standalone_section(results)
+    (folder / "report.md").write_text("\n".join(lines))
+
+
+def table2_section(results: Sequence[ModelResults]) -> list[str]:
+    """Table 2: one worker's speed by how many images are submitted at once."""
+    lines = [
+        "## Table 2: one worker, images/s by how many images are submitted at once",
+        "",
+        "![Table 2](table2.png)",
+        "",
+    ]
+    for r in results:
+        lines += [f"{r.model}:", ""] + table2_lines(r)
+    return lines
+
+
+def batches_line(results: Sequence[ModelResults]) -> str:
+    """The workers' compute batches and what each gave."""
+    return (
         "Compute batch of the farm's workers, tuned like the peers' settings "
         "(images/s of the engine alone): "
         + "; ".join(
             f"{r.model} {kind}: " + ", ".join(f"{b} {v:,.0f}" for b, v in rows)
             for r in results
             for kind, rows in r.batches.items()
-        ),
+        )
+    )
+
+
+def figure_section(number: int, r: ModelResults) -> list[str]:
+    """Figure 3, 4, ...: one model, every policy at the paper's values."""
+    return [
+        f"## Figure {number}: {r.model}, every policy at the paper's values, {r.images:,} images",
         "",
-    ]
-    for number, r in enumerate(results, start=3):
-        lines += [
-            f"## Figure {number}: {r.model}, every policy at the paper's values, "
-            f"{r.images:,} images",
-            "",
-            f"![Figure {number}](figure{number}-{r.model}.png)",
-            "",
-        ] + policy_lines(r)
-    lines += [
+        f"![Figure {number}](figure{number}-{r.model}.png)",
+        "",
+    ] + policy_lines(r)
+
+
+def relative_section(results: Sequence[ModelResults]) -> list[str]:
+    """Tables 4/5: speed relative to one core, and waste, per policy."""
+    lines = [
         "## Tables 4/5: speed relative to one CPU core, and waste (mean over parameter values)",
         "",
         "One CPU core: the mean standalone speed of the `cores` farm's workers (every "
@@ -924,8 +955,12 @@ def write_report(folder: Path, run: SuiteRun) -> None:
     ]
     lines += relative_lines(results)
     lines += ["Waste from the trace, each policy's mean over its parameter values:", ""]
-    lines += relative_waste_lines(results)
-    lines += [
+    return lines + relative_waste_lines(results)
+
+
+def waste_section(results: Sequence[ModelResults]) -> list[str]:
+    """Figure 5: each policy's least waste, and the drift around the jobs."""
+    return [
         "## Figure 5: waste per policy (its parameter value of least waste)",
         "",
         "![Figure 5](figure5-waste.png)",
@@ -933,9 +968,11 @@ def write_report(folder: Path, run: SuiteRun) -> None:
         drift_text(results) + ".",
         "",
     ] + waste_lines(results)
-    if peers_ran:
-        lines += peer_section(results)
-    lines += [
+
+
+def standalone_section(results: Sequence[ModelResults]) -> list[str]:
+    """Every standalone measurement, in order."""
+    lines = [
         "",
         "## Standalone speeds (images/s, each measurement in order)",
         "",
@@ -943,7 +980,7 @@ def write_report(folder: Path, run: SuiteRun) -> None:
         "a round lies between measurements k and k + 1 of that round.",
         "",
     ]
-    lines += _table(
+    return lines + _table(
         ["model", "setup", "worker", "measurements"],
         [
             (r.model, setup, worker, ", ".join(f"{v:,.0f}" for v in rates))
@@ -952,7 +989,6 @@ def write_report(folder: Path, run: SuiteRun) -> None:
             for worker, rates in workers.items()
         ],
     )
-    (folder / "report.md").write_text("\n".join(lines))
 
 
 def peer_section(results: Sequence[ModelResults]) -> list[str]:
@@ -1008,15 +1044,35 @@ def read_folder(folder: Path) -> SuiteRun:
     """A results folder's data, as the suite had it when it wrote the folder."""
     machine = json.loads((folder / "machine.json").read_text())
     recorded = machine.pop("run")
-    setups = [
-        FarmSetup(
-            name, SETUP_ABOUT.get(name, ""), tuple(WorkerSpec.from_label(label) for label in labels)
-        )
-        for name, labels in machine.pop("setups").items()
-    ]
+    setups = read_setups(machine.pop("setups"))
     results = {model: ModelResults(model, images) for model, images in recorded["images"].items()}
     for model, why in recorded["skipped_peers"].items():
         results[model].skipped_peers = list(why)
+    read_speeds(folder, results)
+    read_policy_runs(folder, results)
+    read_peers(folder, results)
+    return SuiteRun(
+        machine,
+        setups,
+        list(recorded["skipped"]),
+        list(results.values()),
+        recorded["command"],
+        float(recorded["seconds"]),
+    )
+
+
+def read_setups(recorded: dict[str, list[str]]) -> list[FarmSetup]:
+    """The farms the suite built, from machine.json's worker labels."""
+    return [
+        FarmSetup(
+            name, SETUP_ABOUT.get(name, ""), tuple(WorkerSpec.from_label(label) for label in labels)
+        )
+        for name, labels in recorded.items()
+    ]
+
+
+def read_speeds(folder: Path, results: dict[str, ModelResults]) -> None:
+    """The batch tuning, table 2 and the standalone measurements."""
     for row in _rows(folder, "batches.csv"):
         results[row["model"]].batches.setdefault(row["device"], []).append(
             (int(row["batch"]), float(row["images_per_s"]))
@@ -1029,6 +1085,10 @@ def read_folder(folder: Path) -> SuiteRun:
         results[row["model"]].standalone.setdefault(row["setup"], {}).setdefault(
             row["worker"], []
         ).append(float(row["images_per_s"]))
+
+
+def read_policy_runs(folder: Path, results: dict[str, ModelResults]) -> None:
+    """Every policy job; ValueError for a table written before jobs were traced."""
     runs = _rows(folder, "policy_runs.csv")
     if runs and "waste_from_trace" not in runs[0]:
         raise ValueError(
@@ -1050,6 +1110,10 @@ def read_folder(folder: Path) -> SuiteRun:
                 int(row["standalone_bracket"]),
             )
         )
+
+
+def read_peers(folder: Path, results: dict[str, ModelResults]) -> None:
+    """Farm's rounds against the peers, each peer's runs, tuning and output difference."""
     tuning: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
     for row in _rows(folder, "peer_tuning.csv", optional=True):
         tuning[(row["model"], row["peer"])].append(
@@ -1077,14 +1141,6 @@ def read_folder(folder: Path) -> SuiteRun:
     for row in _rows(folder, "peers.csv", optional=True):
         if not row["peer"].startswith("farm ("):
             results[row["model"]].peer_differences[row["peer"]] = float(row["max_abs_difference"])
-    return SuiteRun(
-        machine,
-        setups,
-        list(recorded["skipped"]),
-        list(results.values()),
-        recorded["command"],
-        float(recorded["seconds"]),
-    )
 
 
 def write_folder(folder: Path, run: SuiteRun) -> None:

@@ -19,6 +19,7 @@ Infrastructure faults are not the work's fault (issue 17).  So:
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from farm.policies import Chunk
@@ -111,4 +112,23 @@ def halves(chunk: Chunk) -> tuple[Chunk, Chunk]:
     return Chunk(chunk.start, first), Chunk(chunk.start + first, chunk.count - first)
 
 
-__all__ = ["Evidence", "Mark", "Tally", "halves", "suspect"]
+def retry_index(
+    retries: Iterable[Chunk], evidence: Evidence, place: str, places: Collection[str]
+) -> int | None:
+    """The first range of a retry line a worker on ``place`` may run: one no worker on its
+    device was charged for, unless no other device (of ``places``, those connected) is left;
+    None if it may run none."""
+    for index, chunk in enumerate(retries):
+        blamed = evidence.devices_charging(chunk)
+        if place not in blamed or not other_place(place, blamed, places):
+            return index
+    return None
+
+
+def other_place(place: str, blamed: set[str], places: Collection[str]) -> bool:
+    """Whether a connected device other than ``place`` and ``blamed`` is left."""
+    others = len(places) - (place in places)
+    return others > sum(1 for p in blamed if p != place and p in places)
+
+
+__all__ = ["Evidence", "Mark", "Tally", "halves", "retry_index", "suspect"]

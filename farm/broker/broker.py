@@ -321,6 +321,12 @@ class Broker:
         if self.recorded is not None:
             self.recorded.append((event, instructions))
         for instruction in instructions:
+            log.debug(
+                "instruction %s caused by event #%d (%s)",
+                type(instruction).__name__,
+                instruction.stimulus,
+                type(event).__name__,
+            )
             self.send(*wire.message_of(instruction))
         if isinstance(event, ev.WorkerJoined):
             self.send(event.worker, messages.Heartbeat(interval=self.config.heartbeat))

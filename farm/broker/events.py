@@ -6,6 +6,11 @@ workers to drop; the driver (the broker's I/O loop, through the wire adapter, or
 simulator) carries them out.  ``payload`` and ``header`` fields are opaque to the state:
 the broker passes zmq frames and decoded headers through, the simulator whatever it likes.
 Both are built by keyword; ``matching`` picks instructions out by their fields.
+
+The state numbers the events it handles, 1 for the first (``Farm.stimulus``), and every
+instruction names the one that caused it (``stimulus``, as dask's ``stimulus_id``): the
+broker's debug log and a replay tell why each message went out.  It is provenance, not
+content: instructions that send the same message compare equal.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any, Literal, TypeVar
 
 from farm.broker.facts import JobOptions, ModelFound, WorkerFacts
 from farm.summary import JobSummary
+from farm.wire.engines import EngineChoice
 
 Peer = bytes  # a ZeroMQ identity: a worker's or a client's
 
@@ -180,6 +186,7 @@ class SendNeed:
     chunk: int
     start: int
     count: int
+    stimulus: int = field(default=0, compare=False)  # the id of the event that caused it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -196,11 +203,12 @@ class SendTask:
     digest: str
     dtype: str
     item_shape: tuple[int, ...]
-    engine: tuple[str, str] | None
+    engine: EngineChoice | None
     payload: Any = ()
     stored: Literal["files", "npy"] | None = None  # the payload says where the items lie
     place: Any = None  # a shared array's file
     exif_rotate: bool = True  # image files turned upright by their EXIF orientation
+    stimulus: int = field(default=0, compare=False)  # the id of the event that caused it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,6 +222,7 @@ class SendResult:
     attempt: int
     trace: tuple[float, float, float] | None  # None: a kept result, from a lost broker
     kept: bool = False  # from a worker counted lost, a lost broker or a vanished client
+    stimulus: int = field(default=0, compare=False)  # the id of the event that caused it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -226,6 +235,7 @@ class SendFailed:
     start: int
     count: int
     error: str
+    stimulus: int = field(default=0, compare=False)  # the id of the event that caused it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -233,6 +243,7 @@ class SendDone:
     client: Peer
     job: str
     summary: JobSummary
+    stimulus: int = field(default=0, compare=False)  # the id of the event that caused it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -245,6 +256,7 @@ class SendCancel:
     reason: str | None = None
     summary: JobSummary | None = None
     chunk: int | None = None
+    stimulus: int = field(default=0, compare=False)  # the id of the event that caused it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -254,6 +266,7 @@ class SendError:
     job: str | None = None
     unknown_job: bool = False
     resubmit: bool = False  # the job was not made: submit what is still missing
+    stimulus: int = field(default=0, compare=False)  # the id of the event that caused it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -261,6 +274,7 @@ class DropWorker:
     """A peer the state does not know as a worker spoke like one: tell it to register again."""
 
     worker: Peer
+    stimulus: int = field(default=0, compare=False)  # the id of the event that caused it
 
 
 Instruction = (

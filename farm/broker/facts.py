@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from farm import defaults
+from farm.wire.engines import EngineChoice
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,8 +41,8 @@ class JobOptions:
     ``priority``: jobs of higher priority are offered free slots first;
     ``timeout``: seconds after submission at which the broker cancels the job;
     ``client``: who submitted it (``host:pid``), shown by ``farm status``;
-    ``engine``: ``(backend, precision)`` the workers run this job's chunks on, instead of
-    their own; ``exif_rotate``: image files are turned upright by their EXIF orientation
+    ``engine``: the backend and precisions the workers run this job's chunks in, instead
+    of their own; ``exif_rotate``: image files are turned upright by their EXIF orientation
     (False: decoded as stored).
     """
 
@@ -50,7 +51,7 @@ class JobOptions:
     priority: int = 0
     timeout: float | None = None
     client: str = ""
-    engine: tuple[str, str] | None = None
+    engine: EngineChoice | None = None
     exif_rotate: bool = True
 
     def policy(self, default_algo: str, default_params: dict[str, Any]) -> tuple[str, dict]:

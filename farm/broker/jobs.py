@@ -41,7 +41,7 @@ class Ranges:
     """Disjoint item ranges ``[start, stop)``, sorted: what kept results delivered of a job
     outside any attempt (a worker counted lost came back with them).  The job's policy
     still holds them; when it hands one out again it is done at once
-    (``FarmState.assign``)."""
+    (``scheduling.assign``)."""
 
     starts: list[int] = field(default_factory=list)
     stops: list[int] = field(default_factory=list)

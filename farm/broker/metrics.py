@@ -80,24 +80,17 @@ class BrokerMetrics:
             "Chunk attempts that failed on the worker (or were lost with it).",
             **per_worker,
         )
-        self.queue_latency = Histogram(
+        self.queue_latency = self.latency(
             "farm_chunk_queue_seconds",
             "Seconds from a chunk's assignment to the start of its "
             "compute (input fetched from the client, queued on the worker).",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.transfer_latency = Histogram(
+        self.transfer_latency = self.latency(
             "farm_chunk_transfer_seconds",
             "Seconds a chunk spent on the network between broker and worker, both ways.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.compute_latency = Histogram(
-            "farm_chunk_compute_seconds",
-            "Seconds of compute per chunk.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.compute_latency = self.latency(
+            "farm_chunk_compute_seconds", "Seconds of compute per chunk."
         )
         self.images_delivered = Counter(
             "farm_images_delivered",
@@ -116,6 +109,10 @@ class BrokerMetrics:
         )
         self.registry.register(_LiveCollector(counts, traffic))
         self.server: Any = None
+
+    def latency(self, name: str, documentation: str) -> Histogram:
+        """A histogram of seconds, in ``LATENCY_BUCKETS``, in this registry."""
+        return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def serve(self, host: str, port: int) -> str:
         """Start the HTTP endpoint (port 0: a free one); return its URL."""

@@ -3,7 +3,7 @@
 The only module that maps the protocol (``farm.wire.protocol``, ``farm.wire.messages``) onto the
 scheduling core (``farm.broker.state`` and its events, which import neither).  Besides
 the mapping it makes the checks a message needs beyond its own decoding: a worker's
-advertised models, a job's dtype and engine, and a chunk's input (DATA) and outputs
+advertised models, a job's dtype, and a chunk's input (DATA) and outputs
 (RESULT) against the attempt the state awaits.  A check that fails becomes the event's
 ``problem``, and the state fails the job with it.
 """
@@ -136,8 +136,8 @@ def job_submitted(
     find_model: Callable[[str], ModelFound | str],
 ) -> ev.JobSubmitted:
     """A SUBMIT, with what ``find_model`` (the broker's repository) says of its model;
-    ``heartbeat``: the client's interval unless it gave one.  ProtocolError if the workers
-    have no such engine as the job asks for, or its shared inputs do not fit it."""
+    ``heartbeat``: the client's interval unless it gave one.  ProtocolError if its shared
+    inputs do not fit it."""
     submit = message.header
     assert isinstance(submit, messages.Submit)
     options = job_options(submit.options)
@@ -193,14 +193,8 @@ def shared_inputs(stored: StoredInputs | None, submit: messages.Submit) -> Share
 
 
 def job_options(options: messages.Options) -> JobOptions:
-    """SUBMIT options (types and ranges checked on decode), with the engine checked;
-    ProtocolError if the workers have no such engine."""
-    from farm.engines.engine import job_engine  # the engines' names, not the engines: cheap
-
-    try:
-        engine = job_engine(options.engine) if options.engine is not None else None
-    except ValueError as exc:
-        raise ProtocolError(str(exc)) from None
+    """SUBMIT options as the broker keeps them (types, ranges and the engine choice were
+    checked on decode)."""
     params = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in options.params.items())
     return JobOptions(
         algo=options.algo,
@@ -208,7 +202,7 @@ def job_options(options: messages.Options) -> JobOptions:
         priority=options.priority,
         timeout=options.timeout,
         client=options.client,
-        engine=engine,
+        engine=options.engine,
         exif_rotate=options.exif_rotate,
     )
 

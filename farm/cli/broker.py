@@ -80,6 +80,13 @@ if TYPE_CHECKING:
     show_default=True,
     help="Address the metrics endpoint listens on.",
 )
+@click.option(
+    "--endpoint-fd",
+    type=click.IntRange(0),
+    hidden=True,
+    help="Write the bound endpoint and a newline to this inherited file descriptor, then "
+    "close it: how a local farm that started this broker learns where it listens.",
+)
 @policy_options()
 def broker(
     bind: str,
@@ -93,6 +100,7 @@ def broker(
     max_chunk_seconds: float,
     metrics_port: int | None,
     metrics_host: str,
+    endpoint_fd: int | None,
     algo: str,
     **options: object,
 ) -> None:
@@ -108,7 +116,8 @@ def broker(
       farm broker --curve keys/ --bind tcp://0.0.0.0:5555 # other machines, encrypted
     """
     params = policy_params(algo, options)
-    from farm.broker.broker import BrokerConfig, serve
+    from farm.broker.broker import BrokerConfig
+    from farm.ops.roles import serve_broker
 
     warn_if_exposed(bind, curve)
     config = BrokerConfig(
@@ -126,13 +135,14 @@ def broker(
         metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
     )
     try:
-        serve(config, on_bound=announce)
+        serve_broker(config, endpoint_fd, on_bound=announce)
     except Exception as exc:  # zmq.ZMQError on a busy address, ValueError on a bad parameter
         raise click.ClickException(str(exc)) from exc
 
 
 def announce(running: Broker) -> None:
-    """The first lines on stdout: where the broker listens (``LocalFarm`` reads them)."""
+    """The first lines on stdout, for people: where the broker listens (a local farm
+    learns it through ``--endpoint-fd``)."""
     click.echo(f"farm broker listening on {running.endpoint}")
     if running.metrics_url:
         click.echo(f"metrics on {running.metrics_url}")

@@ -195,10 +195,7 @@ def supervisord(
         text = render(deployment, output or "supervisord.conf", invocation(ctx))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    if output:
-        Path(output).write_text(text)
-    else:
-        click.echo(text, nl=False)
+    write_output(text, output)
 
 
 @deploy.command()
@@ -321,13 +318,9 @@ def slurm(
       farm deploy slurm --connect "$(cat farm-1234/endpoint)" --curve farm-1234/keys \\
           -o more.sbatch && sbatch --array=1-4 more.sbatch     # four more nodes
     """
-    from farm.ops.slurm import JOB_KEYS, SlurmFarm, render
+    from farm.ops.slurm import SlurmFarm, render
 
-    if curve and no_curve:
-        raise click.UsageError("--curve and --no-curve contradict each other")
-    folders = tuple(
-        arg for folder in models_dir for arg in ("--models-dir", os.path.abspath(folder))
-    )
+    folders = tuple(arg for d in models_dir for arg in ("--models-dir", os.path.abspath(d)))
     farm = SlurmFarm(
         farm=tuple(shlex.split(farm_command)),
         nodes=nodes,
@@ -335,7 +328,7 @@ def slurm(
         gpus_per_node=gpus_per_node,
         algo=algo,
         models=models,
-        curve=None if no_curve else os.path.abspath(curve) if curve else JOB_KEYS,
+        curve=slurm_curve(curve, no_curve),
         connect=connect,
         port=port,
         submits=submits,
@@ -348,8 +341,24 @@ def slurm(
         text = render(farm, invocation(ctx))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    if output:
-        Path(output).write_text(text)
-        Path(output).chmod(0o755)
-    else:
+    write_output(text, output, executable=True)
+
+
+def slurm_curve(curve: str | None, no_curve: bool) -> str | None:
+    """The script's keys: ``--curve`` as an absolute path, fresh keys made in the job
+    (``JOB_KEYS``) by default, or None with ``--no-curve``."""
+    from farm.ops.slurm import JOB_KEYS
+
+    if curve and no_curve:
+        raise click.UsageError("--curve and --no-curve contradict each other")
+    return None if no_curve else os.path.abspath(curve) if curve else JOB_KEYS
+
+
+def write_output(text: str, output: str | None, executable: bool = False) -> None:
+    """Write ``text`` to ``output`` (``executable``: mode 0755), or to stdout without one."""
+    if not output:
         click.echo(text, nl=False)
+        return
+    Path(output).write_text(text)
+    if executable:
+        Path(output).chmod(0o755)

@@ -1,15 +1,15 @@
-"""One job from the command line (submit, run): a progress bar, outputs written as they
-arrive, the summary, and an exit status that says whether every image came back."""
+"""One job from the command line (submit, run): its options made an ``OutputSpec``, a
+progress bar, the summary, and an exit status that says whether every image came back.
+``Client.run`` opens, guards and writes the outputs (``farm.client.outputs``); this maps
+what it raises to messages and exit statuses."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
@@ -18,13 +18,13 @@ import click
 import numpy as np
 
 from farm import defaults
-from farm.client.client import FarmError, FarmTimeout, NoWorker, ResumeRefused
+from farm.client.errors import FarmError, FarmTimeout, NoWorker, OutputRefused, ResumeRefused
+from farm.client.outputs import OutputSpec
 
 if TYPE_CHECKING:
-    from farm.client.answers import AnswerSink, ModelCard
+    from farm.client.answers import ModelCard
     from farm.client.client import Client, JobResult
     from farm.client.inputs import Source
-    from farm.client.journal import Journaled, JournalHeader, JournalSink
     from farm.modelrepo.repository import ModelSpec
     from farm.startup import Timeline
 
@@ -68,14 +68,6 @@ def load_input(arguments: tuple[str, ...]) -> Source:
     for notice in source.notices:
         click.echo(notice, err=True)
     return source
-
-
-@dataclass(frozen=True)
-class Answers:
-    """``--top-k``: answers (named classes and probabilities) rather than raw scores."""
-
-    k: int
-    card: ModelCard | None = None  # None: ask the broker for the model's labels
 
 
 def gated_precision(
@@ -132,11 +124,9 @@ def gated_precision(
     return gate.precision, summary or "precision auto: f32, no lower precision passed the gate"
 
 
-def answers_wanted(
-    source: Source, out: str | None, top_k: int | None, card: ModelCard | None
-) -> Answers | None:
-    """Whether a job writes answers: with --top-k, with a .csv/.jsonl --out, or for image
-    files with no --out (named on the terminal)."""
+def answers_wanted(source: Source, out: str | None, top_k: int | None) -> int | None:
+    """Classes per answer, when a job writes answers: with --top-k, with a .csv/.jsonl
+    --out, or for image files with no --out (named on the terminal); None: raw outputs."""
     from farm.client.answers import DEFAULT_TOP_K, FORMATS
     from farm.client.inputs import FileSource
 
@@ -151,7 +141,47 @@ def answers_wanted(
         raise click.UsageError(
             "--top-k writes answers: give --out a .csv or .jsonl file (or no --out: the terminal)"
         )
-    return Answers(top_k or (DEFAULT_TOP_K if to_file else 1), card)
+    return top_k or (DEFAULT_TOP_K if to_file else 1)
+
+
+def output_spec(
+    source: Source,
+    out: str | None,
+    top_k: int | None,
+    card: ModelCard | None,
+    resume: bool = False,
+    inputs: tuple[str, ...] = (),
+    nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
+) -> OutputSpec | None:
+    """The job's outputs as --out, --top-k and --resume ask (None: kept in memory): a
+    journaled file, or answers on the terminal; its file refused now (``refuse_output``),
+    before a farm starts or the precision gate runs.  ``card``: the labels naming answers
+    (None: the broker's); ``inputs``: the command's arguments (list files: never written);
+    ``nan_shape``: one output's shape, for a `.npy` of a job whose every image failed."""
+    k = answers_wanted(source, out, top_k)
+    if resume and out is None:
+        raise click.UsageError("--resume needs --out: the outputs of the job to resume")
+    if out is None and k is None:
+        return None
+    output = OutputSpec(
+        path=out, top_k=k, card=card, resume=resume, inputs=inputs, nan_shape=nan_shape
+    )
+    refuse_output(output, source)
+    return output
+
+
+def refuse_output(output: OutputSpec, source: Source) -> None:
+    """A look at the output file before anything runs (``check_outputs``): Refused (exit
+    status 2) if it is an input, another job's, or an unfinished job's without --resume;
+    ClickException if its folder cannot be written."""
+    from farm.client.outputs import check_outputs
+
+    try:
+        check_outputs(output, source)
+    except OutputRefused as exc:
+        raise Refused(str(exc)) from exc
+    except FarmError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def warn_unkept(source: Source, out: str | None, top_k: int | None) -> None:
@@ -181,12 +211,10 @@ def output_shape(spec: ModelSpec) -> tuple[int, ...] | None:
 
 
 @contextlib.contextmanager
-def cancel_on_interrupt(
-    client: Client, on_interrupt: Callable[[], None] = lambda: None
-) -> Iterator[list[bool]]:
-    """The first Ctrl-C calls ``on_interrupt`` and cancels the job (the broker confirms what
-    finished); a second one quits at once.  Yields a list that holds True once Ctrl-C was
-    pressed."""
+def cancel_on_interrupt(client: Client) -> Iterator[list[bool]]:
+    """The first Ctrl-C cancels the job (the broker confirms what finished), leaving a
+    journaled output unfinished for --resume, as a kill does; a second one quits at once.
+    Yields a list that holds True once Ctrl-C was pressed."""
     pressed: list[bool] = []
 
     def interrupted(*_: Any) -> None:
@@ -195,8 +223,7 @@ def cancel_on_interrupt(
             raise SystemExit(130)
         pressed.append(True)
         click.echo("\ncancelling the job; Ctrl-C again to quit at once", err=True)
-        on_interrupt()
-        client.cancel()
+        client.cancel(hold=True)
 
     previous = signal.signal(signal.SIGINT, interrupted)
     try:
@@ -211,234 +238,94 @@ class Refused(click.ClickException):
     exit_code = 2
 
 
-def check_journal(out: str, resume: bool) -> None:
-    """Refuse to overwrite an unfinished job's outputs (``OUT.partial`` of a killed job, or
-    ``OUT`` of one that stopped early) without ``--resume``; with it and no journal, say
-    that the job starts afresh."""
-    from farm.client.journal import journal_path
-    from farm.client.npy import partial_path
-
-    journal = journal_path(out)
-    if journal.exists() and not resume:
-        partial = partial_path(out)
-        held = (
-            f"{partial} holds its outputs so far"
-            if partial.exists()
-            else f"{out} lacks the images that did not come back"
-        )
-        raise Refused(
-            f"{journal} is there: the job writing {out} did not finish ({held}); "
-            f"add --resume to finish that job, or delete {journal} to start afresh"
-        )
-    if resume and not journal.exists():
-        click.echo(f"--resume: no journal at {journal}: starting afresh", err=True)
-
-
 def run_job(
     broker: BrokerAccess,
     source: Source,
     model: str,
-    out: str | None = None,
+    output: OutputSpec | None = None,
     quiet: bool = False,
     trace: str | None = None,
-    journal: bool = False,
-    resume: bool = False,
-    answers: Answers | None = None,
-    nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
     timeline: Timeline | None = None,
     notes: tuple[str, ...] = (),
-    inputs: tuple[str, ...] = (),
     **job_options: Any,
 ) -> np.ndarray | None:
-    """Submit with a progress bar, write outputs as they come, print the summary.
+    """Submit with a progress bar, print the summary; exit 1 or 130 if images are missing.
 
-    ``out`` is written as ``OUT.partial``, renamed to ``out`` when the job ends with every
-    row written (or NaN-filled, or a row with the reason): a killed client leaves no
-    ``out`` that reads as complete, and an earlier job's ``out`` stays until then.  It is
-    refused if it, or a file written beside it, is one of the job's input files (or of
-    ``inputs``: the command's arguments, list files included), and while another job
-    writes it (``OUT.lock``).  ``journal``: keep ``OUT.journal`` beside ``out``
-    (``farm.client.journal``) so that a killed or interrupted job can be finished with
-    ``resume``; Ctrl-C then leaves ``OUT.partial``, as a kill does.  ``answers``: write
-    each image's top classes (to ``out``, a .csv or .jsonl, else the terminal) instead of
-    raw scores.  ``nan_shape``: gives one output's shape (asked only if no result came),
-    so that a `.npy` ``out`` of a job whose every image failed is written too (NaN rows;
-    without it, none).  ``timeline``: marked when the job is submitted, and at its first
-    and last result.  ``notes``: lines the summary ends with (the precision gate's
-    choice).  ``job_options``: ``Client.run``'s priority, job_timeout, algo, params,
-    backend and precision.  Returns the raw outputs when they were kept: in memory, or
-    memory-mapped from ``out``.
+    ``output``: where ``Client.run`` writes the outputs (``farm.client.outputs``; None:
+    memory).  ``timeline``: marked when the job is submitted, and at its first and last
+    result.  ``notes``: lines the summary ends with (the precision gate's choice).
+    ``job_options``: ``Client.run``'s priority, job_timeout, algo, params, backend,
+    precision...  Returns the raw outputs when they were kept: in memory, or
+    memory-mapped from the file written.
     """
-    journal = journal and out is not None
-    if resume and not journal:
-        raise click.UsageError("--resume needs --out: the outputs of the job to resume")
-    with contextlib.ExitStack() as held:
-        if out:
-            held.enter_context(guarded_output(out, source, inputs, resume if journal else None))
-        result, output, interrupted = submit_job(
-            broker,
-            source,
-            model,
-            out,
-            quiet,
-            trace,
-            journal,
-            answers,
-            nan_shape,
-            timeline,
-            job_options,
-        )
-        if timeline is not None:
-            timeline.mark("job ended")
-        outputs = result.outputs
-        written = output.written or outputs is not None  # a journaled .npy: mapped if written
-        if outputs is None and out and written and answers is None:
-            outputs = np.load(out, mmap_mode="r")
-        echo_result(
-            result,
-            out,
-            outputs,
-            trace,
-            journaled=journal,
-            answers=answers is not None,
-            written=written,
-        )
-        for note in notes:
-            click.echo(note, err=True)
-        exit_if_incomplete(
-            result,
-            len(source),
-            interrupted,
-            source,
-            answers is not None,
-            written,
-            held=out if output.held else None,
-        )
-    return outputs
-
-
-def check_output(
-    out: str, source: Source, inputs: tuple[str, ...] = (), resume: bool | None = None
-) -> None:
-    """Refuse ``out`` (Refused, exit status 2) before anything is written: an input file
-    among the files written there, another job writing it, or (``resume`` False: a
-    journaled output without ``--resume``) an unfinished job's journal.  A look, held by
-    nothing: ``guarded_output`` checks again and holds the lock for the job."""
-    from farm.client.journal import OutputBusy, check_free
-
-    refuse_input(out, source, inputs)
-    try:
-        check_free(out)
-    except OutputBusy as exc:
-        raise Refused(str(exc)) from exc
-    if resume is False:
-        check_journal(out, resume)
-
-
-def refuse_input(out: str, source: Source, inputs: tuple[str, ...]) -> None:
-    """Refused if ``out``, or a file written beside it, is one of the job's inputs (its
-    files, or the list files named on the command line); ClickException if ``out``'s
-    folder cannot be written."""
-    from farm.client.journal import OutputIsInput, check_not_input
-
-    writable(out)
-    try:
-        check_not_input(out, source, [arg for arg in inputs if os.path.isfile(arg)])
-    except OutputIsInput as exc:
-        raise Refused(str(exc)) from exc
-
-
-def writable(out: str) -> None:
-    """ClickException unless ``out``'s folder is there and writable."""
-    if not os.access(Path(out).resolve().parent, os.W_OK):
-        raise click.ClickException(
-            f"cannot write {out}: its folder does not exist or is not writable"
-        )
-
-
-@contextlib.contextmanager
-def guarded_output(
-    out: str, source: Source, inputs: tuple[str, ...] = (), resume: bool | None = None
-) -> Iterator[None]:
-    """``out`` checked (``refuse_input``) and locked while the job writes it: Refused (exit
-    status 2), nothing written, if it is an input or another job holds it.  ``resume`` (a
-    journaled output): ``check_journal`` then."""
-    from farm.client.journal import OutputBusy, output_lock
-
-    refuse_input(out, source, inputs)
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(output_lock(out))
-        except OutputBusy as exc:
-            raise Refused(str(exc)) from exc
-        if resume is not None:
-            check_journal(out, resume)
-        yield
+    result, interrupted = submit_job(
+        broker, source, model, output, quiet, trace, timeline, job_options
+    )
+    if timeline is not None:
+        timeline.mark("job ended")
+    path = output.path if output is not None else None
+    answers = output is not None and output.answers is not None
+    written = result.written or result.outputs is not None
+    echo_result(result, path, trace, bool(output and output.journaled), answers, written)
+    for note in notes:
+        click.echo(note, err=True)
+    held = path if result.held else None
+    exit_if_incomplete(result, len(source), interrupted, source, answers, written, held)
+    return result.outputs
 
 
 def submit_job(
     broker: BrokerAccess,
     source: Source,
     model: str,
-    out: str | None,
+    output: OutputSpec | None,
     quiet: bool,
     trace: str | None,
-    journal: bool,
-    answers: Answers | None,
-    nan_shape: Callable[[], tuple[int, ...] | None] | None,
     timeline: Timeline | None,
     job_options: dict[str, Any],
-) -> tuple[JobResult, JobOutput, bool]:
-    """Run the job (``run_job``'s arguments) with its progress shown: its result, its
-    output, and whether Ctrl-C stopped it.  ClickException for what stopped it early."""
-    from farm.client.client import job_engine
-
+) -> tuple[JobResult, bool]:
+    """Run the job (``run_job``'s arguments) with its progress shown: its result, and
+    whether Ctrl-C stopped it.  ClickException for what stopped it early."""
     try:
         with broker.connect() as client, contextlib.ExitStack() as stack:
-            output = stack.enter_context(
-                job_sink(
-                    client,
-                    source,
-                    model,
-                    out,
-                    journal,
-                    answers,
-                    nan_shape,
-                    job_engine(job_options.get("backend"), job_options.get("precision")),
-                    job_options.get("exif_rotate", True),
-                )
-            )
             bar = stack.enter_context(progress_display(len(source), model, quiet))
-            interrupted = stack.enter_context(cancel_on_interrupt(client, output.hold))
+            interrupted = stack.enter_context(cancel_on_interrupt(client))
             progress = bar.update if timeline is None else marking_first(bar.update, timeline)
             if timeline is not None:
                 timeline.mark("job submitted")
             result = client.run(
                 source,
                 model,
+                output,
                 progress=progress,
                 trace=trace is not None,
                 notice=lambda line: bar.write(line, file=sys.stderr),
-                **output.arguments,
                 **job_options,
             )
-    except NoWorker as exc:
-        raise click.ClickException(str(exc)) from exc
-    except FarmTimeout as exc:
-        raise click.ClickException(f"{exc} ({NO_BROKER_HINT})") from exc
-    except ResumeRefused as exc:
-        raise Refused(str(exc)) from exc
     except (FarmError, OSError, ValueError) as exc:
-        raise click.ClickException(with_resume_hint(str(exc), out, journal)) from exc
-    return result, output, bool(interrupted)
+        raise job_error(exc, output) from exc
+    return result, bool(interrupted)
 
 
-def with_resume_hint(error: str, out: str | None, journal: bool) -> str:
+def job_error(error: Exception, output: OutputSpec | None) -> click.ClickException:
+    """What to say, and the exit status, for an error that stopped a job: Refused (2) for
+    an output or a resume refused before anything ran, else 1."""
+    if isinstance(error, NoWorker):
+        return click.ClickException(str(error))
+    if isinstance(error, FarmTimeout):
+        return click.ClickException(f"{error} ({NO_BROKER_HINT})")
+    if isinstance(error, (ResumeRefused, OutputRefused)):
+        return Refused(str(error))
+    return click.ClickException(with_resume_hint(str(error), output))
+
+
+def with_resume_hint(error: str, output: OutputSpec | None) -> str:
     """An error that stopped a journaled job, and how to finish that job once it is fixed
     (when its journal is there: some outputs were written)."""
     from farm.client.journal import journal_path
 
-    if not (out and journal and journal_path(out).exists()) or "--resume" in error:
+    out = output.path if output is not None and output.journaled else None
+    if not (out and journal_path(out).exists()) or "--resume" in error:
         return error
     return (
         f"{error}\n(the outputs written so far are kept, with {journal_path(out)}: once "
@@ -520,133 +407,9 @@ def progress_display(total: int, name: str, quiet: bool) -> Iterator[ProgressDis
         yield PlainProgress(total, name)
 
 
-@dataclass
-class JobOutput:
-    """``Client.run``'s output argument, and whether the job wrote ``out`` (its ``.partial``
-    file renamed to it)."""
-
-    arguments: dict[str, Any]
-    written: bool = False
-    journaled: Journaled | None = None  # a journaled file: Ctrl-C leaves it to --resume
-
-    def hold(self) -> None:
-        """Ctrl-C: leave a journaled output unfinished (``OUT.partial`` and its journal),
-        as a killed job does, for ``--resume`` to finish."""
-        if self.journaled is not None:
-            self.journaled.hold = True
-
-    @property
-    def held(self) -> bool:
-        """Whether the job ended held, its output not renamed to ``out``."""
-        return self.journaled is not None and self.journaled.hold and not self.journaled.published
-
-
-@contextlib.contextmanager
-def job_sink(
-    client: Client,
-    source: Source,
-    model: str,
-    out: str | None,
-    journal: bool,
-    answers: Answers | None,
-    nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
-    engine: tuple[str, str] | None = None,
-    exif_rotate: bool = True,
-) -> Iterator[JobOutput]:
-    """``Client.run``'s output argument: answers (journaled, to a file, or on the terminal),
-    a journaled `.npy`, a plain `.npy`, or memory.  A file is written as ``OUT.partial``
-    and renamed to ``out`` once the job has written its every row (journaled: by
-    ``Client.run``); whatever it opens is closed after the job."""
-    from farm.client.answers import AnswerSink, open_writer
-    from farm.client.client import ArraySink
-    from farm.client.journal import Journaled, JournalHeader
-    from farm.client.npy import NpyWriter, partial_path, publish
-
-    partial = partial_path(out) if out else None
-
-    def job() -> JournalHeader:  # the input is hashed only for a journal
-        return JournalHeader.of_job(model, source, engine, exif_rotate)
-
-    if answers is not None:
-        card = answers.card or client.model_card(model)
-        k, cut = card.top_k(answers.k)
-        if cut:
-            click.echo(cut, err=True)
-        sink = (
-            answers_journal(out, job(), k, card, source.names)
-            if out and journal
-            else AnswerSink(k, card, open_writer(out, card, k, partial), source.names)
-        )
-        output = JobOutput({"out": sink}, journaled=sink if isinstance(sink, Journaled) else None)
-        try:
-            yield output
-        finally:
-            sink.close()
-        output.written = isinstance(sink, Journaled) and sink.published
-        if out and partial and not journal and sink.next_row == len(source):
-            publish(partial, Path(out))
-            output.written = True
-    elif out and journal:
-        journaled = npy_journal(out, job(), nan_shape)
-        output = JobOutput({"out": journaled}, journaled=journaled)
-        try:
-            yield output  # Client.run renames it, unless held
-        finally:
-            journaled.close()
-        output.written = journaled.published
-    elif out and partial:
-        npy = NpyWriter(partial, len(source), nan_shape)
-        output = JobOutput({"out": npy})
-        try:
-            yield output
-        finally:
-            npy.close()
-        if npy.item_shape is not None:  # else no row was written, nor filled: no file
-            publish(partial, Path(out))
-            output.written = True
-    else:
-        yield JobOutput({"out": ArraySink(len(source))})
-
-
-def answers_journal(
-    out: str,
-    job: JournalHeader,
-    k: int,
-    card: ModelCard,
-    names: Callable[[int, int], Sequence[str]],
-) -> AnswerSink:
-    """A journaled answers file (``farm.client.answerjournal``) of ``job``, resumed if its
-    journal is there; ResumeRefused if that journal is another job's."""
-    from farm.client.answerjournal import AnswersJournal
-    from farm.client.answers import answers_format
-    from farm.client.journal import JournalMismatch
-
-    header = dataclasses.replace(job, format=answers_format(out), top_k=k)
-    try:
-        return AnswersJournal.open(out, header, card, names)
-    except JournalMismatch as exc:
-        raise ResumeRefused(str(exc)) from exc
-
-
-def npy_journal(
-    out: str,
-    header: JournalHeader,
-    nan_shape: Callable[[], tuple[int, ...] | None] | None = None,
-) -> JournalSink:
-    """A journaled `.npy` output (``farm.client.journal``) of the job ``header`` describes,
-    resumed if its journal is there; ResumeRefused if that journal is another job's."""
-    from farm.client.journal import JournalMismatch, JournalSink
-
-    try:
-        return JournalSink.open(out, header, nan_shape)
-    except JournalMismatch as exc:
-        raise ResumeRefused(str(exc)) from exc
-
-
 def echo_result(
     result: JobResult,
     out: str | None,
-    outputs: np.ndarray | None,
     trace: str | None,
     journaled: bool = False,
     answers: bool = False,
@@ -687,8 +450,8 @@ def echo_result(
     if out and answers and written:
         answered = plural(result.summary.items + result.resumed, "image")
         click.echo(f"answers for {answered} written to {out}")
-    elif out and outputs is not None:
-        click.echo(f"outputs {outputs.shape} {outputs.dtype} written to {out}")
+    elif out and result.outputs is not None:
+        click.echo(f"outputs {result.outputs.shape} {result.outputs.dtype} written to {out}")
     if out and journaled and journal_path(out).exists():
         click.echo(
             f"journal kept at {journal_path(out)}: --resume submits the images still missing"

@@ -15,6 +15,7 @@ from farm.cli.options import models_dir_option, precision_option
 if TYPE_CHECKING:
     from farm.engines.modelcheck import BackendCheck
     from farm.modelrepo.caffe_net import Network
+    from farm.modelrepo.modeladd import NewModel
     from farm.modelrepo.repository import ModelSpec
 
 #: ``--channel-order`` and ``--crop`` of ``farm models add``
@@ -604,8 +605,7 @@ def add_model(
       farm models add alexnet --prototxt deploy.prototxt --weights bvlc_alexnet.caffemodel \\
           --mean-file imagenet_mean.binaryproto --resize 256 --crop center
     """
-    from farm.modelrepo.modeladd import NewModel, commit, discard, stage
-    from farm.modelrepo.repository import ModelError, origin
+    from farm.modelrepo.modeladd import NewModel
 
     if mean_file and mean_text:
         raise click.UsageError("give --mean-file or --mean, not both")
@@ -626,6 +626,17 @@ def add_model(
         description=description,
         input_size=numbers(input_text, "x", int, "CxHxW", (3,)) if input_text else None,
     )
+    add_checked(model, models_dir, force, link, count)
+
+
+def add_checked(
+    model: NewModel, models_dir: tuple[str, ...], force: bool, link: bool, count: int
+) -> None:
+    """Write ``model`` into the repository, check it on every backend with ``count`` images,
+    and keep it only if the check passes (ClickException: nothing is left behind)."""
+    from farm.modelrepo.modeladd import commit, discard, stage
+    from farm.modelrepo.repository import ModelError, origin
+
     try:
         staged = stage(model, models_dir, force=force, link=link)
     except ModelError as exc:

@@ -8,15 +8,16 @@ from typing import Any, TypeVar
 import click
 
 from farm import defaults
+from farm.wire.engines import AUTO, BACKEND_NAMES, PRECISIONS, EngineChoice
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 Decorator = Callable[[Command], Command]
 
-#: ``--backend`` values: ``auto`` and ``farm.engines.engine.BACKENDS`` (kept here so the CLI starts
-#: without importing the engines' modules; a test checks they match).
-BACKEND_CHOICES = ("auto", "caffe", "opencv", "torch", "onnxruntime", "openvino")
-#: ``--precision`` values: ``farm.engines.engine.PRECISIONS``.
-PRECISION_CHOICES = ("f32", "f16", "bf16", "int8")
+#: ``--backend`` values: ``auto`` and the backends (the wire's names: the CLI starts without
+#: importing the engines' modules).
+BACKEND_CHOICES = (AUTO, *BACKEND_NAMES)
+#: ``--precision`` values.
+PRECISION_CHOICES = PRECISIONS
 
 
 def heartbeat_options(function: Command) -> Command:
@@ -162,14 +163,15 @@ def precision_option(text: str, default: str | None = None, gated: bool = False)
 
 
 def worker_precision(context: click.Context, parameter: click.Parameter, value: str) -> str:
-    """A worker's ``--precision``: one precision, or the precision gate's list."""
-    from farm.engines.engine import preference
-
-    if preference(value) is None:
+    """A worker's ``--precision``: one precision, or the precision gate's list (the worker
+    reads it into its ``EngineChoice``)."""
+    try:
+        EngineChoice.parse(AUTO, value)
+    except ValueError as exc:
         raise click.BadParameter(
-            f"{value!r}: use one of {', '.join(PRECISION_CHOICES)}, or the precision "
+            f"{exc}; use one of {', '.join(PRECISION_CHOICES)}, or the precision "
             f"gate's list (openvino:int8,bf16,f32)"
-        )
+        ) from None
     return value
 
 

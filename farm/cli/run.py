@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,13 +17,11 @@ import numpy as np
 
 from farm import defaults
 from farm.cli.job import (
-    Answers,
     BrokerAccess,
-    answers_wanted,
-    check_output,
     gated_precision,
     load_input,
     output_shape,
+    output_spec,
     run_job,
     warn_unkept,
 )
@@ -43,16 +40,43 @@ from farm.cli.options import (
 from farm.cli.policy import policy_options, policy_params
 from farm.client.answers import ModelCard
 from farm.client.client import FarmError
+from farm.client.inputs import repeated
 from farm.startup import Timeline, breakdown
 from farm.summary import plural
 
 if TYPE_CHECKING:
     from farm.client.inputs import Source
+    from farm.client.outputs import OutputSpec
     from farm.modelrepo.repository import ModelSpec
     from farm.ops.background import FarmRecord, FarmSettings
 
 
-@click.command()
+#: ``farm run --help``.
+RUN_HELP = """Run IMAGES on this machine: on the farm `farm up` keeps running, else on a farm
+started for the job (broker + one pinned worker per core) and stopped after it.
+
+IMAGES are image files, folders, globs and lists, or one .npy array, as for
+`farm submit`.  Without IMAGES, runs the model's bundled sample (and scores it
+when the sample has labels).  Ctrl-C cancels the job (and stops the farm it
+started); --out is written as `farm submit` writes it (OUT.partial and a
+journal until the job is finished), so the same command with --resume
+finishes an interrupted or killed job.
+
+\b
+Examples:
+  farm run                                   # LeNet on its bundled sample
+  farm run --repeat 40                       # ... 40 times over: the farm measured
+  farm run photos/ --model squeezenet --top-k 5 --out answers.csv
+  farm run images.npy --model lenet --out scores.npy --timings
+  farm run images.npy --model lenet --out scores.npy --resume   # after Ctrl-C
+  farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
+  farm run images.npy --model mynet --models-dir ~/models --backend openvino
+  farm run photos/ --model squeezenet --precision auto   # bf16/int8 if they agree
+  farm up --model lenet && farm run images.npy && farm down   # start once, run often
+"""
+
+
+@click.command(help=RUN_HELP)
 @click.argument("images", nargs=-1)
 @model_option
 @workers_option
@@ -124,100 +148,59 @@ def run(
     algo: str,
     **options: object,
 ) -> None:
-    """Run IMAGES on this machine: on the farm `farm up` keeps running, else on a farm
-    started for the job (broker + one pinned worker per core) and stopped after it.
-
-    IMAGES are image files, folders, globs and lists, or one .npy array, as for
-    `farm submit`.  Without IMAGES, runs the model's bundled sample (and scores it
-    when the sample has labels).  Ctrl-C cancels the job (and stops the farm it
-    started); --out is written as `farm submit` writes it (OUT.partial and a
-    journal until the job is finished), so the same command with --resume
-    finishes an interrupted or killed job.
-
-    \b
-    Examples:
-      farm run                                   # LeNet on its bundled sample
-      farm run --repeat 40                       # ... 40 times over: the farm measured
-      farm run photos/ --model squeezenet --top-k 5 --out answers.csv
-      farm run images.npy --model lenet --out scores.npy --timings
-      farm run images.npy --model lenet --out scores.npy --resume   # after Ctrl-C
-      farm run images.npy --algo fast-split --ratio 0.5 --trace run.json
-      farm run images.npy --model mynet --models-dir ~/models --backend openvino
-      farm run photos/ --model squeezenet --precision auto   # bf16/int8 if they agree
-      farm up --model lenet && farm run images.npy && farm down   # start once, run often
-    """
+    """Run IMAGES on this machine (``RUN_HELP``)."""
     timeline = Timeline.of_this_process()
     timeline.mark("command imported")
-    from farm.client.inputs import repeated
-    from farm.modelrepo.repository import ModelError, find
-
-    try:
-        spec = find(model, models_dir)
-    except ModelError as exc:
-        raise click.ClickException(str(exc)) from exc
-    labels = None
-    source_given = bool(images)
-    if not images:
-        if spec.sample is None:
-            raise click.ClickException(no_sample(spec, models_dir))
-        images, labels = (str(spec.sample),), spec.sample_labels
+    spec = local_model(model, models_dir)
+    arguments, labels = (images, None) if images else sample_input(spec, models_dir)
     devices = local_devices(workers)
-    source = repeated(load_input(images), repeat)
+    source = repeated(load_input(arguments), repeat)
     check_model_input(source, spec)
-    if resume and not out:
-        raise click.UsageError("--resume needs --out: the outputs of the job to resume")
-    if out:  # refused before a farm starts; the lock is taken once it has (forked)
-        check_output(out, source, images, resume)
-    elif source_given:
+    card, nan_shape = ModelCard(spec.labels, spec.softmax), functools.partial(output_shape, spec)
+    output = output_spec(source, out, top_k, card, resume, arguments, nan_shape)  # refused now
+    if images:
         warn_unkept(source, out, top_k)
     job = LocalJob(
         source=source,
         model=model,
-        out=out,
+        output=output,
         quiet=quiet,
         trace=trace,
-        answers=answers_wanted(source, out, top_k, ModelCard(spec.labels, spec.softmax)),
-        nan_shape=functools.partial(output_shape, spec),
         timeline=timeline,
         shared=shared,
         path_map=path_map,
         exif_rotate=not no_exif_rotate,
-        resume=resume,
-        inputs=images,
     )
     timeline.mark("input opened")
     stop_on_hangup()
     params = policy_params(algo, options)
-    gated, gate_summary = gated_precision(
-        precision,
-        spec,
-        source,
-        validate,
-        min_agreement,
-        backend,
-        sample_labels(labels, repeat),
-        exif_rotate=not no_exif_rotate,
-    )
-    precision = gated or precision
-    if precision == "int8":
-        require_int8(spec)
-    job.notes = (gate_summary,) if gate_summary else ()
+    labelled = sample_labels(labels, repeat)
+    precision = job.gate(spec, precision, validate, min_agreement, backend, labelled)
     wanted = farm_settings(devices, (model,), models_dir, backend, precision, batch)
     standing = None if own_farm else standing_farm(wanted, workers is not None)
-    try:
-        if standing is not None:
-            outputs = job.run_on(standing, wanted, algo, params)
-        else:
-            outputs = job.run_on_new_farm(wanted, algo, params)
-    except FarmError as exc:
-        raise click.ClickException(str(exc)) from exc
+    outputs = job.run(wanted, algo, params, standing)
     if labels is not None and outputs is not None:
         report_accuracy(outputs, labels, spec.labels, repeat)
-    if job.stopping is not None:
-        click.echo(f"farm stopped in {time.time() - job.stopping:.2f} s", err=True)
-    if timings:
-        timeline.mark("done")
-        print_timings(timeline, job.workers)
+    job.report_end(timings)
+
+
+def local_model(model: str, models_dir: tuple[str, ...]) -> ModelSpec:
+    """The model's files on this machine; ClickException if they are not here."""
+    from farm.modelrepo.repository import ModelError, find
+
+    try:
+        return find(model, models_dir)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def sample_input(
+    spec: ModelSpec, models_dir: tuple[str, ...]
+) -> tuple[tuple[str, ...], Path | None]:
+    """The model's bundled sample, as IMAGES, and its labels (if it has them)."""
+    if spec.sample is None:
+        raise click.ClickException(no_sample(spec, models_dir))
+    return (str(spec.sample),), spec.sample_labels
 
 
 def require_int8(spec: ModelSpec) -> None:
@@ -308,11 +291,9 @@ class LocalJob:
 
     source: Source
     model: str
-    out: str | None
+    output: OutputSpec | None  # None: the outputs kept in memory
     quiet: bool
     trace: str | None
-    answers: Answers | None
-    nan_shape: Callable[[], tuple[int, ...] | None]
     timeline: Timeline
     workers: list[dict[str, Any]] | None = None  # a new farm's workers, as they registered
     stopping: float | None = None  # when a new farm began to stop
@@ -320,24 +301,69 @@ class LocalJob:
     shared: bool = False  # the workers read the images themselves
     path_map: tuple[tuple[str, str], ...] = ()
     exif_rotate: bool = True  # image files turned upright by their EXIF orientation
-    resume: bool = False  # finish the interrupted job writing ``out`` (its journal)
-    inputs: tuple[str, ...] = ()  # the command's arguments (list files: never written)
+
+    def gate(
+        self,
+        spec: ModelSpec,
+        precision: str,
+        validate: tuple[str, ...],
+        min_agreement: float,
+        backend: str,
+        labels: np.ndarray | None,
+    ) -> str:
+        """The precision the job runs in (``auto``: the precision gate's choice, its line
+        among the notes); ClickException for int8 where the model has no int8 version."""
+        gated, summary = gated_precision(
+            precision,
+            spec,
+            self.source,
+            validate,
+            min_agreement,
+            backend,
+            labels,
+            exif_rotate=self.exif_rotate,
+        )
+        precision = gated or precision
+        if precision == "int8":
+            require_int8(spec)
+        self.notes = (summary,) if summary else ()
+        return precision
+
+    def run(
+        self,
+        wanted: FarmSettings,
+        algo: str,
+        params: dict[str, Any],
+        standing: FarmRecord | None,
+    ) -> np.ndarray | None:
+        """On the ``farm up`` farm ``standing``, else on a farm started for the job: its
+        raw outputs, if kept; ClickException for a FarmError."""
+        try:
+            if standing is not None:
+                return self.run_on(standing, wanted, algo, params)
+            return self.run_on_new_farm(wanted, algo, params)
+        except FarmError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    def report_end(self, timings: bool) -> None:
+        """How long a farm started for the job took to stop; with ``timings``, the stages
+        of the whole run."""
+        if self.stopping is not None:
+            click.echo(f"farm stopped in {time.time() - self.stopping:.2f} s", err=True)
+        if timings:
+            self.timeline.mark("done")
+            print_timings(self.timeline, self.workers)
 
     def submit(self, endpoint: str, **job_options: Any) -> np.ndarray | None:
         return run_job(
             BrokerAccess(endpoint=endpoint),
             self.source,
             self.model,
-            self.out,
+            self.output,
             self.quiet,
             self.trace,
-            answers=self.answers,
-            journal=True,
-            resume=self.resume,
-            nan_shape=self.nan_shape,
             timeline=self.timeline,
             notes=self.notes,
-            inputs=self.inputs,
             shared=self.shared,
             path_map=self.path_map,
             exif_rotate=self.exif_rotate,
@@ -360,9 +386,8 @@ class LocalJob:
         self, wanted: FarmSettings, algo: str, params: dict[str, Any]
     ) -> np.ndarray | None:
         """On a farm started for this job, stopped after it."""
-        from farm.ops.local import LocalFarm, policy_arguments
+        from farm.ops.local import LocalFarm
 
-        folders = [arg for folder in wanted.models_dirs for arg in ("--models-dir", folder)]
         devices = wanted.devices
         click.echo(
             f"starting a local farm: broker + {plural(len(devices), 'worker')} "
@@ -373,15 +398,11 @@ class LocalJob:
             devices=devices,
             algo=algo,
             preload=[self.model],
-            broker_options=[*policy_arguments(params), *folders],
-            worker_options=[
-                "--backend",
-                wanted.backend,
-                "--precision",
-                wanted.precision,
-                *folders,
-                *(["--batch", str(wanted.batch)] if wanted.batch else []),
-            ],
+            params=params,
+            models_dirs=wanted.models_dirs,
+            backend=wanted.backend,
+            precision=wanted.precision,
+            batch=wanted.batch,
             timeline=self.timeline,
             fork=True,
             while_starting=import_progress_bar,

@@ -14,10 +14,9 @@ from farm import defaults
 from farm.cli.job import (
     NO_BROKER_HINT,
     BrokerAccess,
-    answers_wanted,
-    check_output,
     gated_precision,
     load_input,
+    output_spec,
     run_job,
     warn_unkept,
 )
@@ -44,7 +43,57 @@ if TYPE_CHECKING:
 WATCH_INTERVAL = 2.0
 
 
-@click.command()
+#: ``farm submit --help``.
+SUBMIT_HELP = """Run IMAGES on a farm: image files, or one .npy array.
+
+IMAGES are image files (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM), folders of them
+(searched recursively; other files are skipped and counted), globs, and text
+files listing paths; or one .npy array (N x C x H x W or N x H x W, or N x H x
+W x C for an HWC model; uint8 or float32, other numbers converted to float32
+on the client).  Image
+files travel encoded and the workers decode them, resized and cropped as the
+model's [resize] says; a file that cannot be decoded, or a float32 image with a
+NaN or infinite pixel, fails alone, with its reason.  --out answers.csv (or
+.jsonl) writes each image's top classes, named, in input order; --out scores.npy
+the raw outputs.
+
+IMAGES is read a chunk at a time and outputs are written as they arrive, so
+a file larger than memory runs in bounded memory.  Ctrl-C cancels the job:
+the images done so far are kept (in OUT.partial, which the same command with
+--resume finishes).  Exit status 1 if any image failed or the
+job timed out (the failures are listed; their outputs are NaN), 130 if it
+was cancelled.
+
+--out is written as OUT.partial, renamed to OUT when the job ends with
+every row written: a killed client leaves OUT.partial, never an OUT that
+reads as complete, and an earlier OUT stays until the rename.  Beside it a
+journal (OUT.journal) lists the rows written and their CRCs until every
+image is back.  If the client is killed, the machine reboots or the disk
+fills up (exit status 1, the job cancelled), the same command with --resume
+submits only the images missing.  A .npy resume also retries failed images
+(NaN rows); an answers file keeps its rows, failed ones with their reason,
+and retries the images a stopped job (cancelled, timed out) did not get.
+Without --resume an unfinished job's journal is not overwritten; a resume
+with another input, model, engine, format or --top-k is refused (exit
+status 2).  So is an --out that is one of the input files (links
+included), and one that another job is writing (it holds OUT.lock).
+
+\b
+Examples:
+  farm submit photos/ --model squeezenet --top-k 5 --out answers.csv
+  farm submit 'photos/**/*.jpg' list.txt --model squeezenet    # answers on the terminal
+  farm submit images.npy --model lenet --out scores.npy
+  farm submit images.npy --model lenet --out scores.npy --resume   # after a crash
+  farm submit images.npy --trace run.json && farm report run.json -o run.png
+  farm submit urgent.npy --priority 10 --job-timeout 600
+  farm submit images.npy --algo fifo --chunk 1000     # this job's own policy
+  farm submit images.npy --backend openvino           # this job's own engine
+  farm submit /nfs/photos/ --shared --model squeezenet  # workers read the files
+  FARM_BROKER=tcp://10.0.0.1:5555 farm submit images.npy --curve keys/
+"""
+
+
+@click.command(help=SUBMIT_HELP)
 @click.argument("images", nargs=-1, required=True)
 @model_option
 @client_broker_option
@@ -116,63 +165,14 @@ def submit(
     algo: str | None,
     **options: object,
 ) -> None:
-    """Run IMAGES on a farm: image files, or one .npy array.
-
-    IMAGES are image files (JPEG, PNG, BMP, TIFF, WebP, GIF, PNM), folders of them
-    (searched recursively; other files are skipped and counted), globs, and text
-    files listing paths; or one .npy array (N x C x H x W or N x H x W, or N x H x
-    W x C for an HWC model; uint8 or float32, other numbers converted to float32
-    on the client).  Image
-    files travel encoded and the workers decode them, resized and cropped as the
-    model's [resize] says; a file that cannot be decoded, or a float32 image with a
-    NaN or infinite pixel, fails alone, with its reason.  --out answers.csv (or
-    .jsonl) writes each image's top classes, named, in input order; --out scores.npy
-    the raw outputs.
-
-    IMAGES is read a chunk at a time and outputs are written as they arrive, so
-    a file larger than memory runs in bounded memory.  Ctrl-C cancels the job:
-    the images done so far are kept (in OUT.partial, which the same command with
-    --resume finishes).  Exit status 1 if any image failed or the
-    job timed out (the failures are listed; their outputs are NaN), 130 if it
-    was cancelled.
-
-    --out is written as OUT.partial, renamed to OUT when the job ends with
-    every row written: a killed client leaves OUT.partial, never an OUT that
-    reads as complete, and an earlier OUT stays until the rename.  Beside it a
-    journal (OUT.journal) lists the rows written and their CRCs until every
-    image is back.  If the client is killed, the machine reboots or the disk
-    fills up (exit status 1, the job cancelled), the same command with --resume
-    submits only the images missing.  A .npy resume also retries failed images
-    (NaN rows); an answers file keeps its rows, failed ones with their reason,
-    and retries the images a stopped job (cancelled, timed out) did not get.
-    Without --resume an unfinished job's journal is not overwritten; a resume
-    with another input, model, engine, format or --top-k is refused (exit
-    status 2).  So is an --out that is one of the input files (links
-    included), and one that another job is writing (it holds OUT.lock).
-
-    \b
-    Examples:
-      farm submit photos/ --model squeezenet --top-k 5 --out answers.csv
-      farm submit 'photos/**/*.jpg' list.txt --model squeezenet    # answers on the terminal
-      farm submit images.npy --model lenet --out scores.npy
-      farm submit images.npy --model lenet --out scores.npy --resume   # after a crash
-      farm submit images.npy --trace run.json && farm report run.json -o run.png
-      farm submit urgent.npy --priority 10 --job-timeout 600
-      farm submit images.npy --algo fifo --chunk 1000     # this job's own policy
-      farm submit images.npy --backend openvino           # this job's own engine
-      farm submit /nfs/photos/ --shared --model squeezenet  # workers read the files
-      FARM_BROKER=tcp://10.0.0.1:5555 farm submit images.npy --curve keys/
-    """
-    params = policy_params(algo, options) if algo else {}
-    if not algo and any(value is not None for value in options.values()):
-        raise click.UsageError("policy parameters need --algo (the job's own policy)")
+    """Run IMAGES on a farm (``SUBMIT_HELP``)."""
+    params = job_policy(algo, options)
     broker = BrokerAccess(
         endpoint=broker_address, timeout=timeout, curve=curve, curve_name=curve_name
     )
     source = load_input(images)
     warn_unkept(source, out, top_k)
-    if out:  # refused before the precision gate runs (run_job holds the lock)
-        check_output(out, source, images, resume)
+    output = output_spec(source, out, top_k, local_card(model, models_dir), resume, images)
     precision, gate_summary = gated_precision(
         precision,
         local_spec(model, models_dir) if precision == "auto" else None,
@@ -186,12 +186,10 @@ def submit(
         broker,
         source,
         model,
-        out,
+        output,
         quiet,
         trace,
-        journal=True,
-        resume=resume,
-        answers=answers_wanted(source, out, top_k, local_card(model, models_dir)),
+        notes=(gate_summary,) if gate_summary else (),
         priority=priority,
         job_timeout=job_timeout,
         algo=algo,
@@ -201,9 +199,15 @@ def submit(
         shared=shared,
         path_map=path_map,
         exif_rotate=not no_exif_rotate,
-        notes=(gate_summary,) if gate_summary else (),
-        inputs=images,
     )
+
+
+def job_policy(algo: str | None, options: dict[str, object]) -> dict[str, object]:
+    """The parameters of the job's own policy (``--algo``); UsageError for parameters
+    given without it."""
+    if not algo and any(value is not None for value in options.values()):
+        raise click.UsageError("policy parameters need --algo (the job's own policy)")
+    return policy_params(algo, options) if algo else {}
 
 
 def local_spec(model: str, models_dir: tuple[str, ...]) -> ModelSpec | None:

@@ -123,7 +123,8 @@ def worker(
       farm worker --device cpu:0 --curve keys/ --curve-name rack2 --broker tcp://10.0.0.1:5555
     Under supervisord, one per core: farm deploy supervisord --help
     """
-    from farm.workers.worker import Device, WorkerConfig, serve
+    from farm.ops.roles import serve_worker
+    from farm.workers.worker import Device, WorkerConfig
 
     try:
         parsed = Device.parse(device)
@@ -144,6 +145,6 @@ def worker(
             fail_items=fail_items,
             precision=precision,
         )
-        serve(config)
+        serve_worker(config)
     except (ValueError, LookupError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -20,18 +20,17 @@ come back are listed in ``JobResult.failed`` as cancelled.  A job may also
 have a ``job_timeout``, a ``priority`` among the jobs sharing the farm, and a
 policy of its own (``algo``, ``params``).
 
-``run(..., resume="out.npy")`` writes the outputs to ``out.npy.partial`` with
-a journal beside it (``farm.client.journal``), renamed to ``out.npy`` when the job
-ends: a second call after the client was killed asks only for the items not
-safely written.  If writing an output fails (a full disk, EIO, a read-only
-file system), the client cancels its job and raises ``OutputError``; what was
+``run(..., out="out.npy")`` writes the outputs to ``out.npy.partial`` with a
+journal beside it, renamed to ``out.npy`` when the job ends, guarded as ``farm
+submit --out`` guards it (``farm.client.outputs``): after the client was killed,
+``run(..., out="out.npy", resume=True)`` asks only for the items not safely
+written.  If writing an output fails (a full disk, EIO, a read-only file
+system), the client cancels its job and raises ``OutputError``; what was
 journaled stays valid for a resume.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
 import socket
@@ -39,15 +38,23 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import numpy as np
 import zmq
 
 from farm.client.answers import AnswerSink, ModelCard
+from farm.client.errors import (
+    FarmError,
+    FarmTimeout,
+    NoWorker,
+    OutputError,
+    OutputRefused,
+    ResumeRefused,
+)
 from farm.client.inputs import (
     ArraySource,
     FileSource,
@@ -61,21 +68,24 @@ from farm.client.inputs import (
 from farm.client.journal import (
     Journaled,
     JournalHeader,
-    JournalMismatch,
-    JournalSink,
-    OutputBusy,
-    OutputIsInput,
-    check_not_input,
-    output_lock,
     record_submission,
     recorded_submissions,
     submissions_path,
 )
 from farm.client.npy import NpyError, NpyReader, NpyWriter
+from farm.client.outputs import (
+    ArraySink,
+    Output,
+    OutputSpec,
+    ResultSink,
+    open_outputs,
+    output_of,
+)
 from farm.client.trace import Trace, TraceRecorder
 from farm.runtime import choose_broker
 from farm.summary import FailedItems, JobSummary, plural
 from farm.wire import messages, protocol
+from farm.wire.engines import AUTO, EngineChoice
 from farm.wire.link import BrokerLink, BrokerRefused, LinkConfig, parse_endpoint, recv_frames
 from farm.wire.protocol import Command, ProtocolError
 
@@ -102,81 +112,6 @@ ACCEPTED = frozenset(
         Command.CANCEL,
     }
 )
-
-
-class FarmError(RuntimeError):
-    """The broker refused or failed a job; the message says why."""
-
-
-class FarmTimeout(FarmError):
-    """Nothing came back from the broker within the timeout."""
-
-
-class NoWorker(FarmTimeout):
-    """No worker was connected to the broker for the client's timeout."""
-
-
-class ResumeRefused(FarmError):
-    """``resume`` found a journal written for another job (input, model or engine)."""
-
-
-class OutputRefused(FarmError):
-    """The output file is one of the job's inputs, or another job is writing it: nothing
-    was run."""
-
-
-class OutputError(FarmError):
-    """Writing the outputs failed (disk full, EIO, read-only...); a job still running was
-    cancelled (``cancelled``)."""
-
-    def __init__(
-        self, error: OSError, safe: int, total: int, journal: Path | None, cancelled: bool = True
-    ) -> None:
-        self.error, self.safe, self.total, self.journal = error, safe, total, journal
-        name = errno.errorcode.get(error.errno or 0, "")
-        where = error.filename or "the outputs"
-        if journal is None:
-            kept = f"{safe:,} of {total:,} images were written; run the job again"
-        else:
-            kept = (
-                f"{safe:,} of {total:,} images are safely written (journal {journal}); "
-                f"free space and run again with --resume (resume= in Python)"
-            )
-        super().__init__(
-            f"cannot write {where}: {error.strerror or error}"
-            f"{f' ({name})' if name else ''}"
-            f"{'; the job was cancelled' if cancelled else ''}; {kept}"
-        )
-
-
-class ResultSink(Protocol):
-    """Where outputs go: ``write`` them by item index, ``fill`` failed items."""
-
-    def write(self, start: int, values: np.ndarray) -> None: ...
-
-    def fill(self, start: int, count: int, value: float) -> None: ...
-
-
-@dataclass
-class ArraySink:
-    """Outputs kept in memory (``array`` is made with the first result unless given)."""
-
-    total: int
-    array: np.ndarray | None = None
-
-    def write(self, start: int, values: np.ndarray) -> None:
-        if self.array is None:
-            self.array = np.empty((self.total, *values.shape[1:]), dtype=values.dtype)
-        if values.shape[1:] != self.array.shape[1:]:
-            raise FarmError(
-                f"outputs of shape {values.shape[1:]} for items {start}+"
-                f"{len(values)} do not match earlier ones {self.array.shape[1:]}"
-            )
-        self.array[start : start + len(values)] = values
-
-    def fill(self, start: int, count: int, value: float) -> None:
-        if self.array is not None:
-            self.array[start : start + count] = value
 
 
 @dataclass
@@ -250,7 +185,9 @@ class Progress:
 
 @dataclass
 class JobResult:
-    outputs: np.ndarray | None  # None when the outputs went to a file sink
+    """What ``Client.run`` got back, and how the job went."""
+
+    outputs: np.ndarray | None  # in memory, or mapped from a `.npy` written; else None
     summary: JobSummary
     failed: list[FailedItems] = field(default_factory=list)
     resubmissions: int = 0  # times the job was submitted again after losing the broker
@@ -263,17 +200,27 @@ class JobResult:
     kept: int = 0  # items whose results workers kept across a lost broker, not recomputed
     oriented: int = 0  # image files with an EXIF orientation: turned upright if exif_rotate
     exif_rotate: bool = True
+    written: bool = False  # the output file was written (complete, or with NaN rows)
+    held: bool = False  # ``cancel(hold=True)`` left it unfinished, for a resume
 
 
 @dataclass(frozen=True)
 class SubmitOptions:
-    """Per-job choices sent with SUBMIT: see ``Client.run``."""
+    """Per-job choices sent with SUBMIT (``Client.run``'s keywords of the same names).
+
+    ``priority``: jobs of higher priority get free workers first; ``job_timeout``: seconds
+    after which the broker cancels the job; ``algo`` and ``params``: a policy for this
+    job instead of the broker's; ``engine``: the engine the workers run it on
+    (``Client.run``'s ``backend`` and ``precision``); ``exif_rotate``: image files turned
+    upright by their EXIF orientation, as viewers show them (False: the pixels as
+    stored; ``JobResult.oriented`` counts the files that have one).
+    """
 
     priority: int = 0
     job_timeout: float | None = None
     algo: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
-    engine: tuple[str, str] | None = None  # (backend, precision) instead of the workers' own
+    engine: EngineChoice | None = None  # instead of the workers' own
     exif_rotate: bool = True  # image files turned upright by their EXIF orientation
 
     def header(self, remaining: float | None) -> messages.Options:
@@ -292,7 +239,16 @@ class SubmitOptions:
 
 @dataclass
 class JobRun:
-    """One ``Client.run`` in progress: what it reads and writes, and where it stands."""
+    """One ``Client.run`` in progress: what it reads and writes, and where it stands.
+
+    ``progress``: called with each count of items back (first with those resumed);
+    ``trace``: every chunk's timings, for ``JobResult.trace`` (``farm.client.trace``);
+    ``shared``: the workers read the items from storage they share with this client
+    (image files, or a `.npy` of uint8 or float32: ``farm.wire.storage``), ``path_map``
+    giving ``(client prefix, worker prefix)`` pairs where they mount it elsewhere (an
+    input that cannot be shared is sent, with a notice); ``notice``: a line for the user
+    while the job waits (no worker connected).
+    """
 
     model: str
     source: Source
@@ -326,6 +282,122 @@ class JobRun:
     def remaining(self) -> float | None:
         """Seconds left of the job's timeout (None: it has none)."""
         return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def resume_journal(self) -> int:
+        """Take the items a journaled sink resumed as answered (told to ``progress``) and
+        name the killed client's submissions, whose kept results still count; how many."""
+        sink = self.sink
+        if not isinstance(sink, Journaled):
+            return 0
+        self.state.answered |= sink.resumed_items()
+        resumed = int(self.state.answered.sum())
+        if resumed and self.progress:
+            self.progress(resumed)
+        self.journal = sink.journal
+        if sink.journal.exists():
+            for earlier, runs in recorded_submissions(sink.journal).items():
+                self.earlier[earlier] = Submission(earlier, runs)
+        else:
+            submissions_path(sink.journal).unlink(missing_ok=True)
+        return resumed
+
+    def record_failure(self, start: int, count: int, error: str) -> None:
+        """Items that did not come back, and why (the client's own reason for a file it could
+        not send wins over the worker's)."""
+        problems = self.source.problems if isinstance(self.source, FileSource) else {}
+        own = [
+            (index, 1, problems[index])
+            for index in sorted(problems)
+            if start <= index < start + count
+        ]
+        for low, high, reason in split_failures(start, count, own):
+            self.state.failed.append(FailedItems(low, high - low, reason or error))
+            if isinstance(self.sink, AnswerSink):
+                self.sink.fail(low, high - low, reason or error)
+
+    def raise_stopped(self) -> None:
+        """OutputError if writing an output stopped the job; the input's error if reading
+        it did (the rows written kept for a resume)."""
+        if self.output_error is not None:
+            raise self.output_failure(self.output_error)
+        if self.input_error is not None:
+            if isinstance(self.sink, Journaled):
+                self.sink.sync()
+            raise self.input_error
+
+    def fail_missing(self) -> None:
+        """Report the items still missing as failed: those a stopped job did not get (not
+        journaled: a resume retries them), or those the broker's early end left."""
+        if self.cancelled:
+            if isinstance(self.sink, Journaled):
+                self.sink.stop_journal()
+            reason = self.cancelled
+        elif not self.state.complete:  # never silently short: the broker said done too early
+            log.error("the job ended with items missing: reported as failed")
+            reason = "did not come back before the job ended"
+        else:
+            return
+        for start, count in self.state.missing_runs():
+            self.record_failure(start, count, reason)
+
+    def finish_outputs(self) -> None:
+        """Fill the failed items (NaN), in input order, and finish a journaled sink;
+        OutputError if writing fails."""
+        failed, sink = self.state.failed, self.sink
+        failed.sort(key=lambda failure: failure.start)  # in input order, not as they arrived
+        try:
+            for failure in failed:
+                sink.fill(failure.start, failure.count, np.nan)
+            if isinstance(sink, Journaled):
+                sink.finish(complete=self.state.complete and not failed)
+                if not sink.journal.exists():
+                    submissions_path(sink.journal).unlink(missing_ok=True)
+        except OSError as exc:
+            raise self.output_failure(exc) from exc
+
+    def output_failure(self, error: OSError) -> OutputError:
+        """The OutputError of a job whose outputs could not be written."""
+        sink, cancelled = self.sink, self.output_error is not None
+        if isinstance(sink, Journaled):
+            try:
+                sink.sync()  # best effort: the journal's lines are checked on resume anyway
+            except OSError:
+                pass
+            return OutputError(error, sink.safe, len(self.source), sink.journal, cancelled)
+        written = int(self.state.answered.sum()) - sum(f.count for f in self.state.failed)
+        return OutputError(error, written, len(self.source), None, cancelled)
+
+    def result(self, elapsed: float, submitted: int, resumed: int) -> JobResult:
+        """The job's result, its outputs left to ``JobOutputs.finished``."""
+        state = self.state
+        summary = self.summary or JobSummary(  # the broker's last word was lost with it
+            total=submitted, items=int(state.answered.sum()) - resumed, broker_seconds=elapsed
+        )
+        trace = None
+        if self.trace is not None:
+            trace = self.trace.document(
+                self.first_id,
+                self.model,
+                len(self.source),
+                self.summary,
+                state.failed,
+                self.cancelled,
+            )
+        return JobResult(
+            outputs=None,
+            summary=msgspec.structs.replace(summary, seconds=elapsed),
+            failed=state.failed,
+            resubmissions=self.resubmissions,
+            duplicates=state.duplicates,
+            cancelled=self.cancelled,
+            trace=trace,
+            resumed=resumed,
+            input_bytes=self.input_bytes,
+            shared=self.shared,
+            kept=state.kept,
+            oriented=self.oriented,
+            exif_rotate=self.options.exif_rotate,
+        )
 
     def new_submission(
         self, missing: list[tuple[int, int]], heartbeat: float
@@ -449,7 +521,7 @@ class Client:
         self.heartbeat = heartbeat
         self._own_context = context is None
         self.context = context or zmq.Context()
-        self._cancel_requested = False
+        self._cancel_requested = self._hold_requested = False
         self._running = Running(heartbeat)
         self._wake_read, self._wake_write = os.pipe()  # cancel() wakes the poll through it
         os.set_blocking(self._wake_write, False)
@@ -494,13 +566,16 @@ class Client:
         """Whether ``cancel`` was called for the current (or next) ``run``."""
         return self._cancel_requested
 
-    def cancel(self) -> None:
+    def cancel(self, hold: bool = False) -> None:
         """Cancel the job ``run`` is running, or is about to run (from another thread or a
         signal handler): the broker drops its queued chunks, and ``run`` returns what came
-        back.  A no-op on a closed client."""
+        back.  ``hold``: leave a journaled output unfinished (``OUT.partial`` and its
+        journal), as a killed job does, for a resume to finish.  A no-op on a closed
+        client."""
         write = self._wake_write
         if write < 0:
             return
+        self._hold_requested = self._hold_requested or hold
         self._cancel_requested = True
         try:
             os.write(write, b"!")
@@ -510,23 +585,24 @@ class Client:
     def map(self, images: Input, model: str, **options: Any) -> np.ndarray:
         """Outputs for every image, in input order; FarmError if any image failed.
 
-        ``resume="out.npy"`` (see ``run``) writes them to that file, journaled: after a
-        crash, the same call computes only the items missing there, and returns the whole
-        output (memory-mapped from the file).
+        ``out="out.npy", resume=True`` (see ``run``) writes them to that file, journaled:
+        after a crash, the same call computes only the items missing there, and returns
+        the whole output (memory-mapped from the file).
         """
         source = as_source(images)
         result = self.run(source, model, **options)
         if result.failed:
             names = source.names if isinstance(source, FileSource) else None
             raise FarmError(describe_failures(result.failed, names))
-        assert result.outputs is not None  # no sink was given: the outputs are in memory
+        if result.outputs is None:
+            raise FarmError("map returns raw outputs: for answers, or a sink of yours, use run")
         return result.outputs
 
     def run(
         self,
         images: Input,
         model: str,
-        out: np.ndarray | ResultSink | None = None,
+        out: Output = None,
         progress: ProgressCallback | None = None,
         *,
         priority: int = 0,
@@ -536,145 +612,57 @@ class Client:
         trace: bool = False,
         backend: str | None = None,
         precision: str | None = None,
-        resume: str | os.PathLike[str] | None = None,
+        resume: bool | str | os.PathLike[str] = False,
         notice: Callable[[str], None] | None = None,
         shared: bool = False,
         path_map: Sequence[tuple[str, str]] = (),
         exif_rotate: bool = True,
     ) -> JobResult:
-        """Submit a job and gather its outputs (into ``out``, an array or a sink such as
-        ``NpyWriter`` or ``farm.client.answers.AnswerSink``, written where the caller said) and a
-        summary; failed items are NaN in the outputs and listed.  A
-        ``farm.client.journal.Journaled`` sink (``farm.client.answerjournal.AnswersJournal``)
-        resumes and
-        ends as ``resume`` does.
+        """Submit a job on ``images`` (``as_source``); its outputs in input order (failed
+        items NaN, or answers' rows with the reason) and a summary.
 
-        ``images``: an array in the model's layout (N x C x H x W, or N x H x W x C for an
-        HWC model; N x H x W for any 1-channel model) or a `.npy` ``NpyReader``; a list of
-        arrays, one image each, stacked (``farm.client.inputs.stacked``); or image files:
-        a list of files, folders, globs and list files (``farm.client.inputs``), sent
-        encoded and decoded by the workers as the model's ``[resize]`` says.  A file that
-        cannot be read or decoded fails alone, with its reason.
-
-        ``priority``: jobs of higher priority get free workers first (default 0);
-        ``job_timeout``: seconds after which the broker cancels the job; ``algo`` and
-        ``params``: a policy for this job instead of the broker's; ``trace``: record
-        every chunk's timings in ``JobResult.trace`` (see ``farm.client.trace``); ``backend``
-        and ``precision``: the engine the workers run this job on, instead of their own
-        (``auto`` and ``f32`` where only one is given).
-
-        ``resume``: a `.npy` path (instead of ``out``) to write the outputs to, with a
-        journal beside it (``farm.client.journal``).  They are written to ``PATH.partial``,
-        renamed to ``PATH`` when the job ends with every item written or NaN-filled (a
-        killed client leaves ``PATH.partial``; a file at ``PATH`` stays until then).  If
-        the journal is there, the ranges it lists whose bytes check out are kept and
-        only the other items are submitted (``JobResult.resumed`` counts the kept
-        ones; ``progress`` is first called with that count); ResumeRefused if it was
-        written for another input, model or engine.  The journal is deleted once every
-        item is back, kept otherwise (a later call retries what is missing or failed,
-        taking ``PATH`` back as ``PATH.partial`` meanwhile).  ``JobResult.outputs`` is
-        the whole file, memory-mapped (None if no item came back: no file).
-
-        OutputError if writing an output fails (disk full, EIO...): the job is cancelled
-        on the broker first; what was journaled stays valid for a resume.  The same if
-        reading the input fails (a `.npy` file cut short while the job ran: NpyError
-        naming it), which is then raised.  OutputRefused,
-        before anything is written, if the ``resume`` file (or an ``NpyWriter``'s), or a
-        file written beside it, is one of the job's input files (a link to one included),
-        or if another job is writing it (it holds ``PATH.lock``: ``output_lock``).
-
-        ``shared``: the workers read the items themselves from storage they share with
-        this client (image files, or a `.npy` file of uint8 or float32): the broker carries
-        where each lies, not its bytes (``farm.wire.storage``).  ``path_map``: ``(client prefix,
-        worker prefix)`` pairs where the workers mount it elsewhere.  A worker that cannot
-        read them is sent their bytes; an input that cannot be shared (an array in
-        memory, a `.npy` file converted on the client) is sent, with a notice.
-
-        ``exif_rotate``: image files are turned upright by their EXIF orientation, as viewers
-        show them (False: the pixels as stored); ``JobResult.oriented`` counts the files
-        that have one.
-
-        ``notice``: called with a line for the user while the job waits (no worker is
-        connected; default: a logged warning).  FarmTimeout if no broker ever answers
-        within ``FIRST_CONTACT_TIMEOUT`` seconds (or the client's timeout); NoWorker
-        if no worker is connected to the broker for ``timeout`` seconds.
+        ``out``: None, memory; a path or an ``OutputSpec``, a file guarded and journaled
+        as ``farm submit --out`` writes it, finished after a crash with ``resume=True``
+        (``farm.client.outputs``); an array or a sink of the caller's, as given.  The other
+        choices: ``SubmitOptions`` (the engine: ``backend``, ``precision``) and ``JobRun``.
+        OutputRefused or ResumeRefused before anything is written; OutputError if writing
+        fails (the job cancelled first); FarmTimeout if no broker answers within
+        ``FIRST_CONTACT_TIMEOUT`` s (or ``timeout``); NoWorker if no worker is connected
+        for ``timeout`` s; FarmError if the broker refuses it.
         """
-        source = as_source(images)
-        if len(source) == 0:
-            raise FarmError("no images to run")
-        for line in source.notices:  # an array converted, files skipped
-            log.info("%s", line)
-        if params and algo is None:
-            raise FarmError("policy params need algo (the job's own policy)")
-        if resume is not None and out is not None:
-            raise FarmError("give out or resume, not both")
-        engine = job_engine(backend, precision)
-        if shared and (reason := unshareable(source)):
-            (notice or log.warning)(f"inputs not shared: {reason}")
-            shared = False
-        guard = guard_output(out, resume, source)
-        try:
-            sink = self._open_sink(out, resume, source, model, engine, exif_rotate)
-        except BaseException:
-            guard.close()
-            raise
-        try:
+        source, notice = job_source(images, algo, params), notice or log.warning
+        engine = engine_choice(backend, precision)
+        options = SubmitOptions(
+            priority, job_timeout, algo, dict(params or {}), engine, exif_rotate
+        )
+        with open_outputs(
+            output_of(out, resume),
+            source,
+            lambda: JournalHeader.of_job(model, source, engine, exif_rotate),
+            lambda: self.model_card(model),
+            notice,
+        ) as outputs:
             job = JobRun(
                 model,
                 source,
-                sink,
+                outputs.sink,
                 Progress(len(source)),
-                SubmitOptions(priority, job_timeout, algo, dict(params or {}), engine, exif_rotate),
+                options,
                 progress,
                 trace=TraceRecorder() if trace else None,
                 deadline=None if job_timeout is None else time.monotonic() + job_timeout,
-                notice=notice or log.warning,
-                shared=shared,
+                notice=notice,
+                shared=shared and shareable(source, notice),
                 path_map=tuple(path_map),
             )
-            return self._run_job(job)
-        finally:
-            if isinstance(sink, JournalSink):
-                sink.close()
-            guard.close()
-
-    @staticmethod
-    def _open_sink(
-        out: np.ndarray | ResultSink | None,
-        resume: str | os.PathLike[str] | None,
-        source: Source,
-        model: str,
-        engine: tuple[str, str] | None,
-        exif_rotate: bool,
-    ) -> ResultSink:
-        """Where the outputs go: ``out``, a journaled file (``resume``), else memory."""
-        if resume is not None:
-            header = JournalHeader.of_job(model, source, engine, exif_rotate)
-            try:
-                return JournalSink.open(resume, header)
-            except JournalMismatch as exc:
-                raise ResumeRefused(str(exc)) from exc
-        if out is not None and not isinstance(out, np.ndarray):
-            return out
-        return ArraySink(len(source), out)
+            result = self._run_job(job)
+        return replace(result, outputs=outputs.array(), written=outputs.written, held=outputs.held)
 
     def _run_job(self, job: JobRun) -> JobResult:
         """Submit what the job misses, gather it, and sum up."""
         started = time.perf_counter()
-        sink, state = job.sink, job.state
-        resumed = 0
-        if isinstance(sink, Journaled):
-            state.answered |= sink.resumed_items()
-            resumed = int(state.answered.sum())
-            if resumed and job.progress:
-                job.progress(resumed)
-            job.journal = sink.journal
-            if sink.journal.exists():  # resumed: name the killed client's submissions
-                for earlier, runs in recorded_submissions(sink.journal).items():
-                    job.earlier[earlier] = Submission(earlier, runs)
-            else:
-                submissions_path(sink.journal).unlink(missing_ok=True)
-        missing = state.missing_runs()
+        resumed = job.resume_journal()
+        missing = job.state.missing_runs()
         self._running.job = job
         try:
             if missing:
@@ -682,82 +670,14 @@ class Client:
                 self._collect(job)
         finally:
             self._running.job = None
-            self._cancel_requested = False  # the next run starts afresh
-        if job.output_error is not None:
-            raise self._output_error(job, job.output_error)
-        if job.input_error is not None:
-            if isinstance(sink, Journaled):
-                sink.sync()  # the rows written stay for a resume
-            raise job.input_error
-        if job.cancelled:
-            if isinstance(sink, Journaled):
-                sink.stop_journal()  # what did not come back is retried by a resume
-            for start, count in state.missing_runs():
-                self._record_failure(job, start, count, job.cancelled)
-        elif not state.complete:  # never silently short: the broker said done too early
-            log.error("the job ended with items missing: reported as failed")
-            for start, count in state.missing_runs():
-                self._record_failure(job, start, count, "did not come back before the job ended")
-        state.failed.sort(key=lambda failure: failure.start)  # in input order, not as they arrived
-        try:
-            for failure in state.failed:
-                sink.fill(failure.start, failure.count, np.nan)
-            if isinstance(sink, Journaled):
-                sink.finish(complete=state.complete and not state.failed)
-                if not sink.journal.exists():
-                    submissions_path(sink.journal).unlink(missing_ok=True)
-        except OSError as exc:
-            raise self._output_error(job, exc) from exc
-        elapsed = time.perf_counter() - started
+            if self._hold_requested and isinstance(job.sink, Journaled):
+                job.sink.hold = True  # interrupted: left as a killed job's, for a resume
+            self._cancel_requested = self._hold_requested = False  # the next run: afresh
+        job.raise_stopped()
+        job.fail_missing()
+        job.finish_outputs()
         submitted = sum(count for _, count in missing)
-        summary = job.summary or JobSummary(  # the broker's last word was lost with it
-            total=submitted, items=int(state.answered.sum()) - resumed, broker_seconds=elapsed
-        )
-        recorded = (
-            job.trace.document(
-                job.first_id, job.model, len(job.source), job.summary, state.failed, job.cancelled
-            )
-            if job.trace
-            else None
-        )
-        return JobResult(
-            self._outputs(sink),
-            msgspec.structs.replace(summary, seconds=elapsed),
-            state.failed,
-            job.resubmissions,
-            state.duplicates,
-            job.cancelled,
-            recorded,
-            resumed,
-            job.input_bytes,
-            job.shared,
-            state.kept,
-            job.oriented,
-            job.options.exif_rotate,
-        )
-
-    @staticmethod
-    def _outputs(sink: ResultSink) -> np.ndarray | None:
-        """The outputs in memory, or memory-mapped from a journaled file this job wrote; None
-        for a sink of the caller's."""
-        if isinstance(sink, ArraySink):
-            return sink.array
-        if isinstance(sink, JournalSink) and sink.published:
-            return np.load(sink.path, mmap_mode="r")
-        return None
-
-    @staticmethod
-    def _output_error(job: JobRun, error: OSError) -> OutputError:
-        """The OutputError of a job whose outputs could not be written."""
-        sink, cancelled = job.sink, job.output_error is not None
-        if isinstance(sink, Journaled):
-            try:
-                sink.sync()  # best effort: the journal's lines are checked on resume anyway
-            except OSError:
-                pass
-            return OutputError(error, sink.safe, len(job.source), sink.journal, cancelled)
-        written = int(job.state.answered.sum()) - sum(f.count for f in job.state.failed)
-        return OutputError(error, written, len(job.source), None, cancelled)
+        return job.result(time.perf_counter() - started, submitted, resumed)
 
     def _collect(self, job: JobRun) -> None:
         """Serve the broker's NEEDs and take results until the job ends; submit the missing
@@ -957,7 +877,7 @@ class Client:
         for low, high, error in split_failures(offset, stop - first, failures):
             start = first + low - offset
             if error is not None:
-                self._record_failure(job, start, high - low, error)
+                job.record_failure(start, high - low, error)
                 continue
             try:
                 job.sink.write(start, values[low:high])
@@ -965,21 +885,6 @@ class Client:
                 self._output_failed(job, exc)
                 return False
         return True
-
-    @staticmethod
-    def _record_failure(job: JobRun, start: int, count: int, error: str) -> None:
-        """Items that did not come back, and why (the client's own reason for a file it could
-        not send wins over the worker's)."""
-        problems = job.source.problems if isinstance(job.source, FileSource) else {}
-        own = [
-            (index, 1, problems[index])
-            for index in sorted(problems)
-            if start <= index < start + count
-        ]
-        for low, high, reason in split_failures(start, count, own):
-            job.state.failed.append(FailedItems(low, high - low, reason or error))
-            if isinstance(job.sink, AnswerSink):
-                job.sink.fail(low, high - low, reason or error)
 
     def _output_failed(self, job: JobRun, error: OSError) -> None:
         """An output could not be written: cancel the job (``run`` then raises OutputError)."""
@@ -990,7 +895,7 @@ class Client:
     def _take_failure(self, job: JobRun, header: messages.Failed, submission: Submission) -> None:
         for _, item_start, count in submission.pieces(header.start, header.count):
             for first, stop in job.state.take(item_start, count):
-                self._record_failure(job, first, stop - first, header.error)
+                job.record_failure(first, stop - first, header.error)
                 if job.progress:
                     job.progress(stop - first)
 
@@ -1065,28 +970,10 @@ class Client:
                 raise FarmError(header.error)
 
 
-def guard_output(
-    out: np.ndarray | ResultSink | None, resume: str | os.PathLike[str] | None, source: Source
-) -> contextlib.ExitStack:
-    """What keeps a file output safe while its job runs (close it at the job's end): the
-    ``resume`` file locked (``output_lock``); OutputRefused if another job holds it, or if
-    it (or an ``NpyWriter``'s file) is one of the job's inputs."""
-    guard = contextlib.ExitStack()
-    path = resume if resume is not None else out.path if isinstance(out, NpyWriter) else None
-    if path is None:
-        return guard
-    try:
-        check_not_input(path, source)
-        if resume is not None:
-            guard.enter_context(output_lock(resume))
-    except (OutputIsInput, OutputBusy) as exc:
-        raise OutputRefused(str(exc)) from exc
-    return guard
-
-
-def job_engine(backend: str | None, precision: str | None) -> tuple[str, str] | None:
-    """The engine ``(backend, precision)`` a job asks for (None: the workers' own);
-    ValueError for ``auto``, which the precision gate resolves before a job is submitted."""
+def engine_choice(backend: str | None, precision: str | None) -> EngineChoice | None:
+    """The engine a job asks for (None: the workers' own): ``precision``, one or the
+    precision gate's list, on ``backend`` (default auto); ValueError when malformed, or
+    for ``auto``, which the precision gate resolves before a job is submitted."""
     if backend is None and precision is None:
         return None
     if precision == "auto":
@@ -1095,7 +982,28 @@ def job_engine(backend: str | None, precision: str | None) -> tuple[str, str] | 
             "pass farm.engines.gate.judge(spec, images).precision, or use `farm run` or "
             "`farm submit --precision auto`"
         )
-    return backend or "auto", precision or "f32"
+    return EngineChoice.parse(backend or AUTO, precision or "f32")
+
+
+def job_source(images: Input, algo: str | None, params: dict[str, Any] | None) -> Source:
+    """A job's input (``as_source``), its notices logged; FarmError for an empty one, or
+    policy ``params`` with no ``algo``."""
+    source = as_source(images)
+    if len(source) == 0:
+        raise FarmError("no images to run")
+    for line in source.notices:  # an array converted, files skipped
+        log.info("%s", line)
+    if params and algo is None:
+        raise FarmError("policy params need algo (the job's own policy)")
+    return source
+
+
+def shareable(source: Source, notice: Callable[[str], None]) -> bool:
+    """Whether the workers can read ``source`` from shared storage; if not, a notice why."""
+    reason = unshareable(source)
+    if reason:
+        notice(f"inputs not shared: {reason}")
+    return not reason
 
 
 def as_source(images: Input) -> Source:
@@ -1159,6 +1067,8 @@ def describe_failures(
 
 __all__ = [
     "ArraySink",
+    "OutputRefused",
+    "OutputSpec",
     "Client",
     "FailedItems",
     "FarmError",

@@ -37,9 +37,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import msgspec
 import numpy as np
 
 from farm.client.npy import NpyError, NpyReader, NpyWriter, partial_path, publish, sync_folder
+from farm.wire.engines import EngineChoice
 
 if TYPE_CHECKING:
     from farm.client.inputs import Source
@@ -252,7 +254,7 @@ class JournalHeader:
 
     model: str
     input: InputIdentity
-    engine: tuple[str, str] | None  # (backend, precision) the job chose; None: the workers'
+    engine: EngineChoice | None  # the engine the job chose; None: the workers'
     output_shape: tuple[int, ...] | None = None  # one output item's shape, once known
     output_dtype: str | None = None
     version: int = VERSION
@@ -262,7 +264,7 @@ class JournalHeader:
 
     @classmethod
     def of_job(
-        cls, model: str, source: Source, engine: tuple[str, str] | None, exif_rotate: bool
+        cls, model: str, source: Source, engine: EngineChoice | None, exif_rotate: bool
     ) -> JournalHeader:
         """The header of a job on ``source``: ``exif_rotate`` counts for image files only."""
         from farm.client.inputs import FileSource
@@ -281,7 +283,7 @@ class JournalHeader:
                 "item_shape": list(self.input.item_shape),
                 "exif_rotate": self.exif_rotate,
             },
-            "engine": list(self.engine) if self.engine else None,
+            "engine": msgspec.to_builtins(self.engine),
             "output": {
                 "item_shape": list(self.output_shape or ()),
                 "dtype": self.output_dtype,
@@ -306,7 +308,7 @@ class JournalHeader:
                     str(source["dtype"]),
                     tuple(int(n) for n in source["item_shape"]),
                 ),
-                engine=None if engine is None else (str(engine[0]), str(engine[1])),
+                engine=msgspec.convert(engine, EngineChoice | None),
                 output_shape=tuple(int(n) for n in output["item_shape"]),
                 output_dtype=output["dtype"] and str(output["dtype"]),
                 version=int(document["version"]),
@@ -316,7 +318,7 @@ class JournalHeader:
                 if source.get("exif_rotate") is None
                 else bool(source["exif_rotate"]),
             )
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
+        except (ValueError, TypeError, KeyError, IndexError) as exc:  # msgspec's: ValueError
             raise JournalUnreadable(f"its header is not a journal header ({exc})") from exc
 
     def differences(self, job: JournalHeader) -> list[str]:
@@ -329,7 +331,7 @@ class JournalHeader:
             ("input dtype", mine.dtype, theirs.dtype),
             ("input item shape", mine.item_shape, theirs.item_shape),
             ("input sha256", mine.digest, theirs.digest),
-            ("engine (backend, precision)", self.engine, job.engine),
+            ("engine", self.engine, job.engine),
             ("output format", self.format, job.format),
             ("top-k", self.top_k, job.top_k),
             ("EXIF orientation applied", self.exif_rotate, job.exif_rotate),

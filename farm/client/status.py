@@ -79,10 +79,56 @@ def job_rows(jobs: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+#: The workers table's columns, and the indices of those aligned right.
+WORKER_HEADERS = (
+    "NAME",
+    "BACKEND",
+    "STATE",
+    "IMAGES/S",
+    "BUSY",
+    "CHUNKS",
+    "HEARTBEAT",
+    "IMAGES DONE",
+    "MODELS",
+)
+WORKER_RIGHT = {3, 4, 5, 6, 7}
+#: The jobs table's columns, and the indices of those aligned right.
+JOB_HEADERS = (
+    "JOB",
+    "CLIENT",
+    "MODEL",
+    "POLICY",
+    "PRI",
+    "STATE",
+    "PROGRESS",
+    "IMAGES/S",
+    "ETA",
+    "CHUNKS",
+)
+JOB_RIGHT = {4, 6, 7, 8, 9}
+
+
 def format_status(snapshot: dict[str, Any]) -> str:
-    """The broker line, then a workers table and a jobs table (jobs in the order they are
-    offered free workers)."""
+    """The broker's lines, then a workers table and a jobs table (jobs in the order they
+    are offered free workers)."""
     workers, jobs = snapshot["workers"], snapshot["jobs"]
+    lines = [*broker_lines(snapshot), ""]
+    busy = sum(1 for w in workers if w["state"] == "busy")
+    lines.append(
+        f"WORKERS  {len(workers)} ({busy} busy), "
+        f"{per_second(sum(w['rate'] for w in workers))} over the last 5 s"
+    )
+    if workers:
+        lines += table(WORKER_HEADERS, worker_rows(workers), WORKER_RIGHT)
+    lines += ["", f"JOBS  {len(jobs)}"]
+    if jobs:
+        lines += table(JOB_HEADERS, job_rows(jobs), JOB_RIGHT)
+    return "\n".join(lines)
+
+
+def broker_lines(snapshot: dict[str, Any]) -> list[str]:
+    """The broker's address, uptime and policy; how its jobs ended; what it recovered
+    from; the traffic through it."""
     ended = snapshot.get("jobs_ended", {})
     lines = [
         f"broker {snapshot['endpoint']}  up {duration(snapshot['uptime_s'])}  "
@@ -109,44 +155,4 @@ def format_status(snapshot: dict[str, Any]) -> str:
             f"{sum(traffic['sent'].values()):,} out; jobs' inputs (or where they lie) "
             f"{traffic['input_bytes'] / 1e6:,.1f} MB"
         )
-    lines.append("")
-    busy = sum(1 for w in workers if w["state"] == "busy")
-    lines.append(
-        f"WORKERS  {len(workers)} ({busy} busy), "
-        f"{per_second(sum(w['rate'] for w in workers))} over the last 5 s"
-    )
-    if workers:
-        lines += table(
-            [
-                "NAME",
-                "BACKEND",
-                "STATE",
-                "IMAGES/S",
-                "BUSY",
-                "CHUNKS",
-                "HEARTBEAT",
-                "IMAGES DONE",
-                "MODELS",
-            ],
-            worker_rows(workers),
-            {3, 4, 5, 6, 7},
-        )
-    lines += ["", f"JOBS  {len(jobs)}"]
-    if jobs:
-        lines += table(
-            [
-                "JOB",
-                "CLIENT",
-                "MODEL",
-                "POLICY",
-                "PRI",
-                "STATE",
-                "PROGRESS",
-                "IMAGES/S",
-                "ETA",
-                "CHUNKS",
-            ],
-            job_rows(jobs),
-            {4, 6, 7, 8, 9},
-        )
-    return "\n".join(lines)
+    return lines

@@ -39,7 +39,6 @@ from farm.engines.engine import (
     BackendUnavailable,
     Engine,
     engine_class,
-    preference,
     release_free_memory,
 )
 from farm.engines.modelcheck import check_inputs
@@ -47,6 +46,7 @@ from farm.engines.tolerances import TOLERANCES, relative_difference
 from farm.modelrepo.caffe_net import Network, NetworkError
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, prepare
+from farm.wire.engines import EngineChoice
 from farm.wire.shapes import chunk_items
 
 log = logging.getLogger("farm.engines.autoselect")
@@ -252,27 +252,41 @@ def load_engine(
     precision: str = defaults.PRECISION,
     digest: str | None = None,
 ) -> Engine:
-    """A loaded engine: the named backend's, or for ``auto`` the fastest that agrees
-    (``digest``: the model's, when the caller knows it).  ``precision``: one, or the
-    precision gate's list (``engine.Preference``): the first of its gated precisions this
-    device computes in, on the gate's backend, and only on a CPU (int8 only with VNNI or
-    AMX); else f32 on ``backend``."""
-    chosen = preference(precision)
-    if chosen is None:
-        raise ModelError(f"malformed precision {precision!r}")
-    *gated, last = chosen.precisions
-    for token in gated:
+    """A loaded engine in one precision: the named backend's, or for ``auto`` the fastest
+    that agrees (``digest``: the model's, when the caller knows it)."""
+    return load_one(spec, backend, batch, device, threads, precision, digest)
+
+
+def load_chosen(
+    spec: ModelSpec,
+    choice: EngineChoice,
+    batch: int | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+    digest: str | None = None,
+) -> Engine:
+    """A loaded engine for a job's choice: for the precision gate's list, the first of its
+    gated precisions this device computes in, on the backend that measured them, and only
+    on a CPU (int8 only with VNNI or AMX, and only the version judged); else the last
+    precision (f32) on ``choice.backend``."""
+    *gated, last = choice.precisions
+    measured_on = choice.measured_on or choice.backend  # a gated list names it
+    for precision in gated:
         if device != "cpu":
-            log.info("%s: %s not used on %s: the gate judged it on a CPU", spec.name, token, device)
+            log.info(
+                "%s: %s not used on %s: the gate judged it on a CPU", spec.name, precision, device
+            )
             continue
-        if token.startswith("int8") and not fast_int8():
+        if precision == "int8" and not fast_int8():
             log.info("%s: int8 not used: this CPU has no VNNI or AMX", spec.name)
             continue
         try:
-            return load_one(spec, chosen.backend or backend, batch, device, threads, token, digest)
+            return engine_class(measured_on).load(
+                spec, batch, device, threads, precision, choice.calibration(precision)
+            )
         except ModelError as exc:
-            log.info("%s: %s not used on %s: %s", spec.name, token, device, exc)
-    return load_one(spec, backend, batch, device, threads, last, digest)
+            log.info("%s: %s not used on %s: %s", spec.name, precision, device, exc)
+    return load_one(spec, choice.backend, batch, device, threads, last, digest)
 
 
 def load_one(
@@ -284,7 +298,7 @@ def load_one(
     precision: str,
     digest: str | None,
 ) -> Engine:
-    """``load_engine`` in one precision."""
+    """An engine in one precision on one backend, or on the one ``auto`` chooses."""
     if backend == AUTO:
         return choose(spec, device, threads, precision, batch, digest).loaded()
     return engine_class(backend).load(spec, batch, device, threads, precision)
@@ -349,30 +363,16 @@ def time_backends(
                 backend,
                 _reference_outputs(engine, spec, device, threads, precision, images, outputs),
             )
-        trial.difference = relative_difference(outputs, reference[1])
-        if trial.difference > TOLERANCES[precision]:
-            trial.problem = (
-                f"its outputs differ from {reference[0]}'s by "
-                f"{trial.difference:.1e} of their largest magnitude (tolerance "
-                f"{TOLERANCES[precision]:g})"
-            )
-            continue
-        most = chunk_items(spec.item_shape)
-        sizes = (batch,) if batch else candidate_batches(spec.batch, device, most)
-        trial.rates = time_batches(engine, images, sizes)
-        leaders = sorted([*leaders, (trial, engine)], key=lambda pair: -pair[0].best_rate)[:2]
+        if agrees(trial, outputs, reference, precision):
+            most = chunk_items(spec.item_shape)
+            sizes = (batch,) if batch else candidate_batches(spec.batch, device, most)
+            trial.rates = time_batches(engine, images, sizes)
+            leaders = sorted([*leaders, (trial, engine)], key=lambda pair: -pair[0].best_rate)[:2]
         del engine
     release_free_memory()
     refuse_unconfirmed(spec, trials, reference, precision)
     if not leaders:
-        problems = "; ".join(
-            f"{t.backend}: {t.problem}"
-            for t in trials
-            if t.problem and not t.problem.startswith(NOT_INSTALLED)
-        )
-        raise ModelError(
-            f"model {spec.name!r}: no backend runs it on {device} in {precision} ({problems})"
-        )
+        raise no_backend(spec, device, precision, trials)
     trial, winner = runoff(leaders, images)
     winner.batch = trial.best_batch
     reference_name = reference[0] if reference else winner.backend  # set once a backend ran
@@ -387,17 +387,50 @@ def time_backends(
         current,
         engine=winner,
     )
-    for each in trials:
+    log_choice(choice)
+    return choice
+
+
+def agrees(
+    trial: Trial, outputs: np.ndarray, reference: tuple[str, np.ndarray], precision: str
+) -> bool:
+    """Whether a backend's outputs are the reference's within the precision's tolerance
+    (else ``trial.problem`` says by how much they differ)."""
+    trial.difference = relative_difference(outputs, reference[1])
+    if trial.difference <= TOLERANCES[precision]:
+        return True
+    trial.problem = (
+        f"its outputs differ from {reference[0]}'s by "
+        f"{trial.difference:.1e} of their largest magnitude (tolerance "
+        f"{TOLERANCES[precision]:g})"
+    )
+    return False
+
+
+def no_backend(spec: ModelSpec, device: str, precision: str, trials: list[Trial]) -> ModelError:
+    """Why no backend runs the model: each installed one's problem."""
+    problems = "; ".join(
+        f"{t.backend}: {t.problem}"
+        for t in trials
+        if t.problem and not t.problem.startswith(NOT_INSTALLED)
+    )
+    return ModelError(
+        f"model {spec.name!r}: no backend runs it on {device} in {precision} ({problems})"
+    )
+
+
+def log_choice(choice: Choice) -> None:
+    """The backends left out, with their reasons, then the choice and every backend's speed."""
+    for each in choice.trials:
         if each.problem:
-            log.info("%s: %s left out: %s", spec.name, each.backend, each.problem)
+            log.info("%s: %s left out: %s", choice.model, each.backend, each.problem)
     log.info(
         "%s on %s: %s (%s)",
-        spec.name,
-        device,
+        choice.model,
+        choice.device,
         choice.describe(),
-        ", ".join(f"{t.backend} {t.best_rate:,.0f}/s" for t in trials if t.rates),
+        ", ".join(f"{t.backend} {t.best_rate:,.0f}/s" for t in choice.trials if t.rates),
     )
-    return choice
 
 
 def runoff(leaders: list[tuple[Trial, Engine]], images: np.ndarray) -> tuple[Trial, Engine]:

@@ -33,6 +33,7 @@ from farm.engines.onnx_export import exported_onnx, onnx_path
 from farm.engines.preprocess import Transformer
 from farm.modelrepo.caffe_net import Network, NetworkError
 from farm.modelrepo.repository import ModelError, ModelSpec, prepare
+from farm.wire.engines import AUTO, BACKEND_NAMES, PRECISIONS
 
 log = logging.getLogger("farm.engines.engine")
 
@@ -56,14 +57,9 @@ BACKENDS = {
     "onnxruntime": "farm.engines.backends.onnxruntime:OnnxRuntimeEngine",
     "openvino": "farm.engines.backends.openvino:OpenVINOEngine",
 }
-#: ``auto``: time every installed backend on the model and keep the fastest that agrees.
-AUTO = "auto"
+assert tuple(BACKENDS) == BACKEND_NAMES  # the wire's names (``farm.wire.engines``)
 #: What a GPU worker needs installed at least (``Device.check``).
 GPU_BACKEND = "torch"
-#: Compute precisions; f32 is the default (``defaults.PRECISION``), the others are opt-in
-#: where engine and device support them (int8: a model's version made by ``farm models
-#: quantize``, on the engines that run farm's ONNX export).
-PRECISIONS = ("f32", "f16", "bf16", "int8")
 
 
 @dataclass
@@ -175,10 +171,12 @@ class Engine:
         device: str = "cpu",
         threads: int | None = None,
         precision: str = defaults.PRECISION,
+        calibration: str = "",
     ) -> Engine:
         """Refuse a device or precision this backend lacks (before any model file is read),
-        check the files, build the net in this backend, probe the output with one image."""
-        precision, _, calibration = precision.partition("@")  # int8@...: the gate's version
+        check the files, build the net in this backend, probe the output with one image.
+        ``calibration``: in int8, the start of the calibration digest the version must have
+        (the one the precision gate judged); empty: the model's current one."""
         cls.refuse(spec, device, precision)
         prepare(spec)
         # a backend that reads a cached export needs the net's shapes, not its weights again
@@ -365,66 +363,6 @@ class Engine:
         self.shrink()
         self.allocated = self.spec.batch
         release_free_memory()
-
-
-def job_engine(value: object) -> tuple[str, str]:
-    """A job's ``engine`` option, ``[backend, precision]``, checked; ValueError if not."""
-    if not (
-        isinstance(value, (list, tuple))
-        and len(value) == 2
-        and value[0] in (AUTO, *BACKENDS)
-        and isinstance(value[1], str)
-        and preference(value[1]) is not None
-    ):
-        raise ValueError(
-            f"a job's engine must be [backend, precision] with a backend of "
-            f"{AUTO}, {', '.join(BACKENDS)} and a precision of "
-            f"{', '.join(PRECISIONS)}, or the precision gate's list (openvino:int8,bf16,f32)"
-        )
-    return value[0], value[1]
-
-
-#: The start of an int8 version's calibration digest in a gated precision (``int8@...``).
-CALIBRATION_PREFIX = 12
-
-
-@dataclass(frozen=True)
-class Preference:
-    """A job's precision as a worker reads it: one precision (``bf16``), or the precision
-    gate's ``openvino:int8@3fa9c1e2d4b5,bf16,f32``: the precisions that passed, fastest
-    first, on the backend that measured them (int8 naming the version it judged), then
-    f32 on the worker's own."""
-
-    precisions: tuple[str, ...]  # "int8@3fa9c1e2d4b5", "bf16", "f32"
-    backend: str | None = None  # the gate's backend, for every precision before the last
-
-    def text(self) -> str:
-        listed = ",".join(self.precisions)
-        return f"{self.backend}:{listed}" if self.backend else listed
-
-
-def preference(text: str) -> Preference | None:
-    """A job's precision parsed (``Preference``); None when malformed."""
-    backend, _, listed = text.rpartition(":")
-    tokens = tuple(listed.split(","))
-    names = [token.partition("@")[0] for token in tokens]
-    gated = len(tokens) > 1
-    well_formed = (
-        len(set(names)) == len(names)
-        and all(name in PRECISIONS for name in names)
-        and all(calibration_ok(token) for token in tokens)
-        and (not gated or (names[-1] == "f32" and backend in BACKENDS))
-        and (gated or (not backend and "@" not in listed))
-    )
-    return Preference(tokens, backend or None) if well_formed else None
-
-
-def calibration_ok(token: str) -> bool:
-    """``int8@`` names its version by a hex prefix; no other precision names a version."""
-    name, at, calibration = token.partition("@")
-    if not at:
-        return True
-    return name == "int8" and len(calibration) == CALIBRATION_PREFIX and calibration.isalnum()
 
 
 def require_onnx_engine(backend: str, module: str, library: str, hint: str) -> None:

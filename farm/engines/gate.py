@@ -16,9 +16,9 @@ The verdicts are remembered (``$FARM_CACHE/precision``), keyed by the model's di
 validation set's, the int8 version's calibration, the engine, this CPU (name and
 precision flags) and the libraries' versions; the threshold is applied when they are
 read, so another ``--min-agreement`` needs no new run.  The job carries the passed
-precisions on the gate's engine, fastest first and ending in f32
-(``openvino:int8@3fa9c1e2d4b5,bf16,f32``, ``engine.Preference``): each CPU worker takes
-the first it computes in, exactly the int8 version judged, so a farm of mixed CPUs runs
+precisions on the gate's engine, fastest first and ending in f32 (an ``EngineChoice``,
+``openvino:int8@3fa9c1e2d4b5,bf16,f32`` as text): each CPU worker takes the first it
+computes in, exactly the int8 version judged, so a farm of mixed CPUs runs
 each worker at its own best gated precision; GPU workers run f32.
 """
 
@@ -41,16 +41,11 @@ from farm import defaults
 from farm.engines import quantize
 from farm.engines.autoselect import device_key, remember_file, time_batches, versions
 from farm.engines.cpu import fast_int8, precision_flags
-from farm.engines.engine import (
-    AUTO,
-    CALIBRATION_PREFIX,
-    Engine,
-    Preference,
-    engine_class,
-)
+from farm.engines.engine import AUTO, Engine, engine_class
 from farm.engines.tolerances import relative_difference
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
+from farm.wire.engines import CALIBRATION_PREFIX, EngineChoice
 
 log = logging.getLogger("farm.engines.gate")
 
@@ -112,19 +107,26 @@ class Gate:
         passing = [v for v in self.verdicts if v.passes(self.min_agreement)]
         return sorted(passing, key=lambda verdict: -verdict.speedup)
 
+    def engine_choice(self, backend: str = AUTO) -> EngineChoice:
+        """What the job asks the workers for: f32 on ``backend``, or the passed precisions
+        on the gate's backend, fastest first, int8 naming the version judged, then f32 on
+        ``backend``."""
+        passed = tuple(verdict.precision for verdict in self.passed)
+        if not passed:
+            return EngineChoice(backend)
+        version = self.calibration[:CALIBRATION_PREFIX] if self.calibration else None
+        return EngineChoice(
+            backend,
+            (*passed, "f32"),
+            self.backend,
+            version if "int8" in passed else None,
+        )
+
     @property
     def precision(self) -> str:
-        """What the job asks the workers for: ``f32``, or the passed precisions on the gate's
-        backend, fastest first, int8 naming the version judged, then f32."""
-        passed = [self.token(verdict.precision) for verdict in self.passed]
-        if not passed:
-            return "f32"
-        return Preference((*passed, "f32"), self.backend).text()
-
-    def token(self, precision: str) -> str:
-        if precision != "int8" or self.calibration is None:
-            return precision
-        return f"int8@{self.calibration[:CALIBRATION_PREFIX]}"
+        """``engine_choice``'s precision as ``--precision`` takes it (``f32``, or
+        ``openvino:int8@3fa9c1e2d4b5,bf16,f32``)."""
+        return self.engine_choice().precision_text()
 
     def refuse(self, precision: str, reason: str) -> None:
         """Keep ``precision`` out of this job (its verdict stays remembered as measured)."""

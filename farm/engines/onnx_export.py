@@ -109,22 +109,7 @@ def export(network: Network, output: str | None = None, fold: Transformer | None
     )
     last = max(i for i, layer in enumerate(network.layers) if output in layer.tops)
     for layer in network.layers[: last + 1]:
-        if layer.blob_shapes and not layer.blobs:
-            raise ExportError(f"{network.source}: layer {layer.name!r} has no weights attached")
-        if len(layer.tops) != 1:
-            raise ExportError(
-                f"{network.source}: layer {layer.name!r} has {len(layer.tops)} "
-                f"outputs; farm exports layers with one"
-            )
-        inputs = [builder.values[name] for name in layer.bottoms]
-        shapes = [network.shapes[name] for name in layer.bottoms]
-        try:
-            value = CONVERTERS[layer.type](builder, layer, inputs, shapes)
-        except ExportError as exc:
-            raise ExportError(
-                f"{network.source}: layer {layer.name!r} ({layer.type}): {exc}"
-            ) from None
-        builder.values[layer.tops[0]] = value
+        builder.values[layer.tops[0]] = convert_layer(builder, network, layer)
     builder.nodes.append(
         helper.make_node("Identity", [builder.values[output]], [final], name=final)
     )
@@ -150,6 +135,24 @@ def export(network: Network, output: str | None = None, fold: Transformer | None
     )
     model.ir_version = IR_VERSION
     return model
+
+
+def convert_layer(builder: GraphBuilder, network: Network, layer: Layer) -> str:
+    """Write one layer's nodes; the value holding its output.  ExportError names the layer
+    that cannot be written."""
+    if layer.blob_shapes and not layer.blobs:
+        raise ExportError(f"{network.source}: layer {layer.name!r} has no weights attached")
+    if len(layer.tops) != 1:
+        raise ExportError(
+            f"{network.source}: layer {layer.name!r} has {len(layer.tops)} "
+            f"outputs; farm exports layers with one"
+        )
+    inputs = [builder.values[name] for name in layer.bottoms]
+    shapes = [network.shapes[name] for name in layer.bottoms]
+    try:
+        return CONVERTERS[layer.type](builder, layer, inputs, shapes)
+    except ExportError as exc:
+        raise ExportError(f"{network.source}: layer {layer.name!r} ({layer.type}): {exc}") from None
 
 
 def fold_preprocessing(b: GraphBuilder, transform: Transformer) -> str:

@@ -260,15 +260,10 @@ def supervise(settings: FarmSettings, algo: str) -> None:
         preload=list(settings.models),
         bind=endpoint,
         fork=True,
-        broker_options=[arg for path in settings.models_dirs for arg in ("--models-dir", path)],
-        worker_options=[
-            "--backend",
-            settings.backend,
-            "--precision",
-            settings.precision,
-            *(arg for path in settings.models_dirs for arg in ("--models-dir", path)),
-            *(["--batch", str(settings.batch)] if settings.batch else []),
-        ],
+        models_dirs=settings.models_dirs,
+        backend=settings.backend,
+        precision=settings.precision,
+        batch=settings.batch,
     )
     try:
         with farm as local:

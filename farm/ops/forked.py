@@ -1,12 +1,13 @@
-"""A ``farm`` command run in a forked child of this process: what ``python -m farm ARGS``
-runs, without starting an interpreter and importing numpy, zmq and farm again.  A child
-gets SIGTERM when its parent dies.
+"""A broker or worker run in a forked child of this process: what ``farm broker`` or
+``farm worker`` would run, without starting an interpreter and importing numpy, zmq and
+farm again.  A child gets SIGTERM when its parent dies.
 
 ``farm run`` and ``farm up`` start their broker and workers this way: a child costs a
 fork, not a Python start-up, which on a small machine is most of a farm's start.  The
-child runs the same click command as the process would, then leaves with ``os._exit``
-(the parent's exit handlers and buffers are the parent's).  Fork before this process
-has threads of its own or a zmq context in use: a child inherits neither safely.
+child calls the function it is given (``farm.ops.roles``: the same typed entry points as
+the commands), then leaves with ``os._exit`` (the parent's exit handlers and buffers are
+the parent's).  Fork before this process has threads of its own or a zmq context in use:
+a child inherits neither safely.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -37,12 +38,12 @@ RESET_SIGNALS: dict[signal.Signals, Any] = {
 
 @dataclass
 class ForkedCommand:
-    """A forked ``farm`` command, with the part of ``subprocess.Popen``'s interface that a
-    local farm uses (poll, wait, send_signal, kill, stdout, args, pid)."""
+    """A forked child, with the part of ``subprocess.Popen``'s interface that a local farm
+    uses (poll, wait, send_signal, kill, stdout, args, pid); ``args`` names what it runs."""
 
     args: list[str]
     pid: int
-    stdout: IO[str] | None = None
+    stdout: IO[str] | None = None  # never piped: a forked child writes to this one's
     returncode: int | None = field(default=None, init=False)
 
     def poll(self) -> int | None:
@@ -84,27 +85,19 @@ def wait_exited(pid: int, seconds: float) -> bool:
         os.close(descriptor)
 
 
-def fork_command(
-    args: Sequence[str], stdout_pipe: bool = False, new_session: bool = True
+def fork_call(
+    function: Callable[[], None], name: list[str], new_session: bool = True
 ) -> ForkedCommand:
-    """Run ``farm ARGS`` in a forked child.  ``stdout_pipe``: its stdout comes back as
-    ``stdout`` (a broker's first line names its endpoint); ``new_session``: a Ctrl-C at the
-    terminal reaches this process, not the child."""
-    read_end, write_end = os.pipe() if stdout_pipe else (-1, -1)
+    """Call ``function`` in a forked child, named ``name`` (``["farm", "broker"]``) in
+    errors; ``new_session``: a Ctrl-C at the terminal reaches this process, not the child.
+    Its exit code: 0 once ``function`` returns, 1 if it raised."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child: never returns
         startup.forked_at = time.time()
-        if stdout_pipe:
-            os.dup2(write_end, 1)
-            os.close(read_end)
-            os.close(write_end)
-        run_child(list(args), new_session)
-    if not stdout_pipe:
-        return ForkedCommand(list(args), pid)
-    os.close(write_end)
-    return ForkedCommand(list(args), pid, os.fdopen(read_end, "r"))
+        run_child(function, new_session)
+    return ForkedCommand(name, pid)
 
 
 def stop_with_parent() -> None:
@@ -116,7 +109,7 @@ def stop_with_parent() -> None:
         pass  # not Linux: a child outlives a killed parent, as an exec'd one does
 
 
-def run_child(args: list[str], new_session: bool) -> None:
+def run_child(function: Callable[[], None], new_session: bool) -> None:
     code = 1
     try:
         parent = os.getppid()
@@ -127,12 +120,12 @@ def run_child(args: list[str], new_session: bool) -> None:
             os.setsid()
         for signum, handler in RESET_SIGNALS.items():
             signal.signal(signum, handler)
-        from farm.cli import main
-
-        main(args=args, prog_name="farm")
+        function()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        pass
     except BaseException:
         traceback.print_exc()
     finally:

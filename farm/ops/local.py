@@ -1,9 +1,12 @@
 """A farm on this machine: a broker process and one pinned worker process per core.
 
-``farm run`` and the tests use it; the processes are the real ``farm broker``
-and ``farm worker`` commands, talking over loopback TCP, each in a session of
-its own: a Ctrl-C at the terminal reaches the client (which cancels its job),
-not the farm, which ``stop`` ends.
+``farm run`` and the tests use it.  Its fields build the broker's and each worker's typed
+settings (``BrokerConfig``, ``WorkerConfig``); a forked process serves them directly
+(``farm.ops.roles``), a process started by exec gets them as ``farm broker`` and ``farm
+worker`` arguments, with the extra options given (``broker_options``, ...) after them.
+Either way the broker sends the endpoint it bound down a pipe.  The processes talk over
+loopback TCP, each in a session of its own: a Ctrl-C at the terminal reaches the client
+(which cancels its job), not the farm, which ``stop`` ends.
 """
 
 from __future__ import annotations
@@ -16,12 +19,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from farm import defaults
 from farm.client.client import Client, FarmError, FarmTimeout
-from farm.ops.forked import ForkedCommand, fork_command
+from farm.ops import roles
+from farm.ops.forked import ForkedCommand, fork_call
+from farm.ops.roles import policy_arguments
 from farm.startup import Timeline
+
+if TYPE_CHECKING:
+    from farm.broker.broker import BrokerConfig
+    from farm.workers.config import WorkerConfig
 
 #: A process of the farm: started by exec, or forked.
 FarmProcess = subprocess.Popen | ForkedCommand
@@ -39,13 +48,7 @@ def farm_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "farm", *args]
 
 
-def policy_arguments(params: dict[str, Any]) -> list[str]:
-    """Policy parameters as ``farm broker`` arguments (``{"ratio": (1, 3)}``: --ratio 1,3)."""
-    arguments = []
-    for name, value in params.items():
-        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
-        arguments += ["--" + name.replace("_", "-"), text]
-    return arguments
+__all__ = ["LocalFarm", "cores", "farm_command", "free_port", "policy_arguments"]
 
 
 @dataclass(kw_only=True)
@@ -54,6 +57,12 @@ class LocalFarm:
 
     devices: Sequence[str] = field(default_factory=lambda: [f"cpu:{core}" for core in cores()])
     algo: str = defaults.POLICY
+    params: dict[str, Any] = field(default_factory=dict)  # the policy's parameters
+    models_dirs: Sequence[str] = ()  # model folders of the broker and the workers
+    backend: str = defaults.BACKEND  # the workers' engine settings
+    precision: str = defaults.PRECISION
+    batch: int | None = None
+    # more ``farm broker`` / ``farm worker`` options, for processes started by exec only
     broker_options: Sequence[str] = ()
     worker_options: Sequence[str] = ()
     device_options: Sequence[Sequence[str]] = ()  # more options for the i-th device's worker
@@ -67,13 +76,14 @@ class LocalFarm:
     bind: str | None = None  # the broker's endpoint (None: a free loopback TCP port)
     # fork the broker and workers from this process (farm.ops.forked): no interpreter
     # start-up, no imports again; only while this process has no threads and no zmq
-    # context in use (``farm run``, ``farm up``), and not with a launcher
+    # context in use (``farm run``, ``farm up``), and not with a launcher or extra options
     fork: bool = False
     # the caller's own work, done while the processes start (after they were launched)
     while_starting: Callable[[], None] | None = None
     # what starting it set up
     endpoint: str = field(default="", init=False)
     broker: FarmProcess | None = field(default=None, init=False)
+    endpoint_pipe: IO[str] | None = field(default=None, init=False)  # the broker sends it here
     workers: list[FarmProcess] = field(default_factory=list, init=False)
     # from launch to every worker registered (models preloaded)
     start_seconds: float = field(default=0.0, init=False)
@@ -139,52 +149,97 @@ class LocalFarm:
         self.read_endpoint()
 
     def launch_broker(self, bind: str) -> None:
-        self.broker = self.spawn(
-            [
-                "--log-level",
-                self.log_level,
-                "broker",
-                "--bind",
-                bind,
-                "--algo",
-                self.algo,
-                *self.curve_options,
-                *self.broker_options,
-            ],
-            stdout_pipe=True,
+        """Start the broker; it sends the endpoint it bound down ``endpoint_pipe``."""
+        read_end, write_end = os.pipe()
+        config = self.broker_config(bind)
+        try:
+            if self.forks((), self.broker_options):
+                self.broker = fork_call(self.forked_broker(config, write_end), ["farm", "broker"])
+            else:
+                arguments = [*roles.broker_arguments(config), "--endpoint-fd", str(write_end)]
+                self.broker = self.exec_farm(
+                    ["broker", *arguments, *self.broker_options], pass_fds=(write_end,)
+                )
+        finally:
+            os.close(write_end)
+        self.endpoint_pipe = os.fdopen(read_end, "r")
+
+    def broker_config(self, bind: str) -> BrokerConfig:
+        """The broker's settings, from this farm's fields."""
+        from farm.broker.broker import BrokerConfig
+
+        return BrokerConfig(
+            bind=bind,
+            algo=self.algo,
+            params=dict(self.params),
+            model_dirs=tuple(self.models_dirs),
+            curve=self.curve,
         )
 
-    def spawn(
-        self, args: list[str], launcher: Sequence[str] = (), stdout_pipe: bool = False
-    ) -> FarmProcess:
-        """Start ``farm ARGS``, in a session of its own: forked from this process with
-        ``fork`` (no launcher then), else as ``python -m farm ARGS``."""
-        prefix = [*self.launcher, *launcher]
-        if self.fork and not prefix:
-            return fork_command(args, stdout_pipe=stdout_pipe)
+    def worker_config(self, device: str) -> WorkerConfig:
+        """A worker's settings, from this farm's fields (``device`` is parsed here)."""
+        from farm.workers.config import Device, WorkerConfig
+
+        return WorkerConfig(
+            broker=self.endpoint,
+            device=Device.parse(device),
+            preload=tuple(self.preload),
+            model_dirs=tuple(self.models_dirs),
+            backend=self.backend,
+            precision=self.precision,
+            batch=self.batch,
+            curve=self.curve,
+        )
+
+    def forks(self, launcher: Sequence[str], options: Sequence[str]) -> bool:
+        """Whether a process is forked: with ``fork``, and neither a launcher nor extra
+        command-line options (only a process started by exec reads those)."""
+        return self.fork and not (self.launcher or launcher or options)
+
+    def forked_broker(self, config: BrokerConfig, endpoint_fd: int) -> Callable[[], None]:
+        def serve() -> None:
+            roles.set_log_level(self.log_level)
+            roles.serve_broker(config, endpoint_fd)
+
+        return serve
+
+    def forked_worker(self, device: str) -> Callable[[], None]:
+        """The worker's settings are built in the child: ``cpu:bound`` is its own core."""
+
+        def serve() -> None:
+            roles.set_log_level(self.log_level)
+            roles.serve_worker(self.worker_config(device))
+
+        return serve
+
+    def exec_farm(
+        self, args: list[str], launcher: Sequence[str] = (), pass_fds: Sequence[int] = ()
+    ) -> subprocess.Popen:
+        """Start ``python -m farm ARGS`` (after the launchers), in a session of its own;
+        its stdout is dropped (the broker's first lines are for people)."""
         return subprocess.Popen(
-            [*prefix, *farm_command(*args)],
-            stdout=subprocess.PIPE if stdout_pipe else None,
-            text=True,
+            [*self.launcher, *launcher, *farm_command("--log-level", self.log_level, *args)],
+            stdout=subprocess.DEVNULL,
+            pass_fds=pass_fds,
             start_new_session=True,
         )
 
     def read_endpoint(self) -> None:
-        """Wait for the broker's first line, which names the endpoint it bound."""
+        """Wait for the endpoint the broker bound, which it sends down ``endpoint_pipe``."""
         broker = self.running_broker()
-        assert broker.stdout is not None  # launched with stdout=PIPE
-        line = broker.stdout.readline()
-        if not line.startswith("farm broker listening on "):
+        assert self.endpoint_pipe is not None  # launch_broker made it
+        with self.endpoint_pipe as pipe:
+            line = pipe.readline()
+        self.endpoint_pipe = None
+        if not line.endswith("\n"):
             raise FarmError(f"broker did not start (exit code {broker.poll()})")
-        self.endpoint = line.rsplit(" ", 1)[1].strip()
+        self.endpoint = line.strip()
 
     def restart_broker(self) -> None:
         """Kill the broker (SIGKILL: no goodbye) and start a new one on the same address."""
         broker = self.running_broker()
         broker.kill()
         broker.wait()
-        if broker.stdout:
-            broker.stdout.close()
         self.start_broker(self.endpoint)
 
     def running_broker(self) -> FarmProcess:
@@ -194,23 +249,14 @@ class LocalFarm:
         return self.broker
 
     def start_worker(self, device: str, *options: str, launcher: Sequence[str] = ()) -> FarmProcess:
-        preload = [arg for name in self.preload for arg in ("--model", name)]
-        process = self.spawn(
-            [
-                "--log-level",
-                self.log_level,
-                "worker",
-                "--device",
-                device,
-                "--broker",
-                self.endpoint,
-                *preload,
-                *self.curve_options,
-                *self.worker_options,
-                *options,
-            ],
-            launcher,
-        )
+        """Start a worker on ``device``; ``options``: more ``farm worker`` options (exec only)."""
+        process: FarmProcess
+        extra = [*self.worker_options, *options]
+        if self.forks(launcher, extra):
+            process = fork_call(self.forked_worker(device), ["farm", "worker", device])
+        else:
+            arguments = roles.worker_arguments(self.worker_config(device), device)
+            process = self.exec_farm(["worker", *arguments, *extra], launcher)
         self.workers.append(process)
         return process
 
@@ -231,10 +277,6 @@ class LocalFarm:
                     if time.monotonic() > deadline:
                         raise
 
-    @property
-    def curve_options(self) -> list[str]:
-        return ["--curve", self.curve] if self.curve else []
-
     def client(self, timeout: float | None = defaults.CLIENT_TIMEOUT) -> Client:
         return Client(self.endpoint, timeout=timeout, curve=self.curve)
 
@@ -243,6 +285,9 @@ class LocalFarm:
         goodbye to a gone broker waits out the socket's linger), then the broker."""
         stop_processes(self.workers)
         stop_processes([self.broker] if self.broker is not None else [])
+        if self.endpoint_pipe is not None:
+            self.endpoint_pipe.close()
+            self.endpoint_pipe = None
 
 
 def preload_modules() -> None:
@@ -251,8 +296,6 @@ def preload_modules() -> None:
     its own after the fork (OpenVINO imported before the fork left a forked worker hung
     in torch's import, when ``auto`` timed every backend).  Nothing here starts a thread."""
     import farm.broker.broker
-    import farm.cli.broker
-    import farm.cli.worker
     import farm.workers.worker  # noqa: F401
 
 

@@ -178,8 +178,27 @@ def words(items: tuple[str, ...]) -> str:
 
 
 def body(farm: SlurmFarm) -> list[str]:
+    """The script after its directives: settings, functions, the farm, then its use."""
+    return [
+        *settings_lines(farm),
+        "",
+        *FUNCTIONS,
+        "",
+        "trap 'on_signal 143' TERM",
+        "trap 'on_signal 130' INT",
+        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        'read -ra CPUS <<< "$(expand_counts "$SLURM_JOB_CPUS_PER_NODE")"',
+        *curve_lines(farm),
+        *(connect_lines(farm) if farm.connect else [*broker_lines(farm), "BEFORE=0"]),
+        *workers_lines(farm),
+        *(submit_lines(farm) if farm.submits else serve_lines(farm)),
+    ]
+
+
+def settings_lines(farm: SlurmFarm) -> list[str]:
+    """The script's variables, and a clean job folder."""
     models = words(tuple(arg for model in farm.models for arg in ("--model", model)))
-    lines = [
+    return [
         "set -u",
         f"FARM=({words(farm.farm)})",
         '# the submit lines below run this farm ("command": FARM may itself be "farm")',
@@ -196,26 +215,23 @@ def body(farm: SlurmFarm) -> list[str]:
         "# a requeued job runs again with the same id: nothing of its last run is reused",
         'rm -rf "$JOB_DIR/keys" "$JOB_DIR/broker.log" "$JOB_DIR/endpoint"',
         'mkdir -p "$JOB_DIR"',
-        "",
-        *FUNCTIONS,
-        "",
-        "trap 'on_signal 143' TERM",
-        "trap 'on_signal 130' INT",
-        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        'read -ra CPUS <<< "$(expand_counts "$SLURM_JOB_CPUS_PER_NODE")"',
     ]
-    lines += curve_lines(farm)
-    if farm.connect:
-        lines += [
-            f"export FARM_BROKER={shlex.quote(farm.connect)}",
-            "# these workers come on top of those already there",
-            'BEFORE=$(in_background farm status --json "${STATUS_ARGS[@]}" '
-            "| count_workers) || BEFORE=0",
-        ]
-    else:
-        lines += broker_lines(farm)
-        lines += ["BEFORE=0"]
-    lines += [
+
+
+def connect_lines(farm: SlurmFarm) -> list[str]:
+    """Workers for a broker already running elsewhere (``--connect``)."""
+    assert farm.connect is not None
+    return [
+        f"export FARM_BROKER={shlex.quote(farm.connect)}",
+        "# these workers come on top of those already there",
+        'BEFORE=$(in_background farm status --json "${STATUS_ARGS[@]}" '
+        "| count_workers) || BEFORE=0",
+    ]
+
+
+def workers_lines(farm: SlurmFarm) -> list[str]:
+    """Start the workers and wait until they have all registered."""
+    return [
         'echo "$FARM_BROKER" > "$JOB_DIR/endpoint"',
         "start_workers",
         f'if ! in_background farm status --wait-workers "$((BEFORE + WANTED))" '
@@ -227,27 +243,32 @@ def body(farm: SlurmFarm) -> list[str]:
         "fi",
         'say "$WANTED workers registered with the broker at $FARM_BROKER"',
     ]
-    if farm.submits:
-        lines += ["status=0"]
-        for line in farm.submits:
-            lines += [
-                f"say {shlex.quote('running: ' + line)}",
-                "(",
-                line,
-                ") &",
-                "CHILD=$!",
-                'wait "$CHILD" || { code=$?; ((status)) || status=$code; }',
-                "CHILD=",
-            ]
-        lines += ["stop_farm", 'say "done (exit status $status)"', 'exit "$status"']
-    else:
-        waited = '"${WORKER_PIDS[@]}"' if farm.connect else '"$BROKER_PID"'
+
+
+def submit_lines(farm: SlurmFarm) -> list[str]:
+    """Run each submit line in turn, then stop the farm; exit with the first failure's status."""
+    lines = ["status=0"]
+    for line in farm.submits:
         lines += [
-            'say "serving until scancel -b -s TERM $SLURM_JOB_ID or the time limit"',
-            f"wait {waited}",
-            "stop_farm",
+            f"say {shlex.quote('running: ' + line)}",
+            "(",
+            line,
+            ") &",
+            "CHILD=$!",
+            'wait "$CHILD" || { code=$?; ((status)) || status=$code; }',
+            "CHILD=",
         ]
-    return lines
+    return [*lines, "stop_farm", 'say "done (exit status $status)"', 'exit "$status"']
+
+
+def serve_lines(farm: SlurmFarm) -> list[str]:
+    """Serve until scancel or the time limit (a ``--connect`` job: until its workers end)."""
+    waited = '"${WORKER_PIDS[@]}"' if farm.connect else '"$BROKER_PID"'
+    return [
+        'say "serving until scancel -b -s TERM $SLURM_JOB_ID or the time limit"',
+        f"wait {waited}",
+        "stop_farm",
+    ]
 
 
 def curve_lines(farm: SlurmFarm) -> list[str]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from farm.broker import events as ev
+from farm.broker.caps import note_rate
 from farm.broker.facts import JobOptions
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.policies import Chunk
@@ -278,7 +279,7 @@ class FarmSimulation:
         rate = self.speeds[identity.decode()]
         entry = self.state.workers[identity]
         entry.record(kit.MODEL, round(rate * 1000), 1000.0)
-        self.state.note_rate(kit.MODEL, entry)
+        note_rate(self.state, kit.MODEL, entry)
 
     def carry_out(self, now: float, instruction: ev.Instruction) -> None:
         match instruction:

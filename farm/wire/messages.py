@@ -5,8 +5,8 @@ field, a field of the wrong type, a number out of range or a string or list too
 long is refused while decoding, and the error names the field (``$.count``).
 Optional fields are left off the wire while they hold their default.  Checks
 that need more than one field, the broker's state or the model repository
-(a payload's size, a dtype's item size, a job's engine) stay with the code that
-has what they need.
+(a payload's size, a dtype's item size) stay with the code that has what they
+need; a job's engine checks itself (``farm.wire.engines``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from msgspec import Meta
 
 #: Heartbeat intervals a peer may announce, in seconds.
 from farm.defaults import HEARTBEAT, MAX_HEARTBEAT, MIN_HEARTBEAT  # noqa: E402
+from farm.wire.engines import EngineChoice
 
 #: Most items in a job, a chunk or one dimension of an item.
 MAX_ITEMS = 1 << 31
@@ -45,7 +46,6 @@ Shape = Annotated[
 ]
 Interval = Annotated[float, Meta(ge=MIN_HEARTBEAT, le=MAX_HEARTBEAT)]
 Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # no NaN, no inf
-Engine = tuple[Name, Name]  # (backend, precision), checked by ``farm.engines.engine.job_engine``
 #: A policy parameter's value: a number, a name, a flag, or a list of them.
 Scalar = bool | int | float | Text | None
 Param = Scalar | Annotated[list[Scalar], Meta(max_length=MAX_LIST)]
@@ -116,7 +116,7 @@ class Task(ChunkHeader):
     digest: Text
     dtype: Text
     item_shape: Shape
-    engine: Engine | None = None
+    engine: EngineChoice | None = None
     stored: Literal["files", "npy"] | None = None
     place: ArrayPlace | None = None
     exif_rotate: bool = True  # image files turned upright by their EXIF orientation
@@ -166,7 +166,7 @@ class Options(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fi
     timeout: Annotated[float, Meta(gt=0, le=MAX_TIMEOUT)] | None = None
     algo: Name | None = None
     params: Annotated[dict[Name, Param], Meta(max_length=MAX_MAP)] = {}
-    engine: Engine | None = None
+    engine: EngineChoice | None = None
     exif_rotate: bool = True  # False: image files decoded as stored, EXIF orientation ignored
 
 

@@ -25,6 +25,7 @@ from farm.cli.job import BrokerAccess, output_shape, run_job
 from farm.client.inputs import ArraySource
 from farm.client.journal import journal_path
 from farm.client.npy import partial_path
+from farm.client.outputs import OutputSpec
 from farm.ops.local import LocalFarm, cores, farm_command
 from farm.workers.worker import Device, WorkerConfig
 from tests.conftest import reference_forward
@@ -529,9 +530,8 @@ def test_a_run_cancelled_before_its_first_result_writes_its_nan_rows(
             BrokerAccess(endpoint=farm_without_workers.endpoint),
             ArraySource(digits[:200]),
             "lenet",
-            str(out),
+            OutputSpec(path=str(out), journal=False, nan_shape=lambda: output_shape(lenet)),
             quiet=True,
-            nan_shape=lambda: output_shape(lenet),
         )
     thread.join()
     assert stopped.value.code == 130

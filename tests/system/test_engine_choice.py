@@ -138,5 +138,5 @@ def test_a_job_brings_its_own_engine_and_a_bad_one_is_refused(
             "openvino f32 batch" in w["engines"]["lenet"] for w in client.info()["workers"]
         ):
             assert time.monotonic() < deadline, client.info()["workers"]
-        with pytest.raises(FarmError, match=r"engine must be \[backend, precision\]"):
+        with pytest.raises(ValueError, match="backend 'tensorflow' is not auto"):
             client.run(digits[:10, None], "lenet", backend="tensorflow")

@@ -25,7 +25,7 @@ from farm.ops.background import (
     read_record,
     write_record,
 )
-from farm.ops.local import farm_command
+from farm.ops.local import LocalFarm, farm_command
 from farm.startup import process_started, process_state
 from tests.conftest import reference_forward
 
@@ -308,3 +308,24 @@ def test_timings_show_each_stage_of_a_new_farm_in_order(tmp_path: Path, digits) 
     assert [s.split(": ", 1)[1] for s in worker] == ["process", "imported", "loaded"]
     assert stages.index(worker[0]) > stages.index("farm launched")
     assert stages.index(worker[-1]) < stages.index("every worker registered")
+
+
+def test_farm_run_hands_its_settings_to_the_forked_farm(tmp_path: Path, digits) -> None:
+    """The forked broker and workers get typed settings, not argv: the engine, the batch
+    and the policy's parameter all reach them."""
+    done = run_digits(
+        tmp_path, digits, "--backend", "opencv", "--batch", "16", "--algo", "fifo", "--chunk", "50"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "on opencv f32 batch 16 on every worker" in done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if "/cpu:" in line]
+    assert sum(int(row[3]) for row in rows) == 200 // 50  # the chunks column
+
+
+def test_a_broker_on_any_port_sends_the_one_it_bound() -> None:
+    """A broker started by exec on port ``*`` tells the farm its endpoint down a pipe."""
+    with LocalFarm(devices=[], bind="tcp://127.0.0.1:*") as local:
+        host, _, port = local.endpoint.rpartition(":")
+        assert host == "tcp://127.0.0.1" and int(port) > 0
+        with local.client(timeout=10.0) as client:
+            assert client.info()["workers"] == []

@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from farm.client.client import Client, OutputRefused
 from farm.client.inputs import ArraySource
 from farm.client.journal import journal_path, lock_path, output_lock
 from farm.client.npy import NpyReader, NpyWriter, partial_path
+from farm.client.outputs import OutputSpec
 from farm.ops.local import LocalFarm, farm_command
 from farm.startup import Timeline
 from farm.summary import JobSummary, per_second, plural, were
@@ -155,6 +157,52 @@ def broker_holds_a_job(local: LocalFarm) -> bool:
         return bool(client.info()["jobs"])
 
 
+def test_the_python_client_guards_its_out_as_farm_submit_does(farm_alone, images, tmp_path) -> None:
+    """``Client.run(out=PATH)``, with or without ``resume``: its input refused as PATH, and
+    while it runs (on a broker with no worker) it holds ``OUT.lock``: `farm submit --out
+    PATH`, with or without --resume, is refused (exit status 2), as is another Python job,
+    and nothing is touched; ``cancel(hold=True)`` leaves no file when nothing came back."""
+    with Client("tcp://127.0.0.1:9", timeout=5) as client:
+        for resume in (False, True):
+            with pytest.raises(OutputRefused, match="is the job's input"):
+                client.run(NpyReader.open(images), "lenet", out=str(images), resume=resume)
+    out, outcome = tmp_path / "same.npy", {}
+    client = Client(farm_alone.endpoint, timeout=600)
+
+    def run() -> None:
+        try:
+            outcome["result"] = client.run(NpyReader.open(images), "lenet", out=out)
+        except Exception as exc:  # reported by the test, not lost with the thread
+            outcome["error"] = exc
+
+    job = threading.Thread(target=run, daemon=True)
+    job.start()
+    try:
+        while not broker_holds_a_job(farm_alone):  # each look is a round trip to the broker
+            assert job.is_alive(), outcome
+        before = folder_state(tmp_path)
+        for extra in ([], ["--resume"]):
+            second = submitted(
+                farm_alone.endpoint, str(images), "--out", str(out), *extra, timeout=60
+            )
+            assert second.returncode == 2, second.stderr
+            assert (
+                f"Error: another job (pid {os.getpid()} on {socket.gethostname()}) is writing "
+                f"{out} now: wait for it to end" in second.stderr
+            )
+        with Client("tcp://127.0.0.1:9", timeout=5) as other:
+            with pytest.raises(OutputRefused, match=f"is writing {out} now"):
+                other.run(NpyReader.open(images), "lenet", out=out, resume=True)
+        assert folder_state(tmp_path) == before
+    finally:
+        client.cancel(hold=True)
+        job.join(60)
+        client.close()
+    result = outcome["result"]
+    assert result.cancelled and result.held and not result.written, result
+    assert not lock_path(out).exists() and not out.exists() and not partial_path(out).exists()
+
+
 def test_a_second_job_on_the_same_out_is_refused_while_the_first_writes_it(
     farm_alone, images, tmp_path
 ) -> None:
@@ -239,9 +287,8 @@ def test_an_input_cut_short_mid_job_is_named_and_the_job_resumes(
             access,
             ArraySource(NpyReader.open(images)),
             "lenet",
-            str(out),
+            OutputSpec(path=str(out)),
             quiet=True,
-            journal=True,
             timeline=CutShortAtFirstResult(images=images, keep=1500),
         )
     message = stopped.value.message
@@ -258,10 +305,8 @@ def test_an_input_cut_short_mid_job_is_named_and_the_job_resumes(
         access,
         ArraySource(NpyReader.open(images)),
         "lenet",
-        str(out),
+        OutputSpec(path=str(out), resume=True),
         quiet=True,
-        journal=True,
-        resume=True,
     )
     reference = np.resize(reference_forward(lenet, digits), (3000, 10))
     np.testing.assert_allclose(np.load(out), reference, atol=1e-5)

@@ -333,10 +333,12 @@ def test_a_torn_or_garbled_journal_line_is_ignored(tmp_path) -> None:
     would leave it; reopening keeps exactly the whole lines whose bytes check out."""
     from farm.client.inputs import ArraySource
     from farm.client.journal import InputIdentity, JournalHeader, JournalSink
+    from farm.wire.engines import EngineChoice
 
     images = np.arange(1000 * 4, dtype=np.uint8).reshape(1000, 1, 2, 2)
     outputs = np.random.default_rng(0).random((1000, 3), dtype=np.float32)
-    job = JournalHeader("lenet", InputIdentity.of(ArraySource(images)), ("openvino", "f16"))
+    engine = EngineChoice("openvino", ("f16",))
+    job = JournalHeader("lenet", InputIdentity.of(ArraySource(images)), engine)
     out = tmp_path / "scores.npy"
     sink = JournalSink.open(out, job)
     for start in range(0, 500, 100):

@@ -99,8 +99,12 @@ def test_a_real_broker_run_replays_to_the_same_instructions(lenet, digits) -> No
     replay = FarmState(config, first_chunk_id=first_id)
     recorded = broker.recorded
     assert sum(isinstance(event, ev.DataArrived) for event, _ in recorded) >= 7
-    for event, instructions in recorded:
-        assert replay.handle(event) == instructions, event
+    for number, (event, instructions) in enumerate(recorded, start=1):
+        replayed = replay.handle(event)
+        assert replayed == instructions, event
+        # each instruction names the event that caused it, in the broker and in the replay
+        causes = {instruction.stimulus for instruction in instructions + replayed}
+        assert causes <= {number} == {replay.stimulus}, (event, causes)
 
 
 def test_the_scale_bench_drives_the_state_and_a_real_broker() -> None:

@@ -343,7 +343,7 @@ BAD_SIGNATURES = st.one_of(
             b"FARM02",
             b"FARM03",
             b"FARM04",
-            b"FARM07",  # the version before this one
+            b"FARM08",  # the version before this one
             b"FARM2",
             b"FARM",
             b"FARM022",

@@ -182,19 +182,20 @@ def test_a_worker_launches_its_next_queued_chunk_ahead_and_runs_it_from_there(
         protocol.decode(task(b"w", chunk, part)[1:])
         for chunk, part in ((1, images[:24]), (2, images[24:]))
     ]
-    engine = worker.load(lenet, worker.engine_key(chunks[0].header))
+    engine = worker.engines.load(lenet, worker.engines.key(chunks[0].header))
     expected = [engine.run(message.array("uint8", (1, 28, 28))) for message in chunks]
     engine.feeder.overlap = True  # as on CUDA
     events = recording_launches(engine)
-    worker.upcoming = queue.Queue()
-    worker.upcoming.put(QueuedMessage(0, chunks[1], 0.0))
+    runner = worker.runner
+    runner.upcoming = queue.Queue()
+    runner.upcoming.put(QueuedMessage(0, chunks[1], 0.0))
     replies = worker.dispatch(chunks[0], 0.0)
-    assert worker.prefetched is not None and worker.prefetched[0] is chunks[1]
+    assert runner.prefetched is not None and runner.prefetched[0] is chunks[1]
     assert events.count("launch") == 3 + 2  # chunk 2's first two batches, launched ahead
-    worker.upcoming.get()
+    runner.upcoming.get()
     replies += worker.dispatch(chunks[1], 0.0)
     assert events.count("launch") == 3 + 2  # chunk 2's 16 images: none launched again
-    assert worker.prefetched is None
+    assert runner.prefetched is None
     for reply, want in zip(replies, expected):
         result = protocol.decode(reply)
         assert result.command is Command.RESULT and isinstance(result.header, messages.Result)

@@ -1,4 +1,10 @@
-"""The package's layout: no import cycles, and subsystems import in one direction.
+"""The package's layout: no import cycles, subsystems import in one direction, and no
+class or function grows past a size a reader takes in at once.
+
+The layers, lowest first: ``farm.defaults`` and ``farm.wire``; the shared top-level
+modules (``startup``, ``summary``, ``runtime``); ``policies``, ``engines``, ``modelrepo``,
+``simulation``; ``broker`` and ``workers``; ``client``; ``ops``; ``cli`` and
+``benchsuite``.  No import runs back up.
 
 The graph is read from the source with ``ast``: every import statement counts, at module
 level, inside functions and under ``if TYPE_CHECKING:`` (a type-only cycle is a cycle
@@ -18,6 +24,25 @@ PACKAGE = Path(farm.__file__).parent
 #: Subsystems that must not import the user-facing ones (``farm.client``, ``farm.cli``).
 LOWER_SUBSYSTEMS = ("farm.broker", "farm.policies", "farm.engines", "farm.modelrepo")
 USER_FACING = ("farm.client", "farm.cli")
+#: The shared modules at the top of the package, below every subsystem.
+SHARED = ("farm.defaults", "farm.startup", "farm.summary", "farm.runtime")
+#: Everything below the client: none of it imports ``farm.client``.
+BELOW_CLIENT = (
+    "farm.broker",
+    "farm.workers",
+    "farm.engines",
+    "farm.policies",
+    "farm.modelrepo",
+    "farm.simulation",
+    "farm.wire",
+    *SHARED,
+)
+#: The only importers of ``farm.ops`` (local farms, deployment), and of ``farm.cli``.
+ABOVE_OPS = ("farm.ops", "farm.cli", "farm.benchsuite")
+ABOVE_CLI = ("farm.cli", "farm.__main__")
+#: The most methods one class may have, and lines one function may span.
+MAX_METHODS = 35
+MAX_FUNCTION_LINES = 60
 
 
 @dataclass(frozen=True)
@@ -174,6 +199,58 @@ def imports_across(
     )
 
 
+def imports_from_outside(graph: ImportGraph, allowed: tuple[str, ...], target: str) -> list[str]:
+    """Each import of ``target`` by a module not in ``allowed``, with its line."""
+    return sorted(
+        f"{e.source} line {e.line} imports {e.target}"
+        for e in graph.edges
+        if within(e.target, (target,)) and not within(e.source, allowed)
+    )
+
+
+def report(what: str, offenders: list[str]) -> str:
+    return f"{what}:\n  " + "\n  ".join(offenders)
+
+
+def source_files() -> dict[Path, ast.Module]:
+    """Every module of farm, parsed."""
+    return {path: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def where(path: Path, node: ast.AST, name: str) -> str:
+    """``farm/ops/local.py:12 LocalFarm``."""
+    return f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 0)} {name}"
+
+
+def big_classes(limit: int) -> list[str]:
+    """Classes with more than ``limit`` methods (nested functions are not methods)."""
+    found = []
+    for path, tree in source_files().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                methods = [
+                    item
+                    for item in node.body
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                ]
+                if len(methods) > limit:
+                    found.append(f"{where(path, node, node.name)} ({len(methods)} methods)")
+    return found
+
+
+def long_functions(limit: int) -> list[str]:
+    """Functions and methods longer than ``limit`` lines, from the ``def`` line to the
+    last line inclusive (decorators not counted)."""
+    found = []
+    for path, tree in source_files().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{where(path, node, node.name)} ({lines} lines)")
+    return found
+
+
 def test_the_graph_sees_imports_at_every_level() -> None:
     """Module-level, in-function and relative forms all reach the graph."""
     graph = build_graph()
@@ -192,6 +269,49 @@ def test_lower_subsystems_do_not_import_the_client_or_the_cli() -> None:
     assert imports_across(build_graph(), LOWER_SUBSYSTEMS, USER_FACING) == []
 
 
+def test_only_the_cli_and_the_benchmarks_import_ops() -> None:
+    offenders = imports_from_outside(build_graph(), ABOVE_OPS, "farm.ops")
+    assert not offenders, report("farm.ops imported from below it", offenders)
+
+
+def test_nothing_but_the_cli_imports_the_cli() -> None:
+    offenders = imports_from_outside(build_graph(), ABOVE_CLI, "farm.cli")
+    assert not offenders, report("farm.cli imported from outside it", offenders)
+
+
+def test_nothing_below_the_client_imports_it() -> None:
+    offenders = imports_across(build_graph(), BELOW_CLIENT, ("farm.client",))
+    assert not offenders, report("farm.client imported from below it", offenders)
+
+
+def test_the_wire_imports_nothing_of_farm_but_defaults() -> None:
+    graph = build_graph()
+    offenders = [
+        f"{e.source} line {e.line} imports {e.target}"
+        for e in graph.edges
+        if within(e.source, ("farm.wire",)) and not within(e.target, ("farm.wire", "farm.defaults"))
+    ]
+    assert not offenders, report("farm.wire imports other subsystems", sorted(offenders))
+
+
+def test_the_layer_rules_name_the_offending_import() -> None:
+    graph = ImportGraph({"farm.wire.link", "farm.ops.local", "farm.cli"})
+    graph.edges.append(Edge("farm.wire.link", "farm.ops.local", 7))
+    assert imports_from_outside(graph, ABOVE_OPS, "farm.ops") == [
+        "farm.wire.link line 7 imports farm.ops.local"
+    ]
+
+
+def test_no_class_has_more_than_35_methods() -> None:
+    offenders = big_classes(MAX_METHODS)
+    assert not offenders, report(f"classes with more than {MAX_METHODS} methods", offenders)
+
+
+def test_no_function_is_longer_than_60_lines() -> None:
+    offenders = long_functions(MAX_FUNCTION_LINES)
+    assert not offenders, report(f"functions over {MAX_FUNCTION_LINES} lines", offenders)
+
+
 def test_policies_import_nothing_from_the_broker() -> None:
     assert imports_across(build_graph(), ("farm.policies",), ("farm.broker",)) == []
 
@@ -203,3 +323,9 @@ def test_the_engine_leaves_auto_and_the_checks_to_the_modules_above_it() -> None
         "farm.engines.modelcheck",
     }
     assert graph.targets("farm.engines.tolerances") == set()
+
+
+def test_the_broker_checks_engine_choices_without_importing_the_engines() -> None:
+    """A job's engine choice is a wire struct (``farm.wire.engines``) checked as it is
+    decoded: nothing in the broker needs ``farm.engines``."""
+    assert imports_across(build_graph(), ("farm.broker",), ("farm.engines",)) == []

@@ -7,15 +7,17 @@ import json
 import os
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import onnx
 import pytest
 
 from farm.engines import gate, quantize
-from farm.engines.autoselect import load_engine
+from farm.engines.autoselect import load_chosen, load_engine
 from farm.engines.cpu import fast_int8
-from farm.engines.engine import PRECISIONS, Preference, engine_class, job_engine, preference
+from farm.engines.engine import PRECISIONS, engine_class
 from farm.modelrepo.repository import ModelError, ModelSpec, load_spec
+from farm.wire.engines import EngineChoice
 from tests.unit.test_models import inline_net, write_model
 
 needs_int8 = pytest.mark.skipif(
@@ -95,7 +97,7 @@ def test_a_net_without_int8_layers_stays_in_f32_with_the_reason(tmp_path) -> Non
     assert quantize.recorded(spec) is None
     assert not [p.name for p in quantize.export_folder().iterdir() if "int8" in p.name]
     # a job's gated preference falls through to f32 on it
-    assert load_engine(spec, "auto", precision="openvino:int8,f32").precision == "f32"
+    assert load_chosen(spec, gated("int8")).precision == "f32"
 
 
 def make_stale(spec: ModelSpec) -> None:
@@ -127,27 +129,37 @@ def test_a_stale_version_that_cannot_be_made_again_blocks_only_int8(lenet, calib
     assert load_engine(lenet, "onnxruntime").precision == "f32"
     with pytest.raises(ModelError, match="calibration images cannot be read"):
         load_engine(lenet, "onnxruntime", precision="int8")
-    assert load_engine(lenet, "auto", precision="openvino:int8,f32").precision == "f32"
+    assert load_chosen(lenet, gated("int8")).precision == "f32"
 
 
 def test_a_gated_job_runs_only_the_int8_version_the_gate_judged(lenet, calibration) -> None:
     judged = quantize.quantize(lenet, calibration)
-    token = f"openvino:int8@{judged.calibration_digest[:12]},f32"
+    version = judged.calibration_digest[:12]
+    choice = gated("int8", version=version)
     if fast_int8():
-        assert load_engine(lenet, "auto", precision=token).precision == "int8"
+        assert load_chosen(lenet, choice).precision == "int8"
     quantize.quantize(lenet, calibration[::-1])  # another version since the gate ran
-    assert load_engine(lenet, "auto", precision=token).precision == "f32"
+    assert load_chosen(lenet, choice).precision == "f32"
     with pytest.raises(ModelError, match="not the one the precision gate judged"):
-        engine_class("openvino").load(lenet, precision=f"int8@{judged.calibration_digest[:12]}")
+        engine_class("openvino").load(lenet, precision="int8", calibration=version)
+
+
+def gated(*precisions: str, version: str | None = None) -> EngineChoice:
+    """The precision gate's list as a job carries it: measured on OpenVINO, then f32."""
+    return EngineChoice("auto", (*precisions, "f32"), "openvino", version)
 
 
 def test_a_job_precision_is_one_or_the_gates_list() -> None:
     assert PRECISIONS[0] == "f32" and "int8" in PRECISIONS
-    gated = preference("openvino:int8@0123456789ab,bf16,f32")
-    assert gated == Preference(("int8@0123456789ab", "bf16", "f32"), "openvino")
-    assert gated.text() == "openvino:int8@0123456789ab,bf16,f32"
-    assert preference("bf16") == Preference(("bf16",))
-    assert job_engine(["auto", "onnxruntime:int8,f32"]) == ("auto", "onnxruntime:int8,f32")
+    text = "openvino:int8@0123456789ab,bf16,f32"
+    choice = EngineChoice.parse("auto", text)
+    assert choice == EngineChoice("auto", ("int8", "bf16", "f32"), "openvino", "0123456789ab")
+    assert choice.gated and choice.precision_text() == text and str(choice) == f"auto {text}"
+    assert choice.calibration("int8") == "0123456789ab" and choice.calibration("bf16") == ""
+    assert EngineChoice.parse("onnxruntime", "bf16") == EngineChoice("onnxruntime", ("bf16",))
+    assert EngineChoice.parse("auto", "onnxruntime:int8,f32") == EngineChoice(
+        "auto", ("int8", "f32"), "onnxruntime"
+    )
     for bad in (
         "int8,bf16,f32",  # a list names the backend the gate measured
         "openvino:f32,int8",  # f32 comes last
@@ -156,13 +168,33 @@ def test_a_job_precision_is_one_or_the_gates_list() -> None:
         "caffe9:int8,f32",
         "openvino:bf16@0123456789ab,f32",  # only int8 names a version
         "openvino:int8@12,f32",
+        "openvino:int8@0123456789AZ,f32",  # hex digits
         "openvino:int8",  # one precision takes no backend
         "int8@0123456789ab",
         "",
     ):
-        assert preference(bad) is None, bad
         with pytest.raises(ValueError):
-            job_engine(["auto", bad])
+            EngineChoice.parse("auto", bad)
+    with pytest.raises(ValueError, match="backend 'caffe9' is not auto"):
+        EngineChoice.parse("caffe9", "f32")
+
+
+def test_a_malformed_engine_choice_is_refused_when_decoded() -> None:
+    """A peer's choice is checked as it is decoded: the struct's own check, named by field."""
+    good = msgspec.msgpack.encode(EngineChoice("auto", ("bf16", "f32"), "openvino"))
+    assert msgspec.msgpack.decode(good, type=EngineChoice).measured_on == "openvino"
+    for fields in (
+        {"precisions": ["int8", "bf16"], "measured_on": "openvino"},  # no f32 last
+        {"precisions": ["f32"], "measured_on": "openvino"},
+        {"backend": "tensorflow"},
+        {"precisions": ["int8", "f32"], "measured_on": "openvino", "int8_version": "x" * 12},
+    ):
+        with pytest.raises(msgspec.ValidationError, match="engine choice"):
+            msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=EngineChoice)
+    with pytest.raises(msgspec.ValidationError, match=r"length <= 4 - at `\$.precisions`"):
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode({"precisions": ["f32"] * 5}), type=EngineChoice
+        )
 
 
 def verdict(precision: str, agreement: float, speedup: float) -> gate.Verdict:
@@ -177,11 +209,15 @@ def test_the_gate_passes_the_fastest_precision_at_the_threshold_and_never_below(
     assert judged.precision == "openvino:bf16,f32"
     judged.min_agreement = 0.985
     assert judged.precision == f"openvino:int8@{'c' * 12},bf16,f32"
+    assert judged.engine_choice("onnxruntime") == EngineChoice(
+        "onnxruntime", ("int8", "bf16", "f32"), "openvino", "c" * 12
+    )
     judged.refuse("int8", "the job's images are float32")
     assert judged.precision == "openvino:bf16,f32"
     assert "int8: not tried: the job's images are float32" in "\n".join(judged.lines())
     slower = gate.Gate("net", "d", 300, "openvino", [verdict("bf16", 1.0, 0.9)])
     assert slower.precision == "f32" and "no lower precision passed" in slower.lines()[-1]
+    assert slower.engine_choice() == EngineChoice("auto", ("f32",))
 
 
 @needs_int8
@@ -268,8 +304,10 @@ def test_an_input_is_named_by_its_files_or_its_rows(tmp_path, digits) -> None:
 
 
 def test_python_clients_resolve_auto_through_the_gate_not_the_wire() -> None:
-    from farm.client.client import job_engine as client_engine
+    from farm.client.client import engine_choice
 
     with pytest.raises(ValueError, match=r"farm.engines.gate.judge\(spec, images\).precision"):
-        client_engine(None, "auto")
-    assert client_engine(None, "int8,bf16,f32") == ("auto", "int8,bf16,f32")
+        engine_choice(None, "auto")
+    assert engine_choice(None, None) is None
+    assert engine_choice(None, "openvino:int8,bf16,f32") == gated("int8", "bf16")
+    assert engine_choice("onnxruntime", None) == EngineChoice("onnxruntime", ("f32",))

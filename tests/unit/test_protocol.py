@@ -228,3 +228,20 @@ def test_a_job_summary_travels_as_its_document() -> None:
     )
     assert msgpack.unpackb(frames[3])["workers"][0]["standalone_rate"] == 40.0
     assert protocol.decode(frames).document(JobSummary) == summary
+
+
+def test_a_tasks_engine_choice_crosses_the_wire_and_a_malformed_one_is_refused() -> None:
+    """A job's engine choice travels as a typed struct; one that breaks its rules (a gated
+    list not ending in f32) is refused as it is decoded, naming the field."""
+    from farm.wire.engines import EngineChoice
+
+    choice = EngineChoice("auto", ("int8", "bf16", "f32"), "openvino", "0123456789ab")
+    chunk = msgspec.structs.replace(task(), engine=choice)
+    images = np.zeros((2, 1, 28, 28), np.uint8)
+    frames = protocol.encode(Command.TASK, chunk, protocol.array_frames(images))
+    decoded = protocol.decode(frames).header
+    assert isinstance(decoded, messages.Task) and decoded.engine == choice
+    engine = {"precisions": ["int8", "bf16"], "measured_on": "openvino"}
+    header = msgpack.packb({**task_header(), "engine": engine})
+    with pytest.raises(ProtocolError, match=r"ends in f32.*\$\.engine"):
+        protocol.decode([protocol.SIGNATURE, Command.TASK.value, header, b"\0" * 2 * 784])

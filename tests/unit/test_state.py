@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+from typing import get_args
 
 import numpy as np
 import pytest
@@ -33,6 +34,17 @@ A, B = b"worker-a", b"worker-b"
 #: maps them onto its events and instructions).
 CORE = (
     "farm.broker.state",
+    "farm.broker.core",
+    "farm.broker.admission",
+    "farm.broker.attempts",
+    "farm.broker.caps",
+    "farm.broker.clients",
+    "farm.broker.inputs",
+    "farm.broker.keeping",
+    "farm.broker.membership",
+    "farm.broker.order",
+    "farm.broker.results",
+    "farm.broker.scheduling",
     "farm.broker.jobs",
     "farm.broker.registry",
     "farm.broker.events",
@@ -507,6 +519,33 @@ def test_a_one_image_job_failing_is_given_up_once_without_upsetting_its_policy()
     out = state.handle(failure_for(sent, 0.2, "bad pixels"))
     assert [type(i) for i in out] == [ev.SendFailed, ev.SendDone]
     assert out[0].error == "failed by itself 1 times on 1 device(s); last: host:1/cpu: bad pixels"
+
+
+def test_every_instruction_names_the_event_that_caused_it() -> None:
+    """The state numbers the events it handles from 1; each instruction, whichever module
+    made it, carries its event's number (``stimulus``), which equality ignores."""
+    state = fifo(10, max_attempts=1)
+    first = need("j", 1, 0, 1)
+    events: list[ev.FarmEvent] = [
+        joined(A),
+        submit("j", 1),
+        data_for(first, 0.1),
+        failure_for(task(A, "j", 1, 0, 1), 0.2, "bad pixels"),  # FAILED, DONE
+        submit("k", 20),
+        data_for(need("k", 2, 0, 10), 0.3),
+        result_for(task(A, "k", 2, 0, 10), 0.4, 0.1),  # RESULT, NEED
+        ev.JobCancelled(client=CLIENT, job="k", at=0.5),
+        ev.JobCancelled(client=CLIENT, job="nope", at=0.6),  # ERROR
+        ev.WorkerHeard(worker=B, at=0.7),  # DropWorker
+    ]
+    kinds = set()
+    for number, event in enumerate(events, start=1):
+        out = state.handle(event)
+        assert state.stimulus == number
+        assert [i.stimulus for i in out] == [number] * len(out), event
+        kinds |= {type(i) for i in out}
+    assert kinds == set(get_args(ev.Instruction))
+    assert first == ev.SendNeed(client=CLIENT, job="j", chunk=1, start=0, count=1, stimulus=2)
 
 
 def test_a_close_names_the_peer_of_that_very_connection_not_of_its_descriptor() -> None:

@@ -192,5 +192,5 @@ def test_a_ready_refused_even_undecodable_is_marked_a_refused_registration() -> 
     assert is_ready([zmq.Frame(frame) for frame in ready])
     heartbeat = protocol.encode(Command.HEARTBEAT, messages.Heartbeat())
     assert not is_ready([zmq.Frame(bytes(frame)) for frame in heartbeat])
-    older = [b"FARM07", Command.READY.value, b"\x80"]
+    older = [b"FARM08", Command.READY.value, b"\x80"]
     assert not is_ready([zmq.Frame(frame) for frame in older])

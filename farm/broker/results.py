@@ -1,0 +1,102 @@
+"""What workers answer for an attempt: a RESULT, forwarded to the job's client and
+counted (shares, speeds, the policy), or a FAILED, failing the job or the attempt."""
+
+from __future__ import annotations
+
+import logging
+
+from farm.broker import events as ev
+from farm.broker.attempts import answered_record, attempt_failed, inputs_unshared
+from farm.broker.caps import cap_chunks, note_rate
+from farm.broker.core import Farm
+from farm.broker.jobs import ChunkRecord
+from farm.broker.keeping import keep_vanished, take_kept
+from farm.broker.scheduling import fail_job, fill, finish_if_done, step
+from farm.policies import ChunkDone
+
+log = logging.getLogger("farm.broker")
+
+
+def on_result_arrived(farm: Farm, event: ev.ResultArrived) -> None:
+    if event.kept:
+        take_kept(farm, event)
+        return
+    if event.job in farm.vanished:
+        keep_vanished(farm, event)
+        return
+    record = answered_record(farm, event.worker, event.job, event.chunk)
+    if record is None:
+        return
+    if event.problem:
+        chunk = record.chunk
+        fail_job(
+            farm,
+            record.job,
+            f"worker {record.worker.name} returned a bad result for items "
+            f"{chunk.start}..{chunk.stop - 1}: {event.problem}",
+        )
+        return
+    take_result(farm, record, event)
+
+
+def take_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> None:
+    """The attempt's result counts: to the client (unless a kept result delivered its
+    items), into the worker's share and speed, and to the job's policy."""
+    job, chunk, entry = record.job, record.chunk, record.worker
+    job.output_shape = event.output_shape
+    compute = float(event.timings["compute"])
+    job.account(entry, chunk, compute, float(event.timings.get("load", 0.0)))
+    note_rate(farm, job.model, entry)
+    forward_result(farm, record, event)
+    cap_chunks(farm, job)  # speeds changed
+    if farm.observer:
+        sent = record.sent_at or record.assigned_at
+        farm.observer.chunk_done(
+            entry, chunk.count, event.timings, sent - record.assigned_at, event.at - sent
+        )
+    job.evidence.settle(chunk)
+    if record.retry:
+        job.retry_items -= chunk.count
+    else:
+        step(farm, job, ChunkDone(entry.id, chunk, compute, at=farm.now))
+    finish_if_done(farm, job)
+    fill(farm, entry)
+
+
+def forward_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> None:
+    """The result to the job's client, with the attempt's trace, unless a kept result
+    delivered its items already."""
+    job, chunk = record.job, record.chunk
+    origin, sent = job.submitted_at, record.sent_at or record.assigned_at
+    if not job.delivered or not job.delivered.covers(chunk.start, chunk.stop):
+        farm.out.append(
+            ev.SendResult(
+                client=job.client,
+                result=event,
+                worker=record.worker.name,
+                attempt=record.attempt,
+                trace=(record.assigned_at - origin, sent - origin, event.at - origin),
+                stimulus=farm.stimulus,
+            )
+        )
+    log.debug("delivered items %d..%d of job %s", chunk.start, chunk.stop - 1, job.id)
+
+
+def on_failure_arrived(farm: Farm, event: ev.FailureArrived) -> None:
+    """A chunk failed on its worker: a model error fails the job, anything else retries."""
+    record = answered_record(farm, event.worker, event.job, event.chunk)
+    if record is None:
+        return
+    chunk = record.chunk
+    if event.unshared:
+        inputs_unshared(farm, record, event.error)
+        return
+    if event.fatal:
+        fail_job(
+            farm,
+            record.job,
+            f"items {chunk.start}..{chunk.stop - 1} failed on {record.worker.name}: {event.error}",
+        )
+        return
+    attempt_failed(farm, record, f"{record.worker.name}: {event.error}", event.charge)
+    fill(farm, record.worker)
