@@ -51,7 +51,9 @@ class EngineChoice(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkno
     def __post_init__(self) -> None:
         problem = self.problem()
         if problem is not None:
-            raise ValueError(f"engine choice {self}: {problem}")
+            raise ValueError(
+                f"backend {self.backend}, precision {self.precision_text()}: {problem}"
+            )
 
     def problem(self) -> str | None:
         """Why this choice is malformed, or None."""
