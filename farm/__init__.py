@@ -4,9 +4,10 @@ The subsystems, one folder each: ``broker`` (the scheduler: a pure ``FarmState``
 socket loop around it), ``policies`` (pure scheduling policies), ``workers`` (a device's
 process), ``client`` (jobs, inputs and answers on the user's side), ``engines`` (running a
 model on a backend), ``modelrepo`` (finding, reading and caching models), ``simulation``
-(policies and ``FarmState`` on simulated devices), ``ops`` (local farms, deployment, keys,
-configuration), ``cli`` and ``bench``.  The wire (``protocol``, ``messages``, ``link``) and
-``summary`` are shared by all of them.
+(policies and ``FarmState`` on simulated devices), ``ops`` (local farms, deployment,
+configuration), ``cli`` and ``benchsuite`` (the code behind ``farm bench``).  The ``wire``
+(frames, messages, the engine choice, the link, CURVE keys) and ``summary`` are shared by
+all of them.
 """
 
 from __future__ import annotations

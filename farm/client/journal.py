@@ -308,7 +308,7 @@ class JournalHeader:
                     str(source["dtype"]),
                     tuple(int(n) for n in source["item_shape"]),
                 ),
-                engine=msgspec.convert(engine, EngineChoice | None),
+                engine=recorded_engine(engine),
                 output_shape=tuple(int(n) for n in output["item_shape"]),
                 output_dtype=output["dtype"] and str(output["dtype"]),
                 version=int(document["version"]),
@@ -686,3 +686,11 @@ class JournalSink:
     def safe(self) -> int:
         """Items journaled with their outputs (resumed or written here): kept on resume."""
         return self.resumed_count + self.written
+
+
+def recorded_engine(recorded: Any) -> EngineChoice | None:
+    """A journal header's engine: the struct, or the ``[backend, precision]`` pair that
+    journals written before the struct hold (their jobs resume as they were)."""
+    if isinstance(recorded, list) and len(recorded) == 2:
+        return EngineChoice.parse(str(recorded[0]), str(recorded[1]))
+    return msgspec.convert(recorded, EngineChoice | None)

@@ -160,6 +160,9 @@ class LocalFarm:
                 self.broker = self.exec_farm(
                     ["broker", *arguments, *self.broker_options], pass_fds=(write_end,)
                 )
+        except BaseException:
+            os.close(read_end)
+            raise
         finally:
             os.close(write_end)
         self.endpoint_pipe = os.fdopen(read_end, "r")
@@ -199,7 +202,8 @@ class LocalFarm:
     def forked_broker(self, config: BrokerConfig, endpoint_fd: int) -> Callable[[], None]:
         def serve() -> None:
             roles.set_log_level(self.log_level)
-            roles.serve_broker(config, endpoint_fd)
+            with roles.reported_as_errors(Exception):  # as `farm broker` reports them
+                roles.serve_broker(config, endpoint_fd)
 
         return serve
 
@@ -208,7 +212,8 @@ class LocalFarm:
 
         def serve() -> None:
             roles.set_log_level(self.log_level)
-            roles.serve_worker(self.worker_config(device))
+            with roles.reported_as_errors(ValueError, LookupError):  # as `farm worker` does
+                roles.serve_worker(self.worker_config(device))
 
         return serve
 

@@ -12,10 +12,12 @@ not through a line of its log.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,6 +59,17 @@ def serve_worker(config: WorkerConfig) -> None:
     from farm.workers.worker import serve
 
     serve(config)
+
+
+@contextlib.contextmanager
+def reported_as_errors(*errors: type[Exception]) -> Iterator[None]:
+    """In a forked child, the errors its command reports in one line (``Error: ...``, exit
+    1) reported the same way, not as a traceback."""
+    try:
+        yield
+    except errors as exc:
+        print(f"Error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def send_endpoint(fd: int, endpoint: str) -> None:

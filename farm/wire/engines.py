@@ -51,9 +51,8 @@ class EngineChoice(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkno
     def __post_init__(self) -> None:
         problem = self.problem()
         if problem is not None:
-            raise ValueError(
-                f"backend {self.backend}, precision {self.precision_text()}: {problem}"
-            )
+            where = "" if self.backend == AUTO else f" on backend {self.backend}"
+            raise ValueError(f"engine choice: precision {self.precision_text()}{where}: {problem}")
 
     def problem(self) -> str | None:
         """Why this choice is malformed, or None."""
@@ -108,7 +107,7 @@ class EngineChoice(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkno
             name, at, version = token.partition("@")
             names.append(name)
             if at:
-                versions.append((name, version))
+                versions.append((name, version.lower()))
         if len(versions) > 1 or any(name != "int8" for name, _ in versions):
             raise ValueError(f"precision {precision!r}: only int8 names a version (int8@...)")
         return cls(

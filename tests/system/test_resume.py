@@ -643,3 +643,29 @@ def test_the_exif_choice_is_journaled_for_image_files_only(tmp_path: Path) -> No
     assert JournalHeader.of_job("m", files, None, True).exif_rotate is True
     array = ArraySource(np.zeros((3, 1, 2, 2), dtype=np.uint8))
     assert JournalHeader.of_job("m", array, None, False).exif_rotate is None
+
+
+def test_a_journal_written_before_the_engine_struct_still_resumes(tmp_path: Path) -> None:
+    """No farm: journals of earlier versions record the engine as ``[backend, precision]``;
+    they are read as the same choice, so an upgrade mid-job keeps what was computed."""
+    import json
+
+    from farm.client.journal import JournalSink
+    from farm.wire.engines import EngineChoice
+
+    identity = InputIdentity.of(ArraySource(np.zeros((10, 1, 2, 2), dtype=np.uint8)))
+    choice = EngineChoice.parse("openvino", "bf16")
+    header = JournalHeader("lenet", identity, choice)
+    out = tmp_path / "scores.npy"
+    sink = JournalSink.open(out, header)
+    sink.write(0, np.ones((5, 3), dtype=np.float32))
+    sink.close()
+    journal = journal_path(out)
+    first, rest = journal.read_bytes().split(b"\n", 1)
+    document = json.loads(first)
+    document["engine"] = ["openvino", "bf16"]  # the form written before the struct
+    journal.write_bytes(json.dumps(document).encode() + b"\n" + rest)
+    assert JournalHeader.parse(json.dumps(document).encode()).engine == choice
+    resumed = JournalSink.open(out, header)
+    assert resumed.resumed_items().tolist() == [True] * 5 + [False] * 5
+    resumed.close()
