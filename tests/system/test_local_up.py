@@ -329,3 +329,25 @@ def test_a_broker_on_any_port_sends_the_one_it_bound() -> None:
         assert host == "tcp://127.0.0.1" and int(port) > 0
         with local.client(timeout=10.0) as client:
             assert client.info()["workers"] == []
+
+
+def test_a_forked_worker_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
+    """A forked worker reports what `farm worker` would (``Error: ...``, exit 1), not a
+    Python traceback; `farm run` then names the process that exited."""
+    import importlib.util
+
+    if importlib.util.find_spec("caffe") is not None:
+        pytest.skip("pycaffe is installed here: the caffe backend starts")
+    done = subprocess.run(
+        farm_command(
+            "run", "--own-farm", "--model", "lenet", "--workers", "1", "--backend", "caffe"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Error: the caffe backend needs pycaffe" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "a farm process exited during start" in done.stderr
