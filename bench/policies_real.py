@@ -28,7 +28,8 @@ import numpy as np
 
 from farm.benchsuite.measure import paper_configurations
 from farm.modelrepo.repository import find
-from farm.ops.local import LocalFarm, cores, policy_arguments
+from farm.ops.local import LocalFarm, cores
+from farm.ops.roles import policy_arguments
 from farm.policies import POLICIES
 from farm.simulation.simulator import DeviceModel, Scenario, simulate
 from farm.summary import JobSummary

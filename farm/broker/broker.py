@@ -320,13 +320,15 @@ class Broker:
         instructions = self.state.handle(event)
         if self.recorded is not None:
             self.recorded.append((event, instructions))
+        if instructions and log.isEnabledFor(logging.DEBUG):  # one look per event, not each
+            for instruction in instructions:
+                log.debug(
+                    "instruction %s caused by event #%d (%s)",
+                    type(instruction).__name__,
+                    instruction.stimulus,
+                    type(event).__name__,
+                )
         for instruction in instructions:
-            log.debug(
-                "instruction %s caused by event #%d (%s)",
-                type(instruction).__name__,
-                instruction.stimulus,
-                type(event).__name__,
-            )
             self.send(*wire.message_of(instruction))
         if isinstance(event, ev.WorkerJoined):
             self.send(event.worker, messages.Heartbeat(interval=self.config.heartbeat))

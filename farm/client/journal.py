@@ -343,10 +343,6 @@ class JournalHeader:
         ]
 
 
-def optional_bool(value: Any) -> bool | None:
-    return None if value is None else bool(value)
-
-
 @dataclass(frozen=True)
 class JournalEntry:
     """One journaled range of outputs and the CRC-32 of its bytes."""

@@ -25,7 +25,6 @@ from farm import defaults
 from farm.client.client import Client, FarmError, FarmTimeout
 from farm.ops import roles
 from farm.ops.forked import ForkedCommand, fork_call
-from farm.ops.roles import policy_arguments
 from farm.startup import Timeline
 
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ def farm_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "farm", *args]
 
 
-__all__ = ["LocalFarm", "cores", "farm_command", "free_port", "policy_arguments"]
+__all__ = ["LocalFarm", "cores", "farm_command", "free_port"]
 
 
 @dataclass(kw_only=True)

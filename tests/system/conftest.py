@@ -133,12 +133,14 @@ def lone_worker() -> Iterator[tuple[zmq.Socket, bytes]]:
 
 
 @contextlib.contextmanager
-def logged_broker(log: Any, *options: str) -> Iterator[tuple[subprocess.Popen, str]]:
+def logged_broker(
+    log: Any, *options: str, level: str = "INFO"
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """A ``farm broker`` on a free loopback port (unless ``options`` bind another) whose log
-    (INFO and up) goes to the file ``log``: the process and the endpoint it bound."""
+    (``level`` and up) goes to the file ``log``: the process and the endpoint it bound."""
     with open(log, "w") as stderr:
         broker = subprocess.Popen(
-            farm_command("--log-level", "INFO", "broker", "--bind", "tcp://127.0.0.1:*", *options),
+            farm_command("--log-level", level, "broker", "--bind", "tcp://127.0.0.1:*", *options),
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,

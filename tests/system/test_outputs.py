@@ -181,15 +181,7 @@ def test_the_python_client_guards_its_out_as_farm_submit_does(farm_alone, images
         while not broker_holds_a_job(farm_alone):  # each look is a round trip to the broker
             assert job.is_alive(), outcome
         before = folder_state(tmp_path)
-        for extra in ([], ["--resume"]):
-            second = submitted(
-                farm_alone.endpoint, str(images), "--out", str(out), *extra, timeout=60
-            )
-            assert second.returncode == 2, second.stderr
-            assert (
-                f"Error: another job (pid {os.getpid()} on {socket.gethostname()}) is writing "
-                f"{out} now: wait for it to end" in second.stderr
-            )
+        submits_are_refused(farm_alone.endpoint, images, out, os.getpid(), tmp_path)
         with Client("tcp://127.0.0.1:9", timeout=5) as other:
             with pytest.raises(OutputRefused, match=f"is writing {out} now"):
                 other.run(NpyReader.open(images), "lenet", out=out, resume=True)
@@ -201,6 +193,20 @@ def test_the_python_client_guards_its_out_as_farm_submit_does(farm_alone, images
     result = outcome["result"]
     assert result.cancelled and result.held and not result.written, result
     assert not lock_path(out).exists() and not out.exists() and not partial_path(out).exists()
+
+
+def submits_are_refused(endpoint: str, images: Path, out: Path, holder: int, folder: Path) -> None:
+    """`farm submit --out OUT`, with and without --resume, while process ``holder`` writes
+    OUT: refused (exit 2, naming the holder), and nothing in ``folder`` changes."""
+    before = folder_state(folder)
+    for extra in ([], ["--resume"]):
+        second = submitted(endpoint, str(images), "--out", str(out), *extra, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert (
+            f"Error: another job (pid {holder} on {socket.gethostname()}) is writing "
+            f"{out} now: wait for it to end" in second.stderr
+        )
+        assert folder_state(folder) == before
 
 
 def test_a_second_job_on_the_same_out_is_refused_while_the_first_writes_it(
@@ -218,17 +224,7 @@ def test_a_second_job_on_the_same_out_is_refused_while_the_first_writes_it(
     try:
         while not broker_holds_a_job(farm_alone):  # each look is a round trip to the broker
             assert first.poll() is None, first.communicate()
-        before = folder_state(tmp_path)
-        for extra in ([], ["--resume"]):
-            second = submitted(
-                farm_alone.endpoint, str(images), "--out", str(out), *extra, timeout=60
-            )
-            assert second.returncode == 2, second.stderr
-            assert (
-                f"Error: another job (pid {first.pid} on {socket.gethostname()}) is writing "
-                f"{out} now: wait for it to end" in second.stderr
-            )
-            assert folder_state(tmp_path) == before
+        submits_are_refused(farm_alone.endpoint, images, out, first.pid, tmp_path)
         first.send_signal(signal.SIGINT)
         _, stderr = first.communicate(timeout=60)
     finally:

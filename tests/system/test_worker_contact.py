@@ -4,6 +4,7 @@ device already served is reported; an IPv6 loopback broker takes workers and cli
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 
@@ -63,6 +64,25 @@ def test_a_second_worker_on_a_device_in_use_is_reported(tmp_path) -> None:
     first, second = sorted(info["workers"], key=lambda w: w["uptime_s"], reverse=True)
     assert f"worker {second['name']} runs on {device} of host {second['host']}" in logged
     assert f"which {first['name']} serves already" in logged
+
+
+def test_the_brokers_debug_log_names_the_event_behind_each_instruction(tmp_path, digits) -> None:
+    """Every instruction the broker carries out is logged with the number of the event that
+    caused it: a chunk's TASK with its client's DATA, its RESULT with the worker's."""
+    log = tmp_path / "broker.log"
+    with logged_broker(log, level="DEBUG") as (broker, endpoint):
+        worker = start_worker(tmp_path / "w.log", endpoint, pinned_devices(1)[0])
+        try:
+            with Client(endpoint) as client:
+                client.info(wait_workers=1)
+                client.run(digits[:50], "lenet")
+        finally:
+            stop_processes([worker])
+        logged = await_text(log, "instruction SendDone caused by event #", broker)
+    numbers = [int(n) for n in re.findall(r"caused by event #(\d+) ", logged)]
+    assert numbers == sorted(numbers) and numbers[0] >= 1
+    assert re.search(r"instruction SendTask caused by event #\d+ \(DataArrived\)", logged)
+    assert re.search(r"instruction SendResult caused by event #\d+ \(ResultArrived\)", logged)
 
 
 def ipv6_loopback() -> bool:
