@@ -65,6 +65,9 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
     # images of ``items`` done by results workers kept across a lost broker, worker or
     # client: computed before, so not in the shares, the rate or the waste
     kept: int = 0
+    bad_answers: int = 0  # results that failed the broker's checks: run again elsewhere
+    quarantined: tuple[str, ...] = ()  # "worker: why" for workers quarantined meanwhile
+    parked: int = 0  # times the job was parked: its client left a NEED unanswered
     broker_seconds: float = 0.0  # submission to the last result, on the broker's clock
     seconds: float = 0.0  # the client's wall time, submit to last result
 

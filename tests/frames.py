@@ -116,3 +116,14 @@ def task(identity: bytes, chunk: int, images: np.ndarray, model: str = "lenet", 
         item_shape=tuple(shape or images.shape[1:]),
     )
     return [identity, *protocol.encode(Command.TASK, header, [images.tobytes()])]
+
+
+def reply_after_probe(sock: zmq.Socket, item: list[bytes]) -> protocol.Message | None:
+    """The broker's next message after the probe of a job just submitted (a NEED of item 0,
+    chunk 0: fair admission, ``farm.broker.inputs``), answered with ``item``'s frames."""
+    probe = reply(sock)
+    assert probe is not None and probe.command is Command.NEED, probe
+    assert (probe.header.chunk, probe.header.start, probe.header.count) == (0, 0, 1)
+    data = messages.Data(job=probe.header.job, chunk=0, start=0, count=1)
+    sock.send_multipart(protocol.encode(Command.DATA, data, item))
+    return reply(sock)

@@ -9,6 +9,7 @@ import math
 from farm.broker import events as ev
 from farm.broker.caps import cap_all
 from farm.broker.core import Farm
+from farm.broker.inputs import probe
 from farm.broker.jobs import Job
 from farm.broker.keeping import pass_on_kept
 from farm.broker.scheduling import fail_job, fill_all
@@ -19,6 +20,8 @@ log = logging.getLogger("farm.broker")
 
 #: Most jobs the farm holds at once.
 MAX_JOBS = 1000
+#: Most jobs one client (a CURVE key, else a connection) holds at once.
+MAX_CLIENT_JOBS = 32
 
 
 def on_job_submitted(farm: Farm, event: ev.JobSubmitted) -> None:
@@ -38,6 +41,7 @@ def on_job_submitted(farm: Farm, event: ev.JobSubmitted) -> None:
         return
     job = new_job(farm, event)
     if start_job(farm, job, event.model):
+        probe(farm, job)
         fill_all(farm)
 
 
@@ -49,6 +53,14 @@ def refusal(farm: Farm, event: ev.JobSubmitted) -> str | None:
         return f"job {event.job} already exists"
     if len(farm.jobs) >= MAX_JOBS:
         return f"the broker holds {MAX_JOBS} jobs already; try later"
+    if (
+        event.owner
+        and sum(job.owner == event.owner for job in farm.jobs.values()) >= MAX_CLIENT_JOBS
+    ):
+        return (
+            f"this client holds {MAX_CLIENT_JOBS} jobs already, the most one client may: "
+            "wait for one to end"
+        )
     return None
 
 
@@ -72,6 +84,7 @@ def new_job(farm: Farm, event: ev.JobSubmitted) -> Job:
         inputs=event.inputs,
         runs=event.runs,
         earlier=event.earlier,
+        owner=event.owner,
     )
     farm.next_seq += 1
     farm.jobs[job.id] = job
@@ -117,7 +130,7 @@ def start_job(farm: Farm, job: Job, model: ev.ModelFound | str) -> bool:
     if problem is not None:  # a model the broker lacks, or items that do not fit it
         fail_job(farm, job, problem)
         return False
-    eligible = list(farm.workers.values())
+    eligible = [entry for entry in farm.workers.values() if entry.quarantined is None]
     speeds = {
         entry.id: entry.history[job.model].rate for entry in eligible if job.model in entry.history
     }
@@ -145,4 +158,5 @@ def model_mismatch(job: Job, model: ev.ModelFound) -> str | None:
     if job.dtype == ENCODED:
         job.decoded_bytes = math.prod(model.item_shape) * model.crops
     job.digest = model.digest
+    job.output_shape, job.softmax = model.output_shape, model.softmax
     return None

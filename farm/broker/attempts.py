@@ -18,7 +18,7 @@ import logging
 from farm.broker import events as ev
 from farm.broker.blame import Mark, halves, suspect
 from farm.broker.core import Farm
-from farm.broker.jobs import ChunkRecord, Worker
+from farm.broker.jobs import ChunkRecord, Ranges, Worker
 from farm.broker.scheduling import fill, finish_if_done, step
 from farm.policies import ChunkFailed
 from farm.summary import FailedItems
@@ -84,6 +84,10 @@ def worker_lost(
         record for record in records if record.sent_at is not None and record.job.outcome is None
     ]
     computing = min(sent, key=lambda r: r.sent_seq) if crashed and sent else None
+    for record in sent:  # a kept result of these may come back from it (``keeping``)
+        record.job.lost_by.setdefault(entry.name, Ranges()).add(
+            record.chunk.start, record.chunk.stop
+        )
     for record in records:
         job = record.job
         job.pending.pop(record.id, None)
@@ -168,7 +172,7 @@ def retry(farm: Farm, record: ChunkRecord, error: str, charged: bool) -> None:
     """Put a range in its job's retry line: as it is, or (suspect) in halves; a single
     image charged by itself on two devices (or ``max_attempts`` times) is given up."""
     job, chunk = record.job, record.chunk
-    farm.retries_added = True
+    farm.refill = True
     if not charged:
         farm.stats.requeued_chunks += 1
         job.retries.appendleft(chunk)

@@ -15,6 +15,10 @@ Infrastructure faults are not the work's fault (issue 17).  So:
 * Every run that ends without a result, charged or not, counts towards ``max_runs``: a
   range run that often is given up as one that kept losing its workers, a cause
   reported apart from failures.
+* A result that fails the broker's checks (``farm.broker.quarantine``) is *refused*: the
+  attempt is the worker's fault, not its items'.  The range runs again on another
+  device; a refused answer whose values were wrong is held against its worker once
+  another device answers the same items well (``Evidence.settle`` returns it).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class Mark:
     device: str  # host/device of the worker that ran it: two processes on one core are one
     error: str
     charged: bool  # the attempt is evidence against its items
+    refused: str = ""  # the id of the worker whose answer the checks refused
+    blame_later: bool = False  # refused for its values: its worker is blamed on settling
 
 
 @dataclass(frozen=True)
@@ -53,20 +59,28 @@ class Evidence:
     marks: list[Mark] = field(default_factory=list)
     charged: int = 0  # attempts charged, over the job
     lost: int = 0  # attempts lost uncharged, over the job
+    refused: int = 0  # answers the checks refused, over the job
 
     def add(self, mark: Mark) -> None:
         self.marks.append(mark)
         if mark.charged:
             self.charged += 1
+        elif mark.refused:
+            self.refused += 1
         else:
             self.lost += 1
 
-    def settle(self, chunk: Chunk) -> None:
-        """The chunk's items came back: forget the marks that lie within it."""
-        if self.marks:
-            self.marks = [
-                m for m in self.marks if not (chunk.start <= m.start and m.stop <= chunk.stop)
-            ]
+    def settle(self, chunk: Chunk) -> list[Mark]:
+        """The chunk's items came back: forget the marks that lie within it; return those
+        of refused answers whose worker is to be blamed now (``Mark.blame_later``)."""
+        if not self.marks:
+            return []
+        inside = [chunk.start <= m.start and m.stop <= chunk.stop for m in self.marks]
+        if not any(inside):
+            return []
+        blamed = [m for m, i in zip(self.marks, inside) if i and m.blame_later]
+        self.marks = [m for m, i in zip(self.marks, inside) if not i]
+        return blamed
 
     def tally(self, chunk: Chunk, alone: bool = False) -> Tally:
         """The worst item of ``chunk``; ``alone``: count only marks of exactly this range
@@ -93,11 +107,12 @@ class Evidence:
         return worst
 
     def devices_charging(self, chunk: Chunk) -> set[str]:
-        """Devices on which an attempt at exactly ``chunk`` was charged."""
+        """Devices on which an attempt at exactly ``chunk`` was charged or its answer
+        refused: the range runs elsewhere where it can."""
         return {
             m.device
             for m in self.marks
-            if m.charged and (m.start, m.stop) == (chunk.start, chunk.stop)
+            if (m.charged or m.refused) and (m.start, m.stop) == (chunk.start, chunk.stop)
         }
 
 

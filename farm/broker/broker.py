@@ -40,6 +40,7 @@ from farm.broker import wire
 from farm.broker.catalog import ModelCatalog
 from farm.broker.connections import Connections, source_fd
 from farm.broker.facts import ModelFound
+from farm.broker.peers import Peer, Peers
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.modelrepo.repository import ModelError
 from farm.wire import messages, protocol
@@ -64,6 +65,9 @@ MAX_BATCH = 1000
 INFO_WAIT_LIMIT = 120.0
 #: Seconds between two log lines about refused handshakes of the same kind.
 REFUSAL_LOG_INTERVAL = 60.0
+#: Times one worker connection is sent one model's files (a worker fetches a model once;
+#: a second send covers a cache it found damaged).
+MAX_FETCHES_PER_MODEL = 2
 
 #: What peers may send a broker: everything but what only the broker sends.
 ACCEPTED = frozenset(
@@ -160,27 +164,18 @@ class Broker:
         self.refusals = Refusals(bool(config.curve))
         self.poller.register(self.monitor, zmq.POLLIN)
         self.connections = Connections()
+        self.peers = Peers(
+            roles=load_roles(config.curve) if config.curve else None,
+            local=self.endpoint.startswith(("ipc://", "inproc://")),
+        )
+        self.fetches: dict[tuple[bytes, str], int] = {}  # (worker, model digest) -> sends
         self.wakeup: Wakeup | None = None  # serve() ends the loop's wait on SIGINT/SIGTERM
         self.models = ModelCatalog(config.model_dirs)
-        self.info_waiters: list[tuple[bytes, int, float]] = []  # identity, workers, since
+        self.info_waiters: list[tuple[Peer, int, float]] = []  # peer, workers, since
         self.traffic = Traffic()
         self.started_at = self.clock()
-        self.metrics = None
         self.metrics_url = ""
-        if config.metrics:
-            from farm.broker.metrics import BrokerMetrics  # prometheus, only when asked for
-
-            self.metrics = BrokerMetrics(
-                self.clock, lambda: self.state.counts(), self.traffic.describe
-            )
-            try:
-                self.metrics_url = self.metrics.serve(*config.metrics)
-            except OSError as exc:
-                self.socket.close()
-                raise OSError(
-                    f"cannot serve metrics on {config.metrics[0]}:"
-                    f"{config.metrics[1]}: {exc.strerror or exc}"
-                ) from exc
+        self.metrics = self.start_metrics(config.metrics) if config.metrics else None
         # attempt ids differ from any a previous broker on this address handed out, so a
         # worker's reply to one of those can never pass for a reply to a new attempt
         self.state = FarmState(config, first_chunk_id=secrets.randbits(48), observer=self.metrics)
@@ -188,6 +183,20 @@ class Broker:
         self.recorded: list[tuple[ev.FarmEvent, list[ev.Instruction]]] | None = None
         self.next_heartbeat = self.clock()
         self.running = True
+
+    def start_metrics(self, where: tuple[str, int]) -> Any:
+        """The Prometheus endpoint (``farm.broker.metrics``, imported only when asked for)."""
+        from farm.broker.metrics import BrokerMetrics
+
+        metrics = BrokerMetrics(self.clock, lambda: self.state.counts(), self.traffic.describe)
+        try:
+            self.metrics_url = metrics.serve(*where)
+        except OSError as exc:
+            self.socket.close()
+            raise OSError(
+                f"cannot serve metrics on {where[0]}:{where[1]}: {exc.strerror or exc}"
+            ) from exc
+        return metrics
 
     # ----------------------------------------------------------------- loop
 
@@ -274,6 +283,7 @@ class Broker:
     def connection_closed(self, peer: bytes) -> None:
         """A peer's connection closed: a worker crashed, or a client's jobs end."""
         now = self.clock()
+        self.peers.forget(peer)
         if peer in self.state.workers:
             self.feed(
                 ev.WorkerLeft(worker=peer, at=now, reason="its connection closed", crashed=True)
@@ -296,24 +306,46 @@ class Broker:
             if isinstance(message.header, (messages.Ready, messages.Submit)):
                 self.read_monitor()  # its connection's accept came before this message
                 self.connections.seen(source_fd(frames[0]), identity)
+            peer = self.peers.of(identity, body[0])
+            refused = peer.refusal(message.header, self.state)
+            if refused is not None:
+                self.refuse(peer, message.header, refused)
+                return
             match message.header:
                 case messages.Info() as info:
-                    self.on_info(identity, info, now)
+                    self.on_info(peer, info, now)
                 case messages.Fetch() as fetch:
-                    self.on_fetch(identity, fetch, now)
+                    self.on_fetch(peer, fetch, now)
                 case messages.Submit():
-                    self.on_submit(identity, message, now)
+                    self.on_submit(peer, message, now)
                 case _:
                     self.feed(wire.event_of(identity, message, now, self.state))
         except ProtocolError as exc:
             self.state.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
+            if isinstance(exc.header, messages.Result) and identity in self.state.workers:
+                self.feed(wire.malformed_result(identity, exc.header, str(exc), self.clock()))
             job = job_of(message.header) if message else None
             self.send(
                 identity, messages.Error(error=str(exc), job=job, registration=is_ready(body))
             )
         except Exception:  # a bug must not take the farm down; log it and keep serving
             log.exception("error handling a message from %s", identity.hex())
+
+    def refuse(self, peer: Peer, header: Header, why: str) -> None:
+        """A message this peer's role may not send: nothing counts.  A worker's reply gets
+        DISCONNECT (a worker the broker dropped registers again); anything else an ERROR."""
+        self.state.stats.refused_messages += 1
+        log.info("refused a message from %s: %s", peer.identity.hex(), why)
+        if isinstance(header, (messages.Result, messages.Failed)):
+            self.send(peer.identity, messages.Disconnect())
+        else:
+            self.send(
+                peer.identity,
+                messages.Error(
+                    error=why, job=job_of(header), registration=isinstance(header, messages.Ready)
+                ),
+            )
 
     def feed(self, event: ev.FarmEvent) -> None:
         """Give the state one event and send what it says."""
@@ -366,7 +398,7 @@ class Broker:
 
     # ----------------------------------------------------------------- jobs
 
-    def on_submit(self, identity: bytes, message: protocol.Message, now: float) -> None:
+    def on_submit(self, peer: Peer, message: protocol.Message, now: float) -> None:
         """A SUBMIT becomes a job; one whose dtype or item shape cannot cross the wire is
         refused with an ERROR: a well-formed request refused, not a bad message."""
         header = message.header
@@ -374,10 +406,12 @@ class Broker:
         refusal = wire.refusal(header)
         if refusal is not None:
             log.info("job %s refused: %s", header.job, refusal)
-            self.send(identity, messages.Error(error=refusal, job=header.job))
+            self.send(peer.identity, messages.Error(error=refusal, job=header.job))
             return
         self.feed(
-            wire.job_submitted(identity, message, now, self.config.heartbeat, self.find_model)
+            wire.job_submitted(
+                peer.identity, message, now, self.config.heartbeat, self.find_model, peer.owner
+            )
         )
 
     def find_model(self, name: str) -> ModelFound | str:
@@ -395,12 +429,15 @@ class Broker:
             digest=manifest.digest,
             layout=spec.preprocess.layout,
             crops=spec.resize.crops,
+            output_shape=self.models.output_shape(spec, manifest.digest),
+            softmax=spec.softmax,
         )
 
     # ---------------------------------------------------------------- files
 
-    def on_fetch(self, identity: bytes, header: messages.Fetch, now: float) -> None:
-        """Send a registered worker a model's files; an error reply if it is gone or changed.
+    def on_fetch(self, peer: Peer, header: messages.Fetch, now: float) -> None:
+        """Send a registered worker a model's files; an error reply if it is gone or changed,
+        or was sent this connection ``MAX_FETCHES_PER_MODEL`` times already.
 
         An empty digest asks for the broker's current copy (a worker preloading a model by
         name); the reply's manifest carries its digest.
@@ -408,14 +445,19 @@ class Broker:
         The files go out memory-mapped: however many workers fetch a model at once, its
         bytes are in memory once, in the page cache.
         """
-        entry = self.state.workers.get(identity)
-        if entry is not None:
-            entry.last_seen = now
+        identity = peer.identity
+        entry = self.state.workers[identity]  # the peer's role was checked
+        entry.last_seen = now
         name, digest = header.model, header.digest
         try:
-            if entry is None:
-                raise ModelError("models are sent to registered workers only")
             spec, manifest = self.models.lookup(name)
+            sent = self.fetches.get((identity, manifest.digest), 0)
+            if sent >= MAX_FETCHES_PER_MODEL:
+                self.state.stats.refused_fetches += 1
+                raise ModelError(
+                    f"model {name!r} ({manifest.digest[:12]}) was sent to this worker {sent} "
+                    "times already: it is sent at most twice a connection"
+                )
             if digest and manifest.digest != digest:  # "": whatever the broker has now
                 raise ModelError(
                     f"model {name!r} changed on the broker (now {manifest.digest[:12]}"
@@ -433,16 +475,18 @@ class Broker:
             self.send(identity, messages.Model(model=name, digest=digest, files=[], error=str(exc)))
             return None
         entry.fetched[name] = entry.fetched.get(name, 0) + 1
+        self.fetches[identity, manifest.digest] = sent + 1
         log.info("sending model %s (%d bytes) to %s", name, size, entry.name)
         self.send(identity, manifest.header(), contents)
         return None
 
     # ----------------------------------------------------------------- info
 
-    def on_info(self, identity: bytes, header: messages.Info, now: float) -> None:
-        """A snapshot of the farm; with ``wait_workers`` it is sent once that many joined; with
-        ``model``, that model's card at once."""
-        wanted = header.wait_workers
+    def on_info(self, peer: Peer, header: messages.Info, now: float) -> None:
+        """A snapshot of the farm (an operator's whole, else with the peer's own jobs); with
+        ``wait_workers`` it is sent once that many joined; with ``model``, that model's
+        card at once."""
+        identity, wanted = peer.identity, header.wait_workers
         if header.model is not None:
             self.send(
                 identity,
@@ -450,22 +494,24 @@ class Broker:
                 protocol.document_frames({"model": self.model_card(header.model)}),
             )
         elif len(self.state.workers) >= wanted:
-            self.send(identity, messages.Info(), protocol.document_frames(self.snapshot()))
+            self.send(identity, messages.Info(), protocol.document_frames(self.snapshot(peer)))
         elif len(self.info_waiters) >= MAX_INFO_WAITERS:
             raise ProtocolError("too many INFO requests waiting for workers")
         else:
-            self.info_waiters.append((identity, wanted, now))
+            self.info_waiters.append((peer, wanted, now))
         return None
 
     def answer_info_waiters(self) -> None:
         """Answer INFO requests whose workers have joined; forget those waiting too long."""
         waiting, self.info_waiters = self.info_waiters, []
         oldest = self.clock() - INFO_WAIT_LIMIT
-        for identity, wanted, since in waiting:
+        for peer, wanted, since in waiting:
             if len(self.state.workers) >= wanted:
-                self.send(identity, messages.Info(), protocol.document_frames(self.snapshot()))
+                self.send(
+                    peer.identity, messages.Info(), protocol.document_frames(self.snapshot(peer))
+                )
             elif since > oldest:
-                self.info_waiters.append((identity, wanted, since))
+                self.info_waiters.append((peer, wanted, since))
 
     def model_card(self, name: str) -> dict[str, Any]:
         """What a client needs to name a model's answers: its labels and whether its output
@@ -478,12 +524,16 @@ class Broker:
             return {"name": name, "error": str(exc)}
         return {"name": name, "labels": list(spec.labels), "softmax": spec.softmax}
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, peer: Peer | None = None) -> dict[str, Any]:
         """What ``farm status`` shows: the broker, its workers and its jobs (in slot order);
         each worker with how many registered workers serve its device
-        (``device_shared_by``: 1 when it has the device to itself)."""
+        (``device_shared_by``: 1 when it has the device to itself).  A ``peer`` that is
+        no operator sees its own jobs only (``farm.broker.peers``)."""
         now = self.clock()
         described = self.state.describe(now)
+        if peer is not None and not peer.operator:
+            described["jobs"] = [job for job in described["jobs"] if job["owner"] == peer.owner]
+            described["view"] = "own jobs"
         processes: dict[str, set[tuple[str, int]]] = {}  # place -> its workers' processes
         for worker in described["workers"]:
             place = f"{worker['host']}/{worker['device']}"
@@ -540,6 +590,17 @@ class Refusals:
         return f"handshake failed ({zmq.Event(event).name}, {value:#x})" + (
             ": does the peer's broker.key match this broker's key pair?" if self.curve else ""
         )
+
+
+def load_roles(folder: str) -> Any:
+    """What each authorized CURVE key may do (``farm.wire.curve.KeyRoles``), with a line
+    for each key that still has both roles."""
+    from farm.wire.curve import KeyRoles
+
+    roles = KeyRoles.load(folder)
+    for line in roles.migration_lines():
+        log.warning("%s", line)
+    return roles
 
 
 def is_ready(body: list[Any]) -> bool:

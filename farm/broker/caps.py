@@ -30,7 +30,7 @@ def find_fastest(farm: Farm, model: str) -> None:
     rates = [
         (entry.history[model].rate, entry.id)
         for entry in farm.workers.values()
-        if model in entry.history
+        if model in entry.history and entry.quarantined is None
     ]
     if rates:
         farm.fastest[model] = max(rates)

@@ -11,9 +11,10 @@ import logging
 
 from farm.broker import events as ev
 from farm.broker.core import Farm
-from farm.broker.inputs import awaited_data, send_task
+from farm.broker.inputs import PARK_SECONDS, awaited_data, need_deadline, probe, send_task
 from farm.broker.jobs import Job
-from farm.broker.scheduling import cancel_job, end_job, fail_job
+from farm.broker.scheduling import cancel_job, end_job, fail_job, fill_all, step
+from farm.policies import ChunkFailed
 
 log = logging.getLogger("farm.broker")
 
@@ -58,6 +59,47 @@ def expire_silent(farm: Farm, now: float) -> None:
             cancel_job(
                 farm, job, "timed_out", f"the job's timeout of {job.options.timeout:g} s passed"
             )
+
+
+def overdue_needs(farm: Farm, now: float) -> None:
+    """Park the running jobs whose oldest unanswered NEED is past its deadline, and probe
+    again those parked long enough (``farm.broker.inputs``)."""
+    parked = False
+    for job in list(farm.running.values()):
+        if job.parked_until is not None and now >= job.parked_until:
+            job.parked_until = None
+            probe(farm, job)
+        oldest = next(iter(job.pending.values()), None)
+        if oldest is not None and now - oldest.assigned_at > need_deadline(job):
+            park(farm, job, now)
+            parked = True
+    if parked:
+        fill_all(farm)
+
+
+def park(farm: Farm, job: Job, now: float) -> None:
+    """No slots for the job until its client answers a probe; the chunks whose input it
+    left unanswered go back to the job, uncharged."""
+    waited = now - next(iter(job.pending.values())).assigned_at
+    job.proven = False
+    job.parks += 1
+    job.parked_until = now + min(PARK_SECONDS[1], PARK_SECONDS[0] * 2.0 ** (job.parks - 1))
+    farm.stats.parked_jobs += 1
+    log.warning(
+        "job %s parked: its client left a NEED unanswered for %.1f s; its slots go to "
+        "other jobs, and it is asked again in %.0f s",
+        job.id,
+        waited,
+        job.parked_until - now,
+        extra={"event": "job_parked", "job": job.id},
+    )
+    records, job.pending = list(job.pending.values()), {}
+    for record in records:
+        del record.worker.in_flight[record.id]
+        if record.retry:
+            job.retries.appendleft(record.chunk)
+        else:
+            step(farm, job, ChunkFailed(record.worker.id, record.chunk, True, at=farm.now))
 
 
 def expire_job(farm: Farm, job: Job, why: str) -> None:

@@ -64,6 +64,11 @@ class FarmStats:
     kept_results: int = 0  # results offered again by workers that lost their broker
     kept_delivered: int = 0  # ... of them passed on to the job's client
     kept_used: int = 0  # ranges a kept result delivered, not computed again
+    refused_messages: int = 0  # a peer sent what its role may not (a client's RESULT...)
+    bad_answers: int = 0  # results that failed the checks: their chunks ran again elsewhere
+    quarantined_workers: int = 0  # workers given no more tasks (``farm.broker.quarantine``)
+    parked_jobs: int = 0  # jobs whose client left a NEED unanswered past its deadline
+    refused_fetches: int = 0  # FETCHes past a connection's budget for one model
 
 
 class Observer(Protocol):
@@ -107,12 +112,17 @@ class Farm:
     now: float = 0.0
     stimulus: int = 0  # the id of the event being handled: 1 for the first, then 2, ...
     out: list[ev.Instruction] = field(default_factory=list)
-    retries_added: bool = False  # a range joined a retry line during this event
+    # slots are offered again once the event is handled: a range joined a retry line, or
+    # a parked job's client answered
+    refill: bool = False
     kept: KeptResults = field(default_factory=KeptResults)  # results of jobs not known here
     aliases: dict[str, str] = field(default_factory=dict)  # a lost job -> its resubmission
     # jobs whose client vanished, by when: their chunks in flight still finish, and
     # their results are kept for the client's resumption (``KeptResults``)
     vanished: dict[str, float] = field(default_factory=dict)
+    # workers quarantined, by name (host:pid/device): the same process registering again
+    # stays quarantined; a restarted one (another pid) starts afresh
+    quarantined: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.order = SlotOrder(fair=self.config.sharing == "fair")

@@ -72,6 +72,9 @@ class ResultArrived:
     header: Any = None
     payload: Any = ()
     problem: str | None = None  # why the result cannot be taken (the wire's checks)
+    # the problem lies in the values (not finite, out of range), which may be the images'
+    # doing: the worker is blamed only once another device answers the same items well
+    in_values: bool = False
     kept: bool = False  # offered again by a worker that lost its broker
     size: int = 0  # the payload's bytes (kept results are held within a bound)
 
@@ -112,6 +115,7 @@ class JobSubmitted:
     # same for the client's earlier submissions of it (lost with a broker or a client)
     runs: tuple[tuple[int, int, int], ...] = ()
     earlier: dict[str, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
+    owner: str = ""  # who submitted it: its CURVE key, else its connection (per-client limits)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

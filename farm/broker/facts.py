@@ -70,3 +70,6 @@ class ModelFound:
     digest: str
     layout: str = "CHW"
     crops: int = 1  # inputs per image file (10 when the model oversamples)
+    # one image's outputs, from the net itself (None: unknown, the first result's is taken)
+    output_shape: tuple[int, ...] | None = None
+    softmax: bool = False  # the outputs are probabilities: each within 0..1

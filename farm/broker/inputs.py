@@ -1,13 +1,60 @@
 """A chunk's input: asked of its client (NEED, answered by DATA), or read by the worker
-itself from shared storage; either way it goes out as the attempt's TASK."""
+itself from shared storage; either way it goes out as the attempt's TASK.
+
+Fair admission: a worker's slot waits for its chunk's input, so a client that does not
+answer would hold slots other jobs could use.  So a job whose client sends the items
+first answers a *probe* (a NEED of one item, holding no slot: ``PROBE``) and only then
+is offered slots (``Job.proven``).  A proven client that leaves a NEED unanswered past
+its deadline (``need_deadline``) has its job *parked*: the slots its NEEDs held go to
+other jobs, and after a back-off (``PARK_SECONDS``) it is probed again.  Its late DATA
+proves it alive at once, and its deadline doubles.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from farm.broker import events as ev
 from farm.broker.core import Farm
-from farm.broker.jobs import ChunkRecord
+from farm.broker.jobs import ChunkRecord, Job
+
+log = logging.getLogger("farm.broker")
+
+#: The chunk id of a probe (attempt ids start at 1).
+PROBE = 0
+#: Least seconds a client has to answer a NEED, and its multiple of the client's slowest
+#: answer so far; doubled for each time the job was parked.
+NEED_DEADLINE = 2.0
+NEED_DEADLINE_FACTOR = 10.0
+#: Seconds a parked job waits before its client is probed again: the first, and the most
+#: (doubling in between).
+PARK_SECONDS = (1.0, 60.0)
+
+
+def probe(farm: Farm, job: Job) -> None:
+    """Ask the job's client for one item before the job holds any slot; a job whose
+    workers read its items themselves needs no client to run, and is proven at once."""
+    if job.inputs is not None:
+        job.proven = True
+        return
+    farm.out.append(
+        ev.SendNeed(
+            client=job.client, job=job.id, chunk=PROBE, start=0, count=1, stimulus=farm.stimulus
+        )
+    )
+
+
+def proven(farm: Farm, job: Job) -> bool:
+    """The client answered (a probe, or late): the job may hold slots again; True if it
+    could not before."""
+    was = job.proven
+    job.proven, job.parked_until = True, None
+    return not was
+
+
+def need_deadline(job: Job) -> float:
+    return max(NEED_DEADLINE, NEED_DEADLINE_FACTOR * job.slowest_input) * 2.0**job.parks
 
 
 def request_input(farm: Farm, record: ChunkRecord) -> None:
@@ -40,7 +87,10 @@ def awaited_data(farm: Farm, event: ev.DataArrived) -> ChunkRecord | None:
     job.client_seen = event.at
     record = job.pending.pop(event.chunk, None)
     if record is None or record.id not in record.worker.in_flight:
+        if job.id in farm.running and proven(farm, job):  # a probe's answer, or a late one
+            farm.refill = True  # offer the slots again
         return None
+    job.slowest_input = max(job.slowest_input, event.at - record.assigned_at)
     return record
 
 

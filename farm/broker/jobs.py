@@ -122,6 +122,18 @@ class Job:
     # ranges kept results delivered outside any attempt: done when next handed out
     delivered: Ranges = field(default_factory=Ranges)
     kept_items: int = 0  # items done by ranges kept results delivered (not in any share)
+    # what workers counted lost held of it, by worker name: only they may offer it kept
+    lost_by: dict[str, Ranges] = field(default_factory=dict)
+    owner: str = ""  # who submitted it: its client's CURVE key, else its connection
+    softmax: bool = False  # its model's outputs are probabilities: each is checked within 0..1
+    bad_answers: int = 0  # results that failed the broker's checks, run again elsewhere
+    quarantined: dict[str, str] = field(default_factory=dict)  # worker name -> why, meanwhile
+    # fair admission (``farm.broker.inputs``): a job holds workers' slots only once its
+    # client answered a NEED (``proven``); one that leaves a NEED unanswered is parked
+    proven: bool = False
+    parked_until: float | None = None
+    parks: int = 0
+    slowest_input: float = 0.0  # the longest its client took to answer a NEED, in seconds
 
     def __post_init__(self) -> None:
         self.item_bytes = item_bytes(self.dtype, self.item_shape)
@@ -185,6 +197,9 @@ class Job:
             "eta_s": (self.total - done) / rate if rate > 0 else None,
             "age_s": now - self.submitted_at,
             "timeout_s": self.options.timeout,
+            "owner": self.owner,
+            "parked": self.parked_until is not None,
+            "bad_answers": self.bad_answers,
         }
 
     @property
@@ -242,6 +257,9 @@ class Job:
             lost_attempts=self.evidence.lost,
             items_run=self.items_run,
             kept=self.kept_items,
+            bad_answers=self.bad_answers,
+            quarantined=tuple(f"{name}: {why}" for name, why in self.quarantined.items()),
+            parked=self.parks,
         )
 
 

@@ -10,7 +10,7 @@ import logging
 
 from farm.broker import events as ev
 from farm.broker.core import Farm
-from farm.broker.jobs import Job
+from farm.broker.jobs import Job, Ranges
 from farm.broker.kept import translate
 from farm.broker.scheduling import complete_delivered, fill
 from farm.policies import Chunk
@@ -23,14 +23,16 @@ def take_kept(farm: Farm, event: ev.ResultArrived) -> None:
     was counted lost meanwhile), or of one lost with a broker: to its resubmission's
     client if it came, else held until it does (or for a while)."""
     entry = farm.heard_worker(event.worker)
-    if event.problem:
-        log.info("dropped a kept result: %s", event.problem)
+    # only registered workers' are taken (the broker refuses others'), not quarantined ones'
+    why = event.problem or ("not from a registered worker" if entry is None else entry.quarantined)
+    if entry is None or why:
+        log.info("dropped a kept result: %s", why)
         return
     running = farm.running.get(event.job)
     if running is not None:
-        take_late(farm, running, event, entry.name if entry else "")
+        take_late(farm, running, event, entry.name)
         return
-    hold_or_pass(farm, event, entry.name if entry else "")
+    hold_or_pass(farm, event, entry.name)
 
 
 def keep_vanished(farm: Farm, event: ev.ResultArrived) -> None:
@@ -103,8 +105,15 @@ def take_late(farm: Farm, job: Job, event: ev.ResultArrived, worker: str) -> Non
     it: the client gets it now, and the range, wherever its policy holds it, is done
     when next assigned.  A range delivered before is not sent twice."""
     chunk = Chunk(event.start, event.count)
-    if chunk.stop > job.total or job.output_shape not in (None, event.output_shape):
-        log.info("dropped a kept result of job %s that does not fit it", job.id)
+    if not job.lost_by.get(worker, Ranges()).covers(chunk.start, chunk.stop):
+        log.info(
+            "dropped a kept result of job %s: %s was not computing items %d..%d when it "
+            "was lost",
+            job.id,
+            worker,
+            chunk.start,
+            chunk.stop - 1,
+        )
         return
     if job.delivered.covers(chunk.start, chunk.stop):
         return

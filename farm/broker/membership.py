@@ -26,6 +26,11 @@ def on_worker_joined(farm: Farm, event: ev.WorkerJoined) -> None:
     entry: Worker = WorkerEntry.from_facts(event.worker, event.facts)
     entry.last_seen = entry.joined_at = event.at
     farm.workers[event.worker] = farm.by_id[entry.id] = entry
+    reason = farm.quarantined.get(entry.name)
+    if reason is not None:  # the same process again: still not trusted
+        entry.quarantined = reason
+        log.warning("worker %s registered again, still quarantined: %s", entry.name, reason)
+        return
     farm.places[entry.place] += 1
     caps.worker_joined(farm, entry)
     if farm.observer:
@@ -101,7 +106,8 @@ def forget(farm: Farm, identity: bytes) -> Worker | None:
     if entry is None:
         return None
     del farm.by_id[entry.id]
-    farm.places[entry.place] -= 1
-    if not farm.places[entry.place]:
-        del farm.places[entry.place]
+    if entry.quarantined is None:  # a quarantined worker left the places already
+        farm.places[entry.place] -= 1
+        if not farm.places[entry.place]:
+            del farm.places[entry.place]
     return entry

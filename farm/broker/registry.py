@@ -61,6 +61,9 @@ class WorkerEntry(Generic[A]):
     fetched: dict[str, int] = field(default_factory=dict)  # model -> times its files were sent
     offered: set[str] = field(default_factory=set)  # jobs that declined its free slot
     joined_at: float = 0.0  # broker clock when it registered
+    last_answer_at: float = 0.0  # broker clock of its last RESULT taken
+    strikes: int = 0  # answers that failed the broker's checks (``farm.broker.quarantine``)
+    quarantined: str | None = None  # why it gets no more tasks, once it does not
     # (broker clock, images computed, compute seconds): the worker's running counters as its
     # heartbeats reported them, over the last RECENT_WINDOW seconds and one sample before
     samples: deque[tuple[float, int, float]] = field(
@@ -146,7 +149,9 @@ class WorkerEntry(Generic[A]):
             "engines": dict(self.engines),
             "startup": dict(self.startup),
             "fetched": dict(self.fetched),
-            "state": "busy" if self.in_flight else "idle",
+            "state": "quarantined" if self.quarantined else "busy" if self.in_flight else "idle",
+            "strikes": self.strikes,
+            "quarantined": self.quarantined,
             "slots": self.slots,
             "in_flight": len(self.in_flight),
             "rate": rate,

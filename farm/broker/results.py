@@ -11,6 +11,7 @@ from farm.broker.caps import cap_chunks, note_rate
 from farm.broker.core import Farm
 from farm.broker.jobs import ChunkRecord
 from farm.broker.keeping import keep_vanished, take_kept
+from farm.broker.quarantine import answer_refused, blame_settled
 from farm.broker.scheduling import fail_job, fill, finish_if_done, step
 from farm.policies import ChunkDone
 
@@ -28,15 +29,22 @@ def on_result_arrived(farm: Farm, event: ev.ResultArrived) -> None:
     if record is None:
         return
     if event.problem:
-        chunk = record.chunk
-        fail_job(
-            farm,
-            record.job,
-            f"worker {record.worker.name} returned a bad result for items "
-            f"{chunk.start}..{chunk.stop - 1}: {event.problem}",
-        )
+        answer_refused(farm, record, event)
         return
     take_result(farm, record, event)
+
+
+def credited_compute(record: ChunkRecord, event: ev.ResultArrived) -> float:
+    """The compute seconds the attempt is credited with: what the worker reports, but at
+    least half of what the broker's clock saw it take (from its TASK, or the worker's
+    previous answer if later, to its RESULT; a first load of the model aside), so that a
+    worker cannot claim more than twice its speed."""
+    entry = record.worker
+    reported = float(event.timings["compute"])
+    began = max(record.sent_at or record.assigned_at, entry.last_answer_at)
+    load = float(event.timings.get("load", 0.0)) if record.job.model not in entry.loaded else 0.0
+    entry.last_answer_at = event.at
+    return max(reported, (event.at - began - load) / 2)
 
 
 def take_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> None:
@@ -44,7 +52,7 @@ def take_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> Non
     items), into the worker's share and speed, and to the job's policy."""
     job, chunk, entry = record.job, record.chunk, record.worker
     job.output_shape = event.output_shape
-    compute = float(event.timings["compute"])
+    compute = credited_compute(record, event)
     job.account(entry, chunk, compute, float(event.timings.get("load", 0.0)))
     note_rate(farm, job.model, entry)
     forward_result(farm, record, event)
@@ -54,7 +62,7 @@ def take_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> Non
         farm.observer.chunk_done(
             entry, chunk.count, event.timings, sent - record.assigned_at, event.at - sent
         )
-    job.evidence.settle(chunk)
+    blame_settled(farm, job.evidence.settle(chunk))
     if record.retry:
         job.retry_items -= chunk.count
     else:

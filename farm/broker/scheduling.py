@@ -50,10 +50,12 @@ def fill_all(farm: Farm) -> None:
 
 def offer_slot(farm: Farm, entry: Worker) -> bool:
     """Offer one slot to the jobs in their order; True if one took it."""
-    if entry.identity not in farm.workers:
+    if entry.identity not in farm.workers or entry.quarantined is not None:
         return False
     before, done_before = len(entry.in_flight), farm.stats.kept_used
     for job in list(farm.order.jobs):
+        if not job.proven:  # its client has not answered yet (``farm.broker.inputs``)
+            continue
         job.eligible[entry.id] = entry
         if job.retries and run_retry(farm, job, entry):
             return True
@@ -118,9 +120,10 @@ def dispatch(farm: Farm, job: Job, assignments: list[Assign]) -> None:
     its input; the TASK goes out when the DATA comes back."""
     for assignment in assignments:
         entry = farm.by_id.get(assignment.worker)
-        if entry is None:  # the worker is being lost, and the policy hears of it next:
-            # take the chunk back and the worker out of its idle ones (a WorkerLost now
-            # would return the worker's other chunks while they are being settled)
+        if entry is None or not job.proven:  # the worker is being lost, and the policy
+            # hears of it next, or the job is parked: take the chunk back and the worker
+            # out of its idle ones (a WorkerLost now would return the worker's other
+            # chunks while they are being settled)
             step(farm, job, WorkerBusy(assignment.worker, at=farm.now))
             step(farm, job, ChunkFailed(assignment.worker, assignment.chunk, True, at=farm.now))
             continue

@@ -55,6 +55,7 @@ from farm.broker.clients import (
     on_client_left,
     on_data_arrived,
     on_job_cancelled,
+    overdue_needs,
 )
 from farm.broker.core import OUTCOMES, SHARING, Farm, FarmStats, Observer, SchedulingConfig
 from farm.broker.jobs import ChunkRecord
@@ -91,8 +92,8 @@ class FarmState(Farm):
             self.churn.since = event.at
         self.out = []
         HANDLERS[type(event)](self, event)
-        if self.retries_added:  # a retry may wait for a worker that is idle now
-            self.retries_added = False
+        if self.refill:  # a retry or a job may wait for a worker that is idle now
+            self.refill = False
             fill_all(self)
         return self.out
 
@@ -140,6 +141,7 @@ def on_tick(farm: Farm, event: ev.Tick) -> None:
         cap_all(farm)
     keeping.expire(farm, event.at)
     expire_silent(farm, event.at)
+    overdue_needs(farm, event.at)
 
 
 HANDLERS: dict[type, Any] = {

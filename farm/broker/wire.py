@@ -5,7 +5,8 @@ scheduling core (``farm.broker.state`` and its events, which import neither).  B
 the mapping it makes the checks a message needs beyond its own decoding: a worker's
 advertised models, a job's dtype, and a chunk's input (DATA) and outputs
 (RESULT) against the attempt the state awaits.  A check that fails becomes the event's
-``problem``, and the state fails the job with it.
+``problem``: the state fails the job for a bad DATA (its client's own input), and runs
+the chunk again on another worker for a bad RESULT (``farm.broker.quarantine``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from farm.broker import events as ev
 from farm.broker.facts import JobOptions, ModelFound, WorkerFacts
-from farm.broker.jobs import ChunkRecord
+from farm.broker.jobs import ChunkRecord, Job
 from farm.broker.state import FarmState
 from farm.wire import messages, protocol
 from farm.wire.messages import Header, StoredInputs
@@ -49,7 +52,11 @@ def event_of(identity: bytes, message: Message, now: float, state: FarmState) ->
             return ev.ClientHeard(client=identity, job=job, at=now)
         case messages.Result() as result:
             return result_arrived(
-                identity, message, now, state.awaited_result(identity, result.chunk)
+                identity,
+                message,
+                now,
+                state.awaited_result(identity, result.chunk),
+                state.running.get(result.job) if result.kept else None,
             )
         case messages.Failed() as failed:
             return ev.FailureArrived(
@@ -134,6 +141,7 @@ def job_submitted(
     now: float,
     heartbeat: float,
     find_model: Callable[[str], ModelFound | str],
+    owner: str = "",
 ) -> ev.JobSubmitted:
     """A SUBMIT, with what ``find_model`` (the broker's repository) says of its model;
     ``heartbeat``: the client's interval unless it gave one.  ProtocolError if its shared
@@ -152,6 +160,7 @@ def job_submitted(
         options=options,
         model=find_model(submit.model),
         at=now,
+        owner=owner,
         **submitted_with(message),
     )
 
@@ -235,12 +244,16 @@ def data_problem(
 
 
 def result_arrived(
-    identity: bytes, message: Message, now: float, awaited: ChunkRecord | None
+    identity: bytes, message: Message, now: float, awaited: ChunkRecord | None, kept_job: Any
 ) -> ev.ResultArrived:
     """A RESULT, its header and payload carried through for the client, checked against
-    the ``awaited`` attempt."""
+    the ``awaited`` attempt (a kept result against its job, ``kept_job``, if running)."""
     result = message.header
     assert isinstance(result, messages.Result)
+    if result.kept:
+        problem = kept_problem(message, kept_job)
+    else:
+        problem = result_problem(message, awaited)
     return ev.ResultArrived(
         worker=identity,
         job=result.job,
@@ -252,51 +265,129 @@ def result_arrived(
         at=now,
         header=result,
         payload=message.payload,
-        problem=kept_problem(message) if result.kept else result_problem(message, awaited),
+        problem=problem.text if problem else None,
+        in_values=bool(problem and problem.in_values),
         kept=result.kept,
         size=protocol.payload_bytes(message.payload),
     )
 
 
-def kept_problem(message: Message) -> str | None:
-    """Why a kept result (``Result.kept``) cannot go to a client: the checks that need no
-    attempt to check it against."""
+def malformed_result(
+    identity: bytes, header: messages.Result, problem: str, now: float
+) -> ev.ResultArrived:
+    """A worker's RESULT whose payload does not fit its header: refused like any answer
+    that fails the checks, so that its chunk runs again elsewhere rather than waiting."""
+    return ev.ResultArrived(
+        worker=identity,
+        job=header.job,
+        chunk=header.chunk,
+        start=header.start,
+        count=header.count,
+        output_shape=tuple(header.item_shape),
+        timings={},
+        at=now,
+        header=header,
+        problem=f"a malformed RESULT: {problem}",
+        kept=header.kept,
+    )
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a RESULT cannot be taken; ``in_values``: its values are wrong (not finite, out
+    of range), which the images may cause, rather than its form."""
+
+    text: str
+    in_values: bool = False
+
+
+def kept_problem(message: Message, job: Job | None) -> Problem | None:
+    """Why a kept result (``Result.kept``) cannot go to a client: checked like any other
+    against its job when this broker runs it (``job``), else as far as it can be alone."""
     result = message.header
     assert isinstance(result, messages.Result)
-    try:
-        message.failures()
-    except ProtocolError as exc:
-        return str(exc)
-    return None if result.dtype == "float32" else f"outputs are {result.dtype}, not float32"
+    if job is not None and result.start + result.count > job.total:
+        return Problem(f"answers items {result.start}+{result.count} of a job of {job.total}")
+    return answer_problem(message, job.output_shape if job else None, job.softmax if job else False)
 
 
-def result_problem(message: Message, awaited: ChunkRecord | None) -> str | None:
+def result_problem(message: Message, awaited: ChunkRecord | None) -> Problem | None:
     """Why a RESULT cannot be taken for the ``awaited`` attempt (None: it can, or none awaits
-    it): the chunk's items, a well-formed list of failed items (the client relies on it),
-    float32 outputs of the shape of the job's earlier ones, and times that are times."""
+    it): exactly the chunk's items, then ``answer_problem``."""
     result = message.header
     assert isinstance(result, messages.Result)
     if awaited is None:
         return None  # the state drops it: a late, duplicate or unknown reply
-    chunk = awaited.chunk
+    chunk, job = awaited.chunk, awaited.job
     if (result.start, result.count) != (chunk.start, chunk.count):
-        return f"answers items {result.start}+{result.count}, not the chunk's"
+        return Problem(
+            f"answers items {result.start}+{result.count}, not {chunk.start}+{chunk.count}"
+        )
+    return answer_problem(message, job.output_shape, job.softmax)
+
+
+def answer_problem(
+    message: Message, expected: tuple[int, ...] | None, softmax: bool
+) -> Problem | None:
+    """Why a RESULT's answer is not one its model can give: a well-formed list of failed
+    items (the client relies on it), float32 outputs of the model's shape (``expected``,
+    from the net itself), one row per item, times that are times, then the values: finite
+    where the item did not fail (a worker fails images it cannot feed, non-finite pixels
+    included, so non-finite outputs are its engine's doing) and, for probabilities
+    (``softmax``), within 0..1."""
+    result = message.header
+    assert isinstance(result, messages.Result)
     try:
-        message.failures()  # decoded here only: the broker forwards its frame untouched
+        failures = message.failures()  # decoded here only: the frame is forwarded untouched
     except ProtocolError as exc:
-        return str(exc)
+        return Problem(str(exc))
     if result.dtype != "float32":
-        return f"outputs are {result.dtype}, not float32"
+        return Problem(f"outputs are {result.dtype}, not float32")
     shape = tuple(result.item_shape)
-    earlier = awaited.job.output_shape
-    if earlier not in (None, shape):
-        return f"output shape {shape} differs from earlier chunks' {earlier}"
+    if expected is not None and shape != expected:
+        return Problem(f"output shape {shape}, the model's is {expected}")
     for key in TIMINGS:
         value = result.timings.get(key, 0.0)
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            return f"{key} time {value!r} is not a time"
+            return Problem(f"{key} time {value!r} is not a time")
     if "compute" not in result.timings:
-        return "no compute time"
+        return Problem("no compute time")
+    try:
+        values = message.array("float32", shape)
+    except ValueError:
+        return Problem(
+            f"outputs of {protocol.payload_bytes(message.payload)} bytes are not rows of {shape}"
+        )
+    if len(values) != result.count:
+        return Problem(f"{len(values)} rows of outputs for {result.count} items")
+    return values_problem(values, failures, softmax)
+
+
+#: How far probabilities may stray outside 0..1 (rounding in reduced precisions).
+PROBABILITY_SLACK = 1e-2
+
+
+def values_problem(
+    values: np.ndarray, failures: Sequence[tuple[int, int, str]], softmax: bool
+) -> Problem | None:
+    """Non-finite outputs of items that did not fail, or probabilities outside 0..1."""
+    if failures:  # failed items' rows are NaN by design: look at the others
+        keep = np.ones(len(values), bool)
+        for offset, count, _ in failures:
+            keep[offset : offset + count] = False
+        values = values[keep]
+    if not values.size:
+        return None
+    total = float(np.add.reduce(values, axis=None, dtype=np.float64))
+    if not math.isfinite(total):
+        bad = int(np.count_nonzero(~np.isfinite(values).reshape(len(values), -1).all(axis=1)))
+        return Problem(f"{bad} of {len(values)} items have non-finite outputs", in_values=True)
+    if softmax:
+        low, high = float(values.min()), float(values.max())
+        if low < -PROBABILITY_SLACK or high > 1 + PROBABILITY_SLACK:
+            return Problem(
+                f"probabilities range over {low:.3g}..{high:.3g}, outside 0..1", in_values=True
+            )
     return None
 
 

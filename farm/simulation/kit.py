@@ -8,11 +8,13 @@ float32 each; a NEED is answered with its DATA (``data_for``), a TASK with its R
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from farm.broker import events as ev
 from farm.broker.facts import JobOptions, ModelFound, WorkerFacts
+from farm.broker.inputs import PROBE
 from farm.broker.state import FarmState
 
 #: The model simulated workers run, its input (one float32 per item) and its digest.
@@ -140,8 +142,8 @@ class Driver:
         return self.feed(joined(worker, at, **facts))
 
     def submit(self, job: str, total: int, **how: Any) -> list[ev.Instruction]:
-        """A job of ``total`` items, as ``submitted`` makes it."""
-        return self.feed(submitted(job, total, **how))
+        """A job of ``total`` items, as ``submitted`` makes it, its probe answered."""
+        return answer_probes(self.feed, self.feed(submitted(job, total, **how)))
 
     def answer(
         self, instruction: ev.SendNeed | ev.SendTask, at: float, compute: float = 0.0
@@ -150,3 +152,18 @@ class Driver:
         if isinstance(instruction, ev.SendNeed):
             return self.feed(data_for(instruction, at))
         return self.feed(result_for(instruction, at, compute))
+
+
+def answer_probes(
+    handle: Callable[[ev.FarmEvent], list[ev.Instruction]], instructions: list[ev.Instruction]
+) -> list[ev.Instruction]:
+    """``instructions`` with each probe (a NEED of chunk ``PROBE``: fair admission, see
+    ``farm.broker.inputs``) answered by its client at once: what the answer caused takes
+    its place."""
+    out: list[ev.Instruction] = []
+    for instruction in instructions:
+        if isinstance(instruction, ev.SendNeed) and instruction.chunk == PROBE:
+            out += handle(data_for(instruction, 0.0))
+        else:
+            out.append(instruction)
+    return out

@@ -74,7 +74,10 @@ class Command(bytes, enum.Enum):
 
 
 class ProtocolError(ValueError):
-    """A message that does not follow the protocol."""
+    """A message that does not follow the protocol; ``header``: its header, when that
+    decoded and the payload did not fit it (a broker fails that attempt of a RESULT)."""
+
+    header: Header | None = None
 
 
 #: Each command's header struct.
@@ -277,6 +280,16 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
     if len(payload) > MAX_PAYLOAD_FRAMES:
         raise ProtocolError(f"too many payload frames: {len(payload)}")
     message = Message(command, header, list(payload))
+    try:
+        _check_payload(message)
+    except ProtocolError as exc:
+        exc.header = header
+        raise
+    return message
+
+
+def _check_payload(message: Message) -> None:
+    command, payload = message.command, message.payload
     if command in _ARRAY_COMMANDS:
         _check_array(message)
     elif command in _FILE_COMMANDS:
@@ -289,7 +302,6 @@ def decode(frames: Sequence[Any], allowed: frozenset[Command] | None = None) -> 
             )
     elif payload:
         raise ProtocolError(f"{command.name} carries no payload, got {len(payload)} frames")
-    return message
 
 
 _COMMANDS_BY_BYTE = {command.value: command for command in Command}

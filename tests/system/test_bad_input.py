@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from tests.frames import (
     GARBAGE,
     next_reply,
     reply,
+    reply_after_probe,
     task,
 )
 
@@ -124,7 +126,7 @@ def test_a_data_frame_that_lies_about_its_size_fails_only_its_job(
     farm_two_workers, raw_socket, lenet, digits
 ) -> None:
     raw_socket.send_multipart(submit_frames("liar", 10))
-    need = reply(raw_socket)
+    need = reply_after_probe(raw_socket, [bytes(784)])
     assert need.command is Command.NEED and (need.header.start, need.header.count) == (0, 10)
     raw_socket.send_multipart(
         protocol.encode(
@@ -202,9 +204,11 @@ def empty_farm(local_farm) -> LocalFarm:
     return local_farm(0, chunk=4)
 
 
-def error_after_scripted_result(farm, images: np.ndarray, reply_to) -> str:
-    """The FarmError a job of ``images`` ends with when its one (scripted) worker answers its
-    first TASK as ``reply_to(worker, task_header)`` does."""
+def rerun_after_scripted_result(farm, images: np.ndarray, reply_to) -> tuple[Any, Any]:
+    """A job of ``images`` whose one (scripted) worker answers its first TASK as
+    ``reply_to(worker, task_header)`` does: the TASK the broker sends next (the same items
+    run again: no other device is left), and the job's outcome once that is answered
+    well."""
     from tests.system.peers import ScriptedWorker
 
     worker = ScriptedWorker(farm.endpoint)
@@ -212,27 +216,39 @@ def error_after_scripted_result(farm, images: np.ndarray, reply_to) -> str:
 
     def submit() -> None:
         with farm.client(timeout=20) as client:
-            try:
-                client.map(images, model="lenet")
-            except FarmError as exc:
-                outcome["error"] = str(exc)
+            outcome["result"] = client.run(images, model="lenet")
 
     thread = threading.Thread(target=submit)
     thread.start()
     try:
-        task_message = worker.receive()
-        assert task_message is not None and task_message.command is Command.TASK
-        reply_to(
-            worker,
-            {key: getattr(task_message.header, key) for key in ("job", "chunk", "start", "count")},
+        first = worker.receive()
+        assert first is not None and first.command is Command.TASK
+        reply_to(worker, task_fields(first.header))
+        again = worker.receive()
+        assert again is not None and again.command is Command.TASK
+        fields = task_fields(again.header)
+        rows = np.zeros((fields["count"], 10), np.float32)
+        rows[:, 3] = 1.0
+        worker.send(
+            Command.RESULT,
+            messages.Result(
+                **fields, dtype="float32", item_shape=(10,), timings={"compute": 0.001}
+            ),
+            [rows.tobytes()],
         )
         thread.join(30)
     finally:
         worker.close()
-    return outcome["error"]
+    return again.header, outcome["result"]
 
 
-def test_a_result_for_the_wrong_items_fails_the_job_with_the_reason(empty_farm, digits) -> None:
+def task_fields(header: Any) -> dict:
+    return {key: getattr(header, key) for key in ("job", "chunk", "start", "count")}
+
+
+def test_a_result_for_the_wrong_items_is_refused_and_its_chunk_runs_again(
+    empty_farm, digits
+) -> None:
     def wrong_items(worker, header: dict) -> None:
         worker.send(
             Command.RESULT,
@@ -245,12 +261,13 @@ def test_a_result_for_the_wrong_items_fails_the_job_with_the_reason(empty_farm, 
             [np.zeros((header["count"], 10), np.float32).tobytes()],
         )
 
-    error = error_after_scripted_result(empty_farm, digits[:8], wrong_items)
-    assert "returned a bad result for items 0..3" in error
-    assert "answers items 2+4" in error
+    again, result = rerun_after_scripted_result(empty_farm, digits[:4], wrong_items)
+    assert (again.start, again.count) == (0, 4)
+    assert np.array_equal(result.outputs.argmax(axis=1), [3, 3, 3, 3])
+    assert result.summary.bad_answers == 1 and result.summary.failed_items == 0
 
 
-def test_a_result_whose_failures_list_lies_fails_the_job_with_the_reason(
+def test_a_result_whose_failures_list_lies_is_refused_and_its_chunk_runs_again(
     empty_farm, digits
 ) -> None:
     """A worker says 1 image failed on its own but lists 3: the client is not fed it."""
@@ -267,9 +284,9 @@ def test_a_result_whose_failures_list_lies_fails_the_job_with_the_reason(
             ],
         )
 
-    error = error_after_scripted_result(empty_farm, digits[:4], lying_failures)
-    assert "returned a bad result for items 0..3" in error
-    assert "RESULT failures list 3 items, the header says 1" in error
+    again, result = rerun_after_scripted_result(empty_farm, digits[:4], lying_failures)
+    assert (again.start, again.count) == (0, 4)
+    assert result.summary.bad_answers == 1 and not result.failed
 
 
 def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_farm, digits) -> None:
@@ -284,8 +301,10 @@ def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_fa
     images = digits[:12, None]
     try:
         client.send_multipart(submit_frames("late", 12))
+        assert worker.receive(300) is None  # no slot is held for a job until its probe is answered
+        need = reply_after_probe(client, [images[0].tobytes()])
         for start in (0, 4, 8):
-            need = reply(client)
+            need = need if start == 0 else reply(client)
             assert need.command is Command.NEED and need.header.start == start
             assert worker.receive(300) is None  # no input yet: nothing sent
             assert reply(client, 100) is None, "a second chunk was assigned beyond the single slot"
@@ -320,8 +339,9 @@ def test_chunks_waiting_for_their_input_count_against_the_workers_slots(empty_fa
 
 
 def test_absurd_timings_from_a_worker_neither_wedge_a_job_nor_the_next(empty_farm, digits) -> None:
-    """A compute time of 1e-320 s (an infinite speed) is taken and the job ends; a receive
-    time that is not a time fails that job with the reason; the next job still runs."""
+    """A compute time of 1e-320 s (an infinite speed) is taken and the job ends, the
+    worker credited with the time the broker saw, not an infinite speed; a receive time
+    that is not a time is refused, and the chunk runs again; the next job still runs."""
     from tests.system.peers import ScriptedWorker
 
     worker = ScriptedWorker(empty_farm.endpoint)
@@ -347,7 +367,7 @@ def test_absurd_timings_from_a_worker_neither_wedge_a_job_nor_the_next(empty_far
     try:
         for count, answers in (
             (8, [{"compute": 1e-320}, {"compute": 0.001}]),
-            (4, [{"compute": 0.001, "receive": "x"}]),
+            (4, [{"compute": 0.001, "receive": "x"}, {"compute": 0.001}]),
             (4, [{"compute": 0.001}]),
         ):
             thread = threading.Thread(target=submit, args=(count,))
@@ -359,5 +379,6 @@ def test_absurd_timings_from_a_worker_neither_wedge_a_job_nor_the_next(empty_far
     finally:
         worker.close()
     assert outcomes[0].summary.items == 8 and not outcomes[0].failed
-    assert "receive time 'x' is not a time" in outcomes[1]
+    assert all(0 < share.rate < 1e12 for share in outcomes[0].summary.workers)
+    assert outcomes[1].summary.items == 4 and outcomes[1].summary.bad_answers == 1
     assert outcomes[2].summary.items == 4

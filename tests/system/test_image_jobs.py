@@ -30,7 +30,7 @@ from farm.ops.local import LocalFarm, farm_command
 from farm.wire import messages, protocol
 from farm.wire.protocol import Command
 from tests.conftest import reference_forward
-from tests.frames import reply
+from tests.frames import reply, reply_after_probe
 from tests.unit.test_images import png_declaring
 
 #: The real ImageNet SqueezeNet this workplace shares (see its README).
@@ -326,7 +326,7 @@ def test_a_files_frame_that_lies_about_its_sizes_fails_only_its_job(
             ),
         )
     )
-    need = reply(raw_socket)
+    need = reply_after_probe(raw_socket, [np.array([10], np.uint32).tobytes(), bytes(10)])
     assert need.command is Command.NEED
     sizes = np.array([10, 10], np.uint32)
     raw_socket.send_multipart(

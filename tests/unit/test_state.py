@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from farm.broker import events as ev
 from farm.broker.events import matching
 from farm.broker.facts import JobOptions
+from farm.broker.inputs import PROBE
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.policies import POLICIES
 from farm.simulation import kit
@@ -60,6 +61,11 @@ def submit(
     job: str, total: int, at: float = 0.0, client: bytes = CLIENT, **options
 ) -> ev.JobSubmitted:
     return submitted(job, total, at=at, client=client, options=JobOptions(**options))
+
+
+def started(state: FarmState, event: ev.JobSubmitted) -> list[ev.Instruction]:
+    """What a SUBMIT causes once its client answered the probe (``farm.broker.inputs``)."""
+    return kit.answer_probes(state.handle, state.handle(event))
 
 
 def need(job: str, chunk: int, start: int, count: int, client: bytes = CLIENT) -> ev.SendNeed:
@@ -127,7 +133,7 @@ def test_the_core_imports_neither_the_protocol_nor_its_messages() -> None:
 def test_a_chunk_goes_need_data_task_result_done() -> None:
     state = fifo(100)
     assert state.handle(joined(A)) == []
-    assert state.handle(submit("j", 150)) == [need("j", 1, 0, 100)]
+    assert started(state, submit("j", 150)) == [need("j", 1, 0, 100)]
     assert state.handle(data_for(need("j", 1, 0, 100), 0.1)) == [task(A, "j", 1, 0, 100)]
     result = result_for(task(A, "j", 1, 0, 100), 0.5, 0.25)
     out = state.handle(result)
@@ -146,15 +152,15 @@ def test_a_chunk_goes_need_data_task_result_done() -> None:
 
 def test_the_higher_priority_job_takes_the_free_slot() -> None:
     state = fifo(10)
-    state.handle(submit("low", 100))
-    state.handle(submit("high", 100, client=OTHER, priority=5))
+    started(state, submit("low", 100))
+    started(state, submit("high", 100, client=OTHER, priority=5))
     assert state.handle(joined(A)) == [need("high", 1, 0, 10, client=OTHER)]
 
 
 def test_fair_sharing_alternates_slots_between_equal_jobs() -> None:
     state = fifo(10)
-    state.handle(submit("first", 100))
-    state.handle(submit("second", 100, client=OTHER))
+    started(state, submit("first", 100))
+    started(state, submit("second", 100, client=OTHER))
     out = state.handle(joined(A, slots=2))
     assert [(i.job, i.start) for i in out] == [("first", 0), ("second", 0)]
 
@@ -162,7 +168,7 @@ def test_fair_sharing_alternates_slots_between_equal_jobs() -> None:
 def test_a_worker_lost_to_silence_or_goodbye_charges_nothing_and_its_chunk_moves() -> None:
     state = fifo(10, max_attempts=1)  # one charge would make the chunk suspect
     state.handle(joined(A))
-    state.handle(submit("j", 10))
+    started(state, submit("j", 10))
     state.handle(data_for(need("j", 1, 0, 10), 0.1))
     assert state.handle(ev.WorkerLeft(worker=A, at=0.2)) == []
     assert state.handle(joined(B, 0.3)) == [need("j", 2, 0, 10)]
@@ -180,7 +186,7 @@ def test_a_worker_lost_to_silence_or_goodbye_charges_nothing_and_its_chunk_moves
 def test_a_crashed_worker_charges_only_the_chunk_it_was_computing() -> None:
     state = fifo(10)
     state.handle(joined(A, slots=2))
-    first, second = state.handle(submit("j", 20))
+    first, second = started(state, submit("j", 20))
     state.handle(data_for(first, 0.1))
     state.handle(data_for(second, 0.2))  # queued behind the first on the worker
     state.handle(ev.WorkerLeft(worker=A, at=0.3, reason="its connection closed", crashed=True))
@@ -193,7 +199,7 @@ def test_a_failed_chunk_runs_again_whole_on_another_device() -> None:
     state = fifo(10)
     state.handle(joined(A, device="cpu:0", pid=1))
     state.handle(joined(B, device="cpu:1", pid=2))
-    first, second = state.handle(submit("j", 20))
+    first, second = started(state, submit("j", 20))
     (task_a,) = state.handle(data_for(first, 0.1))
     (task_b,) = state.handle(data_for(second, 0.1))
     # A fails its chunk and is free first, but the chunk waits for another device
@@ -259,7 +265,7 @@ def test_on_one_device_a_chunk_is_narrowed_after_max_attempts() -> None:
 
 def test_no_item_runs_more_than_max_runs_times() -> None:
     state = fifo(10, max_runs=3)
-    state.handle(submit("j", 10))
+    started(state, submit("j", 10))
     out: list[ev.Instruction] = []
     for run in range(3):
         worker = bytes([run])
@@ -276,7 +282,7 @@ def test_a_closed_client_connection_ends_its_jobs_and_keeps_their_chunks_results
     that resumes the job naming it, and the worker's slot frees."""
     state = fifo(10)
     state.handle(joined(A))
-    sent = state.handle(data_for(state.handle(submit("j", 100))[0], 0.1))[0]
+    sent = state.handle(data_for(started(state, submit("j", 100))[0], 0.1))[0]
     assert state.handle(ev.ClientLeft(client=CLIENT, at=0.2)) == []
     assert state.jobs == {} and state.outcomes["expired"] == 1
     assert state.handle(result_for(sent, 0.5, 0.3)) == []
@@ -287,7 +293,7 @@ def test_a_closed_client_connection_ends_its_jobs_and_keeps_their_chunks_results
 def test_a_fatal_failure_fails_the_job_and_frees_the_worker() -> None:
     state = fifo(10)
     state.handle(joined(A))
-    state.handle(submit("j", 20))
+    started(state, submit("j", 20))
     state.handle(data_for(need("j", 1, 0, 10), 0.1))
     out = state.handle(failure_for(task(A, "j", 1, 0, 10), 0.2, "no such layer", fatal=True))
     assert out == [
@@ -299,12 +305,12 @@ def test_a_fatal_failure_fails_the_job_and_frees_the_worker() -> None:
 def test_chunks_are_capped_at_seconds_of_the_fastest_worker_and_shorter_when_shared() -> None:
     state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 1000}, max_chunk_seconds=0.5))
     state.handle(joined(A))
-    first = state.handle(submit("j", 10_000))[0]
+    first = started(state, submit("j", 10_000))[0]
     assert first.count == 1000  # no speed known yet
     sent = state.handle(data_for(first, 0.0))[0]
     out = state.handle(result_for(sent, 1.0, 1.0))  # 1 000 items/s: chunks of 0.5 s are 500
     assert out[-1].count == 500
-    state.handle(submit("k", 10_000, at=1.0, client=OTHER))
+    started(state, submit("k", 10_000, at=1.0, client=OTHER))
     state.handle(data_for(out[-1], 1.1))
     out = state.handle(result_for(task(A, "j", out[-1].chunk, 1000, 500), 1.6, 0.5))
     assert out[-1].count == 125  # a quarter while two jobs share the farm
@@ -313,7 +319,7 @@ def test_chunks_are_capped_at_seconds_of_the_fastest_worker_and_shorter_when_sha
 def test_silence_expires_workers_and_clients_on_the_tick() -> None:
     state = fifo(10, heartbeat=1.0, liveness=3)
     state.handle(joined(A))
-    state.handle(submit("j", 100))
+    started(state, submit("j", 100))
     state.handle(data_for(need("j", 1, 0, 10), 0.1))
     state.handle(ev.WorkerHeard(worker=A, at=2.0))
     # the client: silent 4.5 s (the chunk in flight finishes, kept for a resumption)
@@ -324,7 +330,7 @@ def test_silence_expires_workers_and_clients_on_the_tick() -> None:
 
 def test_a_job_past_its_timeout_is_cancelled_with_its_summary() -> None:
     state = fifo(10)
-    state.handle(submit("j", 100, timeout=2.0))
+    started(state, submit("j", 100, timeout=2.0))
     state.handle(ev.ClientHeard(client=CLIENT, job="j", at=2.0))
     out = state.handle(ev.Tick(at=2.5))
     assert (
@@ -342,8 +348,8 @@ def test_unknown_jobs_and_bad_submissions_are_refused_with_reasons() -> None:
     assert state.handle(ev.JobCancelled(client=CLIENT, job="nope", at=0.0)) == [
         ev.SendError(peer=CLIENT, error="the broker has no job nope", job="nope", unknown_job=True)
     ]
-    state.handle(submit("j", 10))
-    assert state.handle(submit("j", 10)) == [
+    started(state, submit("j", 10))
+    assert started(state, submit("j", 10)) == [
         ev.SendError(peer=CLIENT, error="job j already exists", job="j")
     ]
     wrong = submitted("k", 10, client=CLIENT, item_shape=(2,))
@@ -491,7 +497,7 @@ def test_one_death_does_not_shorten_chunks() -> None:
         SchedulingConfig(algo="fifo", params={"chunk": 100_000}, max_chunk_seconds=1.0)
     )
     state.handle(joined(A, device="cpu:0", pid=1))
-    (first,) = state.handle(submit("j", 1_000_000))
+    (first,) = started(state, submit("j", 1_000_000))
     sent = state.handle(data_for(first, 0.0))[0]
     out = state.handle(result_for(sent, 100.0, 100.0))  # 1 000 images/s
     assert out[-1].count == 1000
@@ -506,7 +512,7 @@ def test_a_worker_brings_its_speed_and_its_first_chunk_is_capped() -> None:
     """After a broker restart the job comes back before its workers: their READY carries
     their speeds, so the first chunk is one second's worth, not the whole job."""
     state = FarmState(SchedulingConfig(algo="equal-finish", max_chunk_seconds=1.0))
-    state.handle(submit("j", 100_000))
+    started(state, submit("j", 100_000))
     out = state.handle(joined(A, device="cpu:0", speeds={kit.MODEL: (5000, 1.0)}))
     assert [(need.start, need.count) for need in out] == [(0, 5000)]
 
@@ -514,7 +520,7 @@ def test_a_worker_brings_its_speed_and_its_first_chunk_is_capped() -> None:
 def test_a_one_image_job_failing_is_given_up_once_without_upsetting_its_policy() -> None:
     state = fifo(10, max_attempts=1)
     state.handle(joined(A))
-    first = state.handle(submit("j", 1))[0]
+    first = started(state, submit("j", 1))[0]
     sent = state.handle(data_for(first, 0.1))[0]
     out = state.handle(failure_for(sent, 0.2, "bad pixels"))
     assert [type(i) for i in out] == [ev.SendFailed, ev.SendDone]
@@ -528,10 +534,12 @@ def test_every_instruction_names_the_event_that_caused_it() -> None:
     first = need("j", 1, 0, 1)
     events: list[ev.FarmEvent] = [
         joined(A),
-        submit("j", 1),
+        submit("j", 1),  # the probe's NEED
+        data_for(need("j", PROBE, 0, 1), 0.05),  # proven: NEED
         data_for(first, 0.1),
         failure_for(task(A, "j", 1, 0, 1), 0.2, "bad pixels"),  # FAILED, DONE
         submit("k", 20),
+        data_for(need("k", PROBE, 0, 1), 0.25),
         data_for(need("k", 2, 0, 10), 0.3),
         result_for(task(A, "k", 2, 0, 10), 0.4, 0.1),  # RESULT, NEED
         ev.JobCancelled(client=CLIENT, job="k", at=0.5),
@@ -545,7 +553,7 @@ def test_every_instruction_names_the_event_that_caused_it() -> None:
         assert [i.stimulus for i in out] == [number] * len(out), event
         kinds |= {type(i) for i in out}
     assert kinds == set(get_args(ev.Instruction))
-    assert first == ev.SendNeed(client=CLIENT, job="j", chunk=1, start=0, count=1, stimulus=2)
+    assert first == ev.SendNeed(client=CLIENT, job="j", chunk=1, start=0, count=1, stimulus=3)
 
 
 def test_a_close_names_the_peer_of_that_very_connection_not_of_its_descriptor() -> None:

@@ -262,7 +262,7 @@ def test_a_kept_result_of_a_running_job_is_delivered_and_not_computed_again() ->
 
 
 def test_a_kept_range_back_in_its_policy_is_done_when_handed_out_again() -> None:
-    state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 10}))
+    state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 10}, max_chunk_seconds=0))
     driver = kit.Driver(state)
     driver.join(b"w1", device="cpu:0", pid=1)
     driver.join(b"w2", device="cpu:1", pid=2)
@@ -272,11 +272,15 @@ def test_a_kept_range_back_in_its_policy_is_done_when_handed_out_again() -> None
     lost = next(t for t in tasks if t.worker == b"w1")
     other = next(t for t in tasks if t.worker == b"w2")
     driver.feed(ev.WorkerLeft(worker=b"w1", at=2.0, reason="silent for 1.0 s"))
-    late = dataclasses.replace(kit.result_for(lost, 2.1, 0.5), kept=True)
-    assert ev.matching(driver.feed(late), ev.SendResult), "the client gets it at once"
+    rejoined = driver.join(b"w1", device="cpu:0", pid=1)  # registered again, it offers
+    late = dataclasses.replace(kit.result_for(lost, 2.1, 0.5), kept=True)  # what it kept
+    offered = driver.feed(late)
+    assert ev.matching(offered, ev.SendResult), "the client gets it at once"
     sent = []
     pending = [
-        i for i in driver.answer(other, 2.2, 0.5) if isinstance(i, (ev.SendNeed, ev.SendTask))
+        i
+        for i in [*rejoined, *offered, *driver.answer(other, 2.2, 0.5)]
+        if isinstance(i, (ev.SendNeed, ev.SendTask))
     ]
     while pending:
         instruction = pending.pop(0)

@@ -10,6 +10,7 @@ import pytest
 
 from farm.broker import events as ev
 from farm.broker import wire
+from farm.broker.facts import ModelFound
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.simulation import kit
 from farm.wire import messages, protocol
@@ -23,11 +24,14 @@ def decoded(header: messages.Header, payload: list | tuple = ()) -> protocol.Mes
     return protocol.decode(protocol.encode(protocol.command_of(header), header, payload))
 
 
-def farm_with_a_need(total: int = 3) -> tuple[FarmState, ev.SendNeed]:
+def farm_with_a_need(
+    total: int = 3, model: ModelFound | None = None
+) -> tuple[FarmState, ev.SendNeed]:
     """A one-worker farm whose job of ``total`` float32 items waits for its input."""
     state = FarmState(SchedulingConfig(algo="fifo", params={"chunk": 10}, max_chunk_seconds=0))
     state.handle(kit.joined(WORKER))
-    (need,) = state.handle(kit.submitted("j", total, client=CLIENT))
+    submitted = kit.submitted("j", total, client=CLIENT, found=model)
+    (need,) = kit.answer_probes(state.handle, state.handle(submitted))
     assert isinstance(need, ev.SendNeed)
     return state, need
 
@@ -40,7 +44,12 @@ def data(need: ev.SendNeed, payload: list) -> protocol.Message:
 
 def result(task: ev.SendTask, **fields) -> protocol.Message:
     """The worker's RESULT for ``task``, but for ``fields``."""
-    header = messages.Result(
+    header = result_header(task, **fields)
+    return decoded(header, protocol.array_frames(np.zeros((header.count, 10), np.float32)))
+
+
+def result_header(task: ev.SendTask, **fields) -> messages.Result:
+    return messages.Result(
         **{
             "job": task.job,
             "chunk": task.chunk,
@@ -52,7 +61,6 @@ def result(task: ev.SendTask, **fields) -> protocol.Message:
             **fields,
         }
     )
-    return decoded(header, protocol.array_frames(np.zeros((header.count, 10), np.float32)))
 
 
 def test_a_chunk_crosses_the_adapter_both_ways_with_typed_headers() -> None:
@@ -104,21 +112,84 @@ def test_data_that_is_not_the_chunks_input_carries_its_problem(payload, problem)
     assert state.handle(arrived) == [ev.SendError(peer=CLIENT, error=problem, job="j")]
 
 
+NAN_ROWS = np.full((3, 10), np.nan, np.float32)
+
+
 @pytest.mark.parametrize(
-    "fields, problem",
+    "fields, outputs, problem, in_values",
     [
-        ({"start": 1, "count": 2}, "answers items 1+2, not the chunk's"),
-        ({"timings": {"receive": 0.1}}, "no compute time"),
-        ({"timings": {"compute": -1.0}}, "compute time -1.0 is not a time"),
+        ({"start": 1, "count": 2}, None, "answers items 1+2, not 0+3", False),
+        ({"timings": {"receive": 0.1}}, None, "no compute time", False),
+        ({"timings": {"compute": -1.0}}, None, "compute time -1.0 is not a time", False),
+        (
+            {"item_shape": (7,)},
+            np.zeros((3, 7), np.float32),
+            "output shape (7,), the model's is (10,)",
+            False,
+        ),
+        (
+            {},
+            np.zeros((2, 10), np.float32),
+            "a malformed RESULT: payload is 80 bytes, header declares 3 x [10] float32 = 120",
+            False,
+        ),
+        ({}, NAN_ROWS, "3 of 3 items have non-finite outputs", True),
+        (
+            {},
+            np.full((3, 10), 2.0, np.float32),
+            "probabilities range over 2..2, outside 0..1",
+            True,
+        ),
     ],
 )
-def test_a_result_that_cannot_be_taken_fails_the_job_with_its_problem(fields, problem) -> None:
-    state, need = farm_with_a_need()
+def test_a_result_that_fails_the_checks_is_refused_and_its_chunk_runs_again(
+    fields, outputs, problem, in_values
+) -> None:
+    """The job goes on: the chunk is asked for again, nothing reaches the client, and a
+    wrong form is a strike against the worker at once (wrong values only once another
+    device answers the same items well)."""
+    state, need = farm_with_a_need(
+        model=ModelFound(
+            item_shape=kit.ITEM_SHAPE, digest=kit.DIGEST, output_shape=(10,), softmax=True
+        )
+    )
     (task,) = state.handle(wire.event_of(CLIENT, data(need, [bytes(12)]), 1.0, state))
-    answered = wire.event_of(WORKER, result(task, **fields), 2.0, state)
-    assert isinstance(answered, ev.ResultArrived) and answered.problem == problem
-    (error,) = state.handle(answered)
-    assert isinstance(error, ev.SendError) and error.error.endswith(problem)
+    header = result(task, **fields).header if outputs is None else result_header(task, **fields)
+    rows = np.zeros((header.count, 10), np.float32) if outputs is None else outputs
+    frames = protocol.array_frames(rows)
+    try:
+        answered = wire.event_of(WORKER, decoded(header, frames), 2.0, state)
+    except protocol.ProtocolError as exc:  # the broker refuses it just the same
+        assert exc.header == header
+        answered = wire.malformed_result(WORKER, header, str(exc), 2.0)
+    assert isinstance(answered, ev.ResultArrived)
+    assert (answered.problem, answered.in_values) == (problem, in_values)
+    out = state.handle(answered)
+    assert not ev.matching(out, ev.SendResult) and not ev.matching(out, ev.SendError)
+    (again,) = ev.matching(out, ev.SendNeed)
+    assert (again.start, again.count) == (0, 3) and again.chunk != need.chunk
+    assert state.stats.bad_answers == 1 and state.workers[WORKER].strikes == (not in_values)
+
+
+def test_finite_rows_beside_failed_items_pass_and_probabilities_may_round() -> None:
+    rows = np.full((3, 10), 0.1, np.float32)
+    rows[1] = np.nan  # item 1 failed on its own (a corrupt image): NaN by design
+    rows[2, 0] = 1.005
+    failures = [(1, 1, "corrupt")]
+    message = decoded(
+        messages.Result(
+            job="j",
+            chunk=1,
+            start=0,
+            count=3,
+            dtype="float32",
+            item_shape=(10,),
+            timings={"compute": 0.1},
+            failed=1,
+        ),
+        [*protocol.array_frames(rows), protocol.failures_frame(failures)],
+    )
+    assert wire.answer_problem(message, (10,), softmax=True) is None
 
 
 def test_a_late_result_is_not_checked_and_is_dropped() -> None:
