@@ -68,6 +68,11 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
     bad_answers: int = 0  # results that failed the broker's checks: run again elsewhere
     quarantined: tuple[str, ...] = ()  # "worker: why" for workers quarantined meanwhile
     parked: int = 0  # times the job was parked: its client left a NEED unanswered
+    verified: int = 0  # images run again on another device as spot checks
+    disagreements: int = 0  # spot checks whose two answers disagreed
+    unresolved: int = 0  # ... that no third device could settle
+    unverified: int = 0  # images sampled that no other device could check
+    corrected: int = 0  # images run again because the worker that computed them lost a check
     broker_seconds: float = 0.0  # submission to the last result, on the broker's clock
     seconds: float = 0.0  # the client's wall time, submit to last result
 

@@ -8,6 +8,7 @@ import math
 
 from farm.broker import events as ev
 from farm.broker.caps import cap_all
+from farm.broker.checks import checks_of
 from farm.broker.core import Farm
 from farm.broker.inputs import probe
 from farm.broker.jobs import Job
@@ -141,6 +142,8 @@ def start_job(farm: Farm, job: Job, model: ev.ModelFound | str) -> bool:
     except Exception as exc:  # a job's own parameters: ValueError, or what odd values provoke
         fail_job(farm, job, f"job policy: {exc}")
         return False
+    fraction = job.options.verify if job.options.verify is not None else farm.config.verify
+    job.checks = checks_of(job.id, fraction)
     farm.running[job.id] = job
     farm.order.place(job)
     cap_all(farm)  # a second job shortens everyone's chunks

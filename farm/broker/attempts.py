@@ -93,7 +93,9 @@ def worker_lost(
         job.pending.pop(record.id, None)
         if job.outcome is not None or job.policy is None:
             continue
-        if record is computing:
+        if record.check is not None:  # a spot check: it waits for another worker
+            lost_check(farm, record)
+        elif record is computing:
             error = f"worker {entry.name} died while computing it ({reason})"
             attempt_failed(farm, record, error, charged=True, worker_lost=True)
         elif record.sent_at is not None:
@@ -101,6 +103,16 @@ def worker_lost(
             attempt_failed(farm, record, error, charged=False, worker_lost=True)
         elif record.retry:  # it never left: back in line, uncharged
             job.retries.appendleft(record.chunk)
+
+
+def lost_check(farm: Farm, record: ChunkRecord) -> None:
+    """A spot check's attempt ended without an answer: the check waits for another
+    worker (``farm.broker.verify``)."""
+    checks = record.job.checks
+    if checks is not None and record.check is not None:
+        checks.running -= 1
+        checks.waiting.insert(0, record.check)
+        farm.refill = True
 
 
 def inputs_unshared(farm: Farm, record: ChunkRecord, error: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from farm.broker import events as ev
+from farm.broker.attempts import lost_check
 from farm.broker.core import Farm
 from farm.broker.inputs import PARK_SECONDS, awaited_data, need_deadline, probe, send_task
 from farm.broker.jobs import Job
@@ -96,7 +97,9 @@ def park(farm: Farm, job: Job, now: float) -> None:
     records, job.pending = list(job.pending.values()), {}
     for record in records:
         del record.worker.in_flight[record.id]
-        if record.retry:
+        if record.check is not None:
+            lost_check(farm, record)
+        elif record.retry:
             job.retries.appendleft(record.chunk)
         else:
             step(farm, job, ChunkFailed(record.worker.id, record.chunk, True, at=farm.now))

@@ -38,12 +38,15 @@ class SchedulingConfig:
     max_runs: int = defaults.MAX_RUNS  # runs of an item, for any reason, before it is given up
     sharing: str = defaults.SHARING  # see SHARING; priorities come first either way
     max_chunk_seconds: float = defaults.MAX_CHUNK_SECONDS  # chunk cap in compute s (0: none)
+    verify: float = 0.0  # part of each job's images run again on another device (spot checks)
 
     def check(self) -> None:
         """ValueError on a bad policy, parameter or sharing rule."""
         make_policy(self.algo, 1, **self.params)
         if self.sharing not in SHARING:
             raise ValueError(f"sharing must be one of {', '.join(SHARING)}")
+        if not 0 <= self.verify <= 1:
+            raise ValueError(f"verify must be a fraction within 0..1, not {self.verify}")
 
 
 @dataclass

@@ -77,6 +77,7 @@ class ResultArrived:
     in_values: bool = False
     kept: bool = False  # offered again by a worker that lost its broker
     size: int = 0  # the payload's bytes (kept results are held within a bound)
+    outputs: Any = None  # the payload's rows (numpy), for spot checks; None: not read
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -226,6 +227,7 @@ class SendResult:
     attempt: int
     trace: tuple[float, float, float] | None  # None: a kept result, from a lost broker
     kept: bool = False  # from a worker counted lost, a lost broker or a vanished client
+    corrects: bool = False  # replaces rows sent before (their worker lost a spot check)
     stimulus: int = field(default=0, compare=False)  # the id of the event that caused it
 
 

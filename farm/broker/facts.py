@@ -53,6 +53,7 @@ class JobOptions:
     client: str = ""
     engine: EngineChoice | None = None
     exif_rotate: bool = True
+    verify: float | None = None  # part of its images spot-checked (None: the broker's)
 
     def policy(self, default_algo: str, default_params: dict[str, Any]) -> tuple[str, dict]:
         """The job's policy name and parameters: the broker's unless the job chose (they are

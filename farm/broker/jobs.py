@@ -10,6 +10,7 @@ from typing import Any
 
 from farm import defaults
 from farm.broker.blame import Evidence
+from farm.broker.checks import Check, Checks
 from farm.broker.facts import JobOptions
 from farm.broker.registry import WorkerEntry
 from farm.policies import Chunk, Policy
@@ -30,6 +31,7 @@ class ChunkRecord:
     sent_at: float | None = None  # when the TASK went to the worker
     sent_seq: int = 0  # the order TASKs went out: a worker computes its chunks in this order
     retry: bool = False  # from the job's retry line, run outside its policy
+    check: Check | None = None  # a spot check's second (or third) run, outside its policy
 
     @property
     def job_id(self) -> str:
@@ -124,6 +126,10 @@ class Job:
     kept_items: int = 0  # items done by ranges kept results delivered (not in any share)
     # what workers counted lost held of it, by worker name: only they may offer it kept
     lost_by: dict[str, Ranges] = field(default_factory=dict)
+    checks: Checks | None = None  # spot checks (``farm.broker.verify``), if asked for
+    # ranges a quarantined worker computed, run again: their results replace the ones sent
+    corrections: Ranges = field(default_factory=Ranges)
+    corrected: int = 0
     owner: str = ""  # who submitted it: its client's CURVE key, else its connection
     softmax: bool = False  # its model's outputs are probabilities: each is checked within 0..1
     bad_answers: int = 0  # results that failed the broker's checks, run again elsewhere
@@ -145,9 +151,14 @@ class Job:
         return self.policy.completed - self.retry_items if self.policy else 0
 
     @property
-    def finished(self) -> bool:
+    def computed(self) -> bool:
         """Every item computed or given up: the policy's and every retried range."""
         return self.policy is not None and self.policy.finished and self.retry_items == 0
+
+    @property
+    def finished(self) -> bool:
+        """Computed, and every spot check answered."""
+        return self.computed and not (self.checks is not None and self.checks.open)
 
     @property
     def priority(self) -> int:
@@ -258,6 +269,11 @@ class Job:
             items_run=self.items_run,
             kept=self.kept_items,
             bad_answers=self.bad_answers,
+            verified=self.checks.verified if self.checks else 0,
+            disagreements=self.checks.disagreements if self.checks else 0,
+            unresolved=self.checks.unresolved if self.checks else 0,
+            unverified=self.checks.dropped if self.checks else 0,
+            corrected=self.corrected,
             quarantined=tuple(f"{name}: {why}" for name, why in self.quarantined.items()),
             parked=self.parks,
         )

@@ -107,8 +107,7 @@ def take_late(farm: Farm, job: Job, event: ev.ResultArrived, worker: str) -> Non
     chunk = Chunk(event.start, event.count)
     if not job.lost_by.get(worker, Ranges()).covers(chunk.start, chunk.stop):
         log.info(
-            "dropped a kept result of job %s: %s was not computing items %d..%d when it "
-            "was lost",
+            "dropped a kept result of job %s: %s was not computing items %d..%d when it was lost",
             job.id,
             worker,
             chunk.start,
@@ -133,7 +132,9 @@ def settle_delivered(farm: Farm, job: Job) -> None:
         covered = [
             record
             for record in entry.in_flight.values()
-            if record.job is job and job.delivered.covers(record.chunk.start, record.chunk.stop)
+            if record.job is job
+            and record.check is None
+            and job.delivered.covers(record.chunk.start, record.chunk.stop)
         ]
         for record in covered:
             del entry.in_flight[record.id]

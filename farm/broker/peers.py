@@ -8,8 +8,9 @@
   folder under ``authorized/``, ``farm.wire.curve.KeyRoles``): a client key cannot
   register as a worker, a worker key cannot submit.  An operator may act as a client.
 * INFO shows the whole farm to operators: peers on this host (loopback or IPC) and,
-  with CURVE, operator keys.  Others see the workers and counters, and their own jobs
-  only (``Peer.owner``: their CURVE key, else their connection).
+  with CURVE, operator keys (``authorized/operators/``).  Others see the workers and
+  counters, and their own jobs only (``Peer.owner``: their CURVE key, else their
+  connection).
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class Peers:
         """The peer that sent ``frame`` (a zmq.Frame of its message: its metadata names
         the CURVE key and the address)."""
         peer = self.known.get(identity)
-        if peer is None:
-            if len(self.known) >= MAX_PEERS:
+        if peer is None or (self.roles is not None and peer.owner != metadata(frame, "User-Id")):
+            if len(self.known) >= MAX_PEERS:  # a new key behind a reused identity: looked up
                 self.known.clear()
             peer = self.known[identity] = self.make(identity, frame)
         return peer
@@ -80,11 +81,12 @@ class Peers:
         self.known.pop(identity, None)
 
     def make(self, identity: bytes, frame: Any) -> Peer:
+        local = self.local or on_this_host(frame)
         if self.roles is None:
-            return Peer(identity, identity.hex(), EVERY_ROLE, self.local or on_this_host(frame))
+            return Peer(identity, identity.hex(), EVERY_ROLE, local)
         key = metadata(frame, "User-Id")
         roles = self.roles.of(key)
-        return Peer(identity, key, roles, OPERATOR in roles)
+        return Peer(identity, key, roles, local or OPERATOR in roles)
 
 
 def metadata(frame: Any, name: str) -> str:

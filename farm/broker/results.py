@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 
 from farm.broker import events as ev
-from farm.broker.attempts import answered_record, attempt_failed, inputs_unshared
+from farm.broker.attempts import answered_record, attempt_failed, inputs_unshared, lost_check
 from farm.broker.caps import cap_chunks, note_rate
 from farm.broker.core import Farm
 from farm.broker.jobs import ChunkRecord
 from farm.broker.keeping import keep_vanished, take_kept
-from farm.broker.quarantine import answer_refused, blame_settled
+from farm.broker.quarantine import answer_refused, blame_settled, strike
 from farm.broker.scheduling import fail_job, fill, finish_if_done, step
+from farm.broker.verify import check_answered, sample
 from farm.policies import ChunkDone
 
 log = logging.getLogger("farm.broker")
@@ -27,6 +28,14 @@ def on_result_arrived(farm: Farm, event: ev.ResultArrived) -> None:
         return
     record = answered_record(farm, event.worker, event.job, event.chunk)
     if record is None:
+        return
+    if record.check is not None:
+        if event.problem:  # a strike, and the check waits for another worker
+            strike(farm, record.worker, event.problem)
+            lost_check(farm, record)
+            fill(farm, record.worker)
+        else:
+            check_answered(farm, record, event.outputs)
         return
     if event.problem:
         answer_refused(farm, record, event)
@@ -56,6 +65,7 @@ def take_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> Non
     job.account(entry, chunk, compute, float(event.timings.get("load", 0.0)))
     note_rate(farm, job.model, entry)
     forward_result(farm, record, event)
+    sample(farm, record, event.outputs)
     cap_chunks(farm, job)  # speeds changed
     if farm.observer:
         sent = record.sent_at or record.assigned_at
@@ -84,6 +94,7 @@ def forward_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> 
                 worker=record.worker.name,
                 attempt=record.attempt,
                 trace=(record.assigned_at - origin, sent - origin, event.at - origin),
+                corrects=bool(job.corrections) and job.corrections.covers(chunk.start, chunk.stop),
                 stimulus=farm.stimulus,
             )
         )
@@ -96,6 +107,12 @@ def on_failure_arrived(farm: Farm, event: ev.FailureArrived) -> None:
     if record is None:
         return
     chunk = record.chunk
+    if record.check is not None:  # the check waits for another worker
+        if event.unshared:
+            record.job.unshared.add(record.worker.id)
+        lost_check(farm, record)
+        fill(farm, record.worker)
+        return
     if event.unshared:
         inputs_unshared(farm, record, event.error)
         return

@@ -59,6 +59,8 @@ def offer_slot(farm: Farm, entry: Worker) -> bool:
         job.eligible[entry.id] = entry
         if job.retries and run_retry(farm, job, entry):
             return True
+        if job.checks is not None and job.checks.waiting and run_check(farm, job, entry):
+            return True
         step(farm, job, WorkerReady(entry.id, at=farm.now))
         if len(entry.in_flight) > before or farm.stats.kept_used > done_before:
             return True  # a chunk, or a range a kept result had done: offer the slot again
@@ -95,6 +97,35 @@ def run_retry(farm: Farm, job: Job, entry: Worker) -> bool:
     if entry.free_slots <= 0:
         slots_taken(farm, entry, None)
     return True
+
+
+def run_check(farm: Farm, job: Job, entry: Worker) -> bool:
+    """Give the worker's free slot to a waiting spot check of the job it may run (one on a
+    device none of its answers came from: ``farm.broker.verify``); False if none."""
+    assert job.checks is not None
+    check = next((c for c in job.checks.waiting if entry.place not in c.places), None)
+    if check is None:
+        return False
+    job.checks.waiting.remove(check)
+    job.checks.running += 1
+    record = start_attempt(farm, job, check.chunk, entry)
+    record.check = check
+    request_input(farm, record)
+    if entry.free_slots <= 0:
+        slots_taken(farm, entry, None)
+    return True
+
+
+def drop_unrunnable_checks(farm: Farm, job: Job) -> None:
+    """Spot checks waiting that no connected, trusted worker may run: dropped, and
+    counted (the job would wait for them for ever)."""
+    checks = job.checks
+    if checks is None or not checks.waiting:
+        return
+    places = {e.place for e in farm.workers.values() if e.quarantined is None}
+    runnable = [c for c in checks.waiting if places - c.places]
+    checks.dropped += sum(c.chunk.count for c in checks.waiting if c not in runnable)
+    checks.waiting = runnable
 
 
 # --------------------------------------------------------------------------- policies
@@ -186,6 +217,8 @@ def complete_delivered(farm: Farm, job: Job, chunk: Chunk, entry: Worker, retry:
 
 
 def finish_if_done(farm: Farm, job: Job) -> None:
+    if job.outcome is None and job.computed:
+        drop_unrunnable_checks(farm, job)
     if job.outcome is None and job.finished:
         summary = job.summary(farm.now)
         end_job(farm, job, "done")

@@ -213,6 +213,7 @@ def job_options(options: messages.Options) -> JobOptions:
         client=options.client,
         engine=options.engine,
         exif_rotate=options.exif_rotate,
+        verify=options.verify,
     )
 
 
@@ -269,6 +270,7 @@ def result_arrived(
         in_values=bool(problem and problem.in_values),
         kept=result.kept,
         size=protocol.payload_bytes(message.payload),
+        outputs=None if problem or awaited is None else message.array("float32", result.item_shape),
     )
 
 
@@ -461,6 +463,7 @@ def result_header(forward: ev.SendResult) -> messages.Result:
         attempt=forward.attempt,
         trace=forward.trace,
         kept=header.kept or forward.kept,
+        corrects=forward.corrects,
     )
 
 

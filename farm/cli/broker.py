@@ -51,6 +51,15 @@ if TYPE_CHECKING:
     "$FARM_MODELS and the bundled models)."
 )
 @click.option(
+    "--verify",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    metavar="FRACTION",
+    help="Run this part of every job's images again on another device (spot checks), "
+    "unless the job says otherwise; a worker whose answers lose a check is quarantined.",
+)
+@click.option(
     "--sharing",
     type=click.Choice(["fair", "fifo"]),
     default=defaults.SHARING,
@@ -98,6 +107,7 @@ def broker(
     models_dir: tuple[str, ...],
     sharing: str,
     max_chunk_seconds: float,
+    verify: float,
     metrics_port: int | None,
     metrics_host: str,
     endpoint_fd: int | None,
@@ -132,6 +142,7 @@ def broker(
         curve=curve,
         sharing=sharing,
         max_chunk_seconds=max_chunk_seconds,
+        verify=verify,
         metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
     )
     try:

@@ -210,6 +210,17 @@ exif_option = click.option(
     "one upright by it, as viewers show it].",
 )
 
+#: ``--verify``: the part of a job's images run again on another device (submit, run, broker).
+verify_option = click.option(
+    "--verify",
+    type=click.FloatRange(0, 1),
+    default=None,
+    metavar="FRACTION",
+    help="Run this part of the images again on another device and compare the answers "
+    "(spot checks: a worker that loses one is quarantined and its chunks run again), "
+    "e.g. 0.01 [default: the broker's --verify, itself 0].",
+)
+
 #: ``--model``: the model a job runs.
 workers_option = click.option(
     "--workers", type=click.IntRange(1), help="Pinned workers to start (default: one per core)."

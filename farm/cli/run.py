@@ -35,6 +35,7 @@ from farm.cli.options import (
     precision_option,
     shared_options,
     top_k_option,
+    verify_option,
     workers_option,
 )
 from farm.cli.policy import policy_options, policy_params
@@ -83,6 +84,7 @@ Examples:
 @image_out_options
 @top_k_option
 @exif_option
+@verify_option
 @backend_option(
     "The workers' inference library (auto: the fastest that agrees, per model).", defaults.BACKEND
 )
@@ -133,6 +135,7 @@ def run(
     quiet: bool,
     top_k: int | None,
     no_exif_rotate: bool,
+    verify: float | None,
     backend: str,
     precision: str,
     min_agreement: float,
@@ -170,6 +173,7 @@ def run(
         shared=shared,
         path_map=path_map,
         exif_rotate=not no_exif_rotate,
+        verify=verify,
     )
     timeline.mark("input opened")
     stop_on_hangup()
@@ -301,6 +305,7 @@ class LocalJob:
     shared: bool = False  # the workers read the images themselves
     path_map: tuple[tuple[str, str], ...] = ()
     exif_rotate: bool = True  # image files turned upright by their EXIF orientation
+    verify: float | None = None  # part of the images spot-checked on another device
 
     def gate(
         self,
@@ -367,6 +372,7 @@ class LocalJob:
             shared=self.shared,
             path_map=self.path_map,
             exif_rotate=self.exif_rotate,
+            verify=self.verify,
             **job_options,
         )
 

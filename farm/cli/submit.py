@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from farm.cli.options import (
     precision_option,
     shared_options,
     top_k_option,
+    verify_option,
 )
 from farm.cli.policy import policy_options, policy_params
 from farm.client.answers import ModelCard
@@ -100,6 +102,7 @@ Examples:
 @image_out_options
 @top_k_option
 @exif_option
+@verify_option
 @click.option(
     "--priority",
     default=defaults.PRIORITY,
@@ -149,6 +152,7 @@ def submit(
     quiet: bool,
     top_k: int | None,
     no_exif_rotate: bool,
+    verify: float | None,
     priority: int,
     job_timeout: float | None,
     timeout: float,
@@ -167,9 +171,7 @@ def submit(
 ) -> None:
     """Run IMAGES on a farm (``SUBMIT_HELP``)."""
     params = job_policy(algo, options)
-    broker = BrokerAccess(
-        endpoint=broker_address, timeout=timeout, curve=curve, curve_name=curve_name
-    )
+    access = partial(BrokerAccess, timeout=timeout, curve=curve, curve_name=curve_name)
     source = load_input(images)
     warn_unkept(source, out, top_k)
     output = output_spec(source, out, top_k, local_card(model, models_dir), resume, images)
@@ -183,7 +185,7 @@ def submit(
         exif_rotate=not no_exif_rotate,
     )
     run_job(
-        broker,
+        access(endpoint=broker_address),
         source,
         model,
         output,
@@ -199,6 +201,7 @@ def submit(
         shared=shared,
         path_map=path_map,
         exif_rotate=not no_exif_rotate,
+        verify=verify,
     )
 
 

@@ -222,6 +222,7 @@ class SubmitOptions:
     params: dict[str, Any] = field(default_factory=dict)
     engine: EngineChoice | None = None  # instead of the workers' own
     exif_rotate: bool = True  # image files turned upright by their EXIF orientation
+    verify: float | None = None  # part of the images spot-checked on another device
 
     def header(self, remaining: float | None) -> messages.Options:
         """SUBMIT's options; ``remaining``: what is left of the job's timeout (a
@@ -234,6 +235,7 @@ class SubmitOptions:
             params=dict(self.params) if self.algo is not None else {},
             engine=self.engine,
             exif_rotate=self.exif_rotate,
+            verify=self.verify,
         )
 
 
@@ -617,6 +619,7 @@ class Client:
         shared: bool = False,
         path_map: Sequence[tuple[str, str]] = (),
         exif_rotate: bool = True,
+        verify: float | None = None,
     ) -> JobResult:
         """Submit a job on ``images`` (``as_source``); its outputs in input order (failed
         items NaN, or answers' rows with the reason) and a summary.
@@ -624,7 +627,7 @@ class Client:
         ``out``: None, memory; a path or an ``OutputSpec``, a file guarded and journaled
         as ``farm submit --out`` writes it, finished after a crash with ``resume=True``
         (``farm.client.outputs``); an array or a sink of the caller's, as given.  The other
-        choices: ``SubmitOptions`` (the engine: ``backend``, ``precision``) and ``JobRun``.
+        choices: ``SubmitOptions`` (``backend``, ``precision``, ``verify``) and ``JobRun``.
         OutputRefused or ResumeRefused before anything is written; OutputError if writing
         fails (the job cancelled first); FarmTimeout if no broker answers within
         ``FIRST_CONTACT_TIMEOUT`` s (or ``timeout``); NoWorker if no worker is connected
@@ -633,7 +636,7 @@ class Client:
         source, notice = job_source(images, algo, params), notice or log.warning
         engine = engine_choice(backend, precision)
         options = SubmitOptions(
-            priority, job_timeout, algo, dict(params or {}), engine, exif_rotate
+            priority, job_timeout, algo, dict(params or {}), engine, exif_rotate, verify
         )
         with open_outputs(
             output_of(out, resume),
@@ -840,7 +843,8 @@ class Client:
     ) -> None:
         """Write a result's items to the sink, and record those that failed on their own
         (``failures``: offset, count, reason); if writing fails, cancel the job (and write
-        nothing more)."""
+        nothing more).  A correction (``corrects``: the worker that computed them lost a
+        spot check) overwrites its items' rows."""
         if len(values) != header.count:
             raise FarmError(f"result for {header.count} items holds {len(values)}")
         pieces = submission.pieces(header.start, header.count)
@@ -851,7 +855,7 @@ class Client:
             runs = job.state.take(item_start, count, header.kept)
             if runs:
                 job.oriented, oriented = job.oriented + oriented, 0
-            for first, stop in runs:
+            for first, stop in [(item_start, item_start + count)] if header.corrects else runs:
                 if not self._write_run(
                     job, values, failures, first - item_start + offset, first, stop
                 ):

@@ -32,6 +32,7 @@ BROKER_FIELDS = (
     "max_runs",
     "sharing",
     "max_chunk_seconds",
+    "verify",
 )
 WORKER_FIELDS = ("backend", "precision", "batch", "slots", "max_tasks", "heartbeat", "liveness")
 

@@ -278,7 +278,7 @@ def curve_lines(farm: SlurmFarm) -> list[str]:
     if farm.curve == JOB_KEYS:
         return [
             '(umask 077 && farm keys init "$JOB_DIR/keys" > /dev/null) || exit 1',
-            'chmod 600 "$JOB_DIR"/keys/*.key* "$JOB_DIR"/keys/authorized/*',
+            'chmod 600 "$JOB_DIR"/keys/*.key* "$JOB_DIR"/keys/authorized/*/*.key',
             'export FARM_CURVE="$JOB_DIR/keys"',
             'BROKER_CURVE=(--curve "$FARM_CURVE")',
             'CURVE_ARGS=(--curve "$FARM_CURVE" --curve-name worker)',

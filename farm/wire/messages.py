@@ -144,6 +144,7 @@ class Result(ChunkHeader):
     trace: tuple[Finite, Finite, Finite] | None = None
     # image files whose EXIF orientation is not "as stored" (turned upright if the job said so)
     oriented: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] = 0
+    corrects: bool = False  # broker -> client: these rows replace the ones sent before
 
 
 class Failed(ChunkHeader):
@@ -163,6 +164,8 @@ class Options(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fi
 
     client: Name = ""
     priority: Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
+    # part of the job's images run again on another device (spot checks); None: the broker's
+    verify: Annotated[float, Meta(ge=0, le=1)] | None = None
     timeout: Annotated[float, Meta(gt=0, le=MAX_TIMEOUT)] | None = None
     algo: Name | None = None
     params: Annotated[dict[Name, Param], Meta(max_length=MAX_MAP)] = {}

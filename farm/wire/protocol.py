@@ -4,7 +4,7 @@ A message is a list of frames (after any ROUTER identity frame)::
 
     [SIGNATURE, command (1 byte), header (msgpack map), *payload]
 
-``SIGNATURE`` carries the protocol version (``b"FARM09"``).  The header is a
+``SIGNATURE`` carries the protocol version (``b"FARM10"``).  The header is a
 small msgpack map, decoded straight into the command's struct (``HEADERS``,
 defined in ``farm.wire.messages``), which checks every field's type and range.  The
 payload frames are raw numpy buffers; their dtype and shape live in the header,
@@ -30,7 +30,7 @@ from farm.wire import messages, shapes
 from farm.wire.messages import MAX_DIMS, MAX_ITEMS, Header
 from farm.wire.shapes import ALLOWED_DTYPES, ENCODED, MAX_FILE_BYTES, MAX_TASK_BYTES, SIZE_BYTES
 
-SIGNATURE = b"FARM09"
+SIGNATURE = b"FARM10"
 PROTOCOL_FAMILY = b"FARM"
 
 #: The dtype of a file sizes frame (``file_frames``).

@@ -157,7 +157,7 @@ def test_sbatch_runs_a_job_exactly_and_leaves_nothing(cluster, tmp_path, lenet, 
     assert status["traffic"]["input_bytes"] / 20_000 < 200
     keys = tmp_path / f"farm-{job}" / "keys"
     assert stat.S_IMODE(keys.stat().st_mode) == 0o700
-    for key in [*keys.glob("*.key*"), *keys.glob("authorized/*")]:
+    for key in [*keys.glob("*.key*"), *keys.glob("authorized/*/*.key")]:
         assert stat.S_IMODE(key.stat().st_mode) == 0o600, key
     assert_stopped_cleanly(tmp_path / f"farm-{job}", 4)
     assert_nothing_left(cluster, tmp_path)
