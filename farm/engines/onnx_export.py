@@ -18,7 +18,6 @@ float32 copy of them is made on the host.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from farm.engines.preprocess import Transformer
+from farm.modelrepo import sealed
 from farm.modelrepo.caffe_net import (
     Layer,
     Network,
@@ -45,6 +45,8 @@ IR_VERSION = 8
 #: Bumped whenever the graph farm writes for a net changes: cached exports carry it
 #: (2: graphs with the preprocessing folded in).
 FORMAT = 2
+#: What a cached export's record calls it (``farm.modelrepo.sealed``).
+CACHED = "ONNX export cache"
 
 
 class ExportError(NetworkError):
@@ -182,16 +184,21 @@ def fold_preprocessing(b: GraphBuilder, transform: Transformer) -> str:
     return value
 
 
-def save(model: Any, path: str | Path) -> Path:
-    """Write ``model`` after ``onnx.checker`` has passed it; the path."""
+def save(model: Any, path: str | Path, record: bool = False) -> Path:
+    """Write ``model`` after ``onnx.checker`` has passed it, atomically; the path.
+    ``record``: a cache file, its digest recorded beside it (``farm.modelrepo.sealed``)."""
     import onnx
 
     onnx.checker.check_model(model, full_check=True)
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(model.SerializeToString())
-    partial.replace(path)
-    return path
+    data = model.SerializeToString()
+    return sealed.write(
+        Path(path), lambda partial: partial.write_bytes(data), cache_format() if record else None
+    )
+
+
+def cache_format() -> str:
+    """The format a cached export's record names."""
+    return f"farm onnx export v{FORMAT}"
 
 
 def output_name(model: Any) -> str:
@@ -464,14 +471,18 @@ def exported_onnx(spec: ModelSpec, network: Network | None = None, folded: bool 
     """farm's ONNX export of a model, written once per model digest into the cache
     (``$FARM_CACHE/onnx``), so a process that starts again reads it without exporting;
     ``network``: the model already loaded, if at hand (used where its weights are still
-    attached); ``folded``: the graph takes uint8 images, the preprocessing in it."""
+    attached); ``folded``: the graph takes uint8 images, the preprocessing in it.
+
+    A cached export is used only when its bytes match the digest recorded when it was
+    written; one that does not (or has no record) is logged, removed and exported again.
+    """
     path = onnx_path(spec, folded)
-    if not path.is_file():
+    if not sealed.verified(path, CACHED, cache_format()):
         if network is None or not has_weights(network):
             network = Network.load(spec.prototxt, spec.weights, spec.declared_input)
         fold = Transformer.for_model(spec) if folded else None
         path.parent.mkdir(parents=True, exist_ok=True)
-        save(export(network, spec.output, fold), path)
+        save(export(network, spec.output, fold), path, record=True)
     return path
 
 

@@ -10,8 +10,11 @@ The file sits next to the f32 export (``$FARM_CACHE/onnx``), named by the model'
 and the calibration set's; a record beside it (``-int8.json``) names the current one,
 with the libraries and export format that made it.  The calibration images are kept
 too: a version made by other library versions is made again when it is next opened
-(``quantized_file``), never trusted and never used in the meantime.  A net with no layer
-that has an int8 kernel raises ``Unquantizable``; callers run it in f32 and say why.
+(``quantized_file``), never trusted and never used in the meantime; so is a file whose
+bytes differ from the digest recorded beside it when it was written
+(``farm.modelrepo.sealed``), and its calibration images must still hash to theirs.  A
+net with no layer that has an int8 kernel raises ``Unquantizable``; callers run it in
+f32 and say why.
 
 Whether int8 answers are good enough is not decided here but by the precision gate
 (``farm.engines.gate``), on the user's own validation images.
@@ -22,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +36,7 @@ import numpy as np
 
 from farm import defaults
 from farm.engines import onnx_export
+from farm.modelrepo import sealed
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
 
@@ -51,6 +54,8 @@ RECIPE = 1
 LIBRARIES = ("onnxruntime", "onnx")
 #: Op types with int8 kernels in both CPU engines: the layers that quantizing speeds up.
 COMPUTING = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
+#: What a quantized file's record calls it (``farm.modelrepo.sealed``).
+CACHED = "int8 version"
 
 
 class QuantizeError(ModelError):
@@ -109,6 +114,11 @@ def library_versions() -> dict[str, str]:
     return found
 
 
+def cache_format() -> str:
+    """The format a quantized file's record names."""
+    return f"farm int8 recipe {RECIPE} of onnx export v{onnx_export.FORMAT}"
+
+
 def export_folder() -> Path:
     return cache_root() / "onnx"
 
@@ -159,8 +169,7 @@ def quantize(spec: ModelSpec, images: np.ndarray) -> Quantized:
     try:
         export_folder().mkdir(parents=True, exist_ok=True)
         record.quantized_layers, record.float_layers = quantize_file(source, record.path, images)
-        if not record.calibration_path.is_file():
-            write_atomically(record.calibration_path, lambda path: np.save(path, images))
+        write_atomically(record.calibration_path, lambda path: np.save(path, images))
         record.seconds = round(time.perf_counter() - started, 2)
         write_atomically(
             record_path(spec, digest), lambda path: path.write_text(json.dumps(asdict(record)))
@@ -201,7 +210,7 @@ def quantized_file(spec: ModelSpec, calibration: str = "") -> Path:
             f"model {spec.name!r}: the int8 version here ({record.calibration_digest[:12]}) "
             f"is not the one the precision gate judged ({calibration})"
         )
-    if not record.fresh:
+    if not (record.fresh and sealed.verified(record.path, CACHED, cache_format())):
         record = remake(spec, record)
     return record.path
 
@@ -217,6 +226,12 @@ def remake(spec: ModelSpec, record: Quantized) -> Quantized:
             f"{record.describe()}, and its calibration images cannot be read ({exc}): run "
             f"farm models quantize {spec.name} again"
         ) from exc
+    if images_digest(images) != record.calibration_digest:
+        raise ModelError(
+            f"{record.describe()}, and its calibration images {record.calibration_path} no "
+            f"longer hash to {record.calibration_digest[:12]} (tampered or damaged): run "
+            f"farm models quantize {spec.name} again"
+        )
     return quantize(spec, images)
 
 
@@ -270,7 +285,7 @@ def quantize_file(source: Path, target: Path, images: np.ndarray) -> tuple[int, 
                 f"no layer of the net has an int8 kernel (farm quantizes "
                 f"{', '.join(sorted(COMPUTING))} layers; this net has none that could be)"
             )
-        os.replace(partial, target)
+        sealed.install(partial, target, cache_format())  # its digest recorded first
     return layers, float_ops
 
 
@@ -296,9 +311,4 @@ def quantized_layers(model: object) -> tuple[int, list[str]]:
 
 def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` through a temporary name beside it, so readers see all of it or none."""
-    partial = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")
-    try:
-        write(partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    sealed.write(path, write)

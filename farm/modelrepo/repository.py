@@ -5,7 +5,8 @@ images are turned into the net's input (Caffe's ``Transformer``), the class
 labels, and an optional sample.  The input blob and its shape come from the
 prototxt itself.  A model whose weights are too large to ship names a seed under
 ``[generate]``: its weights are made from the prototxt's fillers on first use
-and cached (``farm models prepare NAME``).
+and cached (``farm models prepare NAME``), with their digest recorded beside them: weights
+that no longer match it are made again (``farm.modelrepo.sealed``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from farm.modelrepo import sealed
 from farm.modelrepo.caffe_net import InputShapeError, Network, NetworkError
 
 log = logging.getLogger("farm.modelrepo.repository")
@@ -443,9 +445,25 @@ def unknown_model(name: str, known: Iterable[str]) -> str:
     )
 
 
+def generated(spec: ModelSpec) -> bool:
+    """Whether the model's weights are made from its fillers and kept in farm's cache
+    (not shipped in its folder)."""
+    return spec.generate_seed is not None and not spec.weights.is_relative_to(spec.folder)
+
+
+def generated_format(spec: ModelSpec) -> str:
+    """The format a generated weights file's record names: the seed is part of it."""
+    return f"farm generated caffemodel seed {spec.generate_seed}"
+
+
 def prepare(spec: ModelSpec) -> Path:
-    """Make sure the weights file exists: generate and cache it when the model says how."""
-    if spec.weights.is_file():
+    """Make sure the weights file exists: generate and cache it when the model says how.
+    Cached generated weights are used only when they match the digest recorded when they
+    were made; others are logged, removed and made again."""
+    if generated(spec):
+        if sealed.verified(spec.weights, "generated weights", generated_format(spec)):
+            return spec.weights
+    elif spec.weights.is_file():
         return spec.weights
     if spec.generate_seed is None:
         raise ModelError(f"model {spec.name!r}: file {spec.weights} is missing")
@@ -459,9 +477,12 @@ def prepare(spec: ModelSpec) -> Path:
         net = Network.load(spec.prototxt, input_shape=spec.declared_input)
         layers = generated_weights(net, spec.generate_seed)
         spec.weights.parent.mkdir(parents=True, exist_ok=True)
-        partial = spec.weights.with_name(f".{spec.weights.name}.{os.getpid()}.partial")
-        write_caffemodel(partial, net.name, layers)
-        os.replace(partial, spec.weights)  # atomic: a concurrent reader never sees half a file
+        # atomic, its digest recorded first: a concurrent reader never sees half a file
+        sealed.write(
+            spec.weights,
+            lambda partial: write_caffemodel(partial, net.name, layers),
+            generated_format(spec),
+        )
     except (NetworkError, OSError) as exc:
         raise ModelError(f"model {spec.name!r}: cannot generate {spec.weights}: {exc}") from exc
     return spec.weights

@@ -23,7 +23,7 @@ from farm.engines.onnx_export import FORMAT, export, save
 from farm.engines.tolerances import TOLERANCE, relative_difference
 from farm.modelrepo import caffe_proto
 from farm.modelrepo.caffe_net import Network, NetworkError
-from farm.modelrepo.repository import ModelError, ModelSpec, find, load_spec
+from farm.modelrepo.repository import ModelError, ModelSpec, find, load_spec, prepare
 from tests.conftest import available_bundled
 from tests.unit.test_models import EVERY_LAYER, inline_net, needs_torch, write_model
 
@@ -291,6 +291,7 @@ def test_uint8_images_go_into_the_graph_and_agree_with_the_host_path(
     path's within the engines' tolerance; undoing any step of the model's preprocessing
     on the host path puts it outside, so the comparison sees every step."""
     spec = request.getfixturevalue(name) if name in FIXTURE_MODELS else find(name)
+    prepare(spec)  # generated weights are made, as a worker has them made
     engine = load_engine(spec, backend, batch=4, threads=1)
     sample = check_inputs(spec, 6)
     # and dimmed copies: a confident net's softmax saturates on its sample, where a step

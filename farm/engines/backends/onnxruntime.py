@@ -7,16 +7,23 @@ plain export (a session made on their first batch).  On the CPU, int8 runs the
 model's quantized version (``farm.engines.quantize``).  On a GPU worker the TensorRT
 execution provider is tried first, then CUDA, when ``onnxruntime-gpu`` offers
 them; TensorRT also computes in f16 when asked.
+
+TensorRT's engines are cached in ``$FARM_CACHE/tensorrt``, a folder per digest of the
+ONNX file, so an engine is only ever reused for the graph it was built from.  farm does
+not check the engines' own bytes: ONNX Runtime writes them when a batch first needs one
+(a larger batch rebuilds it, mid-job), not when farm could record them.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from farm.engines.engine import Engine, require_onnx_engine
-from farm.modelrepo.repository import ModelError, ModelSpec
+from farm.modelrepo import sealed
+from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
 
 INSTALL_HINT = "pip install onnxruntime onnx (on GPUs: pip install onnxruntime-gpu onnx)"
 
@@ -72,12 +79,13 @@ class OnnxRuntimeEngine(Engine):
         if self.threads is not None:
             options.intra_op_num_threads = self.threads
         options.log_severity_level = 3  # warnings about unused initializers are noise here
-        session = onnxruntime.InferenceSession(path, options, providers=self.providers())
+        session = onnxruntime.InferenceSession(path, options, providers=self.providers(path))
         self.input_name = session.get_inputs()[0].name  # the same in both graphs
         self.output_name = session.get_outputs()[0].name
         return session
 
-    def providers(self) -> list[object]:
+    def providers(self, path: str) -> list[object]:
+        """This device's execution providers for the export at ``path``."""
         if not self.device.startswith("cuda"):
             return ["CPUExecutionProvider"]
         index = int(self.device.partition(":")[2] or 0)
@@ -89,6 +97,8 @@ class OnnxRuntimeEngine(Engine):
             )
         chosen: list[object] = []
         if "TensorrtExecutionProvider" in offered:
+            engines = cache_root() / "tensorrt" / sealed.sha256_of(Path(path))[:24]
+            engines.mkdir(parents=True, exist_ok=True)
             chosen.append(
                 (
                     "TensorrtExecutionProvider",
@@ -96,6 +106,7 @@ class OnnxRuntimeEngine(Engine):
                         "device_id": index,
                         "trt_fp16_enable": self.precision == "f16",
                         "trt_engine_cache_enable": True,
+                        "trt_engine_cache_path": str(engines),
                     },
                 )
             )

@@ -17,17 +17,23 @@ OpenVINO's own default ``INFERENCE_PRECISION_HINT`` is bf16, not f32
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from farm.engines.engine import Engine, kept_signal_stack, require_onnx_engine
+from farm.modelrepo import sealed
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
 
 INSTALL_HINT = "pip install openvino onnx"
 
 #: farm's precision names -> the CPU capability that offers them.
 CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
+#: What a compiled blob's record calls it, and its format (OpenVINO checks its own version
+#: in the blob's header, and compiles again over a blob of another).
+CACHED = "OpenVINO compiled blob"
+BLOB_FORMAT = "openvino compiled blob"
 
 
 def require() -> None:
@@ -43,6 +49,12 @@ def new_core() -> Any:
 
 def cpu_capabilities() -> list[str]:
     return list(new_core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+
+
+def blob_folder(onnx_file: str) -> Path:
+    """OpenVINO's ``CACHE_DIR`` for one ONNX file: a folder per digest of its bytes, so a
+    blob is only ever imported for the graph it was compiled from."""
+    return cache_root() / "openvino" / sealed.sha256_of(Path(onnx_file))[:24]
 
 
 def compiled_precision(compiled: Any) -> str:
@@ -80,16 +92,22 @@ class OpenVINOEngine(Engine):
     def compile(self, path: str) -> Any:
         """One infer request on the export at ``path``, compiled for this worker's threads.
 
-        Compiled models are kept in OpenVINO's own cache (``CACHE_DIR``, in farm's cache
-        folder), keyed by OpenVINO on the file, the settings and its version: a worker that
-        loads the same model again imports it in a fraction of the compile time.  A blob
-        that cannot be read (cut short, another version) is compiled again."""
+        Compiled models are kept in OpenVINO's own cache (``CACHE_DIR``, a folder of farm's
+        cache per digest of the ONNX file), keyed by OpenVINO on the file, the settings and
+        its version: a worker that loads the same model again imports it in a fraction of
+        the compile time.  A blob that cannot be read (cut short, another version) is
+        compiled again.  OpenVINO does not check a blob's bytes (one flipped byte in a
+        weight is imported as it is), so farm records each blob's digest after the
+        compile and checks the folder before the next (``sealed.checked_folder``): a blob
+        that differs is logged, removed and compiled again.  The folder is locked
+        meanwhile, so workers starting together compile a graph once."""
         core = new_core()
         # int8: the quantized layers run in int8 as their QDQ nodes say, the others in f32
         floats = "f32" if self.precision == "int8" else self.precision
+        folder = blob_folder(path)
         config: dict[str, Any] = {
             "INFERENCE_PRECISION_HINT": floats,  # never the CPU's default
-            "CACHE_DIR": str(cache_root() / "openvino"),
+            "CACHE_DIR": str(folder),
         }
         if self.threads is not None:
             config.update(
@@ -100,7 +118,10 @@ class OpenVINOEngine(Engine):
                     "ENABLE_CPU_PINNING": False,
                 }
             )
-        with kept_signal_stack():  # OpenVINO may leave the thread a signal stack it frees
+        with (
+            sealed.checked_folder(folder, CACHED, BLOB_FORMAT),
+            kept_signal_stack(),  # OpenVINO may leave the thread a signal stack it frees
+        ):
             compiled = core.compile_model(path, "CPU", config)
         if (precision := compiled_precision(compiled)) != floats:
             raise ModelError(
