@@ -143,6 +143,7 @@ class Broker:
         self.clock = clock
         self.socket = context.socket(zmq.ROUTER)
         limit_socket(self.socket)
+        self.socket.setsockopt(zmq.RCVHWM, protocol.BROKER_RECEIVE_QUEUE)
         try:
             if config.curve:
                 from farm.wire.curve import make_server

@@ -44,6 +44,10 @@ MAX_PAYLOAD_FRAMES = 64
 MAX_MESSAGE_BYTES = 256 << 20
 #: Messages a socket queues per peer in each direction (ZMQ_RCVHWM, ZMQ_SNDHWM).
 QUEUE_LIMIT = 1000
+#: Messages the broker's socket queues from one peer before libzmq stops reading that
+#: peer's connection (backpressure): a worker sends a RESULT per slot and a client a DATA
+#: per NEED, so more is only a flood, held in memory.
+BROKER_RECEIVE_QUEUE = 16
 #: Largest document frame: a broker's INFO snapshot or a job's summary, which grow with the
 #: number of workers and jobs and so travel as a msgpack payload frame, not in the header.
 MAX_DOCUMENT_BYTES = 16 << 20
