@@ -107,8 +107,25 @@ class BrokerMetrics:
             "Seconds since the broker last heard from the worker.",
             **per_worker,
         )
+        self.quarantined, self.strikes = self.trust_gauges(per_worker)
         self.registry.register(_LiveCollector(counts, traffic))
         self.server: Any = None
+
+    @staticmethod
+    def trust_gauges(per_worker: dict[str, Any]) -> tuple[Gauge, Gauge]:
+        """Per worker: quarantined (0/1), and its answers that failed the checks."""
+        quarantined = Gauge(
+            "farm_worker_quarantined",
+            "1 while the worker is quarantined (its answers failed the broker's checks: it "
+            "gets no more tasks), else 0.",
+            **per_worker,
+        )
+        strikes = Gauge(
+            "farm_worker_strikes",
+            "Answers of the worker that failed the broker's checks.",
+            **per_worker,
+        )
+        return quarantined, strikes
 
     def latency(self, name: str, documentation: str) -> Histogram:
         """A histogram of seconds, in ``LATENCY_BUCKETS``, in this registry."""
@@ -130,6 +147,8 @@ class BrokerMetrics:
         labels = labels_of(entry)
         self.in_flight.labels(*labels).set_function(lambda: len(entry.in_flight))
         self.heartbeat_age.labels(*labels).set_function(lambda: self.clock() - entry.last_seen)
+        self.quarantined.labels(*labels).set_function(lambda: float(entry.quarantined is not None))
+        self.strikes.labels(*labels).set_function(lambda: entry.strikes)
         for counter in (self.images, self.chunks, self.compute, self.failures):
             counter.labels(*labels)  # present at 0 from the start
 
@@ -142,6 +161,8 @@ class BrokerMetrics:
             self.failures,
             self.in_flight,
             self.heartbeat_age,
+            self.quarantined,
+            self.strikes,
         ):
             try:
                 metric.remove(*labels)
@@ -179,7 +200,8 @@ def labels_of(entry: WorkerEntry) -> tuple[str, str, str]:
 
 class _LiveCollector:
     """Series read from the farm's numbers at scrape time: jobs by state, workers, and
-    the recovery counters of ``FarmStats``."""
+    every counter of ``FarmStats`` (recoveries and refusals alike) as
+    ``farm_broker_events_total{event=...}``."""
 
     def __init__(
         self, counts: Callable[[], FarmCounts], traffic: Callable[[], dict[str, Any]] | None
@@ -210,7 +232,9 @@ class _LiveCollector:
         yield ended
         events = CounterMetricFamily(
             "farm_broker_events",
-            "Failures the broker saw and recovered from, by kind.",
+            "Failures the broker saw and recovered from, and what it refused to trust "
+            "(refused messages and fetches, bad answers, quarantined workers, parked jobs), "
+            "by kind.",
             labels=["event"],
         )
         for name, value in counts.stats.items():

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from farm.client.inputs import Source
     from farm.modelrepo.repository import ModelSpec
     from farm.startup import Timeline
+    from farm.summary import JobSummary
 
 NO_BROKER_HINT = (
     "is a broker running there? --broker or FARM_BROKER give its address, `farm up` "
@@ -425,6 +426,8 @@ def echo_result(
         save_trace(result.trace, trace)
     if result.summary.total or not result.resumed:
         click.echo(result.summary.format())
+        for line in trust_lines(result.summary):
+            click.echo(line)
     if result.resumed:
         click.echo(
             f"{plural(result.resumed, 'image')} resumed from {journal_path(out or '')} "
@@ -461,6 +464,52 @@ def echo_result(
             f"trace of {len(result.trace.chunks)} chunks written to {trace} "
             f"(farm report {trace} -o {Path(trace).with_suffix('.png')})"
         )
+
+
+def trust_lines(summary: JobSummary) -> list[str]:
+    """The summary's lines on answers the broker did not take on trust: refused, spot
+    checked, corrected; workers quarantined; the job parked.  None on a normal job."""
+    from farm.summary import plural
+
+    lines = []
+    if summary.bad_answers:
+        others = "other workers" if summary.bad_answers > 1 else "another worker"
+        lines.append(
+            f"{plural(summary.bad_answers, 'answer')} failed the broker's checks and ran "
+            f"again on {others}"
+        )
+    lines += [f"quarantined: {entry}" for entry in summary.quarantined]
+    lines += spot_check_lines(summary)
+    if summary.parked:
+        lines.append(f"parked {plural(summary.parked, 'time')}: the client left a NEED unanswered")
+    return lines
+
+
+def spot_check_lines(summary: JobSummary) -> list[str]:
+    """Images re-run on another device as spot checks (and their disagreements, those no
+    third device settled, those no other device could check), and those re-run after a
+    worker lost a check."""
+    from farm.summary import plural
+
+    lines = []
+    if summary.verified:
+        share = summary.verified / summary.total if summary.total else 0.0
+        unresolved = f", {summary.unresolved:,} unresolved" if summary.unresolved else ""
+        lines.append(
+            f"verified {plural(summary.verified, 'image')} ({share:.1%}) on another device: "
+            f"{plural(summary.disagreements, 'disagreement')}{unresolved}"
+        )
+    if summary.unverified:
+        lines.append(
+            f"unverified: {plural(summary.unverified, 'image')} sampled for a spot check "
+            f"had no other device to run on"
+        )
+    if summary.corrected:
+        lines.append(
+            f"corrected: {plural(summary.corrected, 'image')} re-run after a worker lost a "
+            f"spot check"
+        )
+    return lines
 
 
 def orientation_line(oriented: int, rotated: bool) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from farm.summary import per_second
+from farm.summary import per_second, plural
 
 
 def duration(seconds: float | None) -> str:
@@ -46,7 +46,7 @@ def worker_rows(workers: list[dict[str, Any]]) -> list[list[str]]:
             [
                 w["name"] + (f" (device shared by {sharing})" if sharing > 1 else ""),
                 w["backend"],
-                w["state"].upper(),
+                worker_state(w),
                 f"{w['rate']:,.0f}",
                 f"{w['busy_share']:.0%}",
                 f"{w['in_flight']}/{w['slots']}",
@@ -56,6 +56,38 @@ def worker_rows(workers: list[dict[str, Any]]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def worker_state(worker: dict[str, Any]) -> str:
+    """The STATE cell: ``BUSY``, ``IDLE`` or ``QUARANTINED``, with its strikes (answers
+    that failed the broker's checks) when it has some."""
+    strikes = int(worker.get("strikes", 0))
+    return worker["state"].upper() + (f" ({plural(strikes, 'strike')})" if strikes else "")
+
+
+def worker_notes(workers: list[dict[str, Any]]) -> list[str]:
+    """A line for each quarantined worker: why it gets no more tasks."""
+    return [
+        f"  {w['name']} quarantined: {w['quarantined']}"
+        for w in sorted(workers, key=lambda w: w["name"])
+        if w.get("quarantined")
+    ]
+
+
+def job_notes(jobs: list[dict[str, Any]]) -> list[str]:
+    """Lines on jobs whose answers failed the broker's checks, and on parked ones."""
+    lines = [
+        f"  {j['job'][:12]}: {plural(j['bad_answers'], 'answer')} failed the broker's "
+        f"checks and ran again elsewhere"
+        for j in jobs
+        if j.get("bad_answers")
+    ]
+    if any(j.get("parked") for j in jobs):
+        lines.append(
+            "  PARKED: the job's client left a NEED unanswered; its slots go to other jobs "
+            "until it answers"
+        )
+    return lines
 
 
 def job_rows(jobs: list[dict[str, Any]]) -> list[list[str]]:
@@ -69,7 +101,7 @@ def job_rows(jobs: list[dict[str, Any]]) -> list[list[str]]:
                 j["model"],
                 j["policy"],
                 str(j["priority"]),
-                j["state"].upper(),
+                "PARKED" if j.get("parked") else j["state"].upper(),
                 f"{j['done']:,}/{j['total']:,} {share:.0%}",
                 f"{j['rate']:,.0f}",
                 duration(j["eta_s"]),
@@ -108,9 +140,27 @@ JOB_HEADERS = (
 JOB_RIGHT = {4, 6, 7, 8, 9}
 
 
+#: The line under JOBS when the broker showed a peer that is no operator its own jobs only.
+OWN_JOBS_NOTE = (
+    "showing your own jobs only: connect from the broker's host or with an operator key "
+    "for the whole farm"
+)
+
+#: ``FarmStats`` counters of what the broker refused to trust, as (one, several) nouns;
+#: the other counters are what it recovered from.
+GUARD_COUNTERS = {
+    "refused_messages": ("refused message", "refused messages"),
+    "bad_answers": ("answer that failed the checks", "answers that failed the checks"),
+    "quarantined_workers": ("quarantined worker", "quarantined workers"),
+    "parked_jobs": ("parked job", "parked jobs"),
+    "refused_fetches": ("refused fetch", "refused fetches"),
+}
+
+
 def format_status(snapshot: dict[str, Any]) -> str:
     """The broker's lines, then a workers table and a jobs table (jobs in the order they
-    are offered free workers)."""
+    are offered free workers), each followed by its notes (why workers are quarantined,
+    jobs' refused answers, what PARKED means); a line when it shows the peer's jobs only."""
     workers, jobs = snapshot["workers"], snapshot["jobs"]
     lines = [*broker_lines(snapshot), ""]
     busy = sum(1 for w in workers if w["state"] == "busy")
@@ -120,9 +170,13 @@ def format_status(snapshot: dict[str, Any]) -> str:
     )
     if workers:
         lines += table(WORKER_HEADERS, worker_rows(workers), WORKER_RIGHT)
+        lines += worker_notes(workers)
     lines += ["", f"JOBS  {len(jobs)}"]
+    if snapshot.get("view") == "own jobs":
+        lines.append(OWN_JOBS_NOTE)
     if jobs:
         lines += table(JOB_HEADERS, job_rows(jobs), JOB_RIGHT)
+        lines += job_notes(jobs)
     return "\n".join(lines)
 
 
@@ -142,12 +196,16 @@ def broker_lines(snapshot: dict[str, Any]) -> list[str]:
             or "none yet"
         ),
     ]
-    events = {name: count for name, count in snapshot.get("stats", {}).items() if count}
+    stats = snapshot.get("stats", {})
+    events = {name: count for name, count in stats.items() if count and name not in GUARD_COUNTERS}
     if events:
         lines.append(
             "recovered from: "
             + ", ".join(f"{count} {name.replace('_', ' ')}" for name, count in events.items())
         )
+    guarded = guard_line(stats)
+    if guarded:
+        lines.append(guarded)
     traffic = snapshot.get("traffic")
     if traffic:
         lines.append(
@@ -156,3 +214,14 @@ def broker_lines(snapshot: dict[str, Any]) -> list[str]:
             f"{traffic['input_bytes'] / 1e6:,.1f} MB"
         )
     return lines
+
+
+def guard_line(stats: dict[str, int]) -> str | None:
+    """``not trusted: 2 refused messages, 1 quarantined worker``: the nonzero counters of
+    ``GUARD_COUNTERS``; None when all are zero."""
+    parts = [
+        f"{stats[name]:,} {nouns[stats[name] != 1]}"
+        for name, nouns in GUARD_COUNTERS.items()
+        if stats.get(name)
+    ]
+    return "not trusted: " + ", ".join(parts) if parts else None

@@ -53,6 +53,7 @@ COMMANDS = [
     ["keys", "init"],
     ["keys", "add"],
     ["keys", "list"],
+    ["keys", "migrate"],
     ["deploy"],
     ["deploy", "supervisord"],
     ["deploy", "slurm"],

@@ -198,7 +198,8 @@ def test_unsafe_model_names_never_touch_the_disk(lone_worker, digits) -> None:
 
 
 def test_models_go_to_registered_workers_only(farm_two_workers) -> None:
-    """A client (or anyone not registered as a worker) that sends FETCH gets an error, no files."""
+    """A client (or anyone not registered as a worker) that sends FETCH gets an ERROR, no
+    files: FETCH is a worker's message (``farm.broker.peers``)."""
     import zmq
 
     context = zmq.Context.instance()
@@ -211,8 +212,8 @@ def test_models_go_to_registered_workers_only(farm_two_workers) -> None:
         )
         assert sock.poll(10_000)
         reply = protocol.decode(sock.recv_multipart())
-        assert reply.command is Command.MODEL and reply.payload == []
-        assert "registered workers only" in reply.header.error
+        assert reply.command is Command.ERROR and reply.payload == []
+        assert reply.header.error == "FETCH is for registered workers only"
     finally:
         sock.close()
 
