@@ -68,6 +68,10 @@ REFUSAL_LOG_INTERVAL = 60.0
 #: Times one worker connection is sent one model's files (a worker fetches a model once;
 #: a second send covers a cache it found damaged).
 MAX_FETCHES_PER_MODEL = 2
+#: Seconds the repository's answer about a model is reused for SUBMITs, and the most
+#: names remembered (a model changed on disk is seen within that time).
+FOUND_SECONDS = 1.0
+MAX_FOUND = 1000
 
 #: What peers may send a broker: everything but what only the broker sends.
 ACCEPTED = frozenset(
@@ -144,6 +148,7 @@ class Broker:
         self.socket = context.socket(zmq.ROUTER)
         limit_socket(self.socket)
         self.socket.setsockopt(zmq.RCVHWM, protocol.BROKER_RECEIVE_QUEUE)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_BROKER_FRAME_BYTES)
         try:
             if config.curve:
                 from farm.wire.curve import make_server
@@ -170,6 +175,7 @@ class Broker:
             local=self.endpoint.startswith(("ipc://", "inproc://")),
         )
         self.fetches: dict[tuple[bytes, str], int] = {}  # (worker, model digest) -> sends
+        self.found: dict[str, tuple[float, ModelFound | str]] = {}  # name -> when, answer
         self.wakeup: Wakeup | None = None  # serve() ends the loop's wait on SIGINT/SIGTERM
         self.models = ModelCatalog(config.model_dirs)
         self.info_waiters: list[tuple[Peer, int, float]] = []  # peer, workers, since
@@ -416,7 +422,20 @@ class Broker:
         )
 
     def find_model(self, name: str) -> ModelFound | str:
-        """What the repository says of a job's model: its shape and digest, or why not."""
+        """What the repository says of a job's model: its shape and digest, or why not;
+        the same answer for ``FOUND_SECONDS`` (a SUBMIT must not cost a prototxt parse:
+        a peer sending thousands would stall the loop)."""
+        now = self.clock()
+        cached = self.found.get(name)
+        if cached is not None and now - cached[0] < FOUND_SECONDS:
+            return cached[1]
+        if len(self.found) >= MAX_FOUND:
+            self.found.clear()
+        found = self.look_up(name)
+        self.found[name] = (now, found)
+        return found
+
+    def look_up(self, name: str) -> ModelFound | str:
         try:
             spec, manifest = self.models.lookup(name)
         except Exception as exc:  # ModelError, or a bug: either way the client hears why

@@ -4,6 +4,7 @@ shares."""
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,10 +217,13 @@ class Job:
     @property
     def max_chunk(self) -> int:
         """The most items one chunk may hold: its input must fit ``MAX_TASK_BYTES``; for image
-        files, both as sent (a file's size takes 4 bytes more) and as decoded."""
+        files, both as sent (a file's size takes 4 bytes more) and as decoded; and its
+        outputs too, once known (the broker reads no larger frame)."""
         per_item = self.item_bytes
         if self.dtype == ENCODED:
             per_item = max(per_item + SIZE_BYTES, self.decoded_bytes)
+        if self.output_shape is not None:
+            per_item = max(per_item, 4 * math.prod(self.output_shape))
         return max(1, MAX_TASK_BYTES // per_item)
 
     def attempt_of(self, chunk: Chunk) -> int:

@@ -43,17 +43,22 @@ def on_result_arrived(farm: Farm, event: ev.ResultArrived) -> None:
     take_result(farm, record, event)
 
 
+#: The least part of the time the broker saw a chunk take that its worker is credited
+#: with: a worker cannot claim more than 1 / 0.8 = 1.25 times its speed.  An honest
+#: worker's compute is the time seen less the result's way back, well above it.
+OBSERVED_SHARE = 0.8
+
+
 def credited_compute(record: ChunkRecord, event: ev.ResultArrived) -> float:
     """The compute seconds the attempt is credited with: what the worker reports, but at
-    least half of what the broker's clock saw it take (from its TASK, or the worker's
-    previous answer if later, to its RESULT; a first load of the model aside), so that a
-    worker cannot claim more than twice its speed."""
+    least ``OBSERVED_SHARE`` of what the broker's clock saw it take (from its TASK, or the
+    worker's previous answer if later, to its RESULT; a first load of the model aside)."""
     entry = record.worker
     reported = float(event.timings["compute"])
     began = max(record.sent_at or record.assigned_at, entry.last_answer_at)
     load = float(event.timings.get("load", 0.0)) if record.job.model not in entry.loaded else 0.0
     entry.last_answer_at = event.at
-    return max(reported, (event.at - began - load) / 2)
+    return max(reported, (event.at - began - load) * OBSERVED_SHARE)
 
 
 def take_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> None:

@@ -44,6 +44,11 @@ MAX_PAYLOAD_FRAMES = 64
 MAX_MESSAGE_BYTES = 256 << 20
 #: Messages a socket queues per peer in each direction (ZMQ_RCVHWM, ZMQ_SNDHWM).
 QUEUE_LIMIT = 1000
+#: The largest frame the broker's socket reads (``ZMQ_MAXMSGSIZE``): a chunk's input or
+#: outputs (chunks are capped to fit both) or a SUBMIT's document.  libzmq drops a peer
+#: that announces a larger frame before allocating it, so a flood of large frames costs
+#: the broker nothing; within the limit, a peer's message costs at most its frames.
+MAX_BROKER_FRAME_BYTES = MAX_TASK_BYTES
 #: Messages the broker's socket queues from one peer before libzmq stops reading that
 #: peer's connection (backpressure): a worker sends a RESULT per slot and a client a DATA
 #: per NEED, so more is only a flood, held in memory.
@@ -117,7 +122,7 @@ _DOCUMENT_COMMANDS = {
     Command.INFO: MAX_DOCUMENT_BYTES,
     Command.DONE: MAX_DOCUMENT_BYTES,
     Command.CANCEL: MAX_DOCUMENT_BYTES,
-    Command.SUBMIT: MAX_MESSAGE_BYTES,  # a path per image: 20 MB for a million images
+    Command.SUBMIT: MAX_TASK_BYTES,  # a path per image: 20 MB for a million images
 }
 
 
