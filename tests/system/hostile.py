@@ -15,6 +15,8 @@ KIND is one of:
   off-by-one        registers; every RESULT counts one item more or less than its TASK
                     (its rows a constant, sent at once)
   fast-liar         registers; real answers, but reports --compute seconds (0.001) each
+  bf16-worker       registers; real answers rounded to bfloat16, said to be f32 (an
+                    engine that silently runs another precision)
   submitter         SUBMITs --jobs jobs (4; 1000 for the table's mass submitter), then only
                     heartbeats them, never answering a NEED (but the first --answer-needs,
                     with zeros: a client that proves itself, then stalls)
@@ -70,6 +72,7 @@ KINDS = (
     "wrong-shape",
     "off-by-one",
     "fast-liar",
+    "bf16-worker",
     "submitter",
     "frame-flooder",
     "fetch-flooder",
@@ -284,7 +287,30 @@ class Worker:
         if kind == "fast-liar":
             DETAILS["real_compute_s"] = DETAILS.get("real_compute_s", 0.0) + compute
             return result(task, rows, self.args.compute)
+        if kind == "bf16-worker":  # a wrong engine: bf16's answers, said to be f32's
+            return result(task, bf16_softmax(rows), compute)
         return result(task, rows, compute)
+
+
+def to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16's 8 significant bits (round half to even)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+#: A typical magnitude of LeNet's logits (its last inner product's outputs are tens).
+LOGIT_OFFSET = 16.0
+
+
+def bf16_softmax(probabilities: np.ndarray) -> np.ndarray:
+    """The softmax of logits held in bfloat16, as a net whose last layers run in bf16
+    answers: logits of LeNet's magnitude (the probabilities' logs plus ``LOGIT_OFFSET``)
+    rounded to bf16 (steps of 1/8 at 16), then normalised again: an unsure image's
+    probabilities move by a few percent, a sure one's not at all."""
+    logits = to_bf16(np.log(np.maximum(probabilities, 1e-30)) + LOGIT_OFFSET)
+    rows = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (rows / rows.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
 class FetchFlooder(Worker):
