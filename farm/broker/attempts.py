@@ -85,9 +85,9 @@ def worker_lost(
     ]
     computing = min(sent, key=lambda r: r.sent_seq) if crashed and sent else None
     for record in sent:  # a kept result of these may come back from it (``keeping``)
-        record.job.lost_by.setdefault(entry.name, Ranges()).add(
-            record.chunk.start, record.chunk.stop
-        )
+        if record.check is None:
+            lost = record.job.lost_by.setdefault(entry.owner or entry.name, Ranges())
+            lost.add(record.chunk.start, record.chunk.stop)
     for record in records:
         job = record.job
         job.pending.pop(record.id, None)
@@ -105,12 +105,15 @@ def worker_lost(
             job.retries.appendleft(record.chunk)
 
 
-def lost_check(farm: Farm, record: ChunkRecord) -> None:
+def lost_check(farm: Farm, record: ChunkRecord, tried: bool = False) -> None:
     """A spot check's attempt ended without an answer: the check waits for another
-    worker (``farm.broker.verify``)."""
+    worker (``farm.broker.verify``); ``tried``: not on this device again (it failed the
+    images, or answered what cannot be compared)."""
     checks = record.job.checks
     if checks is not None and record.check is not None:
         checks.running -= 1
+        if tried:
+            record.check.tried.add(record.worker.place)
         checks.waiting.insert(0, record.check)
         farm.refill = True
 

@@ -65,9 +65,10 @@ MAX_BATCH = 1000
 INFO_WAIT_LIMIT = 120.0
 #: Seconds between two log lines about refused handshakes of the same kind.
 REFUSAL_LOG_INTERVAL = 60.0
-#: Times one worker connection is sent one model's files (a worker fetches a model once;
-#: a second send covers a cache it found damaged).
-MAX_FETCHES_PER_MODEL = 2
+#: Times one worker connection is sent one model's files: a worker fetches a model once,
+#: and again if its cache was damaged or a slow link outlasted its wait for the files (a
+#: refusal fails its chunk's job: the budget must not bind an honest worker).
+MAX_FETCHES_PER_MODEL = 4
 #: Seconds the repository's answer about a model is reused for SUBMITs, and the most
 #: names remembered (a model changed on disk is seen within that time).
 FOUND_SECONDS = 1.0
@@ -291,6 +292,8 @@ class Broker:
         """A peer's connection closed: a worker crashed, or a client's jobs end."""
         now = self.clock()
         self.peers.forget(peer)
+        for key in [key for key in self.fetches if key[0] == peer]:
+            del self.fetches[key]
         if peer in self.state.workers:
             self.feed(
                 ev.WorkerLeft(worker=peer, at=now, reason="its connection closed", crashed=True)
@@ -326,7 +329,7 @@ class Broker:
                 case messages.Submit():
                     self.on_submit(peer, message, now)
                 case _:
-                    self.feed(wire.event_of(identity, message, now, self.state))
+                    self.feed(wire.event_of(identity, message, now, self.state, peer.owner))
         except ProtocolError as exc:
             self.state.stats.bad_messages += 1
             log.warning("bad message from %s: %s", identity.hex(), exc)
@@ -476,7 +479,7 @@ class Broker:
                 self.state.stats.refused_fetches += 1
                 raise ModelError(
                     f"model {name!r} ({manifest.digest[:12]}) was sent to this worker {sent} "
-                    "times already: it is sent at most twice a connection"
+                    f"times already, the most a connection is sent one model"
                 )
             if digest and manifest.digest != digest:  # "": whatever the broker has now
                 raise ModelError(

@@ -21,10 +21,13 @@ class Check:
 
     chunk: Chunk
     answers: list[Answer] = field(default_factory=list)
+    tried: set[str] = field(default_factory=set)  # places that ran it without an answer
+    names: list[str] = field(default_factory=list)  # the answers' workers, by name
 
     @property
     def places(self) -> set[str]:
-        return {place for _, place, _, _ in self.answers}
+        """Where it may not run: where an answer came from, or an attempt failed."""
+        return {place for _, place, _, _ in self.answers} | self.tried
 
 
 @dataclass

@@ -123,8 +123,9 @@ class Farm:
     # jobs whose client vanished, by when: their chunks in flight still finish, and
     # their results are kept for the client's resumption (``KeptResults``)
     vanished: dict[str, float] = field(default_factory=dict)
-    # workers quarantined, by name (host:pid/device): the same process registering again
-    # stays quarantined; a restarted one (another pid) starts afresh
+    # workers quarantined, by name (host:pid/device) and by owner (CURVE key, else
+    # connection): the same process or key registering again stays quarantined; a
+    # restarted process (another pid, another connection) starts afresh
     quarantined: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -78,6 +78,7 @@ class ResultArrived:
     kept: bool = False  # offered again by a worker that lost its broker
     size: int = 0  # the payload's bytes (kept results are held within a bound)
     outputs: Any = None  # the payload's rows (numpy), for spot checks; None: not read
+    failed: int = 0  # items that failed on their own (their rows are NaN)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -31,6 +31,7 @@ class WorkerFacts:
     engines: dict[str, str] = field(default_factory=dict)
     speeds: dict[str, tuple[int, float]] = field(default_factory=dict)  # images, compute s
     startup: dict[str, float] = field(default_factory=dict)  # stage -> wall-clock time
+    owner: str = ""  # who it is to the broker: its CURVE key, else its connection
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

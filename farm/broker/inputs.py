@@ -38,6 +38,8 @@ def probe(farm: Farm, job: Job) -> None:
     if job.inputs is not None:
         job.proven = True
         return
+    job.probes += 1  # asked again after a back-off until it answers (``overdue_needs``)
+    job.parked_until = farm.now + min(PARK_SECONDS[1], PARK_SECONDS[0] * 2.0 ** (job.probes - 1))
     farm.out.append(
         ev.SendNeed(
             client=job.client, job=job.id, chunk=PROBE, start=0, count=1, stimulus=farm.stimulus

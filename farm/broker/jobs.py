@@ -140,6 +140,7 @@ class Job:
     proven: bool = False
     parked_until: float | None = None
     parks: int = 0
+    probes: int = 0
     slowest_input: float = 0.0  # the longest its client took to answer a NEED, in seconds
 
     def __post_init__(self) -> None:
@@ -210,7 +211,7 @@ class Job:
             "age_s": now - self.submitted_at,
             "timeout_s": self.options.timeout,
             "owner": self.owner,
-            "parked": self.parked_until is not None,
+            "parked": self.parks > 0 and not self.proven,
             "bad_answers": self.bad_answers,
         }
 

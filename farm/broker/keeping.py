@@ -10,7 +10,7 @@ import logging
 
 from farm.broker import events as ev
 from farm.broker.core import Farm
-from farm.broker.jobs import Job, Ranges
+from farm.broker.jobs import Job, Ranges, Worker
 from farm.broker.kept import translate
 from farm.broker.scheduling import complete_delivered, fill
 from farm.policies import Chunk
@@ -30,7 +30,7 @@ def take_kept(farm: Farm, event: ev.ResultArrived) -> None:
         return
     running = farm.running.get(event.job)
     if running is not None:
-        take_late(farm, running, event, entry.name)
+        take_late(farm, running, event, entry)
         return
     hold_or_pass(farm, event, entry.name)
 
@@ -100,12 +100,13 @@ def pass_kept(farm: Farm, job: Job, event: ev.ResultArrived, worker: str) -> Non
         settle_delivered(farm, job)
 
 
-def take_late(farm: Farm, job: Job, event: ev.ResultArrived, worker: str) -> None:
+def take_late(farm: Farm, job: Job, event: ev.ResultArrived, entry: Worker) -> None:
     """A kept result of a running job, from a worker counted lost when it was computing
-    it: the client gets it now, and the range, wherever its policy holds it, is done
-    when next assigned.  A range delivered before is not sent twice."""
-    chunk = Chunk(event.start, event.count)
-    if not job.lost_by.get(worker, Ranges()).covers(chunk.start, chunk.stop):
+    it (the same CURVE key or connection: ``Job.lost_by``): the client gets it now, and
+    the range, wherever its policy holds it, is done when next assigned.  A range
+    delivered before is not sent twice."""
+    chunk, worker = Chunk(event.start, event.count), entry.name
+    if not job.lost_by.get(entry.owner or worker, Ranges()).covers(chunk.start, chunk.stop):
         log.info(
             "dropped a kept result of job %s: %s was not computing items %d..%d when it was lost",
             job.id,

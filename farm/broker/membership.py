@@ -26,7 +26,7 @@ def on_worker_joined(farm: Farm, event: ev.WorkerJoined) -> None:
     entry: Worker = WorkerEntry.from_facts(event.worker, event.facts)
     entry.last_seen = entry.joined_at = event.at
     farm.workers[event.worker] = farm.by_id[entry.id] = entry
-    reason = farm.quarantined.get(entry.name)
+    reason = farm.quarantined.get(entry.name) or farm.quarantined.get(entry.owner or entry.name)
     if reason is not None:  # the same process again: still not trusted
         entry.quarantined = reason
         log.warning("worker %s registered again, still quarantined: %s", entry.name, reason)

@@ -94,6 +94,8 @@ def strike(farm: Farm, entry: Worker, problem: str) -> None:
 def quarantine(farm: Farm, entry: Worker, reason: str) -> None:
     """No more tasks for ``entry``; what it holds runs elsewhere, uncharged."""
     entry.quarantined = farm.quarantined[entry.name] = reason
+    if entry.owner:  # registering again under another name does not clear it
+        farm.quarantined[entry.owner] = reason
     farm.stats.quarantined_workers += 1
     log.warning(
         "worker %s quarantined: %s; it gets no more tasks (restart its process to clear it)",

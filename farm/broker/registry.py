@@ -70,7 +70,8 @@ class WorkerEntry(Generic[A]):
         default_factory=lambda: deque(maxlen=MAX_SAMPLES)
     )
     id: str = ""  # the policies' name for it
-    name: str = ""  # host:pid/device, for people
+    name: str = ""  # host:pid/device, for people (its own word)
+    owner: str = ""  # its CURVE key, else its connection (the broker's word)
 
     def __post_init__(self) -> None:
         self.id = self.identity.hex()
@@ -97,6 +98,7 @@ class WorkerEntry(Generic[A]):
             heartbeat=facts.heartbeat,
             engines=dict(facts.engines),
             startup=dict(facts.startup),
+            owner=facts.owner,
         )
         for model, (images, seconds) in facts.speeds.items():
             entry.history[model] = ModelHistory(images, seconds)

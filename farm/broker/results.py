@@ -30,14 +30,17 @@ def on_result_arrived(farm: Farm, event: ev.ResultArrived) -> None:
     if record is None:
         return
     if record.check is not None:
-        if event.problem:  # a strike, and the check waits for another worker
-            strike(farm, record.worker, event.problem)
-            lost_check(farm, record)
+        record.worker.last_answer_at = event.at
+        if event.problem or event.failed:  # another device checks it; a wrong form strikes
+            if event.problem and not event.in_values:
+                strike(farm, record.worker, event.problem)
+            lost_check(farm, record, tried=True)
             fill(farm, record.worker)
         else:
             check_answered(farm, record, event.outputs)
         return
     if event.problem:
+        record.worker.last_answer_at = event.at
         answer_refused(farm, record, event)
         return
     take_result(farm, record, event)
@@ -70,7 +73,8 @@ def take_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> Non
     job.account(entry, chunk, compute, float(event.timings.get("load", 0.0)))
     note_rate(farm, job.model, entry)
     forward_result(farm, record, event)
-    sample(farm, record, event.outputs)
+    if not event.failed:  # failed items' rows are NaN by design: nothing to compare
+        sample(farm, record, event.outputs)
     cap_chunks(farm, job)  # speeds changed
     if farm.observer:
         sent = record.sent_at or record.assigned_at
@@ -115,7 +119,7 @@ def on_failure_arrived(farm: Farm, event: ev.FailureArrived) -> None:
     if record.check is not None:  # the check waits for another worker
         if event.unshared:
             record.job.unshared.add(record.worker.id)
-        lost_check(farm, record)
+        lost_check(farm, record, tried=not event.unshared)
         fill(farm, record.worker)
         return
     if event.unshared:

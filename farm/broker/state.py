@@ -60,7 +60,7 @@ from farm.broker.clients import (
 from farm.broker.core import OUTCOMES, SHARING, Farm, FarmStats, Observer, SchedulingConfig
 from farm.broker.jobs import ChunkRecord
 from farm.broker.results import on_failure_arrived, on_result_arrived
-from farm.broker.scheduling import fill_all
+from farm.broker.scheduling import fill_all, finish_if_done
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +142,9 @@ def on_tick(farm: Farm, event: ev.Tick) -> None:
     keeping.expire(farm, event.at)
     expire_silent(farm, event.at)
     overdue_needs(farm, event.at)
+    for job in list(farm.running.values()):  # spot checks no connected worker may run
+        if job.computed and job.checks is not None:  # any more (it left, or is quarantined)
+            finish_if_done(farm, job)
 
 
 HANDLERS: dict[type, Any] = {

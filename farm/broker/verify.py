@@ -65,7 +65,7 @@ def sample(farm: Farm, record: ChunkRecord, outputs: Any) -> None:
     entry = record.worker
     rows = np.array(outputs[offset : offset + count])  # a copy: the frame goes on
     answer = (entry.id, entry.place, precision_of(entry, record.job.model), rows)
-    checks.waiting.append(Check(Chunk(chunk.start + offset, count), [answer]))
+    checks.waiting.append(Check(Chunk(chunk.start + offset, count), [answer], names=[entry.name]))
     farm.refill = True  # an idle worker on another device may take it
 
 
@@ -89,6 +89,7 @@ def compare(farm: Farm, record: ChunkRecord, outputs: Any) -> None:
     checks = job.checks
     rows = np.asarray(outputs) if outputs is not None else check.answers[0][3]  # (simulated)
     check.answers.append((entry.id, entry.place, precision_of(entry, job.model), rows))
+    check.names.append(entry.name)
     if len(check.answers) == 2:
         checks.verified += check.chunk.count
     if not disagreeing(check.answers):
@@ -150,12 +151,14 @@ def settle_disagreement(farm: Farm, job: Job, check: Check) -> None:
         )
         return
     loser = second if first_ok else first
+    reason = (
+        f"its answer to items {check.chunk.start}..{check.chunk.stop - 1} of job "
+        f"{job.id} disagreed with two other devices' (a spot check)"
+    )
     entry = farm.by_id.get(loser)
-    if entry is not None and entry.quarantined is None:
-        reason = (
-            f"its answer to items {check.chunk.start}..{check.chunk.stop - 1} of job "
-            f"{job.id} disagreed with two other devices' (a spot check)"
-        )
+    if entry is None:  # it left: it stays quarantined if it comes back
+        farm.quarantined[check.names[1 if first_ok else 0]] = reason
+    elif entry.quarantined is None:
         quarantine(farm, entry, reason)
     correct(farm, loser)
 

@@ -11,6 +11,7 @@ the chunk again on another worker for a bad RESULT (``farm.broker.quarantine``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -40,12 +41,16 @@ TIMINGS = ("compute", "receive", "send", "device", "copy", "load")
 # ------------------------------------------------------------------------- messages in
 
 
-def event_of(identity: bytes, message: Message, now: float, state: FarmState) -> ev.FarmEvent:
+def event_of(
+    identity: bytes, message: Message, now: float, state: FarmState, owner: str = ""
+) -> ev.FarmEvent:
     """The state's event for a message from a worker or a client (``state``: what it awaits,
-    to check a chunk against); ProtocolError if its facts do not add up."""
+    to check a chunk against; ``owner``: the peer's CURVE key, else its connection);
+    ProtocolError if its facts do not add up."""
     match message.header:
         case messages.Ready() as ready:
-            return ev.WorkerJoined(worker=identity, facts=worker_facts(ready), at=now)
+            facts = dataclasses.replace(worker_facts(ready), owner=owner)
+            return ev.WorkerJoined(worker=identity, facts=facts, at=now)
         case messages.Heartbeat(job=None, computed=computed, engines=engines):
             return ev.WorkerHeard(worker=identity, at=now, computed=computed, engines=engines)
         case messages.Heartbeat(job=str(job)):
@@ -271,6 +276,7 @@ def result_arrived(
         kept=result.kept,
         size=protocol.payload_bytes(message.payload),
         outputs=None if problem or awaited is None else message.array("float32", result.item_shape),
+        failed=result.failed,
     )
 
 
@@ -380,8 +386,8 @@ def values_problem(
         values = values[keep]
     if not values.size:
         return None
-    total = float(np.add.reduce(values, axis=None, dtype=np.float64))
-    if not math.isfinite(total):
+    total = float(np.add.reduce(values, axis=None))  # float32: inf only if one is, or overflow
+    if not math.isfinite(total) and not np.isfinite(values).all():
         bad = int(np.count_nonzero(~np.isfinite(values).reshape(len(values), -1).all(axis=1)))
         return Problem(f"{bad} of {len(values)} items have non-finite outputs", in_values=True)
     if softmax:

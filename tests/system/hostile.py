@@ -551,6 +551,8 @@ def submitter_heard(link: Link, message: Message, live: dict[str, None]) -> None
                 live.pop(error.job)
         case messages.Need(job=job) as need:
             TALLY["needs"] += 1
+            if (need.chunk, need.start, need.count) != (0, 0, 1):  # not a probe: a slot's
+                TALLY["slot_needs"] += 1
             if TALLY["needs"] == 1:
                 say("first need", job)
             if TALLY["answered_needs"] < ANSWER_NEEDS[0]:  # answered: then silent

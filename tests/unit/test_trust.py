@@ -194,3 +194,61 @@ def test_one_client_may_hold_only_so_many_jobs() -> None:
     assert isinstance(refused, ev.SendError) and "holds 32 jobs already" in refused.error
     (probe,) = driver.feed(dataclasses.replace(kit.submitted("theirs", 10), owner="another"))
     assert isinstance(probe, ev.SendNeed)
+
+
+def test_a_job_whose_checks_lost_their_only_other_device_ends_on_the_next_tick() -> None:
+    """A check runs on the one other device, which dies with it: the check has nowhere
+    left to run, so it is dropped (counted unverified) and the job ends (at the latest on
+    the next tick) instead of waiting for ever."""
+    state, driver, _ = farm_of(2)
+    pending = driver.submit("j", 200, options=kit.JobOptions(verify=0.1))
+    out: list[ev.Instruction] = []
+    at, died = 1.0, None
+    while pending:
+        instruction = pending.pop(0)
+        at += 0.01
+        if isinstance(instruction, ev.SendNeed):
+            more = driver.feed(kit.data_for(instruction, at))
+        elif isinstance(instruction, ev.SendTask):
+            record = state.awaited_result(instruction.worker, instruction.chunk)
+            if died is None and record is not None and record.check is not None:
+                died = instruction.worker
+                more = driver.feed(ev.WorkerLeft(worker=died, at=at, crashed=True))
+            else:
+                values = honest(instruction.worker, instruction.start, instruction.count)
+                result = kit.result_for(instruction, at, 0.005)
+                more = driver.feed(dataclasses.replace(result, outputs=values))
+        else:
+            continue
+        out += more
+        pending += more
+    assert died is not None
+    if "j" in state.jobs:  # nothing came after the death: the tick ends it
+        assert state.jobs["j"].computed
+        out += driver.feed(ev.Tick(at=at + 0.1))
+    summary = done(out).summary
+    assert summary.unverified > 0 and summary.items == 200
+
+
+def test_a_check_that_fails_on_a_device_is_not_run_there_again() -> None:
+    state, driver, (first, checker, third) = farm_of(3)
+    pending = driver.submit("j", 100, options=kit.JobOptions(verify=0.1))
+    seen: list[tuple[bytes, int]] = []
+    at = 1.0
+    while pending:
+        instruction = pending.pop(0)
+        at += 0.01
+        if isinstance(instruction, ev.SendNeed):
+            pending += driver.feed(kit.data_for(instruction, at))
+        elif isinstance(instruction, ev.SendTask):
+            record = state.awaited_result(instruction.worker, instruction.chunk)
+            if record is not None and record.check is not None:
+                seen.append((instruction.worker, instruction.start))
+                if instruction.worker != third:  # checks fail everywhere but on the third
+                    pending += driver.feed(kit.failure_for(instruction, at, "cannot decode"))
+                    continue
+            values = honest(instruction.worker, instruction.start, instruction.count)
+            result = kit.result_for(instruction, at, 0.005)
+            pending += driver.feed(dataclasses.replace(result, outputs=values))
+    assert len(seen) == len(set(seen)), "a check ran twice on one device"
+    assert "j" not in state.jobs, "the job ended"
