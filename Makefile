@@ -33,14 +33,17 @@ check: install
 
 # Two pytest processes, each taking whole test files (a file's farm is started once): most
 # tests wait on real processes, so two share even a 2-core machine well (12 min instead
-# of 17 on the 2-core AMD EPYC). mypy runs beside them; its status counts too.
+# of 17 on the 2-core AMD EPYC). They take the files in collection order, the longest first
+# (tests/system/conftest.py's LONGEST_FILES), so that no long file is left to the end.
+# mypy runs beside them; its status counts too.
 TEST_PROCESSES ?= 2
 
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m mypy farm & types=$$!; \
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile; tests=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder; \
+	tests=$$?; \
 	wait $$types && exit $$tests
 
 # The suite (about an hour here) writes bench/results/DATE-CORES-cpu|gpu/; ray[data] is the

@@ -23,7 +23,9 @@ Rows (the issue's sizes; ``--images`` and the flood options shrink them):
    9  a peer SUBMITs 1 000 jobs
   10  8 connections each send 3 frames of 250 MB; the broker's RSS before and at its peak
   11  a registered worker sends 205 FETCHes; the bytes it got back
-  12  a tampered ONNX export cache: tests/unit's, not run here
+  12  a registered worker whose engine runs bf16 while it says f32 (farm submit --verify):
+      found by the spot checks and quarantined within the job?
+      (a tampered ONNX export cache: tests/unit/test_cache_digests.py, not run here)
 
     python bench/hostile.py [--rows 1,3,8] [--images 100000] [--silent-images 20000]
                             [--baseline] [--flood-mb 250] [--flood-connections 8]
@@ -106,6 +108,14 @@ ROWS = [
         4,
         "a registered worker answers plausible random softmax rows",
         "random-worker",
+        lambda a, k: [],
+        "ready",
+        submit=lambda args: ["--verify", str(args.verify)] if args.verify else [],
+    ),
+    Row(
+        12,
+        "a registered worker whose engine runs bf16 but says f32 (--verify)",
+        "bf16-worker",
         lambda a, k: [],
         "ready",
         submit=lambda args: ["--verify", str(args.verify)] if args.verify else [],
@@ -435,13 +445,15 @@ def row_list(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=row_list, default=list(range(1, 12)), help="e.g. 1,3,8")
+    parser.add_argument("--rows", type=row_list, default=list(range(1, 13)), help="e.g. 1,3,8")
     parser.add_argument("--images", type=int, default=100_000, help="the real job's images")
     parser.add_argument("--silent-images", type=int, default=20_000, help="row 8's (and 9's)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--algo", help="the broker's policy [default: the broker's]")
     parser.add_argument("--baseline", action="store_true", help="the real jobs alone first")
-    parser.add_argument("--verify", type=float, default=0.01, help="row 4's --verify (0: none)")
+    parser.add_argument(
+        "--verify", type=float, default=0.01, help="rows 4 and 12's --verify (0: none)"
+    )
     parser.add_argument("--flood-mb", type=float, default=250.0, help="row 10's frame size")
     parser.add_argument("--flood-connections", type=int, default=8)
     parser.add_argument("--fetches", type=int, default=205)

@@ -50,7 +50,7 @@ def suite_folder(tmp_path_factory) -> Path:
             "bench",
             "--quick",
             "--images",
-            "3000",
+            "1000",  # the least it takes: every figure checked is a ratio or a count
             "--models",
             "lenet",
             "--setups",

@@ -53,8 +53,8 @@ TARGET = 10_000
 WARMUP = 1_000
 #: How much a peer's resident memory may grow between the warm-up and the end.
 RSS_GROWTH_LIMIT = 50 << 20
-#: Messages per hypothesis example; examples per run: about 125 reach ``TARGET``, the rest
-#: send nothing (another run follows in the unlikely case they were not enough).
+#: Messages per hypothesis example; examples per run: about 125 reach ``TARGET``, where the
+#: run stops (another run follows in the unlikely case 150 were not enough).
 BATCH = (80, 120)
 EXAMPLES = 150
 #: Seconds the fuzzing of one peer may take in all before the test fails (not a hang).
