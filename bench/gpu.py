@@ -370,7 +370,7 @@ def standalone(
         for device, farm in zip(devices, farms):
             clock.check(f"{model}: {device} alone")
             kind = "gpu" if device == layout.gpu else "cpu"
-            count = sized(run.rates[kind], STANDALONE_SECONDS * args.scale, 16, 200_000)
+            count = sized(run.rates[kind], STANDALONE_SECONDS, 16, 200_000)
             chunk = Configuration("fifo", {"chunk": max(1, count // 4)})
             images = make_images(model, count)
             with farm.client(timeout=JOB_TIMEOUT) as client:
@@ -398,9 +398,7 @@ def sweep(
     """Every policy at the paper's values on the whole farm, each job traced."""
     small = model in SMALL
     count = args.images or (
-        SWEEP_IMAGES_SMALL
-        if small
-        else sized(run.theoretical, SWEEP_SECONDS * args.scale, 2000, 50_000)
+        SWEEP_IMAGES_SMALL if small else sized(run.theoretical, SWEEP_SECONDS, 2000, 50_000)
     )
     configs = paper_configurations(args.quick or not small)
     images = make_images(model, count)
@@ -479,7 +477,7 @@ def peers(
     layout: Layout, model: str, run: ModelRun, args: argparse.Namespace, clock: Clock
 ) -> None:
     """torch alone on the GPU; ONNX Runtime and OpenCV on every core, in one process each."""
-    count = sized(run.standalone[layout.gpu], 2 * STANDALONE_SECONDS * args.scale, 256, 200_000)
+    count = sized(run.standalone[layout.gpu], 2 * STANDALONE_SECONDS, 256, 200_000)
     run.peers.append(
         in_fresh_process(
             alone,
@@ -495,7 +493,7 @@ def peers(
     )
     every = (*layout.cpus, layout.feeder)
     cpu_total = sum(v for d, v in run.standalone.items() if d != layout.gpu)
-    count = sized(cpu_total, 2 * STANDALONE_SECONDS * args.scale, 64, 100_000)
+    count = sized(cpu_total, 2 * STANDALONE_SECONDS, 64, 100_000)
     for backend in ("onnxruntime", "opencv"):
         clock.check(f"{model}: {backend} on every core")
         run.peers.append(
@@ -607,8 +605,7 @@ def table2(
                         row["note"] = "out of time: not run"
                     else:
                         most = min(100_000, size * MAX_TABLE2_CHUNKS)
-                        seconds = TABLE2_SECONDS * args.scale
-                        count = sized(rate, seconds, size, most) // size * size
+                        count = sized(rate, TABLE2_SECONDS, size, most) // size * size
                         result = timed_job(
                             client,
                             make_images(model, count),
@@ -985,13 +982,6 @@ def main() -> None:
         help="CPU workers [default: every core but the one feeding the GPU]",
     )
     parser.add_argument("--quick", action="store_true", help="one value per policy")
-    parser.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="times the seconds of work each standalone, peer and Table 2 job (and the "
-        "sweep's of the large nets) is sized for [default: 1; the tests' dry runs: less]",
-    )
     parser.add_argument(
         "--budget",
         type=float,
