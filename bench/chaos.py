@@ -24,13 +24,20 @@ kill, the images computed twice because of it against one chunk per worker.
 Exit status 1 if any check failed; the run's folder (logs, inputs, outputs) is
 then kept and named.
 
+``--backup-share SHARE`` is passed to every broker started (``farm broker
+--backup-share``; default: the broker's): ``--backup-share 0`` runs without backup
+attempts, to compare.  Per seed, the report shows the backup attempts (chunks, extra
+work, wins) and the tail share that the last ``farm submit``'s summary printed (of its
+own job: after a client kill, only the images the resumed submit asked for; "n/a"
+where the summary lacks them), and the same for the fault-free job.
+
 ``--poison ITEM``: workers fail every chunk touching ITEM (``--fail-items``), no
 other faults; exactly that image must fail (NaN, ``farm submit`` exits 1) and
 every other equal the reference; prints the extra compute spent.
 
     python bench/chaos.py [--images 200000] [--workers 3] [--seeds 5 | --seed S ...]
                           [--interval 0.5,1.5] [--broker-restarts 2] [--client-kills 1]
-                          [--no-link-cut] [--poison ITEM] [--keep]
+                          [--no-link-cut] [--backup-share SHARE] [--poison ITEM] [--keep]
                           [--save bench/results/DATE-chaos.txt]
 """
 
@@ -42,7 +49,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from faults import ChaosConfig, keep_or_remove, run_poison, run_resume, run_seed
+from faults import ChaosConfig, SeedReport, keep_or_remove, run_poison, run_resume, run_seed
 
 from farm.benchsuite.common import machine, saved
 
@@ -58,6 +65,23 @@ def interval(text: str) -> tuple[float, float]:
     return bounds
 
 
+def tail_total(reports: list[SeedReport]) -> str:
+    """Backup attempts and the mean tail share over the seeds whose last summary gave them."""
+    figures = [report.chaos.tail for report in reports]
+    backups = [f for f in figures if f.backups is not None]
+    tails = [f.tail_share for f in figures if f.tail_share is not None]
+    shown = (
+        f"backups {sum(f.backups or 0 for f in backups)} (won {sum(f.wins or 0 for f in backups)})"
+        f" in {len(backups)} of {len(figures)} seeds' summaries"
+        if backups
+        else "backups n/a"
+    )
+    if not tails:
+        return shown + ", tail n/a"
+    seeds = f"{len(tails)} seed{'' if len(tails) == 1 else 's'}"
+    return shown + f", mean tail {sum(tails) / len(tails):.1%} ({seeds})"
+
+
 def chaos(args: argparse.Namespace) -> int:
     """Run every seed (or the poison job) and print the report; the exit status."""
     config = ChaosConfig(
@@ -70,6 +94,7 @@ def chaos(args: argparse.Namespace) -> int:
         algo=args.algo,
         poison=args.poison,
         shared=args.shared,
+        backup_share=args.backup_share,
     )
     print(machine())
     print("command: python bench/chaos.py " + " ".join(sys.argv[1:]))
@@ -83,8 +108,13 @@ def chaos(args: argparse.Namespace) -> int:
         print(
             f"chaos: {config.images:,} LeNet images, {config.workers} workers, a fault "
             f"every U({config.interval[0]:g}, {config.interval[1]:g}) s, "
-            f"{config.broker_restarts} broker restarts, {config.client_kills} client kills; "
-            f"seeds {', '.join(map(str, seeds))}",
+            f"{config.broker_restarts} broker restarts, {config.client_kills} client kills, "
+            + (
+                f"--backup-share {config.backup_share:g}"
+                if config.backup_share is not None
+                else "the broker's default --backup-share"
+            )
+            + f"; seeds {', '.join(map(str, seeds))}",
             flush=True,
         )
         reports = [run_seed(config, seed, root) for seed in seeds]
@@ -95,7 +125,7 @@ def chaos(args: argparse.Namespace) -> int:
         print(
             f"total: {len(reports)} seeds, {len(reports) - len(failed)} passed, "
             f"{sum(len(r.faults) for r in reports)} faults, "
-            f"{sum(r.recomputed for r in reports):,} images recomputed"
+            f"{sum(r.recomputed for r in reports):,} images recomputed; {tail_total(reports)}"
             + (f"; FAILED seeds {', '.join(map(str, failed))}" if failed else "")
         )
         passed = not failed
@@ -126,6 +156,12 @@ def main() -> None:
     )
     parser.add_argument("--algo", help="the broker's policy [default: the broker's]")
     parser.add_argument(
+        "--backup-share",
+        type=float,
+        metavar="SHARE",
+        help="the brokers' --backup-share (0: no backup attempts) [default: the broker's]",
+    )
+    parser.add_argument(
         "--resume-only",
         action="store_true",
         help="no churn: the client killed at half-way then resumed; images "
@@ -150,6 +186,8 @@ def main() -> None:
         help="also write the report here ('-': nowhere)",
     )
     args = parser.parse_args()
+    if args.backup_share is not None and not 0 <= args.backup_share <= 1:
+        parser.error("--backup-share must be in [0, 1]")
     if args.poison is not None and not 0 <= args.poison < args.images:
         parser.error("--poison must be an item of the job (0 <= ITEM < --images)")
     sys.exit(saved(args.save, lambda: chaos(args)))

@@ -52,6 +52,19 @@ DELIVERED_LINE = re.compile(
     r"^(\S+) DEBUG farm\.broker pid=\d+ delivered (kept )?items (\d+)\.\.(\d+) of job (\w+)"
 )
 FAILED_LINE = re.compile(r" ERROR farm\.worker pid=\d+ chunk \d+ of job \S+ failed")
+#: The lines of a ``farm submit`` summary (farm/summary.py ``JobSummary.format``) about the
+#: job's size, its tail and its backup attempts.
+SUMMARY_DONE = re.compile(r"^(?:[\d,]+ of )?([\d,]+) images? (?:\(stopped early\) )?in \S+ s:")
+SUMMARY_TAIL = re.compile(r"tail (\d+(?:\.\d+)?) s \((\d+(?:\.\d+)?)% of the span\)")
+#: A broker's INFO lines (farm/broker/backups.py) for a backup attempt started and a straggler.
+BACKUP_LINE = re.compile(r"^(\S+) INFO farm\.broker pid=\d+ job \w+: backup of items ")
+STRAGGLER_LINE = re.compile(
+    r"^(\S+) INFO farm\.broker pid=\d+ job \w+: items \d+\.\.\d+ on \S+ straggle: "
+)
+SUMMARY_BACKUPS = re.compile(
+    r"^backup attempts: ([\d,]+) chunks?, (\d+(?:\.\d+)?)% extra work, ([\d,]+) won, "
+    r"(\d+(?:\.\d+)?) s saved"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +83,7 @@ class ChaosConfig:
     poison: int | None = None  # poison mode: this item fails on every worker, no faults
     job_timeout: float = 900.0  # seconds the whole job may take before it is killed
     shared: bool = False  # farm submit --shared: the workers read the .npy themselves
+    backup_share: float | None = None  # the broker's --backup-share (None: its default)
 
 
 @dataclass(frozen=True)
@@ -218,6 +232,8 @@ class ChaosFarm:
     def start_broker(self) -> None:
         """A broker bound to ``endpoint``; waits for the line that says it listens."""
         algo = ["--algo", self.config.algo] if self.config.algo else []
+        if self.config.backup_share is not None:
+            algo += ["--backup-share", f"{self.config.backup_share:g}"]
         self.brokers_started += 1
         self.broker = subprocess.Popen(
             farm_command(
@@ -391,6 +407,7 @@ class Submission:
 
     process: subprocess.Popen
     stderr: Path
+    stdout: Path | None = None  # where its summary is printed
 
     def wait(self, timeout: float | None = None) -> int:
         return self.process.wait(timeout)
@@ -428,7 +445,104 @@ def submit(farm: ChaosFarm, job: Job, out: Path, name: str, resume: bool = False
             stderr=errors,
             start_new_session=True,
         )
-    return Submission(process, stderr)
+    return Submission(process, stderr, farm.folder / f"{name}.out")
+
+
+@dataclass(frozen=True)
+class TailFigures:
+    """What a ``farm submit`` summary says of its job's tail and backup attempts; None
+    where it says nothing (no summary, a job stopped early, a summary without them)."""
+
+    images: int | None = None  # the images of the job the summary is of
+    tail_s: float | None = None
+    tail_share: float | None = None  # of the job's span, on the broker's clock
+    backups: int | None = None  # backup attempts (chunks)
+    extra: float | None = None  # their images over the job's
+    wins: int | None = None
+    saved_s: float | None = None
+
+    def short(self) -> str:
+        """``backups 2 (won 1), tail 3.1%``; ``n/a`` for what the summary lacks."""
+        backups = f"{self.backups} (won {self.wins})" if self.backups is not None else "n/a"
+        tail = f"{self.tail_share:.1%}" if self.tail_share is not None else "n/a"
+        return f"backups {backups}, tail {tail}"
+
+    def long(self) -> str:
+        """Every figure, for a report's detail lines."""
+        backups = (
+            f"{self.backups} chunk{'' if self.backups == 1 else 's'}, {self.extra:.1%} "
+            f"extra work, {self.wins} won, "
+            f"{self.saved_s:.2f} s saved"
+            if self.backups is not None and self.extra is not None
+            else "n/a"
+        )
+        tail = (
+            f"{self.tail_s:.2f} s ({self.tail_share:.1%} of the span)"
+            if self.tail_s is not None and self.tail_share is not None
+            else "n/a"
+        )
+        size = (
+            f"{self.images:,} image{'' if self.images == 1 else 's'}"
+            if self.images is not None
+            else "no summary"
+        )
+        return f"backup attempts {backups}; tail {tail} (its job: {size})"
+
+
+def tail_figures(text: str) -> TailFigures:
+    """The tail and backup attempts a ``farm submit`` printout's last summary reports.  A
+    summary that shows its tail but no backup line had no backup attempts."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if SUMMARY_DONE.match(line)]
+    if not starts:
+        return TailFigures()
+    summary = lines[starts[-1] :]
+    images = int(SUMMARY_DONE.match(summary[0]).group(1).replace(",", ""))  # type: ignore[union-attr]
+    tail = next((m for m in map(SUMMARY_TAIL.search, summary) if m), None)
+    backup = next((m for m in map(SUMMARY_BACKUPS.match, summary) if m), None)
+    figures = TailFigures(images=images)
+    if tail:
+        figures = TailFigures(
+            images=images,
+            tail_s=float(tail.group(1)),
+            tail_share=float(tail.group(2)) / 100,
+            backups=0,
+            extra=0.0,
+            wins=0,
+            saved_s=0.0,
+        )
+    if backup:
+        figures = TailFigures(
+            images=images,
+            tail_s=figures.tail_s,
+            tail_share=figures.tail_share,
+            backups=int(backup.group(1).replace(",", "")),
+            extra=float(backup.group(2)) / 100,
+            wins=int(backup.group(3).replace(",", "")),
+            saved_s=float(backup.group(4)),
+        )
+    return figures
+
+
+def broker_marks(paths: Iterable[Path], since: float = 0.0) -> tuple[int, int]:
+    """Backup attempts started and stragglers flagged that the brokers' logs record from
+    ``since`` (epoch seconds), over every broker life."""
+    backups = stragglers = 0
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            backup, straggler = BACKUP_LINE.match(line), STRAGGLER_LINE.match(line)
+            match = backup or straggler
+            if match and epoch(match.group(1)) >= since:
+                backups += bool(backup)
+                stragglers += bool(straggler)
+    return backups, stragglers
+
+
+def submission_figures(submission: Submission) -> TailFigures:
+    """The tail and backups of a finished ``farm submit``'s printed summary."""
+    if submission.stdout is None or not submission.stdout.exists():
+        return TailFigures()
+    return tail_figures(submission.stdout.read_text(errors="replace"))
 
 
 @dataclass
@@ -440,6 +554,8 @@ class Outcome:
     failed_rows: list[int]  # images whose outputs are NaN (failed)
     max_diff: float  # over the images that did not fail
     errors: list[str]  # the last submit's stderr, when it failed
+    # the tail and backup attempts its summary printed (the last submit's own job)
+    tail: TailFigures = field(default_factory=TailFigures)
 
 
 def check_outputs(out: Path, job: Job) -> tuple[list[int], float]:
@@ -460,7 +576,7 @@ def finish(submission: Submission, out: Path, job: Job, started: float) -> Outco
     wall = time.time() - started
     failed, difference = check_outputs(out, job)
     errors = submission.error_lines() if code else []
-    return Outcome(code, wall, failed, difference, errors)
+    return Outcome(code, wall, failed, difference, errors, submission_figures(submission))
 
 
 @dataclass
@@ -587,6 +703,8 @@ class SeedReport:
     chunk_mean: float
     problems: list[str]
     lives: list[Life] = field(default_factory=list)  # the chaos run's broker lives
+    # backup attempts started and stragglers flagged in the chaos run, by the brokers' logs
+    marks: tuple[int, int] = (0, 0)
 
     @property
     def passed(self) -> bool:
@@ -600,7 +718,7 @@ class SeedReport:
             f"({self.chaos.wall / self.clean.wall:.2f}x); faults {len(self.faults)} "
             f"({counts}); recomputed {self.recomputed:,}; failed "
             f"{len(self.chaos.failed_rows):,}; max diff {self.chaos.max_diff:.2g}; "
-            f"exit {self.chaos.exit_code}"
+            f"exit {self.chaos.exit_code}; {self.chaos.tail.short()}"
         )
 
 
@@ -782,6 +900,7 @@ def run_seed(config: ChaosConfig, seed: int, root: Path) -> SeedReport:
         float(np.mean([c.count for c in chunks])) if chunks else 0.0,
         problems,
         broker_lives(folder, chunks, chaos_start),
+        broker_marks(folder.glob("broker-*.log"), chaos_start),
     )
     print_seed(report, config, sum(c.count for c in clean_chunks) - job.count)
     return report
@@ -819,6 +938,12 @@ def print_seed(report: SeedReport, config: ChaosConfig, clean_recomputed: int) -
         f"fault-free {report.clean.wall:.2f} s, overhead "
         f"{chaos.wall / report.clean.wall:.2f}x"
     )
+    print(f"  chaos job, the last farm submit's summary: {chaos.tail.long()}")
+    print(
+        f"  chaos run, every broker life (their logs): {report.marks[0]} backup attempts "
+        f"started, {report.marks[1]} stragglers flagged"
+    )
+    print(f"  fault-free job's summary: {report.clean.tail.long()}")
     for line in chaos.errors:
         print(f"    farm submit: {line}")
     for problem in report.problems:

@@ -25,6 +25,10 @@ MAX_RUNS = 50
 SHARING = "fair"
 #: Cap on a chunk, in seconds of compute once speeds are known (0: no cap).
 MAX_CHUNK_SECONDS = 1.0
+#: Backup attempts (farm/broker/backups.py): the most extra work a job's backups may
+#: add, as a share of its images (0: none).  MapReduce's backups cost "a few percent"
+#: (OSDI 2004); Dolly's clones 3-5% (NSDI 2013).
+BACKUP_SHARE = 0.05
 #: Address the broker's Prometheus endpoint listens on, when it has a port.
 METRICS_HOST = "127.0.0.1"
 #: Chunks the broker may keep in flight to one worker: one computing and one waiting on a

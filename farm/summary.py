@@ -73,6 +73,12 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
     unresolved: int = 0  # ... that no third device could settle
     unverified: int = 0  # images sampled that no other device could check
     corrected: int = 0  # images run again because the worker that computed them lost a check
+    backups: int = 0  # backup attempts at the job's last chunks (farm/broker/backups.py)
+    backup_items: int = 0  # images they ran, or were to run: the extra work
+    backup_wins: int = 0  # ... that answered before the attempts they backed up
+    backup_saved_s: float = 0.0  # seconds the wins saved, by the first attempts' projections
+    tail_s: float = 0.0  # from the first worker idle with nothing left to the last result
+    span_s: float = 0.0  # from the first chunk assigned to the last result
     broker_seconds: float = 0.0  # submission to the last result, on the broker's clock
     seconds: float = 0.0  # the client's wall time, submit to last result
 
@@ -108,6 +114,30 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
         theoretical = self.theoretical_rate
         return (self.total - self.kept) / theoretical if theoretical > 0 else 0.0
 
+    @property
+    def tail_share(self) -> float:
+        """The tail as a share of the job's span (broker clock)."""
+        return self.tail_s / self.span_s if self.span_s > 0 else 0.0
+
+    def tail_text(self) -> str:
+        """``tail 0.31 s (2.1% of the span)``: from the first worker idle with nothing
+        left to the job's end."""
+        return f"tail {self.tail_s:.2f} s ({self.tail_share:.1%} of the span)"
+
+    def tail_part(self) -> str:
+        """``, tail ...`` after the waste, for a job that ran to its end."""
+        return f", {self.tail_text()}" if self.items >= self.total and self.span_s > 0 else ""
+
+    def backup_text(self) -> str | None:
+        """``backup attempts: 3 chunks, 1.2% extra work, 2 won, 0.8 s saved``; None if none."""
+        if not self.backups:
+            return None
+        extra = self.backup_items / self.total if self.total else 0.0
+        return (
+            f"backup attempts: {plural(self.backups, 'chunk')}, {extra:.1%} extra work, "
+            f"{self.backup_wins:,} won, {self.backup_saved_s:.2f} s saved"
+        )
+
     def waste_text(self) -> str:
         if self.items < self.total:
             return "no waste figure: the job stopped early"
@@ -137,7 +167,7 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
             )
         lines += [
             f"theoretical {per_second(self.theoretical_rate)} (sum of standalone "
-            f"worker speeds), " + self.waste_text(),
+            f"worker speeds), " + self.waste_text() + self.tail_part(),
             f"  {'worker':<36} {'share':>7} {'images':>8} {'chunks':>6} {'images/s':>9}",
         ]
         for share in sorted(self.workers, key=lambda s: s.name):
@@ -146,6 +176,9 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
                 f"  {share.name:<36} {part:>7.1%} {share.items:>8,} "
                 f"{share.chunks:>6} {share.rate:>9,.0f}"
             )
+        backups = self.backup_text()
+        if backups:
+            lines.append(backups)
         if self.failed_attempts or self.lost_attempts:
             lines.append(
                 f"{plural(max(0, self.items_run - self.total), 'image')} ran again: "

@@ -85,7 +85,7 @@ def worker_lost(
     ]
     computing = min(sent, key=lambda r: r.sent_seq) if crashed and sent else None
     for record in sent:  # a kept result of these may come back from it (``keeping``)
-        if record.check is None:
+        if not record.extra:
             lost = record.job.lost_by.setdefault(entry.owner or entry.name, Ranges())
             lost.add(record.chunk.start, record.chunk.stop)
     for record in records:
@@ -95,6 +95,8 @@ def worker_lost(
             continue
         if record.check is not None:  # a spot check: it waits for another worker
             lost_check(farm, record)
+        elif record.backup_of is not None:  # a backup: the first attempt runs on
+            backup_dropped(farm, record)
         elif record is computing:
             error = f"worker {entry.name} died while computing it ({reason})"
             attempt_failed(farm, record, error, charged=True, worker_lost=True)
@@ -116,6 +118,41 @@ def lost_check(farm: Farm, record: ChunkRecord, tried: bool = False) -> None:
             record.check.tried.add(record.worker.place)
         checks.waiting.insert(0, record.check)
         farm.refill = True
+
+
+def backup_dropped(farm: Farm, record: ChunkRecord) -> None:
+    """A backup attempt ended without a result (failed, refused, or its worker lost): the
+    attempt it backed up runs on; nothing is charged."""
+    original = record.backup_of
+    if original is not None and original.backup is record:
+        original.backup = None
+    record.backup_of = None
+    log.info(
+        "job %s: the backup of items %d..%d on %s ended without a result",
+        record.job.id,
+        record.chunk.start,
+        record.chunk.stop - 1,
+        record.worker.name,
+    )
+
+
+def promote_backup(farm: Farm, record: ChunkRecord) -> None:
+    """The attempt a backup runs for ended without a result: the backup carries its range
+    on, as an attempt of the job's retry line (outside the policy)."""
+    job, backup = record.job, record.backup
+    assert backup is not None
+    record.backup, backup.backup_of, backup.retry = None, None, True
+    if not record.retry:  # the range leaves the policy for the retry line
+        step(farm, job, ChunkFailed(record.worker.id, record.chunk, False, at=farm.now))
+        job.retry_items += record.chunk.count
+    log.info(
+        "job %s: items %d..%d: attempt on %s ended; its backup on %s carries on",
+        job.id,
+        record.chunk.start,
+        record.chunk.stop - 1,
+        record.worker.name,
+        backup.worker.name,
+    )
 
 
 def inputs_unshared(farm: Farm, record: ChunkRecord, error: str) -> None:
@@ -153,6 +190,9 @@ def attempt_failed(
             farm.observer.chunk_failed(record.worker)
     else:
         farm.stats.lost_attempts += 1
+    if record.backup is not None:  # a backup runs it already
+        promote_backup(farm, record)
+        return
     runs = job.evidence.tally(chunk).runs
     if runs >= farm.config.max_runs:
         give_up(

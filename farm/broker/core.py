@@ -39,6 +39,7 @@ class SchedulingConfig:
     sharing: str = defaults.SHARING  # see SHARING; priorities come first either way
     max_chunk_seconds: float = defaults.MAX_CHUNK_SECONDS  # chunk cap in compute s (0: none)
     verify: float = 0.0  # part of each job's images run again on another device (spot checks)
+    backup_share: float = defaults.BACKUP_SHARE  # most extra work of a job's backup attempts
 
     def check(self) -> None:
         """ValueError on a bad policy, parameter or sharing rule."""
@@ -47,6 +48,8 @@ class SchedulingConfig:
             raise ValueError(f"sharing must be one of {', '.join(SHARING)}")
         if not 0 <= self.verify <= 1:
             raise ValueError(f"verify must be a fraction within 0..1, not {self.verify}")
+        if not 0 <= self.backup_share <= 1:
+            raise ValueError(f"backup share must be within 0..1, not {self.backup_share}")
 
 
 @dataclass
@@ -72,6 +75,9 @@ class FarmStats:
     quarantined_workers: int = 0  # workers given no more tasks (``farm.broker.quarantine``)
     parked_jobs: int = 0  # jobs whose client left a NEED unanswered past its deadline
     refused_fetches: int = 0  # FETCHes past a connection's budget for one model
+    backup_attempts: int = 0  # second attempts at a job's last chunks (``farm.broker.backups``)
+    backup_wins: int = 0  # ... that answered before the first attempt
+    stragglers: int = 0  # attempts found past STRAGGLER_FACTOR times their predicted time
 
 
 class Observer(Protocol):

@@ -33,6 +33,17 @@ class ChunkRecord:
     sent_seq: int = 0  # the order TASKs went out: a worker computes its chunks in this order
     retry: bool = False  # from the job's retry line, run outside its policy
     check: Check | None = None  # a spot check's second (or third) run, outside its policy
+    # a backup attempt (``farm.broker.backups``): the attempt it backs up, outside its
+    # policy; and on that attempt, its backup while one runs
+    backup_of: ChunkRecord | None = None
+    backup: ChunkRecord | None = None
+    projected: float = 0.0  # a backup: when its first attempt was expected to answer
+    straggler: bool = False  # found past ``STRAGGLER_FACTOR`` times its predicted time
+
+    @property
+    def extra(self) -> bool:
+        """A second run of a range outside the job's policy: a spot check or a backup."""
+        return self.check is not None or self.backup_of is not None
 
     @property
     def job_id(self) -> str:
@@ -142,6 +153,12 @@ class Job:
     parks: int = 0
     probes: int = 0
     slowest_input: float = 0.0  # the longest its client took to answer a NEED, in seconds
+    # backup attempts at its last chunks (``farm.broker.backups``) and its tail
+    backups: int = 0  # started
+    backup_items: int = 0  # images they ran, or were to run: the extra work
+    backup_wins: int = 0  # answered before the attempts they backed up
+    backup_saved: float = 0.0  # seconds the wins saved, by the first attempts' projections
+    tail_from: float | None = None  # a worker first went idle with nothing of it left
 
     def __post_init__(self) -> None:
         self.item_bytes = item_bytes(self.dtype, self.item_shape)
@@ -213,6 +230,9 @@ class Job:
             "owner": self.owner,
             "parked": self.parks > 0 and not self.proven,
             "bad_answers": self.bad_answers,
+            "backups": self.backups,
+            "backup_wins": self.backup_wins,
+            "tail_s": now - self.tail_from if self.tail_from is not None else None,
         }
 
     @property
@@ -281,6 +301,12 @@ class Job:
             corrected=self.corrected,
             quarantined=tuple(f"{name}: {why}" for name, why in self.quarantined.items()),
             parked=self.parks,
+            backups=self.backups,
+            backup_items=self.backup_items,
+            backup_wins=self.backup_wins,
+            backup_saved_s=self.backup_saved,
+            tail_s=now - self.tail_from if self.tail_from is not None else 0.0,
+            span_s=now - self.started_at if self.started_at is not None else 0.0,
         )
 
 

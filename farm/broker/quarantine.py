@@ -22,7 +22,7 @@ import logging
 
 from farm.broker import caps
 from farm.broker import events as ev
-from farm.broker.attempts import give_up, worker_lost
+from farm.broker.attempts import give_up, promote_backup, worker_lost
 from farm.broker.blame import Mark
 from farm.broker.core import Farm
 from farm.broker.jobs import ChunkRecord, Worker
@@ -57,7 +57,9 @@ def answer_refused(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> 
     mark = Mark(chunk.start, chunk.stop, entry.place, error, False, entry.id, event.in_values)
     job.evidence.add(mark)
     runs = job.evidence.tally(chunk).runs
-    if runs >= farm.config.max_runs:
+    if record.backup is not None:  # a backup runs it already
+        promote_backup(farm, record)
+    elif runs >= farm.config.max_runs:
         give_up(
             farm,
             record,

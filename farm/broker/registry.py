@@ -33,6 +33,9 @@ class Attempt(Protocol):
     @property
     def job_id(self) -> str: ...
 
+    @property
+    def straggler(self) -> bool: ...
+
 
 #: The chunks a worker holds: ``jobs.ChunkRecord`` in the broker (the registry does not
 #: import the jobs, which hold its entries).
@@ -136,6 +139,15 @@ class WorkerEntry(Generic[A]):
             return 0.0, 0.0
         return max(0.0, images1 - images0) / span, min(1.0, max(0.0, busy1 - busy0) / span)
 
+    def state(self) -> str:
+        """quarantined, straggling (an attempt past its time: ``farm.broker.backups``),
+        busy or idle."""
+        if self.quarantined:
+            return "quarantined"
+        if any(record.straggler for record in self.in_flight.values()):
+            return "straggling"
+        return "busy" if self.in_flight else "idle"
+
     def describe(self, now: float) -> dict[str, Any]:
         rate, busy = self.recent_load()
         return {
@@ -151,7 +163,7 @@ class WorkerEntry(Generic[A]):
             "engines": dict(self.engines),
             "startup": dict(self.startup),
             "fetched": dict(self.fetched),
-            "state": "quarantined" if self.quarantined else "busy" if self.in_flight else "idle",
+            "state": self.state(),
             "strikes": self.strikes,
             "quarantined": self.quarantined,
             "slots": self.slots,

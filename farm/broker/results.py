@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import logging
 
+from farm.broker import backups
 from farm.broker import events as ev
-from farm.broker.attempts import answered_record, attempt_failed, inputs_unshared, lost_check
+from farm.broker.attempts import (
+    answered_record,
+    attempt_failed,
+    backup_dropped,
+    inputs_unshared,
+    lost_check,
+)
 from farm.broker.caps import cap_chunks, note_rate
 from farm.broker.core import Farm
 from farm.broker.jobs import ChunkRecord
 from farm.broker.keeping import keep_vanished, take_kept
 from farm.broker.quarantine import answer_refused, blame_settled, strike
-from farm.broker.scheduling import fail_job, fill, finish_if_done, step
+from farm.broker.scheduling import cancel_attempt, fail_job, fill, finish_if_done, step
 from farm.broker.verify import check_answered, sample
 from farm.policies import ChunkDone
 
@@ -39,11 +46,36 @@ def on_result_arrived(farm: Farm, event: ev.ResultArrived) -> None:
         else:
             check_answered(farm, record, event.outputs)
         return
+    if record.backup_of is not None:
+        backup_answered(farm, record, event)
+        return
     if event.problem:
         record.worker.last_answer_at = event.at
         answer_refused(farm, record, event)
         return
+    if record.backup is not None:  # it answered first: its backup is not needed
+        cancel_attempt(farm, record.backup)
+        record.backup = None
     take_result(farm, record, event)
+
+
+def backup_answered(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> None:
+    """A backup attempt answered before the attempt it backs up: its result counts for
+    that attempt, which is cancelled; a backup's refused answer is dropped (a wrong form
+    strikes), and the first attempt runs on."""
+    original = record.backup_of
+    assert original is not None
+    if event.problem or event.failed:
+        record.worker.last_answer_at = event.at
+        if event.problem and not event.in_values:
+            strike(farm, record.worker, event.problem)
+        backup_dropped(farm, record)
+        fill(farm, record.worker)
+        return
+    cancel_attempt(farm, original)
+    original.backup = None
+    backups.won(farm, record)
+    take_result(farm, record, event, holder=original)
 
 
 #: The least part of the time the broker saw a chunk take that its worker is credited
@@ -64,9 +96,13 @@ def credited_compute(record: ChunkRecord, event: ev.ResultArrived) -> float:
     return max(reported, (event.at - began - load) * OBSERVED_SHARE)
 
 
-def take_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> None:
+def take_result(
+    farm: Farm, record: ChunkRecord, event: ev.ResultArrived, holder: ChunkRecord | None = None
+) -> None:
     """The attempt's result counts: to the client (unless a kept result delivered its
-    items), into the worker's share and speed, and to the job's policy."""
+    items), into the worker's share and speed, and to the job's policy.  ``holder``: the
+    attempt the policy (or the retry line) gave the range to, if ``record`` is its
+    backup; the policy hears it done after the time it ran, so its speed drops."""
     job, chunk, entry = record.job, record.chunk, record.worker
     job.output_shape = event.output_shape
     compute = credited_compute(record, event)
@@ -82,10 +118,13 @@ def take_result(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> Non
             entry, chunk.count, event.timings, sent - record.assigned_at, event.at - sent
         )
     blame_settled(farm, job.evidence.settle(chunk))
-    if record.retry:
+    holder = holder or record
+    if holder.retry:
         job.retry_items -= chunk.count
     else:
-        step(farm, job, ChunkDone(entry.id, chunk, compute, at=farm.now))
+        if holder is not record:  # its worker ran it this long, and is not done
+            compute = farm.now - (holder.sent_at or holder.assigned_at)
+        step(farm, job, ChunkDone(holder.worker.id, chunk, compute, at=farm.now))
     finish_if_done(farm, job)
     fill(farm, entry)
 
@@ -116,6 +155,10 @@ def on_failure_arrived(farm: Farm, event: ev.FailureArrived) -> None:
     if record is None:
         return
     chunk = record.chunk
+    if record.backup_of is not None:  # the first attempt runs on
+        backup_dropped(farm, record)
+        fill(farm, record.worker)
+        return
     if record.check is not None:  # the check waits for another worker
         if event.unshared:
             record.job.unshared.add(record.worker.id)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 
+from farm.broker import backups
 from farm.broker import events as ev
 from farm.broker.blame import retry_index
 from farm.broker.caps import cap_all
+from farm.broker.checks import Check
 from farm.broker.core import Farm
 from farm.broker.inputs import request_input
 from farm.broker.jobs import ChunkRecord, Job, Worker
@@ -65,7 +67,7 @@ def offer_slot(farm: Farm, entry: Worker) -> bool:
         if len(entry.in_flight) > before or farm.stats.kept_used > done_before:
             return True  # a chunk, or a range a kept result had done: offer the slot again
         entry.offered.add(job.id)  # its policy keeps the worker as idle
-    return False
+    return not entry.in_flight and run_backup_for(farm, entry)
 
 
 def slots_taken(farm: Farm, entry: Worker, taker: Job | None) -> None:
@@ -108,12 +110,76 @@ def run_check(farm: Farm, job: Job, entry: Worker) -> bool:
         return False
     job.checks.waiting.remove(check)
     job.checks.running += 1
-    record = start_attempt(farm, job, check.chunk, entry)
-    record.check = check
+    run_again(farm, job, check.chunk, entry, check=check)
+    return True
+
+
+def run_backup_for(farm: Farm, entry: Worker) -> bool:
+    """Give the idle worker's slot to a backup of the last chunk of a job with nothing
+    left to hand out (``farm.broker.backups``), in the jobs' order; False if none."""
+    for job in list(farm.order.jobs):
+        if not backups.nothing_left(job):
+            continue
+        backups.note_idle(farm, job, entry)
+        chosen = backups.choose(farm, job, entry)
+        if chosen is not None:
+            original, projected = chosen
+            record = run_again(farm, job, original.chunk, entry, backup_of=original)
+            record.projected = projected
+            original.backup = record
+            backups.started(farm, record)
+            return True
+    return False
+
+
+def offer_idle(farm: Farm) -> None:
+    """On every tick: idle workers' slots are offered to the jobs again, as time passes (a
+    policy's plan may change once an attempt is overdue), then backups of attempts fallen
+    behind (``farm.broker.backups``)."""
+    if not farm.running:
+        return
+    idle = [e for e in farm.workers.values() if not e.in_flight and e.quarantined is None]
+    for entry in idle:
+        fill(farm, entry)
+    if any(backups.nothing_left(job) for job in farm.running.values()):
+        backups.flag_stragglers(farm)
+        for entry in idle:
+            if not entry.in_flight:
+                run_backup_for(farm, entry)
+
+
+def run_again(
+    farm: Farm,
+    job: Job,
+    chunk: Chunk,
+    entry: Worker,
+    check: Check | None = None,
+    backup_of: ChunkRecord | None = None,
+) -> ChunkRecord:
+    """A second run of a range outside the job's policy, uncharged: a spot check or a
+    backup attempt.  It takes the worker's slot and asks for its input."""
+    record = start_attempt(farm, job, chunk, entry)
+    record.check, record.backup_of = check, backup_of
     request_input(farm, record)
     if entry.free_slots <= 0:
         slots_taken(farm, entry, None)
-    return True
+    return record
+
+
+def cancel_attempt(farm: Farm, record: ChunkRecord) -> None:
+    """Take an attempt out of its worker's slot: the other run of its range answered.  A
+    worker computing it is told to drop it; its answer, if one comes, is dropped."""
+    entry = record.worker
+    if entry.in_flight.pop(record.id, None) is None:
+        return
+    record.job.pending.pop(record.id, None)
+    if record.sent_at is not None:
+        farm.out.append(
+            ev.SendCancel(
+                peer=entry.identity, job=record.job.id, chunk=record.id, stimulus=farm.stimulus
+            )
+        )
+    farm.refill = True  # its slot is free
 
 
 def drop_unrunnable_checks(farm: Farm, job: Job) -> None:

@@ -60,7 +60,7 @@ from farm.broker.clients import (
 from farm.broker.core import OUTCOMES, SHARING, Farm, FarmStats, Observer, SchedulingConfig
 from farm.broker.jobs import ChunkRecord
 from farm.broker.results import on_failure_arrived, on_result_arrived
-from farm.broker.scheduling import fill_all, finish_if_done
+from farm.broker.scheduling import fill_all, finish_if_done, offer_idle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +135,8 @@ class FarmState(Farm):
 
 
 def on_tick(farm: Farm, event: ev.Tick) -> None:
-    """Drop silent workers and jobs whose client went silent; cancel overdue jobs."""
+    """Drop silent workers and jobs whose client went silent; cancel overdue jobs; offer
+    idle workers' slots again, and backups of attempts fallen behind."""
     membership.expire_silent(farm, event.at)
     if farm.churn.forget(event.at):
         cap_all(farm)
@@ -145,6 +146,7 @@ def on_tick(farm: Farm, event: ev.Tick) -> None:
     for job in list(farm.running.values()):  # spot checks no connected worker may run
         if job.computed and job.checks is not None:  # any more (it left, or is quarantined)
             finish_if_done(farm, job)
+    offer_idle(farm)
 
 
 HANDLERS: dict[type, Any] = {

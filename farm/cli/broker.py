@@ -60,6 +60,16 @@ if TYPE_CHECKING:
     "unless the job says otherwise; a worker whose answers lose a check is quarantined.",
 )
 @click.option(
+    "--backup-share",
+    default=defaults.BACKUP_SHARE,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    metavar="SHARE",
+    help="Backup attempts: a worker idle at the end of a job runs again the chunk in "
+    "flight projected to answer last, if it would finish it sooner; the first answer "
+    "wins.  At most this share of a job's images run as backups (0: none).",
+)
+@click.option(
     "--sharing",
     type=click.Choice(["fair", "fifo"]),
     default=defaults.SHARING,
@@ -108,6 +118,7 @@ def broker(
     sharing: str,
     max_chunk_seconds: float,
     verify: float,
+    backup_share: float,
     metrics_port: int | None,
     metrics_host: str,
     endpoint_fd: int | None,
@@ -143,6 +154,7 @@ def broker(
         sharing=sharing,
         max_chunk_seconds=max_chunk_seconds,
         verify=verify,
+        backup_share=backup_share,
         metrics=(metrics_host, metrics_port) if metrics_port is not None else None,
     )
     try:

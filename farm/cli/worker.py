@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
@@ -31,6 +32,30 @@ class ItemRange(click.ParamType):
         if not (low.isdigit() and high.isdigit() and int(low) <= int(high)):
             self.fail(f"{value!r} is not a range A-B", param, ctx)
         return int(low), int(high) + 1
+
+
+class SlowDown(click.ParamType):
+    """``FACTOR[@SECONDS]``: compute FACTOR (>= 1) times slower from SECONDS (>= 0, default
+    0) after the first chunk began, as ``(FACTOR, SECONDS)``."""
+
+    name = "FACTOR[@SECONDS]"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[float, float]:
+        if isinstance(value, tuple):
+            return value
+        factor_text, at, after_text = str(value).partition("@")
+        try:
+            factor = float(factor_text)
+            after = float(after_text) if at else 0.0
+        except ValueError:
+            self.fail(f"{value!r} is not FACTOR or FACTOR@SECONDS (3, 2.5@30)", param, ctx)
+        if not (math.isfinite(factor) and factor >= 1):
+            self.fail(f"FACTOR must be a number >= 1, not {factor_text!r}", param, ctx)
+        if not (math.isfinite(after) and after >= 0):
+            self.fail(f"SECONDS must be a number >= 0, not {after_text!r}", param, ctx)
+        return factor, after
 
 
 @click.command()
@@ -96,6 +121,13 @@ class ItemRange(click.ParamType):
     type=ItemRange(),
     help="Fault injection for chaos tests: chunks touching items A-B fail.",
 )
+@click.option(
+    "--slow",
+    type=SlowDown(),
+    help="For tests and benchmarks (a straggler stand-in): from SECONDS (default 0) after "
+    "the first chunk began, compute FACTOR (>= 1) times slower: after each batch wait "
+    "FACTOR - 1 times its compute time, counted as compute (3, 2@30).",
+)
 def worker(
     device: str,
     broker_address: str,
@@ -112,6 +144,7 @@ def worker(
     curve: str | None,
     curve_name: str,
     fail_items: tuple[int, int] | None,
+    slow: tuple[float, float] | None,
 ) -> None:
     """Run one worker: one per pinned core, one per GPU.
 
@@ -143,6 +176,7 @@ def worker(
             curve=curve,
             curve_name=curve_name,
             fail_items=fail_items,
+            slow=slow,
             precision=precision,
         )
         serve_worker(config)

@@ -118,6 +118,16 @@ class Breakdown:
     cancelled: str | None = None  # why the job stopped early, if it did
     total: int = 0  # images in the job
     shared: bool = False  # other jobs ran on the workers meanwhile
+    tail_from: float = 0.0  # the first worker's last result: from here it idled to the end
+
+    @property
+    def tail_seconds(self) -> float:
+        """The job's tail: from the first worker's last result to the job's end."""
+        return max(0.0, self.seconds - self.tail_from)
+
+    @property
+    def tail_share(self) -> float:
+        return self.tail_seconds / self.seconds if self.seconds > 0 else 0.0
 
     def format(self) -> str:
         """A few aligned lines for the terminal: totals, where the waste went, each worker."""
@@ -132,15 +142,17 @@ class Breakdown:
             f"(model {self.model}, policy {self.policy}){stopped}",
             f"theoretical {per_second(self.theoretical_rate)} (sum of the workers' "
             f"standalone speeds), waste {self.waste:.1%}",
+            f"tail {self.tail_seconds:.3f} s ({self.tail_share:.1%} of the span): from the "
+            f"first worker's last result to the job's end",
             "where the waste went (% of the workers' capacity):",
         ]
         if self.shared:
             lines.insert(
-                2, "(other jobs shared the workers meanwhile: their chunks count as idle time here)"
+                3, "(other jobs shared the workers meanwhile: their chunks count as idle time here)"
             )
         if self.cancelled:
             lines.insert(
-                2, "(the job stopped early: chunks running when it stopped are not in the trace)"
+                3, "(the job stopped early: chunks running when it stopped are not in the trace)"
             )
         lines += [
             f"  {part:<9} {_percent(getattr(self, part)):>6}  {meaning}" for part, meaning in _PARTS
@@ -279,7 +291,15 @@ def analyse(trace: Trace) -> Breakdown:
         cancelled=trace.cancelled or None,
         total=total,
         shared=trace.shared,
+        tail_from=tail_from(trace, seconds),
     )
+
+
+def tail_from(trace: Trace, seconds: float) -> float:
+    """When the first worker that ran chunks had its last result back (``seconds``, the
+    job's end, if none did)."""
+    lasts = [max(c.received for c in chunks) for chunks in _by_worker(trace).values() if chunks]
+    return min(lasts, default=seconds)
 
 
 def _span(trace: Trace) -> float:
@@ -330,6 +350,9 @@ def _arrived(chunk: ChunkTrace) -> float:
 def _draw_timeline(ax: Any, trace: Trace, wide: bool) -> None:
     rows = _by_worker(trace)
     height = 0.8
+    tail = tail_from(trace, trace.broker_seconds)
+    if tail < trace.broker_seconds:
+        ax.axvspan(tail, trace.broker_seconds, color="#f2d0d0", zorder=1, linewidth=0)
     for y, chunks in enumerate(rows.values()):
         spans = [(c.started, max(c.finished - c.started, 0.0)) for c in chunks]
         colors = [_SHADES[i % 2] for i in range(len(spans))]
@@ -368,10 +391,11 @@ def _draw_timeline(ax: Any, trace: Trace, wide: bool) -> None:
             Patch(color=_SHADES[1], label="computing (next chunk)"),
             Patch(color=_TRANSFER, label="in transit: sent→arrived, finished→received"),
             Patch(facecolor="white", edgecolor="grey", label="idle"),
+            Patch(color="#f2d0d0", label="tail: a worker idle with nothing left"),
         ],
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),
-        ncol=4 if wide else 2,
+        ncol=5 if wide else 2,
         fontsize="small",
         frameon=False,
     )

@@ -59,8 +59,9 @@ def worker_rows(workers: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def worker_state(worker: dict[str, Any]) -> str:
-    """The STATE cell: ``BUSY``, ``IDLE`` or ``QUARANTINED``, with its strikes (answers
-    that failed the broker's checks) when it has some."""
+    """The STATE cell: ``BUSY``, ``STRAGGLING`` (a chunk past twice its predicted time),
+    ``IDLE`` or ``QUARANTINED``, with its strikes (answers that failed the broker's checks)
+    when it has some."""
     strikes = int(worker.get("strikes", 0))
     return worker["state"].upper() + (f" ({plural(strikes, 'strike')})" if strikes else "")
 
@@ -75,12 +76,20 @@ def worker_notes(workers: list[dict[str, Any]]) -> list[str]:
 
 
 def job_notes(jobs: list[dict[str, Any]]) -> list[str]:
-    """Lines on jobs whose answers failed the broker's checks, and on parked ones."""
+    """Lines on jobs whose answers failed the broker's checks, on jobs in their tail
+    (backup attempts), and on parked ones."""
     lines = [
         f"  {j['job'][:12]}: {plural(j['bad_answers'], 'answer')} failed the broker's "
         f"checks and ran again elsewhere"
         for j in jobs
         if j.get("bad_answers")
+    ]
+    lines += [
+        f"  {j['job'][:12]}: in its tail for {j['tail_s']:.1f} s (a worker idle with nothing "
+        f"left); backup attempts: {plural(j.get('backups', 0), 'chunk')}, "
+        f"{j.get('backup_wins', 0):,} won"
+        for j in jobs
+        if j.get("tail_s") is not None
     ]
     if any(j.get("parked") for j in jobs):
         lines.append(
@@ -163,7 +172,7 @@ def format_status(snapshot: dict[str, Any]) -> str:
     jobs' refused answers, what PARKED means); a line when it shows the peer's jobs only."""
     workers, jobs = snapshot["workers"], snapshot["jobs"]
     lines = [*broker_lines(snapshot), ""]
-    busy = sum(1 for w in workers if w["state"] == "busy")
+    busy = sum(1 for w in workers if w["state"] in ("busy", "straggling"))
     lines.append(
         f"WORKERS  {len(workers)} ({busy} busy), "
         f"{per_second(sum(w['rate'] for w in workers))} over the last 5 s"

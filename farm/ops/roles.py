@@ -33,6 +33,7 @@ BROKER_FIELDS = (
     "sharing",
     "max_chunk_seconds",
     "verify",
+    "backup_share",
 )
 WORKER_FIELDS = ("backend", "precision", "batch", "slots", "max_tasks", "heartbeat", "liveness")
 
@@ -144,4 +145,7 @@ def worker_arguments(config: WorkerConfig, device: str | None = None) -> list[st
     if config.fail_items:
         low, high = config.fail_items
         arguments += ["--fail-items", f"{low}-{high - 1}"]
+    if config.slow:
+        factor, after = config.slow
+        arguments += ["--slow", f"{factor!r}@{after!r}"]
     return arguments

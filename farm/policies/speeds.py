@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -10,6 +11,8 @@ from farm.policies.ranking import Entry, LazyHeap
 
 #: Default weight of the newest chunk's speed (see ``SpeedBook``).
 DEFAULT_SPEED_ALPHA = 0.5
+#: Weight of the newest chunk's deviation in a worker's spread (see ``SpeedBook``).
+SPREAD_ALPHA = 0.25
 
 
 @dataclass
@@ -27,6 +30,12 @@ class SpeedBook:
     With ``window`` (seconds) the newest chunk's weight instead grows with how
     long it ran, ``seconds / (seconds + window)``: a long chunk is a reliable
     measurement of the device as it is now, a short one is mostly jitter.
+
+    Each worker's ``spread`` is how far its chunk speeds stray from the estimate:
+    an exponentially weighted mean (newest weight ``SPREAD_ALPHA``) of
+    ``(chunk speed / estimate before the chunk - 1)**2``; its square root is the
+    relative deviation to expect of the next chunk (noise, or a device slowing).
+    Plain arithmetic, no ``log``, so that it is the same on every CPU.
     """
 
     alpha: float = DEFAULT_SPEED_ALPHA
@@ -34,6 +43,7 @@ class SpeedBook:
     speeds: dict[WorkerId, float] = field(default_factory=dict)
     items: dict[WorkerId, int] = field(default_factory=dict)
     seconds: dict[WorkerId, float] = field(default_factory=dict)
+    spreads: dict[WorkerId, float] = field(default_factory=dict)  # mean squared relative deviation
     by_speed: LazyHeap = field(default_factory=LazyHeap, repr=False, compare=False)  # (-v, w)
 
     def __post_init__(self) -> None:
@@ -65,11 +75,24 @@ class SpeedBook:
             self.speeds[worker] = self.items[worker] / self.seconds[worker]
         else:
             self.speeds[worker] = self.alpha * latest + (1 - self.alpha) * previous
+        if previous:
+            self.note_spread(worker, (latest / previous - 1.0) ** 2)
         if self.speeds[worker] != previous:
             self.by_speed.push(-self.speeds[worker], worker)
             self.by_speed.rebuild_if_stale(
                 len(self.speeds), lambda: ((-speed, w) for w, speed in self.speeds.items())
             )
+
+    def note_spread(self, worker: WorkerId, deviation: float) -> None:
+        """Fold a chunk's squared relative deviation from the estimate into the spread."""
+        spread = self.spreads.get(worker)
+        self.spreads[worker] = (
+            deviation if spread is None else spread + SPREAD_ALPHA * (deviation - spread)
+        )
+
+    def spread(self, worker: WorkerId) -> float:
+        """The worker's relative deviation to expect of a chunk's speed (0 until measured)."""
+        return math.sqrt(self.spreads.get(worker, 0.0))
 
     def fastest(self) -> float | None:
         """The highest speed in the book, None while it is empty."""
@@ -83,7 +106,7 @@ class SpeedBook:
         return worker in self.speeds
 
     def forget(self, worker: WorkerId) -> None:
-        for table in (self.speeds, self.items, self.seconds):
+        for table in (self.speeds, self.items, self.seconds, self.spreads):
             table.pop(worker, None)
 
 

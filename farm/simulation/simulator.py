@@ -29,6 +29,7 @@ from farm.broker.state import FarmState, SchedulingConfig
 from farm.policies import Chunk
 from farm.simulation import kit
 from farm.simulation.kit import CLIENT
+from farm.summary import JobSummary
 
 #: Seconds over which a device's speed jitters independently (see ``DeviceModel.noise_factor``).
 NOISE_WINDOW = 0.1
@@ -137,6 +138,7 @@ class SimResult:
     policy: str
     seconds: float
     chunks: list[ChunkRun] = field(default_factory=list)
+    summary: JobSummary | None = None  # the broker's account of the job (its DONE)
 
     @property
     def rate(self) -> float:
@@ -173,7 +175,9 @@ class FarmSimulation:
 
     ``poison``: items that fail every chunk holding them (``"fail"``: the worker answers
     FAILED; ``"crash"``: the worker dies).  ``restart``: seconds after a worker dies or
-    is lost until a new one starts on its device (None: none does).
+    is lost until a new one starts on its device (None: none does).  ``heartbeat``:
+    every so many seconds each worker and the client are heard and the state ticks
+    (stragglers, backups for idle workers, expiries), while a job runs.
     """
 
     scenario: Scenario
@@ -181,6 +185,7 @@ class FarmSimulation:
     seed: int = 0
     poison: dict[int, str] = field(default_factory=dict)
     restart: float | None = None
+    heartbeat: float | None = None  # seconds between heartbeats and ticks (None: none)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -198,6 +203,8 @@ class FarmSimulation:
         self.ended: dict[str, float] = {}  # job -> when its DONE (or end) came
         self.failed: dict[str, list[ev.SendFailed]] = {}
         self.errors: dict[str, str] = {}
+        self.summaries: dict[str, JobSummary] = {}  # job -> its DONE's summary
+        self.cancelled: set[int] = set()  # attempts cancelled: their answers never come
         self.speeds: dict[str, float] = {}  # device -> speed remembered from earlier jobs
         for identity, device in self.devices.items():
             self.at(0.0, self.joined(identity, device.name, 0.0))
@@ -214,6 +221,19 @@ class FarmSimulation:
         self, job: str, total: int, at: float = 0.0, options: JobOptions | None = None
     ) -> None:
         self.at(at, kit.submitted(job, total, at=at, options=options))
+        if self.heartbeat is not None:
+            self.at(at + self.heartbeat, self.beat)
+
+    def beat(self, now: float) -> None:
+        """Heartbeats from every worker and the client, then a tick; again while jobs run."""
+        for worker in self.current.values():
+            if worker in self.state.workers:
+                self.step(now, ev.WorkerHeard(worker=worker, at=now))
+        for job in list(self.state.jobs):
+            self.step(now, ev.ClientHeard(client=CLIENT, job=job, at=now))
+        self.step(now, ev.Tick(at=now))
+        if self.state.jobs and self.heartbeat is not None:
+            self.at(now + self.heartbeat, self.beat)
 
     def lose(self, device: str, at: float, crashed: bool = False) -> None:
         """The device's worker leaves at ``at`` (what it computes then is lost); ``crashed``:
@@ -268,6 +288,9 @@ class FarmSimulation:
         return now
 
     def step(self, now: float, event: ev.FarmEvent) -> None:
+        answer = isinstance(event, (ev.ResultArrived, ev.FailureArrived))
+        if answer and event.chunk in self.cancelled:  # type: ignore[union-attr]
+            return  # the worker dropped it
         instructions = self.driver.feed(event)
         if isinstance(event, ev.WorkerJoined) and event.worker.decode() in self.speeds:
             self.seed_speed(event.worker)
@@ -300,6 +323,8 @@ class FarmSimulation:
                     self.crash(worker, answered)
                 else:
                     self.at(answered, kit.result_for(instruction, answered, end - began))
+            case ev.SendCancel(peer=peer, chunk=int(chunk)) if peer != CLIENT:
+                self.cancel(peer, chunk, now + self.scenario.latency)
             case ev.SendResult(result=result, trace=trace):
                 assert trace is not None  # no broker is lost here: no result is kept
                 began, end = self.running.pop(result.chunk)
@@ -313,8 +338,9 @@ class FarmSimulation:
                         now,
                     )
                 )
-            case ev.SendDone(job=job):
+            case ev.SendDone(job=job, summary=summary):
                 self.ended[job] = now
+                self.summaries[job] = summary
             case ev.SendFailed(job=job):
                 self.failed.setdefault(job, []).append(instruction)
             case ev.SendError(error=error, job=str(job)):
@@ -322,6 +348,16 @@ class FarmSimulation:
                 self.ended[job] = now
             case ev.SendCancel(peer=peer, job=job) if peer == CLIENT:
                 self.ended[job] = now
+
+    def cancel(self, worker: bytes, chunk: int, at: float) -> None:
+        """The worker drops attempt ``chunk`` when the CANCEL reaches it at ``at``: its
+        answer never comes, and a device computing it as its last is free from then."""
+        if chunk not in self.running:
+            return
+        self.cancelled.add(chunk)
+        began, end = self.running.pop(chunk)
+        if self.free_at.get(worker) == end and at < end:
+            self.free_at[worker] = max(at, began)
 
     def crash(self, worker: bytes, at: float) -> None:
         """The worker dies at ``at``; a new one starts on its device ``restart`` s later."""
@@ -340,15 +376,22 @@ def simulate(
     seed: int = 0,
     speeds: dict[str, float] | None = None,
     max_chunk_seconds: float = 0.0,
+    backup_share: float = 0.0,
+    heartbeat: float | None = None,
     **params: Any,
 ) -> SimResult:
     """Run one job of ``scenario`` under policy ``algo``; deterministic for a given seed.
 
     ``speeds``: each device's speed from earlier jobs; ``max_chunk_seconds``: the broker's
-    chunk cap (0, the paper's setting, cuts chunks as the policy says).
+    chunk cap (0, the paper's setting, cuts chunks as the policy says); ``backup_share``:
+    the broker's cap on backup attempts (0, the paper's setting: none); ``heartbeat``:
+    seconds between heartbeats and ticks (None: none; backups then start only as
+    workers ask for work).
     """
-    config = SchedulingConfig(algo=algo, params=params, max_chunk_seconds=max_chunk_seconds)
-    farm = FarmSimulation(scenario, config, seed)
+    config = SchedulingConfig(
+        algo=algo, params=params, max_chunk_seconds=max_chunk_seconds, backup_share=backup_share
+    )
+    farm = FarmSimulation(scenario, config, seed, heartbeat=heartbeat)
     farm.remember(speeds or {})
     farm.submit("job", scenario.total)
     farm.run()
@@ -356,4 +399,6 @@ def simulate(
         raise SimulationStalled(f"{algo}: {farm.errors['job']}")
     if "job" not in farm.ended:
         raise SimulationStalled(f"{algo}: the job never finished")
-    return SimResult(scenario, algo, farm.ended["job"], farm.runs.get("job", []))
+    return SimResult(
+        scenario, algo, farm.ended["job"], farm.runs.get("job", []), farm.summaries.get("job")
+    )

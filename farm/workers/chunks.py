@@ -9,6 +9,7 @@ one's last batches compute.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -39,6 +40,9 @@ MAX_REASON = 500
 
 #: Why a float32 item with a NaN or infinite pixel fails (its outputs are NaN).
 NON_FINITE = "NaN or infinite pixels"
+
+#: Longest a throttle's wait (``--slow``) goes without asking whether its chunk was cancelled.
+THROTTLE_SLICE = 0.01
 
 Reply = list[Any]
 Failures = list[tuple[int, int, str]]  # runs of failed items: (offset, count, reason)
@@ -83,6 +87,35 @@ def remember(memory: dict[Any, None], key: Any) -> None:
 
 
 @dataclass
+class Throttle:
+    """``farm worker --slow FACTOR@AFTER``, for tests and benchmarks: a straggler stand-in on
+    CPU machines.  From ``after`` seconds past the worker's first chunk, each compute batch
+    is followed by a wait of ``factor - 1`` times its compute time, counted as compute (and
+    device) time, as on a device ``factor`` times slower."""
+
+    factor: float
+    after: float = 0.0
+    started: float | None = None  # perf_counter when the worker's first chunk began
+
+    def begin(self) -> None:
+        """A chunk begins: the first one starts the clock of ``after``."""
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def wait(self, compute_seconds: float, stop: Callable[[], bool]) -> float:
+        """After a batch that computed ``compute_seconds``: wait ``factor - 1`` times that
+        (nothing before ``after``), in slices that end at once when ``stop`` says yes (its
+        chunk was cancelled); the seconds waited."""
+        now = time.perf_counter()
+        if self.started is None or now - self.started < self.after:
+            return 0.0
+        until = now + (self.factor - 1) * compute_seconds
+        while (left := until - time.perf_counter()) > 0 and not stop():
+            time.sleep(min(left, THROTTLE_SLICE))
+        return time.perf_counter() - now
+
+
+@dataclass
 class Computed:
     """A chunk's outputs, and where its time went: ``load`` the seconds it waited for its
     model's files and engine, ``received`` when its receive began (loading excluded),
@@ -111,6 +144,8 @@ class ChunkRunner:
     fetches: ModelFetches
     cancels: Cancellations
     fail_items: tuple[int, int] | None = None  # fault injection: chunks touching [a, b) fail
+    throttle: Throttle | None = None  # tests, benchmarks: a slower device (``--slow``)
+    throttled: float = 0.0  # seconds the throttle waited in the current chunk
     tasks_done: int = 0
     computed_images: int = 0
     computed_seconds: float = 0.0
@@ -141,6 +176,8 @@ class ChunkRunner:
         """
         task = message.header
         assert isinstance(task, messages.Task)
+        if self.throttle is not None:
+            self.throttle.begin()
         try:
             computed = self.compute(message, task, received, spec, waited)
         except Stopped as exc:
@@ -171,6 +208,7 @@ class ChunkRunner:
             waited, received = waited + loaded, received + loaded
         engine = self.engines.loaded[key]
         engine.last_run = RunStats()  # a chunk whose every file fails computes nothing
+        self.throttled = 0.0
         oriented = 0
         if task.dtype == protocol.ENCODED:
             files, unread = self.chunk_files(message, task)
@@ -195,7 +233,10 @@ class ChunkRunner:
             time.perf_counter() - decoded,
         )
         self.inject_fault(task.start, task.count)  # after the compute, which it wastes
-        return Computed(outputs, failures, oriented, engine.last_run, waited, received, decoded)
+        run = engine.last_run
+        if self.throttled:  # a throttled device is busy while it waits
+            run = dataclasses.replace(run, device=run.device + self.throttled)
+        return Computed(outputs, failures, oriented, run, waited, received, decoded)
 
     def result(self, task: messages.Task, computed: Computed) -> Reply:
         """The RESULT of a chunk computed, with its timings; counts it in ``speeds``."""
@@ -271,7 +312,7 @@ class ChunkRunner:
             computed = engine.run(
                 batch.images,
                 stop=lambda: self.cancels.stopped(task),
-                tally=self.tally,
+                tally=self.tally_for(task),
                 then=self.ahead_of(engine),
             )
             if batch.crops > 1:
@@ -293,7 +334,7 @@ class ChunkRunner:
                 engine.run(
                     images,
                     stop=lambda: self.cancels.stopped(task),
-                    tally=self.tally,
+                    tally=self.tally_for(task),
                     then=self.ahead_of(engine),
                 ),
                 [],
@@ -301,7 +342,9 @@ class ChunkRunner:
         outputs = np.full((task.count, *engine.output_shape), np.nan, dtype=np.float32)
         if finite.any():
             outputs[finite] = engine.run(
-                images[finite], stop=lambda: self.cancels.stopped(task), tally=self.tally
+                images[finite],
+                stop=lambda: self.cancels.stopped(task),
+                tally=self.tally_for(task),
             )
         bad = np.flatnonzero(~finite).tolist()
         return outputs, failure_runs([(index, NON_FINITE) for index in bad])
@@ -357,6 +400,26 @@ class ChunkRunner:
         """One compute batch done."""
         self.computed_images += images
         self.computed_seconds += seconds
+
+    def tally_for(self, task: messages.Task) -> Callable[[int, float], None]:
+        """What ``engine.run`` calls after each batch of ``task``: ``tally``; with a
+        ``throttle``, its wait first, counted as compute.  A wait cut short because the
+        chunk was cancelled raises ``Stopped`` (its outputs are not wanted)."""
+        throttle = self.throttle
+        if throttle is None:
+            return self.tally
+
+        def stop() -> bool:
+            return self.cancels.stopped(task)
+
+        def throttled(images: int, seconds: float) -> None:
+            waited = throttle.wait(seconds, stop)
+            self.throttled += waited
+            self.tally(images, seconds + waited)
+            if stop():
+                raise Stopped(f"stopped while throttled (--slow {throttle.factor:g})")
+
+        return throttled
 
     def inject_fault(self, start: int, count: int) -> None:
         """Fail a chunk that touches ``fail_items`` (chaos tests: a poison chunk)."""

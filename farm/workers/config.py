@@ -135,6 +135,7 @@ class WorkerConfig:
     curve: str | None = None  # a `farm keys` folder: connect with CurveZMQ ...
     curve_name: str = defaults.WORKER_KEY  # ... as this key
     fail_items: tuple[int, int] | None = None  # fault injection: chunks touching [a, b) fail
+    slow: tuple[float, float] | None = None  # tests: (factor, after seconds), chunks.Throttle
     precision: str = defaults.PRECISION  # one, or the precision gate's list (farm.wire.engines)
 
     def own_engine(self) -> EngineChoice:

@@ -53,6 +53,7 @@ from farm.workers.chunks import (
     Cancellations,
     ChunkRunner,
     QueuedMessage,
+    Throttle,
     failed,
     finite_items,
 )
@@ -97,8 +98,13 @@ class Worker:
         self.engines = LoadedEngines(self.config, self.config.own_engine())
         self.fetches = ModelFetches(self.config)
         self.cancels = Cancellations()
+        slow = self.config.slow
         self.runner = ChunkRunner(
-            self.engines, self.fetches, self.cancels, fail_items=self.config.fail_items
+            self.engines,
+            self.fetches,
+            self.cancels,
+            fail_items=self.config.fail_items,
+            throttle=Throttle(*slow) if slow else None,
         )
         self.conversation = BrokerConversation(self.config, self.cancels, self.sent)
 

@@ -118,7 +118,8 @@ def simulated_decisions(
 
     ``extras``: a second job joins later and a device is lost mid-job (picked by ``seed``).
     """
-    config = SchedulingConfig(algo=algo, params=params, max_chunk_seconds=cap)
+    # the policies' decisions: without the broker's backup attempts, which are not theirs
+    config = SchedulingConfig(algo=algo, params=params, max_chunk_seconds=cap, backup_share=0.0)
     farm = FarmSimulation(scenario, config, seed)
     rng = random.Random(seed)
     if algo == "equal-finish" and rng.random() < 0.5:

@@ -389,3 +389,15 @@ def test_device_share_sums_the_device_seconds_workers_report() -> None:
         if row.strip().startswith("h/")
     }
     assert rows[gpu][4] == "85.0%" and rows[cpu][4] == "-"
+
+
+def test_the_tail_runs_from_the_first_workers_last_result_to_the_end() -> None:
+    chunks = [
+        chunk("h/a", 0.0, 0.0, 0.1, 1.0, 1.1),
+        chunk("h/a", 1.1, 1.1, 1.2, 2.0, 2.2),  # a's last result: 2.2
+        chunk("h/b", 0.0, 0.0, 0.1, 3.0, 3.4),  # b runs on to the end
+    ]
+    breakdown = analyse(make_trace({"h/a": 100.0, "h/b": 100.0}, chunks, 4.0))
+    assert breakdown.tail_seconds == pytest.approx(4.0 - 2.2)
+    assert breakdown.tail_share == pytest.approx(1.8 / 4.0)
+    assert "tail 1.800 s (45.0% of the span)" in breakdown.format()

@@ -51,6 +51,7 @@ CORE = (
     "farm.broker.events",
     "farm.broker.facts",
     "farm.broker.blame",
+    "farm.broker.backups",
     "farm.broker.churn",
     "farm.policies",
 )
