@@ -19,7 +19,7 @@ from farm.broker import events as ev
 from farm.broker.blame import Mark, halves, suspect
 from farm.broker.core import Farm
 from farm.broker.jobs import ChunkRecord, Ranges, Worker
-from farm.broker.scheduling import fill, finish_if_done, step
+from farm.broker.scheduling import cancel_attempt, fill, finish_if_done, step
 from farm.policies import ChunkFailed
 from farm.summary import FailedItems
 
@@ -121,11 +121,15 @@ def lost_check(farm: Farm, record: ChunkRecord, tried: bool = False) -> None:
 
 
 def backup_dropped(farm: Farm, record: ChunkRecord) -> None:
-    """A backup attempt ended without a result (failed, refused, or its worker lost): the
-    attempt it backed up runs on; nothing is charged."""
+    """A backup attempt ended without a result (failed, refused, or its worker lost): its
+    other pieces are cancelled, and the attempt they backed up runs on; nothing is
+    charged."""
     original = record.backup_of
-    if original is not None and original.backup is record:
-        original.backup = None
+    if original is not None:
+        for piece in original.backups:
+            if piece is not record:
+                cancel_attempt(farm, piece)
+        original.backups = []
     record.backup_of = None
     log.info(
         "job %s: the backup of items %d..%d on %s ended without a result",
@@ -137,21 +141,22 @@ def backup_dropped(farm: Farm, record: ChunkRecord) -> None:
 
 
 def promote_backup(farm: Farm, record: ChunkRecord) -> None:
-    """The attempt a backup runs for ended without a result: the backup carries its range
-    on, as an attempt of the job's retry line (outside the policy)."""
-    job, backup = record.job, record.backup
-    assert backup is not None
-    record.backup, backup.backup_of, backup.retry = None, None, True
+    """The attempt backups run for ended without a result: the backups carry its range on,
+    as attempts of the job's retry line (outside the policy)."""
+    job, pieces = record.job, record.backups
+    record.backups = []
+    for piece in pieces:
+        piece.backup_of, piece.retry = None, True
     if not record.retry:  # the range leaves the policy for the retry line
         step(farm, job, ChunkFailed(record.worker.id, record.chunk, False, at=farm.now))
         job.retry_items += record.chunk.count
     log.info(
-        "job %s: items %d..%d: attempt on %s ended; its backup on %s carries on",
+        "job %s: items %d..%d: attempt on %s ended; its backups on %s carry on",
         job.id,
         record.chunk.start,
         record.chunk.stop - 1,
         record.worker.name,
-        backup.worker.name,
+        ", ".join(piece.worker.name for piece in pieces),
     )
 
 
@@ -190,7 +195,7 @@ def attempt_failed(
             farm.observer.chunk_failed(record.worker)
     else:
         farm.stats.lost_attempts += 1
-    if record.backup is not None:  # a backup runs it already
+    if record.backups:  # backups run it already
         promote_backup(farm, record)
         return
     runs = job.evidence.tally(chunk).runs

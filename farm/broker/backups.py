@@ -6,10 +6,11 @@ then the whole farm waits for its last chunk.  MapReduce's sort took 44% longer 
 backup tasks (OSDI 2004).
 
 * **When.**  A worker that holds nothing asks for work, and a job has none left to hand
-  out (its policy's pool and its retry line are empty): the worker may take a *backup*
-  of that job's attempt in flight projected to answer last, if it would itself finish
-  it sooner by at least ``MIN_SAVING`` of its own time.  Idle workers are asked again on
-  every tick, as attempts fall behind.
+  out (its policy's pool and its retry line are empty): the workers holding nothing
+  may take a *backup* of that job's attempt in flight projected to answer last, its
+  range cut among them in proportion to their speeds, if they would finish it sooner
+  by at least ``MIN_SAVING`` of their own time.  Idle workers are asked again on every
+  tick, as attempts fall behind.
 * **Projections.**  An attempt starts when its TASK went out, or when the attempt
   queued before it on its worker is projected to end, and takes its count over its
   worker's speed on the model.  Past that (overdue), or while its worker is silent for
@@ -20,9 +21,12 @@ backup tasks (OSDI 2004).
   it is overdue by then, so it is the first a backup goes to.
 * **The first answer wins** (``farm.broker.results``): the other attempt leaves its
   worker's slot and is cancelled (per-attempt CANCEL); its late answer is dropped.  A
-  backup that wins tells the job's policy its first attempt is done after the time it
-  took so far, so the straggler's speed drops at once.  A backup whose first attempt
-  failed or was lost carries the range on as a retry (``attempts.promote_backup``).
+  backup piece that answers first wins for all: the first attempt is cancelled, and
+  the other pieces carry the rest of its range on as retries.  The job's policy hears
+  the first attempt done after the time it took so far, so the straggler's speed drops
+  at once.  Backups whose first attempt failed or was lost carry its range on as
+  retries (``attempts.promote_backup``); a piece that fails cancels its group, and the
+  first attempt runs on.
 * **Bounded and uncharged.**  A job's backups run at most ``backup_share`` of its
   images (``--backup-share``, 5% by default); a backup's failure or loss marks nothing
   against its images.  Spot checks (``farm.broker.verify``) run a range a second time
@@ -35,9 +39,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from farm.broker.core import Farm
 from farm.broker.jobs import ChunkRecord, Job, Worker
+from farm.policies import Chunk
+from farm.policies.base import DEFAULT_FLOOR, proportional_split
 
 log = logging.getLogger("farm.broker")
 
@@ -111,7 +118,7 @@ def last_attempt(farm: Farm, job: Job) -> tuple[ChunkRecord, float] | None:
         if holder.identity not in farm.workers:
             continue
         for record, start, end in projections(farm, holder, job.model):
-            if record.job is not job or record.extra or record.backup is not None:
+            if record.job is not job or record.extra or record.backups:
                 continue
             projected = projected_end(farm, holder, start, end)
             if latest is None or projected > latest[1]:
@@ -119,38 +126,57 @@ def last_attempt(farm: Farm, job: Job) -> tuple[ChunkRecord, float] | None:
     return latest
 
 
-def choose(farm: Farm, job: Job, entry: Worker) -> tuple[ChunkRecord, float] | None:
-    """The attempt idle ``entry`` should back up, with its projected end; None if it
-    should not: nothing is projected later than ``entry`` would finish it, or the job's
-    backups would pass ``backup_share`` of its images."""
-    rate = rate_of(entry, job.model)
+@dataclass(frozen=True)
+class Plan:
+    """A backup of ``original``, projected to answer at ``projected``: its range cut into
+    ``pieces``, one per idle worker, in proportion to their speeds."""
+
+    original: ChunkRecord
+    projected: float
+    pieces: list[tuple[Worker, Chunk]]
+
+
+def plan(farm: Farm, job: Job, idle: list[Worker]) -> Plan | None:
+    """A backup for the ``idle`` workers (those holding nothing) of the job's attempt
+    projected to answer last; None if nothing is projected later than they would finish
+    it, by ``MIN_SAVING`` of their time, or the job's backups would pass ``backup_share``
+    of its images.  Pieces are at least ``DEFAULT_FLOOR`` images."""
     latest = last_attempt(farm, job)
-    if rate <= 0 or latest is None:
+    rates = {entry.id: rate_of(entry, job.model) for entry in idle}
+    rates = {worker: rate for worker, rate in rates.items() if rate > 0}
+    if latest is None or not rates:
         return None
-    record, projected = latest
-    budget = farm.config.backup_share * job.total - job.backup_items
-    own = record.chunk.count / rate
-    if record.chunk.count > budget or farm.now + own * (1 + MIN_SAVING) > projected:
+    original, projected = latest
+    chunk = original.chunk
+    if chunk.count > farm.config.backup_share * job.total - job.backup_items:
         return None
-    return latest
+    shares = proportional_split(chunk.count, rates, min(DEFAULT_FLOOR, chunk.count))
+    if farm.now + max(n / rates[w] for w, n in shares.items()) * (1 + MIN_SAVING) > projected:
+        return None
+    by_id = {entry.id: entry for entry in idle}
+    pieces, start = [], chunk.start
+    for worker, count in shares.items():
+        pieces.append((by_id[worker], Chunk(start, count)))
+        start += count
+    return Plan(original, projected, pieces)
 
 
-def started(farm: Farm, backup: ChunkRecord) -> None:
-    """Count a backup attempt just started."""
-    job, original = backup.job, backup.backup_of
-    assert original is not None
+def started(farm: Farm, backup: Plan) -> None:
+    """Count a backup just started."""
+    original = backup.original
+    job, chunk = original.job, original.chunk
     job.backups += 1
-    job.backup_items += backup.chunk.count
+    job.backup_items += chunk.count
     farm.stats.backup_attempts += 1
     log.info(
         "job %s: backup of items %d..%d on %s (first attempt on %s, projected to answer in %.2f s)",
         job.id,
-        backup.chunk.start,
-        backup.chunk.stop - 1,
-        backup.worker.name,
+        chunk.start,
+        chunk.stop - 1,
+        ", ".join(entry.name for entry, _ in backup.pieces),
         original.worker.name,
         backup.projected - farm.now,
-        extra={"event": "backup_started", "job": job.id, "worker": backup.worker.name},
+        extra={"event": "backup_started", "job": job.id, "worker": original.worker.name},
     )
 
 
@@ -192,7 +218,8 @@ def flag_stragglers(farm: Farm) -> None:
 __all__ = [
     "MIN_SAVING",
     "STRAGGLER_FACTOR",
-    "choose",
+    "Plan",
+    "plan",
     "flag_stragglers",
     "note_idle",
     "nothing_left",

@@ -33,10 +33,10 @@ class ChunkRecord:
     sent_seq: int = 0  # the order TASKs went out: a worker computes its chunks in this order
     retry: bool = False  # from the job's retry line, run outside its policy
     check: Check | None = None  # a spot check's second (or third) run, outside its policy
-    # a backup attempt (``farm.broker.backups``): the attempt it backs up, outside its
-    # policy; and on that attempt, its backup while one runs
+    # a backup attempt (``farm.broker.backups``): the attempt it backs up (a piece of its
+    # range), outside its policy; and on that attempt, its backups while they run
     backup_of: ChunkRecord | None = None
-    backup: ChunkRecord | None = None
+    backups: list[ChunkRecord] = field(default_factory=list)
     projected: float = 0.0  # a backup: when its first attempt was expected to answer
     straggler: bool = False  # found past ``STRAGGLER_FACTOR`` times its predicted time
 

@@ -57,7 +57,7 @@ def answer_refused(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> 
     mark = Mark(chunk.start, chunk.stop, entry.place, error, False, entry.id, event.in_values)
     job.evidence.add(mark)
     runs = job.evidence.tally(chunk).runs
-    if record.backup is not None:  # a backup runs it already
+    if record.backups:  # backups run it already
         promote_backup(farm, record)
     elif runs >= farm.config.max_runs:
         give_up(

@@ -53,16 +53,17 @@ def on_result_arrived(farm: Farm, event: ev.ResultArrived) -> None:
         record.worker.last_answer_at = event.at
         answer_refused(farm, record, event)
         return
-    if record.backup is not None:  # it answered first: its backup is not needed
-        cancel_attempt(farm, record.backup)
-        record.backup = None
+    for piece in record.backups:  # it answered first: its backups are not needed
+        cancel_attempt(farm, piece)
+    record.backups = []
     take_result(farm, record, event)
 
 
 def backup_answered(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) -> None:
-    """A backup attempt answered before the attempt it backs up: its result counts for
-    that attempt, which is cancelled; a backup's refused answer is dropped (a wrong form
-    strikes), and the first attempt runs on."""
+    """A backup attempt answered before the attempt it backs up: that attempt is
+    cancelled; this piece's result counts, and the other pieces carry the rest of its
+    range on as retries.  A backup's refused answer is dropped (a wrong form strikes), its
+    other pieces are cancelled, and the first attempt runs on."""
     original = record.backup_of
     assert original is not None
     if event.problem or event.failed:
@@ -72,8 +73,14 @@ def backup_answered(farm: Farm, record: ChunkRecord, event: ev.ResultArrived) ->
         backup_dropped(farm, record)
         fill(farm, record.worker)
         return
+    job = record.job
     cancel_attempt(farm, original)
-    original.backup = None
+    others = [piece for piece in original.backups if piece is not record]
+    original.backups = []
+    for piece in others:
+        piece.backup_of, piece.retry = None, True
+    if not original.retry:  # the policy hears the whole range done: the rest runs as retries
+        job.retry_items += sum(piece.chunk.count for piece in others)
     backups.won(farm, record)
     take_result(farm, record, event, holder=original)
 
@@ -124,7 +131,7 @@ def take_result(
     else:
         if holder is not record:  # its worker ran it this long, and is not done
             compute = farm.now - (holder.sent_at or holder.assigned_at)
-        step(farm, job, ChunkDone(holder.worker.id, chunk, compute, at=farm.now))
+        step(farm, job, ChunkDone(holder.worker.id, holder.chunk, compute, at=farm.now))
     finish_if_done(farm, job)
     fill(farm, entry)
 

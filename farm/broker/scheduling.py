@@ -115,19 +115,25 @@ def run_check(farm: Farm, job: Job, entry: Worker) -> bool:
 
 
 def run_backup_for(farm: Farm, entry: Worker) -> bool:
-    """Give the idle worker's slot to a backup of the last chunk of a job with nothing
-    left to hand out (``farm.broker.backups``), in the jobs' order; False if none."""
+    """Give the idle worker's slot, and other idle workers' with it, to a backup of the
+    last chunk of a job with nothing left to hand out (``farm.broker.backups``), in the
+    jobs' order; False if none."""
     for job in list(farm.order.jobs):
         if not backups.nothing_left(job):
             continue
         backups.note_idle(farm, job, entry)
-        chosen = backups.choose(farm, job, entry)
-        if chosen is not None:
-            original, projected = chosen
-            record = run_again(farm, job, original.chunk, entry, backup_of=original)
-            record.projected = projected
-            original.backup = record
-            backups.started(farm, record)
+        idle = [entry] + [
+            other
+            for other in farm.workers.values()
+            if other is not entry and not other.in_flight and other.quarantined is None
+        ]
+        backup = backups.plan(farm, job, idle)
+        if backup is not None:
+            for worker, piece in backup.pieces:
+                record = run_again(farm, job, piece, worker, backup_of=backup.original)
+                record.projected = backup.projected
+                backup.original.backups.append(record)
+            backups.started(farm, backup)
             return True
     return False
 

@@ -12,21 +12,21 @@ from dataclasses import dataclass, field
 import pytest
 
 from farm.broker import events as ev
-from farm.broker.backups import choose
+from farm.broker.backups import plan
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.simulation import kit
 from farm.simulation.simulator import DeviceModel, Scenario, simulate
 
-A, B = b"worker-a", b"worker-b"
+A, B, C = b"worker-a", b"worker-b", b"worker-c"
 #: Both workers ran 1 000 images/s on the model before (their remembered speeds).
 SPEEDS = {kit.MODEL: (1000, 1.0)}
 
 
 @dataclass
 class Farm:
-    """Two workers, one job; A's TASKs are held (``held``) until the test answers them.
-    A keeps sending heartbeats (a slow process, not a dead one) unless ``a_heard`` is
-    False."""
+    """Worker A and the ``fast`` ones, one job; A's TASKs are held (``held``) until the
+    test answers them, the others' answered at once.  A keeps sending heartbeats (a slow
+    process, not a dead one) unless ``a_heard`` is False."""
 
     config: SchedulingConfig = field(default_factory=SchedulingConfig)
     now: float = 0.0
@@ -35,17 +35,18 @@ class Farm:
     cancels: list[ev.SendCancel] = field(default_factory=list)
     done: list[ev.SendDone] = field(default_factory=list)
     a_heard: bool = True
-    hold_backups: bool = False  # B's TASKs for a range A holds are held too
+    hold_backups: bool = False  # the fast workers' TASKs within a range A holds are held too
+    fast: tuple[bytes, ...] = (B,)
 
     def __post_init__(self) -> None:
         self.driver = kit.Driver(FarmState(self.config))
-        for worker in (A, B):
+        for worker in (A, *self.fast):
             self.driver.join(
                 worker, slots=1, pid=len(worker), device=worker.decode(), speeds=SPEEDS
             )
 
     def carry_out(self, instructions: list[ev.Instruction]) -> None:
-        """NEEDs answered at once; B's TASKs answered at 1 000 images/s; A's held."""
+        """NEEDs answered at once; the fast workers' TASKs at 1 000 images/s; A's held."""
         queue = list(instructions)
         while queue:
             instruction = queue.pop(0)
@@ -67,12 +68,12 @@ class Farm:
                 self.done.append(instruction)
 
     def backs_up(self, task: ev.SendTask) -> bool:
-        """Whether ``task`` runs a range A holds."""
-        return any((t.start, t.count) == (task.start, task.count) for t in self.held)
+        """Whether ``task`` runs a piece of a range A holds."""
+        return task.worker != A and any(within(task, t) for t in self.held if t.worker == A)
 
     def heartbeats(self) -> list[ev.Instruction]:
-        """B's heartbeat, and A's unless it is silent."""
-        heard = [B, A] if self.a_heard else [B]
+        """The fast workers' heartbeats, and A's unless it is silent."""
+        heard = [*self.fast, A] if self.a_heard else list(self.fast)
         return [i for w in heard for i in self.driver.feed(ev.WorkerHeard(worker=w, at=self.now))]
 
     def tick(self, seconds: float) -> None:
@@ -90,24 +91,23 @@ class Farm:
         return sorted((r.result.start, r.result.count) for r in self.results)
 
 
-def backup_of(farm: Farm, task: ev.SendTask) -> ev.SendTask | None:
-    """B's TASK for the range A holds, if the state gave B one."""
-    return next(
-        (
-            t
-            for t in farm.driver.sent or []
-            if isinstance(t, ev.SendTask)
-            and t.worker == B
-            and (t.start, t.count) == (task.start, task.count)
-        ),
-        None,
-    )
+def within(task: ev.SendTask, held: ev.SendTask) -> bool:
+    return held.start <= task.start and task.start + task.count <= held.start + held.count
 
 
-def tick_until_backup(farm: Farm, task: ev.SendTask, limit: int = 200) -> ev.SendTask:
+def backup_of(farm: Farm, task: ev.SendTask) -> list[ev.SendTask]:
+    """The other workers' TASKs within the range A holds (its backup's pieces)."""
+    return [
+        t
+        for t in farm.driver.sent or []
+        if isinstance(t, ev.SendTask) and t.worker != A and within(t, task)
+    ]
+
+
+def tick_until_backup(farm: Farm, task: ev.SendTask, limit: int = 200) -> list[ev.SendTask]:
     for _ in range(limit):
         found = backup_of(farm, task)
-        if found is not None:
+        if found:
             return found
         farm.tick(0.05)
     raise AssertionError("no backup of A's chunk was started")
@@ -144,7 +144,7 @@ def test_an_idle_worker_backs_up_a_silent_workers_last_chunk_and_wins() -> None:
 def test_the_first_attempt_answering_first_cancels_its_backup() -> None:
     farm = Farm(hold_backups=True)  # B's answer to the backup waits: A answers first
     held = farm.run_until_a_holds_the_last_chunk(40_000)
-    backup = tick_until_backup(farm, held)
+    (backup,) = tick_until_backup(farm, held)
     farm.carry_out(farm.driver.answer(held, farm.now, held.count / 1000))
     assert [c.chunk for c in farm.cancels if c.peer == B] == [backup.chunk]
     farm.carry_out(farm.driver.answer(backup, farm.now + 0.1, 0.1))  # late: dropped
@@ -155,7 +155,7 @@ def test_the_first_attempt_answering_first_cancels_its_backup() -> None:
 def test_a_lost_first_attempt_leaves_its_backup_to_carry_the_range() -> None:
     farm = Farm(hold_backups=True)
     held = farm.run_until_a_holds_the_last_chunk(40_000)
-    backup = tick_until_backup(farm, held)
+    (backup,) = tick_until_backup(farm, held)
     farm.carry_out(farm.driver.feed(ev.WorkerLeft(worker=A, at=farm.now, reason="gone")))
     needs = [i for i in farm.driver.sent or [] if isinstance(i, ev.SendNeed)]
     assert sum((n.start, n.count) == (held.start, held.count) for n in needs) == 2  # no third
@@ -168,7 +168,7 @@ def test_a_lost_first_attempt_leaves_its_backup_to_carry_the_range() -> None:
 def test_a_failed_backup_charges_nothing_and_the_first_attempt_runs_on() -> None:
     farm = Farm(hold_backups=True)
     held = farm.run_until_a_holds_the_last_chunk(40_000)
-    backup = tick_until_backup(farm, held)
+    (backup,) = tick_until_backup(farm, held)
     farm.carry_out(farm.driver.feed(kit.failure_for(backup, farm.now, "out of memory")))
     farm.carry_out(farm.driver.answer(held, farm.now + 0.1, 0.1))
     assert covers_once(farm.delivered(), 40_000)
@@ -181,7 +181,7 @@ def test_backups_stay_within_their_share_of_the_job() -> None:
     held = farm.run_until_a_holds_the_last_chunk(40_000)
     for _ in range(100):
         farm.tick(0.05)
-    assert backup_of(farm, held) is None and farm.driver.state.stats.backup_attempts == 0
+    assert not backup_of(farm, held) and farm.driver.state.stats.backup_attempts == 0
     assert farm.driver.state.stats.stragglers == 1  # found, all the same
 
 
@@ -202,9 +202,34 @@ def test_no_backup_when_the_idle_worker_would_not_finish_sooner() -> None:
     state.config.backup_share = 0.05
     record.sent_at = farm.now  # just sent, and A is heard: due in its predicted time,
     # which B (as fast) cannot beat by MIN_SAVING
-    assert choose(state, record.job, state.workers[B]) is None
+    assert plan(state, record.job, [state.workers[B]]) is None
     record.sent_at = farm.now - 2 * held.count / 1000  # overdue: backed up
-    assert choose(state, record.job, state.workers[B]) == (record, pytest.approx(farm.now + 2))
+    backup = plan(state, record.job, [state.workers[B]])
+    assert backup is not None and backup.original is record
+    assert backup.projected == pytest.approx(farm.now + 2)
+
+
+def test_idle_workers_share_a_backup_and_its_first_piece_wins_for_all() -> None:
+    farm = Farm(fast=(B, C))
+    held = farm.run_until_a_holds_the_last_chunk(40_000)
+    pieces = tick_until_backup(farm, held)
+    assert {p.worker for p in pieces} == {B, C}  # cut in two, by their speeds
+    assert covers_once([(p.start - held.start, p.count) for p in pieces], held.count)
+    assert covers_once(farm.delivered(), 40_000)
+    (done,) = farm.done
+    assert done.summary.backup_wins >= 1
+
+
+def test_a_failed_piece_cancels_its_group_and_the_first_attempt_runs_on() -> None:
+    farm = Farm(fast=(B, C), hold_backups=True)
+    held = farm.run_until_a_holds_the_last_chunk(40_000)
+    first, second = tick_until_backup(farm, held)
+    farm.carry_out(farm.driver.feed(kit.failure_for(first, farm.now, "out of memory")))
+    assert [(c.peer, c.chunk) for c in farm.cancels] == [(second.worker, second.chunk)]
+    farm.carry_out(farm.driver.answer(held, farm.now + 0.1, 0.1))
+    assert covers_once(farm.delivered(), 40_000)
+    (done,) = farm.done
+    assert done.summary.failed_attempts == 0
 
 
 # ---------------------------------------------------------------- the simulator
