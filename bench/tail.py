@@ -50,13 +50,13 @@ import numpy as np
 from faults import ATOL, Job, TailFigures, make_job, tail_figures
 
 from farm.benchsuite.common import machine, saved
+from farm.defaults import BACKUP_SHARE
 from farm.ops.local import LocalFarm, cores, farm_command
 from farm.simulation.scenarios import paper_scenario
 from farm.simulation.simulator import Scenario, simulate
 
 DATASETS = ("mnist", "cifar10")
 NOISE = 0.05
-BACKUP_SHARE = 0.05  # the broker's default (farm.defaults.BACKUP_SHARE)
 #: The goals, cases (a)-(c) with backups on: the tail's share of the span, the extra work.
 TAIL_GOAL = 0.02
 EXTRA_GOAL = 0.05
