@@ -62,8 +62,8 @@ STRAGGLER_LINE = re.compile(
     r"^(\S+) INFO farm\.broker pid=\d+ job \w+: items \d+\.\.\d+ on \S+ straggle: "
 )
 SUMMARY_BACKUPS = re.compile(
-    r"^backup attempts: ([\d,]+) chunks?, (\d+(?:\.\d+)?)% extra work, ([\d,]+) won, "
-    r"(\d+(?:\.\d+)?) s saved"
+    r"^backup attempts: ([\d,]+) chunks? \([\d,]+ images?\), (\d+(?:\.\d+)?)% extra work, "
+    r"([\d,]+) won, (\d+(?:\.\d+)?) s saved"
 )
 
 

@@ -14,9 +14,9 @@ and CIFAR-10, noise 0.05, equal-finish, chunks capped at 1 s, heartbeat 0.1 s, t
 workers' speeds known) in four cases: (a) nothing more; (b) the GPU slows 2x mid-job;
 (c) one CPU slows 2x mid-job; (d) the GPU slows 20x at 90% of the ideal time (a stopped
 process stand-in).  Over ``--sim-seeds`` seeds, backups off against on: mean makespan,
-on/off, mean and max tail share, extra work (backup images over the job's), backups
-and their wins.  Verdicts for the goals, cases (a)-(c) with backups on: tail <= 2% of
-the span and extra work <= 5%, for every job.
+on/off, mean and max tail share, extra work (images the backed-up attempts had computed,
+over the job's), backups and their wins.  Verdicts for the goals, cases (a)-(c) with
+backups on: tail <= 2% of the span and extra work <= 5%, for every job.
 
 ``--real``: a real farm (a ``farm broker`` and 2 ``farm worker`` processes pinned to
 one core each) runs LeNet on the bundled sample's digits tiled to ``--images`` in a
@@ -125,7 +125,7 @@ def sim_runs(scenario: Scenario, share: float, seeds: int) -> SimRuns:
         assert summary is not None
         runs.seconds.append(result.seconds)
         runs.tails.append(summary.tail_share)
-        runs.extra.append(summary.backup_items / summary.total if summary.total else 0.0)
+        runs.extra.append(summary.backup_extra / summary.total if summary.total else 0.0)
         runs.backups += summary.backups
         runs.wins += summary.backup_wins
     return runs

@@ -74,7 +74,10 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
     unverified: int = 0  # images sampled that no other device could check
     corrected: int = 0  # images run again because the worker that computed them lost a check
     backups: int = 0  # backup attempts at the job's last chunks (farm/broker/backups.py)
-    backup_items: int = 0  # images they ran, or were to run: the extra work
+    backup_items: int = 0  # images they ran, or were to run
+    # images computed twice, projected when each started: what the attempts they backed up
+    # had computed by the time the backups were to end
+    backup_extra: int = 0
     backup_wins: int = 0  # ... that answered before the attempts they backed up
     backup_saved_s: float = 0.0  # seconds the wins saved, by the first attempts' projections
     tail_s: float = 0.0  # from the first worker idle with nothing left to the last result
@@ -129,12 +132,14 @@ class JobSummary(msgspec.Struct, frozen=True, kw_only=True):
         return f", {self.tail_text()}" if self.items >= self.total and self.span_s > 0 else ""
 
     def backup_text(self) -> str | None:
-        """``backup attempts: 3 chunks, 1.2% extra work, 2 won, 0.8 s saved``; None if none."""
+        """``backup attempts: 3 chunks (4,000 images), 1.2% extra work, 2 won, 0.80 s
+        saved``; None if none."""
         if not self.backups:
             return None
-        extra = self.backup_items / self.total if self.total else 0.0
+        extra = self.backup_extra / self.total if self.total else 0.0
         return (
-            f"backup attempts: {plural(self.backups, 'chunk')}, {extra:.1%} extra work, "
+            f"backup attempts: {plural(self.backups, 'chunk')} "
+            f"({plural(self.backup_items, 'image')}), {extra:.1%} extra work, "
             f"{self.backup_wins:,} won, {self.backup_saved_s:.2f} s saved"
         )
 

@@ -155,7 +155,8 @@ class Job:
     slowest_input: float = 0.0  # the longest its client took to answer a NEED, in seconds
     # backup attempts at its last chunks (``farm.broker.backups``) and its tail
     backups: int = 0  # started
-    backup_items: int = 0  # images they ran, or were to run: the extra work
+    backup_items: int = 0  # images they ran, or were to run
+    backup_extra: float = 0.0  # images the attempts they backed up had computed by then
     backup_wins: int = 0  # answered before the attempts they backed up
     backup_saved: float = 0.0  # seconds the wins saved, by the first attempts' projections
     tail_from: float | None = None  # a worker first went idle with nothing of it left
@@ -303,6 +304,7 @@ class Job:
             parked=self.parks,
             backups=self.backups,
             backup_items=self.backup_items,
+            backup_extra=round(self.backup_extra),
             backup_wins=self.backup_wins,
             backup_saved_s=self.backup_saved,
             tail_s=now - self.tail_from if self.tail_from is not None else 0.0,

@@ -205,6 +205,10 @@ class FarmSimulation:
         self.errors: dict[str, str] = {}
         self.summaries: dict[str, JobSummary] = {}  # job -> its DONE's summary
         self.cancelled: set[int] = set()  # attempts cancelled: their answers never come
+        # each worker's computing, for its heartbeats' running counters: chunks running or
+        # queued (began, end, images), and (images, seconds) of those it finished
+        self.computing: dict[bytes, list[tuple[float, float, int]]] = {}
+        self.computed: dict[bytes, tuple[float, float]] = {}
         self.speeds: dict[str, float] = {}  # device -> speed remembered from earlier jobs
         for identity, device in self.devices.items():
             self.at(0.0, self.joined(identity, device.name, 0.0))
@@ -228,7 +232,9 @@ class FarmSimulation:
         """Heartbeats from every worker and the client, then a tick; again while jobs run."""
         for worker in self.current.values():
             if worker in self.state.workers:
-                self.step(now, ev.WorkerHeard(worker=worker, at=now))
+                self.step(
+                    now, ev.WorkerHeard(worker=worker, at=now, computed=self.counters(worker, now))
+                )
         for job in list(self.state.jobs):
             self.step(now, ev.ClientHeard(client=CLIENT, job=job, at=now))
         self.step(now, ev.Tick(at=now))
@@ -315,6 +321,7 @@ class FarmSimulation:
                 end = device.finish_time(began, count, noise)
                 self.free_at[worker] = end
                 self.running[chunk] = (began, end)
+                self.computing.setdefault(worker, []).append((began, end, count))
                 answered = end + self.scenario.latency
                 fault = self.fault(start, count)
                 if fault == "fail":
@@ -349,6 +356,28 @@ class FarmSimulation:
             case ev.SendCancel(peer=peer, job=job) if peer == CLIENT:
                 self.ended[job] = now
 
+    def counters(self, worker: bytes, now: float) -> tuple[int, float]:
+        """The worker's running counters at ``now`` (images, compute seconds), as a real
+        worker's heartbeat sends them: chunks count as they compute."""
+        images, seconds = self.computed.get(worker, (0.0, 0.0))
+        running = []
+        for began, end, count in self.computing.get(worker, []):
+            if end <= now:
+                images, seconds = images + count, seconds + (end - began)
+            else:
+                running.append((began, end, count))
+                if now > began:
+                    images += count * (now - began) / (end - began)
+                    seconds += now - began
+        finished = [(b, e, c) for b, e, c in self.computing.get(worker, []) if e <= now]
+        done = self.computed.get(worker, (0.0, 0.0))
+        self.computed[worker] = (
+            done[0] + sum(c for _, _, c in finished),
+            done[1] + sum(e - b for b, e, _ in finished),
+        )
+        self.computing[worker] = running
+        return int(images), seconds
+
     def cancel(self, worker: bytes, chunk: int, at: float) -> None:
         """The worker drops attempt ``chunk`` when the CANCEL reaches it at ``at``: its
         answer never comes, and a device computing it as its last is free from then."""
@@ -358,6 +387,11 @@ class FarmSimulation:
         began, end = self.running.pop(chunk)
         if self.free_at.get(worker) == end and at < end:
             self.free_at[worker] = max(at, began)
+            runs = self.computing.get(worker, [])
+            for index, (b, e, count) in enumerate(runs):
+                if (b, e) == (began, end):  # it computed until the CANCEL came
+                    cut = max(at, began)
+                    runs[index] = (b, cut, round(count * (cut - b) / (e - b)) if e > b else 0)
 
     def crash(self, worker: bytes, at: float) -> None:
         """The worker dies at ``at``; a new one starts on its device ``restart`` s later."""

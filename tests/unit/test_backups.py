@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from farm.broker import events as ev
-from farm.broker.backups import plan
+from farm.broker.backups import plan, rate_of
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.simulation import kit
 from farm.simulation.simulator import DeviceModel, Scenario, simulate
@@ -207,6 +207,31 @@ def test_no_backup_when_the_idle_worker_would_not_finish_sooner() -> None:
     backup = plan(state, record.job, [state.workers[B]])
     assert backup is not None and backup.original is record
     assert backup.projected == pytest.approx(farm.now + 2)
+
+
+def test_an_attempt_is_projected_by_its_own_pace_from_the_heartbeats_counters() -> None:
+    farm = Farm(SchedulingConfig(backup_share=0.0))
+    held = farm.run_until_a_holds_the_last_chunk(40_000)
+    state = farm.driver.state
+    record = state.awaited_result(A, held.chunk)
+    assert record is not None
+    state.config.backup_share = 0.05
+    record.sent_at = farm.now - 2.0  # overdue: predicted 1 s at A's speed
+    b = state.workers[B]
+    # A's counters: 900 of the chunk's 1 000 images in 2 s, at 450 images/s: it ends in
+    # 0.2 s, sooner than B would run all 1 000 (1 s): no backup
+    for at, images in ((farm.now - 2.0, 0), (farm.now - 1.0, 450), (farm.now, 900)):
+        farm.driver.feed(ev.WorkerHeard(worker=A, at=at, computed=(images, at)))
+    assert plan(state, record.job, [b]) is None
+    # ... at 50 images/s it has 900 images to go (18 s): backed up, and B's run of the
+    # 100 images A did costs 100 images of extra work at most
+    state.workers[A].samples.clear()
+    for at, images in ((farm.now - 2.0, 0), (farm.now - 1.0, 50), (farm.now, 100)):
+        farm.driver.feed(ev.WorkerHeard(worker=A, at=at, computed=(images, at)))
+    backup = plan(state, record.job, [b])
+    assert backup is not None and backup.projected == pytest.approx(farm.now + 18)
+    own = held.count / rate_of(b, kit.MODEL)  # B's time for the whole chunk
+    assert backup.extra == pytest.approx(100 + 50 * own)  # and what A computes meanwhile
 
 
 def test_idle_workers_share_a_backup_and_its_first_piece_wins_for_all() -> None:
