@@ -194,6 +194,8 @@ def plan(farm: Farm, job: Job, idle: list[Worker]) -> Plan | None:
     it, by ``MIN_SAVING`` of their time, or the job's backups would pass ``backup_share``
     of its images in extra work (what the first attempts had computed).  Pieces are at
     least ``DEFAULT_FLOOR`` images."""
+    if farm.config.backup_share <= 0:
+        return None
     latest = last_attempt(farm, job)
     rates = {entry.id: rate_of(entry, job.model) for entry in idle}
     rates = {worker: rate for worker, rate in rates.items() if rate > 0}

@@ -32,7 +32,8 @@ CHUNK = 500
 
 @pytest.fixture(scope="module")
 def farm(module_local_farm) -> LocalFarm:
-    return module_local_farm(2, chunk=CHUNK, metrics_port=0, preload=["lenet"])
+    # exact message counts: no backup attempts (a loaded machine may start one)
+    return module_local_farm(2, chunk=CHUNK, metrics_port=0, preload=["lenet"], backup_share=0)
 
 
 @pytest.fixture(scope="module")

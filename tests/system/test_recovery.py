@@ -28,7 +28,9 @@ EXPIRY = 1.0  # 0.2 s x 5
 @pytest.fixture
 def recovering_farm(local_farm) -> Callable[..., LocalFarm]:
     """``recovering_farm(workers, *worker_options, **broker_options)``: a farm whose peers
-    count each other gone after EXPIRY of silence, with fifo chunks of 200."""
+    count each other gone after EXPIRY of silence, with fifo chunks of 200, and no backup
+    attempts (they would run a frozen or killed worker's chunks before its expiry: these
+    tests are of the recovery itself; tests/system/test_tail.py has backups)."""
 
     def start(workers: int, *worker_options: str, **broker_options: Any) -> LocalFarm:
         return local_farm(
@@ -36,7 +38,7 @@ def recovering_farm(local_farm) -> Callable[..., LocalFarm]:
             broker_options=LINK,
             worker_options=[*LINK, *worker_options],
             preload=["lenet"],
-            **{"chunk": 200, **broker_options},
+            **{"chunk": 200, "backup_share": 0, **broker_options},
         )
 
     return start
