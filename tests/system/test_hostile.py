@@ -60,6 +60,14 @@ def job(digits, lenet) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
+def farm_two_workers(module_local_farm) -> LocalFarm:
+    """Two pinned workers with LeNet loaded, fifo chunks of 100, and no backup attempts:
+    an honest worker would back up a hostile peer's slow chunks and take its share, and
+    these tests are of the checks (tests/system/test_tail.py has backups)."""
+    return module_local_farm(2, chunk=100, preload=["lenet"], backup_share=0)
+
+
+@pytest.fixture(scope="module")
 def watcher(farm_two_workers: LocalFarm) -> Iterator[Client]:
     """A client of the module's farm reading its INFO (a loopback peer sees every job)."""
     with farm_two_workers.client(timeout=30.0) as client:
