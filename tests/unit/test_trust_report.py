@@ -221,3 +221,19 @@ def test_metrics_export_the_refusal_counters_and_each_workers_quarantine() -> No
     broker.worker_left(entry)  # type: ignore[arg-type]
     assert registry.get_sample_value("farm_worker_quarantined", labels) is None
     assert registry.get_sample_value("farm_worker_strikes", labels) is None
+
+
+def test_status_shows_stragglers_and_a_job_in_its_tail_with_its_backups() -> None:
+    workers = [worker(WORKER, state="straggling"), worker("h:2/cpu:0", state="idle")]
+    jobs = [job(tail_s=1.5, backups=2, backup_wins=1)]
+    lines = format_status(snapshot(workers, jobs)).splitlines()
+    [straggling] = [line for line in lines if line.startswith(WORKER)]
+    assert "STRAGGLING" in straggling
+    assert any(line.startswith("WORKERS  2 (1 busy)") for line in lines)
+    assert (
+        "  0123456789ab: in its tail for 1.5 s (a worker idle with nothing left); "
+        "backup attempts: 2 chunks, 1 won"
+    ) in lines
+    assert not any(
+        "in its tail" in line for line in format_status(snapshot([], [job()])).splitlines()
+    )
