@@ -262,20 +262,8 @@ def compared(run: RealRun, clean: np.ndarray | None) -> tuple[bool, str]:
 
 
 def job_line(label: str, run: RealRun, check: str) -> str:
-    figures = run.figures
-    tail = (
-        f"tail {figures.tail_s:.2f} s ({figures.tail_share:.1%})"
-        if figures.tail_s is not None and figures.tail_share is not None
-        else "tail n/a"
-    )
-    backups = (
-        f"backups {figures.backups} ({figures.extra:.1%} extra, won {figures.wins}, "
-        f"{figures.saved_s:.2f} s saved)"
-        if figures.backups is not None and figures.extra is not None
-        else "backups n/a"
-    )
     return (
-        f"  {label:<28} {run.seconds:7.2f} s, exit {run.exit_code}, {tail}, {backups}; "
+        f"  {label:<28} {run.seconds:7.2f} s, exit {run.exit_code}, {run.figures.long()}; "
         f"broker: {run.counters()}; {check}"
     )
 

@@ -42,6 +42,7 @@ backup tasks (OSDI 2004).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -96,7 +97,7 @@ def progress(entry: Worker, since: float, now: float, pace: float) -> float:
     if len(samples) < 2 or samples[-1][0] <= since:
         return 0.0
     before: float = samples[0][1]
-    for (t0, i0, _), (t1, i1, _) in zip(samples, list(samples)[1:], strict=False):
+    for (t0, i0, _), (t1, i1, _) in itertools.pairwise(samples):
         if t1 >= since:
             before = i0 + (i1 - i0) * max(0.0, since - t0) / (t1 - t0) if t1 > t0 else i1
             break
@@ -147,7 +148,6 @@ def projections(farm: Farm, entry: Worker) -> list[Projection]:
         if silent:
             end, rate = now + max(now - start, predicted - start), 0.0
         elif found:  # queued behind another
-            start = free
             end = start + count / rate
         elif recent > 0:
             done = min(float(count), progress(entry, start, now, recent))

@@ -160,6 +160,7 @@ class Job:
     backup_wins: int = 0  # answered before the attempts they backed up
     backup_saved: float = 0.0  # seconds the wins saved, by the first attempts' projections
     tail_from: float | None = None  # a worker first went idle with nothing of it left
+    no_backup_at: int = -1  # the event at which no backup could be planned (planned once)
 
     def __post_init__(self) -> None:
         self.item_bytes = item_bytes(self.dtype, self.item_shape)

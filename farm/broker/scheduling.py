@@ -122,6 +122,8 @@ def run_backup_for(farm: Farm, entry: Worker) -> bool:
         if not backups.nothing_left(job):
             continue
         backups.note_idle(farm, job, entry)
+        if job.no_backup_at == farm.stimulus:  # planned for every idle worker already
+            continue
         idle = [entry] + [
             other
             for other in farm.workers.values()
@@ -135,23 +137,20 @@ def run_backup_for(farm: Farm, entry: Worker) -> bool:
                 backup.original.backups.append(record)
             backups.started(farm, backup)
             return True
+        job.no_backup_at = farm.stimulus
     return False
 
 
 def offer_idle(farm: Farm) -> None:
     """On every tick: idle workers' slots are offered to the jobs again, as time passes (a
-    policy's plan may change once an attempt is overdue), then backups of attempts fallen
-    behind (``farm.broker.backups``)."""
+    policy's plan may change once an attempt is overdue; a worker all jobs decline may
+    take a backup of an attempt fallen behind: ``offer_slot``)."""
     if not farm.running:
         return
-    idle = [e for e in farm.workers.values() if not e.in_flight and e.quarantined is None]
-    for entry in idle:
-        fill(farm, entry)
     if any(backups.nothing_left(job) for job in farm.running.values()):
         backups.flag_stragglers(farm)
-        for entry in idle:
-            if not entry.in_flight:
-                run_backup_for(farm, entry)
+    for entry in [e for e in farm.workers.values() if not e.in_flight and e.quarantined is None]:
+        fill(farm, entry)
 
 
 def run_again(

@@ -358,7 +358,8 @@ class FarmSimulation:
 
     def counters(self, worker: bytes, now: float) -> tuple[int, float]:
         """The worker's running counters at ``now`` (images, compute seconds), as a real
-        worker's heartbeat sends them: chunks count as they compute."""
+        worker's heartbeat sends them: chunks count as they compute.  Chunks finished by
+        ``now`` are folded into its totals."""
         images, seconds = self.computed.get(worker, (0.0, 0.0))
         running = []
         for began, end, count in self.computing.get(worker, []):
@@ -366,16 +367,11 @@ class FarmSimulation:
                 images, seconds = images + count, seconds + (end - began)
             else:
                 running.append((began, end, count))
-                if now > began:
-                    images += count * (now - began) / (end - began)
-                    seconds += now - began
-        finished = [(b, e, c) for b, e, c in self.computing.get(worker, []) if e <= now]
-        done = self.computed.get(worker, (0.0, 0.0))
-        self.computed[worker] = (
-            done[0] + sum(c for _, _, c in finished),
-            done[1] + sum(e - b for b, e, _ in finished),
-        )
-        self.computing[worker] = running
+        self.computed[worker], self.computing[worker] = (images, seconds), running
+        for began, end, count in running:
+            if now > began:
+                images += count * (now - began) / (end - began)
+                seconds += now - began
         return int(images), seconds
 
     def cancel(self, worker: bytes, chunk: int, at: float) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from farm.broker import events as ev
 from farm.broker.backups import plan, rate_of
+from farm.broker.jobs import ChunkRecord
 from farm.broker.state import FarmState, SchedulingConfig
 from farm.simulation import kit
 from farm.simulation.simulator import DeviceModel, Scenario, simulate
@@ -193,13 +194,21 @@ def test_a_silent_workers_chunk_is_backed_up_before_its_liveness_expires() -> No
     assert covers_once(farm.delivered(), 40_000)
 
 
-def test_no_backup_when_the_idle_worker_would_not_finish_sooner() -> None:
+def held_without_backups() -> tuple[Farm, ev.SendTask, ChunkRecord]:
+    """A farm whose A holds the job's last chunk, no backup started yet (backups are
+    turned on once it holds it): the farm, A's TASK and its attempt."""
     farm = Farm(SchedulingConfig(backup_share=0.0))
     held = farm.run_until_a_holds_the_last_chunk(40_000)
     state = farm.driver.state
     record = state.awaited_result(A, held.chunk)
     assert record is not None
     state.config.backup_share = 0.05
+    return farm, held, record
+
+
+def test_no_backup_when_the_idle_worker_would_not_finish_sooner() -> None:
+    farm, held, record = held_without_backups()
+    state = farm.driver.state
     record.sent_at = farm.now  # just sent, and A is heard: due in its predicted time,
     # which B (as fast) cannot beat by MIN_SAVING
     assert plan(state, record.job, [state.workers[B]]) is None
@@ -210,12 +219,8 @@ def test_no_backup_when_the_idle_worker_would_not_finish_sooner() -> None:
 
 
 def test_an_attempt_is_projected_by_its_own_pace_from_the_heartbeats_counters() -> None:
-    farm = Farm(SchedulingConfig(backup_share=0.0))
-    held = farm.run_until_a_holds_the_last_chunk(40_000)
+    farm, held, record = held_without_backups()
     state = farm.driver.state
-    record = state.awaited_result(A, held.chunk)
-    assert record is not None
-    state.config.backup_share = 0.05
     record.sent_at = farm.now - 2.0  # overdue: predicted 1 s at A's speed
     b = state.workers[B]
     # A's counters: 900 of the chunk's 1 000 images in 2 s, at 450 images/s: it ends in
