@@ -91,6 +91,7 @@ class Observer(Protocol):
         self,
         entry: Worker,
         items: int,
+        compute_s: float,
         timings: dict[str, float],
         queued_s: float,
         round_trip_s: float,

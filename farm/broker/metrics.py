@@ -173,13 +173,15 @@ class BrokerMetrics:
         self,
         entry: WorkerEntry,
         items: int,
+        compute: float,
         timings: dict[str, float],
         queued_s: float,
         round_trip_s: float,
     ) -> None:
-        """``queued_s``: assignment to TASK sent; ``round_trip_s``: TASK sent to RESULT back."""
+        """``compute``: the seconds the broker credited (``results.credited_compute``: the
+        worker's shares and speeds count the same); ``timings``: what the worker reported;
+        ``queued_s``: assignment to TASK sent; ``round_trip_s``: TASK sent to RESULT back."""
         labels = labels_of(entry)
-        compute = timings["compute"]
         queued = queued_s + float(timings.get("receive", 0.0))
         transfer = network_seconds(round_trip_s, timings)
         self.images.labels(*labels).inc(items)

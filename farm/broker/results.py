@@ -122,7 +122,7 @@ def take_result(
     if farm.observer:
         sent = record.sent_at or record.assigned_at
         farm.observer.chunk_done(
-            entry, chunk.count, event.timings, sent - record.assigned_at, event.at - sent
+            entry, chunk.count, compute, event.timings, sent - record.assigned_at, event.at - sent
         )
     blame_settled(farm, job.evidence.settle(chunk))
     holder = holder or record
