@@ -220,6 +220,12 @@ def engine_text(row: dict[str, Any]) -> str:
     text = f"{row['backend']} batch {row['batch']}, {row['rate']:,.0f}/s"
     if row["difference"] is not None:
         text += f", differs from the f32 reference by {row['difference']:.1e}"
+    cascade = row.get("cascade")
+    if cascade:
+        text += (
+            f"; +f32 cascade: {cascade['rate']:,.0f}/s, {cascade['rerun']:.1%} re-run, "
+            f"top-1 agrees {cascade['agreement']:.1%}, {cascade['non_finite']} non-finite"
+        )
     return text
 
 
@@ -264,6 +270,7 @@ def engine_choice(
         "rate": 0.0,
         "difference": None,
         "problem": None,
+        "cascade": None,
     }
     try:
         engine, row["difference"] = chosen_engine(model, device, threads, backend, precision)
@@ -272,6 +279,8 @@ def engine_choice(
         started = time.perf_counter()
         engine.run(images)
         rate = len(images) / (time.perf_counter() - started)
+        if precision != "f32" and device != "cpu":
+            row["cascade"] = cascade_figures(engine, model, device, threads, images)
     except ModelError as exc:
         row["problem"] = str(exc)
         return row
@@ -280,6 +289,34 @@ def engine_choice(
         return row
     row.update(backend=engine.backend, batch=engine.batch, rate=rate)
     return row
+
+
+def cascade_figures(
+    engine: Any, model: str, device: str, threads: int | None, images: np.ndarray
+) -> dict[str, Any]:
+    """The GPU's cascade in this precision (``f16+f32``: ``farm.engines.cascade``) on
+    ``images``: the margin fitted on each half and checked on the other, the share run
+    again in f32, images/s of a whole run, agreement with f32 and the non-finite outputs
+    the fast precision gave (an f16 overflow goes to f32)."""
+    from farm.engines.autoselect import load_engine
+    from farm.engines.cascade import CascadeEngine, changed, split_check, top_margins
+
+    exact = load_engine(find(model), engine.backend, engine.batch, device, threads, "f32")
+    fast_out, exact_out = engine.run(images), exact.run(images)
+    margin, splits = split_check(fast_out, exact_out)
+    cascade = CascadeEngine(engine, exact, margin, f"{engine.precision}+f32")
+    cascade.run(images[: engine.batch])
+    started = time.perf_counter()
+    answered = cascade.run(images)
+    seconds = time.perf_counter() - started
+    return {
+        "margin": margin,
+        "rerun": round(len(cascade.last_run.rerun) / len(images), 4),
+        "rate": round(len(images) / seconds, 1),
+        "agreement": round(1 - float(changed(answered, exact_out).mean()), 4),
+        "missed_held_out": sum(split.missed for split in splits),
+        "non_finite": int(np.isnan(top_margins(fast_out)).sum()),
+    }
 
 
 def chosen_engine(

@@ -33,6 +33,7 @@ from farm.broker.jobs import ChunkRecord, Job, Worker
 from farm.broker.quarantine import quarantine
 from farm.broker.scheduling import fill, finish_if_done
 from farm.policies import Chunk
+from farm.wire.engines import fast_precision
 
 log = logging.getLogger("farm.broker")
 
@@ -41,14 +42,16 @@ log = logging.getLogger("farm.broker")
 TOLERANCE = 1e-3
 #: Where precisions differ: each image's top class must be among the other's this many.
 TOP_K = 2
-#: Precisions as engines name them (``Worker.engines``: "openvino f32 batch 64").
+#: Precisions as engines name them (``Worker.engines``: "openvino f32 batch 64"); a
+#: cascade's answers (``bf16+f32``) are its fast precision's where not run again.
 PRECISIONS = ("f32", "bf16", "f16", "int8")
 
 
 def precision_of(entry: Worker, model: str) -> str:
     """The precision ``entry`` runs ``model`` in, as its engine names it ("f32" if unnamed)."""
     engine = entry.engines.get(model, "")
-    return next((word for word in engine.split() if word in PRECISIONS), "f32")
+    named = (fast_precision(word) for word in engine.split())
+    return next((word for word in named if word in PRECISIONS), "f32")
 
 
 def sample(farm: Farm, record: ChunkRecord, outputs: Any) -> None:

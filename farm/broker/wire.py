@@ -368,6 +368,10 @@ def answer_problem(
         )
     if len(values) != result.count:
         return Problem(f"{len(values)} rows of outputs for {result.count} items")
+    if result.rerun + result.failed > result.count:
+        return Problem(
+            f"{result.rerun} items re-run in f32 and {result.failed} failed, of {result.count}"
+        )
     return values_problem(values, failures, softmax)
 
 

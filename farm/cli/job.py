@@ -20,11 +20,13 @@ import numpy as np
 from farm import defaults
 from farm.client.errors import FarmError, FarmTimeout, NoWorker, OutputRefused, ResumeRefused
 from farm.client.outputs import OutputSpec
+from farm.wire.engines import CASCADES
 
 if TYPE_CHECKING:
     from farm.client.answers import ModelCard
     from farm.client.client import Client, JobResult
     from farm.client.inputs import Source
+    from farm.engines.gate import Gate
     from farm.modelrepo.repository import ModelSpec
     from farm.startup import Timeline
     from farm.summary import JobSummary
@@ -83,17 +85,20 @@ def gated_precision(
 ) -> tuple[str | None, str | None]:
     """The precision a job asks for, and the line its summary ends with: ``auto``
     resolved by the precision gate on ``backend`` with the ``--validate`` images (else the
-    job's first ones, scored against ``labels`` when given), its verdicts on stderr; any
-    other value as it is, with no line.  ``spec``: the model's files here (None: not here,
-    which ``auto`` refuses)."""
-    if precision != "auto":
+    job's first ones, scored against ``labels`` when given), its verdicts on stderr; a
+    cascade (``bf16+f32``) likewise, run with the margin fitted there whatever its
+    agreement; any other value as it is, with no line (``bf16+f32=0.4``: that margin, on
+    the named ``--backend``, on any device that offers bf16).  ``spec``: the model's files
+    here (None: not here, which ``auto`` and a cascade refuse)."""
+    fitted = precision in CASCADES
+    if precision != "auto" and not fitted:
         if validate or min_agreement != defaults.MIN_AGREEMENT:
-            raise click.UsageError("--validate and --min-agreement go with --precision auto")
+            raise click.UsageError("--validate and --min-agreement go with auto or a cascade")
         return precision, None
     if spec is None:
         raise click.ClickException(
-            "--precision auto runs the model here to check each precision: its files must be "
-            "in a --models-dir or $FARM_MODELS folder"
+            f"--precision {precision} runs the model here to check each precision: put its "
+            f"files in a --models-dir or $FARM_MODELS folder"
         )
     from farm.client.inputs import InputError
     from farm.client.samples import first_images, input_key
@@ -115,14 +120,32 @@ def gated_precision(
         key = input_key(validation, count, labels, exif_rotate)
         gate = judge_input(spec, key, decoded, min_agreement / 100, backend or "auto")
     except (InputError, ModelError, OSError) as exc:
-        raise click.ClickException(f"--precision auto: {exc}") from exc
+        raise click.ClickException(f"--precision {precision}: {exc}") from exc
     if source.dtype == "float32":  # image files and uint8 arrays reach the graph as uint8
         gate.refuse("int8", "the job's images are float32: int8 runs on uint8 images")
     for line in gate.lines():
         click.echo(line, err=True)
+    if fitted:
+        return chosen_cascade(gate, precision)
     best = gate.passed
     summary = f"precision auto: {best[0].describe()}" if best else None
     return gate.precision, summary or "precision auto: f32, no lower precision passed the gate"
+
+
+def chosen_cascade(gate: Gate, cascade: str) -> tuple[str, str]:
+    """``--precision bf16+f32``: the cascade with the margin the gate fitted, on the
+    gate's backend (f32 on a worker that cannot run it); ClickException where it was not
+    tried."""
+    from farm.wire.engines import CALIBRATION_PREFIX, EngineChoice
+
+    verdict = gate.verdict(cascade)
+    if verdict is None or verdict.problem is not None or verdict.margin is None:
+        reason = verdict.problem if verdict is not None else "not a candidate here"
+        raise click.ClickException(f"--precision {cascade}: {reason}")
+    int8 = cascade.startswith("int8") and gate.calibration
+    version = gate.calibration[:CALIBRATION_PREFIX] if int8 and gate.calibration else None
+    choice = EngineChoice("auto", (cascade, "f32"), gate.backend, version, (verdict.margin,))
+    return choice.precision_text(), f"precision {cascade}: {verdict.describe()}"
 
 
 def answers_wanted(source: Source, out: str | None, top_k: int | None) -> int | None:
@@ -445,6 +468,8 @@ def echo_result(
         )
     if result.oriented:
         click.echo(orientation_line(result.oriented, result.exif_rotate))
+    if result.rerun:
+        click.echo(rerun_line(result.rerun, result.summary.items))
     if result.shared:
         click.echo(
             f"the workers read the images from shared storage: {result.input_bytes:,} bytes "
@@ -510,6 +535,16 @@ def spot_check_lines(summary: JobSummary) -> list[str]:
             f"spot check"
         )
     return lines
+
+
+def rerun_line(rerun: int, computed: int) -> str:
+    """A cascade's images run again in f32."""
+    from farm.summary import plural
+
+    return (
+        f"cascade: {plural(rerun, 'image')} ({rerun / max(1, computed):.1%} of {computed:,}) "
+        f"run again in f32, their fast answer in doubt"
+    )
 
 
 def orientation_line(oriented: int, rotated: bool) -> str:

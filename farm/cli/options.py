@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import click
 
 from farm import defaults
-from farm.wire.engines import AUTO, BACKEND_NAMES, PRECISIONS, EngineChoice
+from farm.wire.engines import AUTO, BACKEND_NAMES, CASCADES, PRECISIONS, EngineChoice, is_cascade
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 Decorator = Callable[[Command], Command]
@@ -128,13 +128,16 @@ def backend_option(text: str, default: str | None = None) -> Decorator:
 
 def precision_option(text: str, default: str | None = None, gated: bool = False) -> Decorator:
     """``--precision``: one of ``PRECISION_CHOICES``; no default: the workers' own.
-    ``gated``: also ``auto``, with ``--min-agreement`` and ``--validate``."""
+    ``gated``: also ``auto`` and the cascades (``bf16+f32``, its margin fitted on the
+    validation images, or ``bf16+f32=MARGIN``), with ``--min-agreement`` and ``--validate``."""
     choices = (*PRECISION_CHOICES, "auto") if gated else PRECISION_CHOICES
     precision = click.option(
         "--precision",
-        type=click.Choice(choices),
+        type=str if gated else click.Choice(choices),
+        callback=job_precision if gated else None,
         default=default,
         show_default=default is not None,
+        metavar=f"[{'|'.join((*choices, *CASCADES))}]" if gated else None,
         help=text,
     )
     if not gated:
@@ -160,6 +163,25 @@ def precision_option(text: str, default: str | None = None, gated: bool = False)
         return precision(function)
 
     return decorate
+
+
+def job_precision(
+    context: click.Context, parameter: click.Parameter, value: str | None
+) -> str | None:
+    """A job's ``--precision``: a precision, ``auto``, or a cascade with or without its
+    margin (``bf16+f32``, ``bf16+f32=0.4``)."""
+    if value is None or value in (*PRECISION_CHOICES, AUTO, *CASCADES):
+        return value
+    try:
+        choice = EngineChoice.parse(BACKEND_NAMES[-1], value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if len(choice.precisions) != 1 or not is_cascade(choice.precisions[0]):
+        raise click.BadParameter(
+            f"{value!r}: use one of {', '.join((*PRECISION_CHOICES, AUTO, *CASCADES))}, or a "
+            f"cascade with its margin (bf16+f32=0.4)"
+        )
+    return value
 
 
 def worker_precision(context: click.Context, parameter: click.Parameter, value: str) -> str:

@@ -329,7 +329,7 @@ class LocalJob:
             exif_rotate=self.exif_rotate,
         )
         precision = gated or precision
-        if precision == "int8":
+        if precision == "int8" or "int8+f32" in precision:
             require_int8(spec)
         self.notes = (summary,) if summary else ()
         return precision

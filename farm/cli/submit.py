@@ -37,6 +37,7 @@ from farm.cli.options import (
 from farm.cli.policy import policy_options, policy_params
 from farm.client.answers import ModelCard
 from farm.client.client import Client, FarmTimeout
+from farm.wire.engines import CASCADES
 
 if TYPE_CHECKING:
     from farm.modelrepo.repository import ModelSpec
@@ -177,7 +178,7 @@ def submit(
     output = output_spec(source, out, top_k, local_card(model, models_dir), resume, images)
     precision, gate_summary = gated_precision(
         precision,
-        local_spec(model, models_dir) if precision == "auto" else None,
+        local_spec(model, models_dir) if precision in ("auto", *CASCADES) else None,
         source,
         validate,
         min_agreement,

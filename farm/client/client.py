@@ -199,6 +199,7 @@ class JobResult:
     shared: bool = False  # the workers read the items from shared storage
     kept: int = 0  # items whose results workers kept across a lost broker, not recomputed
     oriented: int = 0  # image files with an EXIF orientation: turned upright if exif_rotate
+    rerun: int = 0  # a cascade's images whose fast answer was in doubt, run again in f32
     exif_rotate: bool = True
     written: bool = False  # the output file was written (complete, or with NaN rows)
     held: bool = False  # ``cancel(hold=True)`` left it unfinished, for a resume
@@ -272,6 +273,7 @@ class JobRun:
     shared: bool = False  # the workers read the items themselves (``farm.wire.storage``)
     path_map: tuple[tuple[str, str], ...] = ()  # client prefix -> worker prefix
     oriented: int = 0  # image files the workers found an EXIF orientation in
+    rerun: int = 0  # a cascade's images run again in f32 (``farm.engines.cascade``)
     # earlier submissions of the job, lost with a broker (or with a killed client, when
     # resumed): results kept for them still count
     earlier: dict[str, Submission] = field(default_factory=dict)
@@ -398,6 +400,7 @@ class JobRun:
             shared=self.shared,
             kept=state.kept,
             oriented=self.oriented,
+            rerun=self.rerun,
             exif_rotate=self.options.exif_rotate,
         )
 
@@ -848,13 +851,15 @@ class Client:
         if len(values) != header.count:
             raise FarmError(f"result for {header.count} items holds {len(values)}")
         pieces = submission.pieces(header.start, header.count)
-        oriented = header.oriented  # counted once, and not for a duplicate (no run taken)
+        # counted once, and not for a duplicate (no run taken)
+        oriented, rerun = header.oriented, header.rerun
         for offset, item_start, count in pieces:
             if job.output_error is not None:
                 break
             runs = job.state.take(item_start, count, header.kept)
             if runs:
                 job.oriented, oriented = job.oriented + oriented, 0
+                job.rerun, rerun = job.rerun + rerun, 0
             for first, stop in [(item_start, item_start + count)] if header.corrects else runs:
                 if not self._write_run(
                     job, values, failures, first - item_start + offset, first, stop

@@ -32,6 +32,7 @@ import numpy as np
 
 from farm import defaults
 from farm.engines import onnx_export
+from farm.engines.cascade import CascadeEngine
 from farm.engines.cpu import cpu_name, fast_int8
 from farm.engines.engine import (
     AUTO,
@@ -46,7 +47,7 @@ from farm.engines.tolerances import TOLERANCES, relative_difference
 from farm.modelrepo.caffe_net import Network, NetworkError
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root, prepare
-from farm.wire.engines import EngineChoice
+from farm.wire.engines import EngineChoice, fast_precision, is_cascade
 from farm.wire.shapes import chunk_items
 
 log = logging.getLogger("farm.engines.autoselect")
@@ -268,25 +269,43 @@ def load_chosen(
     """A loaded engine for a job's choice: for the precision gate's list, the first of its
     gated precisions this device computes in, on the backend that measured them, and only
     on a CPU (int8 only with VNNI or AMX, and only the version judged); else the last
-    precision (f32) on ``choice.backend``."""
+    precision (f32, or one cascade on any device) on ``choice.backend``."""
     *gated, last = choice.precisions
-    measured_on = choice.measured_on or choice.backend  # a gated list names it
     for precision in gated:
         if device != "cpu":
             log.info(
                 "%s: %s not used on %s: the gate judged it on a CPU", spec.name, precision, device
             )
             continue
-        if precision == "int8" and not fast_int8():
-            log.info("%s: int8 not used: this CPU has no VNNI or AMX", spec.name)
+        if fast_precision(precision) == "int8" and not fast_int8():
+            log.info("%s: %s not used: this CPU has no VNNI or AMX", spec.name, precision)
             continue
         try:
-            return engine_class(measured_on).load(
-                spec, batch, device, threads, precision, choice.calibration(precision)
-            )
+            return load_precision(spec, choice, precision, batch, device, threads)
         except ModelError as exc:
             log.info("%s: %s not used on %s: %s", spec.name, precision, device, exc)
+    if is_cascade(last):
+        return load_precision(spec, choice, last, batch, device, threads)
     return load_one(spec, choice.backend, batch, device, threads, last, digest)
+
+
+def load_precision(
+    spec: ModelSpec,
+    choice: EngineChoice,
+    precision: str,
+    batch: int | None,
+    device: str,
+    threads: int | None,
+) -> Engine:
+    """One precision of a choice on the backend that measured it; a cascade loads its
+    fast engine and an f32 one there (``farm.engines.cascade``)."""
+    backend = engine_class(choice.cascade_backend)
+    fast = fast_precision(precision)
+    engine = backend.load(spec, batch, device, threads, fast, choice.calibration(precision))
+    if not is_cascade(precision):
+        return engine
+    exact = backend.load(spec, batch, device, threads, "f32")
+    return CascadeEngine(engine, exact, choice.margin(precision), precision)
 
 
 def load_one(

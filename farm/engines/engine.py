@@ -66,10 +66,12 @@ GPU_BACKEND = "torch"
 class RunStats:
     """Where one ``Engine.run``'s time went: seconds the device computed (preprocessing
     included), and seconds of copies between host and GPU (measured by CUDA events; zero
-    where the device is the host)."""
+    where the device is the host); a cascade's images run again in f32
+    (``farm.engines.cascade``)."""
 
     device: float = 0.0
     copy: float = 0.0
+    rerun: tuple[int, ...] = ()  # a cascade's: the indices of the images run again in f32
 
 
 class Stopped(Exception):
@@ -218,7 +220,10 @@ class Engine:
         decided from the device and the libraries alone, before a model file is parsed
         or exported (``auto`` tries every backend on a GPU, and most refuse it)."""
         if precision not in PRECISIONS:
-            raise ModelError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+            raise ModelError(
+                f"unknown precision {precision!r} for one engine; use one of "
+                f"{', '.join(PRECISIONS)} (a cascade loads two: farm.engines.cascade)"
+            )
         offered = cls.precisions(spec, device)
         if precision not in offered:
             listed = f"it offers {', '.join(offered)}" if offered else "it offers none there"

@@ -20,6 +20,13 @@ precisions on the gate's engine, fastest first and ending in f32 (an ``EngineCho
 ``openvino:int8@3fa9c1e2d4b5,bf16,f32`` as text): each CPU worker takes the first it
 computes in, exactly the int8 version judged, so a farm of mixed CPUs runs
 each worker at its own best gated precision; GPU workers run f32.
+
+Each candidate also runs as a cascade (``bf16+f32``, ``farm.engines.cascade``): the
+images whose fast top-1 to top-2 margin is small run again in f32.  Its margin is fitted
+on each half of the validation images and checked on the other (the verdict's agreement
+counts the images the other half's margin would miss); the job's margin is the larger,
+which catches every changed image of the set.  Its speed comes from its parts' timed
+speeds and its share re-run (``cascade_speedup``).
 """
 
 from __future__ import annotations
@@ -40,12 +47,19 @@ import numpy as np
 from farm import defaults
 from farm.engines import quantize
 from farm.engines.autoselect import device_key, remember_file, time_batches, versions
+from farm.engines.cascade import in_doubt, split_check
 from farm.engines.cpu import fast_int8, precision_flags
 from farm.engines.engine import AUTO, Engine, engine_class
 from farm.engines.tolerances import relative_difference
 from farm.modelrepo.modelstore import manifest_of
 from farm.modelrepo.repository import ModelError, ModelSpec, cache_root
-from farm.wire.engines import CALIBRATION_PREFIX, EngineChoice
+from farm.wire.engines import (
+    CALIBRATION_PREFIX,
+    CASCADE,
+    EngineChoice,
+    fast_precision,
+    is_cascade,
+)
 
 log = logging.getLogger("farm.engines.gate")
 
@@ -53,8 +67,10 @@ log = logging.getLogger("farm.engines.gate")
 MIN_AGREEMENT = defaults.MIN_AGREEMENT / 100
 #: Fewest validation images: below this one image moves the agreement by more than 1%.
 MIN_VALIDATION = 100
-#: Candidates below f32, in the order they are tried.
+#: Candidates below f32, in the order they are tried; each also as a cascade (``bf16+f32``).
 CANDIDATES = ("bf16", "f16", "int8")
+#: What the remembered verdicts hold: verdicts remembered before cascades are measured anew.
+VERDICTS_VERSION = "cascades-1"
 #: The backends that run lower precisions on a CPU, the first installed gating.
 GATE_BACKENDS = ("openvino", "onnxruntime")
 #: The compute batch of the timing windows, and the windows' rounds and seconds.
@@ -72,15 +88,30 @@ class Verdict:
     speedup: float = 0.0  # images/s over f32's, same engine, same threads
     accuracy: float | None = None  # against the images' labels, where there are some
     problem: str | None = None  # why it was not run here
+    # a cascade's: its margin, the share of the images it runs again in f32, and the
+    # changed images its halves' margins missed on the other half (``agreement``'s count)
+    margin: float | None = None
+    rerun: float | None = None
+    missed: int = 0
 
     def passes(self, min_agreement: float) -> bool:
         return self.problem is None and self.agreement >= min_agreement and self.speedup > 1.0
 
     def describe(self) -> str:
-        """``int8: 3.4x f32, top-1 agrees on 99.4% of 300 images (largest difference 2e-2)``."""
+        """``int8: 3.4x f32, top-1 agrees on 99.4% of 300 images (largest difference 2e-2)``;
+        a cascade: ``bf16+f32: 1.7x f32, 9.8% of images re-run in f32, top-1 agrees on
+        100.0% of 300 validation images, each half checked with the margin fitted on the
+        other (margin 0.41)``."""
         if self.problem is not None:
             return f"{self.precision}: not tried: {self.problem}"
         accuracy = "" if self.accuracy is None else f", accuracy {self.accuracy:.1%}"
+        if self.margin is not None:
+            return (
+                f"{self.precision}: {self.speedup:.1f}x f32, {self.rerun or 0:.1%} of images "
+                f"re-run in f32, top-1 agrees on {self.agreement:.1%} of {self.images} "
+                f"validation images, each half checked with the margin fitted on the other "
+                f"(margin {self.margin:.3g}{accuracy})"
+            )
         return (
             f"{self.precision}: {self.speedup:.1f}x f32, top-1 agrees on {self.agreement:.1%} "
             f"of {self.images} images (largest difference {self.difference:.1e}{accuracy})"
@@ -115,11 +146,10 @@ class Gate:
         if not passed:
             return EngineChoice(backend)
         version = self.calibration[:CALIBRATION_PREFIX] if self.calibration else None
+        int8 = any(fast_precision(name) == "int8" for name in passed)
+        margins = tuple(v.margin or 0.0 for v in self.passed if is_cascade(v.precision))
         return EngineChoice(
-            backend,
-            (*passed, "f32"),
-            self.backend,
-            version if "int8" in passed else None,
+            backend, (*passed, "f32"), self.backend, version if int8 else None, margins
         )
 
     @property
@@ -129,9 +159,10 @@ class Gate:
         return self.engine_choice().precision_text()
 
     def refuse(self, precision: str, reason: str) -> None:
-        """Keep ``precision`` out of this job (its verdict stays remembered as measured)."""
+        """Keep ``precision`` and its cascade out of this job (their verdicts stay remembered
+        as measured)."""
         for verdict in self.verdicts:
-            if verdict.precision == precision and verdict.problem is None:
+            if fast_precision(verdict.precision) == precision and verdict.problem is None:
                 verdict.problem = reason
 
     def lines(self) -> list[str]:
@@ -154,6 +185,9 @@ class Gate:
             return "running in f32: no lower precision passed"
         return f"running in {best[0].precision} on {self.backend} ({best[0].speedup:.1f}x f32)"
 
+    def verdict(self, precision: str) -> Verdict | None:
+        return next((v for v in self.verdicts if v.precision == precision), None)
+
 
 def judge(
     spec: ModelSpec,
@@ -163,10 +197,12 @@ def judge(
     threads: int | None = 1,
     backend: str = AUTO,
     use_cache: bool = True,
+    int8_anywhere: bool = False,
 ) -> Gate:
     """The gate's verdicts on ``images`` (uint8, the model's item shape) on ``backend``
     (``auto``: ``GATE_BACKENDS``' first), from the cache when this validation set was
-    judged here before; ModelError for too few images."""
+    judged here before; ModelError for too few images.  ``int8_anywhere``: try int8 on a
+    CPU without VNNI or AMX too (benches and tests: workers there do not run it)."""
     if len(images) < MIN_VALIDATION:
         raise ModelError(
             f"{len(images)} validation images are too few for the precision gate: below "
@@ -175,10 +211,10 @@ def judge(
     engine = engine_class(backend_name(backend))
     validation = set_digest(images, labels)
     path = cache_path(spec, validation, threads, engine.backend)
-    gate = remembered(path) if use_cache else None
+    gate = remembered(path) if use_cache and not int8_anywhere else None
     if gate is None:
-        gate, transient = measure(spec, engine, images, labels, threads, validation)
-        if use_cache and not transient:
+        gate, transient = measure(spec, engine, images, labels, threads, validation, int8_anywhere)
+        if use_cache and not transient and not int8_anywhere:
             remember_file(path, {**asdict(gate), "cached": True})
     gate.min_agreement = min_agreement
     return gate
@@ -249,6 +285,7 @@ def cache_path(spec: ModelSpec, validation: str, threads: int | None, backend: s
                 backend,
                 device_key("cpu", threads),
                 precision_flags(),
+                VERDICTS_VERSION,
                 versions(),
                 quantize.library_versions(),
             ]
@@ -296,9 +333,11 @@ def measure(
     labels: np.ndarray | None,
     threads: int | None,
     validation: str,
+    int8_anywhere: bool = False,
 ) -> tuple[Gate, bool]:
-    """Run the validation images in f32 and in each candidate; time them in turn.  Also
-    whether a candidate failed to load (a verdict not to remember)."""
+    """Run the validation images in f32 and in each candidate, fit each candidate's
+    cascade, and time them all in turn.  Also whether a candidate failed to load (a
+    verdict not to remember)."""
     f32 = backend.load(spec, TIMING_BATCH, "cpu", threads, "f32")
     reference = flat(f32.run(images))
     offered = backend.precisions(spec, "cpu")
@@ -308,23 +347,28 @@ def measure(
     transient = False
     for precision in CANDIDATES:
         verdict = Verdict(precision, len(images))
-        verdicts.append(verdict)
-        verdict.problem = unavailable(precision, offered, backend.backend)
-        if verdict.problem is not None:
-            continue
+        cascade = Verdict(f"{precision}{CASCADE}", len(images))
+        verdicts += [verdict, cascade]
+        verdict.problem = unavailable(precision, offered, backend.backend, int8_anywhere)
+        engine = None
         try:
-            engine = backend.load(spec, TIMING_BATCH, "cpu", threads, precision)
+            if verdict.problem is None:
+                engine = backend.load(spec, TIMING_BATCH, "cpu", threads, precision)
         except ModelError as exc:
             verdict.problem, transient = str(exc), True
+        cascade.problem = verdict.problem
+        if engine is None or verdict.problem is not None:
             continue
         outputs = flat(engine.run(images))
-        verdict.agreement = float((outputs.argmax(1) == reference.argmax(1)).mean())
-        verdict.difference = relative_difference(outputs, reference)
-        verdict.accuracy = accuracy(outputs, labels)
+        judge_outputs(verdict, outputs, reference, labels)
+        fit_cascade(cascade, outputs, reference, labels)
         engines.append((verdict, engine))
     rates = alternating_rates([f32, *(engine for _, engine in engines)], images)
     for (verdict, _), rate in zip(engines, rates[1:]):
         verdict.speedup = round(rate / rates[0], 3)
+    for verdict, cascade in zip(verdicts[::2], verdicts[1::2]):
+        if cascade.problem is None:
+            cascade.speedup = cascade_speedup(verdict.speedup, cascade.rerun or 0.0)
     gate = Gate(
         spec.name,
         validation,
@@ -337,10 +381,46 @@ def measure(
     return gate, transient
 
 
-def unavailable(precision: str, offered: tuple[str, ...], backend: str) -> str | None:
+def cascade_speedup(fast: float, rerun: float) -> float:
+    """A cascade's speed over f32 from its parts: an image costs the fast precision's time,
+    and a share ``rerun`` of them f32's time again (``bench/precision.py`` times the
+    cascade itself as workers run it, and finds the same within its noise)."""
+    return round(1 / (1 / fast + rerun), 3) if fast > 0 else 0.0
+
+
+def judge_outputs(
+    verdict: Verdict, outputs: np.ndarray, reference: np.ndarray, labels: np.ndarray | None
+) -> None:
+    """A precision's agreement with f32, its largest difference and its accuracy."""
+    verdict.agreement = float((outputs.argmax(1) == reference.argmax(1)).mean())
+    verdict.difference = relative_difference(outputs, reference)
+    verdict.accuracy = accuracy(outputs, labels)
+
+
+def fit_cascade(
+    verdict: Verdict, outputs: np.ndarray, reference: np.ndarray, labels: np.ndarray | None
+) -> float:
+    """A cascade's verdict from its fast precision's outputs: the margin fitted on each
+    half and checked on the other, the larger kept (``cascade.split_check``); its
+    agreement counts the changed images the halves' margins missed.  The margin."""
+    margin, splits = split_check(outputs, reference)
+    margin = float(f"{margin:.6g}")  # as the job's text carries it
+    doubtful = in_doubt(outputs, margin)
+    answered = np.where(doubtful[:, np.newaxis], reference, outputs)
+    verdict.margin, verdict.rerun = margin, round(float(doubtful.mean()), 4)
+    verdict.missed = sum(split.missed for split in splits)
+    verdict.agreement = 1 - verdict.missed / max(1, sum(split.checked for split in splits))
+    verdict.difference = relative_difference(answered, reference)
+    verdict.accuracy = accuracy(answered, labels)
+    return margin
+
+
+def unavailable(
+    precision: str, offered: tuple[str, ...], backend: str, int8_anywhere: bool = False
+) -> str | None:
     """Why a candidate is not run on this CPU, or None."""
     if precision == "int8":
-        if not fast_int8():
+        if not fast_int8() and not int8_anywhere:
             return "this CPU has no VNNI or AMX, so int8 is not faster than f32 here"
         if "int8" not in offered:
             return "no int8 version of the model here (farm models quantize)"

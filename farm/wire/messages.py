@@ -144,6 +144,8 @@ class Result(ChunkHeader):
     trace: tuple[Finite, Finite, Finite] | None = None
     # image files whose EXIF orientation is not "as stored" (turned upright if the job said so)
     oriented: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] = 0
+    # a cascade's items whose fast answer was in doubt, run again in f32 (``farm.engines.cascade``)
+    rerun: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] = 0
     corrects: bool = False  # broker -> client: these rows replace the ones sent before
 
 

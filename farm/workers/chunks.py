@@ -130,6 +130,14 @@ class Computed:
     decoded: float
 
 
+def in_chunk(run: RunStats, places: np.ndarray) -> None:
+    """Turn the indices of the images a run re-ran (``RunStats.rerun``) into the chunk's
+    items: ``places[i]`` is the item of the run's i-th image (an oversampled model's
+    crops map to their file)."""
+    if run.rerun:
+        run.rerun = tuple(sorted(set(places[list(run.rerun)].tolist())))
+
+
 @dataclass
 class ChunkRunner:
     """Runs chunks on the worker's engines (compute thread), counting what it computed.
@@ -265,6 +273,7 @@ class ChunkRunner:
             timings=timings,
             failed=sum(count for _, count, _ in computed.failures),
             oriented=computed.oriented,
+            rerun=len(computed.run.rerun),
         )
         return protocol.encode(Command.RESULT, header, frames)
 
@@ -320,6 +329,10 @@ class ChunkRunner:
                     axis=1
                 )
             outputs[batch.ok] = computed
+            in_chunk(
+                engine.last_run,
+                np.asarray(batch.ok)[np.arange(len(batch.ok) * batch.crops) // batch.crops],
+            )
         failures = [(index, unread.get(index, reason)) for index, reason in batch.failures]
         return outputs, failure_runs(failures), batch.oriented
 
@@ -346,6 +359,7 @@ class ChunkRunner:
                 stop=lambda: self.cancels.stopped(task),
                 tally=self.tally_for(task),
             )
+            in_chunk(engine.last_run, np.flatnonzero(finite))
         bad = np.flatnonzero(~finite).tolist()
         return outputs, failure_runs([(index, NON_FINITE) for index in bad])
 

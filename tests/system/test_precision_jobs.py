@@ -41,7 +41,7 @@ def test_quantize_then_auto_runs_the_farm_in_the_gated_precision(tmp_path, cache
                 str(tmp_path / "auto.npy"))  # fmt: skip
     assert auto.returncode == 0, auto.stderr
     assert "precision gate on 300 validation images" in auto.stderr
-    chosen = re.search(r"running in (\w+)", auto.stderr)
+    chosen = re.search(r"running in ([\w+]+)", auto.stderr)
     assert chosen is not None, auto.stderr
     ready = next(line for line in auto.stderr.splitlines() if line.startswith("farm ready"))
     assert f" {chosen[1]} batch" in ready  # every worker runs the precision the gate passed
@@ -60,6 +60,47 @@ def test_quantize_then_auto_runs_the_farm_in_the_gated_precision(tmp_path, cache
     assert check.returncode == 0, check.stderr
     assert "int8 version of lenet" in check.stdout
     assert "remembered gate on validation set" in check.stdout
+
+
+def test_a_cascade_job_answers_as_f32_and_counts_its_reruns(
+    tmp_path, cache, digits, monkeypatch
+) -> None:
+    """int8 calibrated on blank images changes many LeNet answers; the cascade with the
+    margin fitted on the sample runs those again in f32 on the workers, so every answer is
+    f32's, and the job says how many ran again.  int8 runs on any x86-64."""
+    from farm.engines.autoselect import load_engine
+    from farm.engines.cascade import changed, fit_margin, in_doubt
+    from farm.modelrepo.repository import find
+
+    blank = tmp_path / "blank.npy"
+    np.save(blank, np.zeros((100, *digits.shape[1:]), np.uint8))
+    made = farm(cache, "models", "quantize", "lenet", "--calibration", str(blank))
+    assert made.returncode == 0, made.stderr
+    monkeypatch.setenv("FARM_CACHE", str(cache))
+    lenet, images = find("lenet"), digits[:, np.newaxis]
+    fast = load_engine(lenet, "openvino", threads=1, precision="int8").run(images)
+    exact = load_engine(lenet, "openvino", threads=1).run(images)
+    assert changed(fast, exact).mean() > 0.05  # a real set of doubts
+    margin = fit_margin(fast, exact) * 1.01  # clear of the last bits of another batching
+    expected = int(in_doubt(fast, margin).sum())
+
+    cascade = farm(cache, "run", "--backend", "openvino", "--precision", f"int8+f32={margin}",
+                   "--own-farm", "--out", str(tmp_path / "cascade.npy"))  # fmt: skip
+    assert cascade.returncode == 0, cascade.stderr
+    outputs = np.load(tmp_path / "cascade.npy")
+    assert (outputs.argmax(1) == exact.argmax(1)).all()
+    assert not np.allclose(outputs, exact)  # the images not in doubt kept int8's outputs
+    found = re.search(r"cascade: ([\d,]+) images \((\d+\.\d)% of 1,000\) run again in f32",
+                      cascade.stdout)  # fmt: skip
+    assert found is not None, cascade.stdout
+    assert abs(int(found[1].replace(",", "")) - expected) <= 0.02 * len(images)
+    ready = next(line for line in cascade.stderr.splitlines() if line.startswith("farm ready"))
+    assert "int8+f32 batch" in ready
+
+    unknown = farm(cache, "run", "--precision", "int8+f32=x", "--quiet")
+    assert unknown.returncode == 2 and "a cascade's margin is a number >= 0" in unknown.stderr
+    anywhere = farm(cache, "run", "--precision", "int8+f32=0.5", "--own-farm", "--quiet")
+    assert anywhere.returncode != 0 and "a cascade runs on a named backend" in anywhere.stderr
 
 
 def test_quantize_refuses_a_calibration_set_too_small(tmp_path, cache, digits) -> None:
@@ -95,7 +136,7 @@ def test_int8_without_a_quantized_version_is_one_line_before_any_farm(cache) -> 
 def test_gate_options_without_auto_are_refused(cache, tmp_path) -> None:
     done = farm(cache, "run", "--validate", str(tmp_path), "--quiet")
     assert done.returncode == 2
-    assert "--validate and --min-agreement go with --precision auto" in done.stderr
+    assert "--validate and --min-agreement go with auto or a cascade" in done.stderr
 
 
 SIGNAL_STACK_PROBE = """
