@@ -49,7 +49,12 @@ PRECISIONS = ("f32", "bf16", "f16", "int8")
 
 def precision_of(entry: Worker, model: str) -> str:
     """The precision ``entry`` runs ``model`` in, as its engine names it ("f32" if unnamed)."""
-    engine = entry.engines.get(model, "")
+    return engine_precision(entry.engines.get(model, ""))
+
+
+def engine_precision(engine: str) -> str:
+    """The precision an engine's description names ("f32" if none): a cascade's answers
+    are its fast precision's where they were not run again."""
     named = (fast_precision(word) for word in engine.split())
     return next((word for word in named if word in PRECISIONS), "f32")
 

@@ -469,7 +469,8 @@ def echo_result(
     if result.oriented:
         click.echo(orientation_line(result.oriented, result.exif_rotate))
     if result.rerun:
-        click.echo(rerun_line(result.rerun, result.summary.items))
+        failed = sum(items.count for items in result.failed)
+        click.echo(rerun_line(result.rerun, result.summary.items - failed))
     if result.shared:
         click.echo(
             f"the workers read the images from shared storage: {result.input_bytes:,} bytes "

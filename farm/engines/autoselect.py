@@ -304,8 +304,16 @@ def load_precision(
     engine = backend.load(spec, batch, device, threads, fast, choice.calibration(precision))
     if not is_cascade(precision):
         return engine
-    exact = backend.load(spec, batch, device, threads, "f32")
+    exact = backend.load(spec, rerun_batch(engine.batch), device, threads, "f32")
     return CascadeEngine(engine, exact, choice.margin(precision), precision)
+
+
+def rerun_batch(batch: int) -> int:
+    """A cascade's f32 batch: a quarter of the fast one's, at least 16 (or the fast one's,
+    if smaller).  It runs the images in doubt, usually a small share of a chunk, and its
+    buffers are most of its memory: SqueezeNet's f32 on OpenVINO adds 503 MiB at batch 64
+    and 145 MiB at 16, beside int8's 181 MiB at 64 (``docs/precision.md``)."""
+    return max(min(batch, 16), batch // 4)
 
 
 def load_one(

@@ -3,9 +3,9 @@ answers agree with f32 on the user's own images, and never below that.
 
 Each precision the gate's engine offers below f32 on this CPU is a candidate: bf16 and
 f16 where OpenVINO lists them in the CPU's capabilities, int8 where the model has a
-version made by ``farm models quantize`` and the CPU has VNNI or AMX (without them int8
-is not faster).  The validation images run in f32 and in each candidate on the same
-engine, on one thread as a pinned worker runs (in a process of its own for a command
+version made by ``farm models quantize`` and the CPU has VNNI or AMX (without them its
+8-bit sums can saturate).  The validation images run in f32 and in each candidate on the
+same engine, on one thread as a pinned worker runs (in a process of its own for a command
 that starts a farm next: ``judge_apart``); a candidate's verdict is its top-1
 agreement with f32, its largest output difference (relative to f32's largest
 output), its speed over f32 timed in alternating windows of the same run, and its
@@ -173,7 +173,12 @@ class Gate:
             f"{', remembered' if self.cached else ''}): top-1 agreement with f32 of at least "
             f"{self.min_agreement:.1%} needed{accuracy}"
         ]
+        problems = {v.precision: v.problem for v in self.verdicts}
         for verdict in self.verdicts:
+            fast = fast_precision(verdict.precision)
+            same = fast != verdict.precision and verdict.problem == problems.get(fast)
+            if verdict.problem is not None and same:
+                continue  # its cascade is not tried for the same reason: one line
             mark = "passes" if verdict.passes(self.min_agreement) else "refused"
             lines.append(f"  {verdict.describe()}{'' if verdict.problem else f': {mark}'}")
         lines.append(f"  {self.choice()}")
@@ -421,7 +426,7 @@ def unavailable(
     """Why a candidate is not run on this CPU, or None."""
     if precision == "int8":
         if not fast_int8() and not int8_anywhere:
-            return "this CPU has no VNNI or AMX, so int8 is not faster than f32 here"
+            return "this CPU has no VNNI or AMX: its int8 sums can saturate (docs/precision.md)"
         if "int8" not in offered:
             return "no int8 version of the model here (farm models quantize)"
         return None

@@ -329,10 +329,7 @@ class ChunkRunner:
                     axis=1
                 )
             outputs[batch.ok] = computed
-            in_chunk(
-                engine.last_run,
-                np.asarray(batch.ok)[np.arange(len(batch.ok) * batch.crops) // batch.crops],
-            )
+            in_chunk(engine.last_run, np.repeat(batch.ok, batch.crops))
         failures = [(index, unread.get(index, reason)) for index, reason in batch.failures]
         return outputs, failure_runs(failures), batch.oriented
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 
@@ -96,6 +97,18 @@ def test_a_cascade_job_answers_as_f32_and_counts_its_reruns(
     assert abs(int(found[1].replace(",", "")) - expected) <= 0.02 * len(images)
     ready = next(line for line in cascade.stderr.splitlines() if line.startswith("farm ready"))
     assert "int8+f32 batch" in ready
+
+    folder = tmp_path / "digits"  # image files: the re-runs are counted per file
+    folder.mkdir()
+    for index in range(120):
+        cv2.imwrite(str(folder / f"{index:03d}.png"), digits[index])
+    (folder / "120.png").write_bytes(b"not a png")
+    files = farm(cache, "run", str(folder), "--backend", "openvino", "--precision",
+                 f"int8+f32={margin}", "--own-farm", "--out", str(tmp_path / "files.csv"))  # fmt: skip
+    assert files.returncode == 1 and "120.png: not an image file" in files.stderr  # alone
+    found = re.search(r"cascade: ([\d,]+) images? \([\d.]+% of 120\)", files.stdout)
+    assert found is not None, files.stdout
+    assert abs(int(found[1]) - int(in_doubt(fast[:120], margin).sum())) <= 3
 
     unknown = farm(cache, "run", "--precision", "int8+f32=x", "--quiet")
     assert unknown.returncode == 2 and "a cascade's margin is a number >= 0" in unknown.stderr

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from farm.engines import cascade, gate, quantize
-from farm.engines.autoselect import load_chosen, load_engine
+from farm.engines.autoselect import load_chosen, load_engine, rerun_batch
 from farm.engines.cascade import CascadeEngine, changed, in_doubt, split_check, top_margins
 from farm.engines.engine import Engine
 from farm.wire.engines import EngineChoice
@@ -128,6 +128,8 @@ def test_a_job_s_cascade_loads_both_engines_with_its_margin(lenet, blank_int8) -
     engine = load_chosen(lenet, choice, 16, "cpu", 1)
     explicit = load_chosen(lenet, EngineChoice.parse("onnxruntime", "int8+f32=0.5"), 16, "cpu", 1)
     assert isinstance(explicit, CascadeEngine) and explicit.margin == 0.5
+    assert explicit.exact.batch == rerun_batch(explicit.fast.batch) == 16  # fast: 16
+    assert [rerun_batch(batch) for batch in (4, 64, 1024)] == [4, 16, 256]
     assert explicit.describe().startswith("onnxruntime int8+f32")
     if isinstance(engine, CascadeEngine):  # a CPU with VNNI or AMX runs the gated int8
         assert engine.margin == 0.25 and engine.exact.precision == "f32"
@@ -195,3 +197,27 @@ def test_the_gate_fits_and_times_each_cascade(lenet, validation) -> None:
     checked = both.agreement * 300 + both.missed
     assert checked == pytest.approx(300)
     assert both.difference < int8.difference
+
+
+def test_spot_checks_compare_a_cascade_s_answers_as_its_fast_precision_s() -> None:
+    from farm.broker.verify import engine_precision
+
+    assert engine_precision("openvino bf16+f32 batch 64") == "bf16"
+    assert engine_precision("onnxruntime int8+f32 batch 16 + torch f32 batch 8") == "int8"
+    assert engine_precision("openvino f32 batch 64") == engine_precision("") == "f32"
+
+
+def test_remembered_verdicts_keep_each_cascade_s_margin(tmp_path) -> None:
+    from dataclasses import asdict
+
+    from farm.engines.autoselect import remember_file
+
+    verdicts = [
+        gate.Verdict("bf16", 300, 0.97, 0.01, 1.9),
+        cascade_verdict("bf16+f32", 1.0, 1.7, 0.41),
+    ]
+    judged = gate.Gate("net", "d", 300, "openvino", verdicts)
+    remember_file(tmp_path / "gate.json", {**asdict(judged), "cached": True})
+    again = gate.remembered(tmp_path / "gate.json")
+    assert again is not None and again.cached and again.verdicts == verdicts
+    assert again.precision == "openvino:bf16+f32=0.41,f32"

@@ -121,6 +121,7 @@ NAN_ROWS = np.full((3, 10), np.nan, np.float32)
         ({"start": 1, "count": 2}, None, "answers items 1+2, not 0+3", False),
         ({"timings": {"receive": 0.1}}, None, "no compute time", False),
         ({"timings": {"compute": -1.0}}, None, "compute time -1.0 is not a time", False),
+        ({"rerun": 4}, None, "4 items re-run in f32 and 0 failed, of 3", False),
         (
             {"item_shape": (7,)},
             np.zeros((3, 7), np.float32),
