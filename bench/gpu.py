@@ -299,11 +299,11 @@ def cascade_figures(
     again in f32, images/s of a whole run, agreement with f32 and the non-finite outputs
     the fast precision gave (an f16 overflow goes to f32)."""
     from farm.engines.autoselect import load_engine
-    from farm.engines.cascade import CascadeEngine, changed, split_check, top_margins
+    from farm.engines.cascade import CascadeEngine, changed, relative, split_check, top_margins
 
     exact = load_engine(find(model), engine.backend, engine.batch, device, threads, "f32")
     fast_out, exact_out = engine.run(images), exact.run(images)
-    margin, splits = split_check(fast_out, exact_out)
+    margin, splits = split_check(fast_out, exact_out, relative(engine.precision))
     cascade = CascadeEngine(engine, exact, margin, f"{engine.precision}+f32")
     cascade.run(images[: engine.batch])
     started = time.perf_counter()

@@ -51,7 +51,7 @@ from farm.benchsuite.common import cpu_line, machine, saved, shared_squeezenet
 from farm.benchsuite.photos import crops
 from farm.engines import gate, quantize
 from farm.engines.autoselect import load_engine
-from farm.engines.cascade import CascadeEngine, changed, split_check
+from farm.engines.cascade import CascadeEngine, changed, relative, split_check
 from farm.engines.engine import Engine
 from farm.engines.tolerances import relative_difference
 from farm.modelrepo.repository import ModelSpec, find, load_spec, prepare
@@ -164,7 +164,7 @@ def cascade_rows(
         if precision == "f32":
             continue
         exact = engines[f"{backend} f32"]
-        margin, _ = split_check(outputs[label], outputs[f"{backend} f32"])
+        margin, _ = split_check(outputs[label], outputs[f"{backend} f32"], relative(precision))
         engine = CascadeEngine(fast, exact, margin, f"{precision}+f32")
         reference = flat(exact.run(held_out))
         answered = flat(engine.run(held_out))

@@ -47,7 +47,7 @@ import numpy as np
 from farm import defaults
 from farm.engines import quantize
 from farm.engines.autoselect import device_key, remember_file, time_batches, versions
-from farm.engines.cascade import in_doubt, split_check
+from farm.engines.cascade import in_doubt, relative, split_check
 from farm.engines.cpu import fast_int8, precision_flags
 from farm.engines.engine import AUTO, Engine, engine_class
 from farm.engines.tolerances import relative_difference
@@ -408,9 +408,10 @@ def fit_cascade(
     """A cascade's verdict from its fast precision's outputs: the margin fitted on each
     half and checked on the other, the larger kept (``cascade.split_check``); its
     agreement counts the changed images the halves' margins missed.  The margin."""
-    margin, splits = split_check(outputs, reference)
+    scaled = relative(verdict.precision)
+    margin, splits = split_check(outputs, reference, scaled)
     margin = float(f"{margin:.6g}")  # as the job's text carries it
-    doubtful = in_doubt(outputs, margin)
+    doubtful = in_doubt(outputs, margin, scaled)
     answered = np.where(doubtful[:, np.newaxis], reference, outputs)
     verdict.margin, verdict.rerun = margin, round(float(doubtful.mean()), 4)
     verdict.missed = sum(split.missed for split in splits)

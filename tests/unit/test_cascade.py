@@ -52,6 +52,11 @@ def test_margins_are_the_gap_between_the_two_highest_scores() -> None:
     assert np.isnan(margins[2:]).all()
     assert in_doubt(outputs, 0.4).tolist() == [False, True, True, True]
     assert in_doubt(outputs, 0.5).tolist() == [True, True, True, True]
+    # bf16 and f16 round relative to a value's size: their margin is relative to the top-1
+    scaled = np.array([[10.0, 9.0, 0.0], [1.0, 0.95, 0.0], [-2.0, -3.0, -4.0]])
+    assert top_margins(scaled, relative=True) == pytest.approx([0.1, 0.05, 1 / 3])
+    assert cascade.relative("bf16+f32") and cascade.relative("f16")
+    assert not cascade.relative("int8+f32")
 
 
 def test_each_half_s_margin_catches_every_changed_answer_of_its_half(
