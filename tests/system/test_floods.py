@@ -20,6 +20,7 @@ import numpy as np
 import zmq
 from hypothesis import example, given
 from hypothesis import strategies as st
+from zmq.utils.monitor import recv_monitor_message
 
 from farm.ops.local import LocalFarm, cores, farm_command
 from farm.wire import messages, protocol
@@ -154,12 +155,22 @@ def bugs(log: Path, tally: Tally) -> list[str]:
 
 class WorkerFuzzer:
     """A ROUTER acting as the broker of one real worker process: it sends the worker garbage
-    with real TASKs among it, answers its heartbeats and FETCHes, and follows it if it
-    reconnects under a new identity."""
+    with real TASKs among it, answers its heartbeats and FETCHes, and follows it when it
+    reconnects (each connection has an identity of its own).
 
-    def __init__(self, log: Path, images: np.ndarray, expected: np.ndarray) -> None:
+    The ROUTER reads its connections in turn, not in the order they opened: after several
+    reconnections the READY read last may come from a connection closed since.  So every
+    connection that registered is remembered, and those known closed (a goodbye, a send
+    refused), and what is sent goes to the newest of the others."""
+
+    def __init__(
+        self, log: Path, images: np.ndarray, expected: np.ndarray, heartbeat: float = 1.0
+    ) -> None:
         self.images, self.expected = images, expected
+        self.heartbeat = heartbeat  # the worker's interval, and the one this broker announces
         self.real_job, self.real_tasks = f"real-{uuid.uuid4().hex}", 0
+        self.awaited: list[bytes] | None = None  # the real TASK whose RESULT is awaited ...
+        self.awaited_on = b""  # ... and the connection it went to
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -178,11 +189,14 @@ class WorkerFuzzer:
                     f"tcp://127.0.0.1:{port}",
                     "--model",
                     "lenet",
+                    "--heartbeat",
+                    str(heartbeat),
                 ),
                 stderr=stderr,
             )
-        self.identity = b""
-        self.reconnects = -1  # the first READY is the connection, not a reconnect
+        self.identity = b""  # the connection sent to: the newest registered, as far as known
+        self.registered: list[bytes] = []  # connections that sent READY, in the order read
+        self.gone: set[bytes] = set()  # connections that said goodbye or refused a send
         self.tally = Tally()
         try:
             self.receive(lambda message: message.command is Command.READY)
@@ -193,6 +207,13 @@ class WorkerFuzzer:
     def fuzz(self, item: Garbage) -> None:
         self.tally.count(item, item.frames, WORKER_ACCEPTS)
         self.send(item.frames)
+
+    def send_task(self, start: int, count: int) -> None:
+        """Send a real TASK; it goes again if its connection closes before answering (the
+        worker reconnected: a broker requeues what a lost connection held)."""
+        task = self.real_task(start, count)
+        self.send(task)
+        self.awaited, self.awaited_on = task, self.identity
 
     def real_task(self, start: int, count: int) -> list[bytes]:
         """A valid TASK for images ``start..``: a LeNet chunk as the broker would send it."""
@@ -215,15 +236,8 @@ class WorkerFuzzer:
 
     def check_result(self, start: int, count: int) -> None:
         """The last real TASK came back, exact."""
-        # a worker that reconnected (a liveness lapse on a loaded machine) offers its last
-        # results again, marked kept: they answer earlier TASKs
-        reply = self.receive(
-            lambda m: (
-                m.command in (Command.RESULT, Command.FAILED)
-                and m.header.job == self.real_job
-                and not (m.command is Command.RESULT and m.header.kept)
-            )
-        )
+        reply = self.receive(self.answers_task)
+        self.awaited = None
         assert reply.command is Command.RESULT, f"a real TASK failed: {reply.header}"
         assert (reply.header.chunk, reply.header.start, reply.header.count) == (
             self.real_tasks,
@@ -234,17 +248,45 @@ class WorkerFuzzer:
             reply.array("float32", (10,)), self.expected[start : start + count], atol=1e-5
         )
 
+    def answers_task(self, message: protocol.Message) -> bool:
+        """Whether a message answers the last real TASK: a worker that reconnected offers its
+        last results again, marked kept, and a TASK sent again may be answered twice (the
+        answer to an earlier one is late)."""
+        header: Any = message.header  # a RESULT's or a FAILED's, when it counts
+        return (
+            message.command in (Command.RESULT, Command.FAILED)
+            and header.job == self.real_job
+            and header.chunk >= self.real_tasks
+            and not (message.command is Command.RESULT and header.kept)
+        )
+
+    @property
+    def reconnects(self) -> int:
+        """Connections the worker registered after its first."""
+        return len(self.registered) - 1
+
     def send(self, frames: Sequence[bytes]) -> None:
-        """Send to the worker; if it reconnected meanwhile, wait for its READY and resend."""
-        for _ in range(3):
+        """Send to the worker's newest connection; one found closed (the worker reconnected)
+        is left for the newest other, or the next to register."""
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        while True:
+            assert time.monotonic() < deadline, "the worker keeps reconnecting"
+            if self.identity in self.gone:
+                self.identity = self.newest_connection()
             try:
                 self.router.send_multipart([self.identity, *frames])
                 return
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
-                self.receive(lambda message: message.command is Command.READY)
-        raise AssertionError("the worker keeps reconnecting")
+                self.gone.add(self.identity)
+
+    def newest_connection(self) -> bytes:
+        """The connection registered last of those not known closed, waiting for a READY if
+        none is left."""
+        while not (live := [c for c in self.registered if c not in self.gone]):
+            self.receive(lambda message: message.command is Command.READY)
+        return live[-1]
 
     def receive(self, wanted) -> protocol.Message:
         """The worker's next message that ``wanted`` accepts, serving a broker's part meanwhile."""
@@ -253,31 +295,63 @@ class WorkerFuzzer:
             assert self.process.poll() is None, f"the worker exited ({self.process.returncode})"
             wait = int((deadline - time.monotonic()) * 1000)
             assert wait > 0 and self.router.poll(wait), "the worker did not answer"
-            identity, *frames = self.router.recv_multipart()
-            message = self.tally.reply(frames)
-            if message is None:
-                continue
-            if message.command is Command.READY and identity != self.identity:
-                self.identity, self.reconnects = identity, self.reconnects + 1
-            elif message.command is Command.HEARTBEAT:
-                self.answer(
-                    identity, protocol.encode(Command.HEARTBEAT, messages.Heartbeat(interval=1.0))
-                )
-            elif message.command is Command.FETCH:  # as a broker does for a model it lacks
-                self.answer(
-                    identity,
-                    protocol.encode(
-                        Command.MODEL,
-                        messages.Model(
-                            model=message.header.model,
-                            digest=message.header.digest,
-                            files=[],
-                            error="no such model",
-                        ),
-                    ),
-                )
-            if wanted(message):
+            message = self.handle(*self.router.recv_multipart())
+            if message is not None and wanted(message):
                 return message
+
+    def serve(self) -> None:
+        """Handle what the worker sent meanwhile, without waiting: between rounds, while
+        hypothesis draws the next, a broker still answers heartbeats (else the worker counts
+        it lost and reconnects)."""
+        while self.router.poll(0):
+            self.handle(*self.router.recv_multipart())
+
+    def handle(self, identity: bytes, *frames: bytes) -> protocol.Message | None:
+        """A broker's part for one message of the worker's (None: a malformed one): note a
+        connection that registers or says goodbye, answer a heartbeat or a FETCH."""
+        message = self.tally.reply(frames)
+        if message is None:
+            return None
+        if message.command is Command.READY and identity not in self.registered:
+            self.registered.append(identity)
+            self.identity = identity
+        elif message.command is Command.DISCONNECT:
+            self.gone.add(identity)
+            if self.awaited is not None and identity == self.awaited_on:
+                self.send(self.awaited)
+                self.awaited_on = self.identity
+        elif message.command is Command.HEARTBEAT and identity not in self.registered:
+            # one that never registered: a broker tells it to (membership.on_worker_heard)
+            self.answer(identity, protocol.encode(Command.DISCONNECT))
+        elif message.command is Command.HEARTBEAT:
+            heartbeat = messages.Heartbeat(interval=self.heartbeat)
+            self.answer(identity, protocol.encode(Command.HEARTBEAT, heartbeat))
+        elif message.command is Command.FETCH:  # as a broker does for a model it lacks
+            self.answer(
+                identity,
+                protocol.encode(
+                    Command.MODEL,
+                    messages.Model(
+                        model=message.header.model,
+                        digest=message.header.digest,
+                        files=[],
+                        error="no such model",
+                    ),
+                ),
+            )
+        return message
+
+    def await_reconnects(self, count: int) -> None:
+        """Say nothing until the worker has opened ``count`` new connections: a worker whose
+        broker is silent reconnects, again and again (each try waiting twice as long)."""
+        monitor = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        try:
+            for _ in range(count):
+                assert monitor.poll(int(REPLY_TIMEOUT * 1000)), "the worker did not reconnect"
+                recv_monitor_message(monitor)
+        finally:
+            self.router.disable_monitor()
+            monitor.close(linger=0)
 
     def answer(self, identity: bytes, frames: list[bytes]) -> None:
         """Answer a message, unless its connection is gone (the worker reconnected since it
@@ -406,6 +480,7 @@ def test_worker_keeps_serving_through_a_flood_of_malformed_messages(
         @example(batch=corpus("worker"), position=0.5, items=(0, 10))
         def fuzz_round(batch: list[Garbage], position: float, items: tuple[int, int]) -> None:
             """The batch with one real TASK among it; its RESULT must be exact."""
+            fuzzer.serve()  # what came while hypothesis drew this round
             if fuzzer.tally.malformed >= TARGET:
                 return
             fuzzer.tally.batches += 1
@@ -413,14 +488,14 @@ def test_worker_keeps_serving_through_a_flood_of_malformed_messages(
             at = int(position * len(batch))
             for item in batch[:at]:
                 fuzzer.fuzz(item)
-            fuzzer.send(fuzzer.real_task(start, count))
+            fuzzer.send_task(start, count)
             for item in batch[at:]:
                 fuzzer.fuzz(item)
             fuzzer.check_result(start, count)
             fuzzer.tally.note_rss(fuzzer.process.pid, "worker")
 
         seconds = fuzz_until_target(fuzz_round, fuzzer.tally)
-        fuzzer.send(fuzzer.real_task(0, 10))  # its RESULT comes after the worker read it all
+        fuzzer.send_task(0, 10)  # its RESULT comes after the worker read it all
         fuzzer.check_result(0, 10)
         tally = fuzzer.tally
         tally.rss_end = rss(fuzzer.process.pid, "worker")
@@ -436,6 +511,30 @@ def test_worker_keeps_serving_through_a_flood_of_malformed_messages(
         assert tally.rss_end - tally.rss_warm < RSS_GROWTH_LIMIT, tally.report("worker", seconds)
         problems = bugs(log, tally)
         assert not problems, "the worker:\n" + "\n".join(problems)
+    finally:
+        fuzzer.close()
+
+
+def test_worker_serves_again_after_reconnecting_through_a_silence(lenet, digits, tmp_path) -> None:
+    """A worker whose broker fell silent after a flood reconnects, again and again; once the
+    broker answers, its chunks are done over its newest connection, whatever was left
+    unread of its older ones (their READYs among it)."""
+    images = digits[:50, None]
+    # a short interval: a silence of 1 s is a lost broker, the third try comes 7 s after it
+    fuzzer = WorkerFuzzer(
+        tmp_path / "worker.log", images, reference_forward(lenet, images), heartbeat=0.2
+    )
+    try:
+        for item in corpus("worker"):
+            fuzzer.fuzz(item)
+        fuzzer.send_task(0, 10)
+        fuzzer.check_result(0, 10)
+        fuzzer.await_reconnects(3)
+        for start in range(0, 50, 10):
+            fuzzer.send_task(start, 10)
+            fuzzer.check_result(start, 10)
+        fuzzer.serve()  # the READYs not read yet
+        assert fuzzer.reconnects >= 3
     finally:
         fuzzer.close()
 
