@@ -125,7 +125,7 @@ def gated_precision(
         gate.refuse("int8", "the job's images are float32: int8 runs on uint8 images")
     for line in gate.lines():
         click.echo(line, err=True)
-    if fitted:
+    if fitted and precision is not None:
         return chosen_cascade(gate, precision)
     best = gate.passed
     summary = f"precision auto: {best[0].describe()}" if best else None

@@ -115,14 +115,13 @@ class CascadeEngine(Engine):
         super().__init__(fast.spec, fast.network, fast.batch, fast.device, fast.threads, name)
         self.fast, self.exact, self.margin = fast, exact, margin
         self.relative = relative(name)
-        self.backend = fast.backend
         self.calibration = fast.calibration
         self.output_shape = fast.output_shape
         self.allocated = fast.allocated
 
     def describe(self) -> str:
         """``openvino bf16+f32 batch 16``."""
-        return f"{self.backend} {self.precision} batch {self.batch}"
+        return f"{self.fast.backend} {self.precision} batch {self.batch}"
 
     def feed(self, images: np.ndarray) -> np.ndarray:
         return images  # each engine feeds itself
