@@ -393,6 +393,13 @@ def cascade_speedup(fast: float, rerun: float) -> float:
     return round(1 / (1 / fast + rerun), 3) if fast > 0 else 0.0
 
 
+def text_margin(margin: float) -> float:
+    """``margin`` to the 6 digits a job's text carries, rounded up, never down: a margin
+    rounded down would let the changed image that set it through."""
+    rounded = float(f"{margin:.6g}")
+    return rounded if rounded >= margin else float(f"{margin * (1 + 1e-5):.6g}")
+
+
 def judge_outputs(
     verdict: Verdict, outputs: np.ndarray, reference: np.ndarray, labels: np.ndarray | None
 ) -> None:
@@ -410,7 +417,7 @@ def fit_cascade(
     agreement counts the changed images the halves' margins missed.  The margin."""
     scaled = relative(verdict.precision)
     margin, splits = split_check(outputs, reference, scaled)
-    margin = float(f"{margin:.6g}")  # as the job's text carries it
+    margin = text_margin(margin)
     doubtful = in_doubt(outputs, margin, scaled)
     answered = np.where(doubtful[:, np.newaxis], reference, outputs)
     verdict.margin, verdict.rerun = margin, round(float(doubtful.mean()), 4)

@@ -104,7 +104,8 @@ def test_a_cascade_job_answers_as_f32_and_counts_its_reruns(
         cv2.imwrite(str(folder / f"{index:03d}.png"), digits[index])
     (folder / "120.png").write_bytes(b"not a png")
     files = farm(cache, "run", str(folder), "--backend", "openvino", "--precision",
-                 f"int8+f32={margin}", "--own-farm", "--out", str(tmp_path / "files.csv"))  # fmt: skip
+                 f"int8+f32={margin}", "--own-farm",
+                 "--out", str(tmp_path / "files.csv"))  # fmt: skip
     assert files.returncode == 1 and "120.png: not an image file" in files.stderr  # alone
     found = re.search(r"cascade: ([\d,]+) images? \([\d.]+% of 120\)", files.stdout)
     assert found is not None, files.stdout

@@ -59,6 +59,13 @@ def test_margins_are_the_gap_between_the_two_highest_scores() -> None:
     assert not cascade.relative("int8+f32")
 
 
+def test_a_margin_is_rounded_up_for_the_job_s_text() -> None:
+    for margin in (0.1234564, 0.1234566, 2.0, 0.0, 9.9999996e-3, 123456.51):
+        kept = gate.text_margin(margin)
+        assert kept >= margin and kept == float(f"{kept:.6g}")
+        assert kept - margin <= 2e-5 * max(margin, 1e-30)
+
+
 def test_each_half_s_margin_catches_every_changed_answer_of_its_half(
     blank_int8, f32, validation
 ) -> None:
