@@ -32,5 +32,11 @@ source "$root/bench/gpu-env.sh"
 farm_gpu_env "$root" || exit 2
 # a hard stop short of 10 minutes: SIGINT, on which bench/gpu.py writes what it has
 limit=${FARM_GPU_LIMIT:-565}
-timeout -s INT -k 30 "$limit" "$python" "$root/bench/gpu.py" "$out" "$@" 2>&1 \
-    | tee "$out/log.txt"
+: >"$out/log.txt"
+timeout -s INT -k 30 "$limit" "$python" "$root/bench/gpu.py" "$out" "$@" >>"$out/log.txt" 2>&1 &
+bench=$!
+# the log followed until the bench is gone, not until every writer closes it: a farm
+# process left behind in a session of its own, still holding the output, cannot keep
+# this script (or whoever reads its output) waiting
+tail -n +1 -f --pid="$bench" "$out/log.txt"
+wait "$bench"

@@ -44,7 +44,9 @@ def top_margins(outputs: np.ndarray, relative: bool = False) -> np.ndarray:
         top_two = np.partition(rows, -2, axis=1)[:, -2:]
         margins = top_two[:, 1] - top_two[:, 0]
         if relative:
-            margins /= np.maximum(np.abs(top_two).max(axis=1), np.finfo(np.float32).tiny)
+            scale = np.maximum(np.abs(top_two).max(axis=1), np.finfo(np.float32).tiny)
+            with np.errstate(invalid="ignore"):  # inf / inf: the row is not finite anyway
+                margins /= scale
     margins[~np.isfinite(rows).all(axis=1)] = np.nan
     return margins
 
