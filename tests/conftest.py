@@ -45,6 +45,15 @@ def isolated_cache(tmp_path_factory) -> None:
     os.environ["FARM_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("runtime"))
 
 
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A test's own $FARM_CACHE: int8 versions, verdicts and exports do not leak between
+    tests."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FARM_CACHE", str(cache))
+    return cache
+
+
 @pytest.fixture(scope="session")
 def lenet() -> ModelSpec:
     return find("lenet")

@@ -19,12 +19,8 @@ from farm.engines.onnx_export import cache_format, onnx_path
 from farm.modelrepo import sealed
 from farm.modelrepo.repository import ModelError, ModelSpec, load_spec, prepare
 
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch) -> Path:
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("FARM_CACHE", str(cache))
-    return cache
+#: each test its own $FARM_CACHE (``tests/conftest.py``)
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 @pytest.fixture

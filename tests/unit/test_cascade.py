@@ -8,8 +8,6 @@ tests hold on every CPU; ``int8_anywhere`` lets the gate try it where workers wo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgspec
 import numpy as np
 import pytest
@@ -20,12 +18,8 @@ from farm.engines.cascade import CascadeEngine, changed, in_doubt, split_check, 
 from farm.engines.engine import Engine
 from farm.wire.engines import EngineChoice
 
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch) -> Path:
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("FARM_CACHE", str(cache))
-    return cache
+#: each test its own $FARM_CACHE (``tests/conftest.py``)
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 @pytest.fixture(scope="module")

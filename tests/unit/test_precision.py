@@ -24,13 +24,8 @@ needs_int8 = pytest.mark.skipif(
     not fast_int8(), reason="this CPU has no VNNI or AMX: the gate does not try int8"
 )
 
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch) -> Path:
-    """Each test its own cache: int8 versions and verdicts do not leak between tests."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("FARM_CACHE", str(cache))
-    return cache
+#: each test its own $FARM_CACHE (``tests/conftest.py``)
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 @pytest.fixture(scope="module")
