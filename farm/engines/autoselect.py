@@ -565,13 +565,20 @@ def time_batches(
     """Images/s of ``engine.forward`` at each batch, on what ``Engine.feed`` makes of the
     images (after a warm-up forward unless the engine already ran that batch), spending
     about ``budget`` seconds; batches after one whose forward exceeds ``LONGEST_FORWARD``
-    are skipped."""
+    are skipped, and so are those from one that fails once a smaller batch ran: out of
+    memory, mostly (a GPU's memory holds batch 1024 of some nets, not of others)."""
     rates: dict[int, float] = {}
     share = budget / len(batches)
     for size in batches:
-        batch = engine.feed(np.resize(images, (size, *images.shape[1:])))
-        if warm_up:
-            engine.forward(batch)
+        try:
+            batch = engine.feed(np.resize(images, (size, *images.shape[1:])))
+            if warm_up:
+                engine.forward(batch)
+        except Exception as exc:
+            if not rates:
+                raise
+            log.warning("batch %d left out on %s: %s", size, engine.describe(), exc)
+            break
         runs, started = 0, time.perf_counter()
         while True:
             engine.forward(batch)

@@ -5,6 +5,12 @@ worker reports the device seconds a trace's GPU busy share is made of."""
 
 from __future__ import annotations
 
+import gc
+import json
+import subprocess
+import sys
+import weakref
+
 import numpy as np
 import pytest
 
@@ -24,6 +30,49 @@ def test_preprocessing_on_the_device_equals_caffes_transformer(model) -> None:
     images = make_images(model, 6)
     on_device = DeviceTransform.on(engine.transform, "cpu")(torch.from_numpy(images))
     assert np.array_equal(on_device.contiguous().numpy(), engine.transform(images))
+
+
+def test_a_dropped_engine_is_freed_at_once_not_by_the_collector(lenet, digits) -> None:
+    """On a GPU an engine holds its weights and pinned buffers: they must go with its last
+    reference (autoselect drops each engine it timed), not wait for a cycle collection."""
+    engine = load_engine(lenet, "torch", batch=8, threads=1)
+    engine.run(np.resize(digits[:, None], (9, 1, *digits.shape[1:])))
+    weights = weakref.ref(next(engine.module.parameters()))
+    gc.disable()
+    try:
+        del engine
+        assert weights() is None
+    finally:
+        gc.enable()
+
+
+OUT_OF_MEMORY = """
+import json, resource
+from farm.benchsuite.setups import make_images
+from farm.engines.autoselect import load_engine, time_batches
+from farm.modelrepo.repository import find
+
+engine = load_engine(find("lenet"), "torch", batch=16, threads=1)
+images = make_images("lenet", 16)
+time_batches(engine, images, (16,), budget=0.01)  # torch and the engine's buffers loaded
+with open("/proc/self/status") as handle:
+    size = next(int(line.split()[1]) for line in handle if line.startswith("VmSize:"))
+room = (size + 256 * 1024) * 1024  # 256 MiB more: batch 8192 needs 377 MB for conv1
+resource.setrlimit(resource.RLIMIT_AS, (room, room))
+print(json.dumps(time_batches(engine, images, (16, 8192), budget=0.1)))
+"""
+
+
+def test_a_batch_the_memory_cannot_hold_is_left_out_of_the_timing() -> None:
+    """A real out of memory (an address-space limit) at the larger batch, as a GPU's memory
+    may not hold batch 1024: the smaller batch's rate stands and the worker can start."""
+    done = subprocess.run(
+        [sys.executable, "-c", OUT_OF_MEMORY], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rates = json.loads(done.stdout.splitlines()[-1])
+    assert list(rates) == ["16"] and rates["16"] > 0
+    assert "batch 8192 left out on torch" in done.stderr and "allocate" in done.stderr
 
 
 @pytest.mark.parametrize("count", [1, 7, 64, 129])

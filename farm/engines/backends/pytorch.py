@@ -10,6 +10,7 @@ before the import (``prepare_process``) and calls ``torch.set_num_threads``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -267,8 +268,13 @@ class TorchEngine(Engine):
         if on_gpu:
             module = module.to(memory_format=torch.channels_last)
         self.module = module
+        # the feeder gets the module, not a bound method: a bound method would tie it back to
+        # this engine, and a dropped engine's GPU weights would then wait for the collector
         self.feeder = Feeder(
-            self.call, DeviceTransform.on(self.transform, self.device), self.device, self.dtype
+            partial(module, until=self.spec.output),
+            DeviceTransform.on(self.transform, self.device),
+            self.device,
+            self.dtype,
         )
 
     def call(self, batch: Any) -> Any:
