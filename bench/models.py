@@ -30,6 +30,7 @@ from farm.engines.engine import available_backends, limit_threads
 from farm.engines.modelcheck import check_inputs
 from farm.modelrepo.repository import available, find, prepare
 from farm.ops.local import LocalFarm, cores
+from farm.workers.config import Device
 
 #: The public nets (prototxts from their original repositories, seeded weights).
 NETS = Path(__file__).with_name("nets")
@@ -155,7 +156,7 @@ def main() -> None:
     if args.child:
         return print(json.dumps(child(args.child)))
     gpu = args.device.startswith("gpu")
-    engine_device = "cuda:" + args.device.partition(":")[2] if gpu else "cpu"
+    engine_device = Device.parse(args.device).engine_device if gpu else "cpu"
     worker_device = args.device if gpu else f"cpu:{cores()[-1]}"
     backends = (
         ["torch"] if gpu else [b for b, problem in available_backends().items() if problem is None]
