@@ -82,6 +82,8 @@ SMALL = ("lenet", "cifar10_quick")
 SWEEP_IMAGES_SMALL = 100_000
 #: Seconds of work the other jobs are sized for, at the speeds step 1 measured.
 STANDALONE_SECONDS, SWEEP_SECONDS, TABLE2_SECONDS = 1.0, 4.0, 1.0
+#: What --quick (a smoke run) sizes them and Table 2's most chunks for: a quarter.
+QUICK_SHARE = 0.25
 #: Table 2's chunk sizes, and the longest one chunk may take there.
 TABLE2_SIZES = (1, 10, 100, 1000, 10_000)
 MAX_CHUNK_SECONDS = 5.0
@@ -394,6 +396,12 @@ def sized(rate: float, seconds: float, least: int, most: int) -> int:
     return int(min(most, max(least, rate * seconds)))
 
 
+def time_share(args: argparse.Namespace) -> float:
+    """The share of its usual seconds each measurement is sized for: ``QUICK_SHARE`` in a
+    smoke run (--quick), else all."""
+    return QUICK_SHARE if args.quick else 1.0
+
+
 # ---- step 2: standalone speeds --------------------------------------------------------------
 
 
@@ -407,7 +415,7 @@ def standalone(
         for device, farm in zip(devices, farms):
             clock.check(f"{model}: {device} alone")
             kind = "gpu" if device == layout.gpu else "cpu"
-            count = sized(run.rates[kind], STANDALONE_SECONDS, 16, 200_000)
+            count = sized(run.rates[kind], STANDALONE_SECONDS * time_share(args), 16, 200_000)
             chunk = Configuration("fifo", {"chunk": max(1, count // 4)})
             images = make_images(model, count)
             with farm.client(timeout=JOB_TIMEOUT) as client:
@@ -435,7 +443,9 @@ def sweep(
     """Every policy at the paper's values on the whole farm, each job traced."""
     small = model in SMALL
     count = args.images or (
-        SWEEP_IMAGES_SMALL if small else sized(run.theoretical, SWEEP_SECONDS, 2000, 50_000)
+        SWEEP_IMAGES_SMALL
+        if small
+        else sized(run.theoretical, SWEEP_SECONDS * time_share(args), 2000, 50_000)
     )
     configs = paper_configurations(args.quick or not small)
     images = make_images(model, count)
@@ -514,7 +524,8 @@ def peers(
     layout: Layout, model: str, run: ModelRun, args: argparse.Namespace, clock: Clock
 ) -> None:
     """torch alone on the GPU; ONNX Runtime and OpenCV on every core, in one process each."""
-    count = sized(run.standalone[layout.gpu], 2 * STANDALONE_SECONDS, 256, 200_000)
+    seconds = 2 * STANDALONE_SECONDS * time_share(args)
+    count = sized(run.standalone[layout.gpu], seconds, 256, 200_000)
     run.peers.append(
         in_fresh_process(
             alone,
@@ -530,7 +541,7 @@ def peers(
     )
     every = (*layout.cpus, layout.feeder)
     cpu_total = sum(v for d, v in run.standalone.items() if d != layout.gpu)
-    count = sized(cpu_total, 2 * STANDALONE_SECONDS, 64, 100_000)
+    count = sized(cpu_total, seconds, 64, 100_000)
     for backend in ("onnxruntime", "opencv"):
         clock.check(f"{model}: {backend} on every core")
         run.peers.append(
@@ -641,8 +652,9 @@ def table2(
                     elif clock.left() < STEP_FLOOR:
                         row["note"] = "out of time: not run"
                     else:
-                        most = min(100_000, size * MAX_TABLE2_CHUNKS)
-                        count = sized(rate, TABLE2_SECONDS, size, most) // size * size
+                        most = min(100_000, size * int(MAX_TABLE2_CHUNKS * time_share(args)))
+                        seconds = TABLE2_SECONDS * time_share(args)
+                        count = sized(rate, seconds, size, most) // size * size
                         result = timed_job(
                             client,
                             make_images(model, count),
@@ -1018,7 +1030,12 @@ def main() -> None:
         type=int,
         help="CPU workers [default: every core but the one feeding the GPU]",
     )
-    parser.add_argument("--quick", action="store_true", help="one value per policy")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a smoke run: one value per policy, each job sized for {QUICK_SHARE:g} of its "
+        "seconds",
+    )
     parser.add_argument(
         "--budget",
         type=float,
