@@ -75,6 +75,21 @@ def test_a_batch_the_memory_cannot_hold_is_left_out_of_the_timing() -> None:
     assert "batch 8192 left out on torch" in done.stderr and "allocate" in done.stderr
 
 
+def test_host_buffers_are_page_locked_or_pageable_where_locking_is_refused(lenet, caplog) -> None:
+    """A host without CUDA refuses page-locked memory, as a sandboxed GPU host may: the
+    buffer is then pageable, of the shape and type asked, and the refusal is said once."""
+    engine = load_engine(lenet, "torch", batch=8, threads=1)
+    feeder = engine.feeder
+    first = feeder.buffer("in", np.dtype(np.uint8), (8, 1, 28, 28), 0)
+    second = feeder.buffer("out", np.dtype(np.float32), (8, 10), 0)
+    assert (first.shape, first.dtype, second.dtype) == ((8, 1, 28, 28), torch.uint8, torch.float32)
+    assert feeder.buffer("in", np.dtype(np.uint8), (8, 1, 28, 28), 0) is first  # kept
+    locks = torch.cuda.is_available()
+    assert feeder.pinned is locks and first.is_pinned() is locks and second.is_pinned() is locks
+    refusals = [r for r in caplog.records if "no page-locked host memory" in r.getMessage()]
+    assert len(refusals) == (0 if locks else 1)
+
+
 @pytest.mark.parametrize("count", [1, 7, 64, 129])
 def test_the_pipeline_returns_every_batch_in_order(lenet, digits, count) -> None:
     batch = 16  # 129 images: 9 batches, more than DEPTH in flight, and a short last one

@@ -25,6 +25,7 @@ CPU torch worker runs them, and so does the tests' stand-in for a GPU worker.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections import deque
@@ -36,6 +37,8 @@ import numpy as np
 
 from farm.engines.engine import RunStats, Stopped
 from farm.engines.preprocess import Transformer
+
+log = logging.getLogger("farm.engines.torchfeed")
 
 # a chunk's pixels arrive in read-only message frames; torch only reads them
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -152,6 +155,9 @@ class Feeder:
     pending: deque[Launched] = field(default_factory=deque)
     launches: int = 0  # batches launched so far: a batch's staging slot
     ahead: Pass | None = None  # a chunk launched before its ``run``
+    #: Whether host buffers are page-locked: False once the host refused (a sandbox may),
+    #: and copies then go through pageable memory, slower but the same bytes.
+    pinned: bool = True
 
     def __post_init__(self) -> None:
         import torch
@@ -336,11 +342,19 @@ class Feeder:
         found = self.staging.get(key)
         if found is not None and found[1] == (dtype, shape):
             return found[0]
-        tensor = self.torch.empty(
-            shape, dtype=self.torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True
-        )
+        tensor = self.host_tensor(shape, self.torch.from_numpy(np.empty(0, dtype)).dtype)
         self.staging[key] = [tensor, (dtype, shape)]
         return tensor
+
+    def host_tensor(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A page-locked host tensor, or a pageable one where the host refuses to lock."""
+        if self.pinned:
+            try:
+                return self.torch.empty(shape, dtype=dtype, pin_memory=True)
+            except RuntimeError as exc:
+                self.pinned = False
+                log.warning("no page-locked host memory (%s): copies go through pageable", exc)
+        return self.torch.empty(shape, dtype=dtype)
 
     def release(self) -> None:
         """Drop the pinned buffers (the engine rests; nothing is in flight)."""
