@@ -205,7 +205,7 @@ def engines(
         ),
         ("cpu", "cpu", 1, "auto", ("f32",), layout.cpus[0]),
     ):
-        clock.check(f"{model}: {kind} engine")
+        clock.check(f"{model}: engines: the {kind} engine")
         rows = in_fresh_process(engine_choices, model, device, threads, backend, precisions, core)
         for row in rows:
             row["kind"] = kind
@@ -413,7 +413,7 @@ def standalone(
     farms = [farm_for(layout, [device], model, run) for device in devices]
     with started(farms):
         for device, farm in zip(devices, farms):
-            clock.check(f"{model}: {device} alone")
+            clock.check(f"{model}: standalone speeds: {device} alone")
             kind = "gpu" if device == layout.gpu else "cpu"
             count = sized(run.rates[kind], STANDALONE_SECONDS * time_share(args), 16, 200_000)
             chunk = Configuration("fifo", {"chunk": max(1, count // 4)})
@@ -462,7 +462,7 @@ def sweep(
         best_rate = 0.0
         for config in configs:
             clock.check(
-                f"{model}: {config.label} and the policies after it",
+                f"{model}: policies: {config.label} and those after it",
                 STEP_FLOOR + 1.5 * expected_seconds(config, count, run),
             )
             before = cpu_seconds(gpu_process.pid)
@@ -543,7 +543,7 @@ def peers(
     cpu_total = sum(v for d, v in run.standalone.items() if d != layout.gpu)
     count = sized(cpu_total, seconds, 64, 100_000)
     for backend in ("onnxruntime", "opencv"):
-        clock.check(f"{model}: {backend} on every core")
+        clock.check(f"{model}: peers: {backend} on every core")
         run.peers.append(
             in_fresh_process(
                 alone,
