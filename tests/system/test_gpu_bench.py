@@ -31,7 +31,8 @@ SCRIPT = ROOT / "bench" / "gpu.sh"
 ONE_CALL = ROOT / "bench" / "gpu-run.sh"
 #: What the GPU machine gives back: files directly under $OUT, bytes each, characters.
 MOST_FILES, MOST_BYTES, MOST_OUTPUT = 8, 16 * 2**20, 12_000
-DRY_RUN = ("--stand-in", "--smoke-models", "lenet", "--images", "3000", "--quick")
+DRY_BENCH = ("--stand-in", "--images", "3000", "--quick")  # bench/gpu.sh's dry run
+DRY_RUN = (*DRY_BENCH, "--smoke-models", "lenet")  # bench/gpu-run.sh's: a smoke on LeNet first
 
 pytestmark = [
     pytest.mark.skipif(len(cores()) < 2, reason="a CPU worker and the stand-in need two cores"),
@@ -167,10 +168,11 @@ def test_a_budget_too_small_for_the_second_model(tmp_path) -> None:
     gpu = bench_script("gpu")
     budget = round(gpu.MODEL_FLOOR + 10)  # LeNet starts: the bench starts within 10 s
     assert budget < gpu.LARGE_MODEL_FLOOR
-    done = one_call(tmp_path, *DRY_RUN, "--models", "lenet,googlenet", "--budget", str(budget))
-    assert done.returncode == 0, done.output[-3000:]
-    assert "googlenet: not started" in done.output  # in the summary printed
-    results = json.loads((done.results / "results.json").read_text())
+    out = tmp_path / "out"
+    done = run_script(str(out), *DRY_BENCH, "--models", "lenet,googlenet", "--budget", str(budget))
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "googlenet: not started" in done.stdout  # in the summary printed
+    results = json.loads((out / "results.json").read_text())
     (lenet,) = results["models"]
     assert lenet["model"] == "lenet" and lenet["engines"] and lenet["batches"]
     assert any(note.startswith("googlenet: not started") for note in results["skipped"])
@@ -349,12 +351,9 @@ def test_at_the_time_limit_it_writes_what_it_has(dry_run, tmp_path) -> None:
             "bash",
             str(SCRIPT),
             str(out),
-            "--stand-in",
+            *DRY_BENCH,
             "--models",
             "lenet,cifar10_quick",
-            "--images",
-            "3000",
-            "--quick",
         ],
         capture_output=True,
         text=True,
