@@ -24,7 +24,7 @@ from farm.benchsuite.measure import paper_configurations
 from farm.benchsuite.setups import describe_machine
 from farm.client.trace import Trace, idle_share
 from farm.ops.local import cores
-from tests.conftest import BENCH, bench_script
+from tests.conftest import BENCH, LIMIT_ADDRESS_SPACE, bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu.sh"
@@ -228,22 +228,23 @@ def test_stopped_it_packs_what_it_has_and_leaves_no_process(tmp_path) -> None:
     assert "process(es) this run left behind" in "".join(lines)
 
 
-OUT_OF_MEMORY = textwrap.dedent(
-    """
-    import json, resource, sys
-    sys.path.insert(0, sys.argv[1])
-    import gpu
-    from farm.benchsuite.setups import make_images
+OUT_OF_MEMORY = (
+    textwrap.dedent(
+        """
+        import json, sys
+        sys.path.insert(0, sys.argv[1])
+        import gpu
+        from farm.benchsuite.setups import make_images
 
-    core = int(sys.argv[2])
-    gpu.batch_rate("lenet", "torch", "cpu", 1, 16, make_images("lenet", 16))  # torch loaded
-    with open("/proc/self/status") as handle:
-        size = next(int(line.split()[1]) for line in handle if line.startswith("VmSize:"))
-    room = (size + 256 * 1024) * 1024  # 256 MiB more: batch 8192 needs 377 MB for conv1
-    resource.setrlimit(resource.RLIMIT_AS, (room, room))
-    row = gpu.alone("lenet", "torch", "cpu", 1, (16, 8192), 8192, (core,), "torch, GPU alone")
-    print(json.dumps(row))
-    """
+        core = int(sys.argv[2])
+        gpu.batch_rate("lenet", "torch", "cpu", 1, 16, make_images("lenet", 16))  # torch loaded
+        """
+    )
+    + LIMIT_ADDRESS_SPACE
+    + """
+row = gpu.alone("lenet", "torch", "cpu", 1, (16, 8192), 8192, (core,), "torch, GPU alone")
+print(json.dumps(row))
+"""
 )
 
 

@@ -18,6 +18,7 @@ from farm.benchsuite.setups import make_images
 from farm.engines.autoselect import load_engine
 from farm.engines.engine import Stopped
 from farm.modelrepo.repository import find
+from tests.conftest import LIMIT_ADDRESS_SPACE
 
 torch = pytest.importorskip("torch")
 
@@ -46,8 +47,9 @@ def test_a_dropped_engine_is_freed_at_once_not_by_the_collector(lenet, digits) -
         gc.enable()
 
 
-OUT_OF_MEMORY = """
-import json, resource
+OUT_OF_MEMORY = (
+    """
+import json
 from farm.benchsuite.setups import make_images
 from farm.engines.autoselect import load_engine, time_batches
 from farm.modelrepo.repository import find
@@ -55,12 +57,12 @@ from farm.modelrepo.repository import find
 engine = load_engine(find("lenet"), "torch", batch=16, threads=1)
 images = make_images("lenet", 16)
 time_batches(engine, images, (16,), budget=0.01)  # torch and the engine's buffers loaded
-with open("/proc/self/status") as handle:
-    size = next(int(line.split()[1]) for line in handle if line.startswith("VmSize:"))
-room = (size + 256 * 1024) * 1024  # 256 MiB more: batch 8192 needs 377 MB for conv1
-resource.setrlimit(resource.RLIMIT_AS, (room, room))
+"""
+    + LIMIT_ADDRESS_SPACE
+    + """
 print(json.dumps(time_batches(engine, images, (16, 8192), budget=0.1)))
 """
+)
 
 
 def test_a_batch_the_memory_cannot_hold_is_left_out_of_the_timing() -> None:
